@@ -1,0 +1,128 @@
+"""The ``opd`` command line: ``demo``, ``train``, ``sft``, ``eval``, ``make-demo-models``.
+
+Every field of a command's config dataclass (:mod:`opd.config`) is an option of that command,
+and ``--config FILE`` (YAML or JSON) sets any of them; options given on the command line win.
+Errors a user can fix (bad paths, bad values, mismatched vocabularies) print one clear line and
+exit with status 2 instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+from pathlib import Path
+from typing import Any, Callable, List, Optional, get_type_hints
+
+import typer
+
+from opd.errors import UserError
+from opd.config import EvalConfig, SFTConfig, TrainConfig, build_config, read_config_file
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="opd: on-policy distillation of language models with teacher top-K local support matching.",
+)
+
+
+def _cli_type(hint: Any) -> Any:
+    if hint in (bool, Optional[bool]) or str(hint) == "bool | None":
+        return Optional[bool]
+    if hint is list or getattr(hint, "__origin__", None) is list:
+        return Optional[List[str]]
+    return Optional[hint]
+
+
+def config_command(name: str, cls: type, help: str) -> Callable[[Callable[[Any], None]], None]:
+    """Register ``run(cfg)`` as a command whose options are the fields of ``cls``."""
+
+    def register(run: Callable[[Any], None]) -> None:
+        hints = get_type_hints(cls)
+        params = [
+            inspect.Parameter(
+                "config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path],
+                default=typer.Option(None, "--config", help="YAML or JSON file of options (command-line options win)."),
+            )
+        ]
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            decl = f"{flag}/--no-{flag[2:]}" if hints[f.name] in (bool, Optional[bool]) else flag
+            params.append(inspect.Parameter(
+                f.name, inspect.Parameter.KEYWORD_ONLY, annotation=_cli_type(hints[f.name]),
+                default=typer.Option(None, decl, help=f.metadata.get("help", ""), show_default=False),
+            ))
+
+        def command(**kwargs: Any) -> None:
+            file_values = read_config_file(kwargs.pop("config")) if kwargs.get("config") else {}
+            kwargs.pop("config", None)
+            cli_values = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in kwargs.items() if v is not None}
+            run(build_config(cls, file_values, cli_values))
+
+        command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        command.__doc__ = help
+        app.command(name, help=help)(command)
+
+    return register
+
+
+@config_command("train", TrainConfig, "On-policy distillation of a student toward a teacher (default: LSM).")
+def _train(cfg: TrainConfig) -> None:
+    from opd.train import train
+
+    train(cfg)
+
+
+@config_command("sft", SFTConfig, "Supervised fine-tuning: make teachers and students, or an off-policy cold start.")
+def _sft(cfg: SFTConfig) -> None:
+    from opd.sft import sft
+
+    sft(cfg)
+
+
+@config_command("eval", EvalConfig, "Evaluate a model: greedy accuracy, avg@k, pass@k, gap recovery.")
+def _eval(cfg: EvalConfig) -> None:
+    from opd.evaluate import run_eval
+
+    run_eval(cfg)
+
+
+@app.command("demo")
+def _demo(
+    out: Path = typer.Option(Path("runs/demo"), help="Directory for the demo's run directories and summary.json."),
+    steps: int = typer.Option(200, help="OPD steps per objective."),
+    quick: bool = typer.Option(False, help="A much shorter run (smoke test, a minute or two)."),
+    assets: Optional[Path] = typer.Option(None, help="Directory of demo models (default: the packaged ones)."),
+) -> None:
+    """The embedded default: sampled-token OPD vs LSM from the same tiny student, on this CPU."""
+    from opd.demo import run_demo
+
+    run_demo(out=out, steps=steps, quick=quick, assets=assets)
+
+
+@app.command("make-demo-models")
+def _make_demo_models(
+    out: Path = typer.Option(..., help="Where to write tokenizer/, teacher/ and student/."),
+    quick: bool = typer.Option(False, help="A shortened version (for tests): far fewer steps."),
+    seed: int = typer.Option(0, help="Seed."),
+) -> None:
+    """Reproduce the packaged demo models: train the tokenizer, the teacher and the student."""
+    from opd.demo import make_demo_models
+
+    make_demo_models(out=out, quick=quick, seed=seed)
+
+
+def main() -> None:
+    """Entry point: friendly one-line errors for problems the user can fix."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own progress bars say more than "Writing model shards"
+    try:
+        app()
+    except UserError as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

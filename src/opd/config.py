@@ -1,0 +1,210 @@
+"""Typed run configurations: validated on construction, loadable from YAML/JSON, settable from the CLI.
+
+Each field carries its help text in ``metadata["help"]``; :mod:`opd.cli` turns every field into a
+command-line option, so a setting exists in exactly one place. Precedence, lowest first: the
+dataclass default, a ``--config`` file (YAML or JSON), then options given on the command line.
+The resolved configuration is written to ``config.json`` in every run directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar, get_type_hints
+
+import yaml
+
+from opd.errors import UserError
+from opd.losses import SUPPORT_KINDS
+
+C = TypeVar("C")
+
+OBJECTIVES = ("lsm", "sampled", "full_kl")
+DEFAULT_SPECIAL_TOKENS = ("<|im_end|>", "<think>", "</think>")
+
+
+def opt(default: Any, help: str, **kw: Any) -> Any:
+    """A dataclass field with help text (mutable defaults go through a factory)."""
+    if isinstance(default, (list, dict, tuple)):
+        value = default
+        return field(default_factory=lambda: type(value)(value), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+class ConfigError(UserError):
+    """A configuration value is invalid; the message names the field and the fix."""
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+@dataclass
+class ModelSource:
+    """Where a run's models and prompts come from (shared by train, sft and eval)."""
+
+    student: str = opt("", "Student model: a local Hugging Face causal-LM directory (from_pretrained).")
+    task: str = opt("arithmetic", "Prompt source: 'arithmetic' (built-in task) or a JSONL file with prompt/answer.")
+    task_level: int = opt(2, "Difficulty level of the built-in arithmetic task (1-4).")
+    seed: int = opt(0, "Seed for data order, sampling and initialisation.")
+    out: str = opt("runs/run", "Run directory (config.json, metrics.jsonl, rollouts.jsonl, checkpoints).")
+    dtype: str = opt("float32", "Model dtype: float32, bfloat16 or float16 (low precision needs a GPU to pay off).")
+    max_new_tokens: int = opt(64, "Maximum number of generated tokens per response.")
+    max_prompt_tokens: int = opt(256, "Prompts longer than this (in tokens) are rejected with an error.")
+
+    def _check_common(self) -> None:
+        _require(self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        _require(self.max_prompt_tokens >= 1, f"max_prompt_tokens={self.max_prompt_tokens} must be >= 1")
+        _require(1 <= self.task_level <= 4, f"task_level={self.task_level} must be 1, 2, 3 or 4")
+        _require(self.dtype in ("float32", "bfloat16", "float16"), f"dtype={self.dtype!r}: use float32, bfloat16 or float16")
+
+
+@dataclass
+class TrainConfig(ModelSource):
+    """On-policy distillation: the student samples, the teacher scores, the student moves toward it."""
+
+    teacher: str = opt("", "Teacher model directory (same vocabulary as the student).")
+    objective: str = opt("lsm", "Training signal: lsm (teacher top-K local support matching), sampled (sampled-token OPD), full_kl.")
+    k: int = opt(32, "Support size K for lsm (and the top-K of the diagnostics).")
+    support: str = opt("teacher_topk", f"Support set for lsm: {', '.join(SUPPORT_KINDS)}.")
+    renormalize: bool = opt(True, "Renormalize student and teacher over the support (lsm). Off is the collapsing ablation.")
+    gamma: float = opt(0.0, "Discount of the sampled-token reward-to-go: 0 token level, 1 sequence level.")
+    kl_direction: str = opt("reverse", "Direction of full_kl: reverse (KL(student||teacher)) or forward.")
+    mask_special: bool | None = opt(None, "Mask special tokens from the loss (default: on for lsm, off otherwise).")
+    special_tokens: list = opt(list(DEFAULT_SPECIAL_TOKENS), "Tokens masked when mask_special is on.")
+    steps: int = opt(200, "Number of rollout batches (training steps).")
+    batch_size: int = opt(64, "Prompts per step (one rollout each unless samples_per_prompt > 1).")
+    samples_per_prompt: int = opt(1, "Rollouts per prompt.")
+    grad_accum: int = opt(1, "Micro-batches per optimizer step; the batch is split evenly.")
+    updates_per_batch: int = opt(1, "Optimizer steps per rollout batch; > 1 uses importance ratios (sampled) and is off-policy.")
+    clip_eps: float = opt(0.2, "PPO clip for the importance ratio when updates_per_batch > 1.")
+    lr: float = opt(5e-4, "Peak learning rate (AdamW).")
+    weight_decay: float = opt(0.0, "AdamW weight decay.")
+    warmup_steps: int = opt(10, "Linear warm-up steps.")
+    schedule: str = opt("constant", "Learning-rate schedule after warm-up: constant, linear or cosine.")
+    max_grad_norm: float = opt(1.0, "Gradient clipping norm (0 disables).")
+    temperature: float = opt(1.0, "Rollout sampling temperature.")
+    top_p: float = opt(0.9, "Rollout nucleus (top-p) sampling, in (0, 1].")
+    reduction: str = opt("token_mean", "Loss reduction: token_mean, sequence_mean or constant_sum.")
+    eval_every: int = opt(50, "Evaluate every N steps (0: only at the end).")
+    eval_size: int = opt(200, "Number of test prompts for evaluation.")
+    eval_samples: int = opt(4, "Samples per prompt for avg@k / pass@k at evaluation (0: greedy only).")
+    ckpt_every: int = opt(50, "Checkpoint every N steps.")
+    log_rollouts: int = opt(4, "Rollouts per step written to rollouts.jsonl.")
+    diag_positions: int = opt(256, "Positions sampled per step for the full-vocabulary diagnostics.")
+    resume: bool = opt(False, "Resume from the latest checkpoint in the run directory.")
+    teacher_url: str = opt("", "Served teacher URL (later issue); empty: in-process teacher.")
+
+    def __post_init__(self) -> None:
+        self._check_common()
+        _require(self.objective in OBJECTIVES, f"objective={self.objective!r}: choose one of {', '.join(OBJECTIVES)}")
+        _require(self.support in SUPPORT_KINDS, f"support={self.support!r}: choose one of {', '.join(SUPPORT_KINDS)}")
+        _require(self.k >= 1, f"k={self.k} must be >= 1")
+        _require(0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must lie in (0, 1] (0.9 is the paper's setting)")
+        _require(self.temperature > 0, f"temperature={self.temperature} must be > 0")
+        _require(0.0 <= self.gamma <= 1.0, f"gamma={self.gamma} must lie in [0, 1]")
+        _require(self.kl_direction in ("reverse", "forward"), f"kl_direction={self.kl_direction!r}: reverse or forward")
+        _require(self.steps >= 1 and self.batch_size >= 1, "steps and batch_size must be >= 1")
+        _require(self.samples_per_prompt >= 1, "samples_per_prompt must be >= 1")
+        _require(self.grad_accum >= 1 and (self.batch_size * self.samples_per_prompt) % self.grad_accum == 0,
+                 f"grad_accum={self.grad_accum} must divide batch_size*samples_per_prompt={self.batch_size * self.samples_per_prompt}")
+        _require(self.updates_per_batch >= 1, "updates_per_batch must be >= 1")
+        _require(self.lr > 0, f"lr={self.lr} must be > 0")
+        _require(self.schedule in ("constant", "linear", "cosine"), f"schedule={self.schedule!r}: constant, linear or cosine")
+        _require(self.reduction in ("token_mean", "sequence_mean", "constant_sum"),
+                 f"reduction={self.reduction!r}: token_mean, sequence_mean or constant_sum")
+        _require(self.max_grad_norm >= 0, "max_grad_norm must be >= 0")
+        if self.mask_special is None:
+            self.mask_special = self.objective == "lsm"
+
+
+@dataclass
+class SFTConfig(ModelSource):
+    """Supervised fine-tuning on (prompt, solution) pairs: makes teachers/students, off-policy cold start."""
+
+    data: str = opt("", "JSONL with prompt and solution (or completion); empty: the task's own solutions.")
+    init: str = opt("", "Model to start from; empty with --arch builds a new model.")
+    arch: str = opt("", "New tiny model 'qwen2:LAYERS:WIDTH' (e.g. qwen2:4:256) when --init is empty.")
+    tokenizer: str = opt("", "Tokenizer directory for a new model (the demo trains one).")
+    teacher: str = opt("", "Sample the targets from this teacher model (off-policy cold start) instead of using solutions.")
+    steps: int = opt(2000, "Optimizer steps.")
+    batch_size: int = opt(64, "Examples per step.")
+    lr: float = opt(1e-3, "Peak learning rate (AdamW).")
+    warmup_steps: int = opt(100, "Linear warm-up steps.")
+    schedule: str = opt("cosine", "Learning-rate schedule: constant, linear or cosine.")
+    eval_every: int = opt(250, "Evaluate greedy accuracy every N steps (0: only at the end).")
+    eval_size: int = opt(200, "Test prompts for evaluation.")
+    patience: int = opt(0, "Stop after this many evaluations without improvement (0: never).")
+    max_grad_norm: float = opt(1.0, "Gradient clipping norm.")
+
+    def __post_init__(self) -> None:
+        self._check_common()
+        _require(self.steps >= 1 and self.batch_size >= 1, "steps and batch_size must be >= 1")
+        _require(bool(self.init) != bool(self.arch), "give exactly one of --init (a model directory) or --arch (qwen2:LAYERS:WIDTH)")
+        _require(self.schedule in ("constant", "linear", "cosine"), f"schedule={self.schedule!r}: constant, linear or cosine")
+
+
+@dataclass
+class EvalConfig(ModelSource):
+    """Accuracy, avg@k and pass@k of a model; gap recovery when the before/teacher accuracies are given."""
+
+    eval_size: int = opt(500, "Test prompts.")
+    samples: int = opt(8, "Samples per prompt for avg@k / pass@k (0: greedy only).")
+    temperature: float = opt(1.0, "Sampling temperature for avg@k.")
+    top_p: float = opt(1.0, "Top-p for avg@k sampling.")
+    batch_size: int = opt(128, "Prompts per generation batch.")
+    acc_before: float = opt(-1.0, "Student accuracy before OPD (for gap recovery; -1: not given).")
+    acc_teacher: float = opt(-1.0, "Teacher accuracy (for gap recovery; -1: not given).")
+
+    def __post_init__(self) -> None:
+        self._check_common()
+        _require(0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must lie in (0, 1]")
+        _require(self.samples >= 0, "samples must be >= 0")
+
+
+def field_help(cls: type) -> dict[str, str]:
+    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML or JSON mapping of field names to values."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist; pass a YAML or JSON file with --config")
+    text = p.read_text()
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config file {p} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} must hold a mapping of option names to values, not {type(data).__name__}")
+    return data
+
+
+def build_config(cls: type[C], file_values: dict[str, Any] | None = None, cli_values: dict[str, Any] | None = None) -> C:
+    """Merge defaults < file < CLI into a validated ``cls`` instance; unknown keys are errors."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    merged: dict[str, Any] = {}
+    for source, values in (("config file", file_values or {}), ("command line", cli_values or {})):
+        for key, value in values.items():
+            key = key.replace("-", "_")
+            if key not in names:
+                close = [n for n in names if n.startswith(key[:3])]
+                hint = f" (did you mean {', '.join(sorted(close))}?)" if close else ""
+                raise ConfigError(f"unknown option {key!r} in the {source} for {cls.__name__}{hint}")
+            if value is not None:
+                merged[key] = value
+    hints = get_type_hints(cls)
+    for key, value in merged.items():
+        if hints[key] is float and isinstance(value, int) and not isinstance(value, bool):
+            merged[key] = float(value)
+    return cls(**merged)
+
+
+def dump_config(cfg: Any, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(dataclasses.asdict(cfg), indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,135 @@
+"""The embedded default (``opd demo``): OPD on a laptop CPU in minutes, start to finish.
+
+Everything is made locally: the built-in arithmetic task, a byte-level BPE tokenizer trained on
+it, and two tiny Qwen2 models trained with ``opd sft`` -- a strong teacher and a weaker student
+that writes the same ``<think>...</think> The answer is \\boxed{N}`` format. Those models ship
+with the package (``opd/assets/demo``) because training the teacher takes longer than the demo
+should; ``opd make-demo-models --out DIR`` reproduces them.
+
+The demo evaluates teacher and student, then runs sampled-token OPD and LSM from the same
+student with the same seeds and settings, evaluates both, and writes ``summary.json`` and a
+table. Each run directory holds ``final/`` (the trained student, loadable with
+AutoModelForCausalLM/AutoTokenizer) and ``eval.jsonl`` (the evaluation prompts).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from opd.config import SFTConfig, TrainConfig
+from opd.data import PromptSet, load_task
+from opd.errors import UserError
+from opd.evaluate import evaluate_model
+from opd.models import load_model, load_tokenizer
+from opd.tasks import get_task
+from opd.tokenizer import train_tokenizer
+
+ASSETS = Path(__file__).parent / "assets" / "demo"
+TASK_LEVEL = 2
+VOCAB_SIZE = 2048
+TEACHER_ARCH, STUDENT_ARCH = "qwen2:4:256", "qwen2:2:128"
+EVAL_SIZE, EVAL_SAMPLES = 300, 4
+MAX_NEW_TOKENS = 48
+
+
+def make_demo_models(out: Path, quick: bool = False, seed: int = 0) -> dict:
+    """Train the tokenizer, the teacher and the student of the demo into ``out``."""
+    from opd.sft import sft
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    task = get_task("arithmetic", level=TASK_LEVEL, seed=seed)
+    train = task.examples("train")
+    tok = train_tokenizer([e.prompt for e in train] + [e.solution for e in train], VOCAB_SIZE)
+    tok.save_pretrained(out / "tokenizer")
+    common = dict(task="arithmetic", task_level=TASK_LEVEL, seed=seed, tokenizer=str(out / "tokenizer"),
+                  max_new_tokens=MAX_NEW_TOKENS, batch_size=8 if quick else 64, eval_size=16 if quick else 300)
+    # --quick only checks that the recipe runs (tests): a few steps, small batches.
+    plans = {
+        "teacher": SFTConfig(arch=TEACHER_ARCH, out=str(out / "runs" / "teacher"), lr=1e-3,
+                             steps=10 if quick else 4000, warmup_steps=2 if quick else 200,
+                             eval_every=10 if quick else 500, **common),
+        # The student trains with a constant rate until its test accuracy stops improving, so
+        # OPD's gains cannot be more of the same supervised training.
+        "student": SFTConfig(arch=STUDENT_ARCH, out=str(out / "runs" / "student"), lr=1e-3, schedule="constant",
+                             steps=10 if quick else 6000, warmup_steps=2 if quick else 200, patience=0 if quick else 4,
+                             eval_every=10 if quick else 250, **common),
+    }
+    summary = {}
+    for name, cfg in plans.items():
+        summary[name] = sft(cfg)
+        final = Path(cfg.out) / "final"
+        target = out / name
+        if target.exists():
+            import shutil
+
+            shutil.rmtree(target)
+        final.rename(target)
+    (out / "make_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _eval(model_dir: Path, prompts: PromptSet, tok, seed: int) -> dict:
+    model = load_model(model_dir, "model")
+    return evaluate_model(model, tok, prompts, max_new_tokens=MAX_NEW_TOKENS, samples=EVAL_SAMPLES,
+                          top_p=1.0, seed=seed, show_progress=True)
+
+
+def run_demo(out: Path, steps: int = 200, quick: bool = False, assets: Path | None = None, seed: int = 0) -> dict:
+    """Evaluate teacher and student, run sampled-token OPD and LSM, compare."""
+    from opd.train import train
+
+    assets = Path(assets) if assets else ASSETS
+    for name in ("teacher", "student"):
+        if not (assets / name / "config.json").is_file():
+            raise UserError(f"demo model {assets / name} is missing; run `opd make-demo-models --out {assets}` first")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    console = Console()
+    tok = load_tokenizer(assets / "student")
+    task = load_task("arithmetic", TASK_LEVEL, seed)
+    eval_size = 64 if quick else EVAL_SIZE
+    prompts = PromptSet.build(task.examples("test")[:eval_size], tok, 256, "test prompts")
+    console.print(f"[bold]opd demo[/bold]: evaluating the teacher and the student on {eval_size} test prompts")
+    teacher_res = _eval(assets / "teacher", prompts, tok, seed)
+    student_res = _eval(assets / "student", prompts, tok, seed)
+    base = TrainConfig(
+        student=str(assets / "student"), teacher=str(assets / "teacher"), task="arithmetic", task_level=TASK_LEVEL,
+        seed=seed, steps=10 if quick else steps, batch_size=16 if quick else 64, lr=5e-4, warmup_steps=10,
+        max_new_tokens=MAX_NEW_TOKENS, eval_every=0 if quick else 50, eval_size=eval_size, eval_samples=EVAL_SAMPLES,
+        ckpt_every=50, top_p=0.9, k=32,
+    )
+    results = {}
+    for objective in ("sampled", "lsm"):
+        cfg = replace(base, objective=objective, mask_special=None, out=str(out / objective))
+        console.print(f"[bold]OPD with objective {objective}[/bold] ({cfg.steps} steps) -> {cfg.out}")
+        t0 = time.time()
+        final = train(cfg)
+        results[objective] = {"final_acc": final.get("eval/accuracy"), "avg_at_k": final.get("eval/avg_at_k"),
+                              "steps": cfg.steps, "wall_s": round(time.time() - t0, 1)}
+    summary = {"teacher_acc": teacher_res["accuracy"], "teacher_avg_at_k": teacher_res.get("avg_at_k"),
+               "student_init_acc": student_res["accuracy"], "student_init_avg_at_k": student_res.get("avg_at_k"),
+               "eval_size": eval_size, "k": EVAL_SAMPLES, "objectives": results}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    console.print(summary_table(summary))
+    return summary
+
+
+def summary_table(summary: dict) -> Table:
+    k = summary["k"]
+    table = Table(title=f"opd demo: greedy accuracy and avg@{k} on {summary['eval_size']} test prompts")
+    for col in ("model", "greedy acc", f"avg@{k}", "steps", "wall s"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    fmt = lambda x: "-" if x is None else f"{100 * x:.1f}%"
+    table.add_row("teacher", fmt(summary["teacher_acc"]), fmt(summary["teacher_avg_at_k"]), "-", "-")
+    table.add_row("student (before OPD)", fmt(summary["student_init_acc"]), fmt(summary["student_init_avg_at_k"]), "-", "-")
+    for name, r in summary["objectives"].items():
+        label = {"sampled": "student + sampled-token OPD", "lsm": "student + LSM (teacher top-K)"}.get(name, name)
+        table.add_row(label, fmt(r["final_acc"]), fmt(r["avg_at_k"]), str(r["steps"]), f"{r['wall_s']:.0f}")
+    return table

@@ -1,0 +1,123 @@
+"""Loading and building causal LMs, with the checks OPD needs before any work starts.
+
+Any local Hugging Face causal-LM directory works (``from_pretrained``); hubs are never
+contacted (``local_files_only``). The trainer needs a model's final hidden states and its output
+embedding separately (the LSM fast path gathers K rows of that weight instead of computing all V
+logits); :func:`head_weight` and :func:`final_hidden` provide them and refuse models whose logits
+are not plain ``hidden @ W.T`` (logit scaling or soft-capping), rather than silently diverging.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from opd.errors import UserError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _check_model_dir(path: str | Path, role: str, required: str = "config.json") -> Path:
+    if not path:
+        raise UserError(f"no {role} model given; pass --{role} DIR (a local Hugging Face model directory)")
+    p = Path(path)
+    if not p.is_dir():
+        raise UserError(f"{role} model directory {p} does not exist; pass a local directory written by save_pretrained")
+    if not (p / required).is_file():
+        raise UserError(f"{p} has no {required}, so it is not a Hugging Face {role} directory; check the --{role} path")
+    return p
+
+
+def load_tokenizer(path: str | Path, role: str = "student") -> PreTrainedTokenizerBase:
+    p = _check_model_dir(path, role, "tokenizer_config.json")
+    tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    if tok.eos_token_id is None:
+        raise UserError(f"the tokenizer in {p} has no EOS token; set eos_token in its tokenizer_config.json")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def load_model(path: str | Path, role: str = "student", dtype: str = "float32") -> PreTrainedModel:
+    p = _check_model_dir(path, role)
+    model = AutoModelForCausalLM.from_pretrained(p, dtype=_DTYPES[dtype], local_files_only=True)
+    check_plain_head(model, p)
+    return model
+
+
+def check_plain_head(model: PreTrainedModel, where: str | Path = "model") -> None:
+    """Refuse models whose logits are not ``final_hidden @ W.T`` (the fast path assumes it)."""
+    cfg = model.config
+    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(cfg, attr, None) not in (None, 1.0, 0.0):
+            raise UserError(
+                f"{where}: config sets {attr}={getattr(cfg, attr)}, so logits are not hidden @ W.T; "
+                "opd's LSM fast path does not support logit scaling or soft-capping yet"
+            )
+
+
+def check_same_vocab(student_tok: PreTrainedTokenizerBase, teacher_tok: PreTrainedTokenizerBase,
+                     student: PreTrainedModel, teacher: PreTrainedModel) -> None:
+    """Student and teacher must share one vocabulary: the teacher scores the student's token ids."""
+    s_vocab, t_vocab = student_tok.get_vocab(), teacher_tok.get_vocab()
+    if s_vocab != t_vocab:
+        only_s = len(set(s_vocab) - set(t_vocab))
+        only_t = len(set(t_vocab) - set(s_vocab))
+        moved = sum(1 for tok, i in s_vocab.items() if tok in t_vocab and t_vocab[tok] != i)
+        raise UserError(
+            f"student and teacher tokenizers differ ({len(s_vocab)} vs {len(t_vocab)} tokens; {only_s} only in the "
+            f"student, {only_t} only in the teacher, {moved} with different ids); OPD here needs one vocabulary "
+            "(cross-tokenizer distillation is not supported yet): pick a teacher from the student's model family"
+        )
+    s_rows = head_weight(student).shape[0]
+    t_rows = head_weight(teacher).shape[0]
+    if s_rows != t_rows:
+        raise UserError(
+            f"student and teacher output layers have {s_rows} and {t_rows} rows for the same tokenizer; "
+            "resize one model's embeddings (model.resize_token_embeddings) so both match"
+        )
+
+
+def head_weight(model: PreTrainedModel) -> torch.Tensor:
+    """The output embedding (V, D): tied models share it with the input embedding."""
+    return model.get_output_embeddings().weight
+
+
+def final_hidden(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Hidden states after the final norm, i.e. what the LM head multiplies (B, L, D)."""
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    return out.last_hidden_state
+
+
+def tiny_qwen2(vocab_size: int, layers: int, width: int, *, eos_id: int, pad_id: int, max_len: int = 512) -> PreTrainedModel:
+    """A small Qwen2 causal LM built from a config (the embedded default's teacher and student)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    heads = max(2, width // 64)
+    cfg = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=width, intermediate_size=width * 3, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max_len,
+        tie_word_embeddings=True, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None,
+    )
+    return Qwen2ForCausalLM(cfg)
+
+
+def parse_arch(arch: str) -> tuple[int, int]:
+    """``qwen2:LAYERS:WIDTH`` -> (layers, width)."""
+    parts = arch.split(":")
+    if len(parts) != 3 or parts[0] != "qwen2" or not parts[1].isdigit() or not parts[2].isdigit():
+        raise UserError(f"--arch {arch!r} is not of the form qwen2:LAYERS:WIDTH (e.g. qwen2:4:256)")
+    layers, width = int(parts[1]), int(parts[2])
+    if width % 32 or layers < 1:
+        raise UserError(f"--arch {arch!r}: width must be a multiple of 32 and layers >= 1")
+    return layers, width
+
+
+def model_config_summary(path: str | Path) -> dict:
+    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    return {"model_type": cfg.model_type, "layers": getattr(cfg, "num_hidden_layers", None),
+            "width": getattr(cfg, "hidden_size", None), "vocab": cfg.vocab_size}

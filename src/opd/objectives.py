@@ -1,0 +1,99 @@
+"""From a rollout batch and the teacher's scores to one differentiable loss, per objective.
+
+This is the glue between the models and the pure losses of :mod:`opd.losses`:
+
+* ``lsm``: support (teacher top-K by default, or any kind of :func:`opd.losses.build_support`),
+  then :func:`~opd.losses.local_support_kl_from_hidden` -- the student's (N, T, V) logits are never
+  built. ``renormalize=False`` (the ablation) needs full-vocabulary student probabilities and so
+  builds them.
+* ``sampled``: sampled-token OPD, r_t = log q(y_t) - log p(y_t) with the discounted reward-to-go
+  and a policy-gradient surrogate (importance-ratio clipping when a batch is reused).
+* ``full_kl``: dense reverse or forward KL over the whole vocabulary, chunked.
+
+The loss mask is the response mask minus, when ``mask_special`` is on, the positions whose
+sampled token is special (EOS, ``<think>``, ``</think>``, template markers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from opd import losses as L
+from opd.config import TrainConfig
+from opd.models import head_weight
+from opd.rollout import RolloutBatch
+from opd.teacher import TeacherScores, response_hidden
+
+NEEDS_STUDENT_TOPK = ("student_topk", "union", "intersection", "symmetric_difference")
+
+
+def loss_mask(batch: RolloutBatch, special_ids: list[int], mask_special: bool) -> torch.Tensor:
+    mask = batch.response_mask_NT.clone()
+    if mask_special and special_ids:
+        mask &= ~L.special_token_mask(batch.response_ids_NT, special_ids)
+    return mask
+
+
+@torch.no_grad()
+def student_topk_ids(student, batch: RolloutBatch, k: int) -> torch.Tensor:
+    """The student's own top-K at each response position (for student-side supports)."""
+    h = response_hidden(student, batch)
+    return L.teacher_topk_from_hidden(h, head_weight(student), k)[0]
+
+
+def support_with_teacher_logprobs(cfg: TrainConfig, batch: RolloutBatch, scores: TeacherScores,
+                                  student_ids_NTK: torch.Tensor | None):
+    """Support ids, validity mask and the teacher's log-probs on every slot."""
+    ids, smask = L.build_support(cfg.support, scores.topk_ids_NTK, student_ids_NTK, batch.response_ids_NT)
+    t = scores.topk_logprobs_NTK
+    if cfg.support == "student_topk":
+        t_lp = scores.query_logprobs_NTQ
+    elif cfg.support in ("union", "symmetric_difference"):
+        t_lp = torch.cat([t, scores.query_logprobs_NTQ], dim=-1)
+    elif cfg.support == "teacher_topk_plus_sampled":
+        t_lp = torch.cat([t, scores.sampled_logprobs_NT.unsqueeze(-1)], dim=-1)
+    else:  # teacher_topk, intersection: the support slots are the teacher's own top-K
+        t_lp = t
+    return ids, smask, t_lp
+
+
+@dataclass
+class LossTotals:
+    """Whole-batch counts, so micro-batch losses add up to the full-batch reduction exactly."""
+
+    tokens: int
+    sequences: int
+    rollouts: int
+    horizon: int
+
+
+def reduce_loss(kind: str, loss_NT: torch.Tensor, mask_NT: torch.Tensor, totals: LossTotals) -> torch.Tensor:
+    if kind == "token_mean":
+        return L.constant_sum(loss_NT, mask_NT, max(totals.tokens, 1))
+    if kind == "sequence_mean":
+        seqs = int((mask_NT.sum(-1) > 0).sum())
+        return L.sequence_mean(loss_NT, mask_NT) * seqs / max(totals.sequences, 1)
+    return L.constant_sum(loss_NT, mask_NT, totals.rollouts * totals.horizon)
+
+
+def objective_loss(cfg: TrainConfig, student, teacher, batch: RolloutBatch, scores: TeacherScores,
+                   mask_NT: torch.Tensor, student_ids_NTK: torch.Tensor | None = None,
+                   old_logprobs_NT: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position loss (N, T) of ``cfg.objective`` (gradients to the student only) and the
+    student's response hidden states (N, T, D) it was computed from (for diagnostics)."""
+    h = response_hidden(student, batch)
+    W = head_weight(student)
+    if cfg.objective == "lsm":
+        ids, smask, t_lp = support_with_teacher_logprobs(cfg, batch, scores, student_ids_NTK)
+        if cfg.renormalize:
+            return L.local_support_kl_from_hidden(h, W, ids, t_lp, mask_NT, support_mask=smask), h
+        return L.local_support_kl(h @ W.T, ids, t_lp, mask_NT, renormalize=False, support_mask=smask), h
+    if cfg.objective == "sampled":
+        logp = L.token_logprobs_from_hidden(h, W, batch.response_ids_NT)
+        adv = L.sampled_token_advantages(batch.logprobs_NT, scores.sampled_logprobs_NT, mask_NT, cfg.gamma)
+        clip = cfg.clip_eps if old_logprobs_NT is not None else None
+        return L.sampled_token_pg_loss(logp, adv, mask_NT, old_logprobs_NT, clip), h
+    teacher_logits = teacher.full_logits(batch)
+    return L.full_vocab_kl(h @ W.T, teacher_logits, mask_NT, cfg.kl_direction, chunk_size=256), h

@@ -1,0 +1,32 @@
+"""AdamW with linear warm-up and a constant, linear or cosine schedule (shared by OPD and SFT)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0) -> torch.optim.AdamW:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+
+
+def make_scheduler(opt: torch.optim.Optimizer, warmup: int, total: int, schedule: str) -> torch.optim.lr_scheduler.LambdaLR:
+    def factor(i: int) -> float:
+        if warmup and i < warmup:
+            return (i + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (i - warmup) / max(1, total - warmup))
+        return 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])

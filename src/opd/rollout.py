@@ -1,0 +1,162 @@
+"""Rollouts: the student samples responses, recording the log-prob of every sampled token.
+
+:class:`RolloutEngine` is the protocol a backend implements (a vLLM engine can be added behind
+it); :class:`HFRollout` is the default, an explicit sampling loop over any Hugging Face causal LM
+with its KV cache. Writing the loop ourselves (rather than calling ``generate``) gives three
+things the trainer relies on:
+
+* the log-prob of each sampled token under the *unmodified* policy (temperature 1, no top-p), the
+  quantity the sampled-token reward and importance ratios use;
+* exact nucleus sampling by inverse CDF on the sorted, truncated distribution, so a token outside
+  the top-p nucleus can never be drawn (and no hidden default top_k=50);
+* one uniform random number per prompt and position, drawn from a generator seeded by that
+  prompt's own seed: a prompt gets the same rollout whatever batch or process it lands in, which
+  makes resumed and data-parallel runs reproduce single-process ones.
+
+The response mask covers tokens up to and including the first EOS: a model may emit the pad
+token mid-response, so padding is never inferred from token values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from opd.errors import UserError
+
+
+@dataclass
+class RolloutBatch:
+    """N rollouts: left-padded prompts of common length P followed by T response slots.
+
+    Shapes:
+        input_ids_NL, attention_mask_NL: (N, P + T)
+        response_ids_NT, response_mask_NT, logprobs_NT: (N, T)
+        finished_N: (N,) -- an EOS was produced
+    """
+
+    input_ids_NL: torch.Tensor
+    attention_mask_NL: torch.Tensor
+    prompt_len: int
+    response_ids_NT: torch.Tensor
+    response_mask_NT: torch.Tensor
+    logprobs_NT: torch.Tensor
+    finished_N: torch.Tensor
+
+    @property
+    def num_rollouts(self) -> int:
+        return self.response_ids_NT.shape[0]
+
+    def select(self, rows: torch.Tensor | slice) -> "RolloutBatch":
+        """A sub-batch (micro-batches for gradient accumulation)."""
+        return RolloutBatch(
+            self.input_ids_NL[rows], self.attention_mask_NL[rows], self.prompt_len,
+            self.response_ids_NT[rows], self.response_mask_NT[rows], self.logprobs_NT[rows], self.finished_N[rows],
+        )
+
+
+class RolloutEngine(Protocol):
+    """What the trainer needs from a generation backend."""
+
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int], *, max_new_tokens: int,
+        temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
+    ) -> RolloutBatch: ...
+
+
+def nucleus_sample(logits_NV: torch.Tensor, u_N: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Draw one token per row from the top-p nucleus of softmax(logits / temperature).
+
+    The nucleus is the smallest set of most probable tokens whose mass reaches ``top_p`` (the
+    most probable token is always in it). ``u_N`` holds uniforms in [0, 1): inverse-CDF sampling
+    on the sorted, truncated masses makes the draw a deterministic function of ``u``.
+
+    Shapes: logits_NV: (N, V); u_N: (N,) -> ids_N: (N,) int64
+    """
+    probs = torch.softmax(logits_NV.float() / temperature, dim=-1)
+    sorted_p, sorted_ids = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_p.cumsum(-1) - sorted_p
+    kept = sorted_p * (mass_before < top_p)
+    cdf = kept.cumsum(-1)
+    target = (u_N.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
+    pick = torch.searchsorted(cdf, target, right=True).clamp(max=logits_NV.shape[-1] - 1)
+    return sorted_ids.gather(-1, pick).squeeze(-1)
+
+
+def left_pad(prompt_ids: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists to one length: (ids_NP, mask_NP)."""
+    if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+        raise UserError("empty prompt: every prompt must have at least one token")
+    P = max(len(p) for p in prompt_ids)
+    ids = torch.full((len(prompt_ids), P), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompt_ids), P), dtype=torch.long)
+    for i, p in enumerate(prompt_ids):
+        ids[i, P - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[i, P - len(p):] = 1
+    return ids, mask
+
+
+def prompt_uniforms(seeds: Sequence[int], steps: int) -> torch.Tensor:
+    """One uniform per (prompt, position), each prompt from its own seeded generator: (N, steps)."""
+    rows = []
+    for s in seeds:
+        g = torch.Generator().manual_seed(int(s) % (2**63 - 1))
+        rows.append(torch.rand(steps, generator=g, dtype=torch.float64))
+    return torch.stack(rows)
+
+
+class HFRollout:
+    """Sampling with the KV cache from a Hugging Face causal LM (the default backend)."""
+
+    def __init__(self, model: PreTrainedModel, eos_id: int, pad_id: int, max_context: int | None = None):
+        self.model = model
+        self.eos_id = eos_id
+        self.pad_id = pad_id
+        self.max_context = max_context or getattr(model.config, "max_position_embeddings", None)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids, seeds, *, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False) -> RolloutBatch:
+        if len(seeds) != len(prompt_ids):
+            raise ValueError("one seed per prompt is required")
+        ids, attn = left_pad(prompt_ids, self.pad_id)
+        N, P = ids.shape
+        if self.max_context and P + max_new_tokens > self.max_context:
+            raise UserError(
+                f"a prompt of {P} tokens plus max_new_tokens={max_new_tokens} exceeds the model's context of "
+                f"{self.max_context} positions; shorten the prompts or lower --max-new-tokens"
+            )
+        was_training = self.model.training
+        self.model.eval()
+        u = prompt_uniforms(seeds, max_new_tokens)
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True, logits_to_keep=1)
+        next_pos = positions[:, -1] + 1
+        tokens, logps, alive_steps = [], [], []
+        finished = torch.zeros(N, dtype=torch.bool)
+        for t in range(max_new_tokens):
+            logits = out.logits[:, -1].float()
+            tok = logits.argmax(-1) if greedy else nucleus_sample(logits, u[:, t], temperature, top_p)
+            alive = ~finished
+            tok = torch.where(alive, tok, torch.full_like(tok, self.pad_id))
+            logps.append(torch.log_softmax(logits, -1).gather(-1, tok.unsqueeze(-1)).squeeze(-1))
+            tokens.append(tok)
+            alive_steps.append(alive)
+            finished = finished | (alive & (tok == self.eos_id))
+            if bool(finished.all()) or t == max_new_tokens - 1:
+                break
+            attn = torch.cat([attn, alive.long().unsqueeze(-1)], dim=-1)
+            out = self.model(
+                input_ids=tok.unsqueeze(-1), attention_mask=attn, position_ids=next_pos.unsqueeze(-1),
+                past_key_values=out.past_key_values, use_cache=True,
+            )
+            next_pos = next_pos + 1
+        self.model.train(was_training)
+        resp = torch.stack(tokens, dim=1)
+        resp_mask = torch.stack(alive_steps, dim=1)
+        logp = torch.stack(logps, dim=1) * resp_mask
+        full_ids = torch.cat([ids, resp], dim=1)
+        full_mask = torch.cat([attn[:, :P], resp_mask.long()], dim=1)
+        return RolloutBatch(full_ids, full_mask, P, resp, resp_mask, logp, finished)

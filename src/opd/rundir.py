@@ -1,0 +1,141 @@
+"""The run directory: config.json, metrics.jsonl, rollouts.jsonl, checkpoints, final model.
+
+Everything a run leaves behind is written here, and readers (the report, ``opd eval``) read only
+these files. Checkpoints are written to a temporary directory and renamed into place, and the
+``latest`` pointer is replaced atomically, so a run killed at any moment leaves either the old or
+the new checkpoint, never half of one. Only rank 0 writes (``enabled=False`` elsewhere).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from opd.config import dump_config
+from opd.errors import UserError
+
+CKPT_DIR = "checkpoints"
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class RunDir:
+    def __init__(self, path: str | Path, enabled: bool = True):
+        self.path = Path(path)
+        self.enabled = enabled
+        if enabled:
+            self.path.mkdir(parents=True, exist_ok=True)
+
+    # ------------------------------------------------------------------ logs
+    def write_config(self, cfg: Any) -> None:
+        if self.enabled:
+            dump_config(cfg, self.path / "config.json")
+
+    def _append(self, name: str, records: Iterable[dict]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path / name, "a") as f:
+            for r in records:
+                f.write(json.dumps(r, allow_nan=True) + "\n")
+
+    def log_metrics(self, record: dict) -> None:
+        self._append("metrics.jsonl", [record])
+
+    def log_rollouts(self, records: list[dict]) -> None:
+        self._append("rollouts.jsonl", records)
+
+    def write_json(self, name: str, data: Any) -> None:
+        if self.enabled:
+            _atomic_write_text(self.path / name, json.dumps(data, indent=2) + "\n")
+
+    def write_jsonl(self, name: str, records: Iterable[dict]) -> None:
+        if self.enabled:
+            _atomic_write_text(self.path / name, "".join(json.dumps(r) + "\n" for r in records))
+
+    def truncate_logs_after(self, step: int) -> None:
+        """Drop log lines of steps after ``step`` (a resumed run rewrites them)."""
+        if not self.enabled:
+            return
+        for name in ("metrics.jsonl", "rollouts.jsonl"):
+            p = self.path / name
+            if not p.exists():
+                continue
+            kept = []
+            for line in p.read_text().splitlines():
+                try:
+                    if json.loads(line).get("step", -1) <= step:
+                        kept.append(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut short by the kill
+            _atomic_write_text(p, "".join(l + "\n" for l in kept))
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def ckpt_root(self) -> Path:
+        return self.path / CKPT_DIR
+
+    def save_checkpoint(self, step: int, model, state: dict, keep: int = 2) -> Path | None:
+        """Atomically write ``model`` (save_pretrained) and ``state`` (optimizer, RNG, ...)."""
+        if not self.enabled:
+            return None
+        root = self.ckpt_root
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"step_{step:07d}"
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
+        model.save_pretrained(tmp / "model", safe_serialization=True)
+        torch.save(state, tmp / "state.pt")
+        (tmp / "COMPLETE").write_text(str(step))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _atomic_write_text(root / "latest", final.name)
+        older = sorted(p for p in root.glob("step_*") if p != final)
+        for old in older[: max(len(older) - (keep - 1), 0)]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def latest_checkpoint(self) -> Path | None:
+        pointer = self.ckpt_root / "latest"
+        if not pointer.exists():
+            return None
+        ckpt = self.ckpt_root / pointer.read_text().strip()
+        if not (ckpt / "COMPLETE").exists() or not (ckpt / "state.pt").exists():
+            raise UserError(
+                f"checkpoint {ckpt} is incomplete or missing; delete {pointer} to start over, or point it at an "
+                "earlier step_* directory to resume from there"
+            )
+        return ckpt
+
+    def load_state(self, ckpt: Path) -> dict:
+        try:
+            return torch.load(ckpt / "state.pt", weights_only=False)
+        except Exception as exc:  # torch raises several types for a damaged file
+            raise UserError(
+                f"checkpoint {ckpt / 'state.pt'} is corrupted ({type(exc).__name__}: {exc}); delete {ckpt} and "
+                f"update {self.ckpt_root / 'latest'} to an earlier checkpoint, or start a fresh run directory"
+            ) from exc
+
+
+def save_final_model(path: Path, model, tokenizer, enabled: bool = True) -> None:
+    """Write a Hugging Face model directory loadable with AutoModelForCausalLM/AutoTokenizer."""
+    if not enabled:
+        return
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)

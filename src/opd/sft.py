@@ -1,0 +1,137 @@
+"""Supervised fine-tuning (``opd sft``): makes the demo's teacher and student, and the off-policy cold start.
+
+Targets are, in order of precedence: completions sampled from ``--teacher`` on the task's prompts
+(the off-policy cold start of arXiv:2604.13016: SFT on teacher rollouts before OPD), a JSONL file
+(``--data``, lines with ``prompt`` and ``solution`` or ``completion``), or the task's own worked
+solutions. The loss is cross-entropy on the completion tokens (prompt and padding masked). The
+model with the best greedy test accuracy is kept in ``OUT/final`` (early stopping with
+``--patience``), so "trained until it plateaus" is measured, not assumed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from opd.config import SFTConfig
+from opd.data import PromptSet, load_task, sample_seed
+from opd.errors import UserError
+from opd.evaluate import decode_responses, evaluate_model
+from opd.models import load_model, load_tokenizer, parse_arch, tiny_qwen2
+from opd.optim import make_optimizer, make_scheduler
+from opd.progress import progress_bar
+from opd.rollout import HFRollout
+from opd.rundir import RunDir, save_final_model
+from opd.tasks import Example
+from opd.tokenizer import format_prompt
+
+
+def load_sft_examples(path: str) -> list[Example]:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"SFT data file {p} does not exist; pass a JSONL file with prompt and solution per line")
+    out = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{p}:{n} is not valid JSON ({exc.msg}); fix or remove that line") from exc
+        target = row.get("solution") or row.get("completion")
+        if "prompt" not in row or not target:
+            raise UserError(f"{p}:{n} needs a 'prompt' and a 'solution' (or 'completion') field")
+        out.append(Example(prompt=row["prompt"], answer=str(row.get("answer", "")), solution=target))
+    if not out:
+        raise UserError(f"SFT data file {p} has no examples")
+    return out
+
+
+def build_model(cfg: SFTConfig):
+    if cfg.init:
+        return load_model(cfg.init, "init", cfg.dtype), load_tokenizer(cfg.init, "init")
+    if not cfg.tokenizer:
+        raise UserError("a new model (--arch) needs --tokenizer DIR (a tokenizer saved with save_pretrained)")
+    tok = load_tokenizer(cfg.tokenizer, "tokenizer")
+    layers, width = parse_arch(cfg.arch)
+    torch.manual_seed(cfg.seed)
+    return tiny_qwen2(len(tok), layers, width, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id), tok
+
+
+def encode_pairs(tok, prompts: list[str], completions: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded prompt+completion+EOS ids, attention mask, and labels (-100 off the completion)."""
+    seqs, labels = [], []
+    for prompt, completion in zip(prompts, completions):
+        p = tok(format_prompt(tok, prompt), add_special_tokens=False)["input_ids"]
+        c = tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        seqs.append(p + c)
+        labels.append([-100] * len(p) + c)
+    L = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), L), tok.pad_token_id, dtype=torch.long)
+    lab = torch.full((len(seqs), L), -100, dtype=torch.long)
+    att = torch.zeros((len(seqs), L), dtype=torch.long)
+    for i, (s, l) in enumerate(zip(seqs, labels)):
+        ids[i, : len(s)], lab[i, : len(s)], att[i, : len(s)] = torch.tensor(s), torch.tensor(l), 1
+    return ids, att, lab
+
+
+def teacher_completions(engine: HFRollout, tok, prompts: PromptSet, idx: list[int], step: int, cfg: SFTConfig) -> list[str]:
+    batch = engine.generate([prompts.prompt_ids[i] for i in idx], [sample_seed(cfg.seed, step, j) for j in range(len(idx))],
+                            max_new_tokens=cfg.max_new_tokens, temperature=1.0, top_p=1.0)
+    return decode_responses(tok, batch.response_ids_NT, batch.response_mask_NT)
+
+
+def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
+    rundir = RunDir(cfg.out)
+    rundir.write_config(cfg)
+    model, tok = build_model(cfg)
+    task = load_task(cfg.task, cfg.task_level, cfg.seed)
+    examples = load_sft_examples(cfg.data) if cfg.data else task.examples("train")
+    if not cfg.teacher and any(not e.solution for e in examples):
+        raise UserError("some training examples have no solution; give --data with solutions or --teacher to sample them")
+    train_set = PromptSet.build(examples, tok, cfg.max_prompt_tokens, "SFT prompts")
+    test = PromptSet.build(task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
+    teacher_engine = None
+    if cfg.teacher:
+        teacher = load_model(cfg.teacher, "teacher", cfg.dtype)
+        teacher_engine = HFRollout(teacher, tok.eos_token_id, tok.pad_token_id)
+    opt = make_optimizer(model, cfg.lr)
+    sched = make_scheduler(opt, cfg.warmup_steps, cfg.steps, cfg.schedule)
+    best, stale, t0 = -1.0, 0, time.time()
+    model.train()
+    with progress_bar("SFT", total=cfg.steps, enabled=show_progress) as bar:
+        for step in range(cfg.steps):
+            idx = train_set.batch_indices(step, cfg.batch_size, cfg.seed)
+            prompts = [train_set.examples[i].prompt for i in idx]
+            targets = (teacher_completions(teacher_engine, tok, train_set, idx, step, cfg) if teacher_engine
+                       else [train_set.examples[i].solution for i in idx])
+            ids, att, lab = encode_pairs(tok, prompts, targets)
+            loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
+            if not torch.isfinite(loss):
+                raise UserError(f"SFT loss became {float(loss)} at step {step}; lower --lr")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            opt.step()
+            sched.step()
+            rundir.log_metrics({"step": step, "train/loss": loss.item(), "train/grad_norm": float(norm),
+                                "train/lr": sched.get_last_lr()[0]})
+            bar.advance(1)
+            bar.describe(f"loss {loss.item():.3f}  best acc {max(best, 0):.3f}")
+            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step == cfg.steps - 1:
+                acc = evaluate_model(model, tok, test, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)["accuracy"]
+                model.train()
+                rundir.log_metrics({"step": step, "eval/accuracy": acc})
+                if acc > best:
+                    best, stale = acc, 0
+                    save_final_model(rundir.path / "final", model, tok)
+                else:
+                    stale += 1
+                if cfg.patience and stale >= cfg.patience:
+                    break
+    summary = {"best_accuracy": best, "steps": step + 1, "wall_s": round(time.time() - t0, 1)}
+    rundir.write_json("summary.json", summary)
+    return summary

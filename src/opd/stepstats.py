@@ -1,0 +1,98 @@
+"""What a training step logs: metrics (``metrics.jsonl``) and sample rollouts (``rollouts.jsonl``).
+
+Metric keys are namespaced: ``train/`` (loss, grad norm, clipping, lr), ``rollout/`` (length, EOS
+rate, repetition, accuracy), ``diag/`` (the papers' diagnostics), ``depth/`` (per-position values
+in equal-width depth buckets, for drift with depth), ``time/``. The full-vocabulary diagnostics
+use the student and teacher logits at the step's sampled diagnostic positions; the cheap ones
+(sampled-token rewards, out-of-support share) use every response position.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from opd import metrics as M
+from opd.evaluate import decode_responses
+from opd.models import head_weight
+
+DEPTH_BUCKETS = 8
+
+
+def _full_vocab_diagnostics(s_MV: torch.Tensor, t_MV: torch.Tensor, k: int) -> dict:
+    if s_MV.shape[0] == 0:
+        return {}
+    s, t = s_MV.unsqueeze(0).float(), t_MV.unsqueeze(0).float()
+    ones = torch.ones(s.shape[:2], dtype=torch.bool)
+    t_ids = M.topk_ids(t, k)
+    kl = (torch.softmax(s, -1) * (torch.log_softmax(s, -1) - torch.log_softmax(t, -1))).sum(-1)
+    return {
+        "train/kl_to_teacher": float(kl.mean()),
+        "diag/overlap": M.topk_overlap_ratio(s, t, k, ones),
+        "diag/overlap_advantage": M.overlap_token_advantage(s, t, k, ones),
+        "diag/entropy_gap": M.entropy_gap(s, t, ones),
+        "diag/student_entropy": M.entropy(s, ones),
+        "diag/teacher_entropy": M.entropy(t, ones),
+        "diag/student_support_mass": M.support_mass(s, t_ids, ones),
+        "diag/teacher_support_mass": M.support_mass(t, t_ids, ones),
+    }
+
+
+def step_metrics(run, batch, rows, scores, upd: dict, mask_NT: torch.Tensor) -> dict:
+    cfg = run.cfg
+    resp = batch.response_mask_NT
+    texts = decode_responses(run.tokenizer, batch.response_ids_NT, resp)
+    correct = [run.task.reward(t, run.prompts.examples[i]) for t, i in zip(texts, rows)]
+    reward_NT = (scores.sampled_logprobs_NT - batch.logprobs_NT) * resp
+    W = head_weight(run.student)
+    s_MV = upd["diag_hidden_MD"].float() @ W.detach().float().T
+    depth_reward, _ = M.by_position_bucket(reward_NT, resp, DEPTH_BUCKETS)
+    depth_loss, _ = M.by_position_bucket(upd["loss_NT"], mask_NT, DEPTH_BUCKETS)
+    return {
+        "train/loss": upd["loss"],
+        "train/grad_norm": upd["grad_norm"],
+        "train/clipped": upd["clipped"],
+        "train/lr": upd["lr"],
+        "train/loss_tokens": int(mask_NT.sum()),
+        "rollout/response_len": float(resp.sum(-1).float().mean()),
+        "rollout/eos_rate": float(batch.finished_N.float().mean()),
+        "rollout/repetition_rate": M.repetition_rate(batch.response_ids_NT, resp),
+        "rollout/accuracy": sum(correct) / len(correct),
+        "diag/reward_mean": M.masked_mean(reward_NT, resp),
+        "diag/negative_reward": M.negative_reward_share(batch.logprobs_NT, scores.sampled_logprobs_NT, resp),
+        "diag/out_of_support": M.out_of_support_share(batch.response_ids_NT, scores.topk_ids_NTK, resp),
+        **_full_vocab_diagnostics(s_MV, scores.diag_logits_MV, min(cfg.k, W.shape[0])),
+        "depth/reward": depth_reward.tolist(),
+        "depth/loss": depth_loss.tolist(),
+    }
+
+
+def rollout_records(run, step: int, batch, rows, scores, upd: dict, mask_NT: torch.Tensor) -> list[dict]:
+    """Per-token detail of the first few rollouts, for the report's token inspector."""
+    tok = run.tokenizer
+    h = upd["log_hidden"]
+    W = head_weight(run.student).detach().float()
+    student_lp = torch.log_softmax(h.float() @ W.T, dim=-1)
+    records = []
+    for r in range(h.shape[0]):
+        n = int(batch.response_mask_NT[r].sum())
+        ids = batch.response_ids_NT[r, :n]
+        topk = scores.topk_ids_NTK[r, :n]
+        example = run.prompts.examples[rows[r]]
+        text = tok.decode(ids.tolist(), skip_special_tokens=True)
+        records.append({
+            "step": step,
+            "prompt": example.prompt,
+            "answer": example.answer,
+            "response": text,
+            "correct": bool(run.task.reward(text, example)),
+            "tokens": tok.convert_ids_to_tokens(ids.tolist()),
+            "token_ids": ids.tolist(),
+            "loss_mask": mask_NT[r, :n].tolist(),
+            "student_logprobs": [round(x, 5) for x in batch.logprobs_NT[r, :n].tolist()],
+            "teacher_logprobs": [round(x, 5) for x in scores.sampled_logprobs_NT[r, :n].float().tolist()],
+            "token_loss": [round(x, 6) for x in upd["loss_NT"][r, :n].float().tolist()],
+            "teacher_topk_ids": topk.tolist(),
+            "teacher_topk_logprobs": [[round(x, 4) for x in row] for row in scores.topk_logprobs_NTK[r, :n].float().tolist()],
+            "student_topk_logprobs": [[round(x, 4) for x in row] for row in student_lp[r, :n].gather(-1, topk).tolist()],
+        })
+    return records

@@ -1,0 +1,11 @@
+"""Tasks: prompts with reference answers and a reward (see ``opd.tasks.base``).
+
+``get_task("arithmetic", level=2)`` builds the synthetic default; ``get_task("jsonl",
+path="data.jsonl")`` loads your own prompts.
+"""
+
+from opd.tasks.arithmetic import ArithmeticTask
+from opd.tasks.base import SPLITS, TASK_NAMES, Example, Task, get_task
+from opd.tasks.jsonl import JsonlTask
+
+__all__ = ["Example", "Task", "get_task", "SPLITS", "TASK_NAMES", "ArithmeticTask", "JsonlTask"]

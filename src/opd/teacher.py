@@ -1,0 +1,95 @@
+"""Teacher scoring: the teacher's view of every position of the student's rollouts.
+
+:class:`TeacherScorer` is the protocol (a served teacher speaking vLLM's ``prompt_logprobs``
+format can implement it later); :class:`HFTeacher` is the in-process default. The teacher sees
+exactly the student's token ids and returns, per response position, its top-K tokens with
+full-vocabulary log-probs, its log-prob of the sampled token, and optionally its log-probs of
+other query tokens (for student-side or union supports). Nothing here builds a gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from transformers import PreTrainedModel
+
+from opd.losses import topk_and_gather_from_hidden
+from opd.models import final_hidden, head_weight
+from opd.rollout import RolloutBatch
+
+
+@dataclass
+class TeacherScores:
+    """Per-response-position teacher outputs.
+
+    Shapes:
+        topk_ids_NTK, topk_logprobs_NTK: (N, T, K), sorted descending
+        sampled_logprobs_NT: (N, T) -- teacher log-prob of the student's sampled token
+        query_logprobs_NTQ: (N, T, Q) or None -- teacher log-probs of the requested query ids
+        diag_logits_MV: (M, V) or None -- full teacher logits at the requested diagnostic positions
+    """
+
+    topk_ids_NTK: torch.Tensor
+    topk_logprobs_NTK: torch.Tensor
+    sampled_logprobs_NT: torch.Tensor
+    query_logprobs_NTQ: torch.Tensor | None = None
+    diag_logits_MV: torch.Tensor | None = None
+
+    def select(self, rows: slice) -> "TeacherScores":
+        """The rows of a micro-batch (diagnostic logits are not per row and are dropped)."""
+        q = None if self.query_logprobs_NTQ is None else self.query_logprobs_NTQ[rows]
+        return TeacherScores(self.topk_ids_NTK[rows], self.topk_logprobs_NTK[rows], self.sampled_logprobs_NT[rows], q)
+
+
+class TeacherScorer(Protocol):
+    """What the trainer needs from a teacher backend."""
+
+    def score(
+        self, batch: RolloutBatch, k: int, query_ids_NTQ: torch.Tensor | None = None,
+        diag_index_M: torch.Tensor | None = None,
+    ) -> TeacherScores: ...
+
+    def full_logits(self, batch: RolloutBatch) -> torch.Tensor:
+        """(N, T, V) logits of every response position (full-vocabulary objectives only)."""
+        ...
+
+
+def response_hidden(model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor:
+    """Final hidden states that predict each response token: position P - 1 + t predicts y_t.
+
+    Shapes: returns (N, T, D)
+    """
+    h = final_hidden(model, batch.input_ids_NL, batch.attention_mask_NL)
+    P, T = batch.prompt_len, batch.response_ids_NT.shape[1]
+    return h[:, P - 1 : P - 1 + T]
+
+
+class HFTeacher:
+    """In-process teacher: one forward pass, then a chunked pass over its output head."""
+
+    def __init__(self, model: PreTrainedModel, chunk_size: int = 256):
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.chunk_size = chunk_size
+
+    @torch.no_grad()
+    def score(self, batch, k, query_ids_NTQ=None, diag_index_M=None) -> TeacherScores:
+        h_NTD = response_hidden(self.model, batch)
+        W = head_weight(self.model)
+        sampled = batch.response_ids_NT.unsqueeze(-1)
+        query = sampled if query_ids_NTQ is None else torch.cat([sampled, query_ids_NTQ], dim=-1)
+        ids, lps, q_lps = topk_and_gather_from_hidden(h_NTD, W, k, query, self.chunk_size)
+        diag = None
+        if diag_index_M is not None:
+            diag = h_NTD.reshape(-1, h_NTD.shape[-1])[diag_index_M].float() @ W.float().T
+        return TeacherScores(
+            topk_ids_NTK=ids, topk_logprobs_NTK=lps, sampled_logprobs_NT=q_lps[..., 0],
+            query_logprobs_NTQ=None if query_ids_NTQ is None else q_lps[..., 1:], diag_logits_MV=diag,
+        )
+
+    @torch.no_grad()
+    def full_logits(self, batch: RolloutBatch) -> torch.Tensor:
+        return response_hidden(self.model, batch) @ head_weight(self.model).T

@@ -1,0 +1,373 @@
+"""Float64 reference for opd.losses, written from API_LOSSES.md with explicit Python loops.
+
+Independent of src/opd/losses.py on purpose: every function loops over batch, positions and
+support slots with plain Python floats and `math`, and derives gradients by hand (the softmax
+Jacobian: d/dz_j F(softmax(z)) = p_j (g_j - sum_i p_i g_i) with g = dF/dp). The hand gradients
+are checked against central finite differences in tests/test_losses.py.
+
+Formulas: LSM is lsm_blog_explainer.txt section 04 (renormalized reverse KL over the teacher's
+top-K); full-vocab and sampled-token OPD are rethinking_opd_summary.txt eq. 3-4; generalized JSD
+follows the TRL convention (beta=0 forward KL, beta=1 reverse KL).
+
+Loss functions take an optional cotangent `gout_BT` (default all ones) and return
+(value_BT, d sum(gout * value) / d input) as float64 torch tensors. Torch is only used for I/O.
+"""
+
+import math
+
+import torch
+
+INF = math.inf
+
+
+def _f(x):
+    return x.detach().to(torch.float64).tolist() if torch.is_tensor(x) else x
+
+
+def _i(x):
+    return x.detach().long().tolist() if torch.is_tensor(x) else x
+
+
+def _b(x):
+    return (x.detach() != 0).tolist() if torch.is_tensor(x) else x
+
+
+def _t(x):
+    return torch.tensor(x, dtype=torch.float64)
+
+
+def _ones_like_mask(mask):
+    return [[1.0 for _ in row] for row in mask]
+
+
+def log_softmax_row(z):
+    """log softmax of a list; -inf entries stay -inf; None if every entry is -inf."""
+    m = max(z)
+    if m == -INF:
+        return None
+    lse = m + math.log(sum(math.exp(v - m) for v in z))
+    return [v - lse for v in z]
+
+
+def _softmax_vjp(lp, g):
+    """d/dz of sum_i g_i p_i(z), p = exp(lp); entries with p = 0 get 0."""
+    p = [math.exp(v) for v in lp]
+    pbar = sum(pi * gi for pi, gi in zip(p, g) if pi > 0.0)
+    return [pi * (gi - pbar) if pi > 0.0 else 0.0 for pi, gi in zip(p, g)]
+
+
+def ref_log_softmax(logits_BTV):
+    """(B,T,V) log softmax, loop over positions."""
+    return _t([[log_softmax_row(row) for row in seq] for seq in _f(logits_BTV)])
+
+
+def ref_logits(hidden_BTD, weight_VD):
+    """hidden @ weight.T with explicit loops."""
+    h, w = _f(hidden_BTD), _f(weight_VD)
+    return _t([[[sum(a * b for a, b in zip(hv, wv)) for wv in w] for hv in seq] for seq in h])
+
+
+def ref_hidden_grads(hidden_BTD, weight_VD, grad_logits_BTV):
+    """Chain rule through logits = hidden @ W.T: returns (grad_hidden, grad_weight)."""
+    h, w, g = _f(hidden_BTD), _f(weight_VD), _f(grad_logits_BTV)
+    V, D = len(w), len(w[0])
+    gw = [[0.0] * D for _ in range(V)]
+    gh = []
+    for b in range(len(h)):
+        gh.append([])
+        for t in range(len(h[b])):
+            gh[b].append([sum(g[b][t][v] * w[v][d] for v in range(V)) for d in range(D)])
+            for v in range(V):
+                for d in range(D):
+                    gw[v][d] += g[b][t][v] * h[b][t][d]
+    return _t(gh), _t(gw)
+
+
+def ref_teacher_topk(logits_BTV, k):
+    """K largest log-probs per position, descending (ties broken by lower id)."""
+    ids, lps = [], []
+    for seq in _f(logits_BTV):
+        ids.append([])
+        lps.append([])
+        for row in seq:
+            lp = log_softmax_row(row)
+            order = sorted(range(len(row)), key=lambda v: (-lp[v], v))[:k]
+            ids[-1].append(order)
+            lps[-1].append([lp[v] for v in order])
+    return torch.tensor(ids, dtype=torch.long), _t(lps)
+
+
+def _lsm_row(z, ids, tlp, smask, renormalize):
+    V = len(z)
+    grad = [0.0] * V
+    valid = [j for j in range(len(ids)) if smask[j] and tlp[j] > -INF]
+    if not valid:
+        return 0.0, grad
+    if renormalize:
+        lp = log_softmax_row([z[ids[j]] for j in valid])
+        if lp is None:  # student -inf on every valid slot
+            return 0.0, grad
+        lq = log_softmax_row([tlp[j] for j in valid])
+        kl = 0.0
+        for a, c in zip(lp, lq):
+            if a > -INF:
+                kl += math.exp(a) * (a - c)
+        for n, j in enumerate(valid):
+            if lp[n] > -INF:
+                grad[ids[j]] += math.exp(lp[n]) * (lp[n] - lq[n] - kl)
+        return kl, grad
+    lpf = log_softmax_row(z)
+    g = [0.0] * V  # dL/dp over the full vocab
+    kl = 0.0
+    for j in valid:
+        a = lpf[ids[j]]
+        if a == -INF:
+            continue
+        kl += math.exp(a) * (a - tlp[j])
+        g[ids[j]] += a - tlp[j] + 1.0
+    return kl, _softmax_vjp(lpf, g)
+
+
+def ref_local_support_kl(student_BTV, ids_BTK, tlp_BTK, mask_BT, renormalize=True,
+                         support_mask_BTK=None, gout_BT=None):
+    """Local support KL per position; returns (kl_BT, grad wrt student logits)."""
+    z, ids, tlp, mask = _f(student_BTV), _i(ids_BTK), _f(tlp_BTK), _b(mask_BT)
+    sm = _b(support_mask_BTK) if support_mask_BTK is not None else None
+    gout = _f(gout_BT) if gout_BT is not None else _ones_like_mask(mask)
+    out, grads = [], []
+    for b in range(len(z)):
+        out.append([])
+        grads.append([])
+        for t in range(len(z[b])):
+            V, K = len(z[b][t]), len(ids[b][t])
+            if not mask[b][t]:
+                out[b].append(0.0)
+                grads[b].append([0.0] * V)
+                continue
+            s = sm[b][t] if sm is not None else [True] * K
+            kl, g = _lsm_row(z[b][t], ids[b][t], tlp[b][t], s, renormalize)
+            out[b].append(kl)
+            grads[b].append([gout[b][t] * x for x in g])
+    return _t(out), _t(grads)
+
+
+def ref_build_support(kind, teacher_ids_BTK, student_ids_BTK=None, sampled_ids_BT=None):
+    """(ids_BTM, valid_BTM) following the spec table, one position at a time."""
+    tids = _i(teacher_ids_BTK)
+    sids = _i(student_ids_BTK) if student_ids_BTK is not None else None
+    samp = _i(sampled_ids_BT) if sampled_ids_BT is not None else None
+    ids, valid = [], []
+    for b in range(len(tids)):
+        ids.append([])
+        valid.append([])
+        for t in range(len(tids[b])):
+            tk = tids[b][t]
+            sk = sids[b][t] if sids is not None else None
+            if kind == "teacher_topk":
+                row, ok = list(tk), [True] * len(tk)
+            elif kind == "student_topk":
+                row, ok = list(sk), [True] * len(sk)
+            elif kind == "union":
+                row = tk + sk
+                ok = [True] * len(tk) + [v not in tk for v in sk]
+            elif kind == "intersection":
+                row, ok = list(tk), [v in sk for v in tk]
+            elif kind == "symmetric_difference":
+                row = tk + sk
+                ok = [v not in sk for v in tk] + [v not in tk for v in sk]
+            elif kind == "teacher_topk_plus_sampled":
+                s = samp[b][t]
+                row, ok = tk + [s], [True] * len(tk) + [s not in tk]
+            else:
+                raise ValueError(kind)
+            ids[b].append(row)
+            valid[b].append(ok)
+    return torch.tensor(ids, dtype=torch.long), torch.tensor(valid, dtype=torch.bool)
+
+
+def ref_gather_logprobs(logits_BTV, ids_BT, gout_BT=None):
+    """log_softmax(logits)[id] and its gradient wrt logits."""
+    z, ids = _f(logits_BTV), _i(ids_BT)
+    gout = _f(gout_BT) if gout_BT is not None else [[1.0] * len(r) for r in ids]
+    out, grads = [], []
+    for b in range(len(z)):
+        out.append([])
+        grads.append([])
+        for t in range(len(z[b])):
+            lp = log_softmax_row(z[b][t])
+            i = ids[b][t]
+            out[b].append(lp[i])
+            grads[b].append([gout[b][t] * ((v == i) - math.exp(lp[v])) for v in range(len(lp))])
+    return _t(out), _t(grads)
+
+
+def ref_sampled_token_advantages(student_lp_BT, teacher_lp_BT, mask_BT, gamma):
+    """A_t = sum_{u>=t, u unmasked} gamma**(u-t) (teacher_u - student_u); 0 where masked."""
+    s, q, mask = _f(student_lp_BT), _f(teacher_lp_BT), _b(mask_BT)
+    out = []
+    for b in range(len(s)):
+        T = len(s[b])
+        row = []
+        for t in range(T):
+            if not mask[b][t]:
+                row.append(0.0)
+                continue
+            a = 0.0
+            for u in range(t, T):
+                if mask[b][u]:
+                    a += gamma ** (u - t) * (q[b][u] - s[b][u])
+            row.append(a)
+        out.append(row)
+    return _t(out)
+
+
+def ref_sampled_token_pg_loss(student_lp_BT, adv_BT, mask_BT, old_lp_BT=None, clip_eps=None,
+                              gout_BT=None):
+    """-ratio*A (optionally PPO-clipped); returns (loss_BT, grad wrt student log-probs)."""
+    s, adv, mask = _f(student_lp_BT), _f(adv_BT), _b(mask_BT)
+    old = _f(old_lp_BT) if old_lp_BT is not None else s
+    gout = _f(gout_BT) if gout_BT is not None else _ones_like_mask(mask)
+    out, grads = [], []
+    for b in range(len(s)):
+        out.append([])
+        grads.append([])
+        for t in range(len(s[b])):
+            if not mask[b][t]:
+                out[b].append(0.0)
+                grads[b].append(0.0)
+                continue
+            r, a = math.exp(s[b][t] - old[b][t]), adv[b][t]
+            if clip_eps is None:
+                loss, dloss = -r * a, -r * a
+            else:
+                rc = min(max(r, 1.0 - clip_eps), 1.0 + clip_eps)
+                in_range = 1.0 - clip_eps <= r <= 1.0 + clip_eps
+                loss = -min(r * a, rc * a)
+                dloss = -r * a if (in_range or r * a < rc * a) else 0.0
+            out[b].append(loss)
+            grads[b].append(gout[b][t] * dloss)
+    return _t(out), _t(grads)
+
+
+def _kl_row(la, lb):
+    """KL(a || b) from log-probs, with 0 log 0 = 0."""
+    kl = 0.0
+    for x, y in zip(la, lb):
+        if x > -INF:
+            kl += math.exp(x) * (x - y)
+    return kl
+
+
+def _divergence_row(ls, lt, kind, beta):
+    """Divergence of one position and its gradient wrt the student logits."""
+    if kind == "reverse" or (kind == "jsd" and beta == 1.0):
+        kl = _kl_row(ls, lt)
+        g = [x - y if x > -INF else 0.0 for x, y in zip(ls, lt)]
+        return kl, _softmax_vjp(ls, g)
+    if kind == "forward" or (kind == "jsd" and beta == 0.0):
+        kl = _kl_row(lt, ls)
+        # dL/dp_i = -q_i / p_i  =>  dL/dz_j = p_j - q_j
+        return kl, [math.exp(x) - math.exp(y) for x, y in zip(ls, lt)]
+    lm = []
+    for x, y in zip(ls, lt):  # log(beta q + (1-beta) p), stable
+        u = y + math.log(beta) if y > -INF else -INF
+        w = x + math.log1p(-beta) if x > -INF else -INF
+        hi = max(u, w)
+        lm.append(hi + math.log(math.exp(u - hi) + math.exp(w - hi)) if hi > -INF else -INF)
+    val = beta * _kl_row(lt, lm) + (1.0 - beta) * _kl_row(ls, lm)
+    g = [(1.0 - beta) * (x - m) if x > -INF else 0.0 for x, m in zip(ls, lm)]
+    return val, _softmax_vjp(ls, g)
+
+
+def _divergence(student_BTV, teacher_BTV, mask_BT, kind, beta, gout_BT):
+    zs, zt, mask = _f(student_BTV), _f(teacher_BTV), _b(mask_BT)
+    gout = _f(gout_BT) if gout_BT is not None else _ones_like_mask(mask)
+    out, grads = [], []
+    for b in range(len(zs)):
+        out.append([])
+        grads.append([])
+        for t in range(len(zs[b])):
+            if not mask[b][t]:
+                out[b].append(0.0)
+                grads[b].append([0.0] * len(zs[b][t]))
+                continue
+            val, g = _divergence_row(log_softmax_row(zs[b][t]), log_softmax_row(zt[b][t]),
+                                     kind, beta)
+            out[b].append(val)
+            grads[b].append([gout[b][t] * x for x in g])
+    return _t(out), _t(grads)
+
+
+def ref_full_vocab_kl(student_BTV, teacher_BTV, mask_BT, direction="reverse", gout_BT=None):
+    """reverse: KL(p_student || q_teacher); forward: KL(q_teacher || p_student)."""
+    return _divergence(student_BTV, teacher_BTV, mask_BT, direction, None, gout_BT)
+
+
+def ref_generalized_jsd(student_BTV, teacher_BTV, mask_BT, beta=0.5, gout_BT=None):
+    """TRL generalized JSD with m = beta q + (1-beta) p."""
+    return _divergence(student_BTV, teacher_BTV, mask_BT, "jsd", float(beta), gout_BT)
+
+
+def ref_reduce(name, loss_BT, mask_BT, constant=None):
+    """token_mean / sequence_mean / constant_sum; returns (scalar, grad wrt loss_BT)."""
+    loss, mask = _f(loss_BT), _b(mask_BT)
+    B, T = len(loss), len(loss[0])
+    grad = [[0.0] * T for _ in range(B)]
+    if name == "token_mean":
+        n = sum(sum(row) for row in mask)
+        if n == 0:
+            return _t(0.0), _t(grad)
+        total = 0.0
+        for b in range(B):
+            for t in range(T):
+                if mask[b][t]:
+                    total += loss[b][t]
+                    grad[b][t] = 1.0 / n
+        return _t(total / n), _t(grad)
+    if name == "sequence_mean":
+        counts = [sum(row) for row in mask]
+        nseq = sum(1 for c in counts if c > 0)
+        if nseq == 0:
+            return _t(0.0), _t(grad)
+        total = 0.0
+        for b in range(B):
+            if counts[b] == 0:
+                continue
+            total += sum(loss[b][t] for t in range(T) if mask[b][t]) / counts[b]
+            for t in range(T):
+                if mask[b][t]:
+                    grad[b][t] = 1.0 / (counts[b] * nseq)
+        return _t(total / nseq), _t(grad)
+    if name == "constant_sum":
+        total = 0.0
+        for b in range(B):
+            for t in range(T):
+                if mask[b][t]:
+                    total += loss[b][t]
+                    grad[b][t] = 1.0 / constant
+        return _t(total / constant), _t(grad)
+    raise ValueError(name)
+
+
+def ref_special_token_mask(token_ids_BT, special_ids):
+    special = set(int(s) for s in special_ids)
+    return torch.tensor([[v in special for v in row] for row in _i(token_ids_BT)],
+                        dtype=torch.bool)
+
+
+def finite_diff(fn, x, gout, eps=1e-6):
+    """Central differences of sum(gout * fn(x)) wrt every finite entry of x (float64)."""
+    x = x.detach().to(torch.float64).clone()
+    flat = x.view(-1)
+    grad = torch.zeros_like(flat)
+    for n in range(flat.numel()):
+        if not math.isfinite(flat[n].item()):
+            continue
+        old = flat[n].item()
+        flat[n] = old + eps
+        fp = (fn(x) * gout).sum().item()
+        flat[n] = old - eps
+        fm = (fn(x) * gout).sum().item()
+        flat[n] = old
+        grad[n] = (fp - fm) / (2 * eps)
+    return grad.view_as(x)

@@ -1,0 +1,34 @@
+"""The embedded default: the model recipe (shortened) and the demo pipeline (quick) run end to end."""
+
+from __future__ import annotations
+
+import json
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from opd.demo import make_demo_models, run_demo
+
+
+def test_make_demo_models_and_quick_demo(tmp_path):
+    assets = tmp_path / "assets"
+    made = make_demo_models(assets, quick=True)
+    assert set(made) == {"teacher", "student"} and all(m["steps"] == 10 for m in made.values())
+    for name in ("teacher", "student"):
+        tok = AutoTokenizer.from_pretrained(assets / name)
+        model = AutoModelForCausalLM.from_pretrained(assets / name)
+        assert model.config.vocab_size == len(tok) >= 1000
+        assert "<|im_start|>assistant" in tok.apply_chat_template([{"role": "user", "content": "1+1"}],
+                                                                  tokenize=False, add_generation_prompt=True)
+    assert AutoModelForCausalLM.from_pretrained(assets / "teacher").config.num_hidden_layers == 4
+
+    summary = run_demo(tmp_path / "demo", quick=True, assets=assets)
+    saved = json.loads((tmp_path / "demo" / "summary.json").read_text())
+    assert saved == summary
+    assert {"teacher_acc", "student_init_acc", "objectives"} <= set(saved)
+    for objective in ("sampled", "lsm"):
+        r = saved["objectives"][objective]
+        assert set(r) == {"final_acc", "avg_at_k", "steps", "wall_s"} and r["steps"] == 10
+        assert 0.0 <= r["final_acc"] <= 1.0
+        run = tmp_path / "demo" / objective
+        assert (run / "final" / "config.json").is_file() and (run / "eval.jsonl").is_file()
+        assert json.loads((run / "config.json").read_text())["objective"] == objective

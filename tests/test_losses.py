@@ -1,0 +1,655 @@
+"""opd.losses against the float64 loop reference in tests/reference.py (values and gradients).
+
+Covers odd shapes, masks (random, an all-masked row, an all-masked batch), ties, -inf logits,
+variable-size supports, every support kind, chunked == unchunked, from-hidden == from-logits,
+dtypes (float64 tight; float32 / bfloat16 / float16 with their own tolerances) and bad inputs.
+Every float64 case is also run at low precision on one shape, see `cases`.
+
+Run: python -m pytest tests/test_losses.py -q
+"""
+
+import math
+
+import pytest
+import torch
+
+import opd.losses as L
+import reference as R
+
+F64, F32, BF16, F16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
+TOL = {F64: (1e-8, 1e-10), F32: (1e-5, 1e-5), BF16: (2e-2, 2e-2), F16: (2e-2, 2e-2)}
+OUT_DTYPE = {F64: F64, F32: F32, BF16: F32, F16: F32}  # spec: low precision computes in fp32
+SHAPES = [(1, 1, 5, 1), (3, 7, 47, 4), (2, 5, 31, 31)]  # B, T, V, K (the last has K = V)
+MASKS = ["random", "row", "none"]  # "row": sequence 0 fully masked; "none": whole batch masked
+LOW = [F32, BF16, F16]
+D = 8
+
+
+def cases(shapes=SHAPES, masks=MASKS, low=LOW):
+    """(shape, mask_kind, dtype): float64 on every shape and mask, low precision on one."""
+    return [(s, m, F64) for s in shapes for m in masks] + [(shapes[1], "row", d) for d in low]
+
+
+def close(got, expected, dtype, msg=""):
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(got.detach().to(F64), expected.to(F64), rtol=rtol, atol=atol,
+                               msg=lambda m: f"{msg}\n{m}")
+
+
+def gen(seed):
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(shape, g, scale=1.0, dtype=F64):
+    return (torch.randn(shape, generator=g, dtype=F64) * scale).to(dtype)
+
+
+def make_mask(B, T, kind, g):
+    m = torch.rand(B, T, generator=g) < 0.7
+    m[: {"row": 1, "none": B}.get(kind, 0)] = False
+    return m | (kind == "all")
+
+
+def distinct_ids(B, T, K, V, g):
+    return torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(B * T)]).view(B, T, K)
+
+
+def make_support_mask(B, T, K, kind, g):
+    if kind == "prefix":  # variable-size supports padded at the end, some empty
+        return torch.arange(K) < torch.randint(0, K + 1, (B, T, 1), generator=g)
+    return None if kind is None else torch.rand(B, T, K, generator=g) < 0.6
+
+
+def grads(out, inputs, gout):
+    """d sum(gout * out) / d inputs; unused inputs count as zero gradient."""
+    assert out.requires_grad, "output must be differentiable (backward must not crash)"
+    gs = torch.autograd.grad(out, inputs, grad_outputs=gout.to(out.dtype), allow_unused=True,
+                             retain_graph=True)
+    return [torch.zeros_like(x) if gi is None else gi for x, gi in zip(inputs, gs)]
+
+
+def check_grad(got, expected, x, dtype, msg):
+    assert got.dtype == x.dtype, f"{msg}: grad dtype {got.dtype} != input dtype {x.dtype}"
+    assert torch.isfinite(got).all(), f"{msg}: non-finite gradient"
+    close(got, expected, dtype, msg)
+
+
+def check_teacher_constant(grad_teacher):
+    """The teacher is a constant: a teacher tensor that requires grad gets a zero gradient."""
+    assert (grad_teacher == 0).all(), "teacher received a gradient"
+
+
+def check_masked_exact(out, grad_BTX, mask):
+    """Masked positions: exactly 0 and exactly zero gradient."""
+    assert (out.detach()[~mask] == 0).all()
+    assert (grad_BTX[~mask] == 0).all()
+
+
+# ---------------------------------------------------------------- reference self-check
+
+
+def _fd_cases():
+    g = gen(0)
+    B, T, V, K = 2, 3, 7, 3
+    zs, zt = randn((B, T, V), g, 2.0), randn((B, T, V), g, 2.0)
+    ids = distinct_ids(B, T, K, V, g)
+    zs[0, 1, ids[0, 1, 0]] = -math.inf  # a support slot where the student is -inf
+    zs[1, 0, 0] = -math.inf
+    tlp = R.ref_log_softmax(zt).gather(-1, ids)
+    tlp[1, 2, 1] = -math.inf
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    lp, adv = randn((B, T), g) - 1.0, randn((B, T), g)
+    old = lp + randn((B, T), g, 0.3)
+    h, w = randn((B, T, 4), g), randn((V, 4), g)
+    ids_bt, gout = torch.randint(0, V, (B, T), generator=g), randn((B, T), g)
+
+    def via_hidden(hh, ww, which):
+        val, gl = R.ref_gather_logprobs(R.ref_logits(hh, ww), ids_bt, gout)
+        return val, R.ref_hidden_grads(hh, ww, gl)[which]
+
+    cases = {"gather": (zt, lambda x: R.ref_gather_logprobs(x, ids_bt, gout)),
+             "pg_clip": (lp, lambda x: R.ref_sampled_token_pg_loss(x, adv, mask, old, 0.2, gout)),
+             "hidden": (h, lambda x: via_hidden(x, w, 0)),
+             "weight": (w, lambda x: via_hidden(h, x, 1))}
+    for ren in (True, False):
+        cases[f"lsm_{ren}"] = (zs, lambda x, ren=ren: R.ref_local_support_kl(
+            x, ids, tlp, mask, ren, None, gout))
+    for d in ("reverse", "forward"):  # forward KL needs p > 0 wherever q > 0
+        x0 = zs if d == "reverse" else zs.clamp(min=-30)
+        cases[d] = (x0, lambda x, d=d: R.ref_full_vocab_kl(x, zt, mask, d, gout))
+    for beta in (0.0, 0.3, 1.0):
+        x0 = zs if beta else zs.clamp(min=-30)
+        cases[f"jsd_{beta}"] = (x0, lambda x, b=beta: R.ref_generalized_jsd(x, zt, mask, b, gout))
+    return cases, gout
+
+
+@pytest.mark.parametrize("case", ["lsm_True", "lsm_False", "reverse", "forward", "jsd_0.0",
+                                  "jsd_0.3", "jsd_1.0", "gather", "pg_clip", "hidden", "weight"])
+def test_reference_gradients_match_finite_differences(case):
+    cases, gout = _fd_cases()
+    x, fn = cases[case]
+    analytic = fn(x)[1]
+    numeric = R.finite_diff(lambda y: fn(y)[0], x, gout)
+    torch.testing.assert_close(analytic, numeric, rtol=1e-5, atol=1e-7)
+    assert (analytic[~torch.isfinite(x)] == 0).all()
+
+
+# ---------------------------------------------------------------- teacher_topk
+
+
+def check_topk(ids, lps, logits, k, dtype):
+    """Tie-aware: the sorted values match, and each returned id carries its own log-prob."""
+    ref_ids, ref_lps = R.ref_teacher_topk(logits, k)
+    assert ids.dtype == torch.int64 and ids.shape == ref_ids.shape
+    assert lps.dtype == OUT_DTYPE[dtype] and lps.shape == ref_lps.shape
+    close(lps, ref_lps, dtype, "top-k log-prob values")
+    assert (lps[..., :-1] >= lps[..., 1:]).all(), "not sorted descending"
+    assert ((ids >= 0) & (ids < logits.shape[-1])).all()
+    assert (ids.sort(-1).values.diff(dim=-1) != 0).all(), "repeated id in a top-k list"
+    close(lps, R.ref_log_softmax(logits).gather(-1, ids), dtype, "returned ids' log-probs")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [F64] + LOW)
+@pytest.mark.parametrize("chunk_size", [None, 1, 4, 1000])
+def test_teacher_topk(shape, dtype, chunk_size):
+    B, T, V, K = shape
+    logits = randn((B, T, V), gen(1), 3.0, dtype)
+    ids, lps = L.teacher_topk(logits, K, chunk_size=chunk_size)
+    check_topk(ids, lps, logits.to(F64), K, dtype)
+
+
+@pytest.mark.parametrize("dtype", [F64, BF16])
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_teacher_topk_ties(dtype, k):
+    logits = torch.randint(0, 3, (3, 5, 6), generator=gen(2)).to(dtype)  # many exact ties
+    for chunk in (None, 2):
+        ids, lps = L.teacher_topk(logits, k, chunk_size=chunk)
+        check_topk(ids, lps, logits.to(F64), k, dtype)
+
+
+def test_teacher_topk_neg_inf():
+    logits = randn((2, 3, 6), gen(3), 2.0)
+    logits[0, 0, :4] = -math.inf  # only 2 finite entries, k = 4 reaches into -inf
+    logits[1, 2, 5] = -math.inf
+    ids, lps = L.teacher_topk(logits, 4)
+    check_topk(ids, lps, logits, 4, F64)
+    assert torch.isinf(lps[0, 0, 2:]).all() and torch.isfinite(lps[0, 0, :2]).all()
+
+
+# ---------------------------------------------------------------- local_support_kl
+
+
+def lsm_inputs(shape, seed, dtype=F64, support=None, mask_kind="random"):
+    B, T, V, K = shape
+    g = gen(seed)
+    zs, zt = randn((B, T, V), g, 2.0), randn((B, T, V), g, 2.0)
+    ids = distinct_ids(B, T, K, V, g)
+    tlp = R.ref_log_softmax(zt).gather(-1, ids).to(dtype)
+    return (zs.to(dtype), ids, tlp, make_mask(B, T, mask_kind, g),
+            make_support_mask(B, T, K, support, g), randn((B, T), g))
+
+
+@pytest.mark.parametrize("shape,mask_kind,dtype", cases(low=LOW + ["bf16+fp32"]))
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("support", [None, "prefix", "random"])
+def test_local_support_kl(shape, mask_kind, dtype, renormalize, support):
+    """'bf16+fp32': bf16 student logits with the float32 log-probs teacher_topk returns."""
+    tdtype = F32 if dtype == "bf16+fp32" else dtype
+    dtype = BF16 if dtype == "bf16+fp32" else dtype
+    zs, ids, tlp, mask, sm, gout = lsm_inputs(shape, 5, dtype, support, mask_kind)
+    zs, tlp = zs.requires_grad_(True), tlp.to(tdtype).requires_grad_(True)
+    out = L.local_support_kl(zs, ids, tlp, mask, renormalize=renormalize, support_mask=sm)
+    ref, ref_g = R.ref_local_support_kl(zs, ids, tlp, mask, renormalize, sm, gout)
+    assert out.shape == mask.shape and out.dtype == OUT_DTYPE[dtype]
+    close(out, ref, dtype, "value")
+    g, gt = grads(out, [zs, tlp], gout)
+    check_teacher_constant(gt)
+    check_grad(g, ref_g, zs, dtype, "grad student")
+    check_masked_exact(out, g, mask)
+
+
+def _neg_inf_case(renormalize):
+    g = gen(8)
+    B, T, V, K = 2, 4, 7, 3
+    zs, zt = randn((B, T, V), g, 2.0), randn((B, T, V), g, 2.0)
+    ids = distinct_ids(B, T, K, V, g)
+    tlp = R.ref_log_softmax(zt).gather(-1, ids)
+
+    def student_inf(b, t, slots):
+        zs[b, t, ids[b, t, slots]] = -math.inf
+
+    student_inf(0, 0, [1])  # one student -inf slot
+    tlp[0, 1, 2] = -math.inf  # one teacher -inf slot: dropped
+    student_inf(0, 2, [0, 1, 2])  # student -inf on every slot -> 0
+    tlp[0, 3] = -math.inf  # no valid slot -> 0
+    keep = [v for v in range(V) if v not in ids[1, 0].tolist()][0]
+    zs[1, 0] = -math.inf  # renormalize: whole student row -inf -> 0
+    if not renormalize:  # full softmax: one non-support entry finite, p = 0 on every slot -> 0
+        zs[1, 0, keep] = 1.0
+    student_inf(1, 1, [0])
+    tlp[1, 1, 2] = -math.inf  # student -inf on one slot, teacher -inf on another
+    student_inf(1, 2, [1])
+    tlp[1, 2, 1] = -math.inf  # both -inf on the same slot
+    sm = torch.ones(B, T, K, dtype=torch.bool)
+    student_inf(1, 3, [0, 1])
+    sm[1, 3, 2] = False  # the only finite student slot is masked out -> 0
+    return zs, ids, tlp, torch.ones(B, T, dtype=torch.bool), sm, randn((B, T), g)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("dtype", [F64, F32, BF16])
+def test_local_support_kl_neg_inf(renormalize, dtype):
+    zs, ids, tlp, mask, sm, gout = _neg_inf_case(renormalize)
+    zs, tlp = zs.to(dtype).requires_grad_(True), tlp.to(dtype)
+    out = L.local_support_kl(zs, ids, tlp, mask, renormalize=renormalize, support_mask=sm)
+    ref, ref_g = R.ref_local_support_kl(zs, ids, tlp, mask, renormalize, sm, gout)
+    assert torch.isfinite(out).all(), out
+    close(out, ref, dtype, "value")
+    (g,) = grads(out, [zs], gout)
+    check_grad(g, ref_g, zs, dtype, "grad student")
+    for b, t in [(0, 2), (0, 3), (1, 0), (1, 3)]:
+        assert out[b, t].item() == 0.0 and (g[b, t] == 0).all(), (b, t)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 5, 5), (3, 4, 7, 7), (2, 5, 31, 31)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_lsm_with_k_equal_v_is_full_reverse_kl(shape, renormalize):
+    B, T, V, _ = shape
+    g = gen(10)
+    zs = randn((B, T, V), g, 2.0).requires_grad_(True)
+    zt, mask, gout = randn((B, T, V), g, 2.0), make_mask(B, T, "random", g), randn((B, T), g)
+    ids, tlp = L.teacher_topk(zt, V)
+    out = L.local_support_kl(zs, ids, tlp, mask, renormalize=renormalize)
+    full = L.full_vocab_kl(zs, zt, mask, direction="reverse")
+    close(out, full, F64)
+    close(out, R.ref_full_vocab_kl(zs, zt, mask, "reverse")[0], F64)
+    close(grads(out, [zs], gout)[0], grads(full, [zs], gout)[0], F64)
+
+
+@pytest.mark.parametrize("kind", list(L.SUPPORT_KINDS))
+def test_lsm_zero_when_student_equals_teacher(kind):
+    B, T, V, K = 3, 5, 11, 4
+    g = gen(11)
+    zt = randn((B, T, V), g, 2.0)
+    zs = (zt + randn((B, T, 1), g, 5.0)).requires_grad_(True)  # same softmax, shifted logits
+    mask = make_mask(B, T, "all", g)
+    tids, sids = R.ref_teacher_topk(zt, K)[0], R.ref_teacher_topk(zs, K)[0]
+    ids, sm = L.build_support(kind, tids, sids, torch.randint(0, V, (B, T), generator=g))
+    tlp = R.ref_log_softmax(zt).gather(-1, ids)
+    for ren in (True, False):
+        out = L.local_support_kl(zs, ids, tlp, mask, renormalize=ren, support_mask=sm)
+        close(out, torch.zeros(B, T, dtype=F64), F64, f"renormalize={ren}")
+    out = L.local_support_kl(zs, ids, tlp, mask, renormalize=True, support_mask=sm)
+    close(grads(out, [zs], torch.ones(B, T))[0], torch.zeros(B, T, V, dtype=F64), F64)
+
+
+# ---------------------------------------------------------------- from hidden
+
+
+def hidden_inputs(shape, seed, dtype, shared_ids=False, mask_kind="row"):
+    B, T, V, K = shape
+    g = gen(seed)
+    h = randn((B, T, D), g, 1.0, dtype).requires_grad_(True)
+    w = randn((V, D), g, 0.7, dtype).requires_grad_(True)
+    ids = distinct_ids(B, T, K, V, g)
+    if shared_ids:  # every position uses the same ids: weight grads accumulate across positions
+        ids = ids[:1, :1].expand(B, T, K).contiguous()
+    tlp = R.ref_log_softmax(randn((B, T, V), g, 2.0)).gather(-1, ids)
+    tlp[..., -1][torch.rand(B, T, generator=g) < 0.3] = -math.inf
+    return (h, w, ids, tlp.to(dtype).requires_grad_(True), make_mask(B, T, mask_kind, g),
+            make_support_mask(B, T, K, "prefix", g), randn((B, T), g))
+
+
+def fresh(*xs):
+    return [x.detach().clone().requires_grad_(True) for x in xs]
+
+
+@pytest.mark.parametrize("shape,mask_kind,dtype", cases(masks=["row", "none"], low=[F32, BF16]))
+@pytest.mark.parametrize("chunk_size", [1, 3, 1000])
+@pytest.mark.parametrize("shared_ids", [False, True])
+def test_local_support_kl_from_hidden(shape, mask_kind, dtype, chunk_size, shared_ids):
+    h, w, ids, tlp, mask, sm, gout = hidden_inputs(shape, 12, dtype, shared_ids, mask_kind)
+    out = L.local_support_kl_from_hidden(h, w, ids, tlp, mask, support_mask=sm,
+                                         chunk_size=chunk_size)
+    assert out.dtype == OUT_DTYPE[dtype] and out.shape == mask.shape
+    ref, ref_gl = R.ref_local_support_kl(R.ref_logits(h, w), ids, tlp, mask, True, sm, gout)
+    ref_gh, ref_gw = R.ref_hidden_grads(h, w, ref_gl)
+    close(out, ref, dtype, "value")
+    gh, gw, gt = grads(out, [h, w, tlp], gout)
+    check_grad(gh, ref_gh, h, dtype, "grad hidden")
+    check_grad(gw, ref_gw, w, dtype, "grad weight")
+    check_teacher_constant(gt)
+    check_masked_exact(out, gh, mask)
+    if dtype == F64:  # same as building the logits
+        h2, w2 = fresh(h, w)
+        out2 = L.local_support_kl(h2 @ w2.T, ids, tlp, mask, renormalize=True, support_mask=sm)
+        close(out, out2, F64)
+        for a, b in zip((gh, gw), grads(out2, [h2, w2], gout)):
+            close(a, b, F64)
+
+
+@pytest.mark.parametrize("shape,mask_kind,dtype", cases(masks=["all"], low=[F32, BF16]))
+@pytest.mark.parametrize("chunk_size", [1, 3, 1000])
+def test_token_logprobs_and_teacher_topk_from_hidden(shape, mask_kind, dtype, chunk_size):
+    B, T, V, K = shape
+    g = gen(14)
+    h = randn((B, T, D), g, 1.0, dtype).requires_grad_(True)
+    w = randn((V, D), g, 0.7, dtype).requires_grad_(True)
+    ids = torch.randint(0, min(V, 3), (B, T), generator=g)  # ids repeat across positions
+    gout = randn((B, T), g)
+    logits = R.ref_logits(h, w)
+    out = L.token_logprobs_from_hidden(h, w, ids, chunk_size=chunk_size)
+    assert out.dtype == OUT_DTYPE[dtype] and out.shape == (B, T)
+    ref, ref_gl = R.ref_gather_logprobs(logits, ids, gout)
+    ref_gh, ref_gw = R.ref_hidden_grads(h, w, ref_gl)
+    close(out, ref, dtype, "value")
+    gh, gw = grads(out, [h, w], gout)
+    check_grad(gh, ref_gh, h, dtype, "grad hidden")
+    check_grad(gw, ref_gw, w, dtype, "grad weight")
+    tids, tlps = L.teacher_topk_from_hidden(h, w, K, chunk_size=chunk_size)
+    assert not tlps.requires_grad, "teacher_topk_from_hidden must not build a graph"
+    if dtype == F64:
+        check_topk(tids, tlps, logits, K, dtype)
+        h2, w2 = fresh(h, w)
+        ids2, lps2 = L.teacher_topk(h2.detach() @ w2.detach().T, K)
+        assert torch.equal(tids, ids2)
+        close(tlps, lps2, dtype)
+        out2 = L.gather_logprobs(h2 @ w2.T, ids)
+        close(out, out2, F64)
+        for a, b in zip((gh, gw), grads(out2, [h2, w2], gout)):
+            close(a, b, F64)
+    else:  # low-precision logits may reorder near-ties: compare values only
+        assert tlps.dtype == F32
+        close(tlps, R.ref_teacher_topk(logits, K)[1], dtype)
+        close(tlps, R.ref_log_softmax(logits).gather(-1, tids), dtype)
+
+
+@pytest.mark.parametrize("chunk_size", [2, 5, 10_000])
+def test_from_hidden_chunk_sizes_agree(chunk_size):
+    h, w, ids, tlp, mask, sm, gout = hidden_inputs((3, 7, 47, 4), 26, F64)
+    a = L.local_support_kl_from_hidden(h, w, ids, tlp, mask, support_mask=sm, chunk_size=1)
+    b = L.local_support_kl_from_hidden(h, w, ids, tlp, mask, support_mask=sm,
+                                       chunk_size=chunk_size)
+    close(b, a, F64)
+    for x, y in zip(grads(b, [h, w], gout), grads(a, [h, w], gout)):
+        close(x, y, F64)
+    t1 = L.token_logprobs_from_hidden(h, w, ids[..., 0], chunk_size=1)
+    t2 = L.token_logprobs_from_hidden(h, w, ids[..., 0], chunk_size=chunk_size)
+    close(t2, t1, F64)
+    for x, y in zip(grads(t2, [h, w], gout), grads(t1, [h, w], gout)):
+        close(x, y, F64)
+    i1, l1 = L.teacher_topk_from_hidden(h, w, 4, chunk_size=1)
+    i2, l2 = L.teacher_topk_from_hidden(h, w, 4, chunk_size=chunk_size)
+    assert torch.equal(i1, i2)
+    close(l2, l1, F64)
+
+
+@pytest.mark.parametrize("shape,mask_kind,dtype", cases(masks=["all"]))
+def test_gather_logprobs(shape, mask_kind, dtype):
+    B, T, V, _ = shape
+    g = gen(15)
+    z = randn((B, T, V), g, 2.0, dtype).requires_grad_(True)
+    ids, gout = torch.randint(0, V, (B, T), generator=g), randn((B, T), g)
+    out = L.gather_logprobs(z, ids)
+    assert out.dtype == OUT_DTYPE[dtype]
+    ref, ref_g = R.ref_gather_logprobs(z, ids, gout)
+    close(out, ref, dtype)
+    check_grad(grads(out, [z], gout)[0], ref_g, z, dtype, "grad logits")
+
+
+# ---------------------------------------------------------------- build_support
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(2, 6, 9, 3)])
+@pytest.mark.parametrize("kind", list(L.SUPPORT_KINDS))
+def test_build_support(shape, kind):
+    assert set(L.SUPPORT_KINDS) == {"teacher_topk", "student_topk", "union", "intersection",
+                                    "teacher_topk_plus_sampled", "symmetric_difference"}
+    B, T, V, K = shape
+    g = gen(16)
+    tids, sids = distinct_ids(B, T, K, V, g), distinct_ids(B, T, K, V, g)
+    sids[0, 0] = tids[0, 0].flip(-1)  # same set, other order
+    sampled = torch.randint(0, V, (B, T), generator=g)
+    sampled[0, 0] = tids[0, 0, -1]  # sampled token inside the teacher's top-K
+    ids, sm = L.build_support(kind, tids, sids, sampled)
+    ref_ids, ref_valid = R.ref_build_support(kind, tids, sids, sampled)
+    assert ids.dtype == torch.int64 and ids.shape == ref_ids.shape and sm.shape == ids.shape
+    assert torch.equal(ids, ref_ids), "ids must be the spec's concatenation"
+    assert torch.equal(sm.bool(), ref_valid), "validity"
+    assert ((ids >= 0) & (ids < V)).all(), "every slot holds a real vocab id"
+    for row, ok in zip(ids.view(-1, ids.shape[-1]).tolist(), sm.bool().view(-1, ids.shape[-1])):
+        valid_ids = [v for v, o in zip(row, ok.tolist()) if o]
+        assert len(valid_ids) == len(set(valid_ids)), "repeated id on valid slots"
+
+
+def test_build_support_expected_validity_by_hand():
+    t, s, samp = torch.tensor([[[3, 1, 4]]]), torch.tensor([[[1, 5, 9]]]), torch.tensor([[4]])
+    expect = {"teacher_topk": ([3, 1, 4], [1, 1, 1]), "student_topk": ([1, 5, 9], [1, 1, 1]),
+              "union": ([3, 1, 4, 1, 5, 9], [1, 1, 1, 0, 1, 1]),
+              "intersection": ([3, 1, 4], [0, 1, 0]),
+              "symmetric_difference": ([3, 1, 4, 1, 5, 9], [1, 0, 1, 0, 1, 1]),
+              "teacher_topk_plus_sampled": ([3, 1, 4, 4], [1, 1, 1, 0])}
+    for kind, (eids, evalid) in expect.items():
+        ids, sm = L.build_support(kind, t, s, samp)
+        assert ids[0, 0].tolist() == eids, kind
+        assert sm[0, 0].bool().tolist() == [bool(v) for v in evalid], kind
+
+
+@pytest.mark.parametrize("kind", ["nonsense", "student_topk", "union", "intersection",
+                                  "symmetric_difference", "teacher_topk_plus_sampled"])
+def test_build_support_errors(kind):
+    """Unknown kind, or a kind whose required input is missing: ValueError naming the kind."""
+    with pytest.raises(ValueError, match=kind):
+        L.build_support(kind, torch.tensor([[[0, 1]]]), None, None)
+
+
+# ---------------------------------------------------------------- sampled-token OPD
+
+
+def test_advantages_masked_gap_by_hand():
+    s = torch.zeros(1, 4, dtype=F64)
+    q = torch.tensor([[1.0, 10.0, 2.0, 3.0]], dtype=F64)
+    m = torch.tensor([[True, False, True, True]])
+    out = L.sampled_token_advantages(s, q, m, gamma=0.5)
+    # A_0 = 1 + 0.5**2 * 2 + 0.5**3 * 3: distance counted in positions, the gap included
+    close(out, torch.tensor([[1.875, 0.0, 3.5, 3.0]], dtype=F64), F64)
+
+
+BTS = [(1, 1), (3, 7), (2, 5)]
+
+
+@pytest.mark.parametrize("shape,mask_kind,dtype", cases(BTS, MASKS + ["all"], [F32, BF16]))
+@pytest.mark.parametrize("gamma", [0.0, 0.5, 0.9, 1.0])
+def test_sampled_token_advantages(shape, mask_kind, dtype, gamma):
+    B, T = shape[:2]
+    g = gen(17)
+    s = (randn((B, T), g) - 1.0).to(dtype).requires_grad_(True)
+    q = (randn((B, T), g) - 1.0).to(dtype)
+    mask = make_mask(B, T, mask_kind, g)
+    out = L.sampled_token_advantages(s, q, mask, gamma=gamma)
+    assert not out.requires_grad, "advantages must be detached"
+    assert out.dtype == OUT_DTYPE[dtype]
+    close(out, R.ref_sampled_token_advantages(s, q, mask, gamma), dtype)
+    assert (out[~mask] == 0).all()
+
+
+@pytest.mark.parametrize("shape,mask_kind,dtype", cases(BTS, MASKS, [F32, BF16]))
+@pytest.mark.parametrize("use_old", [False, True])
+@pytest.mark.parametrize("clip_eps", [None, 0.2])
+def test_sampled_token_pg_loss(shape, mask_kind, dtype, use_old, clip_eps):
+    BT = shape[:2]
+    g = gen(19)
+    lp = (randn(BT, g) - 1.0).to(dtype).requires_grad_(True)
+    adv, gout = randn(BT, g, 1.0, dtype), randn(BT, g)
+    old = (lp.detach().to(F64) + randn(BT, g, 0.4)).to(dtype) if use_old else None
+    mask = make_mask(*BT, mask_kind, g)
+    out = L.sampled_token_pg_loss(lp, adv, mask, old, clip_eps=clip_eps)
+    ref, ref_g = R.ref_sampled_token_pg_loss(lp, adv, mask, old, clip_eps, gout)
+    assert out.dtype == OUT_DTYPE[dtype]
+    close(out, ref, dtype, "value")
+    (gl,) = grads(out, [lp], gout)
+    check_grad(gl, ref_g, lp, dtype, "grad logprobs")
+    check_masked_exact(out, gl, mask)
+    if not use_old:  # on-policy: ratio == 1, loss = -A (and d loss / d logp = -A)
+        close(out, torch.where(mask, -adv.to(F64), 0.0), dtype)
+
+
+# ---------------------------------------------------------------- full vocab KL and JSD
+
+
+DIVERGENCES = ["reverse", "forward", "jsd0", "jsd0.3", "jsd0.5", "jsd1"]
+
+
+def divergence(fn, zs, zt, mask, chunk_size=None, gout=None):
+    """(opd.losses value, reference (value, grad)) for full_vocab_kl / generalized_jsd."""
+    if fn.startswith("jsd"):
+        beta = float(fn[3:])
+        return (L.generalized_jsd(zs, zt, mask, beta=beta, chunk_size=chunk_size),
+                R.ref_generalized_jsd(zs, zt, mask, beta, gout))
+    return (L.full_vocab_kl(zs, zt, mask, direction=fn, chunk_size=chunk_size),
+            R.ref_full_vocab_kl(zs, zt, mask, fn, gout))
+
+
+@pytest.mark.parametrize("shape,mask_kind,dtype", cases())
+@pytest.mark.parametrize("fn", DIVERGENCES)
+def test_divergences(shape, mask_kind, dtype, fn):
+    """full_vocab_kl reverse / forward and generalized_jsd (jsd<beta>)."""
+    B, T, V, _ = shape
+    g = gen(21)
+    zs = randn((B, T, V), g, 2.0, dtype).requires_grad_(True)
+    zt = randn((B, T, V), g, 2.0, dtype).requires_grad_(True)
+    mask, gout = make_mask(B, T, mask_kind, g), randn((B, T), g)
+    out, (ref, ref_g) = divergence(fn, zs, zt, mask, gout=gout)
+    assert out.dtype == OUT_DTYPE[dtype] and out.shape == (B, T)
+    close(out, ref, dtype, "value")
+    gs, gt = grads(out, [zs, zt], gout)
+    if not fn.startswith("jsd"):  # the spec makes the teacher a constant for full_vocab_kl
+        check_teacher_constant(gt)
+    check_grad(gs, ref_g, zs, dtype, "grad student")
+    check_masked_exact(out, gs, mask)
+    if fn in ("jsd0", "jsd1") and dtype == F64:  # TRL endpoints are the two KLs
+        close(out, divergence("forward" if fn == "jsd0" else "reverse", zs, zt, mask)[0], F64)
+
+
+@pytest.mark.parametrize("fn", DIVERGENCES)
+@pytest.mark.parametrize("chunk_size", [1, 4, 1000])
+def test_divergences_chunked_equal_unchunked(fn, chunk_size):
+    g = gen(23)
+    zs = randn((3, 7, 47), g, 2.0).requires_grad_(True)
+    zt, mask, gout = randn((3, 7, 47), g, 2.0), make_mask(3, 7, "row", g), randn((3, 7), g)
+    a, b = divergence(fn, zs, zt, mask)[0], divergence(fn, zs, zt, mask, chunk_size)[0]
+    close(b, a, F64)
+    close(grads(b, [zs], gout)[0], grads(a, [zs], gout)[0], F64)
+
+
+@pytest.mark.parametrize("fn", DIVERGENCES)
+def test_divergences_zero_when_equal(fn):
+    g = gen(24)
+    zt = randn((2, 5, 31), g, 2.0)
+    zs = (zt + randn((2, 5, 1), g, 3.0)).requires_grad_(True)  # same softmax
+    out = divergence(fn, zs, zt, make_mask(2, 5, "all", g))[0]
+    close(out, torch.zeros(2, 5, dtype=F64), F64)
+    close(grads(out, [zs], torch.ones(2, 5))[0], torch.zeros(2, 5, 31, dtype=F64), F64)
+
+
+@pytest.mark.parametrize("fn", ["reverse", "forward", "jsd0.3", "jsd0.5"])
+def test_divergences_neg_inf_well_defined(fn):
+    """-inf where the divergence is still finite: padded vocab entries (both -inf), and the
+    student (reverse / JSD) or teacher (forward / JSD) -inf on a few entries (0 log 0 = 0)."""
+    g = gen(25)
+    zs, zt = randn((2, 3, 9), g, 2.0), randn((2, 3, 9), g, 2.0)
+    zs[..., 7:] = zt[..., 7:] = -math.inf
+    if fn != "forward":
+        zs[0, 1, :3] = -math.inf
+    if fn != "reverse":
+        zt[1, 2, 3:5] = -math.inf
+    zs.requires_grad_(True)
+    mask, gout = make_mask(2, 3, "all", g), randn((2, 3), g)
+    out, (ref, ref_g) = divergence(fn, zs, zt, mask, gout=gout)
+    assert torch.isfinite(out).all(), out
+    close(out, ref, F64)
+    check_grad(grads(out, [zs], gout)[0], ref_g, zs, F64, "grad student")
+
+
+# ---------------------------------------------------------------- reductions and masks
+
+
+REDUCTIONS = {"token_mean": lambda x, m: L.token_mean(x, m),
+              "sequence_mean": lambda x, m: L.sequence_mean(x, m),
+              "constant_sum": lambda x, m: L.constant_sum(x, m, 7.0)}
+
+
+@pytest.mark.parametrize("name", list(REDUCTIONS))
+@pytest.mark.parametrize("mask_kind", MASKS + ["all"])
+@pytest.mark.parametrize("BT", [(1, 1), (3, 7), (2, 5)])
+def test_reductions(name, mask_kind, BT):
+    g = gen(27)
+    loss = randn(BT, g, 3.0).requires_grad_(True)  # masked entries hold real values
+    mask = make_mask(*BT, mask_kind, g)
+    out = REDUCTIONS[name](loss, mask)
+    ref, ref_g = R.ref_reduce(name, loss, mask, 7.0 if name == "constant_sum" else None)
+    assert out.dim() == 0
+    close(out, ref, F64, "value")
+    (gl,) = grads(out, [loss], torch.ones(()))
+    check_grad(gl, ref_g, loss, F64, "grad")
+    if mask_kind == "none":
+        assert out.item() == 0.0 and (gl == 0).all()
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.int64, torch.float32, torch.uint8])
+def test_masks_accept_0_1_tensors(mask_dtype):
+    g = gen(28)
+    B, T, V, K = 2, 5, 11, 3
+    zs, zt = randn((B, T, V), g), randn((B, T, V), g)
+    ids = distinct_ids(B, T, K, V, g)
+    tlp = R.ref_log_softmax(zt).gather(-1, ids)
+    m, sm = make_mask(B, T, "row", g), make_support_mask(B, T, K, "random", g)
+    s0, t0 = zs[..., 0], zt[..., 0]
+    calls = [lambda m, sm: L.local_support_kl(zs, ids, tlp, m, support_mask=sm),
+             lambda m, sm: L.full_vocab_kl(zs, zt, m),
+             lambda m, sm: L.generalized_jsd(zs, zt, m, beta=0.3),
+             lambda m, sm: L.sampled_token_advantages(s0, t0, m, gamma=0.5),
+             lambda m, sm: L.sampled_token_pg_loss(s0, t0, m)]
+    calls += [lambda m, sm, f=f: f(s0, m) for f in REDUCTIONS.values()]
+    for n, call in enumerate(calls):
+        expected = call(m, sm)
+        torch.testing.assert_close(call(m.to(mask_dtype), sm.to(mask_dtype)), expected,
+                                   rtol=0, atol=0, msg=lambda s: f"call {n}: {s}")
+    close(calls[0](m, sm), R.ref_local_support_kl(zs, ids, tlp, m, True, sm)[0], F64)
+
+
+def test_special_token_mask():
+    g = gen(29)
+    tok = torch.randint(0, 10, (3, 7), generator=g)
+    special = [1, 3, 7]
+    got = L.special_token_mask(tok, special)
+    assert got.dtype == torch.bool and got.shape == tok.shape
+    assert torch.equal(got, R.ref_special_token_mask(tok, special))
+    assert got.any() and not got.all()
+    assert not L.special_token_mask(tok, []).any()
+    resp = make_mask(3, 7, "random", g)
+    expected = [[r and v not in special for r, v in zip(rr, vv)]
+                for rr, vv in zip(resp.tolist(), tok.tolist())]
+    assert (resp & ~got).tolist() == expected
+
+
+H, W = torch.zeros(1, 2, 3), torch.zeros(5, 3)
+BAD_INPUTS = {
+    "topk_k0": lambda: L.teacher_topk(torch.zeros(1, 2, 5), 0),
+    "topk_k-1": lambda: L.teacher_topk(torch.zeros(1, 2, 5), -1),
+    "topk_k>V": lambda: L.teacher_topk(torch.zeros(1, 2, 5), 6),
+    "topk_hidden_k0": lambda: L.teacher_topk_from_hidden(H, W, 0),
+    "topk_hidden_k>V": lambda: L.teacher_topk_from_hidden(H, W, 6),
+    "gamma<0": lambda: L.sampled_token_advantages(*[torch.zeros(1, 3)] * 3, gamma=-0.1),
+    "gamma>1": lambda: L.sampled_token_advantages(*[torch.zeros(1, 3)] * 3, gamma=1.5),
+    "direction": lambda: L.full_vocab_kl(*[torch.zeros(1, 2, 5)] * 2, torch.ones(1, 2),
+                                         direction="sideways"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_inputs_raise_value_error(case):
+    with pytest.raises(ValueError):
+        BAD_INPUTS[case]()

@@ -1,0 +1,222 @@
+"""The OPD trainer end to end on tiny random models: CLI smoke runs, learning, resume, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from opd.cli import app
+from opd.config import ConfigError, TrainConfig
+from opd.errors import UserError
+from opd import train as train_mod
+
+SMALL = dict(steps=2, batch_size=4, max_new_tokens=8, eval_size=4, eval_samples=2, k=8, warmup_steps=1,
+             log_rollouts=2, diag_positions=16, eval_every=0, ckpt_every=0)
+
+
+def cfg_for(models, tmp_path, **kw) -> TrainConfig:
+    student, teacher = models
+    return TrainConfig(student=str(student), teacher=str(teacher), out=str(tmp_path / "run"), **{**SMALL, **kw})
+
+
+def read_metrics(run_dir):
+    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_records(run_dir):
+    return [r for r in read_metrics(run_dir) if "train/loss" in r]
+
+
+OBJECTIVES = [
+    ["--objective", "lsm"],
+    ["--objective", "lsm", "--no-renormalize"],
+    ["--objective", "lsm", "--support", "student_topk"],
+    ["--objective", "lsm", "--support", "union"],
+    ["--objective", "lsm", "--support", "intersection"],
+    ["--objective", "lsm", "--support", "symmetric_difference"],
+    ["--objective", "lsm", "--support", "teacher_topk_plus_sampled"],
+    ["--objective", "sampled"],
+    ["--objective", "sampled", "--gamma", "0.9", "--updates-per-batch", "2", "--grad-accum", "2"],
+    ["--objective", "full_kl"],
+    ["--objective", "full_kl", "--kl-direction", "forward"],
+]
+
+
+@pytest.mark.parametrize("args", OBJECTIVES, ids=lambda a: "-".join(x.strip("-") for x in a[1:]))
+def test_cli_smoke_every_objective(tiny_models, tmp_path, args):
+    student, teacher = tiny_models
+    out = tmp_path / "run"
+    cli = ["train", "--student", str(student), "--teacher", str(teacher), "--out", str(out)]
+    for key, value in SMALL.items():
+        cli += [f"--{key.replace('_', '-')}", str(value)]
+    result = CliRunner().invoke(app, cli + args)
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    steps = step_records(out)
+    assert [r["step"] for r in steps] == [0, 1]
+    for r in steps:
+        assert all(torch.isfinite(torch.tensor(float(r[k]))) for k in ("train/loss", "train/grad_norm"))
+        assert 0.0 <= r["diag/overlap"] <= 1.0 and len(r["depth/reward"]) == 8
+    evals = [r for r in read_metrics(out) if "eval/accuracy" in r]
+    assert len(evals) == 1 and evals[0]["step"] == 1
+    assert len((out / "eval.jsonl").read_text().splitlines()) == SMALL["eval_size"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["objective"] == args[1]
+    rollouts = [json.loads(l) for l in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 4 and len(rollouts[0]["teacher_topk_ids"][0]) == 8
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(out / "final")
+    assert AutoTokenizer.from_pretrained(out / "final").chat_template
+
+
+def test_config_file_and_cli_precedence(tiny_models, tmp_path):
+    student, teacher = tiny_models
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(f"student: {student}\nteacher: {teacher}\nsteps: 1\nbatch_size: 2\nk: 4\nlr: 0.01\n"
+                        "max_new_tokens: 4\neval_size: 2\neval_samples: 0\n")
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["train", "--config", str(cfg_file), "--lr", "0.002", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["lr"] == 0.002 and saved["k"] == 4 and saved["batch_size"] == 2
+
+
+def test_lsm_loss_decreases_on_a_fixed_batch(tiny_models, tmp_path):
+    from opd.objectives import LossTotals, loss_mask, objective_loss, reduce_loss
+
+    run = train_mod.setup(cfg_for(tiny_models, tmp_path, lr=3e-3, warmup_steps=0, batch_size=8))
+    batch, _ = train_mod.rollout_stage(run, 0)
+    mask = loss_mask(batch, run.special_ids, True)
+    scores = run.teacher.score(batch, run.cfg.k)
+    totals = LossTotals(int(mask.sum()), int((mask.sum(-1) > 0).sum()), *mask.shape)
+    losses = []
+    for _ in range(30):
+        run.optimizer.zero_grad()
+        loss_NT, _ = objective_loss(run.cfg, run.student, run.teacher, batch, scores, mask)
+        loss = reduce_loss("token_mean", loss_NT, mask, totals)
+        loss.backward()
+        run.optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_resume_equals_uninterrupted(tiny_models, tmp_path, monkeypatch):
+    full = cfg_for(tiny_models, tmp_path / "a", steps=4, ckpt_every=2, eval_samples=0)
+    train_mod.train(full, show_progress=False)
+    expected = step_records(tmp_path / "a" / "run")
+
+    killed = cfg_for(tiny_models, tmp_path / "b", steps=4, ckpt_every=2, eval_samples=0)
+    real_rollout = train_mod.rollout_stage
+
+    def dies_at_step_3(run, step):
+        if step == 3:
+            raise KeyboardInterrupt("simulated kill")
+        return real_rollout(run, step)
+
+    monkeypatch.setattr(train_mod, "rollout_stage", dies_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        train_mod.train(killed, show_progress=False)
+    monkeypatch.setattr(train_mod, "rollout_stage", real_rollout)
+    assert [r["step"] for r in step_records(tmp_path / "b" / "run")] == [0, 1, 2]
+    resumed = TrainConfig(**{**killed.__dict__, "resume": True})
+    train_mod.train(resumed, show_progress=False)
+    got = step_records(tmp_path / "b" / "run")
+    assert [r["step"] for r in got] == [0, 1, 2, 3]
+    for e, g in zip(expected, got):
+        for key in e:
+            if not key.startswith("time/"):
+                assert g[key] == pytest.approx(e[key], rel=1e-6, abs=1e-9), (e["step"], key)
+
+
+def test_nan_loss_stops_and_keeps_last_checkpoint(tiny_models, tmp_path, monkeypatch):
+    cfg = cfg_for(tiny_models, tmp_path, steps=4, ckpt_every=1, eval_samples=0)
+    real = train_mod.objective_loss
+    calls = []
+
+    def nan_at_step_2(*a, **kw):  # one call per step: no accumulation, one update per batch
+        calls.append(1)
+        loss, h = real(*a, **kw)
+        return (loss * float("nan") if len(calls) == 3 else loss), h
+
+    monkeypatch.setattr(train_mod, "objective_loss", nan_at_step_2)
+    with pytest.raises(UserError, match="loss became nan at step 2"):
+        train_mod.train(cfg, show_progress=False)
+    latest = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
+    assert latest == "step_0000001"
+
+
+def test_corrupted_checkpoint_is_reported(tiny_models, tmp_path):
+    cfg = cfg_for(tiny_models, tmp_path, steps=1, ckpt_every=1, eval_samples=0)
+    train_mod.train(cfg, show_progress=False)
+    state = tmp_path / "run" / "checkpoints" / "step_0000000" / "state.pt"
+    state.write_bytes(b"not a checkpoint")
+    with pytest.raises(UserError, match="corrupted"):
+        train_mod.train(TrainConfig(**{**cfg.__dict__, "resume": True, "steps": 2}), show_progress=False)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_missing_model_path(tiny_models, tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        train_mod.setup(cfg_for((tmp_path / "nope", tiny_models[1]), tmp_path))
+
+
+def test_mismatched_vocabularies(tiny_models, tmp_path):
+    from opd.models import tiny_qwen2
+    from opd.tasks import ArithmeticTask
+    from opd.tokenizer import train_tokenizer
+
+    ex = ArithmeticTask(n_train=300, n_test=10, seed=5).examples("train")
+    tok = train_tokenizer([e.prompt for e in ex] + [e.solution for e in ex], vocab_size=600)
+    other = tmp_path / "other"
+    tiny_qwen2(len(tok), 1, 32, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id).save_pretrained(other)
+    tok.save_pretrained(other)
+    with pytest.raises(UserError, match="tokenizers differ"):
+        train_mod.setup(cfg_for((tiny_models[0], other), tmp_path))
+
+
+def test_empty_and_malformed_prompt_files(tiny_models, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(UserError, match="empty"):
+        train_mod.setup(cfg_for(tiny_models, tmp_path, task=str(empty)))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1?", "answer": "2"}\n{"answer": "3"}\n')
+    with pytest.raises(UserError, match="line 2.*prompt|prompt.*line 2"):
+        train_mod.setup(cfg_for(tiny_models, tmp_path, task=str(bad)))
+
+
+def test_prompt_longer_than_allowed(tiny_models, tmp_path):
+    with pytest.raises(UserError, match="longer than max_prompt_tokens"):
+        train_mod.setup(cfg_for(tiny_models, tmp_path, max_prompt_tokens=5))
+
+
+def test_prompt_plus_response_longer_than_context(tiny_models, tmp_path):
+    with pytest.raises(UserError, match="exceeds the model's context"):
+        run = train_mod.setup(cfg_for(tiny_models, tmp_path, max_new_tokens=600))
+        train_mod.rollout_stage(run, 0)
+
+
+def test_k_larger_than_vocab(tiny_models, tmp_path):
+    with pytest.raises(UserError, match="larger than the vocabulary"):
+        train_mod.setup(cfg_for(tiny_models, tmp_path, k=5000))
+
+
+@pytest.mark.parametrize("top_p", [0.0, 1.5, -0.1])
+def test_top_p_out_of_range(tiny_models, tmp_path, top_p):
+    with pytest.raises(ConfigError, match="top_p"):
+        cfg_for(tiny_models, tmp_path, top_p=top_p)
+
+
+def test_cli_reports_user_errors_without_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "opd", "train", "--student", str(tmp_path / "missing"),
+                           "--teacher", str(tmp_path / "missing")], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "error:" in proc.stderr and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
