@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from opd.demo import make_demo_models, run_demo
+from opd.errors import UserError
 
 
 def test_make_demo_models_and_quick_demo(tmp_path):
@@ -20,6 +22,12 @@ def test_make_demo_models_and_quick_demo(tmp_path):
         assert "<|im_start|>assistant" in tok.apply_chat_template([{"role": "user", "content": "1+1"}],
                                                                   tokenize=False, add_generation_prompt=True)
     assert AutoModelForCausalLM.from_pretrained(assets / "teacher").config.num_hidden_layers == 4
+    teacher_weights = (assets / "teacher" / "model.safetensors").read_bytes()
+    remade = make_demo_models(assets, quick=True, only="student")  # the teacher is left as it was
+    assert set(remade) == {"teacher", "student"}
+    assert (assets / "teacher" / "model.safetensors").read_bytes() == teacher_weights
+    with pytest.raises(UserError, match="--only"):
+        make_demo_models(assets, quick=True, only="teachers")
 
     summary = run_demo(tmp_path / "demo", quick=True, assets=assets)
     saved = json.loads((tmp_path / "demo" / "summary.json").read_text())

@@ -309,7 +309,10 @@ def fresh(*xs):
 @pytest.mark.parametrize("shape,mask_kind,dtype", cases(masks=["row", "none"], low=[F32, BF16]))
 @pytest.mark.parametrize("chunk_size", [1, 3, 1000])
 @pytest.mark.parametrize("shared_ids", [False, True])
-def test_local_support_kl_from_hidden(shape, mask_kind, dtype, chunk_size, shared_ids):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "gather"])
+def test_local_support_kl_from_hidden(shape, mask_kind, dtype, chunk_size, shared_ids, fused, monkeypatch):
+    if not fused:  # the public-API path taken when torch lacks the fused row-dot kernel
+        monkeypatch.setattr(L, "_ROW_DOTS", None)
     h, w, ids, tlp, mask, sm, gout = hidden_inputs(shape, 12, dtype, shared_ids, mask_kind)
     out = L.local_support_kl_from_hidden(h, w, ids, tlp, mask, support_mask=sm,
                                          chunk_size=chunk_size)

@@ -106,10 +106,10 @@ def test_levels_change_op_count_and_operand_size():
         return n_ops, max(operands)
 
     ops1, max1 = stats(ArithmeticTask.from_level(1, n_train=1000, n_test=50))
-    ops4, max4 = stats(ArithmeticTask.from_level(4, n_train=1000, n_test=50))
+    ops4, max4 = stats(ArithmeticTask.from_level(5, n_train=1000, n_test=50))
     assert ops1 == {1} and max1 <= 9
     assert ops4 == {3, 4} and 99 < max4 <= 999
-    assert get_task("arithmetic", level=3, n_train=100, n_test=10).num_ops == (2, 3)
+    assert get_task("arithmetic", level=4, n_train=100, n_test=10).num_ops == (2, 3)
     with pytest.raises(UserError, match="level"):
         ArithmeticTask.from_level(9)
 

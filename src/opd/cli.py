@@ -105,11 +105,12 @@ def _make_demo_models(
     out: Path = typer.Option(..., help="Where to write tokenizer/, teacher/ and student/."),
     quick: bool = typer.Option(False, help="A shortened version (for tests): far fewer steps."),
     seed: int = typer.Option(0, help="Seed."),
+    only: str = typer.Option("", help="Make only 'teacher' or 'student' (reuses OUT/tokenizer)."),
 ) -> None:
     """Reproduce the packaged demo models: train the tokenizer, the teacher and the student."""
     from opd.demo import make_demo_models
 
-    make_demo_models(out=out, quick=quick, seed=seed)
+    make_demo_models(out=out, quick=quick, seed=seed, only=only)
 
 
 def main() -> None:

@@ -48,7 +48,7 @@ class ModelSource:
 
     student: str = opt("", "Student model: a local Hugging Face causal-LM directory (from_pretrained).")
     task: str = opt("arithmetic", "Prompt source: 'arithmetic' (built-in task) or a JSONL file with prompt/answer.")
-    task_level: int = opt(2, "Difficulty level of the built-in arithmetic task (1-4).")
+    task_level: int = opt(2, "Difficulty level of the built-in arithmetic task (1-5; see ArithmeticTask.from_level).")
     seed: int = opt(0, "Seed for data order, sampling and initialisation.")
     out: str = opt("runs/run", "Run directory (config.json, metrics.jsonl, rollouts.jsonl, checkpoints).")
     dtype: str = opt("float32", "Model dtype: float32, bfloat16 or float16 (low precision needs a GPU to pay off).")
@@ -58,7 +58,7 @@ class ModelSource:
     def _check_common(self) -> None:
         _require(self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens} must be >= 1")
         _require(self.max_prompt_tokens >= 1, f"max_prompt_tokens={self.max_prompt_tokens} must be >= 1")
-        _require(1 <= self.task_level <= 4, f"task_level={self.task_level} must be 1, 2, 3 or 4")
+        _require(1 <= self.task_level <= 5, f"task_level={self.task_level} must be 1, 2, 3, 4 or 5")
         _require(self.dtype in ("float32", "bfloat16", "float16"), f"dtype={self.dtype!r}: use float32, bfloat16 or float16")
 
 
@@ -163,6 +163,7 @@ class EvalConfig(ModelSource):
         self._check_common()
         _require(0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must lie in (0, 1]")
         _require(self.samples >= 0, "samples must be >= 0")
+        _require(self.temperature > 0, f"temperature={self.temperature} must be > 0 (greedy accuracy is always reported)")
 
 
 def field_help(cls: type) -> dict[str, str]:

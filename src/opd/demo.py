@@ -15,6 +15,7 @@ AutoModelForCausalLM/AutoTokenizer) and ``eval.jsonl`` (the evaluation prompts).
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -33,46 +34,53 @@ from opd.tokenizer import train_tokenizer
 ASSETS = Path(__file__).parent / "assets" / "demo"
 TASK_LEVEL = 2
 VOCAB_SIZE = 2048
-TEACHER_ARCH, STUDENT_ARCH = "qwen2:4:256", "qwen2:2:128"
+TEACHER_ARCH, STUDENT_ARCH = "qwen2:4:256", "qwen2:1:128"
 EVAL_SIZE, EVAL_SAMPLES = 300, 4
 MAX_NEW_TOKENS = 48
 
 
-def make_demo_models(out: Path, quick: bool = False, seed: int = 0) -> dict:
-    """Train the tokenizer, the teacher and the student of the demo into ``out``."""
+def make_demo_models(out: Path, quick: bool = False, seed: int = 0, only: str = "") -> dict:
+    """Train the tokenizer, the teacher and the student of the demo into ``out``.
+
+    ``only="teacher"`` or ``"student"`` makes just that model (reusing ``out/tokenizer``)."""
     from opd.sft import sft
 
+    if only not in ("", "teacher", "student"):
+        raise UserError(f"--only {only!r}: use teacher or student (or leave it empty for both)")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    task = get_task("arithmetic", level=TASK_LEVEL, seed=seed)
-    train = task.examples("train")
-    tok = train_tokenizer([e.prompt for e in train] + [e.solution for e in train], VOCAB_SIZE)
-    tok.save_pretrained(out / "tokenizer")
+    if not (only and (out / "tokenizer" / "tokenizer.json").is_file()):
+        train = get_task("arithmetic", level=TASK_LEVEL, seed=seed).examples("train")
+        tok = train_tokenizer([e.prompt for e in train] + [e.solution for e in train], VOCAB_SIZE)
+        tok.save_pretrained(out / "tokenizer")
     common = dict(task="arithmetic", task_level=TASK_LEVEL, seed=seed, tokenizer=str(out / "tokenizer"),
                   max_new_tokens=MAX_NEW_TOKENS, batch_size=8 if quick else 64, eval_size=16 if quick else 300)
     # --quick only checks that the recipe runs (tests): a few steps, small batches.
     plans = {
         "teacher": SFTConfig(arch=TEACHER_ARCH, out=str(out / "runs" / "teacher"), lr=1e-3,
-                             steps=10 if quick else 4000, warmup_steps=2 if quick else 200,
-                             eval_every=10 if quick else 500, **common),
+                             steps=10 if quick else 1200, warmup_steps=2 if quick else 100,
+                             eval_every=10 if quick else 200, **common),
         # The student trains with a constant rate until its test accuracy stops improving, so
         # OPD's gains cannot be more of the same supervised training.
         "student": SFTConfig(arch=STUDENT_ARCH, out=str(out / "runs" / "student"), lr=1e-3, schedule="constant",
                              steps=10 if quick else 6000, warmup_steps=2 if quick else 200, patience=0 if quick else 4,
                              eval_every=10 if quick else 250, **common),
     }
-    summary = {}
+    summary_path = out / "make_summary.json"
     for name, cfg in plans.items():
-        summary[name] = sft(cfg)
+        if only and name != only:
+            continue
+        result = sft(cfg)
+        # Read just before writing: `--only teacher` and `--only student` may run side by side.
+        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+        summary[name] = result
+        summary_path.write_text(json.dumps(summary, indent=2) + "\n")
         final = Path(cfg.out) / "final"
         target = out / name
         if target.exists():
-            import shutil
-
             shutil.rmtree(target)
         final.rename(target)
-    (out / "make_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+    return json.loads(summary_path.read_text())
 
 
 def _eval(model_dir: Path, prompts: PromptSet, tok, seed: int) -> dict:

@@ -302,25 +302,20 @@ def local_support_kl(
 class _SupportKLFromHidden(torch.autograd.Function):
     """Chunked LSM from hidden states with an analytic backward.
 
-    The forward stores only dKL/dz for the K support logits of each active position; the
-    backward gathers the K weight rows again chunk by chunk and accumulates the weight gradient
-    in place, so peak extra memory is O(chunk * K * D) rather than O(B * T * K * D).
+    The forward stores only dKL/dz for the K support logits of each active position. The K
+    logits and grad_h come from embedding-bag kernels that read each weight row once and copy
+    none; the weight gradient is accumulated in place a chunk at a time, so peak extra memory is
+    O(chunk * K * D) rather than O(B * T * K * D).
     """
 
     @staticmethod
     def forward(ctx, hidden_ND, weight_VD, ids_NK, t_lp_NK, valid_NK, chunk_size):
         dtype = _compute_dtype(hidden_ND, weight_VD, t_lp_NK)
-        n = hidden_ND.shape[0]
-        kl_N = torch.zeros(n, dtype=dtype, device=hidden_ND.device)
-        dz_NK = torch.zeros(ids_NK.shape, dtype=dtype, device=hidden_ND.device)
-        active = torch.ones(n, dtype=torch.bool, device=hidden_ND.device)
-        for sl in _position_chunks(n, chunk_size):
-            w_cKD = weight_VD[ids_NK[sl]].to(dtype)
-            z_cK = torch.bmm(w_cKD, hidden_ND[sl].to(dtype).unsqueeze(-1)).squeeze(-1)
-            kl_c, p_c, logp_c, logq_c = _support_kl_terms(z_cK, t_lp_NK[sl].to(dtype), valid_NK[sl], active[sl])
-            # d KL(p||q) / dz_j = p_j (log p_j - log q_j - KL); slots that do not count have p_j = 0.
-            dz_NK[sl] = p_c * (logp_c - logq_c - kl_c.unsqueeze(-1))
-            kl_N[sl] = kl_c
+        active = torch.ones(ids_NK.shape[0], dtype=torch.bool, device=hidden_ND.device)
+        z_NK = _support_logits(hidden_ND, weight_VD, ids_NK, dtype, chunk_size)
+        kl_N, p_NK, logp_NK, logq_NK = _support_kl_terms(z_NK, t_lp_NK.to(dtype), valid_NK, active)
+        # d KL(p||q) / dz_j = p_j (log p_j - log q_j - KL); slots that do not count have p_j = 0.
+        dz_NK = p_NK * (logp_NK - logq_NK - kl_N.unsqueeze(-1))
         ctx.save_for_backward(hidden_ND, weight_VD, ids_NK, dz_NK)
         ctx.chunk_size = chunk_size
         return kl_N
@@ -329,22 +324,55 @@ class _SupportKLFromHidden(torch.autograd.Function):
     def backward(ctx, grad_kl_N):
         hidden_ND, weight_VD, ids_NK, dz_NK = ctx.saved_tensors
         dtype = dz_NK.dtype
-        grad_h = torch.zeros(hidden_ND.shape, dtype=dtype, device=hidden_ND.device) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight_VD.shape, dtype=dtype, device=weight_VD.device) if ctx.needs_input_grad[1] else None
-        D = hidden_ND.shape[1]
-        for sl in _position_chunks(hidden_ND.shape[0], ctx.chunk_size):
-            g_cK = grad_kl_N[sl].to(dtype).unsqueeze(-1) * dz_NK[sl]
-            if grad_h is not None:
-                w_cKD = weight_VD[ids_NK[sl]].to(dtype)
-                grad_h[sl] = torch.bmm(g_cK.unsqueeze(1), w_cKD).squeeze(1)
-            if grad_w is not None:
-                contrib = g_cK.unsqueeze(-1) * hidden_ND[sl].to(dtype).unsqueeze(1)
-                grad_w.index_add_(0, ids_NK[sl].reshape(-1), contrib.reshape(-1, D))
-        return (
-            None if grad_h is None else grad_h.to(hidden_ND.dtype),
-            None if grad_w is None else grad_w.to(weight_VD.dtype),
-            None, None, None, None,
-        )
+        g_NK = grad_kl_N.to(dtype).unsqueeze(-1) * dz_NK
+        grad_h = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_h = _weighted_rows(weight_VD, ids_NK, g_NK, ctx.chunk_size).to(hidden_ND.dtype)
+        if ctx.needs_input_grad[1]:
+            n, K = ids_NK.shape
+            D = hidden_ND.shape[1]
+            grad_w = torch.zeros(weight_VD.shape, dtype=dtype, device=weight_VD.device)
+            buf = torch.empty(min(n, ctx.chunk_size or n), K, D, dtype=dtype, device=weight_VD.device)
+            for sl in _position_chunks(n, ctx.chunk_size):
+                rows = sl.stop - sl.start
+                contrib = torch.mul(g_NK[sl].unsqueeze(-1), hidden_ND[sl].to(dtype).unsqueeze(1), out=buf[:rows])
+                grad_w.index_add_(0, ids_NK[sl].reshape(-1), contrib.view(rows * K, D))
+            grad_w = grad_w.to(weight_VD.dtype)
+        return grad_h, grad_w, None, None, None, None
+
+
+# A public-API equivalent of this fused "row . vector" kernel would need a (chunk, K, D) copy.
+_ROW_DOTS = getattr(torch.ops.aten, "_embedding_bag_per_sample_weights_backward", None)
+
+
+def _support_logits(hidden_ND, weight_VD, ids_NK, dtype, chunk_size, fused: bool = True) -> torch.Tensor:
+    """z[n, k] = hidden[n] . W[ids[n, k]] in ``dtype``, without materializing the rows if possible."""
+    n, K = ids_NK.shape
+    if fused and _ROW_DOTS is not None and hidden_ND.dtype == weight_VD.dtype == dtype and hidden_ND.device.type == "cpu":
+        # embedding_bag's per-sample-weight gradient is exactly one dot product per (bag, row).
+        flat = ids_NK.reshape(-1)
+        offsets = torch.arange(0, n * K, K, device=flat.device)
+        bags = torch.arange(n, device=flat.device).repeat_interleave(K)
+        return _ROW_DOTS(hidden_ND.contiguous(), weight_VD.contiguous(), flat, offsets, bags, 0, -1).view(n, K)
+    z_NK = torch.empty(n, K, dtype=dtype, device=hidden_ND.device)
+    # One reused buffer: fresh memory costs page faults that dominate this bandwidth-bound loop.
+    buf = torch.empty(min(n, chunk_size or n) * K, weight_VD.shape[1], dtype=weight_VD.dtype, device=weight_VD.device)
+    for sl in _position_chunks(n, chunk_size):
+        rows = sl.stop - sl.start
+        w_cKD = torch.index_select(weight_VD, 0, ids_NK[sl].reshape(-1), out=buf[: rows * K]).view(rows, K, -1)
+        z_NK[sl] = torch.bmm(w_cKD.to(dtype), hidden_ND[sl].to(dtype).unsqueeze(-1)).squeeze(-1)
+    return z_NK
+
+
+def _weighted_rows(weight_VD: torch.Tensor, ids_NK: torch.Tensor, g_NK: torch.Tensor, chunk_size) -> torch.Tensor:
+    """out[n] = sum_k g[n, k] * W[ids[n, k]], accumulated in g's dtype."""
+    if weight_VD.dtype == g_NK.dtype:
+        # A weighted bag of embedding rows: reads each row once and copies nothing.
+        return F.embedding_bag(ids_NK, weight_VD, per_sample_weights=g_NK, mode="sum")
+    out = torch.empty(ids_NK.shape[0], weight_VD.shape[1], dtype=g_NK.dtype, device=g_NK.device)
+    for sl in _position_chunks(ids_NK.shape[0], chunk_size):
+        out[sl] = torch.bmm(g_NK[sl].unsqueeze(1), weight_VD[ids_NK[sl]].to(g_NK.dtype)).squeeze(1)
+    return out
 
 
 def local_support_kl_from_hidden(
@@ -354,7 +382,7 @@ def local_support_kl_from_hidden(
     teacher_logprobs_BTK: torch.Tensor,
     mask_BT: torch.Tensor,
     support_mask: torch.Tensor | None = None,
-    chunk_size: int = 512,
+    chunk_size: int = 128,
 ) -> torch.Tensor:
     """:func:`local_support_kl` (renormalized) from the student's final hidden states.
 
@@ -553,9 +581,12 @@ def _chunked_divergence(student_logits_BTV, teacher_logits_BTV, mask_BT, mode, b
     t_NV = teacher_logits_BTV.detach().reshape(B * T, V)
     m_N = _as_bool(mask_BT).reshape(-1)
     grad_on = torch.is_grad_enabled() and s_NV.requires_grad and chunk_size
+    step = chunk_size if chunk_size and chunk_size > 0 else max(B * T, 1)
     pieces = []
-    for sl in _position_chunks(B * T, chunk_size):
-        args = (s_NV[sl].to(dtype), t_NV[sl].to(dtype), m_N[sl], mode, beta)
+    # split() rather than slicing: the backward of each slice would allocate a full-size zero
+    # gradient, where split's backward concatenates the chunk gradients once.
+    for s_cV, t_cV, m_c in zip(s_NV.split(step), t_NV.split(step), m_N.split(step)):
+        args = (s_cV.to(dtype), t_cV.to(dtype), m_c, mode, beta)
         # Checkpointing keeps only the chunk's inputs in the graph: one chunk of V-sized
         # intermediates is alive at a time, in the forward and in the backward.
         pieces.append(checkpoint(_divergence_chunk, *args, use_reentrant=False) if grad_on else _divergence_chunk(*args))

@@ -7,6 +7,8 @@ from typing import Iterator
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from opd.rundir import is_main_process
+
 
 class _Bar:
     def __init__(self, progress: Progress | None, task_id):
@@ -23,7 +25,7 @@ class _Bar:
 
 @contextmanager
 def progress_bar(label: str, total: int, enabled: bool = True) -> Iterator[_Bar]:
-    if not enabled:
+    if not (enabled and is_main_process()):
         yield _Bar(None, None)
         return
     columns = (TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

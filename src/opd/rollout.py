@@ -121,6 +121,8 @@ class HFRollout:
     def generate(self, prompt_ids, seeds, *, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False) -> RolloutBatch:
         if len(seeds) != len(prompt_ids):
             raise ValueError("one seed per prompt is required")
+        if not greedy and not temperature > 0:
+            raise ValueError(f"temperature={temperature} must be > 0; pass greedy=True for argmax decoding")
         ids, attn = left_pad(prompt_ids, self.pad_id)
         N, P = ids.shape
         if self.max_context and P + max_new_tokens > self.max_context:

@@ -32,11 +32,16 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def is_main_process() -> bool:
+    """Rank 0 of a torchrun/accelerate launch (``RANK`` unset means a single process)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 class RunDir:
-    def __init__(self, path: str | Path, enabled: bool = True):
+    def __init__(self, path: str | Path, enabled: bool | None = None):
         self.path = Path(path)
-        self.enabled = enabled
-        if enabled:
+        self.enabled = is_main_process() if enabled is None else enabled
+        if self.enabled:
             self.path.mkdir(parents=True, exist_ok=True)
 
     # ------------------------------------------------------------------ logs

@@ -37,16 +37,21 @@ def _full_vocab_diagnostics(s_MV: torch.Tensor, t_MV: torch.Tensor, k: int) -> d
     }
 
 
-def step_metrics(run, batch, rows, scores, upd: dict, mask_NT: torch.Tensor) -> dict:
+def grade_rollouts(run, batch, rows) -> tuple[list[str], list[float]]:
+    """Decoded responses and their task rewards (1 = correct), graded once per step."""
+    texts = decode_responses(run.tokenizer, batch.response_ids_NT, batch.response_mask_NT)
+    return texts, [run.task.reward(t, run.prompts.examples[i]) for t, i in zip(texts, rows)]
+
+
+def step_metrics(run, batch, correct: list[float], scores, upd: dict, mask_NT: torch.Tensor) -> dict:
     cfg = run.cfg
     resp = batch.response_mask_NT
-    texts = decode_responses(run.tokenizer, batch.response_ids_NT, resp)
-    correct = [run.task.reward(t, run.prompts.examples[i]) for t, i in zip(texts, rows)]
     reward_NT = (scores.sampled_logprobs_NT - batch.logprobs_NT) * resp
     W = head_weight(run.student)
     s_MV = upd["diag_hidden_MD"].float() @ W.detach().float().T
-    depth_reward, _ = M.by_position_bucket(reward_NT, resp, DEPTH_BUCKETS)
-    depth_loss, _ = M.by_position_bucket(upd["loss_NT"], mask_NT, DEPTH_BUCKETS)
+    # A fixed horizon keeps bucket b the same depth range at every step, whatever the batch's length.
+    depth_reward, _ = M.by_position_bucket(reward_NT, resp, DEPTH_BUCKETS, horizon=cfg.max_new_tokens)
+    depth_loss, _ = M.by_position_bucket(upd["loss_NT"], mask_NT, DEPTH_BUCKETS, horizon=cfg.max_new_tokens)
     return {
         "train/loss": upd["loss"],
         "train/grad_norm": upd["grad_norm"],
@@ -66,7 +71,8 @@ def step_metrics(run, batch, rows, scores, upd: dict, mask_NT: torch.Tensor) -> 
     }
 
 
-def rollout_records(run, step: int, batch, rows, scores, upd: dict, mask_NT: torch.Tensor) -> list[dict]:
+def rollout_records(run, step: int, batch, rows, texts: list[str], correct: list[float], scores, upd: dict,
+                    mask_NT: torch.Tensor) -> list[dict]:
     """Per-token detail of the first few rollouts, for the report's token inspector."""
     tok = run.tokenizer
     h = upd["log_hidden"]
@@ -78,13 +84,12 @@ def rollout_records(run, step: int, batch, rows, scores, upd: dict, mask_NT: tor
         ids = batch.response_ids_NT[r, :n]
         topk = scores.topk_ids_NTK[r, :n]
         example = run.prompts.examples[rows[r]]
-        text = tok.decode(ids.tolist(), skip_special_tokens=True)
         records.append({
             "step": step,
             "prompt": example.prompt,
             "answer": example.answer,
-            "response": text,
-            "correct": bool(run.task.reward(text, example)),
+            "response": texts[r],
+            "correct": bool(correct[r]),
             "tokens": tok.convert_ids_to_tokens(ids.tolist()),
             "token_ids": ids.tolist(),
             "loss_mask": mask_NT[r, :n].tolist(),

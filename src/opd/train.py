@@ -34,7 +34,7 @@ from opd.optim import make_optimizer, make_scheduler, rng_state, set_rng_state
 from opd.progress import progress_bar
 from opd.rollout import HFRollout, RolloutBatch
 from opd.rundir import RunDir, save_final_model
-from opd.stepstats import rollout_records, step_metrics
+from opd.stepstats import grade_rollouts, rollout_records, step_metrics
 from opd.teacher import HFTeacher, TeacherScores
 
 
@@ -183,10 +183,11 @@ def update_stage(run: Run, step: int, batch: RolloutBatch, scores: TeacherScores
 
 def log_stage(run: Run, step: int, rows: list[int], batch: RolloutBatch, scores: TeacherScores, upd: dict,
               mask_NT: torch.Tensor, timings: dict) -> dict:
-    record = {"step": step, **step_metrics(run, batch, rows, scores, upd, mask_NT), **timings}
+    texts, correct = grade_rollouts(run, batch, rows)
+    record = {"step": step, **step_metrics(run, batch, correct, scores, upd, mask_NT), **timings}
     run.rundir.log_metrics(record)
     if run.cfg.log_rollouts:
-        run.rundir.log_rollouts(rollout_records(run, step, batch, rows, scores, upd, mask_NT))
+        run.rundir.log_rollouts(rollout_records(run, step, batch, rows, texts, correct, scores, upd, mask_NT))
     return record
 
 
