@@ -19,7 +19,7 @@ teacher's (1, T, V) logits precomputed (an input, so in the baseline, not in the
 whole training signals: TRL projects the teacher's head itself, (f) takes its top-K chunked.
 
 How:
-  * time: each (variant, T) runs in a fresh subprocess; ``--warmup`` untimed steps then
+  * time: each (variant, T) runs in a fresh subprocess; ``--warmup`` untimed steps (unless a step takes over ``--long-step`` s) then
     ``--repeats`` timed ones; we report the median wall time and median CPU-seconds. Gradients
     are set to None before each step (``zero_grad(set_to_none=True)``, torch's default).
   * memory: peak beyond the inputs, the parameters and their gradients = peak RSS (VmHWM) minus
@@ -70,7 +70,7 @@ VARIANTS = {
     "opd_signal": "(f) opd signal: teacher top-K + (a)",
 }
 FORMULAS = {
-    "lsm_hidden": "flops 6TKd; bytes 4TKd*4 (gather fwd, gather bwd, scatter-add r+w) + Vd*4 (dense dW)",
+    "lsm_hidden": "flops 6TKd; bytes 4TKd*4 (row dots fwd, weighted rows bwd, dW contributions w+r) + Vd*4 (dense dW)",
     "lsm_logits": "flops 6TVd; bytes 4Vd*4 (W read x3, dW write) + 4TV*4 (logits, dlogits w, 2 reads)",
     "sampled": "flops 8TVd (fwd, recompute, 2 bwd GEMMs); bytes (4*ceil(T/256)+1)Vd*4 + 7TV*4",
     "full_kl": "flops 6TVd; bytes 4Vd*4 + 8TV*4 (logits, 2x2 chunk reads, dlogits, 2 GEMM reads)",
@@ -202,16 +202,21 @@ def worker(a: argparse.Namespace) -> dict:
     del buf
     reset = reset_peak_rss()  # VmHWM now starts below the baseline: the gradients refill it
     times, cpus = [], []
-    for i in range(a.warmup + a.repeats):
+    warmup = a.warmup
+    while len(times) < a.repeats:
         for p in params:
             p.grad = None
         gc.collect()
         t0, c0 = time.perf_counter(), time.process_time()
         step()
         t1, c1 = time.perf_counter(), time.process_time()
-        if i >= a.warmup:
-            times.append(t1 - t0)
-            cpus.append(c1 - c0)
+        # A step longer than --long-step seconds dwarfs one-time start-up costs: it is timed
+        # rather than thrown away as a warm-up (this keeps the full run's wall time bounded).
+        if warmup > 0 and t1 - t0 < a.long_step:
+            warmup -= 1
+            continue
+        times.append(t1 - t0)
+        cpus.append(c1 - c0)
     return {
         "times_s": times, "median_s": statistics.median(times),
         "cpu_s": cpus, "cpu_median_s": statistics.median(cpus),
@@ -337,7 +342,7 @@ def render(report: dict) -> str:
     lines = [
         f"# opd loss benchmark ({'quick' if s['quick'] else 'full'})", "",
         f"- head V={s['V']} d={s['d']} teacher d={s['teacher_d']} K={s['K']}, fp32, B=1, threads={s['threads']}, "
-        f"warmup={s['warmup']}, repeats={s['repeats']} (medians); torch {s['torch']}, "
+        f"warmup={s['warmup']} (skipped when a step takes over {s.get('long_step', '-')} s), repeats={s['repeats']} (medians); torch {s['torch']}, "
         f"TRL {s['trl'] or 'not installed'}; load1 = 1-minute load average before the run ({s['threads']} = only us)",
         f"- machine (best of start/end): GEMM {m['gemm_GFLOPs']:.0f} GFLOP/s, copy {m['copy_GBps']:.1f} GB/s, "
         f"first touch {m['first_touch_GBps']:.1f} GB/s",
@@ -372,6 +377,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="small head and T (V=8192, d=256, T=256): < 1 minute")
     p.add_argument("--repeats", type=int, default=None, help="timed steps per (variant, T) (default 3, quick 2)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before timing")
+    p.add_argument("--long-step", type=float, default=10.0,
+                   help="a warm-up step slower than this (s) is timed instead of repeated")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in every run")
     p.add_argument("--T", type=int, nargs="+", default=None, help="sequence lengths (default 512 2048 4096)")
     p.add_argument("--V", type=int, default=None, help="vocabulary size (default 151936)")
@@ -390,7 +397,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.repeats = a.repeats or (2 if a.quick else 3)
     a.out = a.out or HERE / "results" / ("losses_quick.json" if a.quick else "losses.json")
     a.passthrough = [f"--{k}={getattr(a, k.replace('-', '_'))}" for k in
-                     ("V", "d", "teacher-d", "K", "kl-chunk", "repeats", "warmup", "threads")]
+                     ("V", "d", "teacher-d", "K", "kl-chunk", "repeats", "warmup", "long-step", "threads")]
     return a
 
 
@@ -415,7 +422,7 @@ def main(argv=None) -> None:
     ratio_rows = ratios(rows)
     report = {
         "settings": {k: getattr(a, k) for k in ("quick", "V", "d", "teacher_d", "K", "T", "kl_chunk", "repeats",
-                                                 "warmup", "threads")}
+                                                 "warmup", "long_step", "threads")}
         | {"torch": torch.__version__, "trl": trl, "trl_function": TRL_FN if trl else None,
            "python": platform.python_version(), "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M")},
         "method": {

@@ -37,6 +37,7 @@ VOCAB_SIZE = 2048
 TEACHER_ARCH, STUDENT_ARCH = "qwen2:4:256", "qwen2:1:128"
 EVAL_SIZE, EVAL_SAMPLES = 300, 4
 MAX_NEW_TOKENS = 48
+TOP_P = 0.9  # rollouts and avg@k sampling alike, so before/after figures are comparable
 
 
 def make_demo_models(out: Path, quick: bool = False, seed: int = 0, only: str = "") -> dict:
@@ -86,7 +87,7 @@ def make_demo_models(out: Path, quick: bool = False, seed: int = 0, only: str = 
 def _eval(model_dir: Path, prompts: PromptSet, tok, seed: int) -> dict:
     model = load_model(model_dir, "model")
     return evaluate_model(model, tok, prompts, max_new_tokens=MAX_NEW_TOKENS, samples=EVAL_SAMPLES,
-                          top_p=1.0, seed=seed, show_progress=True)
+                          top_p=TOP_P, seed=seed, show_progress=True)
 
 
 def run_demo(out: Path, steps: int = 200, quick: bool = False, assets: Path | None = None, seed: int = 0) -> dict:
@@ -111,7 +112,7 @@ def run_demo(out: Path, steps: int = 200, quick: bool = False, assets: Path | No
         student=str(assets / "student"), teacher=str(assets / "teacher"), task="arithmetic", task_level=TASK_LEVEL,
         seed=seed, steps=10 if quick else steps, batch_size=16 if quick else 64, lr=5e-4, warmup_steps=10,
         max_new_tokens=MAX_NEW_TOKENS, eval_every=0 if quick else 50, eval_size=eval_size, eval_samples=EVAL_SAMPLES,
-        ckpt_every=50, top_p=0.9, k=32,
+        ckpt_every=50, top_p=TOP_P, k=32,
     )
     results = {}
     for objective in ("sampled", "lsm"):
@@ -131,7 +132,8 @@ def run_demo(out: Path, steps: int = 200, quick: bool = False, assets: Path | No
 
 def summary_table(summary: dict) -> Table:
     k = summary["k"]
-    table = Table(title=f"opd demo: greedy accuracy and avg@{k} on {summary['eval_size']} test prompts")
+    table = Table(title=f"opd demo: greedy accuracy and avg@{k} (temperature 1, top-p {TOP_P}) "
+                        f"on {summary['eval_size']} test prompts")
     for col in ("model", "greedy acc", f"avg@{k}", "steps", "wall s"):
         table.add_column(col, justify="left" if col == "model" else "right")
     fmt = lambda x: "-" if x is None else f"{100 * x:.1f}%"

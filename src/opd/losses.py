@@ -300,78 +300,91 @@ def local_support_kl(
 
 
 class _SupportKLFromHidden(torch.autograd.Function):
-    """Chunked LSM from hidden states with an analytic backward.
+    """LSM from hidden states over the active positions ``rows_A``, with an analytic backward.
 
     The forward stores only dKL/dz for the K support logits of each active position. The K
-    logits and grad_h come from embedding-bag kernels that read each weight row once and copy
-    none; the weight gradient is accumulated in place a chunk at a time, so peak extra memory is
-    O(chunk * K * D) rather than O(B * T * K * D).
+    logits and grad_h come from embedding-bag kernels that read each weight row once, index the
+    hidden states in place (no copy of the active rows) and write grad_h at full size directly;
+    the weight gradient is accumulated a chunk at a time into one reused buffer, so peak extra
+    memory is O(chunk * K * D) rather than O(B * T * K * D).
     """
 
     @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, ids_NK, t_lp_NK, valid_NK, chunk_size):
-        dtype = _compute_dtype(hidden_ND, weight_VD, t_lp_NK)
-        active = torch.ones(ids_NK.shape[0], dtype=torch.bool, device=hidden_ND.device)
-        z_NK = _support_logits(hidden_ND, weight_VD, ids_NK, dtype, chunk_size)
-        kl_N, p_NK, logp_NK, logq_NK = _support_kl_terms(z_NK, t_lp_NK.to(dtype), valid_NK, active)
+    def forward(ctx, hidden_ND, weight_VD, rows_A, ids_AK, t_lp_AK, valid_AK, chunk_size):
+        dtype = _compute_dtype(hidden_ND, weight_VD, t_lp_AK)
+        everyone = torch.ones(ids_AK.shape[0], dtype=torch.bool, device=hidden_ND.device)
+        z_AK = _support_logits(hidden_ND, weight_VD, rows_A, ids_AK, dtype, chunk_size)
+        kl_A, p_AK, logp_AK, logq_AK = _support_kl_terms(z_AK, t_lp_AK.to(dtype), valid_AK, everyone)
         # d KL(p||q) / dz_j = p_j (log p_j - log q_j - KL); slots that do not count have p_j = 0.
-        dz_NK = p_NK * (logp_NK - logq_NK - kl_N.unsqueeze(-1))
-        ctx.save_for_backward(hidden_ND, weight_VD, ids_NK, dz_NK)
+        dz_AK = p_AK * (logp_AK - logq_AK - kl_A.unsqueeze(-1))
+        ctx.save_for_backward(hidden_ND, weight_VD, rows_A, ids_AK, dz_AK)
         ctx.chunk_size = chunk_size
-        return kl_N
+        return kl_A
 
     @staticmethod
-    def backward(ctx, grad_kl_N):
-        hidden_ND, weight_VD, ids_NK, dz_NK = ctx.saved_tensors
-        dtype = dz_NK.dtype
-        g_NK = grad_kl_N.to(dtype).unsqueeze(-1) * dz_NK
+    def backward(ctx, grad_kl_A):
+        hidden_ND, weight_VD, rows_A, ids_AK, dz_AK = ctx.saved_tensors
+        dtype = dz_AK.dtype
+        g_AK = grad_kl_A.to(dtype).unsqueeze(-1) * dz_AK
         grad_h = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_h = _weighted_rows(weight_VD, ids_NK, g_NK, ctx.chunk_size).to(hidden_ND.dtype)
+            grad_h = _weighted_rows(weight_VD, rows_A, ids_AK, g_AK, hidden_ND.shape[0], ctx.chunk_size)
+            grad_h = grad_h.to(hidden_ND.dtype)
         if ctx.needs_input_grad[1]:
-            n, K = ids_NK.shape
+            A, K = ids_AK.shape
             D = hidden_ND.shape[1]
             grad_w = torch.zeros(weight_VD.shape, dtype=dtype, device=weight_VD.device)
-            buf = torch.empty(min(n, ctx.chunk_size or n), K, D, dtype=dtype, device=weight_VD.device)
-            for sl in _position_chunks(n, ctx.chunk_size):
-                rows = sl.stop - sl.start
-                contrib = torch.mul(g_NK[sl].unsqueeze(-1), hidden_ND[sl].to(dtype).unsqueeze(1), out=buf[:rows])
-                grad_w.index_add_(0, ids_NK[sl].reshape(-1), contrib.view(rows * K, D))
+            buf = torch.empty(min(A, ctx.chunk_size or A), K, D, dtype=dtype, device=weight_VD.device)
+            for sl in _position_chunks(A, ctx.chunk_size):
+                n = sl.stop - sl.start
+                h_cD = hidden_ND[rows_A[sl]].to(dtype)
+                contrib = torch.mul(g_AK[sl].unsqueeze(-1), h_cD.unsqueeze(1), out=buf[:n])
+                grad_w.index_add_(0, ids_AK[sl].reshape(-1), contrib.view(n * K, D))
             grad_w = grad_w.to(weight_VD.dtype)
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 # A public-API equivalent of this fused "row . vector" kernel would need a (chunk, K, D) copy.
 _ROW_DOTS = getattr(torch.ops.aten, "_embedding_bag_per_sample_weights_backward", None)
 
 
-def _support_logits(hidden_ND, weight_VD, ids_NK, dtype, chunk_size, fused: bool = True) -> torch.Tensor:
-    """z[n, k] = hidden[n] . W[ids[n, k]] in ``dtype``, without materializing the rows if possible."""
-    n, K = ids_NK.shape
-    if fused and _ROW_DOTS is not None and hidden_ND.dtype == weight_VD.dtype == dtype and hidden_ND.device.type == "cpu":
-        # embedding_bag's per-sample-weight gradient is exactly one dot product per (bag, row).
-        flat = ids_NK.reshape(-1)
-        offsets = torch.arange(0, n * K, K, device=flat.device)
-        bags = torch.arange(n, device=flat.device).repeat_interleave(K)
-        return _ROW_DOTS(hidden_ND.contiguous(), weight_VD.contiguous(), flat, offsets, bags, 0, -1).view(n, K)
-    z_NK = torch.empty(n, K, dtype=dtype, device=hidden_ND.device)
+def _fused(hidden_ND: torch.Tensor, weight_VD: torch.Tensor, dtype: torch.dtype) -> bool:
+    return (_ROW_DOTS is not None and hidden_ND.dtype == weight_VD.dtype == dtype
+            and hidden_ND.device.type == "cpu")
+
+
+def _support_logits(hidden_ND, weight_VD, rows_A, ids_AK, dtype, chunk_size) -> torch.Tensor:
+    """z[a, k] = hidden[rows[a]] . W[ids[a, k]] in ``dtype``."""
+    A, K = ids_AK.shape
+    if _fused(hidden_ND, weight_VD, dtype):
+        # embedding_bag's per-sample-weight gradient is one dot product per (bag, row); its
+        # bag of each sample may be any row of hidden, so the active rows are never copied.
+        flat = ids_AK.reshape(-1)
+        offsets = torch.arange(0, A * K, K, device=flat.device)
+        return _ROW_DOTS(hidden_ND.contiguous(), weight_VD.contiguous(), flat, offsets,
+                         rows_A.repeat_interleave(K), 0, -1).view(A, K)
+    z_AK = torch.empty(A, K, dtype=dtype, device=hidden_ND.device)
     # One reused buffer: fresh memory costs page faults that dominate this bandwidth-bound loop.
-    buf = torch.empty(min(n, chunk_size or n) * K, weight_VD.shape[1], dtype=weight_VD.dtype, device=weight_VD.device)
-    for sl in _position_chunks(n, chunk_size):
-        rows = sl.stop - sl.start
-        w_cKD = torch.index_select(weight_VD, 0, ids_NK[sl].reshape(-1), out=buf[: rows * K]).view(rows, K, -1)
-        z_NK[sl] = torch.bmm(w_cKD.to(dtype), hidden_ND[sl].to(dtype).unsqueeze(-1)).squeeze(-1)
-    return z_NK
+    buf = torch.empty(min(A, chunk_size or A) * K, weight_VD.shape[1], dtype=weight_VD.dtype, device=weight_VD.device)
+    for sl in _position_chunks(A, chunk_size):
+        n = sl.stop - sl.start
+        w_cKD = torch.index_select(weight_VD, 0, ids_AK[sl].reshape(-1), out=buf[: n * K]).view(n, K, -1)
+        z_AK[sl] = torch.bmm(w_cKD.to(dtype), hidden_ND[rows_A[sl]].to(dtype).unsqueeze(-1)).squeeze(-1)
+    return z_AK
 
 
-def _weighted_rows(weight_VD: torch.Tensor, ids_NK: torch.Tensor, g_NK: torch.Tensor, chunk_size) -> torch.Tensor:
-    """out[n] = sum_k g[n, k] * W[ids[n, k]], accumulated in g's dtype."""
-    if weight_VD.dtype == g_NK.dtype:
-        # A weighted bag of embedding rows: reads each row once and copies nothing.
-        return F.embedding_bag(ids_NK, weight_VD, per_sample_weights=g_NK, mode="sum")
-    out = torch.empty(ids_NK.shape[0], weight_VD.shape[1], dtype=g_NK.dtype, device=g_NK.device)
-    for sl in _position_chunks(ids_NK.shape[0], chunk_size):
-        out[sl] = torch.bmm(g_NK[sl].unsqueeze(1), weight_VD[ids_NK[sl]].to(g_NK.dtype)).squeeze(1)
+def _weighted_rows(weight_VD, rows_A, ids_AK, g_AK, n_rows: int, chunk_size) -> torch.Tensor:
+    """out[rows[a]] = sum_k g[a, k] * W[ids[a, k]], zero on the other rows, in g's dtype."""
+    A, K = ids_AK.shape
+    if weight_VD.dtype == g_AK.dtype:
+        # A weighted bag of embedding rows per output row; rows that are not active get an empty
+        # bag (a zero row), so the full-size gradient is written once with no scatter.
+        counts = torch.zeros(n_rows, dtype=torch.long, device=ids_AK.device).index_fill_(0, rows_A, K)
+        offsets = counts.cumsum(0) - counts
+        return F.embedding_bag(ids_AK.reshape(-1), weight_VD, offsets, per_sample_weights=g_AK.reshape(-1), mode="sum")
+    out = torch.zeros(n_rows, weight_VD.shape[1], dtype=g_AK.dtype, device=g_AK.device)
+    for sl in _position_chunks(A, chunk_size):
+        out[rows_A[sl]] = torch.bmm(g_AK[sl].unsqueeze(1), weight_VD[ids_AK[sl]].to(g_AK.dtype)).squeeze(1)
     return out
 
 
@@ -409,8 +422,9 @@ def local_support_kl_from_hidden(
         # Keep the graph connected so callers can always call backward() on the reduced loss.
         return kl_flat.view(B, T) + 0.0 * hidden_BTD.sum(-1).to(dtype)
     kl_active = _SupportKLFromHidden.apply(
-        hidden_BTD.reshape(B * T, D)[active],
+        hidden_BTD.reshape(B * T, D),
         lm_head_weight_VD,
+        active,
         support_ids_BTK.reshape(B * T, K)[active],
         teacher_logprobs_BTK.detach().reshape(B * T, K)[active],
         valid.reshape(B * T, K)[active],
