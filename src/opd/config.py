@@ -18,6 +18,7 @@ import yaml
 
 from opd.errors import UserError
 from opd.losses import SUPPORT_KINDS
+from opd.tasks.arithmetic import LEVELS
 
 C = TypeVar("C")
 
@@ -48,7 +49,7 @@ class ModelSource:
 
     student: str = opt("", "Student model: a local Hugging Face causal-LM directory (from_pretrained).")
     task: str = opt("arithmetic", "Prompt source: 'arithmetic' (built-in task) or a JSONL file with prompt/answer.")
-    task_level: int = opt(2, "Difficulty level of the built-in arithmetic task (1-5; see ArithmeticTask.from_level).")
+    task_level: int = opt(2, f"Difficulty level of the built-in arithmetic task ({min(LEVELS)}-{max(LEVELS)}; see ArithmeticTask.from_level).")
     seed: int = opt(0, "Seed for data order, sampling and initialisation.")
     out: str = opt("runs/run", "Run directory (config.json, metrics.jsonl, rollouts.jsonl, checkpoints).")
     dtype: str = opt("float32", "Model dtype: float32, bfloat16 or float16 (low precision needs a GPU to pay off).")
@@ -58,7 +59,7 @@ class ModelSource:
     def _check_common(self) -> None:
         _require(self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens} must be >= 1")
         _require(self.max_prompt_tokens >= 1, f"max_prompt_tokens={self.max_prompt_tokens} must be >= 1")
-        _require(1 <= self.task_level <= 5, f"task_level={self.task_level} must be 1, 2, 3, 4 or 5")
+        _require(self.task_level in LEVELS, f"task_level={self.task_level} must be one of {sorted(LEVELS)}")
         _require(self.dtype in ("float32", "bfloat16", "float16"), f"dtype={self.dtype!r}: use float32, bfloat16 or float16")
 
 
