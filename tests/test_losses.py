@@ -369,6 +369,28 @@ def test_token_logprobs_and_teacher_topk_from_hidden(shape, mask_kind, dtype, ch
         close(tlps, R.ref_log_softmax(logits).gather(-1, tids), dtype)
 
 
+@pytest.mark.parametrize("which", ["hidden", "weight"])
+@pytest.mark.parametrize("chunk_size", [1, 4])
+def test_token_logprobs_from_hidden_masked_rows_and_one_input(which, chunk_size):
+    # Masked positions reach the backward as zero upstream gradients (skipped rows); only one of
+    # hidden / weight may require a gradient (a frozen head, or a detached hidden state).
+    B, T, V = 3, 5, 13
+    g = gen(41)
+    h, w = randn((B, T, D), g), randn((V, D), g, 0.7)
+    (h if which == "hidden" else w).requires_grad_(True)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    gout = randn((B, T), g) * make_mask(B, T, "row", g)
+    out = L.token_logprobs_from_hidden(h, w, ids, chunk_size=chunk_size)
+    ref, ref_gl = R.ref_gather_logprobs(R.ref_logits(h, w), ids, gout)
+    close(out, ref, F64, "value")
+    ref_gh, ref_gw = R.ref_hidden_grads(h, w, ref_gl)
+    x, ref_g = (h, ref_gh) if which == "hidden" else (w, ref_gw)
+    (got,) = torch.autograd.grad(out, [x], grad_outputs=gout)
+    check_grad(got, ref_g, x, F64, f"grad {which}")
+    if which == "hidden":
+        assert (got[0] == 0).all(), "a fully masked row must get exactly zero gradient"
+
+
 @pytest.mark.parametrize("chunk_size", [2, 5, 10_000])
 def test_from_hidden_chunk_sizes_agree(chunk_size):
     h, w, ids, tlp, mask, sm, gout = hidden_inputs((3, 7, 47, 4), 26, F64)

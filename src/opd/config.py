@@ -131,6 +131,7 @@ class SFTConfig(ModelSource):
     arch: str = opt("", "New tiny model 'qwen2:LAYERS:WIDTH' (e.g. qwen2:4:256) when --init is empty.")
     tokenizer: str = opt("", "Tokenizer directory for a new model (the demo trains one).")
     teacher: str = opt("", "Sample the targets from this teacher model (off-policy cold start) instead of using solutions.")
+    train_size: int = opt(0, "Train on only the first N examples (0: all); a small labelled set, as the demo's student.")
     steps: int = opt(2000, "Optimizer steps.")
     batch_size: int = opt(64, "Examples per step.")
     lr: float = opt(1e-3, "Peak learning rate (AdamW).")
@@ -144,6 +145,7 @@ class SFTConfig(ModelSource):
     def __post_init__(self) -> None:
         self._check_common()
         _require(self.steps >= 1 and self.batch_size >= 1, "steps and batch_size must be >= 1")
+        _require(self.train_size >= 0, f"train_size={self.train_size} must be >= 0 (0 uses every example)")
         _require(bool(self.init) != bool(self.arch), "give exactly one of --init (a model directory) or --arch (qwen2:LAYERS:WIDTH)")
         _require(self.schedule in ("constant", "linear", "cosine"), f"schedule={self.schedule!r}: constant, linear or cosine")
 

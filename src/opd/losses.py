@@ -447,9 +447,45 @@ def gather_logprobs(logits_BTV: torch.Tensor, ids_BT: torch.Tensor) -> torch.Ten
     return picked - torch.logsumexp(logits, dim=-1)
 
 
-def _hidden_chunk_logprobs(h_cD: torch.Tensor, w_VD: torch.Tensor, ids_c: torch.Tensor) -> torch.Tensor:
-    logits_cV = h_cD @ w_VD.T
-    return logits_cV.gather(-1, ids_c.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits_cV, dim=-1)
+class _TokenLogprobsFromHidden(torch.autograd.Function):
+    """log_softmax(h W^T)[id] a chunk of rows at a time, with a hand-written backward.
+
+    The backward recomputes one chunk's (chunk, V) logits and accumulates the weight gradient
+    into a single (V, D) buffer with addmm_: checkpointing each chunk instead would make autograd
+    allocate (and later sum) a full V x D gradient per chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_ND, weight_VD, ids_N, chunk_size):
+        lse_N = hidden_ND.new_empty(hidden_ND.shape[0])
+        picked_N = torch.empty_like(lse_N)
+        for sl in _position_chunks(hidden_ND.shape[0], chunk_size):
+            logits_cV = hidden_ND[sl] @ weight_VD.T
+            lse_N[sl] = torch.logsumexp(logits_cV, dim=-1)
+            picked_N[sl] = logits_cV.gather(-1, ids_N[sl].unsqueeze(-1)).squeeze(-1)
+        ctx.save_for_backward(hidden_ND, weight_VD, ids_N, lse_N)
+        ctx.chunk_size = chunk_size
+        return picked_N - lse_N
+
+    @staticmethod
+    def backward(ctx, grad_N):
+        hidden_ND, weight_VD, ids_N, lse_N = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.zeros_like(hidden_ND) if need_h else None
+        grad_w = torch.zeros_like(weight_VD) if need_w else None
+        # Rows with a zero upstream gradient (masked positions) contribute nothing: skip them.
+        rows = grad_N.nonzero().squeeze(-1)
+        for sl in _position_chunks(rows.numel(), ctx.chunk_size):
+            r = rows[sl]
+            h_cD, g_c = hidden_ND[r], grad_N[r]
+            # d logp[id] / d logits = onehot(id) - softmax(logits), scaled by the upstream grad.
+            d_cV = torch.exp((h_cD @ weight_VD.T).sub_(lse_N[r].unsqueeze(-1))).mul_(-g_c.unsqueeze(-1))
+            d_cV.scatter_add_(-1, ids_N[r].unsqueeze(-1), g_c.unsqueeze(-1))
+            if need_h:
+                grad_h[r] = d_cV @ weight_VD
+            if need_w:
+                grad_w.addmm_(d_cV.T, h_cD)
+        return grad_h, grad_w, None, None
 
 
 def token_logprobs_from_hidden(
@@ -457,8 +493,8 @@ def token_logprobs_from_hidden(
 ) -> torch.Tensor:
     """Differentiable log-probs of ``ids_BT`` from hidden states, a chunk of logits at a time.
 
-    Each chunk is checkpointed, so the graph keeps chunk inputs only and the backward recomputes
-    one chunk's (chunk, V) logits at a time.
+    Only one chunk's (chunk, V) logits exist at a time, in the forward and in the backward
+    (which recomputes them and skips positions whose upstream gradient is zero).
 
     Shapes:
         hidden_BTD: (B, T, D); lm_head_weight_VD: (V, D); ids_BT: (B, T) -> logp_BT: (B, T)
@@ -467,15 +503,7 @@ def token_logprobs_from_hidden(
     dtype = _compute_dtype(hidden_BTD, lm_head_weight_VD)
     flat_ND = hidden_BTD.reshape(B * T, D).to(dtype)
     w_VD = lm_head_weight_VD.to(dtype)
-    ids_N = ids_BT.reshape(-1)
-    grad_on = torch.is_grad_enabled() and (flat_ND.requires_grad or w_VD.requires_grad)
-    pieces = []
-    for sl in _position_chunks(B * T, chunk_size):
-        if grad_on:
-            pieces.append(checkpoint(_hidden_chunk_logprobs, flat_ND[sl], w_VD, ids_N[sl], use_reentrant=False))
-        else:
-            pieces.append(_hidden_chunk_logprobs(flat_ND[sl], w_VD, ids_N[sl]))
-    return torch.cat(pieces).view(B, T)
+    return _TokenLogprobsFromHidden.apply(flat_ND, w_VD, ids_BT.reshape(-1), chunk_size).view(B, T)
 
 
 def sampled_token_advantages(

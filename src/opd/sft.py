@@ -90,6 +90,10 @@ def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
     model, tok = build_model(cfg)
     task = load_task(cfg.task, cfg.task_level, cfg.seed)
     examples = load_sft_examples(cfg.data) if cfg.data else task.examples("train")
+    if cfg.train_size > len(examples):
+        raise UserError(f"--train-size {cfg.train_size} is more than the {len(examples)} training examples; "
+                        "lower it or pass 0 to use them all")
+    examples = examples[: cfg.train_size or None]
     if not cfg.teacher and any(not e.solution for e in examples):
         raise UserError("some training examples have no solution; give --data with solutions or --teacher to sample them")
     train_set = PromptSet.build(examples, tok, cfg.max_prompt_tokens, "SFT prompts")

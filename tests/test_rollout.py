@@ -1,0 +1,173 @@
+"""Rollouts and masks: nucleus sampling, recorded log-probs, per-prompt seeding, and which
+positions the losses see (response up to EOS, minus special tokens; never prompt or padding).
+
+References are explicit loops over plain Python lists, not calls into the code under test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from opd.models import load_model, load_tokenizer
+from opd.objectives import loss_mask
+from opd.rollout import HFRollout, RolloutBatch, nucleus_sample
+from opd.sft import encode_pairs
+from opd.tokenizer import format_prompt
+
+
+def ref_nucleus(probs: list[float], top_p: float) -> set[int]:
+    """Smallest set of most probable tokens whose mass reaches top_p (ties: lower id first)."""
+    order = sorted(range(len(probs)), key=lambda i: (-probs[i], i))
+    kept, mass = set(), 0.0
+    for i in order:
+        if probs[i] == 0.0:
+            break
+        kept.add(i)
+        mass += probs[i]
+        if mass >= top_p:
+            break
+    return kept
+
+
+def ref_softmax(row: list[float], temperature: float = 1.0) -> list[float]:
+    finite = [x / temperature for x in row if x != -math.inf]
+    m = max(finite)
+    e = [0.0 if x == -math.inf else math.exp(x / temperature - m) for x in row]
+    s = sum(e)
+    return [v / s for v in e]
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 1.0])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_nucleus_sample_draws_exactly_the_renormalized_nucleus(top_p, temperature):
+    logits = [[2.0, 0.3, -1.0, 1.1, -math.inf, 0.0, 1.7],
+              [0.0, 0.0, 0.0, 5.0, -math.inf, -math.inf, 0.1]]
+    M = 4000  # evenly spaced uniforms: each token is drawn M * p_renorm times, to within one
+    u = (torch.arange(M, dtype=torch.float64) + 0.5) / M
+    for row in logits:
+        probs = ref_softmax(row, temperature)
+        nucleus = ref_nucleus(probs, top_p)
+        mass = sum(probs[i] for i in nucleus)
+        drawn = nucleus_sample(torch.tensor([row] * M), u, temperature, top_p).tolist()
+        assert set(drawn) == nucleus, f"drew {set(drawn) - nucleus} outside the nucleus {nucleus}"
+        for i in nucleus:
+            assert abs(drawn.count(i) - M * probs[i] / mass) <= 1.5
+
+
+def sharpened(path, scale=8.0):
+    """A tiny random model whose next-token distributions are peaked, so the nucleus is small."""
+    model = load_model(path, "student")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model.eval()
+
+
+@torch.no_grad()
+def model_logprobs(model, batch: RolloutBatch) -> torch.Tensor:
+    """Log-probs of the next token at every response position, from one plain forward pass."""
+    mask = batch.attention_mask_NL
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=batch.input_ids_NL, attention_mask=mask, position_ids=pos).logits
+    P, T = batch.prompt_len, batch.response_ids_NT.shape[1]
+    return torch.log_softmax(logits[:, P - 1 : P - 1 + T].double(), -1)
+
+
+def some_prompts(tok, n):
+    texts = ["What is 3 + 4?", "I have 12 apples and eat 5. How many are left?", "Add 7 and 9.",
+             "Begin with 13, then put 8 more on top. What is the result?"]
+    return [tok(format_prompt(tok, texts[i % len(texts)]), add_special_tokens=False)["input_ids"] for i in range(n)]
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.9])
+def test_rollout_tokens_stay_in_each_positions_nucleus(tiny_models, top_p):
+    student, _ = tiny_models
+    tok, model = load_tokenizer(student), sharpened(student)
+    engine = HFRollout(model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    batch = engine.generate(some_prompts(tok, 6), list(range(6)), max_new_tokens=10, top_p=top_p)
+    lp = model_logprobs(model, batch)
+    outside_somewhere = 0
+    for n in range(batch.num_rollouts):
+        for t in range(batch.response_ids_NT.shape[1]):
+            if not batch.response_mask_NT[n, t]:
+                continue
+            probs = lp[n, t].exp().tolist()
+            nucleus = ref_nucleus(probs, top_p)
+            token = int(batch.response_ids_NT[n, t])
+            assert token in nucleus, f"rollout {n} position {t}: token {token} outside the top-p nucleus"
+            outside_somewhere += len(nucleus) < len(probs)
+            # The recorded log-prob is the unmodified policy's (temperature 1, no top-p).
+            assert abs(float(batch.logprobs_NT[n, t]) - float(lp[n, t, token])) < 1e-4
+    assert outside_somewhere > 0, "the test needs positions where the nucleus excludes tokens"
+
+
+def test_rollout_depends_on_its_own_seed_only(tiny_models):
+    student, _ = tiny_models
+    tok, model = load_tokenizer(student), sharpened(student, 3.0)
+    engine = HFRollout(model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    prompts = some_prompts(tok, 4)
+    together = engine.generate(prompts, [11, 12, 13, 14], max_new_tokens=8)
+    # Alone, the short prompt gets no left padding, and it is in a batch of one.
+    alone = engine.generate([prompts[2]], [13], max_new_tokens=8)
+    T = alone.response_ids_NT.shape[1]
+    assert torch.equal(together.response_ids_NT[2, :T], alone.response_ids_NT[0])
+    torch.testing.assert_close(together.logprobs_NT[2, :T], alone.logprobs_NT[0], atol=1e-4, rtol=0)
+    other = engine.generate(prompts, [21, 12, 13, 14], max_new_tokens=8)
+    assert torch.equal(other.response_ids_NT[1:], together.response_ids_NT[1:])
+
+
+def test_response_mask_ends_at_the_first_eos(tiny_models):
+    student, _ = tiny_models
+    tok, model = load_tokenizer(student), sharpened(student, 2.0)
+    prompts = some_prompts(tok, 8)
+    free = HFRollout(model, eos_id=-1, pad_id=tok.pad_token_id).generate(prompts, list(range(8)), max_new_tokens=10)
+    # Declare a token the rollouts actually produce to be the EOS, so some stop early.
+    stop = int(free.response_ids_NT[0, 3])
+    batch = HFRollout(model, eos_id=stop, pad_id=tok.pad_token_id).generate(prompts, list(range(8)), max_new_tokens=10)
+    T = batch.response_ids_NT.shape[1]
+    for n in range(8):
+        row = free.response_ids_NT[n].tolist()
+        end = row.index(stop) + 1 if stop in row else len(row)
+        assert batch.response_ids_NT[n, :end].tolist() == row[:end]
+        assert batch.response_mask_NT[n].tolist() == [t < end for t in range(T)]
+        assert bool(batch.finished_N[n]) == (stop in row)
+        assert (batch.logprobs_NT[n, end:] == 0).all()
+
+
+def test_loss_mask_is_response_until_eos_minus_special_tokens():
+    EOS, PAD, THINK, END_THINK = 2, 0, 5, 6
+    specials = [EOS, THINK, END_THINK]
+    responses = [[THINK, 9, 10, END_THINK, 11, EOS, PAD, PAD],
+                 [7, 8, 9, 10, 11, 12, 13, 14],  # no EOS: cut at the length limit
+                 [EOS, PAD, PAD, PAD, PAD, PAD, PAD, PAD],
+                 [8, PAD, 9, EOS, PAD, PAD, PAD, PAD]]  # a PAD id emitted mid-response is still a token
+    lengths = [6, 8, 1, 4]
+    T = 8
+    resp = torch.tensor(responses)
+    resp_mask = torch.tensor([[t < n for t in range(T)] for n in lengths])
+    prompt = torch.tensor([[PAD, 3, 4], [3, 4, 4], [PAD, PAD, 3], [3, 3, 3]])
+    batch = RolloutBatch(torch.cat([prompt, resp], 1), torch.cat([prompt != PAD, resp_mask], 1).long(), 3,
+                         resp, resp_mask, torch.zeros(4, T), torch.tensor([True, False, True, True]))
+    on = loss_mask(batch, specials, mask_special=True)
+    off = loss_mask(batch, specials, mask_special=False)
+    for n, row in enumerate(responses):
+        for t in range(T):
+            in_response = t < lengths[n]
+            assert bool(off[n, t]) == in_response
+            assert bool(on[n, t]) == (in_response and row[t] not in specials), (n, t)
+
+
+def test_sft_labels_cover_exactly_completion_and_eos(tiny_tokenizer):
+    tok = load_tokenizer(tiny_tokenizer, "tokenizer")
+    prompts = ["What is 3 + 4?", "Add 12 and 9, then take away 5. What do you get?"]
+    completions = ["<think>3 + 4 = 7.</think> The answer is \\boxed{7}", "The answer is \\boxed{16}"]
+    ids, att, lab = encode_pairs(tok, prompts, completions)
+    for n, (p, c) in enumerate(zip(prompts, completions)):
+        p_ids = tok(format_prompt(tok, p), add_special_tokens=False)["input_ids"]
+        c_ids = tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        L = len(p_ids) + len(c_ids)
+        assert ids[n, :L].tolist() == p_ids + c_ids
+        assert lab[n].tolist() == [-100] * len(p_ids) + c_ids + [-100] * (ids.shape[1] - L)
+        assert att[n].tolist() == [1] * L + [0] * (ids.shape[1] - L)

@@ -1,0 +1,64 @@
+"""`opd sft`: which examples it trains on, its targets, and its bad-input errors (tiny models)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from opd import sft as sft_mod
+from opd.config import ConfigError, SFTConfig
+from opd.data import load_task
+from opd.errors import UserError
+
+SMALL = dict(steps=3, batch_size=4, max_new_tokens=4, eval_size=2, eval_every=0, warmup_steps=1)
+
+
+def record_targets(monkeypatch):
+    """Capture the (prompt, target) pairs every step trains on."""
+    seen = []
+    real = sft_mod.encode_pairs
+
+    def spy(tok, prompts, completions):
+        seen.extend(zip(prompts, completions))
+        return real(tok, prompts, completions)
+
+    monkeypatch.setattr(sft_mod, "encode_pairs", spy)
+    return seen
+
+
+def test_train_size_keeps_only_the_first_examples(tiny_models, tmp_path, monkeypatch):
+    student, _ = tiny_models
+    seen = record_targets(monkeypatch)
+    cfg = SFTConfig(init=str(student), out=str(tmp_path / "run"), train_size=2, **SMALL)
+    summary = sft_mod.sft(cfg, show_progress=False)
+    first = load_task(cfg.task, cfg.task_level, cfg.seed).examples("train")[:2]
+    assert len(seen) == 3 * 4
+    assert {p for p, _ in seen} == {e.prompt for e in first}
+    assert all(t == next(e.solution for e in first if e.prompt == p) for p, t in seen)
+    assert summary["steps"] == 3 and (tmp_path / "run" / "final" / "config.json").is_file()
+
+
+def test_cold_start_targets_come_from_the_teacher(tiny_models, tmp_path, monkeypatch):
+    student, teacher = tiny_models
+    seen = record_targets(monkeypatch)
+    cfg = SFTConfig(init=str(student), teacher=str(teacher), out=str(tmp_path / "run"), **SMALL)
+    sft_mod.sft(cfg, show_progress=False)
+    solutions = {e.solution for e in load_task(cfg.task, cfg.task_level, cfg.seed).examples("train")}
+    assert seen and not any(t in solutions for _, t in seen), "targets must be teacher samples"
+
+
+def test_data_file_and_its_errors(tiny_models, tmp_path, monkeypatch):
+    student, _ = tiny_models
+    data = tmp_path / "sft.jsonl"
+    data.write_text(json.dumps({"prompt": "What is 1 + 1?", "solution": "The answer is \\boxed{2}"}) + "\n")
+    seen = record_targets(monkeypatch)
+    sft_mod.sft(SFTConfig(init=str(student), data=str(data), out=str(tmp_path / "a"), **SMALL), show_progress=False)
+    assert set(seen) == {("What is 1 + 1?", "The answer is \\boxed{2}")}
+    with pytest.raises(UserError, match="--train-size 5 is more than the 1 training examples"):
+        sft_mod.sft(SFTConfig(init=str(student), data=str(data), train_size=5, out=str(tmp_path / "b"), **SMALL))
+    data.write_text(json.dumps({"prompt": "no target"}) + "\n")
+    with pytest.raises(UserError, match=r"sft.jsonl:1 needs a 'prompt' and a 'solution'"):
+        sft_mod.sft(SFTConfig(init=str(student), data=str(data), out=str(tmp_path / "c"), **SMALL))
+    with pytest.raises(ConfigError, match="train_size"):
+        SFTConfig(init=str(student), train_size=-1)
