@@ -220,3 +220,12 @@ def test_cli_reports_user_errors_without_traceback(tmp_path):
                            "--teacher", str(tmp_path / "missing")], capture_output=True, text=True)
     assert proc.returncode == 2
     assert "error:" in proc.stderr and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_new_run_over_an_old_one_is_refused(tiny_models, tmp_path):
+    cfg = cfg_for(tiny_models, tmp_path, steps=1)
+    train_mod.train(cfg, show_progress=False)
+    before = (tmp_path / "run" / "metrics.jsonl").read_text()
+    with pytest.raises(UserError, match="already holds a run.*--resume"):
+        train_mod.train(cfg, show_progress=False)
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == before

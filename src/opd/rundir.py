@@ -23,12 +23,26 @@ from opd.errors import UserError
 CKPT_DIR = "checkpoints"
 
 
+def _usual_modes(path: Path) -> None:
+    """Give ``path`` (and a directory's contents) the modes a plain write would have.
+
+    mkstemp/mkdtemp (and safetensors) create private 0600/0700 entries; renamed into place they
+    would keep them, leaving run files and models unreadable to other users of a shared machine.
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    entries = [path, *path.rglob("*")] if path.is_dir() else [path]
+    for p in entries:
+        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+    _usual_modes(Path(tmp))
     os.replace(tmp, path)
 
 
@@ -43,6 +57,12 @@ class RunDir:
         self.enabled = is_main_process() if enabled is None else enabled
         if self.enabled:
             self.path.mkdir(parents=True, exist_ok=True)
+
+    def require_fresh(self, resume: bool = False) -> None:
+        """Refuse to start a new run over an earlier one: its logs would be appended to, not replaced."""
+        if self.enabled and not resume and (self.path / "metrics.jsonl").exists():
+            raise UserError(f"{self.path} already holds a run (metrics.jsonl); pass --resume to continue it, "
+                            "or choose a new --out (or delete that directory) to start over")
 
     # ------------------------------------------------------------------ logs
     def write_config(self, cfg: Any) -> None:
@@ -103,6 +123,7 @@ class RunDir:
         model.save_pretrained(tmp / "model", safe_serialization=True)
         torch.save(state, tmp / "state.pt")
         (tmp / "COMPLETE").write_text(str(step))
+        _usual_modes(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -141,6 +162,7 @@ def save_final_model(path: Path, model, tokenizer, enabled: bool = True) -> None
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
+    _usual_modes(tmp)
     if path.exists():
         shutil.rmtree(path)
     os.replace(tmp, path)

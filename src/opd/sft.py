@@ -86,6 +86,7 @@ def teacher_completions(engine: HFRollout, tok, prompts: PromptSet, idx: list[in
 
 def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
     rundir = RunDir(cfg.out)
+    rundir.require_fresh()
     rundir.write_config(cfg)
     model, tok = build_model(cfg)
     task = load_task(cfg.task, cfg.task_level, cfg.seed)

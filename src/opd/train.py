@@ -64,6 +64,7 @@ class Run:
 def setup(cfg: TrainConfig) -> Run:
     torch.manual_seed(cfg.seed)
     rundir = RunDir(cfg.out)
+    rundir.require_fresh(cfg.resume)
     tok = load_tokenizer(cfg.student, "student")
     student = load_model(cfg.student, "student", cfg.dtype)
     teacher_model = load_model(cfg.teacher, "teacher", cfg.dtype)
