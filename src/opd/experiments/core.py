@@ -1,0 +1,259 @@
+"""The experiment machinery: run specs, the resuming runner, and the written outputs.
+
+An :class:`Experiment` is a plan (the list of :class:`RunSpec` it needs, for given seeds and
+size) plus an analysis that reads *only* the run directories and returns tables, plots and
+claim verdicts. :func:`run_experiment` executes the plan under ``OUT/NAME/runs/``, skipping runs
+whose directory holds ``DONE.json`` and resuming interrupted ``opd train`` runs from their
+latest checkpoint, then writes ``results.md``, ``results.json``, the PNG plots and
+``commands.txt`` (the ``opd`` command equivalent to each run) into ``OUT/NAME/``.
+
+Run kinds: ``train`` (:func:`opd.train.train`), ``sft`` (:func:`opd.sft.sft`), ``eval``
+(:func:`opd.evaluate.run_eval`) and ``python`` (an experiment's own measurement function, e.g.
+the synthetic variance study, called as ``fn(params, run_dir) -> dict``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from opd.config import EvalConfig, SFTConfig, TrainConfig
+from opd.errors import UserError
+
+DONE = "DONE.json"
+
+
+@dataclass
+class Settings:
+    """What the user asked for: where, how many seeds, full size or ``--quick``."""
+
+    out: Path  # OUT/NAME
+    seeds: int
+    quick: bool
+
+    @property
+    def runs(self) -> Path:
+        return self.out / "runs"
+
+    def run_dir(self, name: str) -> Path:
+        return self.runs / name
+
+
+@dataclass
+class RunSpec:
+    """One run of an experiment; ``name`` is its directory under ``OUT/NAME/runs``."""
+
+    name: str
+    kind: str  # train | sft | eval | python
+    config: Any  # TrainConfig | SFTConfig | EvalConfig | dict of parameters (python)
+    fn: Callable[[dict, Path], dict] | None = None
+    label: str = ""  # what a python step does, for commands.txt
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("train", "sft", "eval", "python"):
+            raise ValueError(f"unknown run kind {self.kind!r}")
+        if self.kind == "python" and self.fn is None:
+            raise ValueError(f"python run {self.name} needs fn")
+
+
+@dataclass
+class Claim:
+    """A claim of a paper, the rule that decides it here, the verdict and the numbers behind it."""
+
+    source: str  # e.g. "2603.25562 Fig. 1a"
+    claim: str
+    rule: str
+    verdict: str
+    evidence: str
+
+
+@dataclass
+class Analysis:
+    tables: list[dict] = field(default_factory=list)  # {"title", "headers", "rows", "note"}
+    plots: list[str] = field(default_factory=list)  # file names inside OUT/NAME
+    claims: list[Claim] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def table(self, title: str, headers: list[str], rows: list[list], note: str = "") -> None:
+        self.tables.append({"title": title, "headers": headers, "rows": [[str(c) for c in r] for r in rows], "note": note})
+
+
+@dataclass
+class Experiment:
+    name: str
+    title: str
+    about: str  # what it measures, full-size cost, what was cut (markdown)
+    plan: Callable[[Settings], list[RunSpec]]
+    analyze: Callable[[Settings, list[RunSpec]], Analysis]
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def _finished(run_dir: Path) -> bool:
+    return (run_dir / DONE).is_file()
+
+
+def _execute(spec: RunSpec, run_dir: Path, show_progress: bool) -> dict:
+    if spec.kind == "train":
+        from opd.rundir import RunDir
+        from opd.train import train
+
+        started = (run_dir / "metrics.jsonl").exists()
+        if started and RunDir(run_dir).latest_checkpoint() is None:
+            shutil.rmtree(run_dir)  # killed before its first checkpoint: nothing to resume
+            started = False
+        cfg = dataclasses.replace(spec.config, out=str(run_dir), resume=started)
+        return train(cfg, show_progress=show_progress) or {}
+    if spec.kind == "sft":
+        from opd.sft import sft
+
+        shutil.rmtree(run_dir, ignore_errors=True)  # sft has no resume: an interrupted one starts over
+        return sft(dataclasses.replace(spec.config, out=str(run_dir)), show_progress=show_progress)
+    if spec.kind == "eval":
+        from opd.evaluate import run_eval
+
+        return run_eval(dataclasses.replace(spec.config, out=str(run_dir)))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return spec.fn(dict(spec.config), run_dir)
+
+
+def run_specs(specs: list[RunSpec], settings: Settings, show_progress: bool = True) -> list[dict]:
+    """Run each spec in order (later specs may use earlier ones' outputs); skip finished ones."""
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError("run names within an experiment must be unique")
+    log = []
+    for i, spec in enumerate(specs, 1):
+        run_dir = settings.run_dir(spec.name)
+        if _finished(run_dir):
+            log.append({"run": spec.name, "status": "skipped (finished earlier)"})
+            continue
+        print(f"[{i}/{len(specs)}] {spec.kind} {spec.name}", flush=True)
+        t0 = time.time()
+        result = _execute(spec, run_dir, show_progress)
+        wall = round(time.time() - t0, 2)
+        record = {"run": spec.name, "kind": spec.kind, "wall_s": wall, "result": result}
+        (run_dir / DONE).write_text(json.dumps(record, indent=2, default=str) + "\n")
+        log.append({"run": spec.name, "status": "ran", "wall_s": wall})
+    return log
+
+
+def read_done(settings: Settings, name: str) -> dict:
+    p = settings.run_dir(name) / DONE
+    if not p.is_file():
+        raise UserError(f"run {p.parent} has not finished; rerun the experiment to complete it")
+    return json.loads(p.read_text())
+
+
+def read_metrics(settings: Settings, name: str) -> list[dict]:
+    """The records of a run's metrics.jsonl (training steps and eval records alike)."""
+    p = settings.run_dir(name) / "metrics.jsonl"
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.is_file() else []
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _flag_values(cfg: Any) -> list[str]:
+    """``--flag value`` for every field that differs from its dataclass default."""
+    parts = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if value == _field_default(f) or f.name == "resume":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            parts.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            parts.extend(f"{flag} {json.dumps(str(v))}" for v in value)
+        else:
+            text = str(value)
+            parts.append(f"{flag} {text if text and ' ' not in text else json.dumps(text)}")
+    return parts
+
+
+def command_line(spec: RunSpec, run_dir: Path) -> str:
+    if spec.kind == "python":
+        params = json.dumps(spec.config, sort_keys=True)
+        return f"# python step ({spec.label or spec.fn.__module__ + '.' + spec.fn.__name__}) -> {run_dir}: {params}"
+    cfg = dataclasses.replace(spec.config, out=str(run_dir))
+    return " ".join(["opd", spec.kind, *_flag_values(cfg)])
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def machine_info() -> dict:
+    import torch
+
+    return {"cpu_cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+            "platform": platform.platform(), "torch_threads": torch.get_num_threads()}
+
+
+def _md_table(t: dict) -> str:
+    lines = [f"**{t['title']}**", "", "| " + " | ".join(t["headers"]) + " |",
+             "|" + "|".join("---" for _ in t["headers"]) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in t["rows"]]
+    if t.get("note"):
+        lines += ["", t["note"]]
+    return "\n".join(lines)
+
+
+def render_markdown(res: dict, plot_prefix: str = "") -> str:
+    """The body of an experiment's results (used for results.md and docs/RESULTS.md)."""
+    size = "quick (--quick: a shortened smoke version, NOT the full result)" if res["quick"] else "full size"
+    m = res["machine"]
+    out = [f"Size: {size}; seeds: {res['seeds']}; wall time {res['wall_s'] / 60:.1f} min of runs "
+           f"({res['runs_total']} runs); machine: {m['cpu_cores']} CPU cores, torch {m['torch']}, "
+           f"Python {m['python']}; generated {res['generated']}.", "", res["about"].strip(), ""]
+    if res["claims"]:
+        out += ["**Claims**", "", "| source | claim | rule | verdict | numbers |", "|---|---|---|---|---|"]
+        out += [f"| {c['source']} | {c['claim']} | {c['rule']} | **{c['verdict']}** | {c['evidence']} |" for c in res["claims"]]
+        out.append("")
+    for t in res["tables"]:
+        out += [_md_table(t), ""]
+    for p in res["plots"]:
+        out += [f"![{p}]({plot_prefix}{p})", ""]
+    out += [f"- {n}" for n in res["notes"]]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def run_experiment(exp: Experiment, out: Path, seeds: int, quick: bool, show_progress: bool = True) -> dict:
+    """Run (or resume) every run of ``exp``, analyse, and write its outputs under ``out/exp.name``."""
+    if seeds < 1:
+        raise UserError(f"--seeds {seeds} must be >= 1 (3 or more for intervals)")
+    settings = Settings(Path(out) / exp.name, seeds, quick)
+    settings.runs.mkdir(parents=True, exist_ok=True)
+    specs = exp.plan(settings)
+    t0 = time.time()
+    log = run_specs(specs, settings, show_progress)
+    analysis = exp.analyze(settings, specs)
+    wall_runs = sum(read_done(settings, s.name)["wall_s"] for s in specs)
+    res = {
+        "name": exp.name, "title": exp.title, "about": exp.about, "quick": quick, "seeds": seeds,
+        "wall_s": wall_runs, "wall_s_this_invocation": round(time.time() - t0, 1), "runs_total": len(specs),
+        "machine": machine_info(), "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "tables": analysis.tables, "plots": analysis.plots, "notes": analysis.notes,
+        "claims": [dataclasses.asdict(c) for c in analysis.claims], "run_log": log,
+        "command": f"opd experiment {exp.name} --seeds {seeds} --out {out}" + (" --quick" if quick else ""),
+    }
+    (settings.out / "results.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
+    (settings.out / "results.md").write_text(f"# {exp.title}\n\n{render_markdown(res)}")
+    lines = [f"# {res['command']}", "# the equivalent of each run (python steps are internal to opd.experiments):"]
+    lines += [command_line(s, settings.run_dir(s.name)) for s in specs]
+    (settings.out / "commands.txt").write_text("\n".join(lines) + "\n")
+    print(f"wrote {settings.out / 'results.md'}", file=sys.stderr)
+    return res

@@ -1,0 +1,113 @@
+"""Statistics for the experiments: means with 95% t-intervals over seeds, AUROC, power-law fits, verdicts.
+
+Pure Python (no scipy: it is not a dependency of opd). The Student-t quantiles are a table of
+t_{0.975, df}; between tabulated degrees of freedom the next smaller df is used, which makes the
+interval slightly wider (conservative), never narrower.
+
+Verdicts follow one stated rule everywhere (:func:`verdict`): a claim "A > B" is *reproduced*
+when the 95% interval of the mean paired difference (A - B, same seed) lies entirely above 0,
+*not reproduced* when it lies entirely below 0 (the opposite holds), and *inconclusive* when it
+contains 0 or fewer than 2 seeds were run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inconclusive"
+
+# two-sided 95% quantiles t_{0.975, df}
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
+         10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110,
+         18: 2.101, 19: 2.093, 20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060,
+         26: 2.056, 27: 2.052, 28: 2.048, 29: 2.045, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}
+
+
+def t975(df: int) -> float:
+    """Two-sided 95% Student-t quantile for ``df`` degrees of freedom (conservative between rows)."""
+    if df < 1:
+        raise ValueError(f"df={df} must be >= 1")
+    if df > 120:
+        return 1.960
+    return _T975[max(d for d in _T975 if d <= df)]
+
+
+@dataclass
+class Interval:
+    """Mean of n values with its 95% t-interval (lo = hi = nan when n < 2)."""
+
+    mean: float
+    lo: float
+    hi: float
+    n: int
+
+    def fmt(self, digits: int = 3, scale: float = 1.0) -> str:
+        if self.n == 0 or math.isnan(self.mean):
+            return "-"
+        m = f"{self.mean * scale:.{digits}f}"
+        if self.n < 2:
+            return f"{m} (n=1)"
+        return f"{m} [{self.lo * scale:.{digits}f}, {self.hi * scale:.{digits}f}]"
+
+    def as_dict(self) -> dict:
+        return {"mean": self.mean, "lo": self.lo, "hi": self.hi, "n": self.n}
+
+
+def mean_ci(values: Sequence[float]) -> Interval:
+    """Mean and 95% t-interval; NaN values are dropped (a run that produced no number)."""
+    xs = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+    n = len(xs)
+    if n == 0:
+        return Interval(math.nan, math.nan, math.nan, 0)
+    m = sum(xs) / n
+    if n < 2:
+        return Interval(m, math.nan, math.nan, 1)
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
+    half = t975(n - 1) * sd / math.sqrt(n)
+    return Interval(m, m - half, m + half, n)
+
+
+def verdict(diffs: Sequence[float]) -> tuple[str, Interval]:
+    """Verdict on "A > B" from paired differences A - B (one per seed); see the module docstring."""
+    ci = mean_ci(diffs)
+    if ci.n < 2:
+        return INCONCLUSIVE, ci
+    if ci.lo > 0:
+        return REPRODUCED, ci
+    if ci.hi < 0:
+        return NOT_REPRODUCED, ci
+    return INCONCLUSIVE, ci
+
+
+def auroc(scores: Sequence[float], labels: Sequence[bool]) -> float:
+    """Area under the ROC curve of ``scores`` for the positive ``labels`` (Mann-Whitney U / n+ n-).
+
+    Ties count one half (mid-ranks). NaN when either class is empty."""
+    pairs = sorted(zip(map(float, scores), map(bool, labels)))
+    n_pos = sum(1 for _, y in pairs if y)
+    n_neg = len(pairs) - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return math.nan
+    rank_sum, i = 0.0, 0
+    while i < len(pairs):
+        j = i
+        while j < len(pairs) and pairs[j][0] == pairs[i][0]:
+            j += 1
+        mid = (i + 1 + j) / 2  # ranks i+1..j share their mean
+        rank_sum += mid * sum(1 for _, y in pairs[i:j] if y)
+        i = j
+    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
+def fit_power_law(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares fit of log y = a + b log x; returns (exponent b, prefactor e^a)."""
+    if len(xs) != len(ys) or len(xs) < 2:
+        raise ValueError("need at least two (x, y) points of equal count")
+    lx = [math.log(x) for x in xs]
+    ly = [math.log(y) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    sxx = sum((x - mx) ** 2 for x in lx)
+    b = sum((x - mx) * (y - my) for x, y in zip(lx, ly)) / sxx
+    return b, math.exp(my - b * mx)
