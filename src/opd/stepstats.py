@@ -83,6 +83,7 @@ def rollout_records(run, step: int, batch, rows, texts: list[str], correct: list
         n = int(batch.response_mask_NT[r].sum())
         ids = batch.response_ids_NT[r, :n]
         topk = scores.topk_ids_NTK[r, :n]
+        uniq = topk.unique().tolist()
         example = run.prompts.examples[rows[r]]
         records.append({
             "step": step,
@@ -99,5 +100,7 @@ def rollout_records(run, step: int, batch, rows, texts: list[str], correct: list
             "teacher_topk_ids": topk.tolist(),
             "teacher_topk_logprobs": [[round(x, 4) for x in row] for row in scores.topk_logprobs_NTK[r, :n].float().tolist()],
             "student_topk_logprobs": [[round(x, 4) for x in row] for row in student_lp[r, :n].gather(-1, topk).tolist()],
+            # Each distinct top-K id once, so the report can label the inspector's bars without a tokenizer.
+            "topk_tokens": dict(zip(map(str, uniq), tok.convert_ids_to_tokens(uniq))),
         })
     return records

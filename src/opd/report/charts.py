@@ -1,0 +1,219 @@
+"""What each chart of the report is fed: plain-JSON chart specs built from loaded runs.
+
+One spec per chart, read by both renderers -- the page's inline JavaScript (``report.js``) and
+matplotlib for the PNGs (:mod:`opd.report.png`) -- so the two always show the same numbers.
+Kinds: ``line`` (runs overlaid over steps; a thin raw line with an exponential moving average on
+top when a run has many steps; ``marks`` flag steps such as clipped gradients; ``hlines`` are
+reference levels), ``heatmap`` (a value by position bucket over steps), ``scatter`` (student vs
+teacher probability of sampled tokens, split by the sign of the reward).
+
+Usage::
+
+    from opd.report.charts import build_charts
+    charts = build_charts(load_runs([...]))   # [{"id": "loss", "kind": "line", "series": [...]}, ...]
+"""
+
+from __future__ import annotations
+
+import math
+
+from opd.evaluation import gap_recovery
+from opd.report.load import RunData
+
+# (id, title, [(metric key, series label suffix, dashed)], y label, what it shows)
+TRAINING = [
+    ("loss", "Training loss", [("train/loss", "", False)], "loss", "Objective loss per step (token mean)."),
+    ("kl", "Reverse KL to the teacher", [("train/kl_to_teacher", "", False)], "KL (nats)",
+     "KL(student || teacher) over the full vocabulary at sampled response positions."),
+    ("rollout-accuracy", "Rollout accuracy (training batch)", [("rollout/accuracy", "", False)], "accuracy",
+     "Share of the step's sampled rollouts graded correct."),
+    ("grad-norm", "Gradient norm", [("train/grad_norm", "", False)], "norm",
+     "Before clipping; crosses mark steps whose gradient was clipped."),
+    ("response-len", "Response length", [("rollout/response_len", "", False)], "tokens",
+     "Mean generated tokens per rollout."),
+    ("eos-rate", "EOS rate", [("rollout/eos_rate", "", False)], "share", "Share of rollouts that ended with EOS."),
+    ("repetition", "Repetition rate", [("rollout/repetition_rate", "", False)], "share",
+     "Share of rollouts caught repeating themselves."),
+]
+DIAGNOSTICS = [
+    ("overlap", "Top-K overlap ratio", [("diag/overlap", "", False)], "ratio",
+     "|top-K(student) ∩ top-K(teacher)| / K: how much of the teacher's support the student already shares."),
+    ("overlap-advantage", "Overlap-token advantage", [("diag/overlap_advantage", "", False)], "advantage",
+     "Teacher minus student log-probability on the shared top-K tokens."),
+    ("entropy-gap", "Entropy gap", [("diag/entropy_gap", "", False)], "nats", "Student entropy minus teacher entropy."),
+    ("support-mass", "Mass inside the teacher's top-K",
+     [("diag/student_support_mass", " student", False), ("diag/teacher_support_mass", " teacher", True)], "mass",
+     "Probability mass each model puts on the teacher's top-K (solid: student, dashed: teacher)."),
+    ("out-of-support", "Sampled tokens outside the teacher's top-K", [("diag/out_of_support", "", False)], "share",
+     "Share of sampled tokens the teacher does not rank in its top-K."),
+    ("negative-reward", "Negative sampled-token rewards", [("diag/negative_reward", "", False)], "share",
+     "Share of sampled tokens with log q - log p < 0: the student likes them more than the teacher."),
+]
+# (key, title, colour-bar label, sign): sign -1 flips the colours so that red always means bad for the
+# student (a negative reward, a high loss).
+DEPTH = [("depth/reward", "Sampled-token reward by depth", "log q - log p (mean per bucket)", 1),
+         ("depth/loss", "Per-token loss by depth", "loss (mean per bucket)", -1)]
+# Run colours (Okabe-Ito, readable with colour blindness) and reward-sign colours, shared by both renderers.
+PALETTE = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000", "#F0E442"]
+NEGATIVE, POSITIVE = "#d62728", "#1f9e4a"
+SCATTER_POINTS = 3000  # per run: enough to show the cloud, small enough to stay light in the page
+
+
+def ema(values: list[float], alpha: float) -> list[float]:
+    """Exponential moving average, debiased at the start like TensorBoard's smoothing."""
+    out, acc, weight = [], 0.0, 0.0
+    for v in values:
+        acc = alpha * acc + (1 - alpha) * v
+        weight = alpha * weight + (1 - alpha)
+        out.append(acc / weight)
+    return out
+
+
+def _series(run: RunData, color: int, key: str, suffix: str, dashed: bool, records: list[dict]) -> dict | None:
+    pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+    if not pts:
+        return None
+    x, y = [p[0] for p in pts], [float(p[1]) for p in pts]
+    s = {"run": run.name, "label": run.name + suffix, "color": color, "dashed": dashed, "x": x, "y": y}
+    if len(y) >= 20:
+        s["smooth"] = ema(y, alpha=min(0.9, 1 - 4 / len(y)))
+    return s
+
+
+def line_chart(runs: list[RunData], cid: str, title: str, keys, ylabel: str, note: str, group: str) -> dict:
+    series = []
+    for color, run in enumerate(runs):
+        for key, suffix, dashed in keys:
+            s = _series(run, color, key, suffix, dashed, run.steps)
+            if s is None:
+                continue
+            if cid == "grad-norm":
+                s["marks"] = [r["step"] for r in run.steps if r.get("train/clipped") is True]
+            series.append(s)
+    hlines = []
+    if cid == "grad-norm":
+        limits = sorted({r.config["max_grad_norm"] for r in runs if r.config.get("max_grad_norm")})
+        hlines = [{"y": v, "label": f"clip at {v:g}"} for v in limits]
+    return {"id": cid, "kind": "line", "group": group, "title": title, "xlabel": "step", "ylabel": ylabel,
+            "note": note, "keys": [k for k, _, _ in keys], "series": series, "hlines": hlines}
+
+
+def eval_chart(runs: list[RunData]) -> dict:
+    """Eval accuracy over steps (greedy solid, avg@k dashed), with the teacher and the start as references."""
+    series = []
+    for color, run in enumerate(runs):
+        for key, suffix, dashed in (("eval/accuracy", " greedy", False), ("eval/avg_at_k", " avg@k", True)):
+            s = _series(run, color, key, suffix, dashed, run.evals)
+            if s:
+                s.pop("smooth", None)  # few points, each an evaluation over many prompts
+                series.append(s)
+    hlines, seen = [], set()
+    for run in runs:
+        for key, label in (("teacher_acc", "teacher"), ("student_init_acc", "student before")):
+            v = run.summary.get(key)
+            if v is not None and (label, v) not in seen:
+                seen.add((label, v))
+                hlines.append({"y": v, "label": label})
+    return {"id": "eval-accuracy", "kind": "line", "group": "training", "title": "Eval accuracy",
+            "xlabel": "step", "ylabel": "accuracy", "keys": ["eval/accuracy", "eval/avg_at_k"],
+            "note": "Held-out accuracy: greedy (solid) and avg@k sampled (dashed); grey lines: teacher and the "
+                    "student before OPD.", "series": series, "hlines": hlines}
+
+
+def depth_heatmap(run: RunData, color: int, key: str, title: str, zlabel: str, sign: int) -> dict | None:
+    rows = [(r["step"], r[key]) for r in run.steps if isinstance(r.get(key), list)]
+    if not rows:
+        return None
+    width = max(len(z) for _, z in rows)
+    rows = [(s, z) for s, z in rows if len(z) == width]  # a record with another bucket count cannot share the grid
+    slug = key.split("/")[1]
+    flat = sorted(abs(float(v)) for _, z in rows for v in z)
+    # The colour scale ends at the 98th percentile of |value|, so one wild step does not wash out the rest.
+    bound = flat[min(len(flat) - 1, int(0.98 * len(flat)))] or (flat[-1] or 1.0)
+    return {"id": f"depth-{slug}-{run.name}".replace("/", "-"), "kind": "heatmap", "group": "depth",
+            "run": run.name, "color": color, "key": key, "title": f"{title}: {run.name}", "xlabel": "step",
+            "ylabel": "depth bucket (0 = start of response)", "zlabel": zlabel,
+            "x": [s for s, _ in rows], "buckets": width, "bound": bound, "sign": sign, "z": [[float(v) for v in z] for _, z in rows]}
+
+
+def scatter_chart(run: RunData, color: int) -> dict | None:
+    """Student vs teacher probability of every logged sampled token (loss-masked ones included)."""
+    pts = [(s, t) for r in run.rollouts
+           for s, t in zip(r["student_logprobs"], r["teacher_logprobs"])
+           if isinstance(s, (int, float)) and isinstance(t, (int, float))]
+    if not pts:
+        return None
+    total = len(pts)
+    stride = max(1, math.ceil(total / SCATTER_POINTS))
+    pts = pts[::stride]
+    # reward = log q - log p: positive where the teacher likes the token more than the student does.
+    prob = lambda s, t: [round(math.exp(s), 4), round(math.exp(t), 4)]
+    pos = [prob(s, t) for s, t in pts if t > s]
+    neg = [prob(s, t) for s, t in pts if t <= s]
+    return {"id": f"scatter-{run.name}".replace("/", "-"), "kind": "scatter", "group": "scatter", "run": run.name,
+            "color": color, "title": f"Sampled tokens: {run.name}", "xlabel": "student probability",
+            "ylabel": "teacher probability", "positive": pos, "negative": neg, "stride": stride,
+            "tokens": total}
+
+
+def build_charts(runs: list[RunData]) -> list[dict]:
+    """Every chart of the report, in page order; charts with no data at all are left out."""
+    charts = [line_chart(runs, *spec, group="training") for spec in TRAINING]
+    charts.insert(2, eval_chart(runs))
+    charts += [line_chart(runs, *spec, group="diagnostics") for spec in DIAGNOSTICS]
+    for spec in DEPTH:
+        charts += [h for color, run in enumerate(runs) if (h := depth_heatmap(run, color, *spec))]
+    charts += [s for color, run in enumerate(runs) if (s := scatter_chart(run, color))]
+    return [c for c in charts if c["kind"] != "line" or c["series"]]
+
+
+def _fmt_pct(v) -> str:
+    return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{100 * v:.1f}%"
+
+
+def _fmt_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "–"
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m}m {s:02d}s" if m else f"{s}s"
+
+
+def _settings(cfg: dict) -> str:
+    if not cfg:
+        return "unknown (no config.json)"
+    parts = []
+    if cfg.get("objective") == "lsm":
+        parts.append(f"K={cfg.get('k')} {cfg.get('support', '')}" + ("" if cfg.get("renormalize", True) else " no-renorm"))
+    elif cfg.get("objective") == "sampled":
+        parts.append(f"γ={cfg.get('gamma')}")
+    elif cfg.get("objective") == "full_kl":
+        parts.append(str(cfg.get("kl_direction", "")))
+    for key, label in (("lr", "lr"), ("batch_size", "batch"), ("top_p", "top-p"), ("mask_special", "mask special")):
+        if key in cfg and cfg[key] is not None:
+            value = {True: "on", False: "off"}.get(cfg[key], cfg[key]) if isinstance(cfg[key], bool) else cfg[key]
+            parts.append(f"{label} {value}")
+    return ", ".join(parts)
+
+
+def summary_rows(runs: list[RunData]) -> list[dict]:
+    """One row of display strings per run for the page's summary table."""
+    rows = []
+    for run in runs:
+        last_eval = run.evals[-1] if run.evals else {}
+        after = last_eval.get("eval/accuracy")
+        teacher, before = run.summary.get("teacher_acc"), run.summary.get("student_init_acc")
+        recovery = gap_recovery(before, after, teacher) if None not in (after, teacher, before) else None
+        wall = run.summary.get("wall_s")
+        if wall is None and run.steps:
+            wall = sum(r.get("time/step", 0.0) for r in run.steps)
+        planned = run.planned_steps
+        steps = f"{len(run.steps)}" + (f" / {planned}" if planned else "") + (" (in progress)" if run.in_progress else "")
+        k = last_eval.get("eval/k", run.summary.get("k"))
+        rows.append({
+            "run": run.name, "objective": run.config.get("objective", "?"), "settings": _settings(run.config),
+            "steps": steps, "wall": _fmt_duration(wall), "teacher": _fmt_pct(teacher), "before": _fmt_pct(before),
+            "after": _fmt_pct(after) + (f" (step {last_eval['step']})" if last_eval else ""),
+            "avg_at_k": _fmt_pct(last_eval.get("eval/avg_at_k")) + (f" (k={k})" if last_eval and k else ""),
+            "gap_recovery": "–" if recovery is None or math.isnan(recovery) else f"{100 * recovery:.0f}%",
+        })
+    return rows
