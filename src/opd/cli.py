@@ -1,4 +1,4 @@
-"""The ``opd`` command line: ``demo``, ``train``, ``sft``, ``eval``, ``make-demo-models``.
+"""The ``opd`` command line: ``demo``, ``train``, ``sft``, ``eval``, ``serve-teacher``, ``make-demo-models``.
 
 Every field of a command's config dataclass (:mod:`opd.config`) is an option of that command,
 and ``--config FILE`` (YAML or JSON) sets any of them; options given on the command line win.
@@ -98,6 +98,45 @@ def _demo(
     from opd.demo import run_demo
 
     run_demo(out=out, steps=steps, quick=quick, assets=assets)
+
+
+@app.command("report")
+def _report(
+    run_dirs: List[Path] = typer.Argument(..., help="Run directories to report on (compared on the same axes)."),
+    out: Optional[Path] = typer.Option(None, help="Directory for report.html and charts/*.png (default: RUN_DIR/report, "
+                                                  "or the runs' common parent/report for several)."),
+    inspector_steps: int = typer.Option(24, help="Logged steps per run kept for the token inspector (evenly spaced)."),
+) -> None:
+    """A self-contained HTML report (opens offline) and a PNG of every chart, from run directories only."""
+    from opd.report import default_out, write_report
+
+    path = write_report(run_dirs, out or default_out(run_dirs), inspector_steps=inspector_steps)
+    typer.echo(f"report: {path}")
+
+
+@app.command("serve-teacher")
+def _serve_teacher(
+    model: Path = typer.Argument(..., help="Teacher model directory (a local Hugging Face causal LM)."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8000, help="Port (0 picks a free one and prints it)."),
+    dtype: str = typer.Option("float32", help="Model dtype: float32, bfloat16 or float16."),
+    max_k: int = typer.Option(128, help="Largest prompt_logprobs K a request may ask for."),
+    max_prompt_tokens: int = typer.Option(4096, help="Longest prompt (tokens) a request may send."),
+    max_prompts: int = typer.Option(256, help="Most prompts in one request."),
+    max_batch_tokens: int = typer.Option(16384, help="Padded tokens per forward pass when batching requests."),
+    batch_wait_ms: float = typer.Option(5.0, help="How long the batcher waits for more requests to join a batch."),
+    served_model_name: str = typer.Option("", help="Model name in the API (default: the model path)."),
+    verbose: bool = typer.Option(False, help="Log every request."),
+) -> None:
+    """Serve a teacher over HTTP in vLLM's completions + prompt_logprobs format (for opd train --teacher-url)."""
+    from opd.serve import Limits, serve
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise UserError(f"--dtype {dtype!r}: use float32, bfloat16 or float16")
+    if min(max_k, max_prompt_tokens, max_prompts, max_batch_tokens) < 1 or batch_wait_ms < 0:
+        raise UserError("--max-k, --max-prompt-tokens, --max-prompts and --max-batch-tokens must be >= 1, --batch-wait-ms >= 0")
+    limits = Limits(max_k, max_prompt_tokens, max_prompts, max_batch_tokens, batch_wait_ms)
+    serve(str(model), host, port, dtype, served_model_name, limits, verbose)
 
 
 @app.command("report")

@@ -97,7 +97,11 @@ class TrainConfig(ModelSource):
     log_rollouts: int = opt(4, "Rollouts per step written to rollouts.jsonl.")
     diag_positions: int = opt(256, "Positions sampled per step for the full-vocabulary diagnostics.")
     resume: bool = opt(False, "Resume from the latest checkpoint in the run directory.")
-    teacher_url: str = opt("", "Served teacher URL (later issue); empty: in-process teacher.")
+    teacher_url: str = opt("", "Served teacher (opd serve-teacher, or vLLM/SGLang with prompt_logprobs), e.g. "
+                               "http://127.0.0.1:8000; replaces --teacher. Works with --objective sampled and lsm "
+                               "with support teacher_topk or teacher_topk_plus_sampled.")
+    teacher_timeout: float = opt(120.0, "Seconds to wait for one served-teacher request before retrying.")
+    teacher_retries: int = opt(3, "Retries (exponential backoff) of a failed served-teacher request.")
 
     def __post_init__(self) -> None:
         self._check_common()
@@ -118,6 +122,7 @@ class TrainConfig(ModelSource):
         _require(self.reduction in ("token_mean", "sequence_mean", "constant_sum"),
                  f"reduction={self.reduction!r}: token_mean, sequence_mean or constant_sum")
         _require(self.max_grad_norm >= 0, "max_grad_norm must be >= 0")
+        _require(self.teacher_timeout > 0 and self.teacher_retries >= 0, "teacher_timeout must be > 0 and teacher_retries >= 0")
         if self.mask_special is None:
             self.mask_special = self.objective == "lsm"
 

@@ -65,7 +65,8 @@ def step_metrics(run, batch, correct: list[float], scores, upd: dict, mask_NT: t
         "diag/reward_mean": M.masked_mean(reward_NT, resp),
         "diag/negative_reward": M.negative_reward_share(batch.logprobs_NT, scores.sampled_logprobs_NT, resp),
         "diag/out_of_support": M.out_of_support_share(batch.response_ids_NT, scores.topk_ids_NTK, resp),
-        **_full_vocab_diagnostics(s_MV, scores.diag_logits_MV, min(cfg.k, W.shape[0])),
+        # A served teacher returns no full logits: those diagnostics are then absent, not faked.
+        **({} if scores.diag_logits_MV is None else _full_vocab_diagnostics(s_MV, scores.diag_logits_MV, min(cfg.k, W.shape[0]))),
         "depth/reward": depth_reward.tolist(),
         "depth/loss": depth_loss.tolist(),
     }

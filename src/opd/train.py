@@ -28,14 +28,15 @@ from opd.config import TrainConfig
 from opd.data import PromptSet, load_task, sample_seed
 from opd.errors import UserError
 from opd.evaluate import evaluate_model
-from opd.models import check_same_vocab, head_weight, load_model, load_tokenizer
+from opd.models import head_weight, load_model, load_tokenizer
 from opd.objectives import NEEDS_STUDENT_TOPK, LossTotals, loss_mask, objective_loss, reduce_loss, student_topk_ids
 from opd.optim import make_optimizer, make_scheduler, rng_state, set_rng_state
 from opd.progress import progress_bar
 from opd.rollout import HFRollout, RolloutBatch
 from opd.rundir import RunDir, save_final_model
 from opd.stepstats import grade_rollouts, rollout_records, step_metrics
-from opd.teacher import HFTeacher, TeacherScores
+from opd.teacher import TeacherScorer, TeacherScores
+from opd.teacher_http import make_teacher
 
 
 @dataclass
@@ -44,7 +45,7 @@ class Run:
 
     cfg: TrainConfig
     student: torch.nn.Module
-    teacher: HFTeacher
+    teacher: TeacherScorer
     tokenizer: object
     engine: HFRollout
     prompts: PromptSet
@@ -67,8 +68,7 @@ def setup(cfg: TrainConfig) -> Run:
     rundir.require_fresh(cfg.resume)
     tok = load_tokenizer(cfg.student, "student")
     student = load_model(cfg.student, "student", cfg.dtype)
-    teacher_model = load_model(cfg.teacher, "teacher", cfg.dtype)
-    check_same_vocab(tok, load_tokenizer(cfg.teacher, "teacher"), student, teacher_model)
+    teacher = make_teacher(cfg, student, tok)
     V = head_weight(student).shape[0]
     if cfg.k > V:
         raise UserError(f"k={cfg.k} is larger than the vocabulary ({V} tokens); choose --k <= {V}")
@@ -84,7 +84,7 @@ def setup(cfg: TrainConfig) -> Run:
     student.train()
     optimizer = make_optimizer(student, cfg.lr, cfg.weight_decay)
     scheduler = make_scheduler(optimizer, cfg.warmup_steps, cfg.steps * cfg.updates_per_batch, cfg.schedule)
-    run = Run(cfg, student, HFTeacher(teacher_model), tok, HFRollout(student, tok.eos_token_id, tok.pad_token_id),
+    run = Run(cfg, student, teacher, tok, HFRollout(student, tok.eos_token_id, tok.pad_token_id),
               prompts, test, optimizer, scheduler, rundir, special_ids, task)
     if cfg.resume:
         resume(run)

@@ -1,0 +1,272 @@
+"""The served teacher on loopback: vLLM format, equality with the in-process teacher, batching under
+load, bad requests, and the trainer's client (errors, vocabulary checks, a training run)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from opd.config import TrainConfig
+from opd.errors import UserError
+from opd.models import head_weight, load_model, load_tokenizer
+from opd.rollout import HFRollout
+from opd.serve import Limits, TeacherApp, start_server, stop_server
+from opd.teacher import HFTeacher
+from opd.teacher_http import HTTPTeacher, make_teacher
+from opd import train as train_mod
+
+
+@pytest.fixture(scope="module")
+def served(tiny_models):
+    """(url, app, teacher model, tokenizer) of an opd teacher server on 127.0.0.1, a free port."""
+    student, teacher = tiny_models
+    model, tok = load_model(teacher, "teacher"), load_tokenizer(teacher, "teacher")
+    app = TeacherApp(model, tok, "tiny-teacher", Limits(max_k=64, max_prompt_tokens=128, max_prompts=32))
+    server = start_server(app, "127.0.0.1", 0)
+    yield f"http://127.0.0.1:{server.server_address[1]}", app, model, tok
+    stop_server(server)
+
+
+def post(url: str, body, raw: bool = False) -> tuple[int, dict]:
+    data = body if raw else json.dumps(body).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def rollouts(tok, student_dir, n=6, new_tokens=10):
+    student = load_model(student_dir, "student")
+    prompts = [tok(f"Compute {i} + {3 * i + 1} * {i % 4 + 2}." + " x" * i)["input_ids"] for i in range(n)]
+    return HFRollout(student, tok.eos_token_id, tok.pad_token_id).generate(
+        prompts, list(range(n)), max_new_tokens=new_tokens, temperature=1.5, top_p=1.0)
+
+
+def test_scores_equal_in_process_teacher(served, tiny_models):
+    url, app, model, tok = served
+    batch = rollouts(tok, tiny_models[0])
+    client = HTTPTeacher(url, tok, head_weight(model).shape[0], prompts_per_request=2)
+    assert client.vocab_verified
+    got, want = client.score(batch, 8), HFTeacher(model).score(batch, 8)
+    m = batch.response_mask_NT
+    assert torch.equal(got.topk_ids_NTK[m], want.topk_ids_NTK[m])
+    torch.testing.assert_close(got.topk_logprobs_NTK[m], want.topk_logprobs_NTK[m].float(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.sampled_logprobs_NT[m], want.sampled_logprobs_NT[m].float(), atol=1e-5, rtol=0)
+    assert got.diag_logits_MV is None and got.query_logprobs_NTQ is None
+
+
+def test_answer_is_vllm_prompt_logprobs_format(served):
+    url, app, model, tok = served
+    seqs = [tok("Compute 12 + 7.")["input_ids"], tok("Compute 3 * 4 - 5, then add 9.")["input_ids"]]
+    status, ans = post(url, {"model": "tiny-teacher", "prompt": seqs, "max_tokens": 1, "prompt_logprobs": 5})
+    assert status == 200 and ans["object"] == "text_completion" and ans["model"] == "tiny-teacher"
+    assert [c["index"] for c in ans["choices"]] == [0, 1]
+    assert ans["usage"]["prompt_tokens"] == sum(len(s) for s in seqs)
+    for seq, choice in zip(seqs, ans["choices"]):
+        plp = choice["prompt_logprobs"]
+        assert len(plp) == len(seq) and plp[0] is None
+        # Reference: the model's own full logits, a different code path from the server's.
+        ref = torch.log_softmax(model(torch.tensor([seq])).logits[0].double(), -1)
+        for j in range(1, len(seq)):
+            entry, given = plp[j], seq[j]
+            assert str(given) in entry and len(entry) in (5, 6)
+            for tid, v in entry.items():
+                row = ref[j - 1]
+                assert abs(v["logprob"] - float(row[int(tid)])) < 1e-4
+                assert v["rank"] == 1 + int((row > row[int(tid)] + 1e-9).sum())
+                assert v["decoded_token"] == tok.decode([int(tid)])
+            top5 = sorted(int(t) for t in row.topk(5).indices)
+            assert sorted(int(t) for t, v in entry.items() if v["rank"] <= 5) == top5
+
+
+def test_bad_requests_get_4xx_and_server_keeps_serving(served):
+    url, app, model, tok = served
+    V = head_weight(model).shape[0]
+    good = {"prompt": [5, 6, 7], "max_tokens": 1, "prompt_logprobs": 4}
+    bad = [
+        (b"{not json", True, 400, "not valid JSON"),
+        (b"[1, 2]", True, 400, "JSON object"),
+        ({"max_tokens": 1, "prompt_logprobs": 4}, False, 400, "missing 'prompt'"),
+        ({**good, "prompt_logprobs": 65}, False, 422, "--max-k"),
+        ({**good, "prompt_logprobs": "8"}, False, 400, "integer"),
+        ({**good, "prompt": [1, V, 2]}, False, 422, f"[0, {V})"),
+        ({**good, "prompt": [1, -3]}, False, 422, "token id -3"),
+        ({**good, "prompt": [[1, 2], []]}, False, 400, "prompt 1 has 0 tokens"),
+        ({**good, "prompt": list(range(129))}, False, 413, "--max-prompt-tokens"),
+        ({**good, "prompt": [[1, 2]] * 33}, False, 413, "--max-prompts"),
+        ({**good, "max_tokens": 16}, False, 422, "max_tokens"),
+        ({**good, "model": "other"}, False, 404, "does not exist"),
+    ]
+    for body, raw, status, words in bad:
+        got, ans = post(url, body, raw)
+        assert got == status and words in ans["error"]["message"], (body, got, ans)
+        assert ans["error"]["type"] and ans["error"]["code"] == status
+    huge = b'{"prompt": [' + b"1," * (app.limits.max_body_bytes // 2) + b"1]}"
+    assert post(url, huge, raw=True)[0] == 413
+    status, ans = post(url, good)
+    assert status == 200 and len(ans["choices"][0]["prompt_logprobs"]) == 3
+    with urllib.request.urlopen(url + "/health", timeout=10) as r:
+        assert r.status == 200
+
+
+def test_load_many_concurrent_clients(served):
+    url, app, model, tok = served
+    seqs = [tok(f"Compute {i} * {i + 3} + {2 * i}.")["input_ids"] for i in range(4)]
+    errors, done = [], []
+    batches_before = app.scorer.batches
+    stop_at = time.monotonic() + 3.0
+
+    def client():
+        while time.monotonic() < stop_at:
+            try:
+                status, ans = post(url, {"prompt": seqs, "max_tokens": 1, "prompt_logprobs": 8})
+                ok = status == 200 and len(ans["choices"]) == len(seqs)
+                (done if ok else errors).append(status)
+            except Exception as exc:  # every failure counts, whatever its kind
+                errors.append(repr(exc))
+
+    threads = [threading.Thread(target=client) for _ in range(8)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    elapsed = time.monotonic() - t0
+    batches = app.scorer.batches - batches_before
+    print(f"\nload test: {len(done)} requests in {elapsed:.1f} s = {len(done) / elapsed:.1f} requests/s "
+          f"({len(done) * len(seqs) / elapsed:.1f} sequences/s), {batches} forward passes, {len(errors)} errors")
+    assert errors == [] and len(done) > 0
+    assert batches < len(done)  # concurrent requests were merged into shared forward passes
+
+
+def test_training_with_served_teacher_matches_in_process(served, tiny_models, tmp_path):
+    url, app, model, tok = served
+    student, teacher = tiny_models
+    common = dict(student=str(student), steps=2, batch_size=4, max_new_tokens=8, eval_size=4, eval_samples=0, k=8,
+                  warmup_steps=1, log_rollouts=2, diag_positions=16, eval_every=0, ckpt_every=0, lr=3e-3)
+    losses = {}
+    for name, extra in (("local", {"teacher": str(teacher)}), ("served", {"teacher_url": url})):
+        out = tmp_path / name
+        train_mod.train(TrainConfig(out=str(out), **common, **extra), show_progress=False)
+        records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = [r for r in records if "train/loss" in r]
+    for a, b in zip(losses["local"], losses["served"], strict=True):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-6)
+        assert a["diag/reward_mean"] == pytest.approx(b["diag/reward_mean"], rel=1e-4, abs=1e-6)
+    assert "diag/overlap" in losses["local"][0] and "diag/overlap" not in losses["served"][0]
+
+
+def test_unreachable_server_is_a_clear_error_quickly(tiny_models):
+    tok = load_tokenizer(tiny_models[0])
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match=r"unreachable after 2 attempts.*opd serve-teacher"):
+        HTTPTeacher(f"http://127.0.0.1:{port}", tok, 100, timeout=1.0, retries=1, backoff=0.01)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(UserError, match="http://"):
+        HTTPTeacher("127.0.0.1:8000", tok, 100)
+
+
+def test_vocabulary_mismatch_is_refused(served):
+    url, app, model, tok = served
+
+    class OtherTokenizer:
+        def get_vocab(self):
+            return {"a": 0, "b": 1}
+
+    with pytest.raises(UserError, match="vocabulary .* differs from the student's"):
+        HTTPTeacher(url, OtherTokenizer(), head_weight(model).shape[0], retries=0)
+
+
+def test_options_a_served_teacher_cannot_do_are_refused(tiny_models):
+    student, teacher = tiny_models
+    base = dict(student=str(student), teacher_url="http://127.0.0.1:9")
+    for kw in ({"objective": "full_kl"}, {"objective": "lsm", "support": "union"}):
+        with pytest.raises(UserError, match="does not return; with --teacher-url use --objective sampled"):
+            make_teacher(TrainConfig(**base, **kw), None, None)
+    with pytest.raises(UserError, match="both --teacher and --teacher-url"):
+        make_teacher(TrainConfig(**base, teacher=str(teacher)), None, None)
+
+
+class _Foreign(BaseHTTPRequestHandler):
+    """A stand-in for a foreign (non-opd) server: no /opd/vocab, and a canned completions answer."""
+
+    answer: dict = {}
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, status, payload):
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if self.path == "/v1/models":
+            return self._send(200, {"object": "list", "data": [{"id": "foreign"}]})
+        self._send(404, {"detail": "Not Found"})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._send(200, type(self).answer)
+
+
+def test_foreign_server_warns_and_malformed_answers_are_errors(served, tiny_models):
+    url, app, model, tok = served
+    batch = rollouts(tok, tiny_models[0], n=2, new_tokens=4)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Foreign)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        foreign = f"http://127.0.0.1:{server.server_address[1]}"
+        with pytest.warns(UserWarning, match="could not be verified"):
+            client = HTTPTeacher(foreign, tok, head_weight(model).shape[0], retries=0)
+        # A real answer from opd's server, relayed: the client must accept it as a vLLM answer.
+        seqs = [batch.input_ids_NL[i][batch.attention_mask_NL[i].bool()].tolist() for i in range(2)]
+        _, real = post(url, {"prompt": seqs, "max_tokens": 1, "prompt_logprobs": 4})
+        _Foreign.answer = real
+        assert client.score(batch, 4).topk_ids_NTK.shape == (2, batch.response_ids_NT.shape[1], 4)
+        with pytest.warns(UserWarning):
+            small = HTTPTeacher(foreign, tok, 3, retries=0)  # a "student" whose vocabulary has 3 tokens
+        with pytest.raises(UserError, match=r"outside the student's vocabulary \[0, 3\)"):
+            small.score(batch, 4)
+        _Foreign.answer = post(url, {"prompt": seqs, "max_tokens": 1, "prompt_logprobs": 2})[1]
+        with pytest.raises(UserError, match=r"returned [23] top tokens where --k 4"):
+            client.score(batch, 4)
+        _Foreign.answer = {"choices": [{"index": 0, "text": ""}]}
+        with pytest.raises(UserError, match="malformed prompt_logprobs answer"):
+            client.score(batch, 4)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_cli_serve_teacher_port_zero(tiny_models):
+    proc = subprocess.Popen([sys.executable, "-m", "opd", "serve-teacher", str(tiny_models[1]), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()  # the server prints its address once it listens
+        match = re.search(r"http://127\.0\.0\.1:(\d+)", line)
+        assert match, (line, proc.stderr.read() if proc.poll() is not None else "")
+        with urllib.request.urlopen(f"{match.group(0)}/health", timeout=30) as r:
+            assert r.status == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
