@@ -111,3 +111,17 @@ def fit_power_law(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, floa
     sxx = sum((x - mx) ** 2 for x in lx)
     b = sum((x - mx) * (y - my) for x, y in zip(lx, ly)) / sxx
     return b, math.exp(my - b * mx)
+
+
+def equivalence(diffs: Sequence[float], margin: float) -> tuple[str, Interval]:
+    """Verdict on "A and B perform the same" within ``margin``: reproduced when the 95% interval of the
+    paired difference lies inside (-margin, margin), not reproduced when it lies entirely outside it,
+    inconclusive otherwise."""
+    ci = mean_ci(diffs)
+    if ci.n < 2:
+        return INCONCLUSIVE, ci
+    if -margin < ci.lo and ci.hi < margin:
+        return REPRODUCED, ci
+    if ci.lo >= margin or ci.hi <= -margin:
+        return NOT_REPRODUCED, ci
+    return INCONCLUSIVE, ci

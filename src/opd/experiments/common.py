@@ -1,0 +1,120 @@
+"""Shared pieces of the model experiments: demo-model run configs, uniform final evaluation, readers.
+
+Every model experiment starts from the packaged demo models (``opd/assets/demo``: a 4-layer,
+256-wide Qwen2 teacher and a 2-layer, 128-wide student on arithmetic level 2) with the demo's
+settings (48 new tokens, top-p 0.9, K=32). Each trained model gets the same final evaluation
+(an ``opd eval`` step: greedy accuracy and avg@k at temperature 1, top-p 0.9, same prompts and
+seeds), so objectives that roll out without top-p are still compared on equal terms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+from opd.config import EvalConfig, SFTConfig, TrainConfig
+from opd.demo import ASSETS, EVAL_SAMPLES, MAX_NEW_TOKENS, TASK_LEVEL, TOP_P
+from opd.experiments.core import Analysis, RunSpec, Settings, read_done, read_metrics
+from opd.experiments.plots import line_plot
+from opd.experiments.stats import mean_ci
+
+STUDENT, TEACHER = str(ASSETS / "student"), str(ASSETS / "teacher")
+
+
+def sizes(quick: bool, steps: int = 100, batch: int = 32) -> dict:
+    """OPD run sizes: full (``steps`` x ``batch``) or a smoke-test size for ``--quick``."""
+    if quick:
+        return dict(steps=3, batch_size=8, eval_every=0, eval_size=16, ckpt_every=2, log_rollouts=2, diag_positions=64)
+    return dict(steps=steps, batch_size=batch, eval_every=max(steps // 4, 1), eval_size=200, ckpt_every=max(steps // 2, 1),
+                log_rollouts=4, diag_positions=256)
+
+
+def eval_size(quick: bool) -> int:
+    return 16 if quick else 200
+
+
+def opd_config(s: Settings, name: str, seed: int, student: str = STUDENT, teacher: str = TEACHER, **over) -> TrainConfig:
+    """A TrainConfig with the demo's settings; ``over`` changes the objective, lr, top-p, ..."""
+    size = sizes(s.quick, **{k: over.pop(k) for k in ("steps", "batch") if k in over})
+    base = dict(student=student, teacher=teacher, task="arithmetic", task_level=TASK_LEVEL, seed=seed,
+                out=str(s.run_dir(name)), max_new_tokens=MAX_NEW_TOKENS, top_p=TOP_P, k=32, lr=5e-4,
+                warmup_steps=2 if s.quick else 10, eval_samples=0, **size)
+    base.update(over)
+    return TrainConfig(**base)
+
+
+def sft_config(s: Settings, name: str, seed: int, init: str = STUDENT, steps: int = 100, batch: int = 32,
+               **over) -> SFTConfig:
+    """An SFTConfig that keeps the *last* model (one evaluation at the end: no test-set model selection)."""
+    base = dict(init=init, task="arithmetic", task_level=TASK_LEVEL, seed=seed, out=str(s.run_dir(name)),
+                max_new_tokens=MAX_NEW_TOKENS, steps=3 if s.quick else steps, batch_size=8 if s.quick else batch,
+                warmup_steps=2 if s.quick else 10, eval_every=0, eval_size=eval_size(s.quick), schedule="constant")
+    base.update(over)
+    return SFTConfig(**base)
+
+
+def final_eval_spec(s: Settings, run_name: str, seed: int, task: str = "arithmetic") -> RunSpec:
+    """``opd eval`` of ``run_name/final``: greedy and avg@k at top-p 0.9 on the task's test prompts."""
+    cfg = EvalConfig(student=str(s.run_dir(run_name) / "final"), task=task, task_level=TASK_LEVEL, seed=seed,
+                     out=str(s.run_dir(run_name + "/eval")), max_new_tokens=MAX_NEW_TOKENS,
+                     eval_size=eval_size(s.quick), samples=2 if s.quick else EVAL_SAMPLES, top_p=TOP_P)
+    return RunSpec(run_name + "/eval", "eval", cfg)
+
+
+def with_eval(s: Settings, spec: RunSpec, seed: int) -> list[RunSpec]:
+    return [spec, final_eval_spec(s, spec.name, seed)]
+
+
+def final_scores(s: Settings, run_name: str) -> dict:
+    """Greedy accuracy and avg@k of a run's final model (from its eval step)."""
+    res = read_done(s, run_name + "/eval")["result"]
+    return {"accuracy": res["accuracy"], "avg_at_k": res.get("avg_at_k", math.nan)}
+
+
+def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], r[key]) for r in records if key in r and r[key] is not None]
+    return [p[0] for p in pts], [float(p[1]) for p in pts]
+
+
+def stability(records: list[dict]) -> dict:
+    """Grad-norm spread (std / mean), clipped-step share, student entropy first -> last and its minimum ratio."""
+    _, g = series(records, "train/grad_norm")
+    _, clipped = series(records, "train/clipped")
+    _, ent = series(records, "diag/student_entropy")
+    mean_g = sum(g) / len(g) if g else math.nan
+    sd_g = math.sqrt(sum((x - mean_g) ** 2 for x in g) / max(len(g) - 1, 1)) if g else math.nan
+    head = ent[: max(1, len(ent) // 10)]
+    e0 = sum(head) / len(head) if head else math.nan
+    return {"grad_norm_mean": mean_g, "grad_norm_cv": sd_g / mean_g if mean_g else math.nan,
+            "clipped_share": sum(clipped) / len(clipped) if clipped else math.nan,
+            "entropy_start": e0, "entropy_end": ent[-1] if ent else math.nan,
+            "entropy_min_ratio": min(ent) / e0 if ent and e0 else math.nan}
+
+
+def mean_curve(s: Settings, names: list[str], key: str) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Mean and 95% CI over runs (seeds) of a logged metric, step by step (steps present in every run)."""
+    per = [dict(zip(*series(read_metrics(s, n), key))) for n in names]
+    steps = sorted(set.intersection(*(set(p) for p in per))) if per else []
+    cis = [mean_ci([p[t] for p in per]) for t in steps]
+    return steps, [c.mean for c in cis], [c.lo for c in cis], [c.hi for c in cis]
+
+
+def diagnostics_plots(a: Analysis, s: Settings, groups: dict[str, list[str]], keys: dict[str, str], prefix: str) -> None:
+    """One PNG per diagnostic: a curve (mean and CI over seeds) per group of runs."""
+    for key, label in keys.items():
+        curves = {g: mean_curve(s, names, key) for g, names in groups.items()}
+        curves = {g: c for g, c in curves.items() if c[0]}
+        if not curves:
+            continue
+        fname = f"{prefix}_{key.replace('/', '_')}.png"
+        line_plot(s.out / fname, curves, "OPD step", label, f"{label} over training")
+        a.plots.append(fname)
+
+
+def copy_replace(cfg, **changes):
+    return dataclasses.replace(cfg, **changes)
+
+
+def path_of(s: Settings, name: str, *parts: str) -> str:
+    return str(Path(s.run_dir(name), *parts))
