@@ -102,6 +102,12 @@ class TrainConfig(ModelSource):
                                "with support teacher_topk or teacher_topk_plus_sampled.")
     teacher_timeout: float = opt(120.0, "Seconds to wait for one served-teacher request before retrying.")
     teacher_retries: int = opt(3, "Retries (exponential backoff) of a failed served-teacher request.")
+    fsdp: bool = opt(False, "Shard the student with FSDP across the launched processes (torchrun/accelerate) instead of DDP.")
+    lora_r: int = opt(0, "LoRA rank: > 0 trains a peft LoRA adapter on the student instead of all its weights.")
+    lora_alpha: float = opt(16.0, "LoRA scaling alpha (the update is scaled by alpha / r).")
+    lora_targets: list = opt(["all-linear"], "Linear layers given a LoRA adapter, by name (e.g. q_proj v_proj); "
+                                             "all-linear: every linear layer of the blocks.")
+    lora_dropout: float = opt(0.0, "Dropout on the LoRA branch's input.")
 
     def __post_init__(self) -> None:
         self._check_common()
@@ -123,6 +129,9 @@ class TrainConfig(ModelSource):
                  f"reduction={self.reduction!r}: token_mean, sequence_mean or constant_sum")
         _require(self.max_grad_norm >= 0, "max_grad_norm must be >= 0")
         _require(self.teacher_timeout > 0 and self.teacher_retries >= 0, "teacher_timeout must be > 0 and teacher_retries >= 0")
+        _require(self.lora_r >= 0, f"lora_r={self.lora_r} must be >= 0 (0 trains every weight)")
+        _require(self.lora_alpha > 0 and 0.0 <= self.lora_dropout < 1.0, "lora_alpha must be > 0 and lora_dropout in [0, 1)")
+        _require(bool(self.lora_targets), "lora_targets is empty; name linear layers (e.g. q_proj v_proj) or use all-linear")
         if self.mask_special is None:
             self.mask_special = self.objective == "lsm"
 

@@ -61,21 +61,35 @@ def support_with_teacher_logprobs(cfg: TrainConfig, batch: RolloutBatch, scores:
 
 @dataclass
 class LossTotals:
-    """Whole-batch counts, so micro-batch losses add up to the full-batch reduction exactly."""
+    """Whole-batch counts, so micro-batch losses add up to the full-batch reduction exactly.
+
+    In data-parallel training the counts are those of the global batch (summed over ranks; the
+    horizon is the longest response length of any rank) and ``ranks`` is the number of ranks.
+    """
 
     tokens: int
     sequences: int
     rollouts: int
     horizon: int
+    ranks: int = 1
 
 
 def reduce_loss(kind: str, loss_NT: torch.Tensor, mask_NT: torch.Tensor, totals: LossTotals) -> torch.Tensor:
+    """This micro-batch's share of the global batch loss, times ``totals.ranks``.
+
+    DDP and FSDP average gradients over R ranks. With global counts, the global loss is
+    sum_r l_r where l_r is rank r's share, so its gradient is sum_r g_r = R * mean_r g_r: each rank
+    scales its share by R, and the averaged gradient equals the single-process gradient of the
+    whole batch. The global loss value is then sum_r (value_r / R).
+    """
     if kind == "token_mean":
-        return L.constant_sum(loss_NT, mask_NT, max(totals.tokens, 1))
-    if kind == "sequence_mean":
+        loss = L.constant_sum(loss_NT, mask_NT, max(totals.tokens, 1))
+    elif kind == "sequence_mean":
         seqs = int((mask_NT.sum(-1) > 0).sum())
-        return L.sequence_mean(loss_NT, mask_NT) * seqs / max(totals.sequences, 1)
-    return L.constant_sum(loss_NT, mask_NT, totals.rollouts * totals.horizon)
+        loss = L.sequence_mean(loss_NT, mask_NT) * seqs / max(totals.sequences, 1)
+    else:
+        loss = L.constant_sum(loss_NT, mask_NT, totals.rollouts * totals.horizon)
+    return loss * totals.ranks if totals.ranks != 1 else loss
 
 
 def objective_loss(cfg: TrainConfig, student, teacher, batch: RolloutBatch, scores: TeacherScores,

@@ -28,5 +28,14 @@ def rng_state() -> dict:
     return {"torch": torch.get_rng_state()}
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict | list[dict], rank: int = 0, world: int = 1) -> None:
+    """Restore a saved state: one dict, or (data-parallel runs) one per rank, indexed by rank.
+
+    A run resumed with a different number of ranks keeps its seeded state instead: sampling and
+    data order are derived from seeds and the step, not from this generator.
+    """
+    if isinstance(state, list):
+        if len(state) != world:
+            return
+        state = state[rank]
     torch.set_rng_state(state["torch"])

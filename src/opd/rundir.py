@@ -112,15 +112,16 @@ class RunDir:
     def ckpt_root(self) -> Path:
         return self.path / CKPT_DIR
 
-    def save_checkpoint(self, step: int, model, state: dict, keep: int = 2) -> Path | None:
-        """Atomically write ``model`` (save_pretrained) and ``state`` (optimizer, RNG, ...)."""
+    def save_checkpoint(self, step: int, model, state: dict, keep: int = 2, model_state: dict | None = None) -> Path | None:
+        """Atomically write ``model`` (save_pretrained; ``model_state`` replaces its own state dict, e.g.
+        the gathered weights of an FSDP-sharded model) and ``state`` (optimizer, RNG, ...)."""
         if not self.enabled:
             return None
         root = self.ckpt_root
         root.mkdir(parents=True, exist_ok=True)
         final = root / f"step_{step:07d}"
         tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
-        model.save_pretrained(tmp / "model", safe_serialization=True)
+        model.save_pretrained(tmp / "model", safe_serialization=True, state_dict=model_state)
         torch.save(state, tmp / "state.pt")
         (tmp / "COMPLETE").write_text(str(step))
         _usual_modes(tmp)
@@ -155,12 +156,13 @@ class RunDir:
             ) from exc
 
 
-def save_final_model(path: Path, model, tokenizer, enabled: bool = True) -> None:
-    """Write a Hugging Face model directory loadable with AutoModelForCausalLM/AutoTokenizer."""
+def save_final_model(path: Path, model, tokenizer, enabled: bool = True, model_state: dict | None = None) -> None:
+    """Write a Hugging Face model directory loadable with AutoModelForCausalLM/AutoTokenizer (a LoRA
+    student writes its adapter: see :mod:`opd.lora`)."""
     if not enabled:
         return
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
     tokenizer.save_pretrained(tmp)
     _usual_modes(tmp)
     if path.exists():

@@ -72,6 +72,28 @@ def step_metrics(run, batch, correct: list[float], scores, upd: dict, mask_NT: t
     }
 
 
+FULL_VOCAB_KEYS = ("train/kl_to_teacher", "diag/overlap", "diag/overlap_advantage", "diag/entropy_gap",
+                   "diag/student_entropy", "diag/teacher_entropy", "diag/student_support_mass",
+                   "diag/teacher_support_mass")
+
+
+def metric_weights(batch, mask_NT: torch.Tensor, n_diag: int, horizon: int) -> dict:
+    """What each of :func:`step_metrics`' values is a mean over, for merging ranks' records
+    (:func:`opd.distributed.merge_metrics`): rollouts, response tokens, diagnostic positions, or
+    per depth bucket its positions; loss tokens add up, timings take the slowest rank, and the
+    loss, gradient norm and learning rate are already global."""
+    resp = batch.response_mask_NT
+    return {
+        "rollout/": batch.num_rollouts,
+        "diag/": int(resp.sum()),
+        **{k: n_diag for k in FULL_VOCAB_KEYS},
+        "train/loss_tokens": "sum",
+        "time/": "max",
+        "depth/reward": M.by_position_bucket(resp.float(), resp, DEPTH_BUCKETS, horizon=horizon)[1].tolist(),
+        "depth/loss": M.by_position_bucket(mask_NT.float(), mask_NT, DEPTH_BUCKETS, horizon=horizon)[1].tolist(),
+    }
+
+
 def rollout_records(run, step: int, batch, rows, texts: list[str], correct: list[float], scores, upd: dict,
                     mask_NT: torch.Tensor) -> list[dict]:
     """Per-token detail of the first few rollouts, for the report's token inspector."""

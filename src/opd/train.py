@@ -12,6 +12,12 @@ the student's full distribution are computed on a random sample of ``diag_positi
 positions per step, without gradients. Sampling is seeded per prompt, so a resumed run repeats
 the uninterrupted one step for step.
 
+Under ``torchrun``/``accelerate launch`` each rank takes its shard of the step's global batch
+(``--batch-size`` prompts per rank) and the student is wrapped with DDP, or FSDP with ``--fsdp``
+(see :mod:`opd.distributed`); the loss is normalised by the global batch's counts, so N ranks of
+batch b follow the trajectory of one process of batch N*b. With ``--lora-r`` only a LoRA adapter
+is trained (:mod:`opd.lora`).
+
 Run: ``opd train --student DIR --teacher DIR --objective lsm --k 32 --out runs/x``.
 """
 
@@ -26,15 +32,17 @@ import torch
 
 from opd.config import TrainConfig
 from opd.data import PromptSet, load_task, sample_seed
+from opd.distributed import Dist, init_distributed, merge_metrics, shutdown
 from opd.errors import UserError
 from opd.evaluate import evaluate_model
+from opd.lora import apply_lora, load_weights
 from opd.models import head_weight, load_model, load_tokenizer
 from opd.objectives import NEEDS_STUDENT_TOPK, LossTotals, loss_mask, objective_loss, reduce_loss, student_topk_ids
 from opd.optim import make_optimizer, make_scheduler, rng_state, set_rng_state
 from opd.progress import progress_bar
 from opd.rollout import HFRollout, RolloutBatch
 from opd.rundir import RunDir, save_final_model
-from opd.stepstats import grade_rollouts, rollout_records, step_metrics
+from opd.stepstats import grade_rollouts, metric_weights, rollout_records, step_metrics
 from opd.teacher import TeacherScorer, TeacherScores
 from opd.teacher_http import make_teacher
 
@@ -55,6 +63,7 @@ class Run:
     rundir: RunDir
     special_ids: list[int]
     task: object
+    dist: Dist = field(default_factory=Dist)  # ranks, and the student as DDP/FSDP wrap it (dist.model)
     start_step: int = 0
     history: list[dict] = field(default_factory=list)
 
@@ -64,6 +73,7 @@ class Run:
 
 def setup(cfg: TrainConfig) -> Run:
     torch.manual_seed(cfg.seed)
+    dist = init_distributed(cfg.fsdp)
     rundir = RunDir(cfg.out)
     rundir.require_fresh(cfg.resume)
     tok = load_tokenizer(cfg.student, "student")
@@ -75,40 +85,40 @@ def setup(cfg: TrainConfig) -> Run:
     task = load_task(cfg.task, cfg.task_level, cfg.seed)
     prompts = PromptSet.build(task.examples("train"), tok, cfg.max_prompt_tokens, "training prompts")
     test = PromptSet.build(task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
-    special_ids = []
-    for t in cfg.special_tokens:
-        tid = tok.convert_tokens_to_ids(t)
-        if tid is None or tid == tok.unk_token_id:
-            raise UserError(f"special token {t!r} is not in the student's vocabulary; fix --special-tokens")
-        special_ids.append(tid)
+    special_ids = special_token_ids(tok, cfg.special_tokens)
+    if cfg.lora_r:
+        student = apply_lora(student, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout, cfg.student)
+    ckpt = rundir.latest_checkpoint() if cfg.resume else None
+    if ckpt is not None:
+        load_weights(student, ckpt / "model")  # before wrapping: FSDP shards the weights it is given
     student.train()
-    optimizer = make_optimizer(student, cfg.lr, cfg.weight_decay)
+    optimizer = make_optimizer(dist.wrap(student), cfg.lr, cfg.weight_decay)
     scheduler = make_scheduler(optimizer, cfg.warmup_steps, cfg.steps * cfg.updates_per_batch, cfg.schedule)
     run = Run(cfg, student, teacher, tok, HFRollout(student, tok.eos_token_id, tok.pad_token_id),
-              prompts, test, optimizer, scheduler, rundir, special_ids, task)
-    if cfg.resume:
-        resume(run)
+              prompts, test, optimizer, scheduler, rundir, special_ids, task, dist)
+    if ckpt is not None:
+        resume(run, ckpt)
     rundir.write_config(cfg)
     rundir.write_jsonl("eval.jsonl", [{"prompt": e.prompt, "answer": e.answer} for e in test.examples])
     return run
 
 
-def resume(run: Run) -> None:
-    ckpt = run.rundir.latest_checkpoint()
-    if ckpt is None:
-        return
-    state = run.rundir.load_state(ckpt)
-    from safetensors.torch import load_file
+def special_token_ids(tok, tokens: list[str]) -> list[int]:
+    ids = []
+    for t in tokens:
+        tid = tok.convert_tokens_to_ids(t)
+        if tid is None or tid == tok.unk_token_id:
+            raise UserError(f"special token {t!r} is not in the student's vocabulary; fix --special-tokens")
+        ids.append(tid)
+    return ids
 
-    weights = load_file(str(ckpt / "model" / "model.safetensors"))
-    missing, unexpected = run.student.load_state_dict(weights, strict=False)
-    if unexpected or [m for m in missing if "lm_head" not in m]:
-        raise UserError(f"checkpoint {ckpt} does not match the student model ({len(missing)} missing, "
-                        f"{len(unexpected)} unexpected tensors); resume with the same --student")
-    run.student.tie_weights()
-    run.optimizer.load_state_dict(state["optimizer"])
+
+def resume(run: Run, ckpt: Path) -> None:
+    """Optimizer, schedule, RNG and step from ``ckpt`` (the weights were loaded before wrapping)."""
+    state = run.rundir.load_state(ckpt)
+    run.dist.load_optimizer_state(run.optimizer, state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"])
+    set_rng_state(state["rng"], run.dist.rank, run.dist.world)
     run.start_step = state["step"] + 1
     run.rundir.truncate_logs_after(state["step"])
 
@@ -117,12 +127,16 @@ def resume(run: Run) -> None:
 
 
 def rollout_stage(run: Run, step: int) -> tuple[RolloutBatch, list[int]]:
+    """This rank's rollouts: its contiguous block of the step's global batch, seeded by global slot."""
     cfg = run.cfg
-    idx = run.prompts.batch_indices(step, cfg.batch_size, cfg.seed)
-    rows = [i for i in idx for _ in range(cfg.samples_per_prompt)]
-    seeds = [sample_seed(cfg.seed, step, slot) for slot in range(len(rows))]
-    batch = run.engine.generate([run.prompts.prompt_ids[i] for i in rows], seeds, max_new_tokens=cfg.max_new_tokens,
-                                temperature=cfg.temperature, top_p=cfg.top_p)
+    idx = run.prompts.batch_indices(step, cfg.batch_size * run.dist.world, cfg.seed)
+    global_rows = [i for i in idx for _ in range(cfg.samples_per_prompt)]
+    slots = run.dist.shard(list(range(len(global_rows))))
+    rows = [global_rows[s] for s in slots]
+    seeds = [sample_seed(cfg.seed, step, s) for s in slots]
+    batch = run.dist.full_call(lambda _: run.engine.generate(
+        [run.prompts.prompt_ids[i] for i in rows], seeds, max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature, top_p=cfg.top_p))
     return batch, rows
 
 
@@ -138,16 +152,27 @@ def diag_index(mask_NT: torch.Tensor, n: int, step: int, seed: int) -> torch.Ten
 def score_stage(run: Run, batch: RolloutBatch, diag_M: torch.Tensor):
     cfg = run.cfg
     needs_student = cfg.objective == "lsm" and cfg.support in NEEDS_STUDENT_TOPK
-    student_ids = student_topk_ids(run.student, batch, cfg.k) if needs_student else None
+    student_ids = run.dist.full_call(lambda s: student_topk_ids(s, batch, cfg.k)) if needs_student else None
     scores = run.teacher.score(batch, cfg.k, query_ids_NTQ=student_ids, diag_index_M=diag_M)
     return scores, student_ids
+
+
+def global_totals(run: Run, mask_NT: torch.Tensor) -> LossTotals:
+    """The loss normalisers of the global batch (all ranks), so every rank's share adds up to it."""
+    N, T = mask_NT.shape
+    tokens, seqs, rollouts = run.dist.all_sum([float(mask_NT.sum()), float((mask_NT.sum(-1) > 0).sum()), float(N)])
+    return LossTotals(int(tokens), int(seqs), int(rollouts), run.dist.all_max(T), run.dist.world)
+
+
+def _objective(student, run: Run, *args):
+    return objective_loss(run.cfg, student, run.teacher, *args)
 
 
 def update_stage(run: Run, step: int, batch: RolloutBatch, scores: TeacherScores, student_ids, mask_NT, diag_M) -> dict:
     """Objective loss over micro-batches, clipping, optimizer step(s); detached by-products for logging."""
     cfg = run.cfg
-    N, T = mask_NT.shape
-    totals = LossTotals(int(mask_NT.sum()), int((mask_NT.sum(-1) > 0).sum()), N, T)
+    N = mask_NT.shape[0]
+    totals = global_totals(run, mask_NT)
     mb = N // cfg.grad_accum
     out = {"loss": 0.0, "grad_norm": 0.0, "clipped": False}
     for update in range(cfg.updates_per_batch):
@@ -157,20 +182,23 @@ def update_stage(run: Run, step: int, batch: RolloutBatch, scores: TeacherScores
             rows = slice(start, start + mb)
             old = batch.logprobs_NT[rows] if cfg.updates_per_batch > 1 else None
             ids_rows = None if student_ids is None else student_ids[rows]
-            loss_NT, h = objective_loss(cfg, run.student, run.teacher, batch.select(rows),
-                                        scores.select(rows), mask_NT[rows], ids_rows, old)
-            loss = reduce_loss(cfg.reduction, loss_NT, mask_NT[rows], totals)
-            loss.backward()
+            with run.dist.sync_gradients(start + mb >= N):  # reduce across ranks once, after the last micro-batch
+                loss_NT, h = run.dist.train_call(_objective, run, batch.select(rows), scores.select(rows),
+                                                 mask_NT[rows], ids_rows, old)
+                loss = reduce_loss(cfg.reduction, loss_NT, mask_NT[rows], totals)
+                loss.backward()
             loss_value += float(loss.detach())
             if update == 0:
                 loss_rows.append(loss_NT.detach())
                 hidden_rows.append(h.detach())
+        loss_value = run.dist.all_sum([loss_value])[0] / run.dist.world  # see reduce_loss
         if not math.isfinite(loss_value):
             raise UserError(
                 f"the loss became {loss_value} at step {step}; training stopped and the last good checkpoint "
                 f"in {run.rundir.ckpt_root} is kept. Lower --lr, raise --warmup-steps, or check the teacher's outputs"
             )
-        norm = torch.nn.utils.clip_grad_norm_(run.student.parameters(), cfg.max_grad_norm or float("inf"))
+        norm = torch.nn.utils.clip_grad_norm_(run.dist.model.parameters(), cfg.max_grad_norm or float("inf"))
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor
         run.optimizer.step()
         run.scheduler.step()
         if update == 0:
@@ -184,28 +212,44 @@ def update_stage(run: Run, step: int, batch: RolloutBatch, scores: TeacherScores
 
 def log_stage(run: Run, step: int, rows: list[int], batch: RolloutBatch, scores: TeacherScores, upd: dict,
               mask_NT: torch.Tensor, timings: dict) -> dict:
+    """Metrics of the whole batch (ranks' records merged) and rank 0's sample rollouts."""
     texts, correct = grade_rollouts(run, batch, rows)
-    record = {"step": step, **step_metrics(run, batch, correct, scores, upd, mask_NT), **timings}
+
+    def local(_student):
+        metrics = {**step_metrics(run, batch, correct, scores, upd, mask_NT), **timings}
+        logged = run.cfg.log_rollouts and run.dist.is_main
+        return metrics, rollout_records(run, step, batch, rows, texts, correct, scores, upd, mask_NT) if logged else []
+
+    metrics, rollouts = run.dist.full_call(local)
+    weights = metric_weights(batch, mask_NT, upd["diag_hidden_MD"].shape[0], run.cfg.max_new_tokens)
+    record = {"step": step, **merge_metrics(run.dist.gather(metrics), run.dist.gather(weights))}
     run.rundir.log_metrics(record)
-    if run.cfg.log_rollouts:
-        run.rundir.log_rollouts(rollout_records(run, step, batch, rows, texts, correct, scores, upd, mask_NT))
+    if rollouts:
+        run.rundir.log_rollouts(rollouts)
     return record
 
 
 def eval_stage(run: Run, step: int) -> dict:
+    """Rank 0 evaluates (with FSDP, on weights all ranks gathered); the others wait for it."""
     cfg = run.cfg
-    res = evaluate_model(run.student, run.tokenizer, run.test, max_new_tokens=cfg.max_new_tokens,
-                         samples=cfg.eval_samples, temperature=1.0, top_p=cfg.top_p, seed=cfg.seed)
+    res = run.dist.full_call(lambda s: evaluate_model(
+        s, run.tokenizer, run.test, max_new_tokens=cfg.max_new_tokens, samples=cfg.eval_samples, temperature=1.0,
+        top_p=cfg.top_p, seed=cfg.seed) if run.dist.is_main else None)
     run.student.train()
+    if res is None:
+        return {}
     record = {"step": step, **{f"eval/{k}": v for k, v in res.items()}}
     run.rundir.log_metrics(record)
     return record
 
 
 def checkpoint_stage(run: Run, step: int) -> None:
-    state = {"step": step, "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
-             "rng": rng_state(), "config": run.cfg.__dict__}
-    run.rundir.save_checkpoint(step, run.student, state)
+    """Rank 0 writes; every rank takes part in gathering sharded weights and per-rank RNG states."""
+    rng = run.dist.gather(rng_state())
+    state = {"step": step, "optimizer": run.dist.optimizer_state(run.optimizer), "scheduler": run.scheduler.state_dict(),
+             "rng": rng if run.dist.active else rng[0], "config": run.cfg.__dict__}
+    run.rundir.save_checkpoint(step, run.student, state, model_state=run.dist.full_state_dict(run.student))
+    run.dist.barrier()
 
 
 # ----------------------------------------------------------------------------- loop
@@ -235,5 +279,7 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
                 last_eval = eval_stage(run, step)
             if last or (cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0):
                 checkpoint_stage(run, step)
-    save_final_model(run.rundir.path / "final", run.student, run.tokenizer, run.rundir.enabled)
+    save_final_model(run.rundir.path / "final", run.student, run.tokenizer, run.rundir.enabled,
+                     model_state=run.dist.full_state_dict(run.student))
+    shutdown(run.dist)
     return last_eval

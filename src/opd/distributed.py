@@ -1,0 +1,265 @@
+"""Data-parallel training across processes: DDP, or FSDP (``--fsdp``) for a student too big for one device.
+
+Processes are started by ``torchrun`` or ``accelerate launch``, which set ``RANK``, ``WORLD_SIZE``
+and the rendezvous variables; :func:`init_distributed` joins that group (gloo on CPU, nccl with
+CUDA) and does nothing in a single process. opd never starts processes itself.
+
+How the loop uses it:
+
+* each rank generates, scores and trains on its own contiguous shard of the step's global batch
+  (``--batch-size`` prompts per rank); sampling seeds are numbered over the global batch, so N
+  ranks of batch b see exactly the rollouts of one process of batch N*b;
+* everything that needs gradients runs inside the forward of one wrapped module
+  (:class:`StudentModule`), because DDP and FSDP only synchronise what goes through their
+  wrapper's ``forward``: the LSM fast path calls the decoder and reads the head weight directly,
+  which would bypass both;
+* under FSDP, work without gradients (rollouts, student top-K, metrics, evaluation) runs with the
+  full parameters gathered once (:meth:`Dist.full_call`), so a rank may make any number of
+  forward passes (or none) without the ranks' collectives falling out of step. The gathered
+  parameters must fit one device during generation; FSDP still shards gradients and AdamW state;
+* step metrics are merged across ranks (:func:`merge_metrics`) before rank 0 logs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as tdist
+
+from opd.errors import UserError
+
+
+class StudentModule(torch.nn.Module):
+    """The module DDP/FSDP wrap: ``forward(fn, *args)`` runs ``fn(student, *args)``.
+
+    Routing every student computation through this one ``forward`` lets the wrappers' hooks see
+    it (gradient all-reduce for DDP, parameter gathering and gradient reduce-scatter for FSDP),
+    whatever parts of the student ``fn`` touches.
+    """
+
+    def __init__(self, student: torch.nn.Module):
+        super().__init__()
+        self.student = student
+
+    def forward(self, fn: Callable, *args: Any) -> Any:
+        return fn(self.student, *args)
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    fsdp: bool = False
+    model: torch.nn.Module | None = None  # the wrapped StudentModule, set by :meth:`wrap`
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    # ------------------------------------------------------------------ wrapping
+    def wrap(self, student: torch.nn.Module) -> torch.nn.Module:
+        """Wrap ``student`` for training; the optimizer must be built on the result afterwards."""
+        module = StudentModule(student)
+        if self.fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            # One FSDP unit per transformer block (the classes HF lists as never to be split),
+            # then the root holds what is left: embeddings, final norm, the (tied) head.
+            block_names = set(getattr(_base_model(student), "_no_split_modules", None) or ())
+            for sub in student.modules():
+                if type(sub).__name__ in block_names:
+                    fully_shard(sub)
+            fully_shard(module)
+        elif self.active:
+            # All parameters take part in every loss, so no unused-parameter search; buffers are
+            # equal on all ranks (rotary tables), so they are synced once, not on every forward.
+            module = torch.nn.parallel.DistributedDataParallel(module, forward_sync_buffers=False)
+        self.model = module
+        return module
+
+    def train_call(self, fn: Callable, *args: Any) -> Any:
+        """``fn(student, *args)`` through the wrapper, so its backward is synchronised."""
+        return self.model(fn, *args)
+
+    def sync_gradients(self, sync: bool):
+        """Context for one micro-batch: gradients are reduced across ranks only when ``sync``."""
+        if not self.active or sync:
+            return contextlib.nullcontext()
+        if self.fsdp:
+            return _fsdp_no_sync(self.model)
+        return self.model.no_sync()
+
+    @torch.no_grad()
+    def full_call(self, fn: Callable) -> Any:
+        """``fn(student)`` without gradients and with every parameter whole.
+
+        Under FSDP every rank must call this at the same point (gathering is collective); inside,
+        each rank may do as much or as little work as it likes.
+        """
+        if not self.fsdp:
+            return fn(_unwrap(self.model).student)
+        try:
+            return self.model(_with_gathered_blocks, self.model, fn)
+        finally:
+            # The root stays gathered after a forward (it expects a backward); shard it again so
+            # its registered parameters are the sharded ones the optimizer and state dicts know.
+            self.model.reshard()
+
+    # ------------------------------------------------------------------ collectives
+    def all_sum(self, values: list[float]) -> list[float]:
+        if not self.active:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64)
+        tdist.all_reduce(t)
+        return t.tolist()
+
+    def all_max(self, value: int) -> int:
+        if not self.active:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+        return int(t)
+
+    def gather(self, obj: Any) -> list:
+        """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+        if not self.active:
+            return [obj]
+        out: list = [None] * self.world
+        tdist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.active:
+            tdist.barrier()
+
+    # ------------------------------------------------------------------ checkpoints
+    def full_state_dict(self, student: torch.nn.Module) -> dict | None:
+        """The student's unsharded state dict under FSDP (collective); None otherwise (use the module)."""
+        if not self.fsdp:
+            return None
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in student.state_dict().items()}
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        if not self.fsdp:
+            return optimizer.state_dict()  # identical on every DDP rank
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        if not self.fsdp:
+            optimizer.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+    def shard(self, items: list) -> list:
+        """This rank's contiguous block of a global list (its length must divide evenly)."""
+        n = len(items) // self.world
+        return items[self.rank * n:(self.rank + 1) * n]
+
+
+def init_distributed(fsdp: bool = False) -> Dist:
+    """Join the process group a launcher set up (``WORLD_SIZE`` > 1), or stay single-process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        if fsdp:
+            raise UserError("--fsdp needs several processes; launch with torchrun --nproc_per_node N "
+                            "(or accelerate launch) or drop --fsdp")
+        return Dist()
+    if not tdist.is_initialized():
+        tdist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return Dist(rank=tdist.get_rank(), world=tdist.get_world_size(), fsdp=fsdp)
+
+
+def shutdown(d: Dist) -> None:
+    if d.active and tdist.is_initialized():
+        tdist.barrier()
+        tdist.destroy_process_group()
+
+
+def _unwrap(module: torch.nn.Module) -> StudentModule:
+    return module.module if isinstance(module, torch.nn.parallel.DistributedDataParallel) else module
+
+
+def _base_model(student: torch.nn.Module) -> torch.nn.Module:
+    return student.get_base_model() if hasattr(student, "get_base_model") else student
+
+
+def _fsdp_units(root: torch.nn.Module) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in root.modules() if isinstance(m, FSDPModule) and m is not root]
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(root: torch.nn.Module):
+    root.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        root.set_requires_gradient_sync(True)
+
+
+def _with_gathered_blocks(student: torch.nn.Module, root: torch.nn.Module, fn: Callable) -> Any:
+    """Inside the root's forward (its own parameters are gathered): gather every block once, keep
+    them whole for ``fn``, then shard again. No collective happens while ``fn`` runs."""
+    units = _fsdp_units(root)
+    for u in units:
+        u.set_reshard_after_forward(False)
+        u.unshard()
+    try:
+        return fn(student)
+    finally:
+        for u in units:
+            u.reshard()
+            u.set_reshard_after_forward(True)
+
+
+# ----------------------------------------------------------------------------- metrics
+
+SUM, MAX, GLOBAL = "sum", "max", "global"
+
+
+def _weight_of(key: str, weights: dict) -> Any:
+    if key in weights:
+        return weights[key]
+    return weights.get(key.split("/")[0] + "/", GLOBAL)
+
+
+def merge_metrics(records: list[dict], weights: list[dict]) -> dict:
+    """Merge the ranks' step records into the record of the whole batch.
+
+    ``weights[r]`` maps a key (or a ``prefix/``) to how rank r's value counts: a number (or, for a
+    list-valued metric, one number per element) makes a weighted mean -- the counts a rank averaged
+    over, so a mean of means equals the mean over the whole batch; ``"sum"`` and ``"max"`` combine
+    totals and timings; ``"global"`` (the default) marks a value already equal on every rank
+    (reduced loss, gradient norm, learning rate) and takes rank 0's.
+    """
+    out: dict = {}
+    for key in dict.fromkeys(k for r in records for k in r):  # rank 0's key order first
+        have = [(r[key], _weight_of(key, w)) for r, w in zip(records, weights) if key in r]
+        rule = have[0][1]
+        if rule == GLOBAL or len(have) == 1:
+            out[key] = records[0].get(key, have[0][0])
+        elif rule == SUM:
+            out[key] = sum(v for v, _ in have)
+        elif rule == MAX:
+            out[key] = max(v for v, _ in have)
+        elif isinstance(have[0][0], list):
+            vals = torch.tensor([v for v, _ in have], dtype=torch.float64)
+            wts = torch.tensor([w for _, w in have], dtype=torch.float64)
+            out[key] = ((vals * wts).sum(0) / wts.sum(0).clamp(min=1e-300)).tolist()
+        else:
+            total = sum(w for _, w in have)
+            out[key] = sum(float(v) * w for v, w in have) / total if total else float(have[0][0])
+    return out
