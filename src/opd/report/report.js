@@ -131,7 +131,7 @@ function heatmap(card, spec) {
   svg.addEventListener("mouseleave", hideTip);
   for (let b = 0; b < B; b++) el("svg:text", {x: m.l - 5, y: m.t + (b + 0.5) * ch + 4, "text-anchor": "end"}, svg, b);
   const sx = (x) => m.l + (spec.x.indexOf(x) + 0.5) * cw;
-  const ticks = niceTicks(spec.x[0], spec.x[n - 1], 6).filter((t) => spec.x.includes(t));
+  const ticks = n <= 8 ? spec.x : niceTicks(spec.x[0], spec.x[n - 1], 6).filter((t) => spec.x.includes(t));
   for (const t of ticks) el("svg:text", {x: sx(t), y: H - m.b + 15, "text-anchor": "middle"}, svg, t);
   el("svg:text", {x: (m.l + W - m.r) / 2, y: H - 3, "text-anchor": "middle"}, svg, spec.xlabel);
   el("svg:text", {x: 11, y: (m.t + H - m.b) / 2, "text-anchor": "middle", transform: `rotate(-90 11 ${(m.t + H - m.b) / 2})`}, svg, "depth bucket");
@@ -171,12 +171,12 @@ function renderSummary() {
   const cols = [["run", "run"], ["objective", "objective"], ["settings", "key settings"], ["steps", "steps"], ["wall", "wall time"],
     ["teacher", "teacher acc"], ["before", "student before"], ["after", "student after"], ["avg_at_k", "avg@k"], ["gap_recovery", "gap recovery"]];
   const head = el("tr", {}, el("thead", {}, table));
-  cols.forEach(([, label]) => el("th", {}, head, label));
+  cols.forEach(([, label], j) => el("th", {class: j >= 3 ? "num" : ""}, head, label));
   const body = el("tbody", {}, table);
   DATA.summary.forEach((row, i) => {
     const tr = el("tr", {}, body);
     cols.forEach(([key], j) => {
-      const td = el("td", {class: j >= 3 ? "num" : ""}, tr);
+      const td = el("td", {class: j >= 3 ? "num" : ""}, tr);  // steps onwards: figures, right-aligned
       if (key === "run") el("span", {class: "swatch", style: `background:${color(i)};margin-right:6px;height:10px;width:10px`}, td);
       el("span", {}, td, row[key]);
     });
@@ -253,8 +253,9 @@ function renderTokens() {
     let text = tokenText(ins, id);
     const nl = text.includes("\n");
     if (nl) text = text.replace(/\n/g, "⏎");
+    const t = sign * vals[i] / bound;  // white text where the colour is dark enough to hide black
     const span = el("span", {class: "tok" + (r.mask[i] ? "" : " masked") + (i === INS.pos ? " selected" : ""), "data-pos": i,
-      style: `background:${diverging(sign * vals[i] / bound)}`}, box, text);
+      style: `background:${diverging(t)}` + (Math.abs(t) > 0.55 ? ";color:#fff" : "")}, box, text);
     span.title = `${INS.by === "reward" ? "log q − log p" : "token loss"} = ${fmt(vals[i])}` + (r.mask[i] ? "" : " (masked from the loss)");
     if (nl) el("br", {}, box);
   });
