@@ -107,8 +107,12 @@ def test_load_missing_files_and_bad_dirs(runs, tmp_path):
     assert any("rollouts.jsonl is missing" in s for s in run.skipped)
     (bare / "config.json").write_text("{not json")
     assert any("config.json is not valid JSON" in s for s in load_run(bare).skipped)
-    with pytest.raises(UserError, match="is not a run directory"):
-        load_run(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="is not a run directory .* pass a directory written by `opd train`"):
+        load_run(tmp_path / "empty")
+    demo_hint = re.escape(f"it holds run directories: pass them, e.g. `opd report {runs[1]} {runs[0]}`")
+    with pytest.raises(UserError, match=demo_hint):
+        load_run(runs[0].parent)
     with pytest.raises(UserError, match="is not a directory"):
         load_run(tmp_path / "nope")
     with pytest.raises(UserError, match="no run directory given"):

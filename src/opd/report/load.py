@@ -184,8 +184,10 @@ def load_run(run_dir: Path | str, name: str | None = None) -> RunData:
     if not run_dir.is_dir():
         raise UserError(f"{run_dir} is not a directory; pass run directories written by `opd train` or `opd demo`")
     if not (run_dir / "metrics.jsonl").is_file() and not (run_dir / "config.json").is_file():
-        raise UserError(f"{run_dir} is not a run directory (no metrics.jsonl or config.json); pass a directory "
-                        "written by `opd train`, e.g. runs/demo/lsm")
+        inside = sorted(p for p in run_dir.iterdir() if (p / "metrics.jsonl").is_file())
+        hint = (f"it holds run directories: pass them, e.g. `opd report {' '.join(str(p) for p in inside)}`" if inside
+                else "pass a directory written by `opd train`, e.g. runs/demo/lsm")
+        raise UserError(f"{run_dir} is not a run directory (no metrics.jsonl or config.json); {hint}")
     run = RunData(path=run_dir, name=name or run_dir.name)
     run.config = _read_json(run_dir / "config.json", run.skipped)
     if not run.config and not any("config.json" in s for s in run.skipped):

@@ -150,7 +150,7 @@ function scatter(card, spec) {
   const legend = el("div", {class: "legend"}, card);
   el("span", {class: "key"}, legend).innerHTML = `<i style="background:var(--neg)"></i>negative reward, student &gt; teacher: ${spec.negative.length}`;
   el("span", {class: "key"}, legend).innerHTML = `<i style="background:var(--pos)"></i>positive reward, teacher &gt; student: ${spec.positive.length}`;
-  if (spec.stride > 1) el("span", {}, legend, `(every ${spec.stride}th of ${spec.tokens} logged tokens)`);
+  if (spec.stride > 1) el("span", {}, legend, `(one in ${spec.stride} of ${spec.tokens} logged tokens shown)`);
 }
 
 function renderCharts() {
