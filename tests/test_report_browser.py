@@ -133,10 +133,13 @@ def page(tiny_models, tmp_path_factory):
     shutil.copytree(runs[1], live, ignore=shutil.ignore_patterns("final"))
     with open(live / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "train/lo')
-    path = write_report([*runs, live], root / "report", show_progress=False)
+    started = root / "started"  # only config.json so far: no metrics, no rollouts
+    started.mkdir()
+    shutil.copy(runs[0] / "config.json", started / "config.json")
+    path = write_report([*runs, live, started], root / "report", show_progress=False)
     browser = Browser(root / "profile")
     browser.open(path.as_uri())
-    yield browser, path, [*runs, live]
+    yield browser, path, [*runs, live, started]
     browser.close()
 
 
@@ -153,7 +156,8 @@ def test_page_loads_offline_without_errors(page):
     assert set(browser.requests()) == {path.as_uri()}
     notice = browser.js("document.getElementById('skipped').textContent")
     assert "live" in notice and "1 malformed line(s)" in notice and "run in progress" in notice
-    assert browser.js("document.querySelectorAll('#summary tbody tr').length") == 3
+    assert "started: metrics.jsonl is missing" in notice.replace("\n", " ").replace("  ", " ")
+    assert browser.js("document.querySelectorAll('#summary tbody tr').length") == 4
 
 
 def test_every_chart_renders_its_data(page):
@@ -229,6 +233,9 @@ def test_switching_run_step_and_rollout_updates_the_inspector(page):
     assert state["text"] == [shown(t) for t in record["tokens"]] and state["support"] == 8
     steps = browser.js("Array.from(document.getElementById('inspector-step').options).map(o => +o.value)")
     assert steps == sorted({r["step"] for r in rollouts(run_dirs[1])})
+    select(browser, "inspector-run", 3)  # the run with nothing logged yet says so instead of failing
+    assert browser.js("document.getElementById('tokens').textContent").startswith("No rollouts logged")
+    select(browser, "inspector-run", 1)
     for step in steps:
         for index in range(LOG_ROLLOUTS):
             select(browser, "inspector-step", step)
