@@ -9,9 +9,7 @@ seeds), so objectives that roll out without top-p are still compared on equal te
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from pathlib import Path
 
 from opd.config import EvalConfig, SFTConfig, TrainConfig
 from opd.demo import ASSETS, EVAL_SAMPLES, MAX_NEW_TOKENS, TASK_LEVEL, TOP_P
@@ -112,9 +110,7 @@ def diagnostics_plots(a: Analysis, s: Settings, groups: dict[str, list[str]], ke
         a.plots.append(fname)
 
 
-def copy_replace(cfg, **changes):
-    return dataclasses.replace(cfg, **changes)
-
-
-def path_of(s: Settings, name: str, *parts: str) -> str:
-    return str(Path(s.run_dir(name), *parts))
+def generate_batches(engine, prompt_ids: list[list[int]], seeds: list[int], batch: int = 128) -> list:
+    """Sample (temperature 1, the demo's top-p) in batches of ``batch`` prompts; a list of RolloutBatch."""
+    return [engine.generate(prompt_ids[i:i + batch], seeds[i:i + batch], max_new_tokens=MAX_NEW_TOKENS,
+                            temperature=1.0, top_p=TOP_P) for i in range(0, len(prompt_ids), batch)]

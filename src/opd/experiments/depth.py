@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from opd.data import PromptSet, load_task
-from opd.demo import MAX_NEW_TOKENS, TASK_LEVEL, TOP_P
+from opd.demo import TASK_LEVEL
 from opd.evaluate import decode_responses
-from opd.experiments.common import STUDENT, TEACHER
+from opd.experiments.common import STUDENT, TEACHER, generate_batches
 from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
 from opd.experiments.plots import line_plot
 from opd.experiments.stats import auroc, mean_ci, verdict
@@ -41,22 +41,13 @@ FULL = dict(prompts=160, continuations=4, depths=[0, 4, 8, 12, 16, 20, 24, 28])
 QUICK = dict(prompts=16, continuations=1, depths=[0, 8])
 
 
-def _generate(engine, prompt_ids, seeds, batch: int = 128):
-    out = []
-    for i in range(0, len(prompt_ids), batch):
-        b = engine.generate(prompt_ids[i:i + batch], seeds[i:i + batch], max_new_tokens=MAX_NEW_TOKENS,
-                            temperature=1.0, top_p=TOP_P)
-        out.append(b)
-    return out
-
-
 def _continuation_accuracy(engine, tok, jobs, seed: int) -> list[bool]:
     """jobs: (prompt ids, prefix ids, answer); continue each prefix once and grade prefix + continuation."""
     if not jobs:
         return []
     ok = []
     seeds = [seed * 100_003 + i for i in range(len(jobs))]
-    for start, b in zip(range(0, len(jobs), 128), _generate(engine, [p + x for p, x, _ in jobs], seeds)):
+    for start, b in zip(range(0, len(jobs), 128), generate_batches(engine, [p + x for p, x, _ in jobs], seeds)):
         conts = b.response_ids_NT.tolist()
         masks = b.response_mask_NT.tolist()
         for (p, prefix, answer), c, m in zip(jobs[start:start + 128], conts, masks):
@@ -78,7 +69,7 @@ def measure(p: dict, run_dir: Path) -> dict:
     s_engine = HFRollout(student, tok.eos_token_id, tok.pad_token_id)
     t_engine = HFRollout(teacher, tok.eos_token_id, tok.pad_token_id)
     rows = []
-    for b_i, batch in enumerate(_generate(s_engine, prompts.prompt_ids, [seed * 7919 + i for i in range(len(prompts))])):
+    for b_i, batch in enumerate(generate_batches(s_engine, prompts.prompt_ids, [seed * 7919 + i for i in range(len(prompts))])):
         q = HFTeacher(teacher).score(batch, 1).sampled_logprobs_NT
         texts = decode_responses(tok, batch.response_ids_NT, batch.response_mask_NT)
         for r in range(batch.num_rollouts):

@@ -18,13 +18,14 @@ split is drawn first and no train prompt repeats a test prompt's text.
 from __future__ import annotations
 
 import random
+import re
 from collections import namedtuple
 
 from opd.errors import UserError
 from opd.grading import grade
 from opd.tasks.base import Example, check_split
 
-__all__ = ["ArithmeticTask", "LEVELS", "MAX_ANSWER", "solve_chain"]
+__all__ = ["ArithmeticTask", "LEVELS", "MAX_ANSWER", "SOLUTION_STYLES", "reformat_solution", "solve_chain"]
 
 MAX_ANSWER = 10_000  # exclusive bound on every intermediate and final value
 MAX_MULTIPLIER = 9  # single-digit factors keep * learnable for tiny models
@@ -398,3 +399,29 @@ class ArithmeticTask:
             out.append(Example(prompt, str(answer), self.name, solution))
         raise UserError(f"could only make {len(out)} distinct {split} prompts of {n} requested: "
                         "lower n_train/n_test or raise max_operand/num_ops")
+
+
+# ----------------------------------------------------------------------------- other solution formats
+# For experiments on thinking-pattern mismatch (opd experiment teacher-choice): the same
+# arithmetic written in another chain-of-thought format. The default format above is unchanged.
+
+_EQUATION = re.compile(r"(\d+) ([+\-*]) (\d+) = (\d+)\.")
+_WORDS = {"+": "plus", "-": "minus", "*": "times"}
+SOLUTION_STYLES = ("default", "words")
+
+
+def reformat_solution(solution: str, style: str) -> str:
+    """Rewrite a default-format solution in another style.
+
+    ``words``: no ``<think>`` block, one sentence per step in words, e.g. ``Step 1: 12 plus 7
+    makes 19. Step 2: 19 minus 3 makes 16. So the answer is \\boxed{16}``."""
+    if style not in SOLUTION_STYLES:
+        raise UserError(f"unknown solution style {style!r}; choose one of {', '.join(SOLUTION_STYLES)}")
+    if style == "default":
+        return solution
+    eqs = _EQUATION.findall(solution)
+    answer = re.search(r"\\boxed\{([^}]*)\}", solution)
+    if not eqs or answer is None:
+        raise UserError(f"not a default-format arithmetic solution: {solution[:60]!r}")
+    steps = " ".join(f"Step {i}: {a} {_WORDS[op]} {b} makes {c}." for i, (a, op, b, c) in enumerate(eqs, 1))
+    return f"{steps} So the answer is \\boxed{{{answer.group(1)}}}"

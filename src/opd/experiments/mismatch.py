@@ -1,0 +1,185 @@
+"""``opd experiment tokenizer-mismatch``: failure mode 3 of 2603.25562, reproduced on purpose.
+
+A teacher is fine-tuned from the packaged one with a different segmentation convention for
+``<think>`` and ``</think>``: during its fine-tune those strings are *not* single tokens (their
+added-token entries are removed from its tokenizer, so the same text is spelled with the
+ordinary pieces ``<``, ``think``, ``>``). Afterwards the original tokenizer is put back, so the
+teacher has exactly the student's vocabulary and passes opd's vocabulary check -- same
+vocabulary, different tokens for the same text, as with two tokenizer conventions.
+
+The student still writes the single ``<think>`` / ``</think>`` tokens, which the teacher now
+finds unlikely: sampled-token OPD receives spurious negative rewards exactly there. A probe on
+fixed student rollouts measures the reward per position class (special vs other tokens) under
+the matched and the mismatched teacher; then, from the same student and seeds, OPD with the
+mismatched teacher runs with and without special-token masking (sampled-token and LSM), with
+sampled-token OPD from the matched teacher as the control.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from opd.config import DEFAULT_SPECIAL_TOKENS
+from opd.data import PromptSet, load_task
+from opd.demo import TASK_LEVEL
+from opd.experiments.common import (STUDENT, TEACHER, final_eval_spec, final_scores, generate_batches, mean_curve,
+                                    opd_config, sft_config, with_eval)
+from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
+from opd.experiments.plots import line_plot
+from opd.experiments.stats import mean_ci, verdict
+
+SPLIT_TOKENS = ("<think>", "</think>")  # re-segmented in the mismatched teacher's fine-tune
+VARIANTS = {
+    "matched/sampled": dict(teacher="matched", objective="sampled", mask_special=False),
+    "mismatched/sampled": dict(teacher="mismatched", objective="sampled", mask_special=False),
+    "mismatched/sampled+mask": dict(teacher="mismatched", objective="sampled", mask_special=True),
+    "mismatched/lsm": dict(teacher="mismatched", objective="lsm", mask_special=True),
+    "mismatched/lsm-no-mask": dict(teacher="mismatched", objective="lsm", mask_special=False),
+}
+TEACHER_SFT_STEPS, OPD_STEPS = 300, 100
+
+
+def make_init(p: dict, run_dir: Path) -> dict:
+    """The packaged teacher with a tokenizer in which <think> and </think> are ordinary text."""
+    init = run_dir / "model"
+    shutil.copytree(TEACHER, init, dirs_exist_ok=True)
+    tj = json.loads((init / "tokenizer.json").read_text())
+    tj["added_tokens"] = [t for t in tj["added_tokens"] if t["content"] not in SPLIT_TOKENS]
+    (init / "tokenizer.json").write_text(json.dumps(tj))
+    from opd.models import load_tokenizer
+
+    pieces = load_tokenizer(init).tokenize("<think>1 + 2 = 3.</think>")
+    return {"segmentation": pieces}
+
+
+def restore_vocab(p: dict, run_dir: Path) -> dict:
+    """The fine-tuned teacher with the original tokenizer files: one vocabulary with the student."""
+    src, dst = Path(p["sft_final"]), run_dir / "model"
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (Path(TEACHER) / name).exists():
+            shutil.copy(Path(TEACHER) / name, dst / name)
+    return {"teacher": str(dst)}
+
+
+def probe(p: dict, run_dir: Path) -> dict:
+    """Sampled-token rewards of both teachers on the same student rollouts, by position class."""
+    from opd.models import load_model, load_tokenizer
+    from opd.rollout import HFRollout
+    from opd.teacher import HFTeacher
+
+    tok = load_tokenizer(STUDENT, "student")
+    student = load_model(STUDENT, "student")
+    teachers = {name: HFTeacher(load_model(path, name)) for name, path in p["teachers"].items()}
+    examples = load_task("arithmetic", TASK_LEVEL, 0).examples("test")[: p["prompts"]]
+    prompts = PromptSet.build(examples, tok, 256, "test prompts")
+    special = {tok.convert_tokens_to_ids(t) for t in DEFAULT_SPECIAL_TOKENS}
+    engine = HFRollout(student, tok.eos_token_id, tok.pad_token_id)
+    sums = {name: {"special": [], "other": []} for name in teachers}
+    for batch in generate_batches(engine, prompts.prompt_ids, [p["seed"] * 7919 + i for i in range(len(prompts))]):
+        is_special = torch.isin(batch.response_ids_NT, torch.tensor(sorted(special))) & batch.response_mask_NT
+        other = batch.response_mask_NT & ~is_special
+        for name, teacher in teachers.items():
+            r = teacher.score(batch, 1).sampled_logprobs_NT - batch.logprobs_NT
+            sums[name]["special"] += r[is_special].tolist()
+            sums[name]["other"] += r[other].tolist()
+    out = {name: {cls: {"mean": sum(v) / max(len(v), 1), "negative_share": sum(x < 0 for x in v) / max(len(v), 1),
+                        "n": len(v)} for cls, v in d.items()} for name, d in sums.items()}
+    (run_dir / "probe.json").write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+def plan(s: Settings) -> list[RunSpec]:
+    sft_steps = 3 if s.quick else TEACHER_SFT_STEPS
+    init = s.run_dir("teacher/init") / "model"
+    specs = [
+        RunSpec("teacher/init", "python", {}, make_init, "copy the teacher; drop <think>, </think> from its tokenizer"),
+        RunSpec("teacher/sft", "sft", sft_config(s, "teacher/sft", 0, init=str(init), steps=sft_steps, batch=32,
+                                                 lr=5e-4, schedule="cosine")),
+        RunSpec("teacher/mismatched", "python", {"sft_final": str(s.run_dir("teacher/sft") / "final")}, restore_vocab,
+                "put the original tokenizer files back next to the fine-tuned teacher"),
+        final_eval_spec(s, "teacher/mismatched", 0),
+    ]
+    # final_eval_spec evaluates RUN/final: point it at the restored model directory instead.
+    specs[-1].config.student = str(s.run_dir("teacher/mismatched") / "model")
+    teachers = {"matched": TEACHER, "mismatched": str(s.run_dir("teacher/mismatched") / "model")}
+    for seed in range(s.seeds):
+        specs.append(RunSpec(f"probe/seed{seed}", "python", {"teachers": teachers, "prompts": 16 if s.quick else 128,
+                                                             "seed": seed}, probe,
+                             "student rollouts; sampled-token rewards of both teachers by position class"))
+        for variant, over in VARIANTS.items():
+            over = dict(over, teacher=teachers[over["teacher"]])
+            name = f"{variant}/seed{seed}"
+            specs += with_eval(s, RunSpec(name, "train", opd_config(s, name, seed, steps=OPD_STEPS, log_rollouts=8,
+                                                                    **over)), seed)
+    return specs
+
+
+def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
+    a = Analysis()
+    seeds = range(s.seeds)
+    probes = [json.loads((s.run_dir(f"probe/seed{k}") / "probe.json").read_text()) for k in seeds]
+    seg = json.loads((s.run_dir("teacher/init") / "DONE.json").read_text())["result"]["segmentation"]
+    t_acc = json.loads((s.run_dir("teacher/mismatched/eval") / "DONE.json").read_text())["result"]
+    a.notes.append(f"Mismatched teacher's fine-tuning segmentation of '<think>1 + 2 = 3.</think>': {seg}; its greedy "
+                   f"accuracy after the fine-tune: {100 * t_acc['accuracy']:.1f}% on {t_acc['n']} test prompts.")
+    rows = []
+    for name in ("matched", "mismatched"):
+        for cls in ("special", "other"):
+            rows.append([name, cls, mean_ci([pr[name][cls]["mean"] for pr in probes]).fmt(3),
+                         mean_ci([pr[name][cls]["negative_share"] for pr in probes]).fmt(2, 100),
+                         str(min(pr[name][cls]["n"] for pr in probes))])
+    a.table("Sampled-token reward log q - log p on the same student rollouts (before training), by position class "
+            "(special = <think>, </think>, EOS), mean [95% CI] over seeds",
+            ["teacher", "positions", "mean reward", "negative share (%)", "positions (min over seeds)"], rows)
+    rows = []
+    for variant in VARIANTS:
+        sc = [final_scores(s, f"{variant}/seed{k}") for k in seeds]
+        rows.append([variant, mean_ci([x["accuracy"] for x in sc]).fmt(1, 100), mean_ci([x["avg_at_k"] for x in sc]).fmt(1, 100)])
+    a.table("Final accuracy (%) after OPD, mean [95% CI] over seeds (greedy; avg@k at temperature 1, top-p 0.9)",
+            ["run", "greedy acc", "avg@k"], rows)
+    curves = {v: mean_curve(s, [f"{v}/seed{k}" for k in seeds], "diag/reward_mean") for v in VARIANTS}
+    line_plot(s.out / "mismatch_reward.png", {v: c for v, c in curves.items() if c[0]}, "OPD step",
+              "mean sampled-token reward", "Mean sampled-token reward over training")
+    a.plots.append("mismatch_reward.png")
+    _claims(a, s, probes)
+    return a
+
+
+def _paired(s: Settings, hi: str, lo: str) -> list[float]:
+    return [final_scores(s, f"{hi}/seed{k}")["avg_at_k"] - final_scores(s, f"{lo}/seed{k}")["avg_at_k"]
+            for k in range(s.seeds)]
+
+
+def _claims(a: Analysis, s: Settings, probes: list[dict]) -> None:
+    v, ci = verdict([pr["matched"]["special"]["mean"] - pr["mismatched"]["special"]["mean"] for pr in probes])
+    a.claims.append(Claim("2603.25562 failure mode 3", "a segmentation mismatch gives spurious negative rewards on the "
+                          "special-token positions of correct student output", "CI of the paired drop in mean reward "
+                          "at special positions (matched - mismatched teacher) above 0", v, ci.fmt(3)))
+    v, ci = verdict([(pr["matched"]["special"]["mean"] - pr["mismatched"]["special"]["mean"])
+                     - (pr["matched"]["other"]["mean"] - pr["mismatched"]["other"]["mean"]) for pr in probes])
+    a.claims.append(Claim("2603.25562 failure mode 3", "the drop is concentrated on the special tokens (larger than on "
+                          "other positions)", "CI of (drop at special) - (drop at other positions) above 0", v, ci.fmt(3)))
+    for hi, lo, text in (("mismatched/sampled+mask", "mismatched/sampled", "special-token masking recovers "
+                          "sampled-token OPD under the mismatch"),
+                         ("matched/sampled", "mismatched/sampled", "the mismatch hurts sampled-token OPD"),
+                         ("mismatched/lsm", "mismatched/lsm-no-mask", "masking helps LSM under the mismatch")):
+        v, ci = verdict(_paired(s, hi, lo))
+        a.claims.append(Claim("2603.25562 failure mode 3", text, f"CI of paired avg@k difference ({hi} - {lo}) above 0",
+                              v, f"{ci.fmt(1, 100)} points"))
+
+
+EXPERIMENT = Experiment(
+    name="tokenizer-mismatch",
+    title="tokenizer-mismatch: a teacher with another <think> segmentation (2603.25562, failure mode 3)",
+    about=__doc__.split("\n\n", 1)[1].strip() + (
+        f"\n\nFull size: the teacher fine-tune ({TEACHER_SFT_STEPS} steps of 32, once), a probe of 128 rollouts and 5 "
+        f"OPD runs of {OPD_STEPS} steps x 32 per seed: about 20 minutes for 3 seeds on 2 CPU cores. `--quick`: a 3-step "
+        "teacher fine-tune (too short to learn the new segmentation: a smoke test only) and 3-step OPD runs."),
+    plan=plan,
+    analyze=analyze,
+)
