@@ -1,4 +1,4 @@
-"""The ``opd`` command line: ``demo``, ``train``, ``sft``, ``eval``, ``serve-teacher``, ``make-demo-models``.
+"""The ``opd`` command line: ``demo``, ``train``, ``sft``, ``eval``, ``experiment``, ``results``, ``serve-teacher``, ``make-demo-models``.
 
 Every field of a command's config dataclass (:mod:`opd.config`) is an option of that command,
 and ``--config FILE`` (YAML or JSON) sets any of them; options given on the command line win.
@@ -164,6 +164,30 @@ def _make_demo_models(
     from opd.demo import make_demo_models
 
     make_demo_models(out=out, quick=quick, seed=seed, only=only)
+
+
+@app.command("experiment")
+def _experiment(
+    name: str = typer.Argument(..., help="Experiment: variance, objectives, tokenizer-mismatch, teacher-choice or depth."),
+    seeds: int = typer.Option(3, help="Seeds per setting (3 or more for 95% intervals)."),
+    out: Path = typer.Option(Path("runs/experiments"), help="Output root; the experiment writes OUT/NAME/."),
+    quick: bool = typer.Option(False, help="A shortened smoke version (what CI runs); its numbers decide nothing."),
+) -> None:
+    """Check a claim of the papers: run (or resume) the experiment's runs, then write results.md/json, plots, commands."""
+    from opd.experiments import run
+
+    run(name, out, seeds=seeds, quick=quick)
+
+
+@app.command("results")
+def _results(
+    from_dirs: List[Path] = typer.Option([Path("runs/experiments")], "--from", help="Experiment output roots (repeatable); full results win over --quick ones."),
+    doc: Path = typer.Option(Path("docs/RESULTS.md"), help="The document to write (plots go to DOC_DIR/results/)."),
+) -> None:
+    """Build docs/RESULTS.md from the experiments' results.json files (never by hand)."""
+    from opd.experiments.results_md import build_results_md
+
+    typer.echo(f"wrote {build_results_md(from_dirs, doc)}")
 
 
 def main() -> None:
