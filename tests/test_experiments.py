@@ -1,0 +1,267 @@
+"""Experiments: statistics against hand/brute-force computations, the runner's skip/resume logic,
+command lines that parse back to the same config, the variance estimator, and every experiment's
+``--quick`` run (the model ones are marked slow)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import random
+import shlex
+
+import pytest
+import torch
+
+from opd.config import TrainConfig, build_config
+from opd.errors import UserError
+from opd.experiments import NAMES, get_experiment, run
+from opd.experiments.core import RunSpec, Settings, command_line, run_specs
+from opd.experiments.stats import (INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, auroc, equivalence, fit_power_law,
+                                   mean_ci, t975, verdict)
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def test_mean_ci_matches_hand_computation():
+    ci = mean_ci([1.0, 2.0, 3.0, 4.0])
+    sd = math.sqrt(((1.5 ** 2) * 2 + (0.5 ** 2) * 2) / 3)  # sample sd of 1..4
+    assert ci.mean == pytest.approx(2.5)
+    assert ci.hi - ci.mean == pytest.approx(3.182 * sd / 2)
+    assert ci.mean - ci.lo == pytest.approx(3.182 * sd / 2)
+    one = mean_ci([7.0])
+    assert one.n == 1 and math.isnan(one.lo) and one.fmt() == "7.000 (n=1)"
+    assert mean_ci([float("nan"), 2.0, 4.0]).n == 2  # a run without a number is dropped, not counted
+
+
+def test_t_quantiles_are_conservative_between_rows():
+    assert t975(1) == pytest.approx(12.706)
+    assert t975(35) == t975(30) > t975(40)  # the next smaller df: a wider interval
+    assert t975(500) == pytest.approx(1.96)
+    scipy_stats = pytest.importorskip("scipy.stats")
+    for df in (1, 2, 5, 10, 30, 120):
+        assert t975(df) == pytest.approx(scipy_stats.t.ppf(0.975, df), abs=1e-3)
+
+
+def _auroc_brute(scores, labels):
+    pos = [s for s, y in zip(scores, labels) if y]
+    neg = [s for s, y in zip(scores, labels) if not y]
+    wins = sum(1.0 if p > n else 0.5 if p == n else 0.0 for p in pos for n in neg)
+    return wins / (len(pos) * len(neg))
+
+
+@pytest.mark.parametrize("n,ties", [(7, False), (40, True), (101, True)])
+def test_auroc_equals_pair_count(n, ties):
+    rng = random.Random(n)
+    scores = [rng.randint(0, 5) if ties else rng.random() for _ in range(n)]
+    labels = [rng.random() < 0.4 for _ in range(n)]
+    labels[0], labels[1] = True, False  # both classes present
+    assert auroc(scores, labels) == pytest.approx(_auroc_brute(scores, labels))
+    assert math.isnan(auroc([1.0, 2.0], [True, True]))
+    assert auroc([1, 2, 3], [False, False, True]) == 1.0
+
+
+def test_power_law_fit():
+    xs = [4, 8, 16, 32, 64]
+    b, c = fit_power_law(xs, [3.0 * x ** 2.5 for x in xs])
+    assert b == pytest.approx(2.5) and c == pytest.approx(3.0)
+    rng = random.Random(0)
+    b_noisy, _ = fit_power_law(xs, [x ** 4 * math.exp(rng.gauss(0, 0.05)) for x in xs])
+    assert abs(b_noisy - 4) < 0.1
+
+
+def test_verdict_rules():
+    assert verdict([1.0, 1.2, 0.9])[0] == REPRODUCED
+    assert verdict([-1.0, -1.2, -0.9])[0] == NOT_REPRODUCED
+    assert verdict([1.0, -1.0, 0.5])[0] == INCONCLUSIVE
+    assert verdict([5.0])[0] == INCONCLUSIVE  # one seed decides nothing
+    assert equivalence([0.001, -0.002, 0.0], 0.03)[0] == REPRODUCED
+    assert equivalence([0.2, 0.21, 0.19], 0.03)[0] == NOT_REPRODUCED
+    assert equivalence([0.0, 0.05, -0.04], 0.03)[0] == INCONCLUSIVE
+
+
+# ----------------------------------------------------------------------------- runner
+
+
+def test_unknown_experiment_lists_the_valid_names(tmp_path):
+    with pytest.raises(UserError, match="variance, objectives"):
+        get_experiment("nope")
+    with pytest.raises(UserError, match="--seeds"):
+        run("variance", tmp_path, seeds=0, quick=True)
+
+
+def test_finished_runs_are_skipped(tmp_path):
+    calls = []
+
+    def fn(params, run_dir):
+        calls.append(params["x"])
+        (run_dir / "out.txt").write_text(str(params["x"]))
+        return {"x": params["x"]}
+
+    s = Settings(tmp_path, seeds=1, quick=True)
+    specs = [RunSpec("a", "python", {"x": 1}, fn), RunSpec("b/c", "python", {"x": 2}, fn)]
+    first = run_specs(specs, s, show_progress=False)
+    assert [r["status"] for r in first] == ["ran", "ran"] and calls == [1, 2]
+    assert json.loads((tmp_path / "runs/b/c/DONE.json").read_text())["result"] == {"x": 2}
+    (tmp_path / "runs/a/DONE.json").unlink()  # "a" was interrupted: only it runs again
+    second = run_specs(specs, s, show_progress=False)
+    assert [r["status"] for r in second] == ["ran", "skipped (finished earlier)"] and calls == [1, 2, 1]
+
+
+def _train_cfg(student, teacher, out, **kw):
+    return TrainConfig(student=str(student), teacher=str(teacher), out=str(out), steps=4, batch_size=4,
+                       max_new_tokens=8, eval_every=0, eval_size=4, eval_samples=0, ckpt_every=2, log_rollouts=1,
+                       diag_positions=16, warmup_steps=1, **kw)
+
+
+def _steps(path):
+    return [json.loads(l) for l in path.read_text().splitlines() if "train/loss" in l]
+
+
+@pytest.mark.slow
+def test_interrupted_train_run_resumes_from_its_checkpoint(tiny_models, tmp_path):
+    from opd.train import train
+
+    student, teacher = tiny_models
+    s = Settings(tmp_path, seeds=1, quick=True)
+    cfg = _train_cfg(student, teacher, s.run_dir("opd"))
+    train(cfg, show_progress=False)  # the uninterrupted run, then pretend it died after step 1
+    full = _steps(s.run_dir("opd") / "metrics.jsonl")
+    (s.run_dir("opd") / "checkpoints" / "latest").write_text("step_0000001")
+    log = run_specs([RunSpec("opd", "train", cfg)], s, show_progress=False)
+    assert log[0]["status"] == "ran"
+    resumed = _steps(s.run_dir("opd") / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    assert resumed[:2] == full[:2]  # steps 0-1 kept as logged, not rerun
+    for a, b in zip(resumed[2:], full[2:]):  # steps 2-3 rerun from the checkpoint, reproducibly
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-6)
+    # a run killed before its first checkpoint starts over instead of appending to its log
+    cfg2 = dataclasses.replace(cfg, out=str(s.run_dir("early")), steps=2)
+    s.run_dir("early").mkdir(parents=True)
+    (s.run_dir("early") / "metrics.jsonl").write_text('{"step": 0, "train/loss": 9.0}\n')
+    run_specs([RunSpec("early", "train", cfg2)], s, show_progress=False)
+    assert [r["step"] for r in _steps(s.run_dir("early") / "metrics.jsonl")] == [0, 1]
+
+
+def _parse_flags(argv: list[str]) -> dict:
+    """The flags of an ``opd train`` line back into config values (the CLI's own conventions)."""
+    out, i = {}, 0
+    while i < len(argv):
+        key = argv[i][2:].replace("-", "_")
+        nxt = argv[i + 1] if i + 1 < len(argv) else "--"
+        if nxt.startswith("--"):
+            if key.startswith("no_"):
+                out[key[3:]] = False
+            else:
+                out[key] = True
+            i += 1
+            continue
+        if key == "special_tokens":
+            out.setdefault(key, []).append(nxt)
+        else:
+            out[key] = nxt
+        i += 2
+    return out
+
+
+def test_command_line_parses_back_to_the_same_config(tmp_path):
+    cfg = TrainConfig(student="s dir", teacher="t", objective="sampled", top_p=1.0, mask_special=False, lr=2e-3,
+                      steps=7, special_tokens=["<|im_end|>"], renormalize=False)
+    line = command_line(RunSpec("x", "train", cfg), tmp_path / "x")
+    argv = shlex.split(line)
+    assert argv[:2] == ["opd", "train"]
+    values = _parse_flags(argv[2:])
+    hints = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    typed = {k: (float(v) if hints[k] == "float" else int(v) if hints[k] == "int" else v) for k, v in values.items()}
+    assert build_config(TrainConfig, {}, typed) == dataclasses.replace(cfg, out=str(tmp_path / "x"))
+
+
+# ----------------------------------------------------------------------------- variance estimator
+
+
+def test_per_rollout_gradients_match_a_loop():
+    from opd.experiments.variance import gradient_variance, random_table, sample, surrogate
+
+    g = torch.Generator().manual_seed(0)
+    theta, teacher = random_table(5, 3, 1.0, g), random_table(5, 3, 2.0, g)
+    for gamma in (0.0, 1.0):
+        res = gradient_variance(theta, teacher, gamma, 50, torch.Generator().manual_seed(1))
+        ys, prev = sample(theta, 50, torch.Generator().manual_seed(1))  # the same rollouts
+        grads = []
+        for i in range(50):
+            th = theta.clone().requires_grad_(True)
+            surrogate(th, teacher, ys[i:i + 1], prev[i:i + 1], gamma).sum().backward()
+            grads.append(th.grad.reshape(-1))
+        G = torch.stack(grads)
+        assert res["var"] == pytest.approx(float(((G - G.mean(0)) ** 2).sum(-1).mean()), rel=1e-9)
+
+
+def test_sequence_kl_is_exact():
+    from opd.experiments.variance import random_table, sequence_kl
+
+    g = torch.Generator().manual_seed(3)
+    T, V = 3, 3
+    theta, teacher = random_table(T, V, 1.0, g), random_table(T, V, 1.5, g)
+    total = 0.0
+    for seq in itertools.product(range(V), repeat=T):  # every sequence: brute force
+        lp = lq = 0.0
+        prev = V
+        for t, y in enumerate(seq):
+            lp += float(torch.log_softmax(theta[t, prev], -1)[y])
+            lq += float(torch.log_softmax(teacher[t, prev], -1)[y])
+            prev = y
+        total += math.exp(lp) * (lp - lq)
+    assert sequence_kl(theta, teacher) == pytest.approx(total, rel=1e-9)
+
+
+def test_variance_quick_end_to_end(tmp_path):
+    res = run("variance", tmp_path, seeds=2, quick=True, show_progress=False)
+    out = tmp_path / "variance"
+    assert {c["verdict"] for c in res["claims"]} <= {REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE}
+    assert len(res["claims"]) >= 6
+    for p in res["plots"]:
+        assert (out / p).stat().st_size > 1000
+    assert "quick" in (out / "results.md").read_text()
+    lines = (out / "commands.txt").read_text().splitlines()
+    assert lines[0] == f"# opd experiment variance --seeds 2 --out {tmp_path} --quick"
+    again = run("variance", tmp_path, seeds=2, quick=True, show_progress=False)
+    assert all(r["status"].startswith("skipped") for r in again["run_log"])
+
+    from opd.experiments.results_md import build_results_md
+
+    doc = build_results_md([tmp_path], tmp_path / "docs" / "RESULTS.md")
+    text = doc.read_text()
+    assert "quick (smoke test)" in text and "Not run yet: `opd experiment depth`" in text
+    assert (tmp_path / "docs/results/variance/variance_vs_horizon.png").is_file()
+
+
+def test_depth_buckets_and_reformatted_solutions():
+    from opd.experiments.depth import BUCKET, bucket_stats
+    from opd.tasks.arithmetic import reformat_solution
+
+    rows = [{"reward": [-1.0] * (2 * BUCKET), "correct": False}, {"reward": [0.5] * (2 * BUCKET) + [0.0], "correct": True}]
+    b = bucket_stats(rows)
+    assert len(b) == 3 and b[0]["auroc"] == 1.0 and b[0]["mean_reward"] == pytest.approx(-0.25)
+    assert math.isnan(b[2]["auroc"])  # only the correct rollout reaches the third bucket
+    sol = "<think>12 + 7 = 19. 19 - 3 = 16.</think> The answer is \\boxed{16}"
+    assert reformat_solution(sol, "default") == sol
+    assert reformat_solution(sol, "words") == ("Step 1: 12 plus 7 makes 19. Step 2: 19 minus 3 makes 16. "
+                                                "So the answer is \\boxed{16}")
+    with pytest.raises(UserError, match="words"):
+        reformat_solution(sol, "nope")
+
+
+# ----------------------------------------------------------------------------- model experiments, --quick
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "variance"])
+def test_model_experiment_quick(name, tmp_path):
+    res = run(name, tmp_path, seeds=1, quick=True, show_progress=False)
+    assert res["quick"] and res["tables"] and res["claims"]
+    assert all(c["verdict"] == INCONCLUSIVE for c in res["claims"])  # one seed decides nothing
+    for p in res["plots"]:
+        assert (tmp_path / name / p).is_file()
+    commands = (tmp_path / name / "commands.txt").read_text()
+    assert "opd train" in commands or "# python step" in commands
