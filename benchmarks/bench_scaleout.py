@@ -1,0 +1,315 @@
+#!/usr/bin/env python
+"""Throughput of opd's OPD step (LSM) with 1 and 2 processes, in-process and served teacher, next to TRL.
+
+Every row does the same work: the demo's student and teacher (``opd/assets/demo``), the demo's
+arithmetic prompts in the same order (opd's seeded order; TRL gets exactly that list, unshuffled),
+the same batch (global: a 2-process row gives each rank half), the same generation length
+(``--max-new-tokens``, stopping at EOS), temperature 1, top-p 0.9, lr, and the same number of
+steps. Rows:
+
+  opd-lsm  1 proc, in-process teacher     ``opd train --objective lsm --k K``
+  opd-lsm  2 procs (torchrun, DDP)         each rank half the batch; one thread per rank
+  opd-lsm  1 proc, served teacher          ``opd serve-teacher`` in its own process, ``--teacher-url``
+  opd-lsm  2 procs, served teacher         both ranks send to the one server (it batches them)
+  trl      1 proc                          TRL's ``DistillationTrainer`` (beta=1: reverse KL over the
+                                           full vocabulary), ``use_cpu=True``
+
+How it is timed: each row runs in fresh processes; the first ``--warmup`` steps are not timed
+(the first ``generate`` in a process is slow). A step's time is the wall time between the ends of
+consecutive steps, so it holds everything the trainer does per step (rollout, teacher, update,
+logging); opd's own ``time/*`` split (generate, score, update) is reported too. Rollout tokens
+per second = response tokens generated in the timed steps / their wall time. Ratios are taken
+between rows of this one run. Every process (trainer rank or teacher server) gets ``--threads``
+torch threads (default 1): two OpenMP threads per process collapse when the cores are
+oversubscribed, so a 2-process row uses two cores where a 1-process row uses one.
+
+A row that cannot run (no TRL, or torchrun failing) is reported as unavailable with the reason.
+
+Run (from the repository root):
+  python benchmarks/bench_scaleout.py --quick     # ~1-2 minutes: batch 16, 1+3 steps
+  python benchmarks/bench_scaleout.py             # ~10 minutes: batch 64, 2+8 steps
+Writes benchmarks/results/scaleout.json and .md (scaleout_quick.* with --quick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SEED = 0
+
+
+def plan(args) -> dict:
+    from opd import demo
+
+    return {"student": str(demo.ASSETS / "student"), "teacher": str(demo.ASSETS / "teacher"),
+            "task_level": demo.TASK_LEVEL, "top_p": demo.TOP_P, "batch": args.batch_size, "k": args.k,
+            "max_new_tokens": args.max_new_tokens, "steps": args.warmup + args.steps, "warmup": args.warmup,
+            "lr": 5e-4, "threads": args.threads}
+
+
+# ----------------------------------------------------------------------------- workers (subprocesses)
+
+
+def opd_worker(spec: dict, out: Path) -> None:
+    """One opd training run; rank 0 writes per-step end times, response tokens and opd's timings."""
+    import torch
+
+    from opd import train as train_mod
+    from opd.config import TrainConfig
+
+    torch.set_num_threads(spec["threads"])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = TrainConfig(
+        student=spec["student"], teacher="" if spec.get("teacher_url") else spec["teacher"],
+        teacher_url=spec.get("teacher_url", ""),
+        task_level=spec["task_level"], seed=SEED, out=str(out.parent / "run"), objective="lsm", k=spec["k"],
+        steps=spec["steps"], batch_size=spec["batch"] // world, max_new_tokens=spec["max_new_tokens"],
+        top_p=spec["top_p"], temperature=1.0, lr=spec["lr"], warmup_steps=0, eval_every=0, eval_size=1,
+        eval_samples=0, ckpt_every=0, log_rollouts=0)
+    stamps, records = [], []
+    real_log = train_mod.log_stage
+
+    def timed_log(*a, **kw):
+        record = real_log(*a, **kw)
+        stamps.append(time.perf_counter())
+        records.append(record)
+        return record
+
+    train_mod.log_stage = timed_log
+    train_mod.train(cfg, show_progress=False)
+    if int(os.environ.get("RANK", "0")) == 0:
+        out.write_text(json.dumps({
+            "stamps": stamps, "world": world,
+            "tokens": [r["rollout/response_len"] * spec["batch"] for r in records],
+            "split": [{k: r[k] for k in ("time/generate", "time/score", "time/update")} for r in records],
+            "loss": [r["train/loss"] for r in records]}))
+
+
+def trl_worker(spec: dict, out: Path) -> None:
+    """TRL's DistillationTrainer on the same prompts (opd's order), batch, length and steps."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import DistillationConfig, DistillationTrainer
+
+    from opd.data import PromptSet, load_task
+    from opd.models import load_tokenizer
+
+    torch.set_num_threads(spec["threads"])
+    tok = load_tokenizer(spec["student"])
+    prompts = PromptSet.build(load_task("arithmetic", spec["task_level"], SEED).examples("train"), tok, 256)
+    order = [i for s in range(spec["steps"]) for i in prompts.batch_indices(s, spec["batch"], SEED)]
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": prompts.examples[i].prompt}]} for i in order])
+    stamps, lengths = [], []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            stamps.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(logs["completions/mean_length"])
+
+    args = DistillationConfig(
+        output_dir=str(out.parent / "trl"), per_device_train_batch_size=spec["batch"], gradient_accumulation_steps=1,
+        max_steps=spec["steps"], learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
+        max_completion_length=spec["max_new_tokens"], temperature=1.0, top_p=spec["top_p"], top_k=0, beta=1.0,
+        use_cpu=True, report_to=[], logging_steps=1, save_strategy="no", shuffle_dataset=False, seed=SEED,
+        disable_tqdm=True)
+    trainer = DistillationTrainer(
+        model=AutoModelForCausalLM.from_pretrained(spec["student"], local_files_only=True),
+        teacher_model=AutoModelForCausalLM.from_pretrained(spec["teacher"], local_files_only=True),
+        args=args, train_dataset=data, processing_class=AutoTokenizer.from_pretrained(spec["student"]),
+        callbacks=[Clock()])
+    trainer.train()
+    out.write_text(json.dumps({"stamps": stamps, "world": 1,
+                               "tokens": [m * spec["batch"] for m in lengths]}))
+
+
+# ----------------------------------------------------------------------------- the driver
+
+
+def start_server(teacher: str, threads: int) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.Popen([sys.executable, "-m", "opd", "serve-teacher", teacher, "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    line = proc.stdout.readline()
+    match = re.search(r"http://127\.0\.0\.1:\d+", line)
+    if not match:
+        proc.kill()
+        raise RuntimeError(f"the teacher server did not start: {line.strip()} {proc.stderr.read()[-500:]}")
+    return proc, match.group(0)
+
+
+def run_row(name: str, kind: str, spec: dict, procs: int, timeout: float) -> dict:
+    """Run one row in fresh processes; summarise its timed steps, or say why it is unavailable."""
+    with tempfile.TemporaryDirectory(prefix="opd-scaleout-") as tmp:
+        out = Path(tmp) / "result.json"
+        spec_file = Path(tmp) / "spec.json"
+        spec_file.write_text(json.dumps(spec))
+        worker = [str(Path(__file__).resolve()), "--worker", kind, "--spec", str(spec_file), "--result", str(out)]
+        threads = spec["threads"]
+        if procs == 1:
+            cmd = [sys.executable, *worker]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs), *worker]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
+        print(f"  running {name} ...", flush=True)
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp)
+        except subprocess.TimeoutExpired:
+            return {"row": name, "available": False, "reason": f"did not finish within {timeout:.0f} s"}
+        if proc.returncode != 0 or not out.is_file():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            return {"row": name, "available": False, "reason": f"exit {proc.returncode}: {' | '.join(tail)[-400:]}"}
+        res = json.loads(out.read_text())
+        return summarise(name, spec, res, time.perf_counter() - t0)
+
+
+def summarise(name: str, spec: dict, res: dict, wall: float) -> dict:
+    w = spec["warmup"]
+    stamps, tokens = res["stamps"], res["tokens"]
+    if len(stamps) < w + 2 or len(tokens) != len(stamps):
+        return {"row": name, "available": False,
+                "reason": f"recorded {len(stamps)} step ends and {len(tokens)} token counts for {spec['steps']} steps"}
+    step_s = [b - a for a, b in zip(stamps[w - 1 :], stamps[w:])]
+    timed_tokens = sum(tokens[w:])
+    out = {"row": name, "available": True, "processes": res["world"], "timed_steps": len(step_s),
+           "s_per_step_median": statistics.median(step_s), "s_per_step_mean": sum(step_s) / len(step_s),
+           "rollout_tokens_per_s": timed_tokens / sum(step_s), "response_tokens_per_step": timed_tokens / len(step_s),
+           "process_wall_s": round(wall, 1)}
+    if "split" in res:
+        for key in ("time/generate", "time/score", "time/update"):
+            out[key.replace("time/", "median_") + "_s"] = statistics.median(s[key] for s in res["split"][w:])
+    return out
+
+
+ROWS = [  # name, worker, processes, teacher
+    ("opd LSM, 1 proc, in-process teacher", "opd", 1, "local"),
+    ("opd LSM, 2 procs, in-process teacher", "opd", 2, "local"),
+    ("opd LSM, 1 proc, served teacher", "opd", 1, "served"),
+    ("opd LSM, 2 procs, served teacher", "opd", 2, "served"),
+    ("TRL DistillationTrainer (beta=1), 1 proc", "trl", 1, "local"),
+]
+
+
+def run_all(args) -> dict:
+    base = plan(args)
+    rows = []
+    for name, kind, procs, teacher in ROWS:
+        spec = dict(base)
+        server = None
+        try:
+            if teacher == "served":
+                server, spec["teacher_url"] = start_server(base["teacher"], args.threads)
+            if kind == "trl" and not _has("trl"):
+                rows.append({"row": name, "available": False, "reason": "TRL is not installed (pip install -e '.[bench]')"})
+                continue
+            rows.append(run_row(name, kind, spec, procs, args.row_timeout))
+        except RuntimeError as exc:
+            rows.append({"row": name, "available": False, "reason": str(exc)})
+        finally:
+            if server is not None:
+                server.terminate()
+                server.wait(timeout=30)
+        print(f"    {rows[-1]}", flush=True)
+    add_ratios(rows)
+    return {"plan": base, "rows": rows, "machine": machine()}
+
+
+def add_ratios(rows: list[dict]) -> None:
+    ok = {r["row"]: r for r in rows if r["available"]}
+    trl = next((r for n, r in ok.items() if n.startswith("TRL")), None)
+    ref = ok.get(ROWS[0][0])
+    for r in rows:
+        if not r["available"]:
+            continue
+        if trl:
+            r["throughput_vs_trl"] = r["rollout_tokens_per_s"] / trl["rollout_tokens_per_s"]
+            r["step_speedup_vs_trl"] = trl["s_per_step_median"] / r["s_per_step_median"]
+        if ref:
+            r["throughput_vs_opd_1proc"] = r["rollout_tokens_per_s"] / ref["rollout_tokens_per_s"]
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def machine() -> dict:
+    import torch
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
+            "platform": platform.platform()}
+    if _has("trl"):
+        import trl
+
+        info["trl"] = trl.__version__
+    return info
+
+
+def table(result: dict) -> str:
+    p = result["plan"]
+    lines = [f"Batch {p['batch']} prompts, up to {p['max_new_tokens']} new tokens, K={p['k']}, "
+             f"{p['steps'] - p['warmup']} timed steps after {p['warmup']} warm-up, {p['threads']} torch thread(s) per process.",
+             "", "| row | s/step (median) | rollout tok/s | vs TRL (tok/s) | vs opd 1 proc | generate / score / update s |",
+             "|---|---:|---:|---:|---:|---|"]
+    for r in result["rows"]:
+        if not r["available"]:
+            lines.append(f"| {r['row']} | unavailable: {r['reason']} | | | | |")
+            continue
+        split = " / ".join(f"{r[k]:.3f}" for k in ("median_generate_s", "median_score_s", "median_update_s") if k in r)
+        fmt = lambda k: f"{r[k]:.2f}x" if k in r else "-"
+        lines.append(f"| {r['row']} | {r['s_per_step_median']:.3f} | {r['rollout_tokens_per_s']:.0f} | "
+                     f"{fmt('throughput_vs_trl')} | {fmt('throughput_vs_opd_1proc')} | {split or '-'} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="batch 16, 1 warm-up + 3 timed steps (~1-2 minutes)")
+    ap.add_argument("--batch-size", type=int, default=None, help="global prompts per step (default 64; quick 16)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 8; quick 3)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed first steps, >= 1 (default 2; quick 1)")
+    ap.add_argument("--max-new-tokens", type=int, default=48, help="generation length (the demo's)")
+    ap.add_argument("--k", type=int, default=32, help="LSM support size")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process (trainer ranks and server alike)")
+    ap.add_argument("--row-timeout", type=float, default=900, help="seconds before a row is given up")
+    ap.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/scaleout[_quick].json)")
+    ap.add_argument("--worker", choices=("opd", "trl"), help=argparse.SUPPRESS)
+    ap.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        (opd_worker if args.worker == "opd" else trl_worker)(json.loads(args.spec.read_text()), args.result)
+        return
+    args.batch_size = args.batch_size or (16 if args.quick else 64)
+    args.steps = args.steps or (3 if args.quick else 8)
+    args.warmup = args.warmup or (1 if args.quick else 2)
+    if args.batch_size % 2:
+        ap.error("--batch-size must be even (the 2-process rows split it in half)")
+    out = args.out or ROOT / "benchmarks" / "results" / ("scaleout_quick.json" if args.quick else "scaleout.json")
+    result = run_all(args)
+    text = table(result)
+    print("\n" + text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(f"# opd scale-out benchmark\n\n{text}\n\nMachine: {json.dumps(result['machine'])}\n")
+    print(f"\nwrote {out} and {out.with_suffix('.md')}")
+
+
+if __name__ == "__main__":
+    main()
