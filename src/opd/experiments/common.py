@@ -13,9 +13,9 @@ import math
 
 from opd.config import EvalConfig, SFTConfig, TrainConfig
 from opd.demo import ASSETS, EVAL_SAMPLES, MAX_NEW_TOKENS, TASK_LEVEL, TOP_P
-from opd.experiments.core import Analysis, RunSpec, Settings, read_done, read_metrics
+from opd.experiments.core import Analysis, Claim, RunSpec, Settings, read_done, read_metrics
 from opd.experiments.plots import line_plot
-from opd.experiments.stats import mean_ci
+from opd.experiments.stats import mean_ci, verdict
 
 STUDENT, TEACHER = str(ASSETS / "student"), str(ASSETS / "teacher")
 
@@ -24,7 +24,7 @@ def sizes(quick: bool, steps: int = 100, batch: int = 32) -> dict:
     """OPD run sizes: full (``steps`` x ``batch``) or a smoke-test size for ``--quick``."""
     if quick:
         return dict(steps=3, batch_size=8, eval_every=0, eval_size=16, ckpt_every=2, log_rollouts=2, diag_positions=64)
-    return dict(steps=steps, batch_size=batch, eval_every=max(steps // 4, 1), eval_size=200, ckpt_every=max(steps // 2, 1),
+    return dict(steps=steps, batch_size=batch, eval_every=max(steps // 2, 1), eval_size=200, ckpt_every=max(steps // 2, 1),
                 log_rollouts=4, diag_positions=256)
 
 
@@ -114,3 +114,11 @@ def generate_batches(engine, prompt_ids: list[list[int]], seeds: list[int], batc
     """Sample (temperature 1, the demo's top-p) in batches of ``batch`` prompts; a list of RolloutBatch."""
     return [engine.generate(prompt_ids[i:i + batch], seeds[i:i + batch], max_new_tokens=MAX_NEW_TOKENS,
                             temperature=1.0, top_p=TOP_P) for i in range(0, len(prompt_ids), batch)]
+
+
+def avg_at_k_claim(a: Analysis, s: Settings, source: str, claim: str, hi: str, lo: str, hi_runs: list[str],
+                   lo_runs: list[str]) -> None:
+    """Claim "hi beats lo": the verdict on the paired (same seed) differences of final avg@k."""
+    diffs = [final_scores(s, h)["avg_at_k"] - final_scores(s, l)["avg_at_k"] for h, l in zip(hi_runs, lo_runs)]
+    v, ci = verdict(diffs)
+    a.claims.append(Claim(source, claim, f"CI of paired avg@k difference ({hi} - {lo}) above 0", v, f"{ci.fmt(1, 100)} points"))

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from opd.config import EvalConfig, SFTConfig, TrainConfig
 from opd.errors import UserError
 
 DONE = "DONE.json"

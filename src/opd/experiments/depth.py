@@ -23,7 +23,6 @@ import json
 import math
 from pathlib import Path
 
-import torch
 
 from opd.data import PromptSet, load_task
 from opd.demo import TASK_LEVEL
@@ -79,7 +78,7 @@ def measure(p: dict, run_dir: Path) -> dict:
                          "ids": batch.response_ids_NT[r, :n].tolist(),
                          "reward": (q[r, :n] - batch.logprobs_NT[r, :n]).tolist()})
     cont = []
-    with progress_bar("depth: continuations", total=len(p["depths"]), enabled=p.get("progress", True)) as bar:
+    with progress_bar("depth: continuations", total=len(p["depths"]), enabled=True) as bar:
         for d in p["depths"]:
             jobs = [(prompts.prompt_ids[r["prompt"]], r["ids"][:d], examples[r["prompt"]].answer)
                     for r in rows if len(r["ids"]) > d for _ in range(p["continuations"])]
@@ -95,7 +94,7 @@ def measure(p: dict, run_dir: Path) -> dict:
 
 def plan(s: Settings) -> list[RunSpec]:
     base = QUICK if s.quick else FULL
-    return [RunSpec(f"seed{k}", "python", {**base, "seed": k, "progress": False}, measure,
+    return [RunSpec(f"seed{k}", "python", {**base, "seed": k}, measure,
                     "student rollouts scored by the teacher; continuations by teacher and student from student prefixes")
             for k in range(s.seeds)]
 

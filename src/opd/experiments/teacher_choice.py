@@ -19,7 +19,7 @@ from pathlib import Path
 
 from opd.data import load_task
 from opd.demo import TASK_LEVEL
-from opd.experiments.common import (STUDENT, TEACHER, diagnostics_plots, final_eval_spec, final_scores, opd_config,
+from opd.experiments.common import (TEACHER, avg_at_k_claim, diagnostics_plots, final_eval_spec, final_scores, opd_config,
                                     read_metrics, series, sft_config, with_eval)
 from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
 from opd.experiments.stats import mean_ci, verdict
@@ -109,17 +109,16 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
 
 def _claims(a: Analysis, s: Settings, recs: dict) -> None:
     seeds = range(s.seeds)
-    acc = {c: [final_scores(s, f"{c}/seed{k}")["avg_at_k"] for k in seeds] for c in CONDITIONS}
     first = lambda c, key: [_window(recs[(c, k)], key, False) for k in seeds]
     last = lambda c, key: [_window(recs[(c, k)], key, True) for k in seeds]
 
-    def claim(text: str, rule: str, diffs: list[float], unit: str = "") -> None:
+    def claim(text: str, rule: str, diffs: list[float]) -> None:
         v, ci = verdict(diffs)
-        a.claims.append(Claim("2604.13016", text, rule, v, ci.fmt(1, 100) + " points" if unit == "pts" else ci.fmt(3)))
+        a.claims.append(Claim("2604.13016", text, rule, v, ci.fmt(3)))
 
-    claim("a teacher with a compatible thinking pattern distils better than one of similar accuracy with a different "
-          "pattern", "CI of paired avg@k difference (compatible - different) above 0",
-          [x - y for x, y in zip(acc["compatible"], acc["different"])], "pts")
+    runs = lambda c: [f"{c}/seed{k}" for k in seeds]
+    avg_at_k_claim(a, s, "2604.13016", "a teacher with a compatible thinking pattern distils better than one of "
+                   "similar accuracy with a different pattern", "compatible", "different", runs("compatible"), runs("different"))
     claim("in the succeeding run the overlap ratio rises", "CI of (last - first 10% of steps) of diag/overlap, "
           "compatible teacher, above 0", [y - x for x, y in zip(first("compatible", "diag/overlap"), last("compatible", "diag/overlap"))])
     claim("in the succeeding run the entropy gap narrows", "CI of (first - last) of diag/entropy_gap, compatible "
@@ -131,12 +130,12 @@ def _claims(a: Analysis, s: Settings, recs: dict) -> None:
                            for k in seeds]
     claim("the failing run (different pattern) has a lower overlap ratio", "CI of the paired difference in mean "
           "overlap over training (compatible - different) above 0", [x - y for x, y in zip(mean_over("compatible"), mean_over("different"))])
-    claim("an off-policy cold start recovers OPD with the different-pattern teacher", "CI of paired avg@k difference "
-          "(cold-start - different) above 0", [x - y for x, y in zip(acc["cold-start"], acc["different"])], "pts")
+    avg_at_k_claim(a, s, "2604.13016", "an off-policy cold start recovers OPD with the different-pattern teacher",
+                   "cold-start", "different", runs("cold-start"), runs("different"))
     claim("the cold start begins OPD with a higher overlap ratio", "CI of the paired difference in the first 10% of "
           "steps (cold-start - different) above 0", [x - y for x, y in zip(first("cold-start", "diag/overlap"), first("different", "diag/overlap"))])
-    claim("teacher-aligned prompts improve OPD with the different-pattern teacher", "CI of paired avg@k difference "
-          "(aligned-prompts - different) above 0", [x - y for x, y in zip(acc["aligned-prompts"], acc["different"])], "pts")
+    avg_at_k_claim(a, s, "2604.13016", "teacher-aligned prompts improve OPD with the different-pattern teacher",
+                   "aligned-prompts", "different", runs("aligned-prompts"), runs("different"))
 
 
 EXPERIMENT = Experiment(

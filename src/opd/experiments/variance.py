@@ -31,7 +31,6 @@ from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
 from opd.experiments.plots import line_plot
 from opd.experiments.stats import NOT_REPRODUCED, REPRODUCED, INCONCLUSIVE, fit_power_law, mean_ci, verdict
 from opd.losses import sampled_token_advantages, sampled_token_pg_loss
-from opd.progress import progress_bar
 
 GAMMAS = (0.0, 0.5, 0.9, 1.0)
 LRS = (0.05, 0.3)  # stability across learning rates: the smaller is smooth for every gamma
