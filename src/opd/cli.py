@@ -153,6 +153,18 @@ def _report(
     typer.echo(f"report: {path}")
 
 
+@app.command("merge-lora")
+def _merge_lora(
+    adapter: Path = typer.Argument(..., help="A LoRA run's final/ (or checkpoints/step_*/model) directory."),
+    out: Path = typer.Option(..., help="Where to write the merged model (a plain Hugging Face model directory)."),
+    base: Optional[Path] = typer.Option(None, help="Base model directory (default: the path recorded in the adapter)."),
+) -> None:
+    """Fold a LoRA adapter (opd train --lora-r) into its base model and write a plain model directory."""
+    from opd.lora import merge_lora
+
+    typer.echo(f"merged model: {merge_lora(adapter, out, base)}")
+
+
 @app.command("make-demo-models")
 def _make_demo_models(
     out: Path = typer.Option(..., help="Where to write tokenizer/, teacher/ and student/."),

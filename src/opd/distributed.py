@@ -145,7 +145,10 @@ class Dist:
         """The student's unsharded state dict under FSDP (collective); None otherwise (use the module)."""
         if not self.fsdp:
             return None
-        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in student.state_dict().items()}
+        # A tied weight (the head) is one parameter under two names: keep the first, as save_pretrained does.
+        aliases = {n for n, _ in student.named_parameters(remove_duplicate=False)} - {n for n, _ in student.named_parameters()}
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v)
+                for k, v in student.state_dict().items() if k not in aliases}
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         if not self.fsdp:

@@ -44,7 +44,7 @@ def apply_lora(student: torch.nn.Module, r: int, alpha: float, targets: list[str
     """Freeze the student and add a LoRA adapter (a ``peft.PeftModel``) to ``targets``."""
     from peft import LoraConfig, get_peft_model
 
-    targets = [t for t in targets if t != ALL_LINEAR]
+    targets = [name for t in targets for name in t.split(",") if name and name != ALL_LINEAR]
     _check_targets(student, targets)
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, bias="none", task_type="CAUSAL_LM",
                         target_modules=targets or ALL_LINEAR)
