@@ -301,20 +301,25 @@ class TeacherApp:
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: a client may reuse its connection
     server_version = "opd-serve-teacher"
+    timeout = 120  # seconds a client may take to send its request; a stalled one frees its thread
 
     def log_message(self, format, *args):  # noqa: A002 (the base class's name)
         if getattr(self.server, "verbose", False):
             super().log_message(format, *args)
 
     def _send(self, status: int, payload: dict | None) -> None:
-        body = b"" if payload is None else json.dumps(payload).encode()
+        body = b"" if payload is None else json.dumps(payload, separators=(",", ":")).encode()  # ~10% fewer bytes
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(body)
 
     def _error(self, err: RequestError) -> None:
+        # The request's body may be unread (or unreadable): close rather than parse it as the next request.
+        self.close_connection = True
         self._send(err.status, {"error": {"message": err.message, "type": err.kind, "param": None, "code": err.status}})
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
@@ -329,14 +334,18 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if self.path != "/v1/completions":
                 raise RequestError(404, f"no route POST {self.path}; use POST /v1/completions", "NotFoundError")
-            size = int(self.headers.get("Content-Length") or 0)
+            length = self.headers.get("Content-Length", "0").strip()
+            if not length.isdigit():
+                raise RequestError(400, f"Content-Length {length!r} is not a byte count; send the JSON body with one")
+            size = int(length)
             if size > app.limits.max_body_bytes:
-                self.close_connection = True  # the unread body would otherwise be parsed as the next request
                 raise RequestError(413, f"request body of {size} bytes exceeds {app.limits.max_body_bytes}; "
                                         "send fewer or shorter prompts per request")
             self._send(200, app.complete(self.rfile.read(size)))
         except RequestError as err:
             self._error(err)
+        except Exception as exc:  # a bug must cost one request, not the server
+            self._error(RequestError(500, f"internal error: {type(exc).__name__}: {exc}", "InternalServerError"))
 
 
 def start_server(app: TeacherApp, host: str = "127.0.0.1", port: int = 0, verbose: bool = False) -> ThreadingHTTPServer:

@@ -198,7 +198,9 @@ class HTTPTeacher:
 
 
 def _error_message(err: urllib.error.HTTPError) -> str:
+    """The server's own message: OpenAI's {"error": {"message"}} or older vLLM's {"message"}."""
     try:
-        return json.loads(err.read())["error"]["message"]
+        body = json.loads(err.read())
+        return body["error"]["message"] if isinstance(body.get("error"), dict) else body["message"]
     except Exception:  # a foreign server's error page: report its status line only
         return str(err.reason)
