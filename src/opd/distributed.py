@@ -1,8 +1,8 @@
 """Data-parallel training across processes: DDP, or FSDP (``--fsdp``) for a student too big for one device.
 
 Processes are started by ``torchrun`` or ``accelerate launch``, which set ``RANK``, ``WORLD_SIZE``
-and the rendezvous variables; :func:`init_distributed` joins that group (gloo on CPU, nccl with
-CUDA) and does nothing in a single process. opd never starts processes itself.
+and the rendezvous variables; :func:`init_distributed` joins that group (gloo: opd computes on the
+CPU) and does nothing in a single process. opd never starts processes itself.
 
 How the loop uses it:
 
@@ -180,7 +180,9 @@ def init_distributed(fsdp: bool = False) -> Dist:
                             "(or accelerate launch) or drop --fsdp")
         return Dist()
     if not tdist.is_initialized():
-        tdist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        # opd keeps its models and batches on the CPU (no device placement yet), and nccl only
+        # carries CUDA tensors: gloo it is, on any machine.
+        tdist.init_process_group("gloo")
     return Dist(rank=tdist.get_rank(), world=tdist.get_world_size(), fsdp=fsdp)
 
 
