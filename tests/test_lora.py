@@ -125,3 +125,10 @@ def test_head_and_embedding_cannot_be_lora_targets(tiny_models, target):
 def test_merge_lora_refuses_a_plain_model(tiny_models, tmp_path):
     result = CliRunner().invoke(app, ["merge-lora", str(tiny_models[0]), "--out", str(tmp_path / "m")])
     assert isinstance(result.exception, UserError) and "not a LoRA adapter" in str(result.exception)
+
+
+def test_an_adapter_directory_given_as_a_model_points_to_merge_lora(lora_run):
+    from opd.models import load_model
+
+    with pytest.raises(UserError, match="holds a LoRA adapter.*opd merge-lora"):
+        load_model(lora_run[0] / "final", "student")

@@ -25,6 +25,9 @@ def _check_model_dir(path: str | Path, role: str, required: str = "config.json")
     p = Path(path)
     if not p.is_dir():
         raise UserError(f"{role} model directory {p} does not exist; pass a local directory written by save_pretrained")
+    if not (p / required).is_file() and (p / "adapter_config.json").is_file():
+        raise UserError(f"{p} holds a LoRA adapter, not a whole model; write one with opd merge-lora {p} --out DIR "
+                        f"and pass that DIR as --{role}")
     if not (p / required).is_file():
         raise UserError(f"{p} has no {required}, so it is not a Hugging Face {role} directory; check the --{role} path")
     return p
