@@ -211,6 +211,13 @@ def _md_table(t: dict) -> str:
     return "\n".join(lines)
 
 
+def verdict_cell(res: dict, claim: dict) -> str:
+    """The verdict as shown: a --quick run's verdict is marked, since a few steps decide nothing."""
+    if res["quick"]:
+        return f"*{claim['verdict']}* (quick smoke run: not a result)"
+    return f"**{claim['verdict']}**"
+
+
 def render_markdown(res: dict, plot_prefix: str = "") -> str:
     """The body of an experiment's results (used for results.md and docs/RESULTS.md)."""
     size = "quick (--quick: a shortened smoke version, NOT the full result)" if res["quick"] else "full size"
@@ -220,7 +227,8 @@ def render_markdown(res: dict, plot_prefix: str = "") -> str:
            f"Python {m['python']}; generated {res['generated']}.", "", res["about"].strip(), ""]
     if res["claims"]:
         out += ["**Claims**", "", "| source | claim | rule | verdict | numbers |", "|---|---|---|---|---|"]
-        out += [f"| {c['source']} | {c['claim']} | {c['rule']} | **{c['verdict']}** | {c['evidence']} |" for c in res["claims"]]
+        out += [f"| {c['source']} | {c['claim']} | {c['rule']} | {verdict_cell(res, c)} | {c['evidence']} |"
+                for c in res["claims"]]
         out.append("")
     for t in res["tables"]:
         out += [_md_table(t), ""]
