@@ -52,9 +52,9 @@ def sft_config(s: Settings, name: str, seed: int, init: str = STUDENT, steps: in
     return SFTConfig(**base)
 
 
-def final_eval_spec(s: Settings, run_name: str, seed: int, task: str = "arithmetic") -> RunSpec:
-    """``opd eval`` of ``run_name/final``: greedy and avg@k at top-p 0.9 on the task's test prompts."""
-    cfg = EvalConfig(student=str(s.run_dir(run_name) / "final"), task=task, task_level=TASK_LEVEL, seed=seed,
+def final_eval_spec(s: Settings, run_name: str, seed: int, model: str = "") -> RunSpec:
+    """``opd eval`` of ``model`` (default ``run_name/final``): greedy and avg@k at top-p 0.9 on the test prompts."""
+    cfg = EvalConfig(student=model or str(s.run_dir(run_name) / "final"), task="arithmetic", task_level=TASK_LEVEL, seed=seed,
                      out=str(s.run_dir(run_name + "/eval")), max_new_tokens=MAX_NEW_TOKENS,
                      eval_size=eval_size(s.quick), samples=2 if s.quick else EVAL_SAMPLES, top_p=TOP_P)
     return RunSpec(run_name + "/eval", "eval", cfg)

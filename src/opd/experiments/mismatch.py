@@ -102,10 +102,8 @@ def plan(s: Settings) -> list[RunSpec]:
                                                  lr=5e-4, schedule="cosine")),
         RunSpec("teacher/mismatched", "python", {"sft_final": str(s.run_dir("teacher/sft") / "final")}, restore_vocab,
                 "put the original tokenizer files back next to the fine-tuned teacher"),
-        final_eval_spec(s, "teacher/mismatched", 0),
+        final_eval_spec(s, "teacher/mismatched", 0, model=str(s.run_dir("teacher/mismatched") / "model")),
     ]
-    # final_eval_spec evaluates RUN/final: point it at the restored model directory instead.
-    specs[-1].config.student = str(s.run_dir("teacher/mismatched") / "model")
     teachers = {"matched": TEACHER, "mismatched": str(s.run_dir("teacher/mismatched") / "model")}
     for seed in range(s.seeds):
         specs.append(RunSpec(f"probe/seed{seed}", "python", {"teachers": teachers, "prompts": 16 if s.quick else 128,

@@ -53,9 +53,8 @@ def plan(s: Settings) -> list[RunSpec]:
         RunSpec("teacher/different", "sft", sft_config(s, "teacher/different", 0, init=TEACHER, data=str(data / "sft.jsonl"),
                                                        steps=TEACHER_SFT_STEPS, batch=32, lr=5e-4, schedule="cosine")),
         final_eval_spec(s, "teacher/different", 0),
-        final_eval_spec(s, "teacher/compatible", 0),
+        final_eval_spec(s, "teacher/compatible", 0, model=TEACHER),  # the packaged teacher, evaluated the same way
     ]
-    specs[-1].config.student = TEACHER  # the packaged teacher, evaluated the same way
     for seed in range(s.seeds):
         cold = f"cold-start-sft/seed{seed}"
         runs = {
