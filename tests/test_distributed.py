@@ -2,19 +2,29 @@
 
 The claim under test: 2 ranks of per-rank batch 2 follow the trajectory of 1 process of batch 4 on
 the same prompts and seeds (each prompt's rollout is seeded by its global slot), for DDP and FSDP,
-and a 2-rank run stopped after a checkpoint resumes in a new launch exactly where it left off.
-Tolerance: relative 1e-4 on every logged value except timings and the full-vocabulary diagnostics
-(those are computed on a sample of positions that depends on how the batch is laid out); the
-values observed agree to about 1e-6, the float32 rounding of different padding and reduction order.
+and a 2-rank run that loses a rank mid-run (SIGKILL) resumes in a new launch exactly where it left off.
+Tolerance: the loss and gradient norm agree to relative 1e-4 (observed: about 1e-6, the float32
+rounding of different padding and reduction order). The other logged values agree to relative
+1e-4 or absolute 1e-5, whichever is looser: some are means of log-prob differences that nearly
+cancel (a depth bucket's reward of 0.0017 differed by 2e-6), where rounding of log-probs of
+order 1 shows up at 1e-6 absolute. Timings and the full-vocabulary diagnostics are not compared
+(those use a sample of positions that depends on how the batch is laid out).
+
+LSM is compared over 8 steps (its differences stayed near 1e-6 throughout), the sampled-token
+objective over 3: measured at lr 3e-3, its rounding differences grow about tenfold a step (1e-6
+at step 0, 4e-5 at step 3) until, at step 4, one sampled token comes out differently and the two
+runs part ways -- float32 chaos in the policy gradient under Adam, not a difference in the method.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -24,9 +34,10 @@ from opd.config import TrainConfig
 from opd.distributed import merge_metrics
 from opd.stepstats import FULL_VOCAB_KEYS
 
-SMALL = dict(steps=3, max_new_tokens=8, eval_size=4, eval_samples=0, k=8, warmup_steps=1, log_rollouts=2,
+SMALL = dict(steps=8, max_new_tokens=8, eval_size=4, eval_samples=0, k=8, warmup_steps=1, log_rollouts=2,
              diag_positions=16, eval_every=0, ckpt_every=1, lr=3e-3)
 REL = 1e-4
+SAMPLED_STEPS = {"lsm": {}, "sampled": {"steps": 3}}  # see the module docstring
 
 
 def cli_args(models, out, **kw) -> list[str]:
@@ -44,15 +55,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(launcher: str, args: list[str], timeout: int = 300) -> None:
+def launch_command(launcher: str, args: list[str]) -> list[str]:
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     else:  # accelerate: --multi_gpu is what starts 2 ranks on a machine without a GPU (--cpu starts one)
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "--main_process_port", str(free_port())]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "_TYPER_STANDARD_TRACEBACK": "1"}
-    proc = subprocess.run(cmd + ["-m", "opd"] + args, capture_output=True, text=True, timeout=timeout, env=env)
+    return cmd + ["-m", "opd"] + args
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "_TYPER_STANDARD_TRACEBACK": "1"}
+
+
+def launch(launcher: str, args: list[str], timeout: int = 300) -> None:
+    proc = subprocess.run(launch_command(launcher, args), capture_output=True, text=True, timeout=timeout, env=ENV)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
@@ -61,14 +78,15 @@ def train_records(run_dir) -> list[dict]:
     return [r for r in map(json.loads, lines) if "train/loss" in r]
 
 
-def assert_same_trajectory(got: list[dict], want: list[dict], rel: float = REL) -> None:
+def assert_same_trajectory(got: list[dict], want: list[dict], rel: float = REL, abs_other: float = 1e-5) -> None:
     assert [r["step"] for r in got] == [r["step"] for r in want]
     for g, w in zip(got, want):
         assert set(g) == set(w)
         for key in w:
             if key.startswith("time/") or key in FULL_VOCAB_KEYS:
                 continue
-            assert g[key] == pytest.approx(w[key], rel=rel, abs=1e-7), (w["step"], key)
+            tol = 1e-9 if key in ("train/loss", "train/grad_norm") else abs_other
+            assert g[key] == pytest.approx(w[key], rel=rel, abs=tol), (w["step"], key)
 
 
 def final_weights(run_dir) -> dict:
@@ -93,7 +111,7 @@ def single(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("single")
     for objective in ("lsm", "sampled"):
         cfg = TrainConfig(student=str(tiny_models[0]), teacher=str(tiny_models[1]), out=str(root / objective),
-                          batch_size=4, objective=objective, **SMALL)
+                          batch_size=4, objective=objective, **{**SMALL, **SAMPLED_STEPS[objective]})
         train_mod.train(cfg, show_progress=False)
     return root
 
@@ -117,17 +135,35 @@ def test_ddp_two_ranks_match_one_process_lsm(single, ddp_lsm):
 
 
 def test_accelerate_two_ranks_match_one_process_sampled(single, tiny_models, tmp_path):
-    launch("accelerate", cli_args(tiny_models, tmp_path / "run", batch_size=2, objective="sampled"))
+    launch("accelerate", cli_args(tiny_models, tmp_path / "run", batch_size=2, objective="sampled",
+                                  **SAMPLED_STEPS["sampled"]))
     assert_same_trajectory(train_records(tmp_path / "run"), train_records(single / "sampled"))
 
 
-def test_ddp_stopped_run_resumes_like_uninterrupted(tiny_models, ddp_lsm, tmp_path):
+def kill_a_rank_after_first_checkpoint(args: list[str], out) -> None:
+    """Start a 2-rank run and SIGKILL rank 1's process once the first checkpoint exists; torchrun
+    then tears the group down, as after a crash or a lost machine."""
+    import psutil
+
+    proc = subprocess.Popen(launch_command("torchrun", args), env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (out / "checkpoints" / "latest").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
+    assert workers, "the run ended before a rank could be killed"
+    os.kill(workers[0].pid, signal.SIGKILL)
+    assert proc.wait(timeout=120) != 0
+    assert not (out / "final").exists()
+
+
+def test_ddp_killed_run_resumes_like_uninterrupted(tiny_models, ddp_lsm, tmp_path):
     out = tmp_path / "run"
-    launch("torchrun", cli_args(tiny_models, out, batch_size=2, grad_accum=2, steps=2))
-    assert [r["step"] for r in train_records(out)] == [0, 1]
-    assert (out / "checkpoints" / "latest").read_text().strip() == "step_0000001"
+    kill_a_rank_after_first_checkpoint(cli_args(tiny_models, out, batch_size=2, grad_accum=2), out)
+    done = [r["step"] for r in train_records(out)]
+    assert done and len(done) < SMALL["steps"], done
     launch("torchrun", cli_args(tiny_models, out, batch_size=2, grad_accum=2, resume=True))
-    assert_same_trajectory(train_records(out), train_records(ddp_lsm), rel=1e-6)
+    assert_same_trajectory(train_records(out), train_records(ddp_lsm), rel=1e-6, abs_other=1e-9)
     a, b = final_weights(out), final_weights(ddp_lsm)
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-7) for k in b)
 
@@ -138,6 +174,11 @@ def test_fsdp_matches_one_process_and_resumes(single, tiny_models, tmp_path):
     launch("torchrun", cli_args(tiny_models, out, batch_size=2, fsdp=True, resume=True))
     assert_same_trajectory(train_records(out), train_records(single / "lsm"))
     assert_close_weights(final_weights(out), final_weights(single / "lsm"))
+    from opd.errors import UserError
+
+    with pytest.raises(UserError, match="written with --fsdp; resume with --fsdp"):
+        train_mod.setup(TrainConfig(student=str(tiny_models[0]), teacher=str(tiny_models[1]), out=str(out),
+                                    batch_size=4, resume=True, **SMALL))
 
 
 def test_fsdp_needs_several_processes(tiny_models, tmp_path):

@@ -116,6 +116,9 @@ def special_token_ids(tok, tokens: list[str]) -> list[int]:
 def resume(run: Run, ckpt: Path) -> None:
     """Optimizer, schedule, RNG and step from ``ckpt`` (the weights were loaded before wrapping)."""
     state = run.rundir.load_state(ckpt)
+    if state.get("fsdp", False) != run.dist.fsdp:  # the two keep the optimizer state in different layouts
+        was = "with" if state.get("fsdp") else "without"
+        raise UserError(f"checkpoint {ckpt} was written {was} --fsdp; resume {was} --fsdp as well")
     run.dist.load_optimizer_state(run.optimizer, state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"], run.dist.rank, run.dist.world)
@@ -247,7 +250,7 @@ def checkpoint_stage(run: Run, step: int) -> None:
     """Rank 0 writes; every rank takes part in gathering sharded weights and per-rank RNG states."""
     rng = run.dist.gather(rng_state())
     state = {"step": step, "optimizer": run.dist.optimizer_state(run.optimizer), "scheduler": run.scheduler.state_dict(),
-             "rng": rng if run.dist.active else rng[0], "config": run.cfg.__dict__}
+             "rng": rng if run.dist.active else rng[0], "fsdp": run.dist.fsdp, "config": run.cfg.__dict__}
     run.rundir.save_checkpoint(step, run.student, state, model_state=run.dist.full_state_dict(run.student))
     run.dist.barrier()
 
