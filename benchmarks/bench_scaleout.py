@@ -5,9 +5,11 @@ Every row does the same work: the demo's student and teacher (``opd/assets/demo`
 arithmetic prompts in the same order (opd's seeded order; TRL gets exactly that list, unshuffled),
 the same batch (global: a 2-process row gives each rank half), the same generation length
 (``--max-new-tokens``, stopping at EOS), temperature 1, top-p 0.9, lr, and the same number of
-steps. Rows:
+steps. opd's full-vocabulary diagnostics (``--diag-positions``, on by default in ``opd train``) are
+work TRL does not do, so the rows turn them off except one that shows what they cost. Rows:
 
-  opd-lsm  1 proc, in-process teacher     ``opd train --objective lsm --k K``
+  opd-lsm  1 proc, in-process teacher     ``opd train --objective lsm --k K --diag-positions 0``
+  opd-lsm  the same with opd's default diagnostics (``--diag-positions 256``)
   opd-lsm  2 procs (torchrun, DDP)         each rank half the batch; one thread per rank
   opd-lsm  1 proc, served teacher          ``opd serve-teacher`` in its own process, ``--teacher-url``
   opd-lsm  2 procs, served teacher         both ranks send to the one server (it batches them)
@@ -23,12 +25,18 @@ between rows of this one run. Every process (trainer rank or teacher server) get
 torch threads (default 1): two OpenMP threads per process collapse when the cores are
 oversubscribed, so a 2-process row uses two cores where a 1-process row uses one.
 
+The demo's vocabulary has 2,048 tokens, so its output layer is a small part of each model and
+LSM's saving (K logits per student position instead of V) has little to act on. ``--vocab V``
+pads both models' output layer to V rows (zero rows: extra tokens with logit 0, decoded as "")
+to measure the same step at a Qwen-sized head; both trainers get the same padded models.
+
 A row that cannot run (no TRL, or torchrun failing) is reported as unavailable with the reason.
 
 Run (from the repository root):
   python benchmarks/bench_scaleout.py --quick     # ~1-2 minutes: batch 16, 1+3 steps
-  python benchmarks/bench_scaleout.py             # ~10 minutes: batch 64, 2+8 steps
-Writes benchmarks/results/scaleout.json and .md (scaleout_quick.* with --quick).
+  python benchmarks/bench_scaleout.py             # ~12 minutes: batch 64, 2+6 steps, 2 rounds
+  python benchmarks/bench_scaleout.py --quick --vocab 151936 --rows opd1,trl   # a Qwen-sized head
+Writes benchmarks/results/scaleout.json and .md (scaleout_quick.*, scaleout_v<V>_quick.*, ...).
 """
 
 from __future__ import annotations
@@ -76,7 +84,7 @@ def opd_worker(spec: dict, out: Path) -> None:
         task_level=spec["task_level"], seed=SEED, out=str(out.parent / "run"), objective="lsm", k=spec["k"],
         steps=spec["steps"], batch_size=spec["batch"] // world, max_new_tokens=spec["max_new_tokens"],
         top_p=spec["top_p"], temperature=1.0, lr=spec["lr"], warmup_steps=0, eval_every=0, eval_size=1,
-        eval_samples=0, ckpt_every=0, log_rollouts=0)
+        eval_samples=0, ckpt_every=0, log_rollouts=0, diag_positions=spec["diag_positions"])
     stamps, records = [], []
     real_log = train_mod.log_stage
 
@@ -196,43 +204,92 @@ def summarise(name: str, spec: dict, res: dict, wall: float) -> dict:
     return out
 
 
-ROWS = [  # name, worker, processes, teacher
-    ("opd LSM, 1 proc, in-process teacher", "opd", 1, "local"),
-    ("opd LSM, 2 procs, in-process teacher", "opd", 2, "local"),
-    ("opd LSM, 1 proc, served teacher", "opd", 1, "served"),
-    ("opd LSM, 2 procs, served teacher", "opd", 2, "served"),
-    ("TRL DistillationTrainer (beta=1), 1 proc", "trl", 1, "local"),
-]
+ROWS = {  # key: name, worker, processes, teacher, opd's diag_positions
+    "opd1": ("opd LSM, 1 proc, in-process teacher", "opd", 1, "local", 0),
+    "opd1diag": ("opd LSM, 1 proc, in-process teacher, default diagnostics", "opd", 1, "local", 256),
+    "opd2": ("opd LSM, 2 procs, in-process teacher", "opd", 2, "local", 0),
+    "served1": ("opd LSM, 1 proc, served teacher", "opd", 1, "served", 0),
+    "served2": ("opd LSM, 2 procs, served teacher", "opd", 2, "served", 0),
+    "trl": ("TRL DistillationTrainer (beta=1), 1 proc", "trl", 1, "local", 0),
+}
 
 
-def run_all(args) -> dict:
+def padded_models(base: dict, vocab: int, root: Path) -> dict:
+    """Copies of the demo models whose output layer has ``vocab`` rows (a Qwen-sized head).
+
+    The extra rows are zero: they are real tokens to every softmax (logit 0) that the tokenizer
+    decodes to "" -- the same extra work for opd and TRL, on an otherwise unchanged model."""
+    import torch
+
+    from opd.models import load_model, load_tokenizer
+
+    out = {}
+    for role in ("student", "teacher"):
+        model, tok = load_model(base[role], role), load_tokenizer(base[role], role)
+        old = model.get_input_embeddings().weight.shape[0]
+        model.resize_token_embeddings(vocab, mean_resizing=False)
+        with torch.no_grad():
+            model.get_input_embeddings().weight[old:] = 0
+            model.get_output_embeddings().weight[old:] = 0
+        model.save_pretrained(root / role)
+        tok.save_pretrained(root / role)
+        out[role] = str(root / role)
+    return out
+
+
+def run_one(key: str, base: dict, args) -> dict:
+    name, kind, procs, teacher, diag = ROWS[key]
+    spec = {**base, "diag_positions": diag}
+    if kind == "trl" and not _has("trl"):
+        return {"row": name, "available": False, "reason": "TRL is not installed (pip install -e '.[bench]')"}
+    server = None
+    load1 = os.getloadavg()[0]
+    try:
+        if teacher == "served":
+            server, spec["teacher_url"] = start_server(base["teacher"], args.threads)
+        row = run_row(name, kind, spec, procs, args.row_timeout)
+    except RuntimeError as exc:
+        row = {"row": name, "available": False, "reason": str(exc)}
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=30)
+    return {**row, "load1_before": round(load1, 2)}
+
+
+def run_all(args, model_root: Path) -> dict:
+    """Every row once per round, the order rotated each round (other load on the machine drifts);
+    a row's figures are the medians over its rounds."""
     base = plan(args)
-    rows = []
-    for name, kind, procs, teacher in ROWS:
-        spec = dict(base)
-        server = None
-        try:
-            if teacher == "served":
-                server, spec["teacher_url"] = start_server(base["teacher"], args.threads)
-            if kind == "trl" and not _has("trl"):
-                rows.append({"row": name, "available": False, "reason": "TRL is not installed (pip install -e '.[bench]')"})
-                continue
-            rows.append(run_row(name, kind, spec, procs, args.row_timeout))
-        except RuntimeError as exc:
-            rows.append({"row": name, "available": False, "reason": str(exc)})
-        finally:
-            if server is not None:
-                server.terminate()
-                server.wait(timeout=30)
-        print(f"    {rows[-1]}", flush=True)
+    if args.vocab:
+        base.update(padded_models(base, args.vocab, model_root), vocab=args.vocab)
+    keys = args.rows.split(",")
+    runs: dict[str, list[dict]] = {k: [] for k in keys}
+    for r in range(args.rounds):
+        for key in keys[r % len(keys):] + keys[: r % len(keys)]:
+            runs[key].append(run_one(key, base, args))
+            print(f"    round {r + 1}: {runs[key][-1]}", flush=True)
+    rows = [combine(runs[k]) for k in keys]
     add_ratios(rows)
-    return {"plan": base, "rows": rows, "machine": machine()}
+    return {"plan": {**base, "rounds": args.rounds}, "rows": rows, "rounds": runs, "machine": machine()}
+
+
+def combine(rounds: list[dict]) -> dict:
+    ok = [r for r in rounds if r["available"]]
+    if not ok:
+        return rounds[-1]
+    out = dict(ok[0])
+    for key, value in ok[0].items():
+        if isinstance(value, float):
+            out[key] = statistics.median(r[key] for r in ok)
+    out["rounds_ok"] = len(ok)
+    return out
 
 
 def add_ratios(rows: list[dict]) -> None:
     ok = {r["row"]: r for r in rows if r["available"]}
     trl = next((r for n, r in ok.items() if n.startswith("TRL")), None)
-    ref = ok.get(ROWS[0][0])
+    ref = ok.get(ROWS["opd1"][0])
     for r in rows:
         if not r["available"]:
             continue
@@ -263,18 +320,21 @@ def machine() -> dict:
 
 def table(result: dict) -> str:
     p = result["plan"]
-    lines = [f"Batch {p['batch']} prompts, up to {p['max_new_tokens']} new tokens, K={p['k']}, "
-             f"{p['steps'] - p['warmup']} timed steps after {p['warmup']} warm-up, {p['threads']} torch thread(s) per process.",
-             "", "| row | s/step (median) | rollout tok/s | vs TRL (tok/s) | vs opd 1 proc | generate / score / update s |",
-             "|---|---:|---:|---:|---:|---|"]
+    head = f"output layer padded to {p['vocab']} rows, " if p.get("vocab") else ""
+    lines = [f"Batch {p['batch']} prompts, up to {p['max_new_tokens']} new tokens, K={p['k']}, {head}"
+             f"{p['steps'] - p['warmup']} timed steps after {p['warmup']} warm-up, {p['threads']} torch thread(s) per process; "
+             f"medians over {p['rounds']} interleaved round(s); load1 = 1-minute load average before the row "
+             f"({os.cpu_count()} cores, shared with other work).",
+             "", "| row | s/step (median) | rollout tok/s | vs TRL (tok/s) | vs opd 1 proc | generate / score / update s | load1 |",
+             "|---|---:|---:|---:|---:|---|---:|"]
     for r in result["rows"]:
         if not r["available"]:
-            lines.append(f"| {r['row']} | unavailable: {r['reason']} | | | | |")
+            lines.append(f"| {r['row']} | unavailable: {r['reason']} | | | | | |")
             continue
         split = " / ".join(f"{r[k]:.3f}" for k in ("median_generate_s", "median_score_s", "median_update_s") if k in r)
         fmt = lambda k: f"{r[k]:.2f}x" if k in r else "-"
         lines.append(f"| {r['row']} | {r['s_per_step_median']:.3f} | {r['rollout_tokens_per_s']:.0f} | "
-                     f"{fmt('throughput_vs_trl')} | {fmt('throughput_vs_opd_1proc')} | {split or '-'} |")
+                     f"{fmt('throughput_vs_trl')} | {fmt('throughput_vs_opd_1proc')} | {split or '-'} | {r['load1_before']:.1f} |")
     return "\n".join(lines)
 
 
@@ -282,11 +342,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="batch 16, 1 warm-up + 3 timed steps (~1-2 minutes)")
     ap.add_argument("--batch-size", type=int, default=None, help="global prompts per step (default 64; quick 16)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 8; quick 3)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 6; quick 3)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed first steps, >= 1 (default 2; quick 1)")
     ap.add_argument("--max-new-tokens", type=int, default=48, help="generation length (the demo's)")
     ap.add_argument("--k", type=int, default=32, help="LSM support size")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process (trainer ranks and server alike)")
+    ap.add_argument("--vocab", type=int, default=0,
+                    help="pad both models' output layer to this many rows (e.g. 151936, Qwen2.5's); 0: as trained")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"rows to run, comma-separated from {','.join(ROWS)}")
+    ap.add_argument("--rounds", type=int, default=None, help="runs of every row, interleaved (default 2; quick 1)")
     ap.add_argument("--row-timeout", type=float, default=900, help="seconds before a row is given up")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/scaleout[_quick].json)")
     ap.add_argument("--worker", choices=("opd", "trl"), help=argparse.SUPPRESS)
@@ -297,12 +361,17 @@ def main() -> None:
         (opd_worker if args.worker == "opd" else trl_worker)(json.loads(args.spec.read_text()), args.result)
         return
     args.batch_size = args.batch_size or (16 if args.quick else 64)
-    args.steps = args.steps or (3 if args.quick else 8)
+    args.steps = args.steps or (3 if args.quick else 6)
     args.warmup = args.warmup or (1 if args.quick else 2)
+    args.rounds = args.rounds or (1 if args.quick else 2)
     if args.batch_size % 2:
         ap.error("--batch-size must be even (the 2-process rows split it in half)")
-    out = args.out or ROOT / "benchmarks" / "results" / ("scaleout_quick.json" if args.quick else "scaleout.json")
-    result = run_all(args)
+    if any(key not in ROWS for key in args.rows.split(",")):
+        ap.error(f"--rows {args.rows!r}: choose from {','.join(ROWS)}")
+    name = "scaleout" + (f"_v{args.vocab}" if args.vocab else "") + ("_quick" if args.quick else "")
+    out = args.out or ROOT / "benchmarks" / "results" / f"{name}.json"
+    with tempfile.TemporaryDirectory(prefix="opd-scaleout-models-") as model_root:
+        result = run_all(args, Path(model_root))
     text = table(result)
     print("\n" + text)
     out.parent.mkdir(parents=True, exist_ok=True)

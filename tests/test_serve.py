@@ -222,6 +222,7 @@ class _Foreign(BaseHTTPRequestHandler):
     """A stand-in for a foreign (non-opd) server: no /opd/vocab, and a canned completions answer."""
 
     answer: dict = {}
+    failures = 0  # answer this many POSTs with a 503 first
 
     def log_message(self, *args):
         pass
@@ -240,6 +241,9 @@ class _Foreign(BaseHTTPRequestHandler):
 
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
+        if type(self).failures > 0:
+            type(self).failures -= 1
+            return self._send(503, {"error": {"message": "busy, try later"}})
         self._send(200, type(self).answer)
 
 
@@ -257,6 +261,14 @@ def test_foreign_server_warns_and_malformed_answers_are_errors(served, tiny_mode
         _, real = post(url, {"prompt": seqs, "max_tokens": 1, "prompt_logprobs": 4})
         _Foreign.answer = real
         assert client.score(batch, 4).topk_ids_NTK.shape == (2, batch.response_ids_NT.shape[1], 4)
+        with pytest.warns(UserWarning):
+            patient = HTTPTeacher(foreign, tok, head_weight(model).shape[0], retries=2, backoff=0.01)
+        _Foreign.failures = 2  # a 5xx is retried with backoff...
+        assert torch.equal(patient.score(batch, 4).topk_ids_NTK, client.score(batch, 4).topk_ids_NTK)
+        _Foreign.failures = 1  # ...until the retries run out
+        with pytest.raises(UserError, match="answered HTTP 503: busy, try later"):
+            client.score(batch, 4)
+        _Foreign.failures = 0
         with pytest.warns(UserWarning):
             small = HTTPTeacher(foreign, tok, 3, retries=0)  # a "student" whose vocabulary has 3 tokens
         with pytest.raises(UserError, match=r"outside the student's vocabulary \[0, 3\)"):
