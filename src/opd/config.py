@@ -97,7 +97,7 @@ class TrainConfig(ModelSource):
     log_rollouts: int = opt(4, "Rollouts per step written to rollouts.jsonl.")
     diag_positions: int = opt(256, "Positions sampled per step for the full-vocabulary diagnostics.")
     resume: bool = opt(False, "Resume from the latest checkpoint in the run directory.")
-    teacher_url: str = opt("", "Served teacher (opd serve-teacher, or vLLM/SGLang with prompt_logprobs), e.g. "
+    teacher_url: str = opt("", "Served teacher (opd serve-teacher, or a vLLM server: vLLM's prompt_logprobs format), e.g. "
                                "http://127.0.0.1:8000; replaces --teacher. Works with --objective sampled and lsm "
                                "with support teacher_topk or teacher_topk_plus_sampled.")
     teacher_timeout: float = opt(120.0, "Seconds to wait for one served-teacher request before retrying.")
