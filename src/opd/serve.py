@@ -1,7 +1,7 @@
 """A served teacher (``opd serve-teacher``): scores token sequences over HTTP in vLLM's format.
 
 The wire format is vLLM's OpenAI-compatible completions endpoint with ``prompt_logprobs``, so a
-real vLLM or SGLang server is a drop-in replacement for this one::
+real vLLM server is a drop-in replacement for this one (any server answering in this format is)::
 
     POST /v1/completions  {"prompt": [[ids...], ...], "max_tokens": 1, "prompt_logprobs": K}
     -> {"choices": [{"index": i, "prompt_logprobs": [null, {"<id>": {"logprob", "rank",

@@ -1,7 +1,7 @@
 """The trainer's client for a served teacher (``opd train --teacher-url URL``).
 
 :class:`HTTPTeacher` implements :class:`opd.teacher.TeacherScorer` over vLLM's OpenAI-compatible
-completions endpoint with ``prompt_logprobs`` (``opd serve-teacher``, ``vllm serve`` or SGLang):
+completions endpoint with ``prompt_logprobs`` (``opd serve-teacher``, ``vllm serve``, or any server answering in that format):
 each rollout is sent as its prompt (without left padding) followed by its response, and the
 answer's entry at position ``p + t`` (p = that prompt's length) gives response token t's teacher
 top-K and the teacher's log-prob of the sampled token. Rollouts go in several requests at once,
