@@ -160,6 +160,10 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
              ["AUROC of summed teacher reward vs correctness", mean_ci(summed).fmt(3)]])
     _plots(a, s, buckets, n_b, starts, depths, adv)
     _claims(a, s, buckets, n_b, depths, adv, summed)
+    a.notes.append("Reading the depth curves: a response here is a few equations, then 'The answer is \\boxed{N}'. Once "
+                   "the equations are written the answer is fixed, so late prefixes leave neither model anything to "
+                   "change and the continuation advantage falls to zero by construction; the paper's decline comes "
+                   "from drift over thousands of tokens, a different mechanism.")
     return a
 
 
@@ -205,7 +209,8 @@ EXPERIMENT = Experiment(
     title="depth: reward quality against depth on student rollouts (2604.13016)",
     about=__doc__.split("\n\n", 1)[1].strip() + (
         "\n\nFull size: 160 test prompts per seed, continuations of 4 samples each at 8 prefix lengths, by teacher "
-        "and student (about 10,000 generations per seed): a few minutes per seed on 2 CPU cores. `--quick`: 16 prompts, "
+        "and student (about 10,000 generations per seed): about 2 CPU-minutes per seed; 21 minutes of wall time for "
+        "3 seeds here, on 2 cores shared with other jobs. `--quick`: 16 prompts, "
         "one continuation, 2 prefix lengths."),
     plan=plan,
     analyze=analyze,
