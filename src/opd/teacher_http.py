@@ -1,12 +1,12 @@
 """The trainer's client for a served teacher (``opd train --teacher-url URL``).
 
 :class:`HTTPTeacher` implements :class:`opd.teacher.TeacherScorer` over vLLM's OpenAI-compatible
-completions endpoint with ``prompt_logprobs`` (``opd serve-teacher``, ``vllm serve``, or any server answering in that format):
-each rollout is sent as its prompt (without left padding) followed by its response, and the
-answer's entry at position ``p + t`` (p = that prompt's length) gives response token t's teacher
-top-K and the teacher's log-prob of the sampled token. Rollouts go in several requests at once,
-so the server can batch them; connection errors, timeouts and 5xx answers are retried with
-exponential backoff.
+completions endpoint with ``prompt_logprobs`` (``opd serve-teacher``, ``vllm serve``, or any
+server answering in that format): each rollout is sent as its prompt (without left padding)
+followed by its response, and the answer's entry at position ``p + t`` (p = that prompt's
+length) gives response token t's teacher top-K and the teacher's log-prob of the sampled token.
+Rollouts go in several requests at once, so the server can batch them; connection errors,
+timeouts and 5xx answers are retried with exponential backoff.
 
 What a vLLM-format server cannot give: log-probs of arbitrary query tokens (student-side
 supports), full-vocabulary logits (``full_kl``) and the full-logit diagnostics (skipped: their
