@@ -77,7 +77,8 @@ class TrainConfig(ModelSource):
     mask_special: bool | None = opt(None, "Mask special tokens from the loss (default: on for lsm, off otherwise).")
     special_tokens: list = opt(list(DEFAULT_SPECIAL_TOKENS), "Tokens masked when mask_special is on.")
     steps: int = opt(200, "Number of rollout batches (training steps).")
-    batch_size: int = opt(64, "Prompts per step (one rollout each unless samples_per_prompt > 1).")
+    batch_size: int = opt(64, "Prompts per step and process (one rollout each unless samples_per_prompt > 1); "
+                              "N processes under torchrun/accelerate train on N x this per step.")
     samples_per_prompt: int = opt(1, "Rollouts per prompt.")
     grad_accum: int = opt(1, "Micro-batches per optimizer step; the batch is split evenly.")
     updates_per_batch: int = opt(1, "Optimizer steps per rollout batch; > 1 uses importance ratios (sampled) and is off-policy.")
@@ -105,8 +106,8 @@ class TrainConfig(ModelSource):
     fsdp: bool = opt(False, "Shard the student with FSDP across the launched processes (torchrun/accelerate) instead of DDP.")
     lora_r: int = opt(0, "LoRA rank: > 0 trains a peft LoRA adapter on the student instead of all its weights.")
     lora_alpha: float = opt(16.0, "LoRA scaling alpha (the update is scaled by alpha / r).")
-    lora_targets: list = opt(["all-linear"], "Linear layers given a LoRA adapter, by name (e.g. q_proj v_proj); "
-                                             "all-linear: every linear layer of the blocks.")
+    lora_targets: list = opt(["all-linear"], "Linear layers given a LoRA adapter, by name, comma-separated "
+                                             "(e.g. q_proj,v_proj); all-linear: every linear layer of the blocks.")
     lora_dropout: float = opt(0.0, "Dropout on the LoRA branch's input.")
 
     def __post_init__(self) -> None:

@@ -51,6 +51,9 @@ class StudentModule(torch.nn.Module):
 
 @dataclass
 class Dist:
+    """This process's place in the launch and the wrapped student; in a single process every
+    collective is the identity and the wrapper a plain :class:`StudentModule`."""
+
     rank: int = 0
     world: int = 1
     fsdp: bool = False
