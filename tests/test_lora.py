@@ -100,12 +100,18 @@ def test_merge_lora_gives_a_plain_model_with_the_adapted_outputs(tiny_models, lo
     assert torch.allclose(merged_logits, adapted_logits, atol=1e-5, rtol=0)
 
 
-def test_lora_under_ddp_matches_one_process(tiny_models, lora_run, tmp_path):
-    from test_distributed import assert_same_trajectory, cli_args, launch
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_lora_on_two_ranks_matches_one_process(tiny_models, lora_run, tmp_path, fsdp):
+    from safetensors.torch import load_file
+    from test_distributed import assert_close_weights, assert_same_trajectory, cli_args, launch
 
     out = tmp_path / "run"
-    launch("torchrun", cli_args(tiny_models, out, batch_size=2, lora_r=4, lora_alpha=8.0, ckpt_every=0))
+    launch("torchrun", cli_args(tiny_models, out, batch_size=2, steps=3, lora_r=4, lora_alpha=8.0, ckpt_every=0,
+                                fsdp=fsdp))
     assert_same_trajectory(train_records(out), train_records(lora_run[0]))
+    a = load_file(str(out / "final" / "adapter_model.safetensors"))
+    b = load_file(str(lora_run[0] / "final" / "adapter_model.safetensors"))
+    assert_close_weights(a, b)
 
 
 def test_bad_lora_target_is_refused_before_training(tiny_models, tmp_path):
