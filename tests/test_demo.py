@@ -33,6 +33,9 @@ def test_make_demo_models_and_quick_demo(tmp_path):
     saved = json.loads((tmp_path / "demo" / "summary.json").read_text())
     assert saved == summary
     assert {"teacher_acc", "student_init_acc", "objectives"} <= set(saved)
+    report = tmp_path / "demo" / "report"
+    assert (report / "report.html").is_file()
+    assert {p.name for p in (report / "charts").glob("scatter-*.png")} == {"scatter-sampled.png", "scatter-lsm.png"}
     for objective in ("sampled", "lsm"):
         r = saved["objectives"][objective]
         assert set(r) == {"final_acc", "avg_at_k", "steps", "wall_s"} and r["steps"] == 10

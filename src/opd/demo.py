@@ -10,8 +10,9 @@ should; ``opd make-demo-models --out DIR`` reproduces them.
 
 The demo evaluates teacher and student, then runs sampled-token OPD and LSM from the same
 student with the same seeds and settings, evaluates both, and writes ``summary.json`` and a
-table. Each run directory holds ``final/`` (the trained student, loadable with
-AutoModelForCausalLM/AutoTokenizer) and ``eval.jsonl`` (the evaluation prompts).
+table, then the report of both runs (``report.html``, :mod:`opd.report`). Each run directory holds
+``final/`` (the trained student, loadable with AutoModelForCausalLM/AutoTokenizer) and
+``eval.jsonl`` (the evaluation prompts).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from opd.data import PromptSet, load_task
 from opd.errors import UserError
 from opd.evaluate import evaluate_model
 from opd.models import load_model, load_tokenizer
+from opd.report import PNG_DIR, write_report
 from opd.tasks import get_task
 from opd.tokenizer import train_tokenizer
 
@@ -133,6 +135,8 @@ def run_demo(out: Path, steps: int = 200, quick: bool = False, assets: Path | No
                "eval_size": eval_size, "k": EVAL_SAMPLES, "objectives": results}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     console.print(summary_table(summary))
+    report = write_report([out / name for name in results], out / "report")
+    console.print(f"report: {report}  (open it in a browser; the charts are also PNGs in {report.parent / PNG_DIR})")
     return summary
 
 
