@@ -90,6 +90,13 @@ def test_answer_is_vllm_prompt_logprobs_format(served):
                 assert v["decoded_token"] == tok.decode([int(tid)])
             top5 = sorted(int(t) for t in row.topk(5).indices)
             assert sorted(int(t) for t, v in entry.items() if v["rank"] <= 5) == top5
+    # opd's extension: only positions from opd_logprobs_from on, the same values as the full answer.
+    status, part = post(url, {"prompt": seqs, "max_tokens": 1, "prompt_logprobs": 5, "opd_logprobs_from": [4, 7]})
+    assert status == 200
+    for start, full, short in zip([4, 7], ans["choices"], part["choices"]):
+        assert short["prompt_logprobs"][:start] == [None] * start
+        for a, b in zip(full["prompt_logprobs"][start:], short["prompt_logprobs"][start:], strict=True):
+            assert a.keys() == b.keys() and all(abs(a[t]["logprob"] - b[t]["logprob"]) < 1e-5 for t in a)
 
 
 def test_bad_requests_get_4xx_and_server_keeps_serving(served):
@@ -109,6 +116,8 @@ def test_bad_requests_get_4xx_and_server_keeps_serving(served):
         ({**good, "prompt": [[1, 2]] * 33}, False, 413, "--max-prompts"),
         ({**good, "max_tokens": 16}, False, 422, "max_tokens"),
         ({**good, "model": "other"}, False, 404, "does not exist"),
+        ({**good, "opd_logprobs_from": 0}, False, 422, "opd_logprobs_from"),
+        ({**good, "opd_logprobs_from": [1, 2]}, False, 422, "one integer per prompt"),
     ]
     for body, raw, status, words in bad:
         got, ans = post(url, body, raw)

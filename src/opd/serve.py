@@ -11,6 +11,8 @@ Position j >= 1 of a prompt holds the teacher's top-K tokens of the distribution
 token j, plus token j itself (so K or K+1 entries); ``rank`` is 1 + the number of tokens with a
 strictly larger logit. Also ``GET /health``, ``GET /v1/models`` and the opd-only
 ``GET /opd/vocab`` (vocabulary hash and size, so a trainer can check it scores the student's ids).
+One opd-only request field, ``opd_logprobs_from`` (per prompt, the first position to score;
+earlier ones answer null), lets opd's trainer skip the prompt positions it never reads.
 
 Concurrent requests are batched: handler threads queue their prompts, and one worker thread
 collects what arrives within ``batch_wait_ms`` (up to ``max_batch_tokens`` padded tokens) into
@@ -70,9 +72,9 @@ class Limits:
 
 @dataclass
 class SeqScores:
-    """Scores of one sequence of length L: rows j = 0..L-2 describe token j + 1.
+    """Scores of one sequence of length L from token ``start`` (>= 1): row r describes token start + r.
 
-    Shapes: ids, logprobs: (L-1, K) sorted descending; given_logprob, given_rank: (L-1,).
+    Shapes: ids, logprobs: (L-start, K) sorted descending; given_logprob, given_rank: (L-start,).
     ``next_id`` is the teacher's argmax after the last token (the one "generated" token).
     """
 
@@ -81,11 +83,15 @@ class SeqScores:
     given_logprob: torch.Tensor
     given_rank: torch.Tensor
     next_id: int
+    start: int = 1
 
 
 @torch.no_grad()
-def score_sequences(model, seqs: list[list[int]], k: int, chunk_size: int = 256) -> list[SeqScores]:
-    """Top-K, given-token log-probs and ranks at every position of each sequence (one forward)."""
+def score_sequences(model, seqs: list[list[int]], k: int, chunk_size: int = 256,
+                    starts: list[int] | None = None) -> list[SeqScores]:
+    """Top-K, given-token log-probs and ranks of each sequence's tokens from ``starts[i]`` on
+    (default 1: every token but the first), in one forward pass; the head runs on those rows only."""
+    starts = starts or [1] * len(seqs)
     lens = [len(s) for s in seqs]
     L = max(lens)
     ids_NL = torch.zeros(len(seqs), L, dtype=torch.long)
@@ -93,10 +99,11 @@ def score_sequences(model, seqs: list[list[int]], k: int, chunk_size: int = 256)
     for i, s in enumerate(seqs):  # right padding: a causal model's real positions never see it
         ids_NL[i, : len(s)] = torch.as_tensor(s)
         mask_NL[i, : len(s)] = 1
-    h_MD = final_hidden(model, ids_NL, mask_NL)[mask_NL.bool()]
+    h_NLD = final_hidden(model, ids_NL, mask_NL)
     W = head_weight(model)
-    # Row j of a sequence predicts token j + 1; the last row predicts the next token (query is a dummy).
-    query_M = torch.cat([torch.cat([ids_NL[i, 1:n], ids_NL[i, :1]]) for i, n in enumerate(lens)])
+    # Hidden row j predicts token j + 1; the last row predicts the next token (its query is a dummy).
+    h_MD = torch.cat([h_NLD[i, st - 1 : n] for i, (n, st) in enumerate(zip(lens, starts))])
+    query_M = torch.cat([torch.cat([ids_NL[i, st:n], ids_NL[i, :1]]) for i, (n, st) in enumerate(zip(lens, starts))])
     ids_MK, lps_MK, q_M1 = topk_and_gather_from_hidden(h_MD[None], W, k, query_M.view(1, -1, 1), chunk_size)
     ids_MK, lps_MK, given_M = ids_MK[0], lps_MK[0], q_M1[0, :, 0]
     rank_M = 1 + (lps_MK > given_M[:, None]).sum(-1)
@@ -106,11 +113,11 @@ def score_sequences(model, seqs: list[list[int]], k: int, chunk_size: int = 256)
     for rows in outside.split(chunk_size):
         logits = h_MD[rows].float() @ W.float().T
         rank_M[rows] = 1 + (logits > logits.gather(-1, query_M[rows, None])).sum(-1)
-    out, start = [], 0
-    for n in lens:
-        sl = slice(start, start + n - 1)
-        out.append(SeqScores(ids_MK[sl], lps_MK[sl], given_M[sl], rank_M[sl], int(ids_MK[start + n - 1, 0])))
-        start += n
+    out, row = [], 0
+    for n, st in zip(lens, starts):
+        sl, last = slice(row, row + n - st), row + n - st
+        out.append(SeqScores(ids_MK[sl], lps_MK[sl], given_M[sl], rank_M[sl], int(ids_MK[last, 0]), st))
+        row = last + 1
     return out
 
 
@@ -118,6 +125,7 @@ def score_sequences(model, seqs: list[list[int]], k: int, chunk_size: int = 256)
 class _Job:
     seqs: list[list[int]]
     k: int
+    starts: list[int]
     done: threading.Event = field(default_factory=threading.Event)
     result: list[SeqScores] | None = None
     error: str | None = None
@@ -133,8 +141,8 @@ class BatchScorer:
         self.thread = threading.Thread(target=self._loop, name="opd-teacher-scorer", daemon=True)
         self.thread.start()
 
-    def submit(self, seqs: list[list[int]], k: int) -> list[SeqScores]:
-        job = _Job(seqs, k)
+    def submit(self, seqs: list[list[int]], k: int, starts: list[int] | None = None) -> list[SeqScores]:
+        job = _Job(seqs, k, starts or [1] * len(seqs))
         self.queue.put(job)
         if not job.done.wait(self.limits.request_timeout):
             raise RequestError(503, f"scoring took longer than {self.limits.request_timeout:.0f} s; retry later",
@@ -187,7 +195,8 @@ class BatchScorer:
             while end < len(flat) and (end - start + 1) * L <= self.limits.max_batch_tokens:
                 end += 1
             part = flat[start:end]
-            scored = score_sequences(self.model, [jobs[ji].seqs[si] for _, ji, si in part], k, self.chunk_size)
+            scored = score_sequences(self.model, [jobs[ji].seqs[si] for _, ji, si in part], k, self.chunk_size,
+                                     [jobs[ji].starts[si] for _, ji, si in part])
             results.update({(ji, si): sc for (_, ji, si), sc in zip(part, scored)})
             self.batches += 1
             start = end
@@ -199,7 +208,7 @@ class BatchScorer:
 
 
 def parse_completion_request(body: bytes, tokenizer, vocab_rows: int, model_name: str, limits: Limits):
-    """Validate a completions request; returns (list of token-id lists, K) or raises RequestError."""
+    """Validate a completions request; returns (token-id lists, K, first scored token of each) or raises RequestError."""
     try:
         req = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -229,7 +238,21 @@ def parse_completion_request(body: bytes, tokenizer, vocab_rows: int, model_name
         if bad:
             raise RequestError(422, f"prompt {i} holds token id {bad[0]!r}, not an integer in [0, {vocab_rows}); "
                                     "send ids from the teacher's vocabulary")
-    return seqs, k
+    return seqs, k, _starts(req.get("opd_logprobs_from"), seqs)
+
+
+def _starts(value, seqs: list[list[int]]) -> list[int]:
+    """opd's extension ``opd_logprobs_from``: per prompt, the first token whose log-probs are wanted
+    (earlier positions answer null). A trainer needs only the response's, and a prompt's positions
+    would otherwise be most of the answer. Other servers ignore the field and answer every position."""
+    if value is None:
+        return [1] * len(seqs)
+    value = [value] * len(seqs) if isinstance(value, int) and not isinstance(value, bool) else value
+    if (not isinstance(value, list) or len(value) != len(seqs)
+            or any(isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= len(s) for v, s in zip(value, seqs))):
+        raise RequestError(422, "'opd_logprobs_from' must be an integer or one integer per prompt, each between 1 "
+                                "and that prompt's length")
+    return value
 
 
 def _prompt_ids(prompt, tokenizer) -> list[list[int]]:
@@ -256,14 +279,14 @@ def completion_response(seqs: list[list[int]], scores: list[SeqScores], k: int, 
     for i, (seq, sc) in enumerate(zip(seqs, scores)):
         ids, lps = sc.ids[:, :k].tolist(), sc.logprobs[:, :k].tolist()
         g_lp, g_rank = sc.given_logprob.tolist(), sc.given_rank.tolist()
-        positions: list[dict | None] = [None]
-        for j in range(len(seq) - 1):
+        positions: list[dict | None] = [None] * sc.start
+        for j in range(len(seq) - sc.start):
             entry, prev, rank = {}, None, 0
             for r, (tid, lp) in enumerate(zip(ids[j], lps[j])):
                 rank = rank if lp == prev else r + 1  # ties share a rank, as "1 + strictly larger" says
                 prev = lp
                 entry[str(tid)] = {"logprob": lp, "rank": rank, "decoded_token": decoded[tid]}
-            given = seq[j + 1]
+            given = seq[sc.start + j]
             entry.setdefault(str(given), {"logprob": g_lp[j], "rank": g_rank[j], "decoded_token": decoded[given]})
             positions.append(entry)
         choices.append({"index": i, "text": decoded[sc.next_id], "logprobs": None, "finish_reason": "length",
@@ -289,8 +312,8 @@ class TeacherApp:
         self.scorer = BatchScorer(self.model, self.limits)
 
     def complete(self, body: bytes) -> dict:
-        seqs, k = parse_completion_request(body, self.tokenizer, self.vocab_rows, self.model_name, self.limits)
-        return completion_response(seqs, self.scorer.submit(seqs, k), k, self.decoded, self.model_name)
+        seqs, k, starts = parse_completion_request(body, self.tokenizer, self.vocab_rows, self.model_name, self.limits)
+        return completion_response(seqs, self.scorer.submit(seqs, k, starts), k, self.decoded, self.model_name)
 
     def models(self) -> dict:
         max_len = getattr(self.model.config, "max_position_embeddings", None)

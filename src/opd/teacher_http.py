@@ -6,7 +6,8 @@ server answering in that format): each rollout is sent as its prompt (without le
 followed by its response, and the answer's entry at position ``p + t`` (p = that prompt's
 length) gives response token t's teacher top-K and the teacher's log-prob of the sampled token.
 Rollouts go in several requests at once, so the server can batch them; connection errors,
-timeouts and 5xx answers are retried with exponential backoff.
+timeouts and 5xx answers are retried with exponential backoff. To opd's own server the client
+also sends ``opd_logprobs_from``, so only response positions are scored and sent back.
 
 What a vLLM-format server cannot give: log-probs of arbitrary query tokens (student-side
 supports), full-vocabulary logits (``full_kl``) and the full-logit diagnostics (skipped: their
@@ -140,8 +141,9 @@ class HTTPTeacher:
             prompts.append(p.tolist())
         seqs = [p + batch.response_ids_NT[i, : lens[i]].tolist() for i, p in enumerate(prompts)]
         groups = [list(range(s, min(s + self.prompts_per_request, N))) for s in range(0, N, self.prompts_per_request)]
+        starts = [len(p) for p in prompts]
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            answers = list(pool.map(lambda g: self._complete([seqs[i] for i in g], k), groups))
+            answers = list(pool.map(lambda g: self._complete([seqs[i] for i in g], k, [starts[i] for i in g]), groups))
         # Positions past a rollout's end are masked out of every loss; they get a harmless filler.
         ids = torch.arange(k).expand(N, T, k).clone()
         lps = torch.full((N, T, k), -math.log(k))
@@ -154,9 +156,11 @@ class HTTPTeacher:
     def full_logits(self, batch: RolloutBatch) -> torch.Tensor:
         raise UserError(f"a served teacher does not return full-vocabulary logits; use {SERVED_OBJECTIVES}")
 
-    def _complete(self, seqs: list[list[int]], k: int) -> list[list]:
+    def _complete(self, seqs: list[list[int]], k: int, starts: list[int]) -> list[list]:
         """POST the sequences; each choice's ``prompt_logprobs`` in prompt order."""
         payload = {"model": self.model_name, "prompt": seqs, "max_tokens": 1, "prompt_logprobs": k, "temperature": 1.0}
+        if self.vocab_verified:  # opd's server: score only the responses (see opd.serve)
+            payload["opd_logprobs_from"] = starts
         answer = self._request("POST", "/v1/completions", payload)
         try:
             choices = sorted(answer["choices"], key=lambda c: c["index"])
