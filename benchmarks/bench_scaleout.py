@@ -27,7 +27,7 @@ oversubscribed, so a 2-process row uses two cores where a 1-process row uses one
 
 The demo's vocabulary has 2,048 tokens, so its output layer is a small part of each model and
 LSM's saving (K logits per student position instead of V) has little to act on. ``--vocab V``
-pads both models' output layer to V rows (zero rows: extra tokens with logit 0, decoded as "")
+pads both models' output layer to V rows (tiny random rows: extra tokens with logits near 0)
 to measure the same step at a Qwen-sized head; both trainers get the same padded models.
 
 A row that cannot run (no TRL, or torchrun failing) is reported as unavailable with the reason.
@@ -217,8 +217,10 @@ ROWS = {  # key: name, worker, processes, teacher, opd's diag_positions
 def padded_models(base: dict, vocab: int, root: Path) -> dict:
     """Copies of the demo models whose output layer has ``vocab`` rows (a Qwen-sized head).
 
-    The extra rows are zero: they are real tokens to every softmax (logit 0) that the tokenizer
-    decodes to "" -- the same extra work for opd and TRL, on an otherwise unchanged model."""
+    The extra rows are tiny random vectors: real tokens to every softmax (logits near 0) that the
+    tokenizer decodes to "" -- the same extra work for opd and TRL, on an otherwise unchanged
+    model. Not zeros: 150k exactly tied logits would send tie-breaking code down a path no
+    trained model takes."""
     import torch
 
     from opd.models import load_model, load_tokenizer
@@ -228,9 +230,10 @@ def padded_models(base: dict, vocab: int, root: Path) -> dict:
         model, tok = load_model(base[role], role), load_tokenizer(base[role], role)
         old = model.get_input_embeddings().weight.shape[0]
         model.resize_token_embeddings(vocab, mean_resizing=False)
+        g = torch.Generator().manual_seed(SEED)
         with torch.no_grad():
-            model.get_input_embeddings().weight[old:] = 0
-            model.get_output_embeddings().weight[old:] = 0
+            for weight in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+                weight[old:] = 1e-3 * torch.randn(weight[old:].shape, generator=g)
         model.save_pretrained(root / role)
         tok.save_pretrained(root / role)
         out[role] = str(root / role)
