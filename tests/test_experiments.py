@@ -107,6 +107,10 @@ def test_finished_runs_are_skipped(tmp_path):
     (tmp_path / "runs/a/DONE.json").unlink()  # "a" was interrupted: only it runs again
     second = run_specs(specs, s, show_progress=False)
     assert [r["status"] for r in second] == ["ran", "skipped (finished earlier)"] and calls == [1, 2, 1]
+    specs[1] = RunSpec("b/c", "python", {"x": 3}, fn)  # the definition changed: made again from scratch
+    third = run_specs(specs, s, show_progress=False)
+    assert [r["status"] for r in third] == ["skipped (finished earlier)", "ran"] and calls == [1, 2, 1, 3]
+    assert (tmp_path / "runs/b/c/out.txt").read_text() == "3"
 
 
 def _train_cfg(student, teacher, out, **kw):

@@ -52,16 +52,17 @@ def sft_config(s: Settings, name: str, seed: int, init: str = STUDENT, steps: in
     return SFTConfig(**base)
 
 
-def final_eval_spec(s: Settings, run_name: str, seed: int, model: str = "") -> RunSpec:
+def final_eval_spec(s: Settings, run_name: str, seed: int, model: str = "",
+                    max_new_tokens: int = MAX_NEW_TOKENS) -> RunSpec:
     """``opd eval`` of ``model`` (default ``run_name/final``): greedy and avg@k at top-p 0.9 on the test prompts."""
     cfg = EvalConfig(student=model or str(s.run_dir(run_name) / "final"), task="arithmetic", task_level=TASK_LEVEL, seed=seed,
-                     out=str(s.run_dir(run_name + "/eval")), max_new_tokens=MAX_NEW_TOKENS,
+                     out=str(s.run_dir(run_name + "/eval")), max_new_tokens=max_new_tokens,
                      eval_size=eval_size(s.quick), samples=2 if s.quick else EVAL_SAMPLES, top_p=TOP_P)
     return RunSpec(run_name + "/eval", "eval", cfg)
 
 
 def with_eval(s: Settings, spec: RunSpec, seed: int) -> list[RunSpec]:
-    return [spec, final_eval_spec(s, spec.name, seed)]
+    return [spec, final_eval_spec(s, spec.name, seed, max_new_tokens=spec.config.max_new_tokens)]
 
 
 def final_scores(s: Settings, run_name: str) -> dict:

@@ -133,14 +133,20 @@ def run_specs(specs: list[RunSpec], settings: Settings, show_progress: bool = Tr
     log = []
     for i, spec in enumerate(specs, 1):
         run_dir = settings.run_dir(spec.name)
+        command = command_line(spec, run_dir)
         if _finished(run_dir):
-            log.append({"run": spec.name, "status": "skipped (finished earlier)"})
-            continue
+            if json.loads((run_dir / DONE).read_text()).get("command", command) == command:
+                log.append({"run": spec.name, "status": "skipped (finished earlier)"})
+                continue
+            # Finished with other settings (the experiment's definition changed): its results would
+            # not be the ones asked for, so it is made again from scratch.
+            print(f"{spec.name}: finished with other settings; running it again", flush=True)
+            shutil.rmtree(run_dir)
         print(f"[{i}/{len(specs)}] {spec.kind} {spec.name}", flush=True)
         t0 = time.time()
         result = _execute(spec, run_dir, show_progress)
         wall = round(time.time() - t0, 2)
-        record = {"run": spec.name, "kind": spec.kind, "wall_s": wall, "result": result}
+        record = {"run": spec.name, "kind": spec.kind, "wall_s": wall, "command": command, "result": result}
         (run_dir / DONE).write_text(json.dumps(record, indent=2, default=str) + "\n")
         log.append({"run": spec.name, "status": "ran", "wall_s": wall})
     return log

@@ -26,6 +26,10 @@ from opd.experiments.stats import mean_ci, verdict
 from opd.tasks.arithmetic import reformat_solution
 
 ALIGNED_PROMPTS, TEACHER_SFT_STEPS, COLD_START_STEPS, OPD_STEPS = 4000, 400, 50, 100
+# The words format is longer than the default one: at the demo's 48 new tokens 10 of the 13 errors
+# of the different-pattern teacher (200 test prompts) were cut-off answers, so every sampling step
+# here (OPD, cold start, evaluation) gets room for it.
+MAX_NEW = 64
 DIAGS = {"diag/overlap": "top-K overlap ratio", "diag/entropy_gap": "entropy gap |H(q) - H(p)|",
          "diag/overlap_advantage": "overlap-token advantage"}
 CONDITIONS = ("compatible", "different", "cold-start", "aligned-prompts")
@@ -52,20 +56,22 @@ def plan(s: Settings) -> list[RunSpec]:
                 "write the words-format fine-tuning data and the aligned prompt file"),
         RunSpec("teacher/different", "sft", sft_config(s, "teacher/different", 0, init=TEACHER, data=str(data / "sft.jsonl"),
                                                        steps=TEACHER_SFT_STEPS, batch=32, lr=5e-4, schedule="cosine")),
-        final_eval_spec(s, "teacher/different", 0),
-        final_eval_spec(s, "teacher/compatible", 0, model=TEACHER),  # the packaged teacher, evaluated the same way
+        final_eval_spec(s, "teacher/different", 0, max_new_tokens=MAX_NEW),
+        final_eval_spec(s, "teacher/compatible", 0, model=TEACHER, max_new_tokens=MAX_NEW),  # the packaged teacher, evaluated the same way
     ]
     for seed in range(s.seeds):
         cold = f"cold-start-sft/seed{seed}"
+        common = dict(steps=OPD_STEPS, max_new_tokens=MAX_NEW)
         runs = {
-            "compatible": opd_config(s, f"compatible/seed{seed}", seed, teacher=TEACHER, steps=OPD_STEPS),
-            "different": opd_config(s, f"different/seed{seed}", seed, teacher=alt, steps=OPD_STEPS),
-            "cold-start": opd_config(s, f"cold-start/seed{seed}", seed, teacher=alt, steps=OPD_STEPS,
-                                     student=str(s.run_dir(cold) / "final")),
-            "aligned-prompts": opd_config(s, f"aligned-prompts/seed{seed}", seed, teacher=alt, steps=OPD_STEPS,
-                                          task=str(data / "aligned_prompts.jsonl")),
+            "compatible": opd_config(s, f"compatible/seed{seed}", seed, teacher=TEACHER, **common),
+            "different": opd_config(s, f"different/seed{seed}", seed, teacher=alt, **common),
+            "cold-start": opd_config(s, f"cold-start/seed{seed}", seed, teacher=alt, student=str(s.run_dir(cold) / "final"),
+                                     **common),
+            "aligned-prompts": opd_config(s, f"aligned-prompts/seed{seed}", seed, teacher=alt,
+                                          task=str(data / "aligned_prompts.jsonl"), **common),
         }
-        specs.append(RunSpec(cold, "sft", sft_config(s, cold, seed, teacher=alt, steps=COLD_START_STEPS, batch=32, lr=5e-4)))
+        specs.append(RunSpec(cold, "sft", sft_config(s, cold, seed, teacher=alt, steps=COLD_START_STEPS, batch=32, lr=5e-4,
+                                                      max_new_tokens=MAX_NEW)))
         for cond, cfg in runs.items():
             specs += with_eval(s, RunSpec(f"{cond}/seed{seed}", "train", cfg), seed)
     return specs
