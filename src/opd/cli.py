@@ -100,20 +100,6 @@ def _demo(
     run_demo(out=out, steps=steps, quick=quick, assets=assets)
 
 
-@app.command("report")
-def _report(
-    run_dirs: List[Path] = typer.Argument(..., help="Run directories to report on (compared on the same axes)."),
-    out: Optional[Path] = typer.Option(None, help="Directory for report.html and charts/*.png (default: RUN_DIR/report, "
-                                                  "or the runs' common parent/report for several)."),
-    inspector_steps: int = typer.Option(24, help="Logged steps per run kept for the token inspector (evenly spaced)."),
-) -> None:
-    """A self-contained HTML report (opens offline) and a PNG of every chart, from run directories only."""
-    from opd.report import default_out, write_report
-
-    path = write_report(run_dirs, out or default_out(run_dirs), inspector_steps=inspector_steps)
-    typer.echo(f"report: {path}")
-
-
 @app.command("serve-teacher")
 def _serve_teacher(
     model: Path = typer.Argument(..., help="Teacher model directory (a local Hugging Face causal LM)."),
