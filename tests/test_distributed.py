@@ -195,7 +195,7 @@ def test_merge_metrics_rules():
     a = {"rollout/len": 2.0, "diag/r": 1.0, "depth/x": [1.0, 0.0], "train/loss_tokens": 3, "time/step": 1.0,
          "train/loss": 0.5}
     b = {"rollout/len": 5.0, "diag/r": 4.0, "depth/x": [3.0, 2.0], "train/loss_tokens": 4, "time/step": 2.5,
-         "train/loss": 0.5}
+         "train/loss": 0.7}  # global already: rank 0's value is kept
     wa = {"rollout/": 1, "diag/": 3, "depth/x": [2, 0], "train/loss_tokens": "sum", "time/": "max"}
     wb = {"rollout/": 3, "diag/": 1, "depth/x": [2, 4], "train/loss_tokens": "sum", "time/": "max"}
     got = merge_metrics([a, b], [wa, wb])

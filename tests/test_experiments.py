@@ -17,7 +17,7 @@ import torch
 from opd.config import TrainConfig, build_config
 from opd.errors import UserError
 from opd.experiments import NAMES, get_experiment, run
-from opd.experiments.core import RunSpec, Settings, command_line, run_specs
+from opd.experiments.core import DONE, STARTED, RunSpec, Settings, command_line, run_specs
 from opd.experiments.stats import (INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, auroc, equivalence, fit_power_law,
                                    mean_ci, t975, verdict)
 
@@ -38,10 +38,10 @@ def test_mean_ci_matches_hand_computation():
 def test_t_quantiles_are_conservative_between_rows():
     assert t975(1) == pytest.approx(12.706)
     assert t975(35) == t975(30) > t975(40)  # the next smaller df: a wider interval
-    assert t975(500) == pytest.approx(1.96)
-    scipy_stats = pytest.importorskip("scipy.stats")
-    for df in (1, 2, 5, 10, 30, 120):
-        assert t975(df) == pytest.approx(scipy_stats.t.ppf(0.975, df), abs=1e-3)
+    assert t975(500) == pytest.approx(1.980)  # beyond the table: the last row, never narrower
+    # Student-t 0.975 quantiles from a printed table (scipy is not a dependency of opd).
+    for df, q in ((1, 12.706), (2, 4.303), (5, 2.571), (10, 2.228), (30, 2.042), (120, 1.980)):
+        assert t975(df) == pytest.approx(q, abs=1e-3)
 
 
 def _auroc_brute(scores, labels):
@@ -133,6 +133,8 @@ def test_interrupted_train_run_resumes_from_its_checkpoint(tiny_models, tmp_path
     train(cfg, show_progress=False)  # the uninterrupted run, then pretend it died after step 1
     full = _steps(s.run_dir("opd") / "metrics.jsonl")
     (s.run_dir("opd") / "checkpoints" / "latest").write_text("step_0000001")
+    started = {"command": command_line(RunSpec("opd", "train", cfg), s.run_dir("opd"))}
+    (s.run_dir("opd") / STARTED).write_text(json.dumps(started))  # as run_specs would have begun it
     log = run_specs([RunSpec("opd", "train", cfg)], s, show_progress=False)
     assert log[0]["status"] == "ran"
     resumed = _steps(s.run_dir("opd") / "metrics.jsonl")
@@ -146,6 +148,11 @@ def test_interrupted_train_run_resumes_from_its_checkpoint(tiny_models, tmp_path
     (s.run_dir("early") / "metrics.jsonl").write_text('{"step": 0, "train/loss": 9.0}\n')
     run_specs([RunSpec("early", "train", cfg2)], s, show_progress=False)
     assert [r["step"] for r in _steps(s.run_dir("early") / "metrics.jsonl")] == [0, 1]
+    # an interrupted run begun with other settings is not resumed under the new ones
+    (s.run_dir("early") / DONE).unlink()
+    (s.run_dir("early") / "metrics.jsonl").write_text('{"step": 0, "train/loss": 9.0}\n')  # checkpoints kept
+    run_specs([RunSpec("early", "train", dataclasses.replace(cfg2, lr=cfg2.lr * 2))], s, show_progress=False)
+    assert 9.0 not in [r["train/loss"] for r in _steps(s.run_dir("early") / "metrics.jsonl")]
 
 
 def _parse_flags(argv: list[str]) -> dict:
@@ -222,7 +229,6 @@ def test_sequence_kl_is_exact():
 def test_variance_quick_end_to_end(tmp_path):
     res = run("variance", tmp_path, seeds=2, quick=True, show_progress=False)
     out = tmp_path / "variance"
-    assert {c["verdict"] for c in res["claims"]} <= {REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE}
     assert len(res["claims"]) >= 6
     for p in res["plots"]:
         assert (out / p).stat().st_size > 1000

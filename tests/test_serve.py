@@ -108,6 +108,7 @@ def test_bad_requests_get_4xx_and_server_keeps_serving(served):
         (b"[1, 2]", True, 400, "JSON object"),
         ({"max_tokens": 1, "prompt_logprobs": 4}, False, 400, "missing 'prompt'"),
         ({**good, "prompt_logprobs": 65}, False, 422, "--max-k"),
+        ({**good, "prompt_logprobs": 0}, False, 422, "outside [1,"),
         ({**good, "prompt_logprobs": "8"}, False, 400, "integer"),
         ({**good, "prompt": [1, V, 2]}, False, 422, f"[0, {V})"),
         ({**good, "prompt": [1, -3]}, False, 422, "token id -3"),
@@ -269,11 +270,14 @@ def test_foreign_server_warns_and_malformed_answers_are_errors(served, tiny_mode
         seqs = [batch.input_ids_NL[i][batch.attention_mask_NL[i].bool()].tolist() for i in range(2)]
         _, real = post(url, {"prompt": seqs, "max_tokens": 1, "prompt_logprobs": 4})
         _Foreign.answer = real
-        assert client.score(batch, 4).topk_ids_NTK.shape == (2, batch.response_ids_NT.shape[1], 4)
+        relayed, local = client.score(batch, 4), HFTeacher(model).score(batch, 4)
+        assert torch.equal(relayed.topk_ids_NTK, local.topk_ids_NTK)
+        assert torch.allclose(relayed.sampled_logprobs_NT, local.sampled_logprobs_NT, atol=1e-5)
         with pytest.warns(UserWarning):
             patient = HTTPTeacher(foreign, tok, head_weight(model).shape[0], retries=2, backoff=0.01)
         _Foreign.failures = 2  # a 5xx is retried with backoff...
-        assert torch.equal(patient.score(batch, 4).topk_ids_NTK, client.score(batch, 4).topk_ids_NTK)
+        assert torch.equal(patient.score(batch, 4).topk_ids_NTK, local.topk_ids_NTK)
+        assert _Foreign.failures == 0  # both 5xx answers were consumed by retries
         _Foreign.failures = 1  # ...until the retries run out
         with pytest.raises(UserError, match="answered HTTP 503: busy, try later"):
             client.score(batch, 4)

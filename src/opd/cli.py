@@ -195,7 +195,7 @@ def main() -> None:
     hf_logging.disable_progress_bar()  # our own progress bars say more than "Writing model shards"
     try:
         app()
-    except UserError as exc:
+    except (UserError, OSError) as exc:  # OSError: an output path that cannot be written, a port out of range
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         sys.exit(2)
 

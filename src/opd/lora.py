@@ -95,7 +95,10 @@ def merge_lora(adapter: str | Path, out: str | Path, base: str | Path | None = N
     if not cfg_path.is_file():
         raise UserError(f"{adapter} has no adapter_config.json, so it is not a LoRA adapter; pass a run's final/ "
                         "or checkpoints/step_*/model directory of a --lora-r run")
-    base = Path(base or json.loads(cfg_path.read_text()).get("base_model_name_or_path") or "")
+    base = base or json.loads(cfg_path.read_text()).get("base_model_name_or_path")
+    if not base:
+        raise UserError(f"{cfg_path} names no base model (base_model_name_or_path); pass --base DIR")
+    base = Path(base)
     model = load_model(base, "base")
     merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     tok_dir = adapter if (adapter / "tokenizer_config.json").is_file() else base

@@ -220,10 +220,10 @@ def parse_completion_request(body: bytes, tokenizer, vocab_rows: int, model_name
                            "NotFoundError")
     k = req.get("prompt_logprobs")
     if isinstance(k, bool) or not isinstance(k, int):
-        raise RequestError(400, "'prompt_logprobs' must be an integer K >= 0 (the number of top tokens per position)")
-    if not 0 <= k <= limits.max_k:
-        raise RequestError(422, f"prompt_logprobs={k} is outside [0, {limits.max_k}]; ask for fewer top tokens "
-                                "or restart the server with a larger --max-k")
+        raise RequestError(400, "'prompt_logprobs' must be an integer K >= 1 (the number of top tokens per position)")
+    if not 1 <= k <= limits.max_k:
+        raise RequestError(422, f"prompt_logprobs={k} is outside [1, {limits.max_k}]; ask for 1 to {limits.max_k} "
+                                "top tokens, or restart the server with a larger --max-k")
     if req.get("max_tokens", 1) not in (1,) or req.get("n", 1) != 1:
         raise RequestError(422, "this teacher server only scores prompts: set max_tokens to 1 and n to 1")
     seqs = _prompt_ids(req.get("prompt"), tokenizer)
@@ -375,7 +375,7 @@ def start_server(app: TeacherApp, host: str = "127.0.0.1", port: int = 0, verbos
     """Bind and serve in a background thread; ``server.server_address`` has the chosen port."""
     try:
         server = ThreadingHTTPServer((host, port), _Handler)
-    except OSError as exc:
+    except (OSError, OverflowError) as exc:  # OverflowError: a port outside 0-65535
         raise UserError(f"cannot listen on {host}:{port} ({exc}); pick another --port (0 picks a free one)") from exc
     server.daemon_threads = True
     server.app, server.verbose = app, verbose

@@ -119,6 +119,10 @@ def resume(run: Run, ckpt: Path) -> None:
     if state.get("fsdp", False) != run.dist.fsdp:  # the two keep the optimizer state in different layouts
         was = "with" if state.get("fsdp") else "without"
         raise UserError(f"checkpoint {ckpt} was written {was} --fsdp; resume {was} --fsdp as well")
+    saved_world = len(state["rng"]) if isinstance(state["rng"], list) else 1
+    if saved_world != run.dist.world:  # the global batch, and so each step's prompts, would change
+        raise UserError(f"checkpoint {ckpt} was written by {saved_world} process(es), this launch has "
+                        f"{run.dist.world}; resume with the same number of processes")
     run.dist.load_optimizer_state(run.optimizer, state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"], run.dist.rank, run.dist.world)

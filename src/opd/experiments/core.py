@@ -28,6 +28,7 @@ from typing import Any, Callable
 from opd.errors import UserError
 
 DONE = "DONE.json"
+STARTED = "STARTED.json"  # the command a train run was begun with: resume only that one
 
 
 @dataclass
@@ -101,15 +102,24 @@ def _finished(run_dir: Path) -> bool:
     return (run_dir / DONE).is_file()
 
 
-def _execute(spec: RunSpec, run_dir: Path, show_progress: bool) -> dict:
+def _started_command(run_dir: Path) -> str | None:
+    try:
+        return json.loads((run_dir / STARTED).read_text()).get("command")
+    except (OSError, ValueError):
+        return None
+
+
+def _execute(spec: RunSpec, run_dir: Path, show_progress: bool, command: str) -> dict:
     if spec.kind == "train":
         from opd.rundir import RunDir
         from opd.train import train
 
         started = (run_dir / "metrics.jsonl").exists()
-        if started and RunDir(run_dir).latest_checkpoint() is None:
-            shutil.rmtree(run_dir)  # killed before its first checkpoint: nothing to resume
+        if started and (_started_command(run_dir) != command or RunDir(run_dir).latest_checkpoint() is None):
+            shutil.rmtree(run_dir)  # begun with other settings, or killed before its first checkpoint
             started = False
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / STARTED).write_text(json.dumps({"command": command}) + "\n")
         cfg = dataclasses.replace(spec.config, out=str(run_dir), resume=started)
         return train(cfg, show_progress=show_progress) or {}
     if spec.kind == "sft":
@@ -144,7 +154,7 @@ def run_specs(specs: list[RunSpec], settings: Settings, show_progress: bool = Tr
             shutil.rmtree(run_dir)
         print(f"[{i}/{len(specs)}] {spec.kind} {spec.name}", flush=True)
         t0 = time.time()
-        result = _execute(spec, run_dir, show_progress)
+        result = _execute(spec, run_dir, show_progress, command)
         wall = round(time.time() - t0, 2)
         record = {"run": spec.name, "kind": spec.kind, "wall_s": wall, "command": command, "result": result}
         (run_dir / DONE).write_text(json.dumps(record, indent=2, default=str) + "\n")

@@ -30,7 +30,7 @@ def t975(df: int) -> float:
     if df < 1:
         raise ValueError(f"df={df} must be >= 1")
     if df > 120:
-        return 1.960
+        return _T975[120]  # the last row: slightly wide, never narrower
     return _T975[max(d for d in _T975 if d <= df)]
 
 
@@ -84,8 +84,9 @@ def verdict(diffs: Sequence[float]) -> tuple[str, Interval]:
 def auroc(scores: Sequence[float], labels: Sequence[bool]) -> float:
     """Area under the ROC curve of ``scores`` for the positive ``labels`` (Mann-Whitney U / n+ n-).
 
-    Ties count one half (mid-ranks). NaN when either class is empty."""
-    pairs = sorted(zip(map(float, scores), map(bool, labels)))
+    Ties count one half (mid-ranks); NaN scores are dropped (they would break the sort). NaN when
+    either class is empty."""
+    pairs = sorted((s, y) for s, y in zip(map(float, scores), map(bool, labels)) if not math.isnan(s))
     n_pos = sum(1 for _, y in pairs if y)
     n_neg = len(pairs) - n_pos
     if n_pos == 0 or n_neg == 0:
