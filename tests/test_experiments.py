@@ -275,3 +275,12 @@ def test_model_experiment_quick(name, tmp_path):
         assert (tmp_path / name / p).is_file()
     commands = (tmp_path / name / "commands.txt").read_text()
     assert "opd train" in commands or "# python step" in commands
+
+
+def test_results_md_names_a_corrupt_results_file(tmp_path):
+    from opd.experiments.results_md import build_results_md
+
+    (tmp_path / "variance").mkdir()
+    (tmp_path / "variance" / "results.json").write_text("{cut short")
+    with pytest.raises(UserError, match=r"variance/results.json is not a results.json.*rerun `opd experiment variance`"):
+        build_results_md([tmp_path], tmp_path / "RESULTS.md")

@@ -23,8 +23,13 @@ def _pick(dirs: list[Path], name: str) -> dict | None:
     for d in dirs:
         p = Path(d) / name / "results.json"
         if p.is_file():
-            res = json.loads(p.read_text())
-            res["_dir"] = str(p.parent)
+            try:
+                res = json.loads(p.read_text())
+                quick = bool(res["quick"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise UserError(f"{p} is not a results.json written by `opd experiment` ({type(exc).__name__}: "
+                                f"{exc}); delete it and rerun `opd experiment {name}`") from exc
+            res["_dir"], res["quick"] = str(p.parent), quick
             found.append(res)
     full = [r for r in found if not r["quick"]]
     return (full or found or [None])[0]
