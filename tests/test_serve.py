@@ -21,7 +21,7 @@ from opd.config import TrainConfig
 from opd.errors import UserError
 from opd.models import head_weight, load_model, load_tokenizer
 from opd.rollout import HFRollout
-from opd.serve import Limits, TeacherApp, start_server, stop_server
+from opd.serve import BatchScorer, Limits, RequestError, TeacherApp, start_server, stop_server
 from opd.teacher import HFTeacher
 from opd.teacher_http import HTTPTeacher, make_teacher
 from opd import train as train_mod
@@ -309,3 +309,35 @@ def test_cli_serve_teacher_port_zero(tiny_models):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_failing_request_does_not_fail_the_requests_batched_with_it(served):
+    _, _, model, _ = served
+
+    class Flaky(BatchScorer):
+        def _run(self, jobs):
+            if any(j.seqs == [[7, 7, 7]] for j in jobs):
+                raise RuntimeError("poisoned")
+            super()._run(jobs)
+
+    scorer = Flaky(model, Limits(batch_wait_ms=500))  # long enough for both requests to share a batch
+    try:
+        got = {}
+
+        def ask(name, seqs):
+            try:
+                got[name] = scorer.submit(seqs, 4)
+            except RequestError as exc:
+                got[name] = exc
+
+        threads = [threading.Thread(target=ask, args=("bad", [[7, 7, 7]])),
+                   threading.Thread(target=ask, args=("good", [[5, 6, 7, 8]]))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert isinstance(got["bad"], RequestError) and "poisoned" in str(got["bad"])
+        assert not isinstance(got["good"], RequestError) and len(got["good"]) == 1
+        assert scorer.batches >= 1
+    finally:
+        scorer.close()

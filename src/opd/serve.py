@@ -129,6 +129,7 @@ class _Job:
     done: threading.Event = field(default_factory=threading.Event)
     result: list[SeqScores] | None = None
     error: str | None = None
+    abandoned: bool = False  # its client got a 503 already: not worth a forward pass
 
 
 class BatchScorer:
@@ -145,6 +146,7 @@ class BatchScorer:
         job = _Job(seqs, k, starts or [1] * len(seqs))
         self.queue.put(job)
         if not job.done.wait(self.limits.request_timeout):
+            job.abandoned = True
             raise RequestError(503, f"scoring took longer than {self.limits.request_timeout:.0f} s; retry later",
                                "ServiceUnavailableError")
         if job.error is not None:
@@ -176,11 +178,16 @@ class BatchScorer:
             if first is None:
                 break
             jobs, stop = self._collect(first)
+            jobs = [j for j in jobs if not j.abandoned]
             try:
-                self._run(jobs)
-            except Exception as exc:  # a failed batch fails its requests, not the server
-                for job in jobs:
-                    job.error = f"{type(exc).__name__}: {exc}"
+                if jobs:
+                    self._run(jobs)
+            except Exception:  # a failed batch fails its requests, not the server...
+                for job in jobs:  # ...and only the requests that fail on their own
+                    try:
+                        self._run([job])
+                    except Exception as exc:
+                        job.error = f"{type(exc).__name__}: {exc}"
             for job in jobs:
                 job.done.set()
 
