@@ -147,13 +147,19 @@ def kill_a_rank_after_first_checkpoint(args: list[str], out) -> None:
 
     proc = subprocess.Popen(launch_command("torchrun", args), env=ENV, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not (out / "checkpoints" / "latest").exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.005)
-    workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
-    assert workers, "the run ended before a rank could be killed"
-    os.kill(workers[0].pid, signal.SIGKILL)
-    assert proc.wait(timeout=120) != 0
+    try:
+        deadline = time.time() + 300
+        while not (out / "checkpoints" / "latest").exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.005)
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
+        assert workers, "the run ended before a rank could be killed"
+        os.kill(workers[0].pid, signal.SIGKILL)
+        assert proc.wait(timeout=120) != 0
+    finally:  # a failed assertion must not leave the launcher and its ranks running
+        for p in psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []:
+            p.kill()
+        proc.kill()
+        proc.wait()
     assert not (out / "final").exists()
 
 

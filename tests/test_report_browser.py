@@ -42,14 +42,19 @@ class Browser:
         ws_sync = pytest.importorskip("websockets.sync.client", reason="pip install websockets (in opd's dev extra)")
         self.proc = subprocess.Popen([CHROMIUM, *FLAGS, f"--user-data-dir={profile_dir}", "about:blank"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        url = self._devtools_url(timeout=60)
-        # __enter__ gives the plain connection on every websockets version (>= 17 warns on a bare connect()).
-        self.ws = ws_sync.connect(url, max_size=None, proxy=None, open_timeout=30).__enter__()
-        self.next_id, self.events = 0, []
-        target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
-        self.session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
-        for domain in ("Runtime", "Log", "Network", "Page"):
-            self.send(f"{domain}.enable", session=True)
+        try:
+            url = self._devtools_url(timeout=60)
+            # __enter__ gives the plain connection on every websockets version (>= 17 warns on a bare connect()).
+            self.ws = ws_sync.connect(url, max_size=None, proxy=None, open_timeout=30).__enter__()
+            self.next_id, self.events = 0, []
+            target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
+            self.session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+            for domain in ("Runtime", "Log", "Network", "Page"):
+                self.send(f"{domain}.enable", session=True)
+        except BaseException:  # no Chromium left behind when the connection fails
+            self.proc.kill()
+            self.proc.wait()
+            raise
 
     def _devtools_url(self, timeout: float) -> str:
         lines: queue.Queue = queue.Queue()
