@@ -42,7 +42,8 @@ def ref_softmax(row: list[float], temperature: float = 1.0) -> list[float]:
 
 @pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 1.0])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_nucleus_sample_draws_exactly_the_renormalized_nucleus(top_p, temperature):
+@pytest.mark.parametrize("candidates", [2, 64])
+def test_nucleus_sample_draws_exactly_the_renormalized_nucleus(top_p, temperature, candidates):
     logits = [[2.0, 0.3, -1.0, 1.1, -math.inf, 0.0, 1.7],
               [0.0, 0.0, 0.0, 5.0, -math.inf, -math.inf, 0.1]]
     M = 4000  # evenly spaced uniforms: each token is drawn M * p_renorm times, to within one
@@ -51,10 +52,26 @@ def test_nucleus_sample_draws_exactly_the_renormalized_nucleus(top_p, temperatur
         probs = ref_softmax(row, temperature)
         nucleus = ref_nucleus(probs, top_p)
         mass = sum(probs[i] for i in nucleus)
-        drawn = nucleus_sample(torch.tensor([row] * M), u, temperature, top_p).tolist()
+        drawn = nucleus_sample(torch.tensor([row] * M), u, temperature, top_p, candidates).tolist()
         assert set(drawn) == nucleus, f"drew {set(drawn) - nucleus} outside the nucleus {nucleus}"
         for i in nucleus:
             assert abs(drawn.count(i) - M * probs[i] / mass) <= 1.5
+
+
+def test_nucleus_sample_with_few_candidates_draws_what_the_full_sort_draws():
+    """Rows whose nucleus fits in the candidates and rows that need the full sort, in one batch."""
+    g = torch.Generator().manual_seed(0)
+    scale = torch.tensor([0.1, 0.5, 1.0, 3.0, 8.0, 20.0]).repeat(50).unsqueeze(-1)  # flat ... peaked rows
+    logits = torch.randn(300, 301, generator=g) * scale
+    u = torch.rand(300, generator=g, dtype=torch.float64)
+    probs = torch.softmax(logits.double(), -1)
+    top8 = probs.topk(8, dim=-1).values.sum(-1)
+    assert bool((top8 >= 0.9).any()) and bool((top8 < 0.9).any()), "the test needs rows on both paths"
+    few = nucleus_sample(logits, u, 1.0, 0.9, candidates=8)
+    every = nucleus_sample(logits, u, 1.0, 0.9, candidates=301)
+    assert torch.equal(few, every)
+    for n in range(0, 300, 7):  # and each draw is in its row's nucleus (float64 reference)
+        assert int(few[n]) in ref_nucleus(probs[n].tolist(), 0.9)
 
 
 def sharpened(path, scale=8.0):
@@ -171,3 +188,44 @@ def test_sft_labels_cover_exactly_completion_and_eos(tiny_tokenizer):
         assert ids[n, :L].tolist() == p_ids + c_ids
         assert lab[n].tolist() == [-100] * len(p_ids) + c_ids + [-100] * (ids.shape[1] - L)
         assert att[n].tolist() == [1] * L + [0] * (ids.shape[1] - L)
+
+
+def hand_batch(pad_id: int, prompts: list[list[int]], responses: list[list[int]], T: int) -> RolloutBatch:
+    """Left-padded prompts and right-padded responses of the given (different) lengths."""
+    P, N = max(map(len, prompts)), len(prompts)
+    ids, mask = torch.full((N, P + T), pad_id), torch.zeros((N, P + T), dtype=torch.long)
+    resp, resp_mask = torch.full((N, T), pad_id), torch.zeros((N, T), dtype=torch.bool)
+    for n, (p, r) in enumerate(zip(prompts, responses)):
+        ids[n, P - len(p):P], mask[n, P - len(p):P] = torch.tensor(p), 1
+        ids[n, P:P + len(r)], mask[n, P:P + len(r)] = torch.tensor(r), 1
+        resp[n, :len(r)], resp_mask[n, :len(r)] = torch.tensor(r), True
+    return RolloutBatch(ids, mask, P, resp, resp_mask, torch.zeros(N, T), torch.ones(N, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("rows_per_chunk", [1, 3, 16])
+def test_response_hidden_in_length_chunks_matches_each_row_alone(tiny_models, rows_per_chunk):
+    from opd.models import final_hidden
+    from opd.teacher import response_hidden
+
+    student, _ = tiny_models
+    tok, model = load_tokenizer(student), load_model(student, "student")
+    prompts = some_prompts(tok, 7)
+    prompts[3] = prompts[3][:5]  # an unusually short prompt in the middle of the batch
+    responses = [list(range(30, 30 + n)) for n in (4, 1, 9, 6, 9, 2, 7)]
+    batch = hand_batch(tok.pad_token_id, prompts, responses, T=11)
+    weights = torch.randn(7, 11, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    model.zero_grad()
+    h = response_hidden(model, batch, rows_per_chunk)
+    assert h.shape == (7, 11, model.config.hidden_size)
+    (h * weights)[batch.response_mask_NT].sum().backward()
+    got_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    total = 0
+    for n, (p, r) in enumerate(zip(prompts, responses)):  # each row unpadded, in a batch of its own
+        seq = torch.tensor([p + r])
+        alone = final_hidden(model, seq, torch.ones_like(seq))[0, len(p) - 1:len(p) - 1 + len(r)]
+        torch.testing.assert_close(h[n, :len(r)], alone, atol=1e-5, rtol=1e-4)
+        total = total + (alone * weights[n, :len(r)]).sum()
+    total.backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(got_grads[k], p.grad, atol=1e-5, rtol=1e-4, msg=f"gradient of {k}")

@@ -67,23 +67,42 @@ class RolloutEngine(Protocol):
     ) -> RolloutBatch: ...
 
 
-def nucleus_sample(logits_NV: torch.Tensor, u_N: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+# Candidates nucleus_sample takes with topk before it falls back to sorting the whole vocabulary.
+# A top-p 0.9 nucleus of a trained model rarely holds more than a few dozen tokens, and a full sort
+# of every row each step was ~40% of the demo's generation time.
+NUCLEUS_CANDIDATES = 64
+
+
+def nucleus_sample(logits_NV: torch.Tensor, u_N: torch.Tensor, temperature: float, top_p: float,
+                   candidates: int = NUCLEUS_CANDIDATES) -> torch.Tensor:
     """Draw one token per row from the top-p nucleus of softmax(logits / temperature).
 
     The nucleus is the smallest set of most probable tokens whose mass reaches ``top_p`` (the
     most probable token is always in it). ``u_N`` holds uniforms in [0, 1): inverse-CDF sampling
-    on the sorted, truncated masses makes the draw a deterministic function of ``u``.
+    on the sorted, truncated masses makes the draw a deterministic function of ``u``. Rows whose
+    ``candidates`` most probable tokens already hold ``top_p`` of the mass draw from those alone
+    (the same token a full sort gives); only the other rows sort the whole vocabulary.
 
     Shapes: logits_NV: (N, V); u_N: (N,) -> ids_N: (N,) int64
     """
-    probs = torch.softmax(logits_NV.float() / temperature, dim=-1)
-    sorted_p, sorted_ids = probs.sort(dim=-1, descending=True)
-    mass_before = sorted_p.cumsum(-1) - sorted_p
-    kept = sorted_p * (mass_before < top_p)
-    cdf = kept.cumsum(-1)
+    probs_NV = torch.softmax(logits_NV.float() / temperature, dim=-1)
+    top_NC, top_ids_NC = probs_NV.topk(min(candidates, probs_NV.shape[-1]), dim=-1)
+    wide_N = top_NC.sum(-1) < top_p  # the nucleus may reach past the candidates
+    out_N = torch.empty(probs_NV.shape[0], dtype=torch.long)
+    out_N[~wide_N] = _inverse_cdf_draw(top_NC[~wide_N], top_ids_NC[~wide_N], u_N[~wide_N], top_p)
+    if bool(wide_N.any()):
+        sorted_p, sorted_ids = probs_NV[wide_N].sort(dim=-1, descending=True)
+        out_N[wide_N] = _inverse_cdf_draw(sorted_p, sorted_ids, u_N[wide_N], top_p)
+    return out_N
+
+
+def _inverse_cdf_draw(sorted_p_NC: torch.Tensor, ids_NC: torch.Tensor, u_N: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The draw on probabilities sorted descending (a prefix that holds the nucleus is enough)."""
+    mass_before = sorted_p_NC.cumsum(-1) - sorted_p_NC
+    cdf = (sorted_p_NC * (mass_before < top_p)).cumsum(-1)
     target = (u_N.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
-    pick = torch.searchsorted(cdf, target, right=True).clamp(max=logits_NV.shape[-1] - 1)
-    return sorted_ids.gather(-1, pick).squeeze(-1)
+    pick = torch.searchsorted(cdf, target, right=True).clamp(max=sorted_p_NC.shape[-1] - 1)
+    return ids_NC.gather(-1, pick).squeeze(-1)
 
 
 def left_pad(prompt_ids: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -56,14 +56,35 @@ class TeacherScorer(Protocol):
         ...
 
 
-def response_hidden(model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor:
+# Rows per forward chunk in response_hidden. A batch padded to its longest prompt and longest
+# response is about a third padding on the demo task; chunks of rows of similar length, each cut
+# to its own longest prompt and response, skip most of it, and 16 rows are still enough tokens to
+# keep the matmuls efficient.
+ROWS_PER_CHUNK = 16
+
+
+def response_hidden(model: PreTrainedModel, batch: RolloutBatch, rows_per_chunk: int = ROWS_PER_CHUNK) -> torch.Tensor:
     """Final hidden states that predict each response token: position P - 1 + t predicts y_t.
+
+    Rows are run in chunks of similar length, each trimmed of the padding all its rows share.
+    Positions outside ``response_mask_NT`` hold no meaningful value (zeros past the longest
+    response of the row's chunk): every consumer masks them.
 
     Shapes: returns (N, T, D)
     """
-    h = final_hidden(model, batch.input_ids_NL, batch.attention_mask_NL)
     P, T = batch.prompt_len, batch.response_ids_NT.shape[1]
-    return h[:, P - 1 : P - 1 + T]
+    prompt_lens_N = batch.attention_mask_NL[:, :P].sum(-1)
+    response_lens_N = batch.response_mask_NT.sum(-1).clamp(min=1)
+    order_N = torch.argsort(prompt_lens_N + response_lens_N, stable=True)
+    pieces = []
+    for rows in order_N.split(rows_per_chunk):
+        start, t_max = P - int(prompt_lens_N[rows].max()), int(response_lens_N[rows].max())
+        # the last response token is never an input that predicts one, so the slice stops before it
+        h = final_hidden(model, batch.input_ids_NL[rows, start : P + t_max - 1],
+                         batch.attention_mask_NL[rows, start : P + t_max - 1])
+        h = h[:, P - 1 - start : P - 1 - start + t_max]
+        pieces.append(torch.nn.functional.pad(h, (0, 0, 0, T - t_max)))
+    return torch.cat(pieces)[torch.argsort(order_N)]
 
 
 class HFTeacher:

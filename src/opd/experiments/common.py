@@ -18,6 +18,7 @@ from opd.experiments.plots import line_plot
 from opd.experiments.stats import mean_ci, verdict
 
 STUDENT, TEACHER = str(ASSETS / "student"), str(ASSETS / "teacher")
+SPIKE = 3.0  # a gradient-norm spike: a step whose (pre-clipping) norm exceeds 3x its run's median
 
 
 def sizes(quick: bool, steps: int = 100, batch: int = 32) -> dict:
@@ -77,7 +78,7 @@ def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def stability(records: list[dict]) -> dict:
-    """Grad-norm spread (std / mean), clipped-step share, student entropy first -> last and its minimum ratio."""
+    """Grad-norm spread (std / mean), spike share (steps above SPIKE x the run's median norm), clipped-step share, student entropy first -> last and its minimum ratio."""
     _, g = series(records, "train/grad_norm")
     _, clipped = series(records, "train/clipped")
     _, ent = series(records, "diag/student_entropy")
@@ -85,7 +86,9 @@ def stability(records: list[dict]) -> dict:
     sd_g = math.sqrt(sum((x - mean_g) ** 2 for x in g) / max(len(g) - 1, 1)) if g else math.nan
     head = ent[: max(1, len(ent) // 10)]
     e0 = sum(head) / len(head) if head else math.nan
+    median_g = sorted(g)[len(g) // 2] if g else math.nan
     return {"grad_norm_mean": mean_g, "grad_norm_cv": sd_g / mean_g if mean_g else math.nan,
+            "spike_share": sum(x > SPIKE * median_g for x in g) / len(g) if g else math.nan,
             "clipped_share": sum(clipped) / len(clipped) if clipped else math.nan,
             "entropy_start": e0, "entropy_end": ent[-1] if ent else math.nan,
             "entropy_min_ratio": min(ent) / e0 if ent and e0 else math.nan}

@@ -27,7 +27,7 @@ from opd.config import DEFAULT_SPECIAL_TOKENS
 from opd.data import PromptSet, load_task
 from opd.demo import TASK_LEVEL
 from opd.experiments.common import (STUDENT, TEACHER, avg_at_k_claim, final_eval_spec, final_scores, generate_batches, mean_curve,
-                                    opd_config, sft_config, with_eval)
+                                    opd_config, sft_config, sizes, with_eval)
 from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
 from opd.experiments.plots import line_plot
 from opd.experiments.stats import mean_ci, verdict
@@ -140,12 +140,43 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
         rows.append([variant, mean_ci([x["accuracy"] for x in sc]).fmt(1, 100), mean_ci([x["avg_at_k"] for x in sc]).fmt(1, 100)])
     a.table("Final accuracy (%) after OPD, mean [95% CI] over seeds (greedy; avg@k at temperature 1, top-p 0.9)",
             ["run", "greedy acc", "avg@k"], rows)
+    _reasoning_end_table(a, s)
     curves = {v: mean_curve(s, [f"{v}/seed{k}" for k in seeds], "diag/reward_mean") for v in VARIANTS}
     line_plot(s.out / "mismatch_reward.png", {v: c for v, c in curves.items() if c[0]}, "OPD step",
               "mean sampled-token reward", "Mean sampled-token reward over training")
     a.plots.append("mismatch_reward.png")
     _claims(a, s, probes)
     return a
+
+
+def _reasoning_end_shares(run_dir: Path, lo: int, hi: int) -> dict:
+    """Shares of the logged rollouts of steps [lo, hi) that close their reasoning the student's way (the single
+    ``</think>`` token), that contain ``<`` (the first piece of the teacher's spelling), and that are correct."""
+    from opd.report.load import read_jsonl
+
+    rows = [r for r in read_jsonl(run_dir / "rollouts.jsonl", [], need_step=True) if lo <= r["step"] < hi]
+    n = max(len(rows), 1)
+    return {"single": sum("</think>" in r["tokens"] for r in rows) / n, "pieces": sum("<" in r["tokens"] for r in rows) / n,
+            "correct": sum(bool(r.get("correct")) for r in rows) / n}
+
+
+def _reasoning_end_table(a: Analysis, s: Settings) -> None:
+    """How the student ends its reasoning early and late in training: masking hides the mismatched positions from
+    the loss, but nothing then anchors the student's own convention, since the teacher's top-K never contains it."""
+    steps = sizes(s.quick, OPD_STEPS)["steps"]
+    window = max(steps // 5, 1)
+    rows = []
+    for variant in VARIANTS:
+        for label, lo, hi in (("first", 0, window), ("last", steps - window, steps)):
+            sh = [_reasoning_end_shares(s.run_dir(f"{variant}/seed{k}"), lo, hi) for k in range(s.seeds)]
+            rows.append([variant, f"{label} {hi - lo} steps"] + [mean_ci([x[key] for x in sh]).fmt(1, 100)
+                                                                 for key in ("single", "pieces", "correct")])
+    a.table("How the student ends its reasoning: logged training rollouts (%) early and late in OPD, mean [95% CI] "
+            "over seeds", ["run", "steps", "with the single </think> token", "with '<' (the teacher's spelling)",
+                           "correct"], rows,
+            note="The mismatched teacher spells </think> as '<', '/', 'th', 'ink', '>' and gives the single token no "
+                 "probability, so it is never in the teacher's top-K support; with masking, the positions where the "
+                 "student writes it get no loss at all.")
 
 
 def _claims(a: Analysis, s: Settings, probes: list[dict]) -> None:
