@@ -3,6 +3,7 @@ load, bad requests, and the trainer's client (errors, vocabulary checks, a train
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import re
@@ -127,18 +128,16 @@ def test_bad_requests_get_4xx_and_server_keeps_serving(served):
     huge = b'{"prompt": [' + b"1," * (app.limits.max_body_bytes // 2) + b"1]}"
     assert post(url, huge, raw=True)[0] == 413
     host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    conn.putrequest("POST", "/v1/completions")
-    conn.putheader("Content-Length", "lots")
-    conn.endheaders()
-    resp = conn.getresponse()
-    assert resp.status == 400 and "Content-Length" in json.loads(resp.read())["error"]["message"]
-    conn.close()
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    conn.request("POST", "/v2/score", body=json.dumps(good))
-    resp = conn.getresponse()
-    assert resp.status == 404 and "POST /v1/completions" in json.loads(resp.read())["error"]["message"]
-    conn.close()
+    with contextlib.closing(http.client.HTTPConnection(host, int(port), timeout=30)) as conn:
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("Content-Length", "lots")
+        conn.endheaders()
+        resp = conn.getresponse()
+        assert resp.status == 400 and "Content-Length" in json.loads(resp.read())["error"]["message"]
+    with contextlib.closing(http.client.HTTPConnection(host, int(port), timeout=30)) as conn:
+        conn.request("POST", "/v2/score", body=json.dumps(good))
+        resp = conn.getresponse()
+        assert resp.status == 404 and "POST /v1/completions" in json.loads(resp.read())["error"]["message"]
     status, ans = post(url, good)
     assert status == 200 and len(ans["choices"][0]["prompt_logprobs"]) == 3
     with urllib.request.urlopen(url + "/health", timeout=10) as r:
