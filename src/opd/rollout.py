@@ -88,7 +88,7 @@ def nucleus_sample(logits_NV: torch.Tensor, u_N: torch.Tensor, temperature: floa
     probs_NV = torch.softmax(logits_NV.float() / temperature, dim=-1)
     top_NC, top_ids_NC = probs_NV.topk(min(candidates, probs_NV.shape[-1]), dim=-1)
     wide_N = top_NC.sum(-1) < top_p  # the nucleus may reach past the candidates
-    out_N = torch.empty(probs_NV.shape[0], dtype=torch.long)
+    out_N = torch.empty(probs_NV.shape[0], dtype=torch.long, device=probs_NV.device)
     out_N[~wide_N] = _inverse_cdf_draw(top_NC[~wide_N], top_ids_NC[~wide_N], u_N[~wide_N], top_p)
     if bool(wide_N.any()):
         sorted_p, sorted_ids = probs_NV[wide_N].sort(dim=-1, descending=True)

@@ -78,7 +78,8 @@ def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def stability(records: list[dict]) -> dict:
-    """Grad-norm spread (std / mean), spike share (steps above SPIKE x the run's median norm), clipped-step share, student entropy first -> last and its minimum ratio."""
+    """Grad-norm spread (std / mean), spike share (steps above SPIKE x the run's median norm),
+    clipped-step share, student entropy first -> last and its minimum ratio."""
     _, g = series(records, "train/grad_norm")
     _, clipped = series(records, "train/clipped")
     _, ent = series(records, "diag/student_entropy")

@@ -23,7 +23,6 @@ import json
 import math
 from pathlib import Path
 
-
 from opd.data import PromptSet, load_task
 from opd.demo import TASK_LEVEL
 from opd.evaluate import decode_responses
@@ -78,7 +77,7 @@ def measure(p: dict, run_dir: Path) -> dict:
                          "ids": batch.response_ids_NT[r, :n].tolist(),
                          "reward": (q[r, :n] - batch.logprobs_NT[r, :n]).tolist()})
     cont = []
-    with progress_bar("depth: continuations", total=len(p["depths"]), enabled=True) as bar:
+    with progress_bar("depth: continuations", total=len(p["depths"])) as bar:
         for d in p["depths"]:
             jobs = [(prompts.prompt_ids[r["prompt"]], r["ids"][:d], examples[r["prompt"]].answer)
                     for r in rows if len(r["ids"]) > d for _ in range(p["continuations"])]

@@ -18,6 +18,7 @@ sampled-token OPD from the matched teacher as the control.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from opd.experiments.common import (STUDENT, TEACHER, avg_at_k_claim, final_eval
 from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
 from opd.experiments.plots import line_plot
 from opd.experiments.stats import mean_ci, verdict
+from opd.report.load import read_jsonl
 
 SPLIT_TOKENS = ("<think>", "</think>")  # re-segmented in the mismatched teacher's fine-tune
 VARIANTS = {
@@ -152,12 +154,12 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
 def _reasoning_end_shares(run_dir: Path, lo: int, hi: int) -> dict:
     """Shares of the logged rollouts of steps [lo, hi) that close their reasoning the student's way (the single
     ``</think>`` token), that contain ``<`` (the first piece of the teacher's spelling), and that are correct."""
-    from opd.report.load import read_jsonl
-
     rows = [r for r in read_jsonl(run_dir / "rollouts.jsonl", [], need_step=True) if lo <= r["step"] < hi]
-    n = max(len(rows), 1)
-    return {"single": sum("</think>" in r["tokens"] for r in rows) / n, "pieces": sum("<" in r["tokens"] for r in rows) / n,
-            "correct": sum(bool(r.get("correct")) for r in rows) / n}
+    if not rows:  # nothing logged in the window: unknown, not 0%
+        return {"single": math.nan, "pieces": math.nan, "correct": math.nan}
+    return {"single": sum("</think>" in r["tokens"] for r in rows) / len(rows),
+            "pieces": sum("<" in r["tokens"] for r in rows) / len(rows),
+            "correct": sum(bool(r.get("correct")) for r in rows) / len(rows)}
 
 
 def _reasoning_end_table(a: Analysis, s: Settings) -> None:
@@ -174,9 +176,10 @@ def _reasoning_end_table(a: Analysis, s: Settings) -> None:
     a.table("How the student ends its reasoning: logged training rollouts (%) early and late in OPD, mean [95% CI] "
             "over seeds", ["run", "steps", "with the single </think> token", "with '<' (the teacher's spelling)",
                            "correct"], rows,
-            note="The mismatched teacher spells </think> as '<', '/', 'th', 'ink', '>' and gives the single token no "
-                 "probability, so it is never in the teacher's top-K support; with masking, the positions where the "
-                 "student writes it get no loss at all.")
+            note="The mismatched teacher was fine-tuned to spell </think> in ordinary pieces (its segmentation is in "
+                 "the notes below) and gives the single token little probability (the reward at special positions "
+                 "above), so the token is rarely in the teacher's top-K support; with masking, the positions where "
+                 "the student writes it get no loss at all.")
 
 
 def _claims(a: Analysis, s: Settings, probes: list[dict]) -> None:

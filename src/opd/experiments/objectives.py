@@ -146,7 +146,7 @@ def _claims(a: Analysis, s: Settings) -> None:
         a.claims.append(Claim("2603.25562 Tab. 4", "student top-K support is competitive with teacher top-K in a "
                               "single task", f"CI of paired avg@k difference inside +-{MARGIN * 100:g} points", v,
                               f"{ci.fmt(1, 100)} points"))
-    for lr_ in LRS if _has(s, "lsm-no-renorm", "lsm", lr=LRS[1]) else (lr,):
+    for lr_ in [x for x in LRS if _has(s, "lsm", "lsm-no-renorm", lr=x)]:
         lsm, raw = _stab(s, "lsm", lr_), _stab(s, "lsm-no-renorm", lr_)
         v, ci = verdict([x["entropy_min_ratio"] - y["entropy_min_ratio"] for x, y in zip(lsm, raw)])
         a.claims.append(Claim("2603.25562 Fig. 6", f"without renormalization the student's entropy collapses within "
