@@ -134,7 +134,9 @@ def trl_worker(spec: dict, out: Path) -> None:
         max_steps=spec["steps"], learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
         max_completion_length=spec["max_new_tokens"], temperature=1.0, top_p=spec["top_p"], top_k=0, beta=1.0,
         use_cpu=True, report_to=[], logging_steps=1, save_strategy="no", shuffle_dataset=False, seed=SEED,
-        disable_tqdm=True)
+        disable_tqdm=True,
+        # DistillationConfig defaults to both; opd runs float32 without recomputation, so the same work means off
+        gradient_checkpointing=False, bf16=False)
     trainer = DistillationTrainer(
         model=AutoModelForCausalLM.from_pretrained(spec["student"], local_files_only=True),
         teacher_model=AutoModelForCausalLM.from_pretrained(spec["teacher"], local_files_only=True),
@@ -256,7 +258,10 @@ def run_one(key: str, base: dict, args) -> dict:
     finally:
         if server is not None:
             server.terminate()
-            server.wait(timeout=30)
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
     return {**row, "load1_before": round(load1, 2)}
 
 
@@ -273,7 +278,7 @@ def run_all(args, model_root: Path) -> dict:
             runs[key].append(run_one(key, base, args))
             print(f"    round {r + 1}: {runs[key][-1]}", flush=True)
     rows = [combine(runs[k]) for k in keys]
-    add_ratios(rows)
+    add_ratios(rows, [runs[k] for k in keys])
     return {"plan": {**base, "rounds": args.rounds}, "rows": rows, "rounds": runs, "machine": machine()}
 
 
@@ -289,18 +294,21 @@ def combine(rounds: list[dict]) -> dict:
     return out
 
 
-def add_ratios(rows: list[dict]) -> None:
-    ok = {r["row"]: r for r in rows if r["available"]}
-    trl = next((r for n, r in ok.items() if n.startswith("TRL")), None)
-    ref = ok.get(ROWS["opd1"][0])
-    for r in rows:
-        if not r["available"]:
-            continue
-        if trl:
-            r["throughput_vs_trl"] = r["rollout_tokens_per_s"] / trl["rollout_tokens_per_s"]
-            r["step_speedup_vs_trl"] = trl["s_per_step_median"] / r["s_per_step_median"]
-        if ref:
-            r["throughput_vs_opd_1proc"] = r["rollout_tokens_per_s"] / ref["rollout_tokens_per_s"]
+def add_ratios(rows: list[dict], rounds: list[list[dict]]) -> None:
+    """Ratios taken within each round (rows run minutes apart, not rounds apart), then their median."""
+    names = [r["row"] for r in rows]
+    trl = next((i for i, n in enumerate(names) if n.startswith("TRL")), None)
+    ref = names.index(ROWS["opd1"][0]) if ROWS["opd1"][0] in names else None
+
+    def ratio(i: int, j: int | None) -> float | None:
+        pairs = [(a, b) for a, b in zip(rounds[i], rounds[j]) if a["available"] and b["available"]] if j is not None else []
+        return statistics.median(a["rollout_tokens_per_s"] / b["rollout_tokens_per_s"] for a, b in pairs) if pairs else None
+
+    for i, r in enumerate(rows):
+        for key, j in (("throughput_vs_trl", trl), ("throughput_vs_opd_1proc", ref)):
+            value = ratio(i, j) if r["available"] else None
+            if value is not None:
+                r[key] = value
 
 
 def _has(module: str) -> bool:
@@ -328,15 +336,17 @@ def table(result: dict) -> str:
              f"{p['steps'] - p['warmup']} timed steps after {p['warmup']} warm-up, {p['threads']} torch thread(s) per process; "
              f"medians over {p['rounds']} interleaved round(s); load1 = 1-minute load average before the row "
              f"({os.cpu_count()} cores, shared with other work).",
-             "", "| row | s/step (median) | rollout tok/s | vs TRL (tok/s) | vs opd 1 proc | generate / score / update s | load1 |",
-             "|---|---:|---:|---:|---:|---|---:|"]
+             "", "| row | processes | s/step (median) | rollout tok/s | vs TRL (tok/s) | vs opd 1 proc | "
+             "generate / score / update s | load1 |",
+             "|---|---:|---:|---:|---:|---:|---|---:|"]
     for r in result["rows"]:
         if not r["available"]:
-            lines.append(f"| {r['row']} | unavailable: {r['reason']} | | | | | |")
+            lines.append(f"| {r['row']} | | unavailable: {r['reason']} | | | | | |")
             continue
         split = " / ".join(f"{r[k]:.3f}" for k in ("median_generate_s", "median_score_s", "median_update_s") if k in r)
         fmt = lambda k: f"{r[k]:.2f}x" if k in r else "-"
-        lines.append(f"| {r['row']} | {r['s_per_step_median']:.3f} | {r['rollout_tokens_per_s']:.0f} | "
+        procs = r["processes"] + (1 if "served" in r["row"] else 0)  # the teacher server is a process too
+        lines.append(f"| {r['row']} | {procs} | {r['s_per_step_median']:.3f} | {r['rollout_tokens_per_s']:.0f} | "
                      f"{fmt('throughput_vs_trl')} | {fmt('throughput_vs_opd_1proc')} | {split or '-'} | {r['load1_before']:.1f} |")
     return "\n".join(lines)
 

@@ -94,7 +94,7 @@ def test_answer_is_vllm_prompt_logprobs_format(served):
     # opd's extension: only positions from opd_logprobs_from on, the same values as the full answer.
     status, part = post(url, {"prompt": seqs, "max_tokens": 1, "prompt_logprobs": 5, "opd_logprobs_from": [4, 7]})
     assert status == 200
-    for start, full, short in zip([4, 7], ans["choices"], part["choices"]):
+    for start, full, short in zip([4, 7], ans["choices"], part["choices"], strict=True):
         assert short["prompt_logprobs"][:start] == [None] * start
         for a, b in zip(full["prompt_logprobs"][start:], short["prompt_logprobs"][start:], strict=True):
             assert a.keys() == b.keys() and all(abs(a[t]["logprob"] - b[t]["logprob"]) < 1e-5 for t in a)
@@ -313,8 +313,11 @@ def test_cli_serve_teacher_port_zero(tiny_models):
 def test_a_failing_request_does_not_fail_the_requests_batched_with_it(served):
     _, _, model, _ = served
 
+    calls = []  # the jobs of each _run call, so the test knows the two requests really shared a batch
+
     class Flaky(BatchScorer):
         def _run(self, jobs):
+            calls.append(len(jobs))
             if any(j.seqs == [[7, 7, 7]] for j in jobs):
                 raise RuntimeError("poisoned")
             super()._run(jobs)
@@ -322,8 +325,10 @@ def test_a_failing_request_does_not_fail_the_requests_batched_with_it(served):
     scorer = Flaky(model, Limits(batch_wait_ms=500))  # long enough for both requests to share a batch
     try:
         got = {}
+        both_ready = threading.Barrier(2)
 
         def ask(name, seqs):
+            both_ready.wait(timeout=30)
             try:
                 got[name] = scorer.submit(seqs, 4)
             except RequestError as exc:
@@ -337,6 +342,7 @@ def test_a_failing_request_does_not_fail_the_requests_batched_with_it(served):
             t.join(timeout=60)
         assert isinstance(got["bad"], RequestError) and "poisoned" in str(got["bad"])
         assert not isinstance(got["good"], RequestError) and len(got["good"]) == 1
-        assert scorer.batches >= 1
+        # one batch of both (it fails), then each alone: the bad one fails again, the good one is scored
+        assert calls == [2, 1, 1] and scorer.batches == 1
     finally:
         scorer.close()
