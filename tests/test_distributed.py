@@ -18,12 +18,9 @@ runs part ways -- float32 chaos in the policy gradient under Adam, not a differe
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 
 import pytest
@@ -32,78 +29,11 @@ import torch
 from opd import train as train_mod
 from opd.config import TrainConfig
 from opd.distributed import merge_metrics
-from opd.stepstats import FULL_VOCAB_KEYS
 
-SMALL = dict(steps=8, max_new_tokens=8, eval_size=4, eval_samples=0, k=8, warmup_steps=1, log_rollouts=2,
-             diag_positions=16, eval_every=0, ckpt_every=1, lr=3e-3)
-REL = 1e-4
+from helpers import (ENV, SMALL, assert_close_weights, assert_same_trajectory, cli_args, final_weights,
+                     launch, launch_command, step_records)
+
 SAMPLED_STEPS = {"lsm": {}, "sampled": {"steps": 3}}  # see the module docstring
-
-
-def cli_args(models, out, **kw) -> list[str]:
-    student, teacher = models
-    args = ["train", "--student", str(student), "--teacher", str(teacher), "--out", str(out)]
-    for key, value in {**SMALL, **kw}.items():
-        flag = "--" + key.replace("_", "-")
-        args += [flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)]
-    return args
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch_command(launcher: str, args: list[str]) -> list[str]:
-    if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    else:  # accelerate: --multi_gpu is what starts 2 ranks on a machine without a GPU (--cpu starts one)
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", str(free_port())]
-    return cmd + ["-m", "opd"] + args
-
-
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "_TYPER_STANDARD_TRACEBACK": "1"}
-
-
-def launch(launcher: str, args: list[str], timeout: int = 300) -> None:
-    proc = subprocess.run(launch_command(launcher, args), capture_output=True, text=True, timeout=timeout, env=ENV)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-
-
-def train_records(run_dir) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "train/loss" in r]
-
-
-def assert_same_trajectory(got: list[dict], want: list[dict], rel: float = REL, abs_other: float = 1e-5) -> None:
-    assert want, "no training steps were logged"
-    assert [r["step"] for r in got] == [r["step"] for r in want]
-    for g, w in zip(got, want):
-        assert set(g) == set(w)
-        for key in w:
-            if key.startswith("time/") or key in FULL_VOCAB_KEYS:
-                continue
-            tol = 1e-9 if key in ("train/loss", "train/grad_norm") else abs_other
-            assert g[key] == pytest.approx(w[key], rel=rel, abs=tol), (w["step"], key)
-
-
-def final_weights(run_dir) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(str(run_dir / "final" / "model.safetensors"))
-
-
-def assert_close_weights(a: dict, b: dict) -> None:
-    """Equal up to Adam's amplification of rounding noise: where a gradient is zero in one run and a
-    rounding residue (~1e-10) in the other, Adam's g / (|g| + eps) turns it into a few percent of
-    one step (observed: 2.5% of lr after 3 steps). Saving the wrong weights (the initial ones, or a
-    shard) would be off by whole steps (each up to lr), so 10% of one step still tells them apart."""
-    assert a.keys() == b.keys()
-    worst = max(float((a[k] - b[k]).abs().max()) for k in b)
-    assert worst < 0.1 * SMALL["lr"], worst
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +56,8 @@ def ddp_lsm(tiny_models, tmp_path_factory):
 
 
 def test_ddp_two_ranks_match_one_process_lsm(single, ddp_lsm):
-    want = train_records(single / "lsm")
-    got = train_records(ddp_lsm)
+    want = step_records(single / "lsm")
+    got = step_records(ddp_lsm)
     assert len(got) == SMALL["steps"] and all(r["train/loss_tokens"] > 0 for r in got)
     assert_same_trajectory(got, want)
     # The merged rollout metrics are those of the whole batch, not of rank 0's half.
@@ -138,7 +68,7 @@ def test_ddp_two_ranks_match_one_process_lsm(single, ddp_lsm):
 def test_accelerate_two_ranks_match_one_process_sampled(single, tiny_models, tmp_path):
     launch("accelerate", cli_args(tiny_models, tmp_path / "run", batch_size=2, objective="sampled",
                                   **SAMPLED_STEPS["sampled"]))
-    assert_same_trajectory(train_records(tmp_path / "run"), train_records(single / "sampled"))
+    assert_same_trajectory(step_records(tmp_path / "run"), step_records(single / "sampled"))
 
 
 def kill_a_rank_after_first_checkpoint(args: list[str], out) -> None:
@@ -167,10 +97,10 @@ def kill_a_rank_after_first_checkpoint(args: list[str], out) -> None:
 def test_ddp_killed_run_resumes_like_uninterrupted(tiny_models, ddp_lsm, tmp_path):
     out = tmp_path / "run"
     kill_a_rank_after_first_checkpoint(cli_args(tiny_models, out, batch_size=2, grad_accum=2), out)
-    done = [r["step"] for r in train_records(out)]
+    done = [r["step"] for r in step_records(out)]
     assert done and len(done) < SMALL["steps"], done
     launch("torchrun", cli_args(tiny_models, out, batch_size=2, grad_accum=2, resume=True))
-    assert_same_trajectory(train_records(out), train_records(ddp_lsm), rel=1e-6, abs_other=1e-9)
+    assert_same_trajectory(step_records(out), step_records(ddp_lsm), rel=1e-6, abs_other=1e-9)
     a, b = final_weights(out), final_weights(ddp_lsm)
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-7) for k in b)
 
@@ -179,7 +109,7 @@ def test_fsdp_matches_one_process_and_resumes(single, tiny_models, tmp_path):
     out = tmp_path / "run"
     launch("torchrun", cli_args(tiny_models, out, batch_size=2, steps=2, fsdp=True))
     launch("torchrun", cli_args(tiny_models, out, batch_size=2, fsdp=True, resume=True))
-    assert_same_trajectory(train_records(out), train_records(single / "lsm"))
+    assert_same_trajectory(step_records(out), step_records(single / "lsm"))
     assert_close_weights(final_weights(out), final_weights(single / "lsm"))
     from opd.errors import UserError
 

@@ -13,16 +13,14 @@ from opd.cli import app
 from opd.config import TrainConfig
 from opd.errors import UserError
 
+from helpers import assert_close_weights, assert_same_trajectory, cli_args, launch, step_records
+
 SMALL = dict(max_new_tokens=8, eval_size=4, eval_samples=0, k=8, warmup_steps=1, log_rollouts=2, diag_positions=16,
              eval_every=0, batch_size=4, lr=3e-3, lora_r=4, lora_alpha=8.0)
 
 
 def cfg_for(models, out, **kw) -> TrainConfig:
     return TrainConfig(student=str(models[0]), teacher=str(models[1]), out=str(out), **{**SMALL, **kw})
-
-
-def train_records(run_dir) -> list[dict]:
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +63,7 @@ def test_lora_resume_equals_uninterrupted(tiny_models, lora_run, tmp_path):
     out = tmp_path / "run"
     train_mod.train(cfg_for(tiny_models, out, steps=2, ckpt_every=1), show_progress=False)
     train_mod.train(cfg_for(tiny_models, out, steps=3, ckpt_every=1, resume=True), show_progress=False)
-    got, want = train_records(out), train_records(lora_run[0])
+    got, want = step_records(out), step_records(lora_run[0])
     assert [r["step"] for r in got] == [0, 1, 2]
     for g, w in zip(got, want):
         for key in w:
@@ -103,12 +101,11 @@ def test_merge_lora_gives_a_plain_model_with_the_adapted_outputs(tiny_models, lo
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
 def test_lora_on_two_ranks_matches_one_process(tiny_models, lora_run, tmp_path, fsdp):
     from safetensors.torch import load_file
-    from test_distributed import assert_close_weights, assert_same_trajectory, cli_args, launch
 
     out = tmp_path / "run"
     launch("torchrun", cli_args(tiny_models, out, batch_size=2, steps=3, lora_r=4, lora_alpha=8.0, ckpt_every=0,
                                 fsdp=fsdp))
-    assert_same_trajectory(train_records(out), train_records(lora_run[0]))
+    assert_same_trajectory(step_records(out), step_records(lora_run[0]))
     a = load_file(str(out / "final" / "adapter_model.safetensors"))
     b = load_file(str(lora_run[0] / "final" / "adapter_model.safetensors"))
     assert_close_weights(a, b)

@@ -13,6 +13,8 @@ from opd.config import ConfigError, TrainConfig
 from opd.errors import UserError
 from opd import train as train_mod
 
+from helpers import read_metrics, step_records
+
 SMALL = dict(steps=2, batch_size=4, max_new_tokens=8, eval_size=4, eval_samples=2, k=8, warmup_steps=1,
              log_rollouts=2, diag_positions=16, eval_every=0, ckpt_every=0)
 
@@ -20,14 +22,6 @@ SMALL = dict(steps=2, batch_size=4, max_new_tokens=8, eval_size=4, eval_samples=
 def cfg_for(models, tmp_path, **kw) -> TrainConfig:
     student, teacher = models
     return TrainConfig(student=str(student), teacher=str(teacher), out=str(tmp_path / "run"), **{**SMALL, **kw})
-
-
-def read_metrics(run_dir):
-    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def step_records(run_dir):
-    return [r for r in read_metrics(run_dir) if "train/loss" in r]
 
 
 OBJECTIVES = [

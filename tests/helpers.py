@@ -1,0 +1,89 @@
+"""Helpers shared by the test modules: run-directory readers and 2-rank launches (torchrun, accelerate)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from opd.stepstats import FULL_VOCAB_KEYS
+
+
+def read_metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_records(run_dir) -> list[dict]:
+    """The training-step records of a run's metrics.jsonl (eval records left out)."""
+    return [r for r in read_metrics(run_dir) if "train/loss" in r]
+
+
+# the size of the multi-process runs (and the single-process runs they are compared with)
+SMALL = dict(steps=8, max_new_tokens=8, eval_size=4, eval_samples=0, k=8, warmup_steps=1, log_rollouts=2,
+             diag_positions=16, eval_every=0, ckpt_every=1, lr=3e-3)
+REL = 1e-4
+
+
+def cli_args(models, out, **kw) -> list[str]:
+    student, teacher = models
+    args = ["train", "--student", str(student), "--teacher", str(teacher), "--out", str(out)]
+    for key, value in {**SMALL, **kw}.items():
+        flag = "--" + key.replace("_", "-")
+        args += [flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)]
+    return args
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_command(launcher: str, args: list[str]) -> list[str]:
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    else:  # accelerate: --multi_gpu is what starts 2 ranks on a machine without a GPU (--cpu starts one)
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(free_port())]
+    return cmd + ["-m", "opd"] + args
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "_TYPER_STANDARD_TRACEBACK": "1"}
+
+
+def launch(launcher: str, args: list[str], timeout: int = 300) -> None:
+    proc = subprocess.run(launch_command(launcher, args), capture_output=True, text=True, timeout=timeout, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def assert_same_trajectory(got: list[dict], want: list[dict], rel: float = REL, abs_other: float = 1e-5) -> None:
+    assert want, "no training steps were logged"
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for g, w in zip(got, want):
+        assert set(g) == set(w)
+        for key in w:
+            if key.startswith("time/") or key in FULL_VOCAB_KEYS:
+                continue
+            tol = 1e-9 if key in ("train/loss", "train/grad_norm") else abs_other
+            assert g[key] == pytest.approx(w[key], rel=rel, abs=tol), (w["step"], key)
+
+
+def final_weights(run_dir) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "final" / "model.safetensors"))
+
+
+def assert_close_weights(a: dict, b: dict) -> None:
+    """Equal up to Adam's amplification of rounding noise: where a gradient is zero in one run and a
+    rounding residue (~1e-10) in the other, Adam's g / (|g| + eps) turns it into a few percent of
+    one step (observed: 2.5% of lr after 3 steps). Saving the wrong weights (the initial ones, or a
+    shard) would be off by whole steps (each up to lr), so 10% of one step still tells them apart."""
+    assert a.keys() == b.keys()
+    worst = max(float((a[k] - b[k]).abs().max()) for k in b)
+    assert worst < 0.1 * SMALL["lr"], worst
