@@ -15,6 +15,12 @@ work TRL does not do, so the rows turn them off except one that shows what they 
   opd-lsm  2 procs, served teacher         both ranks send to the one server (it batches them)
   trl      1 proc                          TRL's ``DistillationTrainer`` (beta=1: reverse KL over the
                                            full vocabulary), ``use_cpu=True``
+  opd-lsm  1 proc, teacher in bfloat16     ``--teacher-dtype bfloat16`` (the student trains in float32)
+  trl      1 proc, teacher in bfloat16     the same teacher, loaded in bfloat16, given to TRL
+
+Every row's "vs TRL" ratio is against the TRL row whose teacher has the same dtype. A teacher is
+never trained, so it can run in bfloat16 (as a vLLM-served one usually does): on a CPU with
+bf16 matrix instructions (AVX512-BF16, AMX) that halves its forward pass for both trainers.
 
 How it is timed: each row runs in fresh processes; the first ``--warmup`` steps are not timed
 (the first ``generate`` in a process is slow). A step's time is the wall time between the ends of
@@ -34,7 +40,7 @@ A row that cannot run (no TRL, or torchrun failing) is reported as unavailable w
 
 Run (from the repository root):
   python benchmarks/bench_scaleout.py --quick     # ~1-2 minutes: batch 16, 1+3 steps
-  python benchmarks/bench_scaleout.py             # ~12 minutes: batch 64, 2+6 steps, 2 rounds
+  python benchmarks/bench_scaleout.py             # ~16 minutes: batch 64, 2+6 steps, 2 rounds
   python benchmarks/bench_scaleout.py --quick --vocab 151936 --rows opd1,trl   # a Qwen-sized head
 Writes benchmarks/results/scaleout.json and .md (scaleout_quick.*, scaleout_v<V>_quick.*, ...).
 """
@@ -46,6 +52,7 @@ import json
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -80,7 +87,7 @@ def opd_worker(spec: dict, out: Path) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = TrainConfig(
         student=spec["student"], teacher="" if spec.get("teacher_url") else spec["teacher"],
-        teacher_url=spec.get("teacher_url", ""),
+        teacher_url=spec.get("teacher_url", ""), teacher_dtype="" if spec.get("teacher_url") else spec["teacher_dtype"],
         task_level=spec["task_level"], seed=SEED, out=str(out.parent / "run"), objective="lsm", k=spec["k"],
         steps=spec["steps"], batch_size=spec["batch"] // world, max_new_tokens=spec["max_new_tokens"],
         top_p=spec["top_p"], temperature=1.0, lr=spec["lr"], warmup_steps=0, eval_every=0, eval_size=1,
@@ -139,7 +146,8 @@ def trl_worker(spec: dict, out: Path) -> None:
         gradient_checkpointing=False, bf16=False)
     trainer = DistillationTrainer(
         model=AutoModelForCausalLM.from_pretrained(spec["student"], local_files_only=True),
-        teacher_model=AutoModelForCausalLM.from_pretrained(spec["teacher"], local_files_only=True),
+        teacher_model=AutoModelForCausalLM.from_pretrained(spec["teacher"], local_files_only=True,
+                                                           dtype=getattr(torch, spec["teacher_dtype"])),
         args=args, train_dataset=data, processing_class=AutoTokenizer.from_pretrained(spec["student"]),
         callbacks=[Clock()])
     trainer.train()
@@ -177,12 +185,17 @@ def run_row(name: str, kind: str, spec: dict, procs: int, timeout: float) -> dic
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
         print(f"  running {name} ...", flush=True)
         t0 = time.perf_counter()
+        # its own process group: a row that hangs is killed with torchrun's ranks, not just torchrun
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp,
+                                start_new_session=True)
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp)
+            stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
             return {"row": name, "available": False, "reason": f"did not finish within {timeout:.0f} s"}
         if proc.returncode != 0 or not out.is_file():
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            tail = (stderr or stdout).strip().splitlines()[-3:]
             return {"row": name, "available": False, "reason": f"exit {proc.returncode}: {' | '.join(tail)[-400:]}"}
         res = json.loads(out.read_text())
         return summarise(name, spec, res, time.perf_counter() - t0)
@@ -206,13 +219,15 @@ def summarise(name: str, spec: dict, res: dict, wall: float) -> dict:
     return out
 
 
-ROWS = {  # key: name, worker, processes, teacher, opd's diag_positions
-    "opd1": ("opd LSM, 1 proc, in-process teacher", "opd", 1, "local", 0),
-    "opd1diag": ("opd LSM, 1 proc, in-process teacher, default diagnostics", "opd", 1, "local", 256),
-    "opd2": ("opd LSM, 2 procs, in-process teacher", "opd", 2, "local", 0),
-    "served1": ("opd LSM, 1 proc, served teacher", "opd", 1, "served", 0),
-    "served2": ("opd LSM, 2 procs, served teacher", "opd", 2, "served", 0),
-    "trl": ("TRL DistillationTrainer (beta=1), 1 proc", "trl", 1, "local", 0),
+ROWS = {  # key: name, worker, processes, teacher, opd's diag_positions, teacher dtype
+    "opd1": ("opd LSM, 1 proc, in-process teacher", "opd", 1, "local", 0, "float32"),
+    "opd1diag": ("opd LSM, 1 proc, in-process teacher, default diagnostics", "opd", 1, "local", 256, "float32"),
+    "opd2": ("opd LSM, 2 procs, in-process teacher", "opd", 2, "local", 0, "float32"),
+    "served1": ("opd LSM, 1 proc, served teacher", "opd", 1, "served", 0, "float32"),
+    "served2": ("opd LSM, 2 procs, served teacher", "opd", 2, "served", 0, "float32"),
+    "trl": ("TRL DistillationTrainer (beta=1), 1 proc", "trl", 1, "local", 0, "float32"),
+    "opd1bf16": ("opd LSM, 1 proc, in-process teacher in bf16", "opd", 1, "local", 0, "bfloat16"),
+    "trlbf16": ("TRL DistillationTrainer (beta=1), 1 proc, teacher in bf16", "trl", 1, "local", 0, "bfloat16"),
 }
 
 
@@ -243,8 +258,8 @@ def padded_models(base: dict, vocab: int, root: Path) -> dict:
 
 
 def run_one(key: str, base: dict, args) -> dict:
-    name, kind, procs, teacher, diag = ROWS[key]
-    spec = {**base, "diag_positions": diag}
+    name, kind, procs, teacher, diag, teacher_dtype = ROWS[key]
+    spec = {**base, "diag_positions": diag, "teacher_dtype": teacher_dtype}
     if kind == "trl" and not _has("trl"):
         return {"row": name, "available": False, "reason": "TRL is not installed (pip install -e '.[bench]')"}
     server = None
@@ -278,7 +293,7 @@ def run_all(args, model_root: Path) -> dict:
             runs[key].append(run_one(key, base, args))
             print(f"    round {r + 1}: {runs[key][-1]}", flush=True)
     rows = [combine(runs[k]) for k in keys]
-    add_ratios(rows, [runs[k] for k in keys])
+    add_ratios(rows, [runs[k] for k in keys], keys)
     return {"plan": {**base, "rounds": args.rounds}, "rows": rows, "rounds": runs, "machine": machine()}
 
 
@@ -294,18 +309,18 @@ def combine(rounds: list[dict]) -> dict:
     return out
 
 
-def add_ratios(rows: list[dict], rounds: list[list[dict]]) -> None:
-    """Ratios taken within each round (rows run minutes apart, not rounds apart), then their median."""
-    names = [r["row"] for r in rows]
-    trl = next((i for i, n in enumerate(names) if n.startswith("TRL")), None)
-    ref = names.index(ROWS["opd1"][0]) if ROWS["opd1"][0] in names else None
+def add_ratios(rows: list[dict], rounds: list[list[dict]], keys: list[str]) -> None:
+    """Ratios taken within each round (rows run minutes apart, not rounds apart), then their median.
+    A row is compared with the TRL row whose teacher runs in the same dtype."""
+    trl = {ROWS[k][5]: i for i, k in enumerate(keys) if ROWS[k][1] == "trl"}
+    ref = keys.index("opd1") if "opd1" in keys else None
 
     def ratio(i: int, j: int | None) -> float | None:
         pairs = [(a, b) for a, b in zip(rounds[i], rounds[j]) if a["available"] and b["available"]] if j is not None else []
         return statistics.median(a["rollout_tokens_per_s"] / b["rollout_tokens_per_s"] for a, b in pairs) if pairs else None
 
     for i, r in enumerate(rows):
-        for key, j in (("throughput_vs_trl", trl), ("throughput_vs_opd_1proc", ref)):
+        for key, j in (("throughput_vs_trl", trl.get(ROWS[keys[i]][5])), ("throughput_vs_opd_1proc", ref)):
             value = ratio(i, j) if r["available"] else None
             if value is not None:
                 r[key] = value

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -57,8 +58,17 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "_TYPER_STANDARD_TRACEBACK": "1"}
 
 
 def launch(launcher: str, args: list[str], timeout: int = 300) -> None:
-    proc = subprocess.run(launch_command(launcher, args), capture_output=True, text=True, timeout=timeout, env=ENV)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    # its own process group, so a launch that hangs is killed with its ranks (killing only the
+    # launcher would leave the ranks running into the next tests)
+    proc = subprocess.Popen(launch_command(launcher, args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=ENV, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        pytest.fail(f"{launcher} did not finish within {timeout} s; its ranks were killed. stderr: {err[-2000:]}")
+    assert proc.returncode == 0, err[-4000:]
 
 
 def assert_same_trajectory(got: list[dict], want: list[dict], rel: float = REL, abs_other: float = 1e-5) -> None:

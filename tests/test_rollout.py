@@ -42,7 +42,7 @@ def ref_softmax(row: list[float], temperature: float = 1.0) -> list[float]:
 
 @pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 1.0])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("candidates", [2, 64])
+@pytest.mark.parametrize("candidates", [2, 64, (1, 3)])
 def test_nucleus_sample_draws_exactly_the_renormalized_nucleus(top_p, temperature, candidates):
     logits = [[2.0, 0.3, -1.0, 1.1, -math.inf, 0.0, 1.7],
               [0.0, 0.0, 0.0, 5.0, -math.inf, -math.inf, 0.1]]
@@ -58,16 +58,18 @@ def test_nucleus_sample_draws_exactly_the_renormalized_nucleus(top_p, temperatur
             assert abs(drawn.count(i) - M * probs[i] / mass) <= 1.5
 
 
-def test_nucleus_sample_with_few_candidates_draws_what_the_full_sort_draws():
-    """Rows whose nucleus fits in the candidates and rows that need the full sort, in one batch."""
+@pytest.mark.parametrize("candidates", [8, (2, 8)])
+def test_nucleus_sample_with_few_candidates_draws_what_the_full_sort_draws(candidates):
+    """Rows whose nucleus fits in the candidates (of either round) and rows that need the full sort, in one batch."""
     g = torch.Generator().manual_seed(0)
     scale = torch.tensor([0.1, 0.5, 1.0, 3.0, 8.0, 20.0]).repeat(50).unsqueeze(-1)  # flat ... peaked rows
     logits = torch.randn(300, 301, generator=g) * scale
     u = torch.rand(300, generator=g, dtype=torch.float64)
     probs = torch.softmax(logits.double(), -1)
-    top8 = probs.topk(8, dim=-1).values.sum(-1)
-    assert bool((top8 >= 0.9).any()) and bool((top8 < 0.9).any()), "the test needs rows on both paths"
-    few = nucleus_sample(logits, u, 1.0, 0.9, candidates=8)
+    top2, top8 = (probs.topk(c, dim=-1).values.sum(-1) for c in (2, 8))
+    paths = [top2 >= 0.9, (top2 < 0.9) & (top8 >= 0.9), top8 < 0.9]
+    assert all(bool(p.any()) for p in paths), "the test needs rows on every path"
+    few = nucleus_sample(logits, u, 1.0, 0.9, candidates=candidates)
     every = nucleus_sample(logits, u, 1.0, 0.9, candidates=301)
     assert torch.equal(few, every)
     for n in range(0, 300, 7):  # and each draw is in its row's nucleus (float64 reference)
@@ -153,6 +155,33 @@ def test_response_mask_ends_at_the_first_eos(tiny_models):
         assert (batch.logprobs_NT[n, end:] == 0).all()
 
 
+
+def test_finished_rows_leave_the_decoding_batch_without_changing_any_rollout(tiny_models, monkeypatch):
+    import opd.rollout as R
+
+    student, _ = tiny_models
+    tok, model = load_tokenizer(student), sharpened(student, 2.0)
+    prompts = some_prompts(tok, 8)
+    free = HFRollout(model, eos_id=-1, pad_id=tok.pad_token_id).generate(prompts, list(range(8)), max_new_tokens=10)
+    stop = int(free.response_ids_NT[0, 3])  # a token the rollouts produce, so rows stop at different steps
+    rows_seen = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **kw: rows_seen.append(kw["input_ids"].shape[0]) or forward(*a, **kw))
+    batches = {}
+    for share in (0.0, 1.0):  # never drop finished rows; drop them as soon as any finishes
+        monkeypatch.setattr(R, "COMPACT_BELOW", share)
+        rows_seen.clear()
+        batches[share] = HFRollout(model, eos_id=stop, pad_id=tok.pad_token_id).generate(
+            prompts, list(range(8)), max_new_tokens=10)
+        batches[share, "rows"] = list(rows_seen)
+    kept, dropped = batches[0.0], batches[1.0]
+    assert set(batches[0.0, "rows"]) == {8}
+    assert batches[1.0, "rows"][-1] < 8, "no finished row left the batch; the test needs rows that stop early"
+    assert batches[1.0, "rows"] == sorted(batches[1.0, "rows"], reverse=True)
+    for field in ("input_ids_NL", "attention_mask_NL", "response_ids_NT", "response_mask_NT", "finished_N"):
+        assert torch.equal(getattr(kept, field), getattr(dropped, field)), field
+    torch.testing.assert_close(kept.logprobs_NT, dropped.logprobs_NT, atol=1e-5, rtol=0)
+
 def test_loss_mask_is_response_until_eos_minus_special_tokens():
     EOS, PAD, THINK, END_THINK = 2, 0, 5, 6
     specials = [EOS, THINK, END_THINK]
@@ -229,3 +258,20 @@ def test_response_hidden_in_length_chunks_matches_each_row_alone(tiny_models, ro
     total.backward()
     for k, p in model.named_parameters():
         torch.testing.assert_close(got_grads[k], p.grad, atol=1e-5, rtol=1e-4, msg=f"gradient of {k}")
+
+
+
+def test_rows_are_dropped_only_from_caches_whose_every_layer_can_select_rows(tiny_models):
+    from types import SimpleNamespace
+
+    from opd.rollout import _can_drop_rows
+
+    student, _ = tiny_models
+    tok, model = load_tokenizer(student), load_model(student, "student")
+    ids = torch.tensor(some_prompts(tok, 1))
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+    assert _can_drop_rows(cache)
+    recurrent = SimpleNamespace(batch_select_indices=lambda i: None, layers=[cache.layers[0], object()])
+    assert not _can_drop_rows(recurrent)  # e.g. a linear-attention layer's recurrent state
+    assert not _can_drop_rows((torch.zeros(1),))  # a legacy tuple cache

@@ -206,6 +206,33 @@ def test_top_p_out_of_range(tiny_models, tmp_path, top_p):
         cfg_for(tiny_models, tmp_path, top_p=top_p)
 
 
+
+@pytest.mark.parametrize("kw,match", [(dict(teacher_dtype="fp8"), "teacher_dtype='fp8'"),
+                                      (dict(teacher_dtype="bfloat16", teacher_url="http://127.0.0.1:1"),
+                                       "in-process teacher")])
+def test_teacher_dtype_is_validated(tiny_models, tmp_path, kw, match):
+    with pytest.raises(ConfigError, match=match):
+        cfg_for(tiny_models, tmp_path, **kw)
+
+
+def test_bfloat16_teacher_scores_float32_students_rollouts(tiny_models, tmp_path):
+    """The teacher runs in bfloat16 while the student trains in float32; its scores stay float32 and
+    close to the float32 teacher's, and a run with it trains."""
+    half = train_mod.setup(cfg_for(tiny_models, tmp_path, teacher_dtype="bfloat16"))
+    full = train_mod.setup(cfg_for(tiny_models, tmp_path / "f32"))
+    assert half.teacher.model.dtype == torch.bfloat16 and half.student.dtype == torch.float32
+    batch, _ = train_mod.rollout_stage(half, 0)
+    got, want = half.teacher.score(batch, 8), full.teacher.score(batch, 8)
+    mask = batch.response_mask_NT
+    assert got.sampled_logprobs_NT.dtype == torch.float32
+    gap = (got.sampled_logprobs_NT - want.sampled_logprobs_NT).abs()[mask]
+    assert float(gap.max()) < 0.02, f"bfloat16 teacher log-probs differ by up to {float(gap.max()):.3f} nats"
+    assert float((got.topk_ids_NTK[..., 0] == want.topk_ids_NTK[..., 0])[mask].float().mean()) > 0.8
+    train_mod.train(cfg_for(tiny_models, tmp_path / "trained", teacher_dtype="bfloat16"), show_progress=False)
+    out = tmp_path / "trained" / "run"
+    assert json.loads((out / "config.json").read_text())["teacher_dtype"] == "bfloat16"
+    assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in step_records(out))
+
 def test_cli_reports_user_errors_without_traceback(tmp_path):
     import subprocess
     import sys

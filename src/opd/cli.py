@@ -17,7 +17,7 @@ from typing import Any, Callable, List, Optional, get_type_hints
 import typer
 
 from opd.errors import UserError
-from opd.config import EvalConfig, SFTConfig, TrainConfig, build_config, read_config_file
+from opd.config import DTYPES, EvalConfig, SFTConfig, TrainConfig, build_config, read_config_file
 
 app = typer.Typer(
     add_completion=False,
@@ -117,8 +117,8 @@ def _serve_teacher(
     """Serve a teacher over HTTP in vLLM's completions + prompt_logprobs format (for opd train --teacher-url)."""
     from opd.serve import Limits, serve
 
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise UserError(f"--dtype {dtype!r}: use float32, bfloat16 or float16")
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r}: use {', '.join(DTYPES)}")
     if min(max_k, max_prompt_tokens, max_prompts, max_batch_tokens) < 1 or batch_wait_ms < 0:
         raise UserError("--max-k, --max-prompt-tokens, --max-prompts and --max-batch-tokens must be >= 1, --batch-wait-ms >= 0")
     limits = Limits(max_k, max_prompt_tokens, max_prompts, max_batch_tokens, batch_wait_ms)

@@ -38,6 +38,9 @@ class ConfigError(UserError):
     """A configuration value is invalid; the message names the field and the fix."""
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
@@ -52,7 +55,8 @@ class ModelSource:
     task_level: int = opt(2, f"Difficulty level of the built-in arithmetic task ({min(LEVELS)}-{max(LEVELS)}; see ArithmeticTask.from_level).")
     seed: int = opt(0, "Seed for data order, sampling and initialisation.")
     out: str = opt("runs/run", "Run directory (config.json, metrics.jsonl, rollouts.jsonl, checkpoints).")
-    dtype: str = opt("float32", "Model dtype: float32, bfloat16 or float16 (low precision needs a GPU to pay off).")
+    dtype: str = opt("float32", "Model dtype: float32, bfloat16 or float16 (bfloat16 pays off on GPUs and on CPUs "
+                                    "with bf16 matrix instructions, e.g. AVX512-BF16 or AMX).")
     max_new_tokens: int = opt(64, "Maximum number of generated tokens per response.")
     max_prompt_tokens: int = opt(256, "Prompts longer than this (in tokens) are rejected with an error.")
 
@@ -60,7 +64,7 @@ class ModelSource:
         _require(self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens} must be >= 1")
         _require(self.max_prompt_tokens >= 1, f"max_prompt_tokens={self.max_prompt_tokens} must be >= 1")
         _require(self.task_level in LEVELS, f"task_level={self.task_level} must be one of {sorted(LEVELS)}")
-        _require(self.dtype in ("float32", "bfloat16", "float16"), f"dtype={self.dtype!r}: use float32, bfloat16 or float16")
+        _require(self.dtype in DTYPES, f"dtype={self.dtype!r}: use {', '.join(DTYPES)}")
 
 
 @dataclass
@@ -68,6 +72,9 @@ class TrainConfig(ModelSource):
     """On-policy distillation: the student samples, the teacher scores, the student moves toward it."""
 
     teacher: str = opt("", "Teacher model directory (same vocabulary as the student).")
+    teacher_dtype: str = opt("", "In-process teacher's dtype (default: --dtype). The teacher is never trained, so it can "
+                                 "run in bfloat16 while the student trains in float32, as a served teacher usually does; "
+                                 "its log-probs are still taken in float32.")
     objective: str = opt("lsm", "Training signal: lsm (teacher top-K local support matching), sampled (sampled-token OPD), full_kl.")
     k: int = opt(32, "Support size K for lsm (and the top-K of the diagnostics).")
     support: str = opt("teacher_topk", f"Support set for lsm: {', '.join(SUPPORT_KINDS)}.")
@@ -129,6 +136,9 @@ class TrainConfig(ModelSource):
         _require(self.reduction in ("token_mean", "sequence_mean", "constant_sum"),
                  f"reduction={self.reduction!r}: token_mean, sequence_mean or constant_sum")
         _require(self.max_grad_norm >= 0, "max_grad_norm must be >= 0")
+        _require(self.teacher_dtype in ("", *DTYPES), f"teacher_dtype={self.teacher_dtype!r}: use {', '.join(DTYPES)}")
+        _require(not (self.teacher_dtype and self.teacher_url), "teacher_dtype applies to an in-process teacher "
+                 "(--teacher DIR); a served teacher keeps the dtype it was started with (opd serve-teacher --dtype)")
         _require(self.teacher_timeout > 0 and self.teacher_retries >= 0, "teacher_timeout must be > 0 and teacher_retries >= 0")
         _require(self.lora_r >= 0, f"lora_r={self.lora_r} must be >= 0 (0 trains every weight)")
         _require(self.lora_alpha > 0 and 0.0 <= self.lora_dropout < 1.0, "lora_alpha must be > 0 and lora_dropout in [0, 1)")

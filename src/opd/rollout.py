@@ -67,32 +67,46 @@ class RolloutEngine(Protocol):
     ) -> RolloutBatch: ...
 
 
-# Candidates nucleus_sample takes with topk before it falls back to sorting the whole vocabulary.
-# A top-p 0.9 nucleus of a trained model rarely holds more than a few dozen tokens, and a full sort
-# of every row each step was ~40% of the demo's generation time.
-NUCLEUS_CANDIDATES = 64
+# Finished rows leave the decoding batch (their KV-cache rows are dropped) once the rows still
+# generating are at most this share of it: responses end at very different lengths, and a batch
+# that keeps its finished rows spends its late steps on rows whose output is thrown away.
+COMPACT_BELOW = 0.75
+
+# Candidates nucleus_sample takes with topk, in rounds, before it falls back to sorting the whole
+# vocabulary. A top-p 0.9 nucleus of a trained model is mostly one token (98% of the demo
+# student's positions) and rarely more than a few dozen; topk's cost grows with k (16: 0.2 ms,
+# 64: 1.2 ms on 64 rows of 2,048 logits), and a full sort of every row each step was ~40% of the
+# demo's generation time. Rows the first round cannot settle go to the next.
+NUCLEUS_CANDIDATES = (16, 256)
 
 
 def nucleus_sample(logits_NV: torch.Tensor, u_N: torch.Tensor, temperature: float, top_p: float,
-                   candidates: int = NUCLEUS_CANDIDATES) -> torch.Tensor:
+                   candidates: int | Sequence[int] = NUCLEUS_CANDIDATES) -> torch.Tensor:
     """Draw one token per row from the top-p nucleus of softmax(logits / temperature).
 
     The nucleus is the smallest set of most probable tokens whose mass reaches ``top_p`` (the
     most probable token is always in it). ``u_N`` holds uniforms in [0, 1): inverse-CDF sampling
-    on the sorted, truncated masses makes the draw a deterministic function of ``u``. Rows whose
-    ``candidates`` most probable tokens already hold ``top_p`` of the mass draw from those alone
-    (the same token a full sort gives); only the other rows sort the whole vocabulary.
+    on the sorted, truncated masses makes the draw a deterministic function of ``u``. A row whose
+    ``c`` most probable tokens already hold ``top_p`` of the mass draws from those alone (the same
+    token a full sort gives), for each ``c`` of ``candidates`` in turn; only the rows no round
+    settles sort the whole vocabulary.
 
     Shapes: logits_NV: (N, V); u_N: (N,) -> ids_N: (N,) int64
     """
     probs_NV = torch.softmax(logits_NV.float() / temperature, dim=-1)
-    top_NC, top_ids_NC = probs_NV.topk(min(candidates, probs_NV.shape[-1]), dim=-1)
-    wide_N = top_NC.sum(-1) < top_p  # the nucleus may reach past the candidates
     out_N = torch.empty(probs_NV.shape[0], dtype=torch.long, device=probs_NV.device)
-    out_N[~wide_N] = _inverse_cdf_draw(top_NC[~wide_N], top_ids_NC[~wide_N], u_N[~wide_N], top_p)
-    if bool(wide_N.any()):
-        sorted_p, sorted_ids = probs_NV[wide_N].sort(dim=-1, descending=True)
-        out_N[wide_N] = _inverse_cdf_draw(sorted_p, sorted_ids, u_N[wide_N], top_p)
+    todo_R = torch.arange(probs_NV.shape[0], device=probs_NV.device)
+    for c in (candidates,) if isinstance(candidates, int) else candidates:
+        if todo_R.numel() == 0:
+            return out_N
+        top_RC, top_ids_RC = probs_NV[todo_R].topk(min(c, probs_NV.shape[-1]), dim=-1)
+        done_R = top_RC.sum(-1) >= top_p  # else the nucleus may reach past the candidates
+        rows = todo_R[done_R]
+        out_N[rows] = _inverse_cdf_draw(top_RC[done_R], top_ids_RC[done_R], u_N[rows], top_p)
+        todo_R = todo_R[~done_R]
+    if todo_R.numel():
+        sorted_p, sorted_ids = probs_NV[todo_R].sort(dim=-1, descending=True)
+        out_N[todo_R] = _inverse_cdf_draw(sorted_p, sorted_ids, u_N[todo_R], top_p)
     return out_N
 
 
@@ -103,6 +117,13 @@ def _inverse_cdf_draw(sorted_p_NC: torch.Tensor, ids_NC: torch.Tensor, u_N: torc
     target = (u_N.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
     pick = torch.searchsorted(cdf, target, right=True).clamp(max=sorted_p_NC.shape[-1] - 1)
     return ids_NC.gather(-1, pick).squeeze(-1)
+
+
+def _can_drop_rows(cache) -> bool:
+    """Whether every layer of this KV cache can select batch rows (recurrent-state layers cannot)."""
+    layers = getattr(cache, "layers", None)
+    return hasattr(cache, "batch_select_indices") and layers is not None and all(
+        hasattr(layer, "batch_select_indices") for layer in layers)
 
 
 def left_pad(prompt_ids: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,30 +175,41 @@ class HFRollout:
         u = prompt_uniforms(seeds, max_new_tokens)
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True, logits_to_keep=1)
-        next_pos = positions[:, -1] + 1
-        tokens, logps, alive_steps = [], [], []
+        cache = out.past_key_values
+        compact = _can_drop_rows(cache)
+        resp = torch.full((N, max_new_tokens), self.pad_id, dtype=torch.long)
+        logp = torch.zeros(N, max_new_tokens)
+        resp_mask = torch.zeros(N, max_new_tokens, dtype=torch.bool)
         finished = torch.zeros(N, dtype=torch.bool)
+        # rows still in the model's batch (global indices), with their attention mask and next position
+        live, live_attn, live_pos = torch.arange(N), attn, positions[:, -1] + 1
+        steps = 0
         for t in range(max_new_tokens):
             logits = out.logits[:, -1].float()
-            tok = logits.argmax(-1) if greedy else nucleus_sample(logits, u[:, t], temperature, top_p)
-            alive = ~finished
+            tok = logits.argmax(-1) if greedy else nucleus_sample(logits, u[live, t], temperature, top_p)
+            alive = ~finished[live]
             tok = torch.where(alive, tok, torch.full_like(tok, self.pad_id))
-            logps.append(torch.log_softmax(logits, -1).gather(-1, tok.unsqueeze(-1)).squeeze(-1))
-            tokens.append(tok)
-            alive_steps.append(alive)
-            finished = finished | (alive & (tok == self.eos_id))
+            resp[live, t], resp_mask[live, t] = tok, alive
+            lp = torch.log_softmax(logits, -1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+            logp[live, t] = torch.where(alive, lp, 0.0)
+            finished[live] = finished[live] | (alive & (tok == self.eos_id))
+            steps = t + 1
             if bool(finished.all()) or t == max_new_tokens - 1:
                 break
-            attn = torch.cat([attn, alive.long().unsqueeze(-1)], dim=-1)
+            still = ~finished[live]
+            if compact and int(still.sum()) <= COMPACT_BELOW * live.numel():
+                keep = still.nonzero().squeeze(-1)
+                cache.batch_select_indices(keep)
+                live, live_attn, live_pos, tok = live[keep], live_attn[keep], live_pos[keep], tok[keep]
+                still = still[keep]
+            live_attn = torch.cat([live_attn, still.long().unsqueeze(-1)], dim=-1)
             out = self.model(
-                input_ids=tok.unsqueeze(-1), attention_mask=attn, position_ids=next_pos.unsqueeze(-1),
-                past_key_values=out.past_key_values, use_cache=True,
+                input_ids=tok.unsqueeze(-1), attention_mask=live_attn, position_ids=live_pos.unsqueeze(-1),
+                past_key_values=cache, use_cache=True,
             )
-            next_pos = next_pos + 1
+            live_pos = live_pos + 1
         self.model.train(was_training)
-        resp = torch.stack(tokens, dim=1)
-        resp_mask = torch.stack(alive_steps, dim=1)
-        logp = torch.stack(logps, dim=1) * resp_mask
+        resp, logp, resp_mask = resp[:, :steps], logp[:, :steps], resp_mask[:, :steps]
         full_ids = torch.cat([ids, resp], dim=1)
-        full_mask = torch.cat([attn[:, :P], resp_mask.long()], dim=1)
+        full_mask = torch.cat([attn, resp_mask.long()], dim=1)
         return RolloutBatch(full_ids, full_mask, P, resp, resp_mask, logp, finished)

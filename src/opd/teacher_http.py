@@ -49,7 +49,7 @@ def vocab_info(tokenizer, head_rows: int) -> dict:
 def make_teacher(cfg, student, tokenizer):
     """The trainer's teacher: in-process from ``cfg.teacher``, or served at ``cfg.teacher_url``."""
     if not cfg.teacher_url:
-        teacher_model = load_model(cfg.teacher, "teacher", cfg.dtype)
+        teacher_model = load_model(cfg.teacher, "teacher", cfg.teacher_dtype or cfg.dtype)
         check_same_vocab(tokenizer, load_tokenizer(cfg.teacher, "teacher"), student, teacher_model)
         return HFTeacher(teacher_model)
     if cfg.teacher:
