@@ -233,6 +233,44 @@ def test_bfloat16_teacher_scores_float32_students_rollouts(tiny_models, tmp_path
     assert json.loads((out / "config.json").read_text())["teacher_dtype"] == "bfloat16"
     assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in step_records(out))
 
+
+@pytest.mark.parametrize("objective", [dict(objective="lsm", support="union"), dict(objective="sampled"),
+                                       dict(objective="full_kl")], ids=lambda o: "-".join(o.values()))
+def test_steps_make_every_tensor_where_the_models_are(tiny_models, tmp_path, monkeypatch, objective):
+    """On a GPU the default device (the CPU) is the wrong one, so a step must create every tensor on
+    its models' device. No GPU here: the models stay on the CPU and, from step 1 on, the default
+    device is "meta" (tensors without data), so a tensor made without a device lands there and
+    the first operation mixing it with a CPU tensor fails. Step 0 runs as usual, because torch
+    itself keeps AdamW's step counters on the default device when it creates them."""
+    real = train_mod.rollout_stage
+
+    def on_meta_from_step_1(run, step):
+        if step >= 1:
+            torch.set_default_device("meta")
+        return real(run, step)
+
+    monkeypatch.setattr(train_mod, "rollout_stage", on_meta_from_step_1)
+    try:
+        train_mod.train(cfg_for(tiny_models, tmp_path, steps=3, ckpt_every=1, **objective), show_progress=False)
+    finally:
+        torch.set_default_device(None)
+    assert [r["step"] for r in step_records(tmp_path / "run")] == [0, 1, 2]
+
+
+def test_device_option(tiny_models, tmp_path):
+    from opd.models import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ConfigError, match="device='gpu'"):
+        cfg_for(tiny_models, tmp_path, device="gpu")
+    if torch.cuda.is_available():
+        assert resolve_device("auto").type == "cuda"
+        return
+    assert resolve_device("auto") == torch.device("cpu")
+    for spec in ("cuda", "cuda:1"):
+        with pytest.raises(UserError, match=f"--device {spec}: torch sees no CUDA GPU"):
+            train_mod.setup(cfg_for(tiny_models, tmp_path, device=spec))
+
 def test_cli_reports_user_errors_without_traceback(tmp_path):
     import subprocess
     import sys

@@ -106,6 +106,7 @@ def _serve_teacher(
     host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(8000, help="Port (0 picks a free one and prints it)."),
     dtype: str = typer.Option("float32", help="Model dtype: float32, bfloat16 or float16."),
+    device: str = typer.Option("auto", help="auto (the GPU if torch sees one, else the CPU), cpu, cuda or cuda:N."),
     max_k: int = typer.Option(128, help="Largest prompt_logprobs K a request may ask for."),
     max_prompt_tokens: int = typer.Option(4096, help="Longest prompt (tokens) a request may send."),
     max_prompts: int = typer.Option(256, help="Most prompts in one request."),
@@ -122,7 +123,7 @@ def _serve_teacher(
     if min(max_k, max_prompt_tokens, max_prompts, max_batch_tokens) < 1 or batch_wait_ms < 0:
         raise UserError("--max-k, --max-prompt-tokens, --max-prompts and --max-batch-tokens must be >= 1, --batch-wait-ms >= 0")
     limits = Limits(max_k, max_prompt_tokens, max_prompts, max_batch_tokens, batch_wait_ms)
-    serve(str(model), host, port, dtype, served_model_name, limits, verbose)
+    serve(str(model), host, port, dtype, served_model_name, limits, verbose, device)
 
 
 @app.command("report")

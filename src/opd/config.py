@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
@@ -39,6 +40,7 @@ class ConfigError(UserError):
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
 
 
 def _require(cond: bool, message: str) -> None:
@@ -57,6 +59,8 @@ class ModelSource:
     out: str = opt("runs/run", "Run directory (config.json, metrics.jsonl, rollouts.jsonl, checkpoints).")
     dtype: str = opt("float32", "Model dtype: float32, bfloat16 or float16 (bfloat16 pays off on GPUs and on CPUs "
                                     "with bf16 matrix instructions, e.g. AVX512-BF16 or AMX).")
+    device: str = opt("auto", "Where models compute: auto (this process's GPU if torch sees one, else the CPU), "
+                              "cpu, cuda (this process's GPU: LOCAL_RANK under torchrun/accelerate) or cuda:N.")
     max_new_tokens: int = opt(64, "Maximum number of generated tokens per response.")
     max_prompt_tokens: int = opt(256, "Prompts longer than this (in tokens) are rejected with an error.")
 
@@ -65,6 +69,8 @@ class ModelSource:
         _require(self.max_prompt_tokens >= 1, f"max_prompt_tokens={self.max_prompt_tokens} must be >= 1")
         _require(self.task_level in LEVELS, f"task_level={self.task_level} must be one of {sorted(LEVELS)}")
         _require(self.dtype in DTYPES, f"dtype={self.dtype!r}: use {', '.join(DTYPES)}")
+        _require(bool(re.fullmatch(DEVICE_PATTERN, self.device)),
+                 f"device={self.device!r}: use auto, cpu, cuda or cuda:N")
 
 
 @dataclass

@@ -64,7 +64,7 @@ class PromptSet:
 
 @lru_cache(maxsize=4)
 def _epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch), device="cpu")
 
 
 def sample_seed(seed: int, step: int, slot: int) -> int:

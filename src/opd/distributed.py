@@ -1,8 +1,9 @@
 """Data-parallel training across processes: DDP, or FSDP (``--fsdp``) for a student too big for one device.
 
-Processes are started by ``torchrun`` or ``accelerate launch``, which set ``RANK``, ``WORLD_SIZE``
-and the rendezvous variables; :func:`init_distributed` joins that group (gloo: opd computes on the
-CPU) and does nothing in a single process. opd never starts processes itself.
+Processes are started by ``torchrun`` or ``accelerate launch``, which set ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK`` and the rendezvous variables; :func:`init_distributed` joins that group (nccl when
+the ranks compute on GPUs, gloo on CPUs) and does nothing in a single process. opd never starts
+processes itself.
 
 How the loop uses it:
 
@@ -57,6 +58,7 @@ class Dist:
     rank: int = 0
     world: int = 1
     fsdp: bool = False
+    device: torch.device = torch.device("cpu")  # where this rank computes (and its collectives' tensors live)
     model: torch.nn.Module | None = None  # the wrapped StudentModule, set by :meth:`wrap`
 
     @property
@@ -84,7 +86,8 @@ class Dist:
         elif self.active:
             # All parameters take part in every loss, so no unused-parameter search; buffers are
             # equal on all ranks (rotary tables), so they are synced once, not on every forward.
-            module = torch.nn.parallel.DistributedDataParallel(module, forward_sync_buffers=False)
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            module = torch.nn.parallel.DistributedDataParallel(module, device_ids=ids, forward_sync_buffers=False)
         self.model = module
         return module
 
@@ -120,14 +123,14 @@ class Dist:
     def all_sum(self, values: list[float]) -> list[float]:
         if not self.active:
             return list(values)
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         tdist.all_reduce(t)
         return t.tolist()
 
     def all_max(self, value: int) -> int:
         if not self.active:
             return value
-        t = torch.tensor([value], dtype=torch.int64)
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
         tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
         return int(t)
 
@@ -174,19 +177,19 @@ class Dist:
         return items[self.rank * n:(self.rank + 1) * n]
 
 
-def init_distributed(fsdp: bool = False) -> Dist:
+def init_distributed(fsdp: bool = False, device: torch.device = torch.device("cpu")) -> Dist:
     """Join the process group a launcher set up (``WORLD_SIZE`` > 1), or stay single-process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         if fsdp:
             raise UserError("--fsdp needs several processes; launch with torchrun --nproc_per_node N "
                             "(or accelerate launch) or drop --fsdp")
-        return Dist()
+        return Dist(device=device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # nccl and the object collectives use the current device
     if not tdist.is_initialized():
-        # opd keeps its models and batches on the CPU (no device placement yet), and nccl only
-        # carries CUDA tensors: gloo it is, on any machine.
-        tdist.init_process_group("gloo")
-    return Dist(rank=tdist.get_rank(), world=tdist.get_world_size(), fsdp=fsdp)
+        tdist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Dist(rank=tdist.get_rank(), world=tdist.get_world_size(), fsdp=fsdp, device=device)
 
 
 def shutdown(d: Dist) -> None:

@@ -15,7 +15,7 @@ from opd.config import EvalConfig
 from opd.data import PromptSet, load_task
 from opd.evaluation import avg_at_k, gap_recovery, mean_pass_at_k
 from opd.grading import grade
-from opd.models import load_model, load_tokenizer
+from opd.models import load_model, load_tokenizer, resolve_device
 from opd.progress import progress_bar
 from opd.rollout import HFRollout
 
@@ -58,7 +58,7 @@ def evaluate_model(model, tokenizer, prompts: PromptSet, *, max_new_tokens: int,
 
 def run_eval(cfg: EvalConfig) -> dict:
     tok = load_tokenizer(cfg.student)
-    model = load_model(cfg.student, dtype=cfg.dtype)
+    model = load_model(cfg.student, dtype=cfg.dtype, device=resolve_device(cfg.device))
     task = load_task(cfg.task, cfg.task_level, cfg.seed)
     prompts = PromptSet.build(task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
     t0 = time.time()

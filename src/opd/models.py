@@ -9,11 +9,14 @@ are not plain ``hidden @ W.T`` (logit scaling or soft-capping), rather than sile
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from opd.config import DEVICE_PATTERN
 from opd.errors import UserError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -44,11 +47,36 @@ def load_tokenizer(path: str | Path, role: str = "student") -> PreTrainedTokeniz
     return tok
 
 
-def load_model(path: str | Path, role: str = "student", dtype: str = "float32") -> PreTrainedModel:
+def load_model(path: str | Path, role: str = "student", dtype: str = "float32",
+               device: torch.device | str = "cpu") -> PreTrainedModel:
     p = _check_model_dir(path, role)
     model = AutoModelForCausalLM.from_pretrained(p, dtype=_DTYPES[dtype], local_files_only=True)
     check_plain_head(model, p)
-    return model
+    return model.to(device)
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``--device``: ``auto`` is this process's GPU when torch sees one (``LOCAL_RANK`` picks it
+    under torchrun/accelerate), else the CPU; ``cuda`` is this process's GPU; ``cuda:N`` and
+    ``cpu`` are taken as given."""
+    if not re.fullmatch(DEVICE_PATTERN, spec):
+        raise UserError(f"--device {spec!r}: use auto, cpu, cuda or cuda:N")
+    if spec == "cpu" or (spec == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UserError(f"--device {spec}: torch sees no CUDA GPU here (torch {torch.__version__}, "
+                        f"CUDA build: {torch.version.cuda or 'none'}); install a CUDA build of torch or use --device cpu")
+    if spec in ("auto", "cuda"):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    index = int(spec.split(":")[1])
+    if index >= torch.cuda.device_count():
+        raise UserError(f"--device {spec}: this machine has {torch.cuda.device_count()} GPU(s) (cuda:0 ...)")
+    return torch.device(spec)
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where a model's parameters live (the device its inputs must be on)."""
+    return next(model.parameters()).device
 
 
 def check_plain_head(model: PreTrainedModel, where: str | Path = "model") -> None:

@@ -25,7 +25,10 @@ def make_scheduler(opt: torch.optim.Optimizer, warmup: int, total: int, schedule
 
 
 def rng_state() -> dict:
-    return {"torch": torch.get_rng_state()}
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def set_rng_state(state: dict | list[dict], rank: int = 0, world: int = 1) -> None:
@@ -39,3 +42,5 @@ def set_rng_state(state: dict | list[dict], rank: int = 0, world: int = 1) -> No
             return
         state = state[rank]
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

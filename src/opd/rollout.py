@@ -26,6 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from opd.errors import UserError
+from opd.models import model_device
 
 
 @dataclass
@@ -131,20 +132,22 @@ def left_pad(prompt_ids: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Te
     if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
         raise UserError("empty prompt: every prompt must have at least one token")
     P = max(len(p) for p in prompt_ids)
-    ids = torch.full((len(prompt_ids), P), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompt_ids), P), dtype=torch.long)
+    ids = torch.full((len(prompt_ids), P), pad_id, dtype=torch.long, device="cpu")
+    mask = torch.zeros((len(prompt_ids), P), dtype=torch.long, device="cpu")
     for i, p in enumerate(prompt_ids):
-        ids[i, P - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        ids[i, P - len(p):] = torch.as_tensor(list(p), dtype=torch.long, device="cpu")
         mask[i, P - len(p):] = 1
     return ids, mask
 
 
 def prompt_uniforms(seeds: Sequence[int], steps: int) -> torch.Tensor:
-    """One uniform per (prompt, position), each prompt from its own seeded generator: (N, steps)."""
+    """One uniform per (prompt, position), each prompt from its own seeded generator: (N, steps).
+
+    Drawn on the CPU whatever device the model is on, so a prompt's rollout does not depend on it."""
     rows = []
     for s in seeds:
         g = torch.Generator().manual_seed(int(s) % (2**63 - 1))
-        rows.append(torch.rand(steps, generator=g, dtype=torch.float64))
+        rows.append(torch.rand(steps, generator=g, dtype=torch.float64, device="cpu"))
     return torch.stack(rows)
 
 
@@ -163,7 +166,8 @@ class HFRollout:
             raise ValueError("one seed per prompt is required")
         if not greedy and not temperature > 0:
             raise ValueError(f"temperature={temperature} must be > 0; pass greedy=True for argmax decoding")
-        ids, attn = left_pad(prompt_ids, self.pad_id)
+        dev = model_device(self.model)
+        ids, attn = (t.to(dev) for t in left_pad(prompt_ids, self.pad_id))
         N, P = ids.shape
         if self.max_context and P + max_new_tokens > self.max_context:
             raise UserError(
@@ -172,17 +176,17 @@ class HFRollout:
             )
         was_training = self.model.training
         self.model.eval()
-        u = prompt_uniforms(seeds, max_new_tokens)
+        u = prompt_uniforms(seeds, max_new_tokens).to(dev)
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True, logits_to_keep=1)
         cache = out.past_key_values
         compact = _can_drop_rows(cache)
-        resp = torch.full((N, max_new_tokens), self.pad_id, dtype=torch.long)
-        logp = torch.zeros(N, max_new_tokens)
-        resp_mask = torch.zeros(N, max_new_tokens, dtype=torch.bool)
-        finished = torch.zeros(N, dtype=torch.bool)
+        resp = torch.full((N, max_new_tokens), self.pad_id, dtype=torch.long, device=dev)
+        logp = torch.zeros(N, max_new_tokens, device=dev)
+        resp_mask = torch.zeros(N, max_new_tokens, dtype=torch.bool, device=dev)
+        finished = torch.zeros(N, dtype=torch.bool, device=dev)
         # rows still in the model's batch (global indices), with their attention mask and next position
-        live, live_attn, live_pos = torch.arange(N), attn, positions[:, -1] + 1
+        live, live_attn, live_pos = torch.arange(N, device=dev), attn, positions[:, -1] + 1
         steps = 0
         for t in range(max_new_tokens):
             logits = out.logits[:, -1].float()

@@ -148,7 +148,8 @@ class RunDir:
 
     def load_state(self, ckpt: Path) -> dict:
         try:
-            return torch.load(ckpt / "state.pt", weights_only=False)
+            # on the CPU whatever device wrote it: load_state_dict moves optimizer state to its parameters
+            return torch.load(ckpt / "state.pt", weights_only=False, map_location="cpu")
         except Exception as exc:  # torch raises several types for a damaged file
             raise UserError(
                 f"checkpoint {ckpt / 'state.pt'} is corrupted ({type(exc).__name__}: {exc}); delete {ckpt} and "

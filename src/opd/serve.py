@@ -38,7 +38,7 @@ import torch
 
 from opd.errors import UserError
 from opd.losses import topk_and_gather_from_hidden
-from opd.models import final_hidden, head_weight, load_model, load_tokenizer
+from opd.models import final_hidden, head_weight, load_model, load_tokenizer, model_device, resolve_device
 from opd.teacher_http import vocab_info
 
 
@@ -94,11 +94,13 @@ def score_sequences(model, seqs: list[list[int]], k: int, chunk_size: int = 256,
     starts = starts or [1] * len(seqs)
     lens = [len(s) for s in seqs]
     L = max(lens)
-    ids_NL = torch.zeros(len(seqs), L, dtype=torch.long)
-    mask_NL = torch.zeros(len(seqs), L, dtype=torch.long)
+    ids_NL = torch.zeros(len(seqs), L, dtype=torch.long, device="cpu")
+    mask_NL = torch.zeros(len(seqs), L, dtype=torch.long, device="cpu")
     for i, s in enumerate(seqs):  # right padding: a causal model's real positions never see it
-        ids_NL[i, : len(s)] = torch.as_tensor(s)
+        ids_NL[i, : len(s)] = torch.as_tensor(s, device="cpu")
         mask_NL[i, : len(s)] = 1
+    dev = model_device(model)
+    ids_NL, mask_NL = ids_NL.to(dev), mask_NL.to(dev)
     h_NLD = final_hidden(model, ids_NL, mask_NL)
     W = head_weight(model)
     # Hidden row j predicts token j + 1; the last row predicts the next token (its query is a dummy).
@@ -397,9 +399,9 @@ def stop_server(server: ThreadingHTTPServer) -> None:
 
 
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, dtype: str = "float32",
-          served_model_name: str = "", limits: Limits | None = None, verbose: bool = False) -> None:
+          served_model_name: str = "", limits: Limits | None = None, verbose: bool = False, device: str = "auto") -> None:
     """``opd serve-teacher``: load the model, serve until interrupted (Ctrl-C)."""
-    model = load_model(model_dir, "teacher", dtype)
+    model = load_model(model_dir, "teacher", dtype, resolve_device(device))
     app = TeacherApp(model, load_tokenizer(model_dir, "teacher"), served_model_name or str(model_dir), limits)
     server = start_server(app, host, port, verbose)
     host, port = server.server_address[:2]

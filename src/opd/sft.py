@@ -20,7 +20,7 @@ from opd.config import SFTConfig
 from opd.data import PromptSet, load_task, sample_seed
 from opd.errors import UserError
 from opd.evaluate import decode_responses, evaluate_model
-from opd.models import load_model, load_tokenizer, parse_arch, tiny_qwen2
+from opd.models import load_model, load_tokenizer, model_device, parse_arch, resolve_device, tiny_qwen2
 from opd.optim import make_optimizer, make_scheduler
 from opd.progress import progress_bar
 from opd.rollout import HFRollout
@@ -52,13 +52,14 @@ def load_sft_examples(path: str) -> list[Example]:
 
 def build_model(cfg: SFTConfig):
     if cfg.init:
-        return load_model(cfg.init, "init", cfg.dtype), load_tokenizer(cfg.init, "init")
+        return load_model(cfg.init, "init", cfg.dtype, resolve_device(cfg.device)), load_tokenizer(cfg.init, "init")
     if not cfg.tokenizer:
         raise UserError("a new model (--arch) needs --tokenizer DIR (a tokenizer saved with save_pretrained)")
     tok = load_tokenizer(cfg.tokenizer, "tokenizer")
     layers, width = parse_arch(cfg.arch)
     torch.manual_seed(cfg.seed)
-    return tiny_qwen2(len(tok), layers, width, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id), tok
+    model = tiny_qwen2(len(tok), layers, width, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    return model.to(resolve_device(cfg.device)), tok
 
 
 def encode_pairs(tok, prompts: list[str], completions: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -70,11 +71,12 @@ def encode_pairs(tok, prompts: list[str], completions: list[str]) -> tuple[torch
         seqs.append(p + c)
         labels.append([-100] * len(p) + c)
     L = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), L), tok.pad_token_id, dtype=torch.long)
-    lab = torch.full((len(seqs), L), -100, dtype=torch.long)
-    att = torch.zeros((len(seqs), L), dtype=torch.long)
+    ids = torch.full((len(seqs), L), tok.pad_token_id, dtype=torch.long, device="cpu")
+    lab = torch.full((len(seqs), L), -100, dtype=torch.long, device="cpu")
+    att = torch.zeros((len(seqs), L), dtype=torch.long, device="cpu")
     for i, (s, l) in enumerate(zip(seqs, labels)):
-        ids[i, : len(s)], lab[i, : len(s)], att[i, : len(s)] = torch.tensor(s), torch.tensor(l), 1
+        ids[i, : len(s)], lab[i, : len(s)] = torch.tensor(s, device="cpu"), torch.tensor(l, device="cpu")
+        att[i, : len(s)] = 1
     return ids, att, lab
 
 
@@ -101,7 +103,7 @@ def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
     test = PromptSet.build(task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
     teacher_engine = None
     if cfg.teacher:
-        teacher = load_model(cfg.teacher, "teacher", cfg.dtype)
+        teacher = load_model(cfg.teacher, "teacher", cfg.dtype, model_device(model))
         teacher_engine = HFRollout(teacher, tok.eos_token_id, tok.pad_token_id)
     opt = make_optimizer(model, cfg.lr)
     sched = make_scheduler(opt, cfg.warmup_steps, cfg.steps, cfg.schedule)
@@ -113,7 +115,7 @@ def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
             prompts = [train_set.examples[i].prompt for i in idx]
             targets = (teacher_completions(teacher_engine, tok, train_set, idx, step, cfg) if teacher_engine
                        else [train_set.examples[i].solution for i in idx])
-            ids, att, lab = encode_pairs(tok, prompts, targets)
+            ids, att, lab = (t.to(model_device(model)) for t in encode_pairs(tok, prompts, targets))
             loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
             if not torch.isfinite(loss):
                 raise UserError(f"SFT loss became {float(loss)} at step {step}; lower --lr")

@@ -22,7 +22,7 @@ def _full_vocab_diagnostics(s_MV: torch.Tensor, t_MV: torch.Tensor, k: int) -> d
     if s_MV.shape[0] == 0:
         return {}
     s, t = s_MV.unsqueeze(0).float(), t_MV.unsqueeze(0).float()
-    ones = torch.ones(s.shape[:2], dtype=torch.bool)
+    ones = torch.ones(s.shape[:2], dtype=torch.bool, device=s.device)
     t_ids = M.topk_ids(t, k)
     kl = (torch.softmax(s, -1) * (torch.log_softmax(s, -1) - torch.log_softmax(t, -1))).sum(-1)
     return {

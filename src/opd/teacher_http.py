@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from opd.errors import UserError
-from opd.models import check_same_vocab, head_weight, load_model, load_tokenizer
+from opd.models import check_same_vocab, head_weight, load_model, load_tokenizer, model_device
 from opd.rollout import RolloutBatch
 from opd.teacher import HFTeacher, TeacherScores
 
@@ -49,7 +49,7 @@ def vocab_info(tokenizer, head_rows: int) -> dict:
 def make_teacher(cfg, student, tokenizer):
     """The trainer's teacher: in-process from ``cfg.teacher``, or served at ``cfg.teacher_url``."""
     if not cfg.teacher_url:
-        teacher_model = load_model(cfg.teacher, "teacher", cfg.teacher_dtype or cfg.dtype)
+        teacher_model = load_model(cfg.teacher, "teacher", cfg.teacher_dtype or cfg.dtype, model_device(student))
         check_same_vocab(tokenizer, load_tokenizer(cfg.teacher, "teacher"), student, teacher_model)
         return HFTeacher(teacher_model)
     if cfg.teacher:
@@ -145,13 +145,14 @@ class HTTPTeacher:
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
             answers = list(pool.map(lambda g: self._complete([seqs[i] for i in g], k, [starts[i] for i in g]), groups))
         # Positions past a rollout's end are masked out of every loss; they get a harmless filler.
-        ids = torch.arange(k).expand(N, T, k).clone()
-        lps = torch.full((N, T, k), -math.log(k))
-        sampled = torch.zeros(N, T)
+        ids = torch.arange(k, device="cpu").expand(N, T, k).clone()
+        lps = torch.full((N, T, k), -math.log(k), device="cpu")
+        sampled = torch.zeros(N, T, device="cpu")
         for group, choices in zip(groups, answers):
             for i, plp in zip(group, choices):
                 self._fill(plp, len(prompts[i]), seqs[i], k, ids[i], lps[i], sampled[i])
-        return TeacherScores(topk_ids_NTK=ids, topk_logprobs_NTK=lps, sampled_logprobs_NT=sampled)
+        dev = batch.response_ids_NT.device
+        return TeacherScores(topk_ids_NTK=ids.to(dev), topk_logprobs_NTK=lps.to(dev), sampled_logprobs_NT=sampled.to(dev))
 
     def full_logits(self, batch: RolloutBatch) -> torch.Tensor:
         raise UserError(f"a served teacher does not return full-vocabulary logits; use {SERVED_OBJECTIVES}")
@@ -194,7 +195,7 @@ class HTTPTeacher:
             top_lps.append([lp for lp, _ in top])
             top_ids.append([tid for _, tid in top])
         n = len(given_lps)
-        ids_TK[:n], lps_TK[:n], sampled_T[:n] = torch.tensor(top_ids), torch.tensor(top_lps), torch.tensor(given_lps)
+        ids_TK[:n], lps_TK[:n], sampled_T[:n] = (torch.tensor(x, device="cpu") for x in (top_ids, top_lps, given_lps))
 
     def _malformed(self, what: str) -> UserError:
         return UserError(f"teacher server {self.url} sent a malformed prompt_logprobs answer ({what}); "

@@ -36,7 +36,7 @@ from opd.distributed import Dist, init_distributed, merge_metrics, shutdown
 from opd.errors import UserError
 from opd.evaluate import evaluate_model
 from opd.lora import apply_lora, load_weights
-from opd.models import head_weight, load_model, load_tokenizer
+from opd.models import head_weight, load_model, load_tokenizer, resolve_device
 from opd.objectives import NEEDS_STUDENT_TOPK, LossTotals, loss_mask, objective_loss, reduce_loss, student_topk_ids
 from opd.optim import make_optimizer, make_scheduler, rng_state, set_rng_state
 from opd.progress import progress_bar
@@ -73,11 +73,12 @@ class Run:
 
 def setup(cfg: TrainConfig) -> Run:
     torch.manual_seed(cfg.seed)
-    dist = init_distributed(cfg.fsdp)
+    device = resolve_device(cfg.device)
+    dist = init_distributed(cfg.fsdp, device)
     rundir = RunDir(cfg.out)
     rundir.require_fresh(cfg.resume)
     tok = load_tokenizer(cfg.student, "student")
-    student = load_model(cfg.student, "student", cfg.dtype)
+    student = load_model(cfg.student, "student", cfg.dtype, device)
     teacher = make_teacher(cfg, student, tok)
     V = head_weight(student).shape[0]
     if cfg.k > V:
@@ -153,7 +154,8 @@ def diag_index(mask_NT: torch.Tensor, n: int, step: int, seed: int) -> torch.Ten
     if flat.numel() <= n:
         return flat
     g = torch.Generator().manual_seed(seed * 31 + step)
-    return flat[torch.randperm(flat.numel(), generator=g)[:n]].sort().values
+    pick = torch.randperm(flat.numel(), generator=g, device="cpu")[:n].to(flat.device)
+    return flat[pick].sort().values
 
 
 def score_stage(run: Run, batch: RolloutBatch, diag_M: torch.Tensor):
