@@ -22,6 +22,9 @@ Every row's "vs TRL" ratio is against the TRL row whose teacher has the same dty
 never trained, so it can run in bfloat16 (as a vLLM-served one usually does): on a CPU with
 bf16 matrix instructions (AVX512-BF16, AMX) that halves its forward pass for both trainers.
 
+Every row computes on the CPU (``--device cpu`` for opd, ``use_cpu=True`` for TRL), also on a machine
+with a GPU.
+
 How it is timed: each row runs in fresh processes; the first ``--warmup`` steps are not timed
 (the first ``generate`` in a process is slow). A step's time is the wall time between the ends of
 consecutive steps, so it holds everything the trainer does per step (rollout, teacher, update,
@@ -48,6 +51,7 @@ Writes benchmarks/results/scaleout.json and .md (scaleout_quick.*, scaleout_v<V>
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -89,7 +93,7 @@ def opd_worker(spec: dict, out: Path) -> None:
         student=spec["student"], teacher="" if spec.get("teacher_url") else spec["teacher"],
         teacher_url=spec.get("teacher_url", ""), teacher_dtype="" if spec.get("teacher_url") else spec["teacher_dtype"],
         task_level=spec["task_level"], seed=SEED, out=str(out.parent / "run"), objective="lsm", k=spec["k"],
-        steps=spec["steps"], batch_size=spec["batch"] // world, max_new_tokens=spec["max_new_tokens"],
+        steps=spec["steps"], batch_size=spec["batch"] // world, device="cpu", max_new_tokens=spec["max_new_tokens"],
         top_p=spec["top_p"], temperature=1.0, lr=spec["lr"], warmup_steps=0, eval_every=0, eval_size=1,
         eval_samples=0, ckpt_every=0, log_rollouts=0, diag_positions=spec["diag_positions"])
     stamps, records = [], []
@@ -160,7 +164,7 @@ def trl_worker(spec: dict, out: Path) -> None:
 
 def start_server(teacher: str, threads: int) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.Popen([sys.executable, "-m", "opd", "serve-teacher", teacher, "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "opd", "serve-teacher", teacher, "--port", "0", "--device", "cpu"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline()
     match = re.search(r"http://127\.0\.0\.1:\d+", line)
@@ -191,7 +195,8 @@ def run_row(name: str, kind: str, spec: dict, procs: int, timeout: float) -> dic
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it may have ended at the last moment
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
             return {"row": name, "available": False, "reason": f"did not finish within {timeout:.0f} s"}
         if proc.returncode != 0 or not out.is_file():

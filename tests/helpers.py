@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -24,7 +25,7 @@ def step_records(run_dir) -> list[dict]:
 
 
 # the size of the multi-process runs (and the single-process runs they are compared with)
-SMALL = dict(steps=8, max_new_tokens=8, eval_size=4, eval_samples=0, k=8, warmup_steps=1, log_rollouts=2,
+SMALL = dict(device="cpu", steps=8, max_new_tokens=8, eval_size=4, eval_samples=0, k=8, warmup_steps=1, log_rollouts=2,
              diag_positions=16, eval_every=0, ckpt_every=1, lr=3e-3)
 REL = 1e-4
 
@@ -65,7 +66,8 @@ def launch(launcher: str, args: list[str], timeout: int = 300) -> None:
     try:
         _, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # it may have ended at the last moment
+            os.killpg(proc.pid, signal.SIGKILL)
         _, err = proc.communicate()
         pytest.fail(f"{launcher} did not finish within {timeout} s; its ranks were killed. stderr: {err[-2000:]}")
     assert proc.returncode == 0, err[-4000:]

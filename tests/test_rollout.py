@@ -155,7 +155,6 @@ def test_response_mask_ends_at_the_first_eos(tiny_models):
         assert (batch.logprobs_NT[n, end:] == 0).all()
 
 
-
 def test_finished_rows_leave_the_decoding_batch_without_changing_any_rollout(tiny_models, monkeypatch):
     import opd.rollout as R
 
@@ -260,10 +259,7 @@ def test_response_hidden_in_length_chunks_matches_each_row_alone(tiny_models, ro
         torch.testing.assert_close(got_grads[k], p.grad, atol=1e-5, rtol=1e-4, msg=f"gradient of {k}")
 
 
-
 def test_rows_are_dropped_only_from_caches_whose_every_layer_can_select_rows(tiny_models):
-    from types import SimpleNamespace
-
     from opd.rollout import _can_drop_rows
 
     student, _ = tiny_models
@@ -272,6 +268,25 @@ def test_rows_are_dropped_only_from_caches_whose_every_layer_can_select_rows(tin
     with torch.no_grad():
         cache = model(input_ids=ids, use_cache=True).past_key_values
     assert _can_drop_rows(cache)
-    recurrent = SimpleNamespace(batch_select_indices=lambda i: None, layers=[cache.layers[0], object()])
-    assert not _can_drop_rows(recurrent)  # e.g. a linear-attention layer's recurrent state
     assert not _can_drop_rows((torch.zeros(1),))  # a legacy tuple cache
+
+
+def test_hybrid_models_generate_without_dropping_rows():
+    """A Mamba/attention hybrid's cache layers inherit batch_select_indices but keep their recurrent
+    states whole, so dropping finished rows would break its next step: such caches are left alone."""
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = FalconH1Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+                         mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16, eos_token_id=2, pad_token_id=0)
+    model = FalconH1ForCausalLM(cfg).eval()
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14, 15]]
+    free = HFRollout(model, -1, 0).generate(prompts, [0, 1, 2, 3], max_new_tokens=6)
+    stop = int(free.response_ids_NT[0, 1])  # rows stop at different steps
+    batch = HFRollout(model, stop, 0).generate(prompts, [0, 1, 2, 3], max_new_tokens=6)
+    assert bool(batch.finished_N.any()) and not bool(batch.finished_N.all())
+    for n in range(4):
+        row = free.response_ids_NT[n].tolist()
+        end = row.index(stop) + 1 if stop in row else len(row)
+        assert batch.response_ids_NT[n, :end].tolist() == row[:end]

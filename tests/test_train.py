@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -15,7 +16,7 @@ from opd import train as train_mod
 
 from helpers import read_metrics, step_records
 
-SMALL = dict(steps=2, batch_size=4, max_new_tokens=8, eval_size=4, eval_samples=2, k=8, warmup_steps=1,
+SMALL = dict(device="cpu", steps=2, batch_size=4, max_new_tokens=8, eval_size=4, eval_samples=2, k=8, warmup_steps=1,
              log_rollouts=2, diag_positions=16, eval_every=0, ckpt_every=0)
 
 
@@ -206,7 +207,6 @@ def test_top_p_out_of_range(tiny_models, tmp_path, top_p):
         cfg_for(tiny_models, tmp_path, top_p=top_p)
 
 
-
 @pytest.mark.parametrize("kw,match", [(dict(teacher_dtype="fp8"), "teacher_dtype='fp8'"),
                                       (dict(teacher_dtype="bfloat16", teacher_url="http://127.0.0.1:1"),
                                        "in-process teacher")])
@@ -235,13 +235,18 @@ def test_bfloat16_teacher_scores_float32_students_rollouts(tiny_models, tmp_path
 
 
 @pytest.mark.parametrize("objective", [dict(objective="lsm", support="union"), dict(objective="sampled"),
-                                       dict(objective="full_kl")], ids=lambda o: "-".join(o.values()))
-def test_steps_make_every_tensor_where_the_models_are(tiny_models, tmp_path, monkeypatch, objective):
-    """On a GPU the default device (the CPU) is the wrong one, so a step must create every tensor on
-    its models' device. No GPU here: the models stay on the CPU and, from step 1 on, the default
+                                       dict(objective="full_kl"), dict(objective="lsm", served="yes")],
+                         ids=lambda o: "-".join(o.values()))
+def test_steps_make_no_tensor_on_the_default_device(tiny_models, tmp_path, monkeypatch, objective):
+    """On a GPU the default device (the CPU) is the wrong one, so a step must not create tensors on
+    the default device. No GPU here: the models stay on the CPU and, from step 1 on, the default
     device is "meta" (tensors without data), so a tensor made without a device lands there and
     the first operation mixing it with a CPU tensor fails. Step 0 runs as usual, because torch
-    itself keeps AdamW's step counters on the default device when it creates them."""
+    itself keeps AdamW's step counters on the default device when it creates them. (A tensor
+    made on the CPU on purpose and never moved would pass: here the models are on the CPU too.)"""
+    from opd.models import load_model, load_tokenizer
+    from opd.serve import TeacherApp, start_server, stop_server
+
     real = train_mod.rollout_stage
 
     def on_meta_from_step_1(run, step):
@@ -250,10 +255,18 @@ def test_steps_make_every_tensor_where_the_models_are(tiny_models, tmp_path, mon
         return real(run, step)
 
     monkeypatch.setattr(train_mod, "rollout_stage", on_meta_from_step_1)
+    served = objective.pop("served", None)
+    cfg, server = cfg_for(tiny_models, tmp_path, steps=3, ckpt_every=1, **objective), None
+    if served:  # the served teacher's answers become tensors on the trainer's side
+        teacher = tiny_models[1]
+        server = start_server(TeacherApp(load_model(teacher, "teacher"), load_tokenizer(teacher, "teacher"), "t"))
+        cfg = dataclasses.replace(cfg, teacher="", teacher_url=f"http://127.0.0.1:{server.server_address[1]}")
     try:
-        train_mod.train(cfg_for(tiny_models, tmp_path, steps=3, ckpt_every=1, **objective), show_progress=False)
+        train_mod.train(cfg, show_progress=False)
     finally:
         torch.set_default_device(None)
+        if server is not None:
+            stop_server(server)
     assert [r["step"] for r in step_records(tmp_path / "run")] == [0, 1, 2]
 
 

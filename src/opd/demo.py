@@ -30,7 +30,7 @@ from opd.config import SFTConfig, TrainConfig
 from opd.data import PromptSet, load_task
 from opd.errors import UserError
 from opd.evaluate import evaluate_model
-from opd.models import load_model, load_tokenizer
+from opd.models import load_model, load_tokenizer, resolve_device
 from opd.report import PNG_DIR, write_report
 from opd.tasks import get_task
 from opd.tokenizer import train_tokenizer
@@ -92,7 +92,7 @@ def make_demo_models(out: Path, quick: bool = False, seed: int = 0, only: str = 
 
 
 def _eval(model_dir: Path, prompts: PromptSet, tok, seed: int) -> dict:
-    model = load_model(model_dir, "model")
+    model = load_model(model_dir, "model", device=resolve_device("auto"))  # where the demo's training ran
     return evaluate_model(model, tok, prompts, max_new_tokens=MAX_NEW_TOKENS, samples=EVAL_SAMPLES,
                           top_p=TOP_P, seed=seed, show_progress=True)
 

@@ -74,15 +74,18 @@ class Dist:
         """Wrap ``student`` for training; the optimizer must be built on the result afterwards."""
         module = StudentModule(student)
         if self.fsdp:
+            from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
+            # on this rank's device: left to itself, FSDP would pick any GPU it sees, even for --device cpu
+            mesh = init_device_mesh(self.device.type, (self.world,))
             # One FSDP unit per transformer block (the classes HF lists as never to be split),
             # then the root holds what is left: embeddings, final norm, the (tied) head.
             block_names = set(getattr(_base_model(student), "_no_split_modules", None) or ())
             for sub in student.modules():
                 if type(sub).__name__ in block_names:
-                    fully_shard(sub)
-            fully_shard(module)
+                    fully_shard(sub, mesh=mesh)
+            fully_shard(module, mesh=mesh)
         elif self.active:
             # All parameters take part in every loss, so no unused-parameter search; buffers are
             # equal on all ranks (rotary tables), so they are synced once, not on every forward.
@@ -267,8 +270,8 @@ def merge_metrics(records: list[dict], weights: list[dict]) -> dict:
         elif rule == MAX:
             out[key] = max(v for v, _ in have)
         elif isinstance(have[0][0], list):
-            vals = torch.tensor([v for v, _ in have], dtype=torch.float64)
-            wts = torch.tensor([w for _, w in have], dtype=torch.float64)
+            vals = torch.tensor([v for v, _ in have], dtype=torch.float64, device="cpu")
+            wts = torch.tensor([w for _, w in have], dtype=torch.float64, device="cpu")
             out[key] = ((vals * wts).sum(0) / wts.sum(0).clamp(min=1e-300)).tolist()
         else:
             total = sum(w for _, w in have)

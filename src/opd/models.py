@@ -67,7 +67,11 @@ def resolve_device(spec: str) -> torch.device:
         raise UserError(f"--device {spec}: torch sees no CUDA GPU here (torch {torch.__version__}, "
                         f"CUDA build: {torch.version.cuda or 'none'}); install a CUDA build of torch or use --device cpu")
     if spec in ("auto", "cuda"):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if local >= torch.cuda.device_count():  # two ranks on one GPU would make nccl fail later, less clearly
+            raise UserError(f"local rank {local} has no GPU of its own: this machine shows {torch.cuda.device_count()} "
+                            "GPU(s); launch at most that many processes per machine (--nproc_per_node)")
+        return torch.device("cuda", local)
     index = int(spec.split(":")[1])
     if index >= torch.cuda.device_count():
         raise UserError(f"--device {spec}: this machine has {torch.cuda.device_count()} GPU(s) (cuda:0 ...)")

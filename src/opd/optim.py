@@ -24,14 +24,17 @@ def make_scheduler(opt: torch.optim.Optimizer, warmup: int, total: int, schedule
     return torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
-def rng_state() -> dict:
+def rng_state(device: torch.device = torch.device("cpu")) -> dict:
+    """The CPU generator's state, and this process's GPU's when it computes on one (only its own:
+    a run may resume on a machine that shows a different set of GPUs)."""
     state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict | list[dict], rank: int = 0, world: int = 1) -> None:
+def set_rng_state(state: dict | list[dict], rank: int = 0, world: int = 1,
+                  device: torch.device = torch.device("cpu")) -> None:
     """Restore a saved state: one dict, or (data-parallel runs) one per rank, indexed by rank.
 
     A run resumed with a different number of ranks keeps its seeded state instead: sampling and
@@ -42,5 +45,5 @@ def set_rng_state(state: dict | list[dict], rank: int = 0, world: int = 1) -> No
             return
         state = state[rank]
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)

@@ -97,7 +97,8 @@ def nucleus_sample(logits_NV: torch.Tensor, u_N: torch.Tensor, temperature: floa
     probs_NV = torch.softmax(logits_NV.float() / temperature, dim=-1)
     out_N = torch.empty(probs_NV.shape[0], dtype=torch.long, device=probs_NV.device)
     todo_R = torch.arange(probs_NV.shape[0], device=probs_NV.device)
-    for c in (candidates,) if isinstance(candidates, int) else candidates:
+    rounds = (candidates,) if isinstance(candidates, int) else candidates
+    for c in rounds if top_p < 1.0 else ():  # top-p 1 keeps every token: only the full sort holds it
         if todo_R.numel() == 0:
             return out_N
         top_RC, top_ids_RC = probs_NV[todo_R].topk(min(c, probs_NV.shape[-1]), dim=-1)
@@ -121,10 +122,13 @@ def _inverse_cdf_draw(sorted_p_NC: torch.Tensor, ids_NC: torch.Tensor, u_N: torc
 
 
 def _can_drop_rows(cache) -> bool:
-    """Whether every layer of this KV cache can select batch rows (recurrent-state layers cannot)."""
-    layers = getattr(cache, "layers", None)
-    return hasattr(cache, "batch_select_indices") and layers is not None and all(
-        hasattr(layer, "batch_select_indices") for layer in layers)
+    """Whether this cache holds only plain key/value layers, whose rows ``batch_select_indices``
+    drops. Hybrid layers (linear attention or Mamba next to attention) inherit that method but
+    leave their recurrent states whole, so their batch would fall out of step: never compact them."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+    return isinstance(cache, DynamicCache) and all(
+        type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers)
 
 
 def left_pad(prompt_ids: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

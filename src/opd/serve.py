@@ -115,6 +115,7 @@ def score_sequences(model, seqs: list[list[int]], k: int, chunk_size: int = 256,
     for rows in outside.split(chunk_size):
         logits = h_MD[rows].float() @ W.float().T
         rank_M[rows] = 1 + (logits > logits.gather(-1, query_M[rows, None])).sum(-1)
+    ids_MK, lps_MK, given_M, rank_M = (t.cpu() for t in (ids_MK, lps_MK, given_M, rank_M))  # one copy off a GPU
     out, row = [], 0
     for n, st in zip(lens, starts):
         sl, last = slice(row, row + n - st), row + n - st

@@ -113,4 +113,5 @@ class HFTeacher:
 
     @torch.no_grad()
     def full_logits(self, batch: RolloutBatch) -> torch.Tensor:
-        return response_hidden(self.model, batch) @ head_weight(self.model).T
+        # float32 logits whatever the teacher's dtype (--teacher-dtype bfloat16 included)
+        return response_hidden(self.model, batch).float() @ head_weight(self.model).float().T

@@ -126,7 +126,7 @@ def resume(run: Run, ckpt: Path) -> None:
                         f"{run.dist.world}; resume with the same number of processes")
     run.dist.load_optimizer_state(run.optimizer, state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"], run.dist.rank, run.dist.world)
+    set_rng_state(state["rng"], run.dist.rank, run.dist.world, run.dist.device)
     run.start_step = state["step"] + 1
     run.rundir.truncate_logs_after(state["step"])
 
@@ -254,7 +254,7 @@ def eval_stage(run: Run, step: int) -> dict:
 
 def checkpoint_stage(run: Run, step: int) -> None:
     """Rank 0 writes; every rank takes part in gathering sharded weights and per-rank RNG states."""
-    rng = run.dist.gather(rng_state())
+    rng = run.dist.gather(rng_state(run.dist.device))
     state = {"step": step, "optimizer": run.dist.optimizer_state(run.optimizer), "scheduler": run.scheduler.state_dict(),
              "rng": rng if run.dist.active else rng[0], "fsdp": run.dist.fsdp, "config": run.cfg.__dict__}
     run.rundir.save_checkpoint(step, run.student, state, model_state=run.dist.full_state_dict(run.student))
