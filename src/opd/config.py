@@ -48,6 +48,11 @@ def _require(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def check_device(spec: str) -> None:
+    """``--device`` must be auto, cpu, cuda or cuda:N (what :func:`opd.models.resolve_device` reads)."""
+    _require(bool(re.fullmatch(DEVICE_PATTERN, spec)), f"device={spec!r}: use auto, cpu, cuda or cuda:N")
+
+
 @dataclass
 class ModelSource:
     """Where a run's models and prompts come from (shared by train, sft and eval)."""
@@ -69,8 +74,7 @@ class ModelSource:
         _require(self.max_prompt_tokens >= 1, f"max_prompt_tokens={self.max_prompt_tokens} must be >= 1")
         _require(self.task_level in LEVELS, f"task_level={self.task_level} must be one of {sorted(LEVELS)}")
         _require(self.dtype in DTYPES, f"dtype={self.dtype!r}: use {', '.join(DTYPES)}")
-        _require(bool(re.fullmatch(DEVICE_PATTERN, self.device)),
-                 f"device={self.device!r}: use auto, cpu, cuda or cuda:N")
+        check_device(self.device)
 
 
 @dataclass

@@ -10,13 +10,12 @@ are not plain ``hidden @ W.T`` (logit scaling or soft-capping), rather than sile
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from opd.config import DEVICE_PATTERN
+from opd.config import check_device
 from opd.errors import UserError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,8 +58,7 @@ def resolve_device(spec: str) -> torch.device:
     """``--device``: ``auto`` is this process's GPU when torch sees one (``LOCAL_RANK`` picks it
     under torchrun/accelerate), else the CPU; ``cuda`` is this process's GPU; ``cuda:N`` and
     ``cpu`` are taken as given."""
-    if not re.fullmatch(DEVICE_PATTERN, spec):
-        raise UserError(f"--device {spec!r}: use auto, cpu, cuda or cuda:N")
+    check_device(spec)
     if spec == "cpu" or (spec == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():

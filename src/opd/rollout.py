@@ -168,6 +168,8 @@ class HFRollout:
     def generate(self, prompt_ids, seeds, *, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False) -> RolloutBatch:
         if len(seeds) != len(prompt_ids):
             raise ValueError("one seed per prompt is required")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
         if not greedy and not temperature > 0:
             raise ValueError(f"temperature={temperature} must be > 0; pass greedy=True for argmax decoding")
         dev = model_device(self.model)
@@ -191,7 +193,6 @@ class HFRollout:
         finished = torch.zeros(N, dtype=torch.bool, device=dev)
         # rows still in the model's batch (global indices), with their attention mask and next position
         live, live_attn, live_pos = torch.arange(N, device=dev), attn, positions[:, -1] + 1
-        steps = 0
         for t in range(max_new_tokens):
             logits = out.logits[:, -1].float()
             tok = logits.argmax(-1) if greedy else nucleus_sample(logits, u[live, t], temperature, top_p)
@@ -201,11 +202,11 @@ class HFRollout:
             lp = torch.log_softmax(logits, -1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
             logp[live, t] = torch.where(alive, lp, 0.0)
             finished[live] = finished[live] | (alive & (tok == self.eos_id))
-            steps = t + 1
-            if bool(finished.all()) or t == max_new_tokens - 1:
-                break
             still = ~finished[live]
-            if compact and int(still.sum()) <= COMPACT_BELOW * live.numel():
+            n_still = int(still.sum())  # rows outside the batch are finished: one count serves both tests below
+            if n_still == 0 or t == max_new_tokens - 1:
+                break
+            if compact and n_still <= COMPACT_BELOW * live.numel():
                 keep = still.nonzero().squeeze(-1)
                 cache.batch_select_indices(keep)
                 live, live_attn, live_pos, tok = live[keep], live_attn[keep], live_pos[keep], tok[keep]
@@ -217,7 +218,7 @@ class HFRollout:
             )
             live_pos = live_pos + 1
         self.model.train(was_training)
-        resp, logp, resp_mask = resp[:, :steps], logp[:, :steps], resp_mask[:, :steps]
+        resp, logp, resp_mask = resp[:, : t + 1], logp[:, : t + 1], resp_mask[:, : t + 1]
         full_ids = torch.cat([ids, resp], dim=1)
         full_mask = torch.cat([attn, resp_mask.long()], dim=1)
         return RolloutBatch(full_ids, full_mask, P, resp, resp_mask, logp, finished)
