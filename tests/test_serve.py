@@ -24,7 +24,8 @@ from opd.models import head_weight, load_model, load_tokenizer
 from opd.rollout import HFRollout
 from opd.serve import BatchScorer, Limits, RequestError, TeacherApp, start_server, stop_server
 from opd.teacher import HFTeacher
-from opd.teacher_http import HTTPTeacher, make_teacher
+from opd.teacher import make_teacher
+from opd.teacher_http import HTTPTeacher
 from opd import train as train_mod
 
 

@@ -82,7 +82,7 @@ def _sft(cfg: SFTConfig) -> None:
 
 @config_command("eval", EvalConfig, "Evaluate a model: greedy accuracy, avg@k, pass@k, gap recovery.")
 def _eval(cfg: EvalConfig) -> None:
-    from opd.evaluate import run_eval
+    from opd.evaluation import run_eval
 
     run_eval(cfg)
 

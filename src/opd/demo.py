@@ -29,7 +29,7 @@ from rich.table import Table
 from opd.config import SFTConfig, TrainConfig
 from opd.data import PromptSet, load_task
 from opd.errors import UserError
-from opd.evaluate import evaluate_model
+from opd.evaluation import evaluate_model
 from opd.models import load_model, load_tokenizer, resolve_device
 from opd.report import PNG_DIR, write_report
 from opd.tasks import get_task

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from opd.config import check_device
 from opd.errors import UserError
@@ -148,9 +148,3 @@ def parse_arch(arch: str) -> tuple[int, int]:
     if width % 32 or layers < 1:
         raise UserError(f"--arch {arch!r}: width must be a multiple of 32 and layers >= 1")
     return layers, width
-
-
-def model_config_summary(path: str | Path) -> dict:
-    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-    return {"model_type": cfg.model_type, "layers": getattr(cfg, "num_hidden_layers", None),
-            "width": getattr(cfg, "hidden_size", None), "vocab": cfg.vocab_size}

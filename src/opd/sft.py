@@ -19,7 +19,7 @@ import torch
 from opd.config import SFTConfig
 from opd.data import PromptSet, load_task, sample_seed
 from opd.errors import UserError
-from opd.evaluate import decode_responses, evaluate_model
+from opd.evaluation import decode_responses, evaluate_model
 from opd.models import load_model, load_tokenizer, model_device, parse_arch, resolve_device, tiny_qwen2
 from opd.optim import make_optimizer, make_scheduler
 from opd.progress import progress_bar

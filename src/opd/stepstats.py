@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from opd import metrics as M
-from opd.evaluate import decode_responses
+from opd.evaluation import decode_responses
 from opd.models import head_weight
 
 DEPTH_BUCKETS = 8

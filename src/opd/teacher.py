@@ -15,8 +15,9 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
+from opd.errors import UserError
 from opd.losses import topk_and_gather_from_hidden
-from opd.models import final_hidden, head_weight
+from opd.models import check_same_vocab, final_hidden, head_weight, load_model, load_tokenizer, model_device
 from opd.rollout import RolloutBatch
 
 
@@ -115,3 +116,23 @@ class HFTeacher:
     def full_logits(self, batch: RolloutBatch) -> torch.Tensor:
         # float32 logits whatever the teacher's dtype (--teacher-dtype bfloat16 included)
         return response_hidden(self.model, batch).float() @ head_weight(self.model).float().T
+
+
+def make_teacher(cfg, student, tokenizer):
+    """The trainer's teacher: in-process from ``cfg.teacher``, or served at ``cfg.teacher_url``."""
+    from opd.teacher_http import SERVED_OBJECTIVES, HTTPTeacher  # it imports this module
+
+    if not cfg.teacher_url:
+        teacher_model = load_model(cfg.teacher, "teacher", cfg.teacher_dtype or cfg.dtype, model_device(student))
+        check_same_vocab(tokenizer, load_tokenizer(cfg.teacher, "teacher"), student, teacher_model)
+        return HFTeacher(teacher_model)
+    if cfg.teacher:
+        raise UserError("both --teacher and --teacher-url are set; give one (a model directory or a served teacher)")
+    needs_more = cfg.objective == "full_kl" or (cfg.objective == "lsm" and cfg.support not in
+                                                  ("teacher_topk", "teacher_topk_plus_sampled"))
+    if needs_more:
+        raise UserError(f"--objective {cfg.objective} --support {cfg.support} needs teacher log-probs a "
+                        f"vLLM-format server does not return; with --teacher-url use {SERVED_OBJECTIVES}, "
+                        "or use --teacher DIR")
+    return HTTPTeacher(cfg.teacher_url, tokenizer, head_weight(student).shape[0],
+                       timeout=cfg.teacher_timeout, retries=cfg.teacher_retries)

@@ -11,7 +11,7 @@ also sends ``opd_logprobs_from``, so only response positions are scored and sent
 
 What a vLLM-format server cannot give: log-probs of arbitrary query tokens (student-side
 supports), full-vocabulary logits (``full_kl``) and the full-logit diagnostics (skipped: their
-metrics are absent from ``metrics.jsonl``). :func:`make_teacher` refuses the options that need them.
+metrics are absent from ``metrics.jsonl``). :func:`opd.teacher.make_teacher` refuses the options that need them.
 
 Vocabulary: opd's server answers ``GET /opd/vocab`` with a hash of its tokenizer's vocabulary,
 which must equal the student's; a foreign server cannot say, so a warning is given and every
@@ -32,9 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from opd.errors import UserError
-from opd.models import check_same_vocab, head_weight, load_model, load_tokenizer, model_device
 from opd.rollout import RolloutBatch
-from opd.teacher import HFTeacher, TeacherScores
+from opd.teacher import TeacherScores
 
 SERVED_OBJECTIVES = "--objective sampled, or --objective lsm with --support teacher_topk or teacher_topk_plus_sampled"
 
@@ -44,24 +43,6 @@ def vocab_info(tokenizer, head_rows: int) -> dict:
     items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     digest = hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()
     return {"tokens": len(items), "head_rows": int(head_rows), "sha256": digest}
-
-
-def make_teacher(cfg, student, tokenizer):
-    """The trainer's teacher: in-process from ``cfg.teacher``, or served at ``cfg.teacher_url``."""
-    if not cfg.teacher_url:
-        teacher_model = load_model(cfg.teacher, "teacher", cfg.teacher_dtype or cfg.dtype, model_device(student))
-        check_same_vocab(tokenizer, load_tokenizer(cfg.teacher, "teacher"), student, teacher_model)
-        return HFTeacher(teacher_model)
-    if cfg.teacher:
-        raise UserError("both --teacher and --teacher-url are set; give one (a model directory or a served teacher)")
-    needs_more = cfg.objective == "full_kl" or (cfg.objective == "lsm" and cfg.support not in
-                                                  ("teacher_topk", "teacher_topk_plus_sampled"))
-    if needs_more:
-        raise UserError(f"--objective {cfg.objective} --support {cfg.support} needs teacher log-probs a "
-                        f"vLLM-format server does not return; with --teacher-url use {SERVED_OBJECTIVES}, "
-                        "or use --teacher DIR")
-    return HTTPTeacher(cfg.teacher_url, tokenizer, head_weight(student).shape[0],
-                       timeout=cfg.teacher_timeout, retries=cfg.teacher_retries)
 
 
 class HTTPTeacher:

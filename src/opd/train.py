@@ -34,7 +34,7 @@ from opd.config import TrainConfig
 from opd.data import PromptSet, load_task, sample_seed
 from opd.distributed import Dist, init_distributed, merge_metrics, shutdown
 from opd.errors import UserError
-from opd.evaluate import evaluate_model
+from opd.evaluation import evaluate_model
 from opd.lora import apply_lora, load_weights
 from opd.models import head_weight, load_model, load_tokenizer, resolve_device
 from opd.objectives import NEEDS_STUDENT_TOPK, LossTotals, loss_mask, objective_loss, reduce_loss, student_topk_ids
@@ -44,7 +44,7 @@ from opd.rollout import HFRollout, RolloutBatch
 from opd.rundir import RunDir, save_final_model
 from opd.stepstats import grade_rollouts, metric_weights, rollout_records, step_metrics
 from opd.teacher import TeacherScorer, TeacherScores
-from opd.teacher_http import make_teacher
+from opd.teacher import make_teacher
 
 
 @dataclass

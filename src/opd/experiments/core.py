@@ -8,7 +8,7 @@ latest checkpoint, then writes ``results.md``, ``results.json``, the PNG plots a
 ``commands.txt`` (the ``opd`` command equivalent to each run) into ``OUT/NAME/``.
 
 Run kinds: ``train`` (:func:`opd.train.train`), ``sft`` (:func:`opd.sft.sft`), ``eval``
-(:func:`opd.evaluate.run_eval`) and ``python`` (an experiment's own measurement function, e.g.
+(:func:`opd.evaluation.run_eval`) and ``python`` (an experiment's own measurement function, e.g.
 the synthetic variance study, called as ``fn(params, run_dir) -> dict``).
 """
 
@@ -128,7 +128,7 @@ def _execute(spec: RunSpec, run_dir: Path, show_progress: bool, command: str) ->
         shutil.rmtree(run_dir, ignore_errors=True)  # sft has no resume: an interrupted one starts over
         return sft(dataclasses.replace(spec.config, out=str(run_dir)), show_progress=show_progress)
     if spec.kind == "eval":
-        from opd.evaluate import run_eval
+        from opd.evaluation import run_eval
 
         return run_eval(dataclasses.replace(spec.config, out=str(run_dir)))
     run_dir.mkdir(parents=True, exist_ok=True)

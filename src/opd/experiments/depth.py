@@ -25,7 +25,7 @@ from pathlib import Path
 
 from opd.data import PromptSet, load_task
 from opd.demo import TASK_LEVEL
-from opd.evaluate import decode_responses
+from opd.evaluation import decode_responses
 from opd.experiments.common import STUDENT, TEACHER, generate_batches
 from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
 from opd.experiments.plots import line_plot
