@@ -98,7 +98,10 @@ class TrainConfig(ModelSource):
                               "N processes under torchrun/accelerate train on N x this per step.")
     samples_per_prompt: int = opt(1, "Rollouts per prompt.")
     grad_accum: int = opt(1, "Micro-batches per optimizer step; the batch is split evenly.")
-    updates_per_batch: int = opt(1, "Optimizer steps per rollout batch; > 1 uses importance ratios (sampled) and is off-policy.")
+    updates_per_batch: int = opt(1, "Optimizer steps per rollout batch. > 1 reuses the batch: sampled corrects with "
+                                    "PPO-clipped importance ratios; lsm and full_kl are computed exactly at each "
+                                    "visited state and need no ratio, but those states then come from an older "
+                                    "policy (mildly off-policy). Only the first update's loss is logged.")
     clip_eps: float = opt(0.2, "PPO clip for the importance ratio when updates_per_batch > 1.")
     lr: float = opt(5e-4, "Peak learning rate (AdamW).")
     weight_decay: float = opt(0.0, "AdamW weight decay.")
@@ -107,7 +110,12 @@ class TrainConfig(ModelSource):
     max_grad_norm: float = opt(1.0, "Gradient clipping norm (0 disables).")
     temperature: float = opt(1.0, "Rollout sampling temperature.")
     top_p: float = opt(0.9, "Rollout nucleus (top-p) sampling, in (0, 1].")
-    reduction: str = opt("token_mean", "Loss reduction: token_mean, sequence_mean or constant_sum.")
+    reduction: str = opt("token_mean", "Loss reduction: token_mean (over the batch's loss tokens), sequence_mean, or "
+                                       "constant_sum (summed, divided by rollouts x max_new_tokens, a constant that "
+                                       "does not depend on the batch, as in Dr. GRPO).")
+    keep_dropout: bool = opt(False, "Keep the student's dropout during OPD. Off by default, as RL and distillation "
+                                    "trainers do: with dropout on, rollouts, loss and diagnostics each see a different "
+                                    "random network. --lora-dropout is not affected.")
     eval_every: int = opt(50, "Evaluate every N steps (0: only at the end).")
     eval_size: int = opt(200, "Number of test prompts for evaluation.")
     eval_samples: int = opt(4, "Samples per prompt for avg@k / pass@k at evaluation (0: greedy only).")

@@ -32,7 +32,7 @@ from opd.errors import UserError
 from opd.evaluation import evaluate_model
 from opd.models import load_model, load_tokenizer, resolve_device
 from opd.report import PNG_DIR, write_report
-from opd.tasks import get_task
+from opd.tasks import Task, get_task
 from opd.tokenizer import train_tokenizer
 
 ASSETS = Path(__file__).parent / "assets" / "demo"
@@ -91,9 +91,9 @@ def make_demo_models(out: Path, quick: bool = False, seed: int = 0, only: str = 
     return json.loads(summary_path.read_text())
 
 
-def _eval(model_dir: Path, prompts: PromptSet, tok, seed: int) -> dict:
+def _eval(model_dir: Path, prompts: PromptSet, task: Task, tok, seed: int) -> dict:
     model = load_model(model_dir, "model", device=resolve_device("auto"))  # where the demo's training ran
-    return evaluate_model(model, tok, prompts, max_new_tokens=MAX_NEW_TOKENS, samples=EVAL_SAMPLES,
+    return evaluate_model(model, tok, prompts, task, max_new_tokens=MAX_NEW_TOKENS, samples=EVAL_SAMPLES,
                           top_p=TOP_P, seed=seed, show_progress=True)
 
 
@@ -113,8 +113,8 @@ def run_demo(out: Path, steps: int = 200, quick: bool = False, assets: Path | No
     eval_size = 64 if quick else EVAL_SIZE
     prompts = PromptSet.build(task.examples("test")[:eval_size], tok, 256, "test prompts")
     console.print(f"[bold]opd demo[/bold]: evaluating the teacher and the student on {eval_size} test prompts")
-    teacher_res = _eval(assets / "teacher", prompts, tok, seed)
-    student_res = _eval(assets / "student", prompts, tok, seed)
+    teacher_res = _eval(assets / "teacher", prompts, task, tok, seed)
+    student_res = _eval(assets / "student", prompts, task, tok, seed)
     base = TrainConfig(
         student=str(assets / "student"), teacher=str(assets / "teacher"), task="arithmetic", task_level=TASK_LEVEL,
         seed=seed, steps=10 if quick else steps, batch_size=16 if quick else 64, lr=5e-4, warmup_steps=10,

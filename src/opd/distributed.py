@@ -130,13 +130,6 @@ class Dist:
         tdist.all_reduce(t)
         return t.tolist()
 
-    def all_max(self, value: int) -> int:
-        if not self.active:
-            return value
-        t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
-        return int(t)
-
     def gather(self, obj: Any) -> list:
         """Every rank's ``obj`` (picklable), in rank order, on every rank."""
         if not self.active:

@@ -25,10 +25,10 @@ from pathlib import Path
 
 from opd.config import EvalConfig
 from opd.data import PromptSet, load_task
-from opd.grading import grade
 from opd.models import load_model, load_tokenizer, resolve_device
 from opd.progress import progress_bar
 from opd.rollout import HFRollout
+from opd.tasks import Task
 
 __all__ = ["pass_at_k", "mean_pass_at_k", "avg_at_k", "gap_recovery", "decode_responses", "evaluate_model", "run_eval"]
 
@@ -92,10 +92,13 @@ def decode_responses(tokenizer, response_ids_NT, response_mask_NT) -> list[str]:
     ]
 
 
-def evaluate_model(model, tokenizer, prompts: PromptSet, *, max_new_tokens: int, samples: int = 0,
+def evaluate_model(model, tokenizer, prompts: PromptSet, task: Task, *, max_new_tokens: int, samples: int = 0,
                    temperature: float = 1.0, top_p: float = 1.0, batch_size: int = 128, seed: int = 0,
                    show_progress: bool = False) -> dict:
-    """Greedy accuracy over ``prompts``; with ``samples`` > 0 also avg@k and pass@k (k = samples)."""
+    """Greedy accuracy over ``prompts``; with ``samples`` > 0 also avg@k and pass@k (k = samples).
+
+    A response counts as correct when ``task.reward`` gives it 1, the same test as training's.
+    """
     engine = HFRollout(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
     n = len(prompts)
     greedy_ok: list[bool] = []
@@ -112,7 +115,7 @@ def evaluate_model(model, tokenizer, prompts: PromptSet, *, max_new_tokens: int,
                 )
                 texts = decode_responses(tokenizer, batch.response_ids_NT, batch.response_mask_NT)
                 for (i, s), text in zip(chunk, texts):
-                    ok = grade(text, prompts.examples[i].answer)
+                    ok = task.reward(text, prompts.examples[i]) == 1.0
                     (greedy_ok.append(ok) if greedy else sampled_ok[i].append(ok))
                 bar.advance(len(chunk))
     result = {"accuracy": sum(greedy_ok) / n, "n": n}
@@ -127,7 +130,7 @@ def run_eval(cfg: EvalConfig) -> dict:
     task = load_task(cfg.task, cfg.task_level, cfg.seed)
     prompts = PromptSet.build(task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
     t0 = time.time()
-    result = evaluate_model(model, tok, prompts, max_new_tokens=cfg.max_new_tokens, samples=cfg.samples,
+    result = evaluate_model(model, tok, prompts, task, max_new_tokens=cfg.max_new_tokens, samples=cfg.samples,
                             temperature=cfg.temperature, top_p=cfg.top_p, batch_size=cfg.batch_size,
                             seed=cfg.seed, show_progress=True)
     result["wall_s"] = round(time.time() - t0, 2)

@@ -148,3 +148,28 @@ def parse_arch(arch: str) -> tuple[int, int]:
     if width % 32 or layers < 1:
         raise UserError(f"--arch {arch!r}: width must be a multiple of 32 and layers >= 1")
     return layers, width
+
+
+# Attributes through which transformers' attention implementations read a dropout probability at
+# call time (``dropout=0.0 if not self.training else self.attention_dropout``): no nn.Dropout
+# module exists for them, so they are set on the modules that hold them.
+_DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout", "dropout_p")
+
+
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Turn off every dropout of ``model`` while it stays in train mode; returns how many were on.
+
+    On-policy training compares the student's log-probs across the rollout, the loss and the
+    diagnostics; with dropout on, each of those sees a different random network. RL and
+    distillation trainers (TRL's ``disable_dropout``, verl) turn it off for the same reason.
+    """
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            module.p, changed = 0.0, changed + 1
+        for name in _DROPOUT_ATTRIBUTES:
+            value = getattr(module, name, None)
+            if isinstance(value, float) and value > 0:
+                setattr(module, name, 0.0)
+                changed += 1
+    return changed

@@ -63,8 +63,9 @@ def support_with_teacher_logprobs(cfg: TrainConfig, batch: RolloutBatch, scores:
 class LossTotals:
     """Whole-batch counts, so micro-batch losses add up to the full-batch reduction exactly.
 
-    In data-parallel training the counts are those of the global batch (summed over ranks; the
-    horizon is the longest response length of any rank) and ``ranks`` is the number of ranks.
+    In data-parallel training the counts are those of the global batch (summed over ranks) and
+    ``ranks`` is the number of ranks. ``horizon`` is the configured ``max_new_tokens``, never a
+    length measured on the batch: ``constant_sum`` then weighs every token the same at every step.
     """
 
     tokens: int

@@ -129,7 +129,7 @@ def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
             bar.advance(1)
             bar.describe(f"loss {loss.item():.3f}  best acc {max(best, 0):.3f}")
             if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step == cfg.steps - 1:
-                acc = evaluate_model(model, tok, test, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)["accuracy"]
+                acc = evaluate_model(model, tok, test, task, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)["accuracy"]
                 model.train()
                 rundir.log_metrics({"step": step, "eval/accuracy": acc})
                 if acc > best:

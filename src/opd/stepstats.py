@@ -9,13 +9,36 @@ use the student and teacher logits at the step's sampled diagnostic positions; t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from opd import metrics as M
 from opd.evaluation import decode_responses
-from opd.models import head_weight
+from opd.rollout import RolloutBatch
+from opd.tasks import Example, Task
+from opd.teacher import TeacherScores
 
 DEPTH_BUCKETS = 8
+
+
+@dataclass
+class StepUpdate:
+    """What the update stage hands to logging: its first update's values, detached.
+
+    Shapes:
+        loss_NT: (N, T) per-position loss; diag_hidden_MD: (M, D) the student's final hidden states
+        at the step's diagnostic positions; log_hidden_LTD: (L, T, D) those of the logged rollouts
+    """
+
+    loss: float
+    grad_norm: float
+    clipped: bool
+    lr: float
+    loss_NT: torch.Tensor
+    diag_hidden_MD: torch.Tensor
+    log_hidden_LTD: torch.Tensor
 
 
 def _full_vocab_diagnostics(s_MV: torch.Tensor, t_MV: torch.Tensor, k: int) -> dict:
@@ -37,26 +60,27 @@ def _full_vocab_diagnostics(s_MV: torch.Tensor, t_MV: torch.Tensor, k: int) -> d
     }
 
 
-def grade_rollouts(run, batch, rows) -> tuple[list[str], list[float]]:
+def grade_rollouts(tokenizer: PreTrainedTokenizerBase, task: Task, examples: list[Example],
+                   batch: RolloutBatch) -> tuple[list[str], list[float]]:
     """Decoded responses and their task rewards (1 = correct), graded once per step."""
-    texts = decode_responses(run.tokenizer, batch.response_ids_NT, batch.response_mask_NT)
-    return texts, [run.task.reward(t, run.prompts.examples[i]) for t, i in zip(texts, rows)]
+    texts = decode_responses(tokenizer, batch.response_ids_NT, batch.response_mask_NT)
+    return texts, [task.reward(t, e) for t, e in zip(texts, examples, strict=True)]
 
 
-def step_metrics(run, batch, correct: list[float], scores, upd: dict, mask_NT: torch.Tensor) -> dict:
-    cfg = run.cfg
+def step_metrics(batch: RolloutBatch, correct: list[float], scores: TeacherScores, upd: StepUpdate,
+                 mask_NT: torch.Tensor, head_VD: torch.Tensor, k: int, horizon: int) -> dict:
+    """One rank's metrics of a step; ``horizon`` (max new tokens) fixes the depth buckets."""
     resp = batch.response_mask_NT
     reward_NT = (scores.sampled_logprobs_NT - batch.logprobs_NT) * resp
-    W = head_weight(run.student)
-    s_MV = upd["diag_hidden_MD"].float() @ W.detach().float().T
+    s_MV = upd.diag_hidden_MD.float() @ head_VD.float().T
     # A fixed horizon keeps bucket b the same depth range at every step, whatever the batch's length.
-    depth_reward, _ = M.by_position_bucket(reward_NT, resp, DEPTH_BUCKETS, horizon=cfg.max_new_tokens)
-    depth_loss, _ = M.by_position_bucket(upd["loss_NT"], mask_NT, DEPTH_BUCKETS, horizon=cfg.max_new_tokens)
+    depth_reward, _ = M.by_position_bucket(reward_NT, resp, DEPTH_BUCKETS, horizon=horizon)
+    depth_loss, _ = M.by_position_bucket(upd.loss_NT, mask_NT, DEPTH_BUCKETS, horizon=horizon)
     return {
-        "train/loss": upd["loss"],
-        "train/grad_norm": upd["grad_norm"],
-        "train/clipped": upd["clipped"],
-        "train/lr": upd["lr"],
+        "train/loss": upd.loss,
+        "train/grad_norm": upd.grad_norm,
+        "train/clipped": upd.clipped,
+        "train/lr": upd.lr,
         "train/loss_tokens": int(mask_NT.sum()),
         "rollout/response_len": float(resp.sum(-1).float().mean()),
         "rollout/eos_rate": float(batch.finished_N.float().mean()),
@@ -66,7 +90,7 @@ def step_metrics(run, batch, correct: list[float], scores, upd: dict, mask_NT: t
         "diag/negative_reward": M.negative_reward_share(batch.logprobs_NT, scores.sampled_logprobs_NT, resp),
         "diag/out_of_support": M.out_of_support_share(batch.response_ids_NT, scores.topk_ids_NTK, resp),
         # A served teacher returns no full logits: those diagnostics are then absent, not faked.
-        **({} if scores.diag_logits_MV is None else _full_vocab_diagnostics(s_MV, scores.diag_logits_MV, min(cfg.k, W.shape[0]))),
+        **({} if scores.diag_logits_MV is None else _full_vocab_diagnostics(s_MV, scores.diag_logits_MV, min(k, head_VD.shape[0]))),
         "depth/reward": depth_reward.tolist(),
         "depth/loss": depth_loss.tolist(),
     }
@@ -94,20 +118,19 @@ def metric_weights(batch, mask_NT: torch.Tensor, n_diag: int, horizon: int) -> d
     }
 
 
-def rollout_records(run, step: int, batch, rows, texts: list[str], correct: list[float], scores, upd: dict,
-                    mask_NT: torch.Tensor) -> list[dict]:
+def rollout_records(tok: PreTrainedTokenizerBase, head_VD: torch.Tensor, step: int, batch: RolloutBatch,
+                    examples: list[Example], texts: list[str], correct: list[float], scores: TeacherScores,
+                    upd: StepUpdate, mask_NT: torch.Tensor) -> list[dict]:
     """Per-token detail of the first few rollouts, for the report's token inspector."""
-    tok = run.tokenizer
-    h = upd["log_hidden"]
-    W = head_weight(run.student).detach().float()
-    student_lp = torch.log_softmax(h.float() @ W.T, dim=-1)
+    h = upd.log_hidden_LTD
+    student_lp = torch.log_softmax(h.float() @ head_VD.float().T, dim=-1)
     records = []
     for r in range(h.shape[0]):
         n = int(batch.response_mask_NT[r].sum())
         ids = batch.response_ids_NT[r, :n]
         topk = scores.topk_ids_NTK[r, :n]
         uniq = topk.unique().tolist()
-        example = run.prompts.examples[rows[r]]
+        example = examples[r]
         records.append({
             "step": step,
             "prompt": example.prompt,
@@ -119,7 +142,7 @@ def rollout_records(run, step: int, batch, rows, texts: list[str], correct: list
             "loss_mask": mask_NT[r, :n].tolist(),
             "student_logprobs": [round(x, 5) for x in batch.logprobs_NT[r, :n].tolist()],
             "teacher_logprobs": [round(x, 5) for x in scores.sampled_logprobs_NT[r, :n].float().tolist()],
-            "token_loss": [round(x, 6) for x in upd["loss_NT"][r, :n].float().tolist()],
+            "token_loss": [round(x, 6) for x in upd.loss_NT[r, :n].float().tolist()],
             "teacher_topk_ids": topk.tolist(),
             "teacher_topk_logprobs": [[round(x, 4) for x in row] for row in scores.topk_logprobs_NTK[r, :n].float().tolist()],
             "student_topk_logprobs": [[round(x, 4) for x in row] for row in student_lp[r, :n].gather(-1, topk).tolist()],

@@ -23,12 +23,14 @@ Run: ``opd train --student DIR --teacher DIR --objective lsm --k 32 --out runs/x
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from opd.config import TrainConfig
 from opd.data import PromptSet, load_task, sample_seed
@@ -36,15 +38,15 @@ from opd.distributed import Dist, init_distributed, merge_metrics, shutdown
 from opd.errors import UserError
 from opd.evaluation import evaluate_model
 from opd.lora import apply_lora, load_weights
-from opd.models import head_weight, load_model, load_tokenizer, resolve_device
+from opd.models import disable_dropout, head_weight, load_model, load_tokenizer, resolve_device
 from opd.objectives import NEEDS_STUDENT_TOPK, LossTotals, loss_mask, objective_loss, reduce_loss, student_topk_ids
 from opd.optim import make_optimizer, make_scheduler, rng_state, set_rng_state
 from opd.progress import progress_bar
 from opd.rollout import HFRollout, RolloutBatch
 from opd.rundir import RunDir, save_final_model
-from opd.stepstats import grade_rollouts, metric_weights, rollout_records, step_metrics
-from opd.teacher import TeacherScorer, TeacherScores
-from opd.teacher import make_teacher
+from opd.stepstats import StepUpdate, grade_rollouts, metric_weights, rollout_records, step_metrics
+from opd.tasks import Task
+from opd.teacher import TeacherScorer, TeacherScores, make_teacher
 
 
 @dataclass
@@ -52,20 +54,19 @@ class Run:
     """Everything the loop's stages share; built once by :func:`setup`."""
 
     cfg: TrainConfig
-    student: torch.nn.Module
+    student: torch.nn.Module  # a transformers causal LM, or peft's wrapper of one (--lora-r)
     teacher: TeacherScorer
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     engine: HFRollout
+    task: Task
     prompts: PromptSet
     test: PromptSet
     optimizer: torch.optim.Optimizer
-    scheduler: object
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     rundir: RunDir
     special_ids: list[int]
-    task: object
     dist: Dist = field(default_factory=Dist)  # ranks, and the student as DDP/FSDP wrap it (dist.model)
     start_step: int = 0
-    history: list[dict] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -87,6 +88,8 @@ def setup(cfg: TrainConfig) -> Run:
     prompts = PromptSet.build(task.examples("train"), tok, cfg.max_prompt_tokens, "training prompts")
     test = PromptSet.build(task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
     special_ids = special_token_ids(tok, cfg.special_tokens)
+    if not cfg.keep_dropout:  # before LoRA, so --lora-dropout still applies to the adapter
+        disable_dropout(student)
     if cfg.lora_r:
         student = apply_lora(student, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout, cfg.student)
     ckpt = rundir.latest_checkpoint() if cfg.resume else None
@@ -95,8 +98,8 @@ def setup(cfg: TrainConfig) -> Run:
     student.train()
     optimizer = make_optimizer(dist.wrap(student), cfg.lr, cfg.weight_decay)
     scheduler = make_scheduler(optimizer, cfg.warmup_steps, cfg.steps * cfg.updates_per_batch, cfg.schedule)
-    run = Run(cfg, student, teacher, tok, HFRollout(student, tok.eos_token_id, tok.pad_token_id),
-              prompts, test, optimizer, scheduler, rundir, special_ids, task, dist)
+    run = Run(cfg, student, teacher, tok, HFRollout(student, tok.eos_token_id, tok.pad_token_id), task,
+              prompts, test, optimizer, scheduler, rundir, special_ids, dist)
     if ckpt is not None:
         resume(run, ckpt)
     rundir.write_config(cfg)
@@ -168,22 +171,28 @@ def score_stage(run: Run, batch: RolloutBatch, diag_M: torch.Tensor):
 
 def global_totals(run: Run, mask_NT: torch.Tensor) -> LossTotals:
     """The loss normalisers of the global batch (all ranks), so every rank's share adds up to it."""
-    N, T = mask_NT.shape
-    tokens, seqs, rollouts = run.dist.all_sum([float(mask_NT.sum()), float((mask_NT.sum(-1) > 0).sum()), float(N)])
-    return LossTotals(int(tokens), int(seqs), int(rollouts), run.dist.all_max(T), run.dist.world)
+    tokens, seqs, rollouts = run.dist.all_sum([float(mask_NT.sum()), float((mask_NT.sum(-1) > 0).sum()),
+                                               float(mask_NT.shape[0])])
+    return LossTotals(int(tokens), int(seqs), int(rollouts), run.cfg.max_new_tokens, run.dist.world)
 
 
 def _objective(student, run: Run, *args):
     return objective_loss(run.cfg, student, run.teacher, *args)
 
 
-def update_stage(run: Run, step: int, batch: RolloutBatch, scores: TeacherScores, student_ids, mask_NT, diag_M) -> dict:
-    """Objective loss over micro-batches, clipping, optimizer step(s); detached by-products for logging."""
+def update_stage(run: Run, step: int, batch: RolloutBatch, scores: TeacherScores, student_ids, mask_NT,
+                 diag_M) -> StepUpdate:
+    """Objective loss over micro-batches, clipping, optimizer step(s); the first update's by-products.
+
+    With ``--updates-per-batch`` > 1 the later updates reuse the batch: the sampled-token loss
+    corrects with importance ratios, the analytic losses (lsm, full_kl) need none but see states
+    an older policy visited. Only the first update's loss is logged (the on-policy one).
+    """
     cfg = run.cfg
     N = mask_NT.shape[0]
     totals = global_totals(run, mask_NT)
     mb = N // cfg.grad_accum
-    out = {"loss": 0.0, "grad_norm": 0.0, "clipped": False}
+    first: StepUpdate | None = None
     for update in range(cfg.updates_per_batch):
         run.optimizer.zero_grad(set_to_none=True)
         loss_value, loss_rows, hidden_rows = 0.0, [], []
@@ -201,36 +210,49 @@ def update_stage(run: Run, step: int, batch: RolloutBatch, scores: TeacherScores
                 loss_rows.append(loss_NT.detach())
                 hidden_rows.append(h.detach())
         loss_value = run.dist.all_sum([loss_value])[0] / run.dist.world  # see reduce_loss
-        if not math.isfinite(loss_value):
-            raise UserError(
-                f"the loss became {loss_value} at step {step}; training stopped and the last good checkpoint "
-                f"in {run.rundir.ckpt_root} is kept. Lower --lr, raise --warmup-steps, or check the teacher's outputs"
-            )
         norm = torch.nn.utils.clip_grad_norm_(run.dist.model.parameters(), cfg.max_grad_norm or float("inf"))
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
+        check_finite(run, step, loss=loss_value, gradient_norm=norm)
         run.optimizer.step()
         run.scheduler.step()
-        if update == 0:
+        if first is None:
             h_all = torch.cat(hidden_rows)
-            out.update(loss=loss_value, grad_norm=float(norm), clipped=bool(cfg.max_grad_norm and norm > cfg.max_grad_norm),
-                       loss_NT=torch.cat(loss_rows), diag_hidden_MD=h_all.reshape(-1, h_all.shape[-1])[diag_M],
-                       log_hidden=h_all[: cfg.log_rollouts])
-    out["lr"] = run.scheduler.get_last_lr()[0]
-    return out
+            first = StepUpdate(loss=loss_value, grad_norm=norm, clipped=bool(cfg.max_grad_norm and norm > cfg.max_grad_norm),
+                               lr=0.0, loss_NT=torch.cat(loss_rows),
+                               diag_hidden_MD=h_all.reshape(-1, h_all.shape[-1])[diag_M],
+                               log_hidden_LTD=h_all[: cfg.log_rollouts])
+    first.lr = run.scheduler.get_last_lr()[0]
+    return first
 
 
-def log_stage(run: Run, step: int, rows: list[int], batch: RolloutBatch, scores: TeacherScores, upd: dict,
+def check_finite(run: Run, step: int, **values: float) -> None:
+    """Stop before a non-finite loss or gradient reaches the weights; the last checkpoint stays."""
+    for name, value in values.items():
+        if not math.isfinite(value):
+            raise UserError(
+                f"the {name.replace('_', ' ')} became {value} at step {step}; training stopped before the update "
+                f"and the last good checkpoint in {run.rundir.ckpt_root} is kept. Lower --lr, raise "
+                "--warmup-steps, or check the teacher's outputs"
+            )
+
+
+def log_stage(run: Run, step: int, rows: list[int], batch: RolloutBatch, scores: TeacherScores, upd: StepUpdate,
               mask_NT: torch.Tensor, timings: dict) -> dict:
     """Metrics of the whole batch (ranks' records merged) and rank 0's sample rollouts."""
-    texts, correct = grade_rollouts(run, batch, rows)
+    cfg = run.cfg
+    examples = [run.prompts.examples[i] for i in rows]
+    texts, correct = grade_rollouts(run.tokenizer, run.task, examples, batch)
 
-    def local(_student):
-        metrics = {**step_metrics(run, batch, correct, scores, upd, mask_NT), **timings}
-        logged = run.cfg.log_rollouts and run.dist.is_main
-        return metrics, rollout_records(run, step, batch, rows, texts, correct, scores, upd, mask_NT) if logged else []
+    def local(student):
+        W = head_weight(student).detach()
+        metrics = {**step_metrics(batch, correct, scores, upd, mask_NT, W, k=cfg.k, horizon=cfg.max_new_tokens),
+                   **timings}
+        if not (cfg.log_rollouts and run.dist.is_main):
+            return metrics, []
+        return metrics, rollout_records(run.tokenizer, W, step, batch, examples, texts, correct, scores, upd, mask_NT)
 
     metrics, rollouts = run.dist.full_call(local)
-    weights = metric_weights(batch, mask_NT, upd["diag_hidden_MD"].shape[0], run.cfg.max_new_tokens)
+    weights = metric_weights(batch, mask_NT, upd.diag_hidden_MD.shape[0], cfg.max_new_tokens)
     record = {"step": step, **merge_metrics(run.dist.gather(metrics), run.dist.gather(weights))}
     run.rundir.log_metrics(record)
     if rollouts:
@@ -242,8 +264,8 @@ def eval_stage(run: Run, step: int) -> dict:
     """Rank 0 evaluates (with FSDP, on weights all ranks gathered); the others wait for it."""
     cfg = run.cfg
     res = run.dist.full_call(lambda s: evaluate_model(
-        s, run.tokenizer, run.test, max_new_tokens=cfg.max_new_tokens, samples=cfg.eval_samples, temperature=1.0,
-        top_p=cfg.top_p, seed=cfg.seed) if run.dist.is_main else None)
+        s, run.tokenizer, run.test, run.task, max_new_tokens=cfg.max_new_tokens, samples=cfg.eval_samples,
+        temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed) if run.dist.is_main else None)
     run.student.train()
     if res is None:
         return {}
@@ -256,7 +278,7 @@ def checkpoint_stage(run: Run, step: int) -> None:
     """Rank 0 writes; every rank takes part in gathering sharded weights and per-rank RNG states."""
     rng = run.dist.gather(rng_state(run.dist.device))
     state = {"step": step, "optimizer": run.dist.optimizer_state(run.optimizer), "scheduler": run.scheduler.state_dict(),
-             "rng": rng if run.dist.active else rng[0], "fsdp": run.dist.fsdp, "config": run.cfg.__dict__}
+             "rng": rng if run.dist.active else rng[0], "fsdp": run.dist.fsdp, "config": dataclasses.asdict(run.cfg)}
     run.rundir.save_checkpoint(step, run.student, state, model_state=run.dist.full_state_dict(run.student))
     run.dist.barrier()
 
