@@ -45,22 +45,31 @@ def test_cli_smoke_every_objective(tiny_models, tmp_path, args):
     student, teacher = tiny_models
     out = tmp_path / "run"
     cli = ["train", "--student", str(student), "--teacher", str(teacher), "--out", str(out)]
-    for key, value in SMALL.items():
+    for key, value in {**SMALL, "log_rollouts": SMALL["batch_size"]}.items():  # every rollout logged
         cli += [f"--{key.replace('_', '-')}", str(value)]
     result = CliRunner().invoke(app, cli + args)
     assert result.exit_code == 0, result.output + repr(result.exception)
     steps = step_records(out)
     assert [r["step"] for r in steps] == [0, 1]
+    rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 8 and len(rollouts[0]["teacher_topk_ids"][0]) == 8
     for r in steps:
-        assert all(torch.isfinite(torch.tensor(float(r[k]))) for k in ("train/loss", "train/grad_norm"))
+        # The step's figures must agree with its per-token records (the first update's loss, token mean).
+        mine = [x for x in rollouts if x["step"] == r["step"]]
+        masks = [m for x in mine for m in x["loss_mask"]]
+        losses = [v for x in mine for v, m in zip(x["token_loss"], x["loss_mask"], strict=True) if m]
+        assert r["train/loss_tokens"] == sum(masks)
+        assert r["train/loss"] == pytest.approx(sum(losses) / max(sum(masks), 1), rel=1e-4, abs=1e-5)
+        assert r["rollout/accuracy"] == sum(x["correct"] for x in mine) / len(mine)
+        assert torch.isfinite(torch.tensor(float(r["train/grad_norm"])))
+        if args[1] != "sampled" and "--no-renormalize" not in args:  # a divergence is never negative
+            assert r["train/loss"] >= 0.0
         assert 0.0 <= r["diag/overlap"] <= 1.0 and len(r["depth/reward"]) == 8
     evals = [r for r in read_metrics(out) if "eval/accuracy" in r]
     assert len(evals) == 1 and evals[0]["step"] == 1
     assert len((out / "eval.jsonl").read_text().splitlines()) == SMALL["eval_size"]
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["objective"] == args[1]
-    rollouts = [json.loads(l) for l in (out / "rollouts.jsonl").read_text().splitlines()]
-    assert len(rollouts) == 4 and len(rollouts[0]["teacher_topk_ids"][0]) == 8
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     AutoModelForCausalLM.from_pretrained(out / "final")

@@ -74,10 +74,10 @@ class RolloutEngine(Protocol):
 COMPACT_BELOW = 0.75
 
 # Candidates nucleus_sample takes with topk, in rounds, before it falls back to sorting the whole
-# vocabulary. A top-p 0.9 nucleus of a trained model is mostly one token (98% of the demo
-# student's positions) and rarely more than a few dozen; topk's cost grows with k (16: 0.2 ms,
-# 64: 1.2 ms on 64 rows of 2,048 logits), and a full sort of every row each step was ~40% of the
-# demo's generation time. Rows the first round cannot settle go to the next.
+# vocabulary. A top-p 0.9 nucleus of a trained model is mostly one token and rarely more than a
+# few dozen, topk's cost grows with k, and a full sort of every row at every step dominates
+# generation at small widths (measurements in the README, "Where opd's step goes"). Rows the
+# first round cannot settle go to the next.
 NUCLEUS_CANDIDATES = (16, 256)
 
 

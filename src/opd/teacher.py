@@ -58,9 +58,9 @@ class TeacherScorer(Protocol):
 
 
 # Rows per forward chunk in response_hidden. A batch padded to its longest prompt and longest
-# response is about a third padding on the demo task; chunks of rows of similar length, each cut
-# to its own longest prompt and response, skip most of it. On the demo's batch of 64, chunks of 8
-# rows scored fastest (4 and 16 close behind, 64 -- one forward -- 1.7x slower).
+# response is mostly padding when lengths vary; chunks of rows of similar length, each cut to its
+# own longest prompt and response, skip most of it, while chunks too small leave the matrix
+# products narrow. How the value was chosen is in the README ("Where opd's step goes").
 ROWS_PER_CHUNK = 8
 
 

@@ -1,0 +1,88 @@
+"""Golden trajectories and learning: opd's LSM on the packaged demo models, step by step.
+
+* The first steps of an LSM run match recorded losses, gradient norms and response lengths (the
+  torchtune habit): any change to sampling, scoring, the loss or the optimizer that moves the
+  numbers shows up here, even when every unit test still passes. The figures were recorded with
+  the torch version stored beside them; under another version the test is skipped, since kernels
+  may round differently. A change that moves them on purpose re-records them, and says why:
+
+      python tests/test_golden.py --record
+
+* A short LSM run raises the demo student's greedy accuracy on held-out prompts (fixed seed).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from opd import train as train_mod
+from opd.config import TrainConfig
+from opd.demo import ASSETS
+
+GOLDEN = Path(__file__).parent / "golden" / "lsm_demo_steps.json"
+KEYS = ("train/loss", "train/grad_norm", "rollout/response_len", "train/loss_tokens")
+
+
+def golden_config(out: Path) -> TrainConfig:
+    return TrainConfig(student=str(ASSETS / "student"), teacher=str(ASSETS / "teacher"), device="cpu", seed=0,
+                       objective="lsm", k=32, steps=3, batch_size=8, max_new_tokens=24, lr=5e-4, warmup_steps=1,
+                       eval_every=0, eval_size=4, eval_samples=0, ckpt_every=0, log_rollouts=0,
+                       diag_positions=16, out=str(out))
+
+
+def run_steps(out: Path) -> list[dict]:
+    train_mod.train(golden_config(out), show_progress=False)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{"step": r["step"], **{k: r[k] for k in KEYS}} for r in records if "train/loss" in r]
+
+
+def test_lsm_steps_match_the_recorded_trajectory(tmp_path):
+    golden = json.loads(GOLDEN.read_text())
+    if golden["torch"] != torch.__version__:
+        pytest.skip(f"golden steps were recorded with torch {golden['torch']}, this is {torch.__version__}; "
+                    "re-record with python tests/test_golden.py --record")
+    got = run_steps(tmp_path / "run")
+    assert [r["step"] for r in got] == [r["step"] for r in golden["steps"]]
+    for want, have in zip(golden["steps"], got, strict=True):
+        assert have["train/loss_tokens"] == want["train/loss_tokens"], want["step"]
+        assert have["rollout/response_len"] == pytest.approx(want["rollout/response_len"], abs=1e-9), want["step"]
+        # Thread counts reorder float sums; anything beyond that is a change in behaviour.
+        for key in ("train/loss", "train/grad_norm"):
+            assert have[key] == pytest.approx(want[key], rel=1e-4), (want["step"], key)
+
+
+@pytest.mark.slow
+def test_a_short_lsm_run_raises_the_students_accuracy(tmp_path):
+    from opd.data import PromptSet, load_task
+    from opd.evaluation import evaluate_model
+    from opd.models import load_model, load_tokenizer
+
+    cfg = TrainConfig(student=str(ASSETS / "student"), teacher=str(ASSETS / "teacher"), device="cpu", seed=0,
+                      objective="lsm", k=32, steps=40, batch_size=32, max_new_tokens=48, lr=5e-4, warmup_steps=2,
+                      eval_every=0, eval_size=100, eval_samples=0, ckpt_every=0, log_rollouts=0,
+                      diag_positions=16, out=str(tmp_path / "run"))
+    tok = load_tokenizer(cfg.student)
+    task = load_task(cfg.task, cfg.task_level, cfg.seed)
+    prompts = PromptSet.build(task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
+    before = evaluate_model(load_model(cfg.student, device=torch.device("cpu")), tok, prompts, task,
+                            max_new_tokens=cfg.max_new_tokens)["accuracy"]
+    after = train_mod.train(cfg, show_progress=False)["eval/accuracy"]  # the same 100 prompts, greedy
+    assert after >= before + 0.10, (before, after)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--record"]:
+        sys.exit("usage: python tests/test_golden.py --record")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        steps = run_steps(Path(tmp) / "run")
+    GOLDEN.parent.mkdir(exist_ok=True)
+    GOLDEN.write_text(json.dumps({"torch": torch.__version__, "config": "tests/test_golden.py:golden_config",
+                                  "steps": steps}, indent=2) + "\n")
+    print(f"recorded {len(steps)} steps into {GOLDEN}")
