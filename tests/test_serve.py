@@ -199,11 +199,11 @@ def test_training_with_served_teacher_matches_in_process(served, tiny_models, tm
         records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
         losses[name], counts[name] = [r for r in records if "train/loss" in r], len(encoded) - before
     assert counts["local"] == counts["json"] == 0 and counts["binary"] >= 2  # at least one request a step
-    for served in ("binary", "json"):
-        for a, b in zip(losses["local"], losses[served], strict=True):
+    for answers in ("binary", "json"):
+        for a, b in zip(losses["local"], losses[answers], strict=True):
             assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-6)
             assert a["diag/reward_mean"] == pytest.approx(b["diag/reward_mean"], rel=1e-4, abs=1e-6)
-        assert "diag/overlap" in losses["local"][0] and "diag/overlap" not in losses[served][0]
+        assert "diag/overlap" in losses["local"][0] and "diag/overlap" not in losses[answers][0]
 
 
 def test_unreachable_server_is_a_clear_error_quickly(tiny_models):

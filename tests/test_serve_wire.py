@@ -209,7 +209,9 @@ def test_binary_answers_are_retried_and_checked(served, tiny_models):
         _Relay.failures, _Relay.cut = 0, 1
         with pytest.raises(UserError, match="unreachable after 1 attempts"):
             impatient.score(batch, 4)
-        ids_at = lambda b: 20 + 4 * int.from_bytes(b[8:12], "little")  # noqa: E731 (after the header and rows)
+        def ids_at(body):  # the ids start after the 20-byte header and the rows
+            return 20 + 4 * int.from_bytes(body[8:12], "little")
+
         for mangle, words in [
             (lambda b: b[:-6], "bytes where its header announces"),
             (lambda b: b[: ids_at(b)] + struct.pack("<i", V) + b[ids_at(b) + 4 :], rf"vocabulary \[0, {V}\)"),
@@ -249,7 +251,7 @@ def test_a_failing_request_fails_alone_on_the_binary_path(tiny_models):
             got[name] = post(url, {"prompt": seqs, "max_tokens": 1, "prompt_logprobs": 4})
 
         threads = [threading.Thread(target=ask, args=("bad", [[7, 7, 7]])),
-                   threading.Thread(target=ask, args=("good", [[5, 6, 7, 8]])),]
+                   threading.Thread(target=ask, args=("good", [[5, 6, 7, 8]]))]
         for t in threads:
             t.start()
         for t in threads:
