@@ -12,13 +12,17 @@ work TRL does not do, so the rows turn them off except one that shows what they 
   opd-lsm  the same with opd's default diagnostics (``--diag-positions 256``)
   opd-lsm  2 procs (torchrun, DDP)         each rank half the batch; one thread per rank
   opd-lsm  1 proc, served teacher          ``opd serve-teacher`` in its own process, ``--teacher-url``
+                                           (opd's binary answers, what opd's client and server agree on)
+  opd-lsm  the same with vLLM's JSON answers (what a foreign client or server gets), for comparison
   opd-lsm  2 procs, served teacher         both ranks send to the one server (it batches them)
   trl      1 proc                          TRL's ``DistillationTrainer`` (beta=1: reverse KL over the
                                            full vocabulary), ``use_cpu=True``
   opd-lsm  1 proc, teacher in bfloat16     ``--teacher-dtype bfloat16`` (the student trains in float32)
   trl      1 proc, teacher in bfloat16     the same teacher, loaded in bfloat16, given to TRL
 
-Every row's "vs TRL" ratio is against the TRL row whose teacher has the same dtype. A teacher is
+Every row's "vs TRL" ratio is against the TRL row whose teacher has the same dtype; a served row's
+"vs in-process" ratio is against the in-process row with as many trainer processes (the same
+cores: the server is one more process on them). A teacher is
 never trained, so it can run in bfloat16 (as a vLLM-served one usually does): on a CPU with
 bf16 matrix instructions (AVX512-BF16, AMX) that halves its forward pass for both trainers.
 
@@ -96,8 +100,19 @@ def opd_worker(spec: dict, out: Path) -> None:
         steps=spec["steps"], batch_size=spec["batch"] // world, device="cpu", max_new_tokens=spec["max_new_tokens"],
         top_p=spec["top_p"], temperature=1.0, lr=spec["lr"], warmup_steps=0, eval_every=0, eval_size=1,
         eval_samples=0, ckpt_every=0, log_rollouts=0, diag_positions=spec["diag_positions"])
-    stamps, records = [], []
+    stamps, records, answers = [], [], []
     real_log = train_mod.log_stage
+    if spec.get("teacher_url"):
+        from opd import teacher_http
+
+        real_client = teacher_http.HTTPTeacher
+
+        def client(*a, **kw):  # make_teacher builds the client through this name: the row's answer format
+            made = real_client(*a, **kw, binary=spec["wire"] == "binary")
+            answers.append("binary" if made.binary else "json")
+            return made
+
+        teacher_http.HTTPTeacher = client
 
     def timed_log(*a, **kw):
         record = real_log(*a, **kw)
@@ -109,7 +124,7 @@ def opd_worker(spec: dict, out: Path) -> None:
     train_mod.train(cfg, show_progress=False)
     if int(os.environ.get("RANK", "0")) == 0:
         out.write_text(json.dumps({
-            "stamps": stamps, "world": world,
+            "stamps": stamps, "world": world, "wire": answers[0] if answers else None,
             "tokens": [r["rollout/response_len"] * spec["batch"] for r in records],
             "split": [{k: r[k] for k in ("time/generate", "time/score", "time/update")} for r in records],
             "loss": [r["train/loss"] for r in records]}))
@@ -212,6 +227,9 @@ def summarise(name: str, spec: dict, res: dict, wall: float) -> dict:
     if len(stamps) < w + 2 or len(tokens) != len(stamps):
         return {"row": name, "available": False,
                 "reason": f"recorded {len(stamps)} step ends and {len(tokens)} token counts for {spec['steps']} steps"}
+    if spec.get("teacher_url") and res.get("wire") != spec["wire"]:
+        return {"row": name, "available": False,
+                "reason": f"the client got {res.get('wire')} answers, not {spec['wire']}"}
     step_s = [b - a for a, b in zip(stamps[w - 1 :], stamps[w:])]
     timed_tokens = sum(tokens[w:])
     out = {"row": name, "available": True, "processes": res["world"], "timed_steps": len(step_s),
@@ -229,6 +247,7 @@ ROWS = {  # key: name, worker, processes, teacher, opd's diag_positions, teacher
     "opd1diag": ("opd LSM, 1 proc, in-process teacher, default diagnostics", "opd", 1, "local", 256, "float32"),
     "opd2": ("opd LSM, 2 procs, in-process teacher", "opd", 2, "local", 0, "float32"),
     "served1": ("opd LSM, 1 proc, served teacher", "opd", 1, "served", 0, "float32"),
+    "served1json": ("opd LSM, 1 proc, served teacher, vLLM JSON answers", "opd", 1, "served-json", 0, "float32"),
     "served2": ("opd LSM, 2 procs, served teacher", "opd", 2, "served", 0, "float32"),
     "trl": ("TRL DistillationTrainer (beta=1), 1 proc", "trl", 1, "local", 0, "float32"),
     "opd1bf16": ("opd LSM, 1 proc, in-process teacher in bf16", "opd", 1, "local", 0, "bfloat16"),
@@ -270,8 +289,9 @@ def run_one(key: str, base: dict, args) -> dict:
     server = None
     load1 = os.getloadavg()[0]
     try:
-        if teacher == "served":
+        if teacher.startswith("served"):
             server, spec["teacher_url"] = start_server(base["teacher"], args.threads)
+            spec["wire"] = "json" if teacher == "served-json" else "binary"
         row = run_row(name, kind, spec, procs, args.row_timeout)
     except RuntimeError as exc:
         row = {"row": name, "available": False, "reason": str(exc)}
@@ -316,16 +336,22 @@ def combine(rounds: list[dict]) -> dict:
 
 def add_ratios(rows: list[dict], rounds: list[list[dict]], keys: list[str]) -> None:
     """Ratios taken within each round (rows run minutes apart, not rounds apart), then their median.
-    A row is compared with the TRL row whose teacher runs in the same dtype."""
+    A row is compared with the TRL row whose teacher runs in the same dtype; a served row also with
+    the in-process row of the same processes, diagnostics and dtype."""
     trl = {ROWS[k][5]: i for i, k in enumerate(keys) if ROWS[k][1] == "trl"}
     ref = keys.index("opd1") if "opd1" in keys else None
+    local = {(ROWS[k][2], ROWS[k][4], ROWS[k][5]): i for i, k in enumerate(keys)
+             if ROWS[k][1] == "opd" and ROWS[k][3] == "local"}
 
     def ratio(i: int, j: int | None) -> float | None:
         pairs = [(a, b) for a, b in zip(rounds[i], rounds[j]) if a["available"] and b["available"]] if j is not None else []
         return statistics.median(a["rollout_tokens_per_s"] / b["rollout_tokens_per_s"] for a, b in pairs) if pairs else None
 
     for i, r in enumerate(rows):
-        for key, j in (("throughput_vs_trl", trl.get(ROWS[keys[i]][5])), ("throughput_vs_opd_1proc", ref)):
+        _, _, procs, teacher, diag, dtype = ROWS[keys[i]]
+        in_process = local.get((procs, diag, dtype)) if teacher != "local" else None
+        for key, j in (("throughput_vs_trl", trl.get(dtype)), ("throughput_vs_opd_1proc", ref),
+                       ("throughput_vs_in_process", in_process)):
             value = ratio(i, j) if r["available"] else None
             if value is not None:
                 r[key] = value
@@ -357,17 +383,18 @@ def table(result: dict) -> str:
              f"medians over {p['rounds']} interleaved round(s); load1 = 1-minute load average before the row "
              f"({os.cpu_count()} cores, shared with other work).",
              "", "| row | processes | s/step (median) | rollout tok/s | vs TRL (tok/s) | vs opd 1 proc | "
-             "generate / score / update s | load1 |",
-             "|---|---:|---:|---:|---:|---:|---|---:|"]
+             "served vs in-process | generate / score / update s | load1 |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in result["rows"]:
         if not r["available"]:
-            lines.append(f"| {r['row']} | | unavailable: {r['reason']} | | | | | |")
+            lines.append(f"| {r['row']} | | unavailable: {r['reason']} | | | | | | |")
             continue
         split = " / ".join(f"{r[k]:.3f}" for k in ("median_generate_s", "median_score_s", "median_update_s") if k in r)
         fmt = lambda k: f"{r[k]:.2f}x" if k in r else "-"
         procs = r["processes"] + (1 if "served" in r["row"] else 0)  # the teacher server is a process too
         lines.append(f"| {r['row']} | {procs} | {r['s_per_step_median']:.3f} | {r['rollout_tokens_per_s']:.0f} | "
-                     f"{fmt('throughput_vs_trl')} | {fmt('throughput_vs_opd_1proc')} | {split or '-'} | {r['load1_before']:.1f} |")
+                     f"{fmt('throughput_vs_trl')} | {fmt('throughput_vs_opd_1proc')} | "
+                     f"{fmt('throughput_vs_in_process')} | {split or '-'} | {r['load1_before']:.1f} |")
     return "\n".join(lines)
 
 

@@ -1,9 +1,11 @@
 """The served teacher on loopback: vLLM format, equality with the in-process teacher, batching under
-load, bad requests, and the trainer's client (errors, vocabulary checks, a training run)."""
+load, bad requests, and the trainer's client (errors, vocabulary checks, a training run). Both
+answer formats between opd's ends: vLLM's JSON and opd's binary one (test_serve_wire.py has more)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.client
 import json
 import re
@@ -26,7 +28,10 @@ from opd.serve import BatchScorer, Limits, RequestError, TeacherApp, start_serve
 from opd.teacher import HFTeacher
 from opd.teacher import make_teacher
 from opd.teacher_http import HTTPTeacher
+from opd import teacher_http, wire
 from opd import train as train_mod
+
+real_encode = wire.encode_scores
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +62,12 @@ def rollouts(tok, student_dir, n=6, new_tokens=10):
         prompts, list(range(n)), max_new_tokens=new_tokens, temperature=1.5, top_p=1.0)
 
 
-def test_scores_equal_in_process_teacher(served, tiny_models):
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_scores_equal_in_process_teacher(served, tiny_models, binary):
     url, app, model, tok = served
     batch = rollouts(tok, tiny_models[0])
-    client = HTTPTeacher(url, tok, head_weight(model).shape[0], prompts_per_request=2)
-    assert client.vocab_verified
+    client = HTTPTeacher(url, tok, head_weight(model).shape[0], prompts_per_request=2, binary=binary)
+    assert client.vocab_verified and client.binary == binary  # opd's server offers the binary answer
     got, want = client.score(batch, 8), HFTeacher(model).score(batch, 8)
     m = batch.response_mask_NT
     assert torch.equal(got.topk_ids_NTK[m], want.topk_ids_NTK[m])
@@ -175,21 +181,29 @@ def test_load_many_concurrent_clients(served):
     assert batches < len(done)  # concurrent requests were merged into shared forward passes
 
 
-def test_training_with_served_teacher_matches_in_process(served, tiny_models, tmp_path):
+def test_training_with_served_teacher_matches_in_process(served, tiny_models, tmp_path, monkeypatch):
     url, app, model, tok = served
     student, teacher = tiny_models
     common = dict(student=str(student), steps=2, batch_size=4, max_new_tokens=8, eval_size=4, eval_samples=0, k=8,
                   warmup_steps=1, log_rollouts=2, diag_positions=16, eval_every=0, ckpt_every=0, lr=3e-3)
-    losses = {}
-    for name, extra in (("local", {"teacher": str(teacher)}), ("served", {"teacher_url": url})):
-        out = tmp_path / name
+    encoded = []  # binary answers the server wrote, so the test knows which format each run used
+    monkeypatch.setattr(wire, "encode_scores", lambda *a: encoded.append(1) or real_encode(*a))
+    losses, counts = {}, {}
+    for name, extra in (("local", {"teacher": str(teacher)}), ("binary", {"teacher_url": url}),
+                        ("json", {"teacher_url": url})):
+        # make_teacher builds the client; the JSON run gets one that declines the binary answer
+        client = functools.partial(HTTPTeacher, binary=False) if name == "json" else HTTPTeacher
+        monkeypatch.setattr(teacher_http, "HTTPTeacher", client)
+        out, before = tmp_path / name, len(encoded)
         train_mod.train(TrainConfig(out=str(out), **common, **extra), show_progress=False)
         records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
-        losses[name] = [r for r in records if "train/loss" in r]
-    for a, b in zip(losses["local"], losses["served"], strict=True):
-        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-6)
-        assert a["diag/reward_mean"] == pytest.approx(b["diag/reward_mean"], rel=1e-4, abs=1e-6)
-    assert "diag/overlap" in losses["local"][0] and "diag/overlap" not in losses["served"][0]
+        losses[name], counts[name] = [r for r in records if "train/loss" in r], len(encoded) - before
+    assert counts["local"] == counts["json"] == 0 and counts["binary"] >= 2  # at least one request a step
+    for answers in ("binary", "json"):
+        for a, b in zip(losses["local"], losses[answers], strict=True):
+            assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-6)
+            assert a["diag/reward_mean"] == pytest.approx(b["diag/reward_mean"], rel=1e-4, abs=1e-6)
+        assert "diag/overlap" in losses["local"][0] and "diag/overlap" not in losses[answers][0]
 
 
 def test_unreachable_server_is_a_clear_error_quickly(tiny_models):
@@ -233,6 +247,7 @@ class _Foreign(BaseHTTPRequestHandler):
 
     answer: dict = {}
     failures = 0  # answer this many POSTs with a 503 first
+    accepts: list = []  # the Accept header of every POST
 
     def log_message(self, *args):
         pass
@@ -251,6 +266,7 @@ class _Foreign(BaseHTTPRequestHandler):
 
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).accepts.append(self.headers.get("Accept"))
         if type(self).failures > 0:
             type(self).failures -= 1
             return self._send(503, {"error": {"message": "busy, try later"}})
@@ -266,6 +282,7 @@ def test_foreign_server_warns_and_malformed_answers_are_errors(served, tiny_mode
         foreign = f"http://127.0.0.1:{server.server_address[1]}"
         with pytest.warns(UserWarning, match="could not be verified"):
             client = HTTPTeacher(foreign, tok, head_weight(model).shape[0], retries=0)
+        assert not client.binary  # a foreign server is asked in vLLM's JSON, and never sent opd's Accept
         # A real answer from opd's server, relayed: the client must accept it as a vLLM answer.
         seqs = [batch.input_ids_NL[i][batch.attention_mask_NL[i].bool()].tolist() for i in range(2)]
         _, real = post(url, {"prompt": seqs, "max_tokens": 1, "prompt_logprobs": 4})
@@ -292,6 +309,7 @@ def test_foreign_server_warns_and_malformed_answers_are_errors(served, tiny_mode
         _Foreign.answer = {"choices": [{"index": 0, "text": ""}]}
         with pytest.raises(UserError, match="malformed prompt_logprobs answer"):
             client.score(batch, 4)
+        assert _Foreign.accepts and wire.MEDIA_TYPE not in _Foreign.accepts
     finally:
         server.shutdown()
         server.server_close()

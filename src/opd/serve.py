@@ -14,12 +14,16 @@ strictly larger logit. Also ``GET /health``, ``GET /v1/models`` and the opd-only
 One opd-only request field, ``opd_logprobs_from`` (per prompt, the first position to score;
 earlier ones answer null), lets opd's trainer skip the prompt positions it never reads.
 
+opd's own trainer gets the same numbers as arrays instead of JSON: ``/opd/vocab`` lists the
+binary media type in ``answer_media_types``, and a request with ``Accept: application/x-opd-scores-v1``
+is answered in that format (:mod:`opd.wire`). Any other request, and every error, gets JSON.
+
 Concurrent requests are batched: handler threads queue their prompts, and one worker thread
 collects what arrives within ``batch_wait_ms`` (up to ``max_batch_tokens`` padded tokens) into
-forward passes. The scores come from the same code as the in-process teacher
-(:func:`opd.losses.topk_and_gather_from_hidden` on :func:`opd.models.final_hidden`), so they match
-it to float rounding. Bad requests get a 4xx with an OpenAI-style JSON error; the server keeps
-serving.
+forward passes over chunks of sequences of similar length. The scores come from the same code as
+the in-process teacher (:func:`opd.losses.topk_and_gather_from_hidden` on
+:func:`opd.models.final_hidden`), so they match it to float rounding. Bad requests get a 4xx
+with an OpenAI-style JSON error; the server keeps serving.
 
 Run: ``opd serve-teacher runs/teacher --port 8000`` (``--port 0`` picks a free port and prints it).
 """
@@ -36,9 +40,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
+from opd import wire
 from opd.errors import UserError
 from opd.losses import topk_and_gather_from_hidden
 from opd.models import final_hidden, head_weight, load_model, load_tokenizer, model_device, resolve_device
+from opd.teacher import ROWS_PER_CHUNK
 from opd.teacher_http import vocab_info
 
 
@@ -75,6 +81,7 @@ class SeqScores:
     """Scores of one sequence of length L from token ``start`` (>= 1): row r describes token start + r.
 
     Shapes: ids, logprobs: (L-start, K) sorted descending; given_logprob, given_rank: (L-start,).
+    ``given_rank`` is exact when scored with ``ranks=True``; otherwise only inside the top-K.
     ``next_id`` is the teacher's argmax after the last token (the one "generated" token).
     """
 
@@ -88,30 +95,39 @@ class SeqScores:
 
 @torch.no_grad()
 def score_sequences(model, seqs: list[list[int]], k: int, chunk_size: int = 256,
-                    starts: list[int] | None = None) -> list[SeqScores]:
+                    starts: list[int] | None = None, rows_per_chunk: int = ROWS_PER_CHUNK,
+                    ranks: bool = True) -> list[SeqScores]:
     """Top-K, given-token log-probs and ranks of each sequence's tokens from ``starts[i]`` on
-    (default 1: every token but the first), in one forward pass; the head runs on those rows only."""
+    (default 1: every token but the first). The model runs on chunks of ``rows_per_chunk``
+    sequences of similar length, each padded only to its own longest (as the in-process teacher
+    does, for the same reason: one forward over a whole padded batch was much slower); the head
+    then runs once, on the scored rows only. ``ranks=False`` skips the given tokens' ranks (only
+    the JSON answer has them; a given token outside the top-K costs a full row of logits)."""
     starts = starts or [1] * len(seqs)
     lens = [len(s) for s in seqs]
-    L = max(lens)
-    ids_NL = torch.zeros(len(seqs), L, dtype=torch.long, device="cpu")
-    mask_NL = torch.zeros(len(seqs), L, dtype=torch.long, device="cpu")
-    for i, s in enumerate(seqs):  # right padding: a causal model's real positions never see it
-        ids_NL[i, : len(s)] = torch.as_tensor(s, device="cpu")
-        mask_NL[i, : len(s)] = 1
     dev = model_device(model)
-    ids_NL, mask_NL = ids_NL.to(dev), mask_NL.to(dev)
-    h_NLD = final_hidden(model, ids_NL, mask_NL)
+    h_rows: list[torch.Tensor | None] = [None] * len(seqs)
+    order = sorted(range(len(seqs)), key=lambda i: lens[i])
+    for c in range(0, len(order), rows_per_chunk):
+        rows = order[c : c + rows_per_chunk]
+        ids_NL = torch.zeros(len(rows), max(lens[i] for i in rows), dtype=torch.long, device="cpu")
+        mask_NL = torch.zeros_like(ids_NL)
+        for r, i in enumerate(rows):  # right padding: a causal model's real positions never see it
+            ids_NL[r, : lens[i]] = torch.as_tensor(seqs[i], device="cpu")
+            mask_NL[r, : lens[i]] = 1
+        h_NLD = final_hidden(model, ids_NL.to(dev), mask_NL.to(dev))
+        for r, i in enumerate(rows):  # hidden row j predicts token j + 1
+            h_rows[i] = h_NLD[r, starts[i] - 1 : lens[i]]
     W = head_weight(model)
-    # Hidden row j predicts token j + 1; the last row predicts the next token (its query is a dummy).
-    h_MD = torch.cat([h_NLD[i, st - 1 : n] for i, (n, st) in enumerate(zip(lens, starts))])
-    query_M = torch.cat([torch.cat([ids_NL[i, st:n], ids_NL[i, :1]]) for i, (n, st) in enumerate(zip(lens, starts))])
+    # Each sequence's last row predicts the next token (its query, the first token, is a dummy).
+    h_MD = torch.cat(h_rows)
+    query_M = torch.tensor([t for s, st in zip(seqs, starts) for t in (*s[st:], s[0])], dtype=torch.long, device=dev)
     ids_MK, lps_MK, q_M1 = topk_and_gather_from_hidden(h_MD[None], W, k, query_M.view(1, -1, 1), chunk_size)
     ids_MK, lps_MK, given_M = ids_MK[0], lps_MK[0], q_M1[0, :, 0]
     rank_M = 1 + (lps_MK > given_M[:, None]).sum(-1)
     # Every token with a larger logit than a top-K member is itself in the top-K, so the count above
     # is exact there; a given token outside the top-K needs its row of logits again.
-    outside = (~(ids_MK == query_M[:, None]).any(-1)).nonzero().squeeze(-1)
+    outside = (~(ids_MK == query_M[:, None]).any(-1)).nonzero().squeeze(-1) if ranks else query_M[:0]
     for rows in outside.split(chunk_size):
         logits = h_MD[rows].float() @ W.float().T
         rank_M[rows] = 1 + (logits > logits.gather(-1, query_M[rows, None])).sum(-1)
@@ -129,6 +145,7 @@ class _Job:
     seqs: list[list[int]]
     k: int
     starts: list[int]
+    ranks: bool = True  # a JSON answer reports the given tokens' ranks; a binary one does not
     done: threading.Event = field(default_factory=threading.Event)
     result: list[SeqScores] | None = None
     error: str | None = None
@@ -145,8 +162,9 @@ class BatchScorer:
         self.thread = threading.Thread(target=self._loop, name="opd-teacher-scorer", daemon=True)
         self.thread.start()
 
-    def submit(self, seqs: list[list[int]], k: int, starts: list[int] | None = None) -> list[SeqScores]:
-        job = _Job(seqs, k, starts or [1] * len(seqs))
+    def submit(self, seqs: list[list[int]], k: int, starts: list[int] | None = None,
+               ranks: bool = True) -> list[SeqScores]:
+        job = _Job(seqs, k, starts or [1] * len(seqs), ranks)
         self.queue.put(job)
         if not job.done.wait(self.limits.request_timeout):
             job.abandoned = True
@@ -195,7 +213,7 @@ class BatchScorer:
                 job.done.set()
 
     def _run(self, jobs: list[_Job]) -> None:
-        k = max(j.k for j in jobs)
+        k, ranks = max(j.k for j in jobs), any(j.ranks for j in jobs)
         flat = [(len(s), ji, si) for ji, j in enumerate(jobs) for si, s in enumerate(j.seqs)]
         flat.sort(reverse=True)  # similar lengths together: less padding
         results: dict[tuple[int, int], SeqScores] = {}
@@ -206,7 +224,7 @@ class BatchScorer:
                 end += 1
             part = flat[start:end]
             scored = score_sequences(self.model, [jobs[ji].seqs[si] for _, ji, si in part], k, self.chunk_size,
-                                     [jobs[ji].starts[si] for _, ji, si in part])
+                                     [jobs[ji].starts[si] for _, ji, si in part], ranks=ranks)
             results.update({(ji, si): sc for (_, ji, si), sc in zip(part, scored)})
             self.batches += 1
             start = end
@@ -307,6 +325,13 @@ def completion_response(seqs: list[list[int]], scores: list[SeqScores], k: int, 
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(seqs), "total_tokens": n_prompt + len(seqs)}}
 
 
+def binary_response(scores: list[SeqScores], k: int) -> bytes:
+    """opd's binary answer (:mod:`opd.wire`): whole arrays, no per-token Python object."""
+    return wire.encode_scores([len(sc.given_logprob) for sc in scores], torch.cat([sc.ids[:, :k] for sc in scores]),
+                              torch.cat([sc.logprobs[:, :k] for sc in scores]),
+                              torch.cat([sc.given_logprob for sc in scores]))
+
+
 class TeacherApp:
     """The served model, its tokenizer and the batching scorer, independent of the HTTP layer."""
 
@@ -316,14 +341,21 @@ class TeacherApp:
         self.model_name = model_name
         self.limits = limits or Limits()
         self.vocab_rows = head_weight(model).shape[0]
-        self.vocab = vocab_info(tokenizer, self.vocab_rows)
+        # opd's clients read the answer formats from here: listing the binary one is the offer
+        self.vocab = {**vocab_info(tokenizer, self.vocab_rows),
+                      "answer_media_types": ["application/json", wire.MEDIA_TYPE]}
         n = len(tokenizer)
         self.decoded = tokenizer.batch_decode([[i] for i in range(n)]) + [""] * max(self.vocab_rows - n, 0)
         self.scorer = BatchScorer(self.model, self.limits)
 
-    def complete(self, body: bytes) -> dict:
+    def complete(self, body: bytes, binary: bool = False) -> dict | bytes:
+        """The answer to a completions request: vLLM's JSON, or opd's binary format (:mod:`opd.wire`)
+        when the client asked for it."""
         seqs, k, starts = parse_completion_request(body, self.tokenizer, self.vocab_rows, self.model_name, self.limits)
-        return completion_response(seqs, self.scorer.submit(seqs, k, starts), k, self.decoded, self.model_name)
+        scores = self.scorer.submit(seqs, k, starts, ranks=not binary)
+        if binary:
+            return binary_response(scores, k)
+        return completion_response(seqs, scores, k, self.decoded, self.model_name)
 
     def models(self) -> dict:
         max_len = getattr(self.model.config, "max_position_embeddings", None)
@@ -340,10 +372,14 @@ class _Handler(BaseHTTPRequestHandler):
         if getattr(self.server, "verbose", False):
             super().log_message(format, *args)
 
-    def _send(self, status: int, payload: dict | None) -> None:
-        body = b"" if payload is None else json.dumps(payload, separators=(",", ":")).encode()  # ~10% fewer bytes
+    def _send(self, status: int, payload: dict | bytes | None) -> None:
+        binary = isinstance(payload, bytes)
+        if binary:
+            body = payload
+        else:
+            body = b"" if payload is None else json.dumps(payload, separators=(",", ":")).encode()  # ~10% fewer bytes
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", wire.MEDIA_TYPE if binary else "application/json")
         self.send_header("Content-Length", str(len(body)))
         if self.close_connection:
             self.send_header("Connection", "close")
@@ -374,7 +410,7 @@ class _Handler(BaseHTTPRequestHandler):
             if size > app.limits.max_body_bytes:
                 raise RequestError(413, f"request body of {size} bytes exceeds {app.limits.max_body_bytes}; "
                                         "send fewer or shorter prompts per request")
-            self._send(200, app.complete(self.rfile.read(size)))
+            self._send(200, app.complete(self.rfile.read(size), binary=wire.accepts(self.headers.get("Accept"))))
         except RequestError as err:
             self._error(err)
         except Exception as exc:  # a bug must cost one request, not the server

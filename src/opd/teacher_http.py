@@ -6,8 +6,10 @@ server answering in that format): each rollout is sent as its prompt (without le
 followed by its response, and the answer's entry at position ``p + t`` (p = that prompt's
 length) gives response token t's teacher top-K and the teacher's log-prob of the sampled token.
 Rollouts go in several requests at once, so the server can batch them; connection errors,
-timeouts and 5xx answers are retried with exponential backoff. To opd's own server the client
-also sends ``opd_logprobs_from``, so only response positions are scored and sent back.
+timeouts, answers cut short and 5xx answers are retried with exponential backoff. To opd's own
+server the client also sends ``opd_logprobs_from``, so only response positions are scored and
+sent back, and asks for them as arrays (:mod:`opd.wire`) when the server offers that (vLLM's
+JSON spends a dict per returned token, built and parsed token by token in Python on both ends).
 
 What a vLLM-format server cannot give: log-probs of arbitrary query tokens (student-side
 supports), full-vocabulary logits (``full_kl``) and the full-logit diagnostics (skipped: their
@@ -21,6 +23,7 @@ returned token id is still checked against the student's vocabulary size.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import math
 import time
@@ -31,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from opd import wire
 from opd.errors import UserError
 from opd.rollout import RolloutBatch
 from opd.teacher import TeacherScores
@@ -46,10 +50,12 @@ def vocab_info(tokenizer, head_rows: int) -> dict:
 
 
 class HTTPTeacher:
-    """A served teacher behind :class:`~opd.teacher.TeacherScorer` (top-K and sampled log-probs)."""
+    """A served teacher behind :class:`~opd.teacher.TeacherScorer` (top-K and sampled log-probs).
+
+    ``binary=False`` keeps vLLM's JSON answers even from an opd server that offers the binary ones."""
 
     def __init__(self, url: str, tokenizer, vocab_rows: int, *, timeout: float = 120.0, retries: int = 3,
-                 backoff: float = 0.5, prompts_per_request: int = 16, concurrency: int = 4):
+                 backoff: float = 0.5, prompts_per_request: int = 16, concurrency: int = 4, binary: bool = True):
         if not url.startswith(("http://", "https://")):
             raise UserError(f"--teacher-url {url!r} must start with http:// or https:// (e.g. http://127.0.0.1:8000)")
         self.url = url.rstrip("/").removesuffix("/v1")
@@ -61,21 +67,24 @@ class HTTPTeacher:
             self.model_name = models["data"][0]["id"]
         except (KeyError, IndexError, TypeError):
             raise UserError(f"{self.url}/v1/models did not list a model; is --teacher-url an OpenAI-compatible server?") from None
-        self.vocab_verified = self._check_vocab(tokenizer)
+        theirs = self._check_vocab(tokenizer)
+        self.vocab_verified = theirs is not None
+        offered = theirs.get("answer_media_types") if self.vocab_verified else None
+        # opd's binary answers (opd.wire) only from a server that offers them; vLLM's JSON otherwise
+        self.binary = binary and isinstance(offered, list) and wire.MEDIA_TYPE in offered
 
     # ------------------------------------------------------------------ HTTP
 
-    def _request(self, method: str, path: str, payload: dict | None = None, missing_ok: bool = False):
-        """One JSON request with retries; ``None`` for a 404 when ``missing_ok``."""
-        data = None if payload is None else json.dumps(payload).encode()
+    def _fetch(self, method: str, path: str, data: bytes | None = None, accept: str | None = None,
+               missing_ok: bool = False) -> tuple[str, bytes] | None:
+        """One request with retries: the answer's media type and body; ``None`` for a 404 when ``missing_ok``."""
         fix = f"start it (opd serve-teacher TEACHER_DIR --port PORT) or fix --teacher-url {self.url}"
+        headers = {"Content-Type": "application/json", **({"Accept": accept} if accept else {})}
         for attempt in range(self.retries + 1):
-            req = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
+            req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                    body = resp.read()
-                break
+                    return resp.headers.get_content_type(), resp.read()
             except urllib.error.HTTPError as err:
                 if err.code == 404 and missing_ok:
                     return None
@@ -83,31 +92,43 @@ class HTTPTeacher:
                     raise UserError(f"teacher server {self.url}{path} answered HTTP {err.code}: "
                                     f"{_error_message(err)}") from None
                 reason = f"HTTP {err.code}"
-            except (urllib.error.URLError, OSError) as err:  # refused, reset, timed out
-                reason = str(getattr(err, "reason", err))
+            # refused, reset, timed out, or a body cut short (IncompleteRead): worth another try
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
+                reason = str(getattr(err, "reason", err)) or type(err).__name__
                 if attempt == self.retries:
                     raise UserError(f"teacher server {self.url} is unreachable after {attempt + 1} attempts "
                                     f"({reason}); {fix}") from None
             time.sleep(self.backoff * 2**attempt)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _request(self, method: str, path: str, payload: dict | None = None, missing_ok: bool = False):
+        """One JSON request with retries; ``None`` for a 404 when ``missing_ok``."""
+        data = None if payload is None else json.dumps(payload).encode()
+        got = self._fetch(method, path, data, missing_ok=missing_ok)
+        return None if got is None else self._json(got[1], path)
+
+    def _json(self, body: bytes, path: str):
         try:
             return json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise UserError(f"teacher server {self.url}{path} answered something that is not JSON; "
                             "is --teacher-url a vLLM-compatible server?") from None
 
-    def _check_vocab(self, tokenizer) -> bool:
+    def _check_vocab(self, tokenizer) -> dict | None:
+        """opd's server's ``/opd/vocab`` answer once it matches the student's; ``None`` from a foreign server."""
         theirs = self._request("GET", "/opd/vocab", missing_ok=True)
         if theirs is None:
             warnings.warn(f"teacher server {self.url} does not report its vocabulary (not an opd server), so it "
                           "could not be verified; make sure it serves a model with the student's tokenizer",
                           stacklevel=3)
-            return False
+            return None
         ours = vocab_info(tokenizer, self.vocab_rows)
+        theirs = theirs if isinstance(theirs, dict) else {}
         if theirs.get("sha256") != ours["sha256"] or theirs.get("head_rows") != ours["head_rows"]:
             raise UserError(f"the served teacher's vocabulary ({theirs.get('tokens')} tokens, {theirs.get('head_rows')} "
                             f"output rows) differs from the student's ({ours['tokens']} tokens, {ours['head_rows']} "
                             "rows); serve a teacher from the student's model family")
-        return True
+        return theirs
 
     # ------------------------------------------------------------------ scoring
 
@@ -116,34 +137,50 @@ class HTTPTeacher:
         if query_ids_NTQ is not None:
             raise UserError(f"a served teacher cannot score student-side supports; use {SERVED_OBJECTIVES}")
         N, T = batch.response_ids_NT.shape
-        prompts, lens = [], batch.response_mask_NT.sum(-1).tolist()
-        for i in range(N):
-            p = batch.input_ids_NL[i, : batch.prompt_len][batch.attention_mask_NL[i, : batch.prompt_len].bool()]
-            prompts.append(p.tolist())
-        seqs = [p + batch.response_ids_NT[i, : lens[i]].tolist() for i, p in enumerate(prompts)]
-        groups = [list(range(s, min(s + self.prompts_per_request, N))) for s in range(0, N, self.prompts_per_request)]
-        starts = [len(p) for p in prompts]
-        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            answers = list(pool.map(lambda g: self._complete([seqs[i] for i in g], k, [starts[i] for i in g]), groups))
+        P, step = batch.prompt_len, self.prompts_per_request
+        input_NL, attn_NL = batch.input_ids_NL.cpu(), batch.attention_mask_NL[:, :P].cpu().bool()
+        response_NT, lens_N = batch.response_ids_NT.cpu(), batch.response_mask_NT.sum(-1).cpu()
+        lens = lens_N.tolist()
         # Positions past a rollout's end are masked out of every loss; they get a harmless filler.
         ids = torch.arange(k, device="cpu").expand(N, T, k).clone()
         lps = torch.full((N, T, k), -math.log(k), device="cpu")
         sampled = torch.zeros(N, T, device="cpu")
-        for group, choices in zip(groups, answers):
-            for i, plp in zip(group, choices):
-                self._fill(plp, len(prompts[i]), seqs[i], k, ids[i], lps[i], sampled[i])
+        answered_NT = torch.arange(T, device="cpu") < lens_N[:, None]  # the positions an answer holds, in its order
+
+        def one(s: int) -> None:
+            # A worker thread builds its request while earlier ones are scored, then writes the answer
+            # straight into its rows of the outputs (disjoint rows: the threads never share an element).
+            rows = slice(s, min(s + step, N))
+            prompts = [input_NL[i, :P][attn_NL[i]].tolist() for i in range(rows.start, rows.stop)]
+            seqs = [p + response_NT[i, : lens[i]].tolist() for i, p in zip(range(rows.start, rows.stop), prompts)]
+            self._complete(seqs, k, [len(p) for p in prompts], ids[rows], lps[rows], sampled[rows], answered_NT[rows])
+
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            list(pool.map(one, range(0, N, step)))
         dev = batch.response_ids_NT.device
         return TeacherScores(topk_ids_NTK=ids.to(dev), topk_logprobs_NTK=lps.to(dev), sampled_logprobs_NT=sampled.to(dev))
 
     def full_logits(self, batch: RolloutBatch) -> torch.Tensor:
         raise UserError(f"a served teacher does not return full-vocabulary logits; use {SERVED_OBJECTIVES}")
 
-    def _complete(self, seqs: list[list[int]], k: int, starts: list[int]) -> list[list]:
-        """POST the sequences; each choice's ``prompt_logprobs`` in prompt order."""
+    def _complete(self, seqs: list[list[int]], k: int, starts: list[int], ids_NTK, lps_NTK, sampled_NT,
+                  answered_NT) -> None:
+        """POST the sequences; write each one's response positions into its row of the outputs."""
         payload = {"model": self.model_name, "prompt": seqs, "max_tokens": 1, "prompt_logprobs": k, "temperature": 1.0}
         if self.vocab_verified:  # opd's server: score only the responses (see opd.serve)
             payload["opd_logprobs_from"] = starts
-        answer = self._request("POST", "/v1/completions", payload)
+        media, body = self._fetch("POST", "/v1/completions", json.dumps(payload).encode(),
+                                  accept=wire.MEDIA_TYPE if self.binary else None)
+        if self.binary and media == wire.MEDIA_TYPE:
+            try:
+                top_ids, top_lps, given = wire.decode_scores(body, [len(s) - p for s, p in zip(seqs, starts)], k,
+                                                             self.vocab_rows)
+            except wire.WireError as exc:
+                raise UserError(f"teacher server {self.url} sent a malformed binary answer ({exc}); is it an opd "
+                                "server of this version? (--teacher-url)") from None
+            ids_NTK[answered_NT], lps_NTK[answered_NT], sampled_NT[answered_NT] = top_ids, top_lps, given
+            return
+        answer = self._json(body, "/v1/completions")
         try:
             choices = sorted(answer["choices"], key=lambda c: c["index"])
             out = [c["prompt_logprobs"] for c in choices]
@@ -151,7 +188,8 @@ class HTTPTeacher:
             raise self._malformed("no choices[].index / prompt_logprobs in the answer") from None
         if len(out) != len(seqs) or any(not isinstance(p, list) or len(p) != len(s) for p, s in zip(out, seqs)):
             raise self._malformed(f"expected {len(seqs)} choices with one prompt_logprobs entry per token")
-        return out
+        for n, (plp, p, seq) in enumerate(zip(out, starts, seqs)):
+            self._fill(plp, p, seq, k, ids_NTK[n], lps_NTK[n], sampled_NT[n])
 
     def _fill(self, plp: list, p: int, seq: list[int], k: int, ids_TK, lps_TK, sampled_T) -> None:
         """Response token t is entry p + t: its top-K (the K largest) and the given token's log-prob."""
