@@ -9,6 +9,7 @@ other query tokens (for student-side or union supports). Nothing here builds a g
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -88,6 +89,18 @@ def response_hidden(model: PreTrainedModel, batch: RolloutBatch, rows_per_chunk:
     return torch.cat(pieces)[torch.argsort(order_N)]
 
 
+def filler_scores(N: int, T: int, k: int, q: int, device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a teacher reports at positions past a rollout's end, which every loss masks out: distinct
+    ids (a valid support never repeats an id), a uniform top-K and zero query log-probs.
+
+    Shapes: returns ids_NTK (N, T, K) int64, logprobs_NTK (N, T, K) and query_logprobs_NTQ (N, T, Q)
+    """
+    ids = torch.arange(k, device=device).expand(N, T, k).clone()
+    lps = torch.full((N, T, k), -math.log(k), dtype=dtype, device=device)
+    return ids, lps, torch.zeros(N, T, q, dtype=dtype, device=device)
+
+
 class HFTeacher:
     """In-process teacher: one forward pass, then a chunked pass over its output head."""
 
@@ -101,12 +114,20 @@ class HFTeacher:
     def score(self, batch, k, query_ids_NTQ=None, diag_index_M=None) -> TeacherScores:
         h_NTD = response_hidden(self.model, batch)
         W = head_weight(self.model)
+        N, T, D = h_NTD.shape
         sampled = batch.response_ids_NT.unsqueeze(-1)
         query = sampled if query_ids_NTQ is None else torch.cat([sampled, query_ids_NTQ], dim=-1)
-        ids, lps, q_lps = topk_and_gather_from_hidden(h_NTD, W, k, query, self.chunk_size)
+        # The head runs on response positions only: padding can be a large share of a batch.
+        active_A = batch.response_mask_NT.reshape(-1).nonzero().squeeze(-1)
+        ids_A, lps_A, q_A = topk_and_gather_from_hidden(h_NTD.reshape(N * T, 1, D)[active_A], W, k,
+                                                        query.reshape(N * T, 1, -1)[active_A], self.chunk_size)
+        ids, lps, q_lps = filler_scores(N, T, k, query.shape[-1], h_NTD.device, lps_A.dtype)
+        ids.view(N * T, k)[active_A] = ids_A.squeeze(1)
+        lps.view(N * T, k)[active_A] = lps_A.squeeze(1)
+        q_lps.view(N * T, -1)[active_A] = q_A.squeeze(1)
         diag = None
         if diag_index_M is not None:
-            diag = h_NTD.reshape(-1, h_NTD.shape[-1])[diag_index_M].float() @ W.float().T
+            diag = h_NTD.reshape(-1, D)[diag_index_M].float() @ W.float().T
         return TeacherScores(
             topk_ids_NTK=ids, topk_logprobs_NTK=lps, sampled_logprobs_NT=q_lps[..., 0],
             query_logprobs_NTQ=None if query_ids_NTQ is None else q_lps[..., 1:], diag_logits_MV=diag,

@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
-import math
 import time
 import urllib.error
 import urllib.request
@@ -37,7 +36,7 @@ import torch
 from opd import wire
 from opd.errors import UserError
 from opd.rollout import RolloutBatch
-from opd.teacher import TeacherScores
+from opd.teacher import TeacherScores, filler_scores
 
 SERVED_OBJECTIVES = "--objective sampled, or --objective lsm with --support teacher_topk or teacher_topk_plus_sampled"
 
@@ -141,10 +140,8 @@ class HTTPTeacher:
         input_NL, attn_NL = batch.input_ids_NL.cpu(), batch.attention_mask_NL[:, :P].cpu().bool()
         response_NT, lens_N = batch.response_ids_NT.cpu(), batch.response_mask_NT.sum(-1).cpu()
         lens = lens_N.tolist()
-        # Positions past a rollout's end are masked out of every loss; they get a harmless filler.
-        ids = torch.arange(k, device="cpu").expand(N, T, k).clone()
-        lps = torch.full((N, T, k), -math.log(k), device="cpu")
-        sampled = torch.zeros(N, T, device="cpu")
+        ids, lps, sampled = filler_scores(N, T, k, 1)  # positions past a rollout's end keep the filler
+        sampled = sampled.squeeze(-1)
         answered_NT = torch.arange(T, device="cpu") < lens_N[:, None]  # the positions an answer holds, in its order
 
         def one(s: int) -> None:
