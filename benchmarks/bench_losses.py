@@ -9,12 +9,16 @@ for a head of V=151936 tokens, width d=1536 and a support of K=32 tokens:
   (c) sampled     sampled-token OPD: ``token_logprobs_from_hidden`` + ``sampled_token_advantages``
                   + ``sampled_token_pg_loss``
   (d) full_kl     full-vocabulary reverse KL: ``hidden @ W.T`` then ``full_vocab_kl(chunk_size=...)``
+  (d2) full_kl_hidden  the same loss from both models' hidden states and heads:
+                  ``full_vocab_kl_from_hidden(chunk_size=...)``, no (T, V) tensor of either model
   (e) trl         TRL's ``_chunked_divergence_loss`` (beta=1, reverse KL), when TRL is installed
-  (f) opd_signal  opd's whole training signal: ``teacher_topk_from_hidden`` (no grad) then (a)
+  (f) opd_signal  opd's whole training signal: ``topk_from_hidden`` on the teacher (no grad) then (a)
 
 Teacher quantities: (a), (b) get a precomputed teacher top-K (synthetic: K distinct ids per
 position, sorted log-probs); (c) a precomputed teacher log-prob of the sampled token; (d) the
-teacher's (1, T, V) logits precomputed (an input, so in the baseline, not in the peak). (e) and
+teacher's (1, T, V) logits precomputed (an input, so in the baseline, not in the peak); (d2) the
+teacher's final hidden states and head, its logits computed (and recomputed in the backward)
+inside the timing and the peak (more work than (d) does, and more memory counted). (e) and
 (f) start from the same student and teacher final hidden states and both heads, so they compare
 whole training signals: TRL projects the teacher's head itself, (f) takes its top-K chunked.
 
@@ -66,6 +70,7 @@ VARIANTS = {
     "lsm_logits": "(b) LSM from full logits",
     "sampled": "(c) sampled-token PG",
     "full_kl": "(d) full-vocab reverse KL",
+    "full_kl_hidden": "(d2) full-vocab reverse KL from hidden",
     "trl": "(e) TRL chunked divergence b=1",
     "opd_signal": "(f) opd signal: teacher top-K + (a)",
 }
@@ -74,6 +79,9 @@ FORMULAS = {
     "lsm_logits": "flops 6TVd; bytes 4Vd*4 (W read x3, dW write) + 4TV*4 (logits, dlogits w, 2 reads)",
     "sampled": "flops 8TVd (fwd, recompute, 2 bwd GEMMs); bytes (4*ceil(T/256)+1)Vd*4 + 7TV*4",
     "full_kl": "flops 6TVd; bytes 4Vd*4 + 8TV*4 (logits, 2x2 chunk reads, dlogits, 2 GEMM reads)",
+    "full_kl_hidden": "flops 8TVd + 4TVd_t (student fwd, recompute, 2 bwd GEMMs; teacher fwd, recompute); bytes "
+                      "(5Vd + 2Vd_t)*4c + 50TV*4, c = ceil(T/chunk) (W read x3 and dW read+write per chunk; "
+                      "about 50 passes over each (chunk, V) block in fwd+bwd)",
     "trl": "flops 8TVd + 4TVd_t; bytes (4c+1)Vd*4 + 2cVd_t*4 + 11TV*4, c = ceil(T/4096)",
     "opd_signal": "flops 2TVd_t + 6TKd; bytes ceil(T/256)Vd_t*4 + 3TV*4 + the (a) bytes",
 }
@@ -156,13 +164,13 @@ def make_inputs(variant: str, T: int, V: int, d: int, dt: int, K: int) -> dict:
         x["t_logp"] = -3.0 * torch.rand(1, T, generator=g)
     elif variant == "full_kl":
         x["t_logits"] = torch.randn(1, T, V, generator=g).mul_(2.0)
-    elif variant in ("trl", "opd_signal"):
+    elif variant in ("trl", "opd_signal", "full_kl_hidden"):
         x["Wt"] = torch.randn(V, dt, generator=g).mul_(2.0 / math.sqrt(dt))
         x["ht"] = torch.randn(1, T, dt, generator=g)
     return x
 
 
-def build_step(variant: str, x: dict, K: int, kl_chunk: int):
+def build_step(variant: str, x: dict, K: int, kl_chunk: int, kl_hidden_chunk: int):
     """A closure running one forward+backward of ``variant`` on ``x``."""
     h, W, mask = x["h"], x["W"], x["mask"]
     if variant == "lsm_hidden":
@@ -176,9 +184,11 @@ def build_step(variant: str, x: dict, K: int, kl_chunk: int):
             return L.sampled_token_pg_loss(logp, adv, mask)
     elif variant == "full_kl":
         loss = lambda: L.full_vocab_kl(h @ W.T, x["t_logits"], mask, "reverse", chunk_size=kl_chunk)
+    elif variant == "full_kl_hidden":
+        loss = lambda: L.full_vocab_kl_from_hidden(h, W, x["ht"], x["Wt"], mask, "reverse", chunk_size=kl_hidden_chunk)
     elif variant == "opd_signal":
         def loss():
-            ids, lp = L.teacher_topk_from_hidden(x["ht"], x["Wt"], K)
+            ids, lp = L.topk_from_hidden(x["ht"], x["Wt"], K)
             return L.local_support_kl_from_hidden(h, W, ids, lp, mask)
     elif variant == "trl":
         from trl.trainer.distillation_trainer import _chunked_divergence_loss
@@ -195,7 +205,7 @@ def worker(a: argparse.Namespace) -> dict:
     """Run one (variant, T) in this process and return its timings and memory."""
     torch.set_num_threads(a.threads)
     x = make_inputs(a.worker, a.T, a.V, a.d, a.teacher_d, a.K)
-    step = build_step(a.worker, x, a.K, a.kl_chunk)
+    step = build_step(a.worker, x, a.K, a.kl_chunk, a.kl_hidden_chunk)
     params = [x["W"], x["h"]]
     buf = [torch.ones_like(p) for p in params]  # a touched, parameter-sized gradient buffer
     base = rss_bytes()
@@ -228,7 +238,7 @@ def worker(a: argparse.Namespace) -> dict:
 # --------------------------------------------------------------------------- analytic model
 
 
-def analytic(variant: str, T: int, V: int, d: int, dt: int, K: int) -> tuple[float, float]:
+def analytic(variant: str, T: int, V: int, d: int, dt: int, K: int, chunk: int = 128) -> tuple[float, float]:
     """(matmul FLOPs, dominant bytes moved) of one forward+backward, per ``FORMULAS``."""
     b = 4
     lsm = (6 * T * K * d, 4 * T * K * d * b + V * d * b)
@@ -240,17 +250,21 @@ def analytic(variant: str, T: int, V: int, d: int, dt: int, K: int) -> tuple[flo
         return 8 * T * V * d, (4 * math.ceil(T / 256) + 1) * V * d * b + 7 * T * V * b
     if variant == "full_kl":
         return 6 * T * V * d, 4 * V * d * b + 8 * T * V * b
+    if variant == "full_kl_hidden":
+        c = math.ceil(T / chunk)
+        return 8 * T * V * d + 4 * T * V * dt, (5 * V * d + 2 * V * dt) * b * c + 50 * T * V * b
     if variant == "trl":
         c = math.ceil(T / 4096)
         return 8 * T * V * d + 4 * T * V * dt, (4 * c + 1) * V * d * b + 2 * c * V * dt * b + 11 * T * V * b
     return 2 * T * V * dt + lsm[0], math.ceil(T / 256) * V * dt * b + 3 * T * V * b + lsm[1]
 
 
-def memory_estimate(variant: str, T: int, V: int, d: int, dt: int) -> float:
+def memory_estimate(variant: str, T: int, V: int, d: int, dt: int, chunk: int = 128) -> float:
     """Rough bytes a (variant, T) subprocess needs, to shrink T before the kernel kills it."""
     head, tv = V * d * 4, T * V * 4
     extra = {
         "lsm_hidden": 0.5e9, "lsm_logits": 3 * tv, "sampled": 2 * head + 1e9, "full_kl": 5 * tv,
+        "full_kl_hidden": V * dt * 4 + 4 * min(T, chunk) * V * 4,
         "trl": V * dt * 4 + 8 * min(T, 4096) * 32768 * 4, "opd_signal": V * dt * 4 + 0.5e9,
     }[variant]
     return 2 * head + extra + 0.5e9
@@ -259,9 +273,9 @@ def memory_estimate(variant: str, T: int, V: int, d: int, dt: int) -> float:
 def fit_T(variant: str, T: int, a: argparse.Namespace) -> tuple[int, str]:
     """T itself, or T halved until the estimate fits in 85% of the available memory."""
     avail, t = 0.85 * available_bytes(), T
-    while t > 128 and memory_estimate(variant, t, a.V, a.d, a.teacher_d) > avail:
+    while t > 128 and memory_estimate(variant, t, a.V, a.d, a.teacher_d, a.kl_hidden_chunk) > avail:
         t //= 2
-    need = memory_estimate(variant, T, a.V, a.d, a.teacher_d) / 1e9
+    need = memory_estimate(variant, T, a.V, a.d, a.teacher_d, a.kl_hidden_chunk) / 1e9
     return t, "" if t == T else f"shrunk from T={T} to T={t}: ~{need:.1f} GB needed, {avail / 1e9:.1f} GB usable"
 
 
@@ -281,7 +295,7 @@ def run_one(variant: str, T: int, a: argparse.Namespace) -> dict:
         print("FAILED", file=sys.stderr)
         return row
     row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
-    flops, nbytes = analytic(variant, T_run, a.V, a.d, a.teacher_d, a.K)
+    flops, nbytes = analytic(variant, T_run, a.V, a.d, a.teacher_d, a.K, a.kl_hidden_chunk)
     row.update(flops=flops, bytes=nbytes, formula=FORMULAS[variant])
     if not row["peak_reset"]:
         row["note"] = (row["note"] + "; " if row["note"] else "") + "VmHWM not reset: peak includes setup"
@@ -301,12 +315,14 @@ def add_fractions(rows: list[dict], machine: dict) -> None:
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Per T: full-logits vs LSM-from-hidden, and TRL vs opd's whole signal (time, memory)."""
+    """Per T: full-logits vs LSM-from-hidden, full KL from logits vs from hidden, and TRL vs opd's
+    whole signal (time, memory)."""
     by = {(r["variant"], r["T_requested"]): r for r in rows if "median_s" in r}
     out = []
     for T in sorted({r["T_requested"] for r in rows}):
         entry = {"T": T}
-        for name, slow, fast in (("logits_vs_lsm", "lsm_logits", "lsm_hidden"), ("trl_vs_opd", "trl", "opd_signal")):
+        for name, slow, fast in (("logits_vs_lsm", "lsm_logits", "lsm_hidden"), ("full_kl_vs_hidden", "full_kl", "full_kl_hidden"),
+                                 ("trl_vs_opd", "trl", "opd_signal")):
             s, f = by.get((slow, T)), by.get((fast, T))
             if s and f and s["T"] == f["T"] == T:
                 entry[f"{name}_time"] = s["median_s"] / f["median_s"]
@@ -359,10 +375,12 @@ def render(report: dict) -> str:
             f"| {r['label']} | {r['T']} | {r['median_s']:.3f} | {r['cpu_median_s']:.2f} | {r['peak_extra_MB']:.0f} "
             f"| {r['flops'] / 1e9:.1f} | {r['bytes'] / 1e9:.2f} | {r['GFLOPs']:.1f} | {100 * r['gemm_fraction']:.1f} "
             f"| {r['GBps']:.1f} | {100 * r['bw_fraction']:.1f} | {r['bound']} | {r['load1_before']:.1f} | {r['note']} |")
-    lines += ["", "| T | full logits / LSM time | full logits / LSM memory | TRL / opd signal time "
-              "| TRL / opd signal memory |", "|---:|---:|---:|---:|---:|"]
+    lines += ["", "| T | full logits / LSM time | full logits / LSM memory | full KL (d) / (d2) time "
+              "| full KL (d) / (d2) memory | TRL / opd signal time | TRL / opd signal memory |",
+              "|---:|---:|---:|---:|---:|---:|---:|"]
     for e in report["ratios"]:
         lines.append(f"| {e['T']} | {_f(e.get('logits_vs_lsm_time'))} | {_f(e.get('logits_vs_lsm_mem'))} "
+                     f"| {_f(e.get('full_kl_vs_hidden_time'))} | {_f(e.get('full_kl_vs_hidden_mem'))} "
                      f"| {_f(e.get('trl_vs_opd_time'))} | {_f(e.get('trl_vs_opd_mem'))} |")
     lines += ["", "| target | measured | threshold | result | where |", "|---|---:|---|---|---|"]
     for t in report["targets"]:
@@ -386,6 +404,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--teacher-d", type=int, default=None, help="teacher width for (e), (f) (default: --d)")
     p.add_argument("--K", type=int, default=32, help="support size")
     p.add_argument("--kl-chunk", type=int, default=512, help="chunk_size (positions) of full_vocab_kl in (d)")
+    p.add_argument("--kl-hidden-chunk", type=int, default=128,
+                   help="chunk_size (positions) of full_vocab_kl_from_hidden in (d2)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/losses[_quick].json)")
     p.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
@@ -397,7 +417,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.repeats = a.repeats or (2 if a.quick else 3)
     a.out = a.out or HERE / "results" / ("losses_quick.json" if a.quick else "losses.json")
     a.passthrough = [f"--{k}={getattr(a, k.replace('-', '_'))}" for k in
-                     ("V", "d", "teacher-d", "K", "kl-chunk", "repeats", "warmup", "long-step", "threads")]
+                     ("V", "d", "teacher-d", "K", "kl-chunk", "kl-hidden-chunk", "repeats", "warmup", "long-step",
+                      "threads")]
     return a
 
 
@@ -421,8 +442,8 @@ def main(argv=None) -> None:
     add_fractions(rows, machine)
     ratio_rows = ratios(rows)
     report = {
-        "settings": {k: getattr(a, k) for k in ("quick", "V", "d", "teacher_d", "K", "T", "kl_chunk", "repeats",
-                                                 "warmup", "long_step", "threads")}
+        "settings": {k: getattr(a, k) for k in ("quick", "V", "d", "teacher_d", "K", "T", "kl_chunk",
+                                                 "kl_hidden_chunk", "repeats", "warmup", "long_step", "threads")}
         | {"torch": torch.__version__, "trl": trl, "trl_function": TRL_FN if trl else None,
            "python": platform.python_version(), "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M")},
         "method": {
@@ -434,8 +455,10 @@ def main(argv=None) -> None:
             "flops": "analytic matmul FLOPs (2mnk); elementwise work not counted",
             "bytes": "analytic dominant tensor traffic, fp32; see each row's formula",
             "teacher": "(a),(b) precomputed top-K; (c) precomputed teacher log-prob of the sampled token; "
-                       "(d) precomputed (1,T,V) teacher logits (an input, outside the peak); (e) TRL projects the "
-                       "teacher head itself; (f) teacher_topk_from_hidden, chunked, no grad, inside the timing",
+                       "(d) precomputed (1,T,V) teacher logits (an input, outside the peak); (d2) teacher hidden "
+                       "states and head, its logits computed and recomputed chunk by chunk inside the timing and "
+                       "the peak; (e) TRL projects the teacher head itself; (f) topk_from_hidden on the teacher, "
+                       "chunked, no grad, inside the timing",
         },
         "machine": machine, "results": rows, "ratios": ratio_rows, "targets": targets(ratio_rows, a),
     }

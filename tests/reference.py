@@ -1,13 +1,15 @@
-"""Float64 reference for opd.losses, written from API_LOSSES.md with explicit Python loops.
+"""Float64 reference for opd.losses, written from the formulas below with explicit Python loops.
 
-Independent of src/opd/losses.py on purpose: every function loops over batch, positions and
+Independent of src/opd/losses/ on purpose: every function loops over batch, positions and
 support slots with plain Python floats and `math`, and derives gradients by hand (the softmax
 Jacobian: d/dz_j F(softmax(z)) = p_j (g_j - sum_i p_i g_i) with g = dF/dp). The hand gradients
 are checked against central finite differences in tests/test_losses.py.
 
 Formulas: LSM is lsm_blog_explainer.txt section 04 (renormalized reverse KL over the teacher's
 top-K); full-vocab and sampled-token OPD are rethinking_opd_summary.txt eq. 3-4; generalized JSD
-follows the TRL convention (beta=0 forward KL, beta=1 reverse KL).
+follows the TRL convention (beta=0 forward KL, beta=1 reverse KL). Zero-probability tokens in
+a KL: 0 log 0 = 0, and an infinite term (mass where the other distribution has none) is left
+out of the sum (opd's documented rule, see ``_counted``).
 
 Loss functions take an optional cotangent `gout_BT` (default all ones) and return
 (value_BT, d sum(gout * value) / d input) as float64 torch tensors. Torch is only used for I/O.
@@ -68,7 +70,12 @@ def ref_logits(hidden_BTD, weight_VD):
 
 
 def ref_hidden_grads(hidden_BTD, weight_VD, grad_logits_BTV):
-    """Chain rule through logits = hidden @ W.T: returns (grad_hidden, grad_weight)."""
+    """Chain rule through logits = hidden @ W.T: returns (grad_hidden, grad_weight).
+
+    A logit whose gradient is exactly 0 contributes nothing to grad_hidden, also where its
+    weight row holds -inf (a token banned by the head: its logit is -inf whatever the hidden
+    state, so 0 * inf is 0 here, not NaN).
+    """
     h, w, g = _f(hidden_BTD), _f(weight_VD), _f(grad_logits_BTV)
     V, D = len(w), len(w[0])
     gw = [[0.0] * D for _ in range(V)]
@@ -76,7 +83,8 @@ def ref_hidden_grads(hidden_BTD, weight_VD, grad_logits_BTV):
     for b in range(len(h)):
         gh.append([])
         for t in range(len(h[b])):
-            gh[b].append([sum(g[b][t][v] * w[v][d] for v in range(V)) for d in range(D)])
+            gh[b].append([sum(g[b][t][v] * w[v][d] for v in range(V) if g[b][t][v] != 0.0)
+                          for d in range(D)])
             for v in range(V):
                 for d in range(D):
                     gw[v][d] += g[b][t][v] * h[b][t][d]
@@ -249,25 +257,36 @@ def ref_sampled_token_pg_loss(student_lp_BT, adv_BT, mask_BT, old_lp_BT=None, cl
     return _t(out), _t(grads)
 
 
+def _counted(la, lb):
+    """Which terms of KL(a || b) count: a > 0 and log a - log b finite.
+
+    opd's rule for zero-probability tokens: 0 log 0 = 0, and an infinite term (a > 0 where
+    b = 0) is left out of the sum instead of making the divergence infinite.
+    """
+    return [x > -INF and math.isfinite(x - y) for x, y in zip(la, lb)]
+
+
 def _kl_row(la, lb):
-    """KL(a || b) from log-probs, with 0 log 0 = 0."""
-    kl = 0.0
-    for x, y in zip(la, lb):
-        if x > -INF:
-            kl += math.exp(x) * (x - y)
-    return kl
+    """KL(a || b) from log-probs, summed over the counted terms."""
+    return sum(math.exp(x) * (x - y) for x, y, c in zip(la, lb, _counted(la, lb)) if c)
 
 
 def _divergence_row(ls, lt, kind, beta):
     """Divergence of one position and its gradient wrt the student logits."""
     if kind == "reverse" or (kind == "jsd" and beta == 1.0):
         kl = _kl_row(ls, lt)
-        g = [x - y if x > -INF else 0.0 for x, y in zip(ls, lt)]
+        # F = sum_C p (log p - log q)  =>  dF/dp_i = log p_i - log q_i + 1 on C, else 0.
+        # (The +1 cancels in the softmax Jacobian only when C holds all of p's mass.)
+        g = [x - y + 1.0 if c else 0.0 for x, y, c in zip(ls, lt, _counted(ls, lt))]
         return kl, _softmax_vjp(ls, g)
     if kind == "forward" or (kind == "jsd" and beta == 0.0):
         kl = _kl_row(lt, ls)
-        # dL/dp_i = -q_i / p_i  =>  dL/dz_j = p_j - q_j
-        return kl, [math.exp(x) - math.exp(y) for x, y in zip(ls, lt)]
+        # dF/dp_i = -q_i / p_i on C  =>  dF/dz_j = p_j * (sum_C q) - q_j [j in C]
+        # (p - q when C holds all of q's mass).
+        counted = _counted(lt, ls)
+        q_c = sum(math.exp(y) for y, c in zip(lt, counted) if c)
+        return kl, [math.exp(x) * q_c - (math.exp(y) if c else 0.0)
+                    for x, y, c in zip(ls, lt, counted)]
     lm = []
     for x, y in zip(ls, lt):  # log(beta q + (1-beta) p), stable
         u = y + math.log(beta) if y > -INF else -INF
@@ -299,8 +318,22 @@ def _divergence(student_BTV, teacher_BTV, mask_BT, kind, beta, gout_BT):
 
 
 def ref_full_vocab_kl(student_BTV, teacher_BTV, mask_BT, direction="reverse", gout_BT=None):
-    """reverse: KL(p_student || q_teacher); forward: KL(q_teacher || p_student)."""
+    """reverse: KL(p_student || q_teacher); forward: KL(q_teacher || p_student).
+
+    Infinite terms are left out (see ``_counted``); the gradient is that of the truncated sum.
+    """
     return _divergence(student_BTV, teacher_BTV, mask_BT, direction, None, gout_BT)
+
+
+def ref_full_vocab_kl_from_hidden(hs_BTD, ws_VD, ht_BTE, wt_VE, mask_BT, direction="reverse",
+                                  gout_BT=None):
+    """ref_full_vocab_kl of both models' logits = hidden @ W.T, with the student's gradients.
+
+    Returns (kl_BT, grad_student_hidden, grad_student_weight).
+    """
+    kl, g_logits = ref_full_vocab_kl(ref_logits(hs_BTD, ws_VD), ref_logits(ht_BTE, wt_VE),
+                                     mask_BT, direction, gout_BT)
+    return (kl, *ref_hidden_grads(hs_BTD, ws_VD, g_logits))
 
 
 def ref_generalized_jsd(student_BTV, teacher_BTV, mask_BT, beta=0.5, gout_BT=None):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import opd.losses as L
+import opd.losses._row_kernels as RK
 import reference as R
 
 F64, F32, BF16, F16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
@@ -121,11 +122,18 @@ def _fd_cases():
     for beta in (0.0, 0.3, 1.0):
         x0 = zs if beta else zs.clamp(min=-30)
         cases[f"jsd_{beta}"] = (x0, lambda x, b=beta: R.ref_generalized_jsd(x, zt, mask, b, gout))
+    # Truncated sums: teacher -inf where the student has mass (reverse) and student -inf where
+    # the teacher has mass (forward, zs as it is): those infinite terms are left out.
+    zt_ban = zt.clone()
+    zt_ban[0, 0, 2] = zt_ban[1, 1, 4] = -math.inf
+    cases["reverse_trunc"] = (zs, lambda x: R.ref_full_vocab_kl(x, zt_ban, mask, "reverse", gout))
+    cases["forward_trunc"] = (zs, lambda x: R.ref_full_vocab_kl(x, zt, mask, "forward", gout))
     return cases, gout
 
 
 @pytest.mark.parametrize("case", ["lsm_True", "lsm_False", "reverse", "forward", "jsd_0.0",
-                                  "jsd_0.3", "jsd_1.0", "gather", "pg_clip", "hidden", "weight"])
+                                  "jsd_0.3", "jsd_1.0", "gather", "pg_clip", "hidden", "weight",
+                                  "reverse_trunc", "forward_trunc"])
 def test_reference_gradients_match_finite_differences(case):
     cases, gout = _fd_cases()
     x, fn = cases[case]
@@ -306,16 +314,37 @@ def fresh(*xs):
     return [x.detach().clone().requires_grad_(True) for x in xs]
 
 
+def row_dots_path(monkeypatch, fused):
+    """Force the private-kernel path (fused) or the public fallback; record which one ran."""
+    real_op, real_gather = RK.row_dots_kernel(), RK.gathered_support_logits
+    assert real_op is not None, "the private row-dot kernel failed its probe on this torch"
+    calls = {"fused": False, "gather": False}
+
+    def op(*args):
+        calls["fused"] = True
+        return real_op(*args)
+
+    def gather(*args):
+        calls["gather"] = True
+        return real_gather(*args)
+
+    monkeypatch.setattr(RK, "row_dots_kernel", lambda: op if fused else None)
+    monkeypatch.setattr(RK, "gathered_support_logits", gather)
+    return calls
+
+
 @pytest.mark.parametrize("shape,mask_kind,dtype", cases(masks=["row", "none"], low=[F32, BF16]))
 @pytest.mark.parametrize("chunk_size", [1, 3, 1000])
 @pytest.mark.parametrize("shared_ids", [False, True])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "gather"])
 def test_local_support_kl_from_hidden(shape, mask_kind, dtype, chunk_size, shared_ids, fused, monkeypatch):
-    if not fused:  # the public-API path taken when torch lacks the fused row-dot kernel
-        monkeypatch.setattr(L, "_ROW_DOTS", None)
+    calls = row_dots_path(monkeypatch, fused)
     h, w, ids, tlp, mask, sm, gout = hidden_inputs(shape, 12, dtype, shared_ids, mask_kind)
     out = L.local_support_kl_from_hidden(h, w, ids, tlp, mask, support_mask=sm,
                                          chunk_size=chunk_size)
+    if mask.any():  # the path under test is the one that ran
+        took_fused = fused and dtype in (F64, F32)  # the private kernel needs one dtype throughout
+        assert calls == {"fused": took_fused, "gather": not took_fused}, calls
     assert out.dtype == OUT_DTYPE[dtype] and out.shape == mask.shape
     ref, ref_gl = R.ref_local_support_kl(R.ref_logits(h, w), ids, tlp, mask, True, sm, gout)
     ref_gh, ref_gw = R.ref_hidden_grads(h, w, ref_gl)
@@ -335,7 +364,7 @@ def test_local_support_kl_from_hidden(shape, mask_kind, dtype, chunk_size, share
 
 @pytest.mark.parametrize("shape,mask_kind,dtype", cases(masks=["all"], low=[F32, BF16]))
 @pytest.mark.parametrize("chunk_size", [1, 3, 1000])
-def test_token_logprobs_and_teacher_topk_from_hidden(shape, mask_kind, dtype, chunk_size):
+def test_token_logprobs_and_topk_from_hidden(shape, mask_kind, dtype, chunk_size):
     B, T, V, K = shape
     g = gen(14)
     h = randn((B, T, D), g, 1.0, dtype).requires_grad_(True)
@@ -351,8 +380,8 @@ def test_token_logprobs_and_teacher_topk_from_hidden(shape, mask_kind, dtype, ch
     gh, gw = grads(out, [h, w], gout)
     check_grad(gh, ref_gh, h, dtype, "grad hidden")
     check_grad(gw, ref_gw, w, dtype, "grad weight")
-    tids, tlps = L.teacher_topk_from_hidden(h, w, K, chunk_size=chunk_size)
-    assert not tlps.requires_grad, "teacher_topk_from_hidden must not build a graph"
+    tids, tlps = L.topk_from_hidden(h, w, K, chunk_size=chunk_size)
+    assert not tlps.requires_grad, "topk_from_hidden must not build a graph"
     if dtype == F64:
         check_topk(tids, tlps, logits, K, dtype)
         h2, w2 = fresh(h, w)
@@ -405,8 +434,8 @@ def test_from_hidden_chunk_sizes_agree(chunk_size):
     close(t2, t1, F64)
     for x, y in zip(grads(t2, [h, w], gout), grads(t1, [h, w], gout)):
         close(x, y, F64)
-    i1, l1 = L.teacher_topk_from_hidden(h, w, 4, chunk_size=1)
-    i2, l2 = L.teacher_topk_from_hidden(h, w, 4, chunk_size=chunk_size)
+    i1, l1 = L.topk_from_hidden(h, w, 4, chunk_size=1)
+    i2, l2 = L.topk_from_hidden(h, w, 4, chunk_size=chunk_size)
     assert torch.equal(i1, i2)
     close(l2, l1, F64)
 
@@ -598,6 +627,288 @@ def test_divergences_neg_inf_well_defined(fn):
     check_grad(grads(out, [zs], gout)[0], ref_g, zs, F64, "grad student")
 
 
+@pytest.mark.parametrize("direction", ["reverse", "forward"])
+def test_full_vocab_kl_leaves_out_infinite_terms(direction):
+    """A token with mass under one model and none under the other makes the KL infinite; opd
+    leaves that term out (and differentiates the truncated sum), as documented."""
+    g = gen(26)
+    zs, zt = randn((2, 3, 9), g, 2.0), randn((2, 3, 9), g, 2.0)
+    banned = zt if direction == "reverse" else zs  # the model whose zero makes the term infinite
+    banned[0, 1, 2] = banned[1, 0, 5:7] = -math.inf
+    zs.requires_grad_(True)
+    mask, gout = make_mask(2, 3, "all", g), randn((2, 3), g)
+    out = L.full_vocab_kl(zs, zt, mask, direction=direction)
+    ref, ref_g = R.ref_full_vocab_kl(zs, zt, mask, direction, gout)
+    assert torch.isfinite(out).all(), out
+    close(out, ref, F64, "value")
+    check_grad(grads(out, [zs], gout)[0], ref_g, zs, F64, "grad student")
+
+
+# ---------------------------------------------------------------- full vocab KL from hidden
+
+
+def kl_hidden_inputs(shape, seed, dtype, mask_kind, E, ban=False):
+    """Student (D wide) and teacher (E wide) hidden states and heads; ``ban`` adds -inf logits.
+
+    Banned tokens come from a -inf entry in the head's last column against a hidden coordinate
+    fixed at 1: token 0 for the student, token 1 for the teacher, the last two for both (a
+    padded vocabulary).
+    """
+    B, T, V, _ = shape
+    g = gen(seed)
+    hs, ws = randn((B, T, D), g, 1.0), randn((V, D), g, 0.7)
+    ht, wt = randn((B, T, E), g, 1.0), randn((V, E), g, 0.7)
+    if ban:
+        hs[..., -1] = ht[..., -1] = 1.0
+        ws[[0, V - 2, V - 1], -1] = -math.inf
+        wt[[1, V - 2, V - 1], -1] = -math.inf
+    hs, ws, ht, wt = (x.to(dtype).requires_grad_(True) for x in (hs, ws, ht, wt))
+    return hs, ws, ht, wt, make_mask(B, T, mask_kind, g), randn((B, T), g)
+
+
+def check_kl_from_hidden(out, hs, ws, ht, wt, mask, gout, direction, dtype):
+    """Value and student gradients against the loop reference; teacher constant; masks exact."""
+    assert out.dtype == OUT_DTYPE[dtype] and out.shape == mask.shape
+    ref, ref_gh, ref_gw = R.ref_full_vocab_kl_from_hidden(hs, ws, ht, wt, mask, direction, gout)
+    close(out, ref, dtype, "value")
+    gh, gw, ght, gwt = grads(out, [hs, ws, ht, wt], gout)
+    check_grad(gh, ref_gh, hs, dtype, "grad student hidden")
+    check_grad(gw, ref_gw, ws, dtype, "grad student head")
+    check_teacher_constant(ght)
+    check_teacher_constant(gwt)
+    check_masked_exact(out, gh, mask)
+    return gh, gw
+
+
+@pytest.mark.parametrize("shape,mask_kind,dtype", cases())
+@pytest.mark.parametrize("direction", ["reverse", "forward"])
+@pytest.mark.parametrize("chunk_size", [1, 3, None])
+@pytest.mark.parametrize("E", [D, 5], ids=["same_width", "narrower_teacher"])
+def test_full_vocab_kl_from_hidden(shape, mask_kind, dtype, direction, chunk_size, E):
+    hs, ws, ht, wt, mask, gout = kl_hidden_inputs(shape, 31, dtype, mask_kind, E)
+    out = L.full_vocab_kl_from_hidden(hs, ws, ht, wt, mask, direction, chunk_size=chunk_size)
+    gh, gw = check_kl_from_hidden(out, hs, ws, ht, wt, mask, gout, direction, dtype)
+    if dtype == F64:  # the same as building both models' logits
+        hs2, ws2 = fresh(hs, ws)
+        out2 = L.full_vocab_kl(hs2 @ ws2.T, ht @ wt.T, mask, direction)
+        close(out, out2, F64)
+        for a, b in zip((gh, gw), grads(out2, [hs2, ws2], gout)):
+            close(a, b, F64)
+
+
+@pytest.mark.parametrize("direction", ["reverse", "forward"])
+@pytest.mark.parametrize("chunk_size", [1, 3, None])
+@pytest.mark.parametrize("dtype", [F64, F32, BF16])
+def test_full_vocab_kl_from_hidden_neg_inf(direction, chunk_size, dtype):
+    """-inf logits in either model: 0 log 0 = 0, and the infinite terms (student mass on the
+    teacher's banned token in reverse, teacher mass on the student's in forward) left out."""
+    hs, ws, ht, wt, mask, gout = kl_hidden_inputs((2, 4, 9, 0), 32, dtype, "random", 6, ban=True)
+    out = L.full_vocab_kl_from_hidden(hs, ws, ht, wt, mask, direction, chunk_size=chunk_size)
+    assert torch.isfinite(out).all(), out
+    gh, gw = check_kl_from_hidden(out, hs, ws, ht, wt, mask, gout, direction, dtype)
+    if dtype == F64:
+        # full_vocab_kl agrees on values and the head's gradient; its hidden gradient is NaN
+        # (autograd's 0 * -inf through h @ W.T), which is why the reference is used for it.
+        hs2, ws2 = fresh(hs, ws)
+        out2 = L.full_vocab_kl(hs2 @ ws2.T, ht @ wt.T, mask, direction)
+        close(out, out2, F64)
+        close(gw, grads(out2, [ws2], gout)[0], F64)
+
+
+@pytest.mark.parametrize("direction", ["reverse", "forward"])
+def test_full_vocab_kl_from_hidden_ties_and_equal_models(direction):
+    """Tied logits (repeated head rows) and a teacher equal to the student up to a constant
+    logit shift (a wider teacher with a bias column): KL 0 and gradient 0."""
+    B, T, V = 3, 5, 13
+    g = gen(33)
+    hs, ws = randn((B, T, D), g), randn((V, D), g, 0.7)
+    ws[5:9] = ws[4]  # five tokens tie at every position
+    ht = torch.cat([hs, torch.ones(B, T, 1, dtype=F64)], -1)
+    wt = torch.cat([ws, torch.full((V, 1), 2.5, dtype=F64)], -1)
+    hs.requires_grad_(True)
+    ws.requires_grad_(True)
+    mask = make_mask(B, T, "row", g)
+    for chunk_size in (1, 4, None):
+        out = L.full_vocab_kl_from_hidden(hs, ws, ht, wt, mask, direction, chunk_size=chunk_size)
+        close(out, torch.zeros(B, T, dtype=F64), F64)
+        for x in grads(out, [hs, ws], torch.ones(B, T)):
+            close(x, torch.zeros_like(x), F64)
+    wt2 = wt.clone()
+    wt2[6, :D] += 0.3  # break one tie in the teacher only: the tied student rows still match
+    ht, wt2, gout = ht.requires_grad_(True), wt2.requires_grad_(True), randn((B, T), g)
+    out = L.full_vocab_kl_from_hidden(hs, ws, ht, wt2, mask, direction, chunk_size=3)
+    check_kl_from_hidden(out, hs, ws, ht, wt2, mask, gout, direction, F64)
+
+
+@pytest.mark.parametrize("chunk_size", [2, 5, 10_000])
+def test_full_vocab_kl_from_hidden_chunk_sizes_agree(chunk_size):
+    """Any chunking gives the same values and gradients; active positions whose upstream
+    gradient is zero are skipped in the backward and get exactly zero gradient."""
+    hs, ws, ht, wt, mask, gout = kl_hidden_inputs((3, 7, 47, 0), 34, F64, "row", 6)
+    gout[1:, ::2] = 0.0
+    for direction in ("reverse", "forward"):
+        a = L.full_vocab_kl_from_hidden(hs, ws, ht, wt, mask, direction, chunk_size=1)
+        b = L.full_vocab_kl_from_hidden(hs, ws, ht, wt, mask, direction, chunk_size=chunk_size)
+        close(b, a, F64)
+        gb = grads(b, [hs, ws], gout)
+        for x, y in zip(gb, grads(a, [hs, ws], gout)):
+            close(x, y, F64)
+        assert (gb[0][1:, ::2] == 0).all()
+        check_kl_from_hidden(b, hs, ws, ht, wt, mask, gout, direction, F64)
+
+
+@pytest.mark.parametrize("which", ["hidden", "head"])
+def test_full_vocab_kl_from_hidden_all_masked_and_one_input(which):
+    """An all-masked batch is exactly 0 and still differentiable (zero gradients, no
+    allow_unused needed); with only one of hidden / head requiring a gradient it still works."""
+    hs, ws, ht, wt, mask, gout = kl_hidden_inputs((2, 3, 11, 0), 35, F64, "random", 4)
+    hs2, ws2 = hs.detach().requires_grad_(which == "hidden"), ws.detach().requires_grad_(which == "head")
+    x = hs2 if which == "hidden" else ws2
+    none = torch.zeros_like(mask)
+    out = L.full_vocab_kl_from_hidden(hs2, ws2, ht, wt, none, "reverse")
+    assert (out == 0).all() and out.requires_grad
+    (gx,) = torch.autograd.grad(L.token_mean(out, none), [x])
+    assert (gx == 0).all()
+    out = L.full_vocab_kl_from_hidden(hs2, ws2, ht, wt, mask, "forward", chunk_size=2)
+    ref, ref_gh, ref_gw = R.ref_full_vocab_kl_from_hidden(hs, ws, ht, wt, mask, "forward", gout)
+    close(out, ref, F64)
+    (gx,) = torch.autograd.grad(out, [x], grad_outputs=gout)
+    close(gx, ref_gh if which == "hidden" else ref_gw, F64)
+
+
+def test_full_vocab_kl_from_hidden_mixed_dtypes():
+    """A float64 teacher makes the loss float64; bfloat16 student gradients come back bfloat16."""
+    hs, ws, ht, wt, mask, gout = kl_hidden_inputs((2, 5, 31, 0), 36, F64, "random", 6)
+    hs16, ws16 = (x.detach().to(BF16).requires_grad_(True) for x in (hs, ws))
+    out = L.full_vocab_kl_from_hidden(hs16, ws16, ht, wt, mask, "reverse", chunk_size=4)
+    assert out.dtype == F64
+    ref, ref_gh, ref_gw = R.ref_full_vocab_kl_from_hidden(hs16, ws16, ht, wt, mask, "reverse", gout)
+    close(out, ref, F64)  # computed in float64 from the bfloat16 values
+    gh, gw = grads(out, [hs16, ws16], gout)
+    check_grad(gh, ref_gh, hs16, BF16, "grad hidden")
+    check_grad(gw, ref_gw, ws16, BF16, "grad head")
+
+
+KL_HIDDEN_BAD = {
+    "direction": dict(direction="sideways"),
+    "vocabulary": dict(wt=torch.zeros(6, 4)),
+    "student width": dict(ws=torch.zeros(5, 4)),
+    "teacher width": dict(wt=torch.zeros(5, 3)),
+    "positions": dict(ht=torch.zeros(1, 3, 4)),
+    "mask": dict(mask=torch.ones(2, 2, dtype=torch.bool)),
+}
+
+
+@pytest.mark.parametrize("case", list(KL_HIDDEN_BAD))
+def test_full_vocab_kl_from_hidden_bad_inputs(case):
+    args = dict(hs=torch.zeros(1, 2, 3), ws=torch.zeros(5, 3), ht=torch.zeros(1, 2, 4),
+                wt=torch.zeros(5, 4), mask=torch.ones(1, 2, dtype=torch.bool), direction="reverse")
+    args.update(KL_HIDDEN_BAD[case])
+    with pytest.raises(ValueError):
+        L.full_vocab_kl_from_hidden(args["hs"], args["ws"], args["ht"], args["wt"], args["mask"],
+                                    args["direction"])
+
+
+# ---------------------------------------------------------------- the private row-dot kernel
+
+
+def test_private_row_dot_kernel_still_works():
+    """LSM from hidden states relies on torch.ops.aten._embedding_bag_per_sample_weights_backward.
+    If a torch upgrade removes or changes it, opd falls back to a slower public path with a
+    warning; this test makes CI fail loudly instead, so the change is noticed and handled."""
+    op = getattr(torch.ops.aten, RK.ROW_DOTS_OP, None)
+    assert RK.probe_row_dots(op) is None, RK.probe_row_dots(op)
+    assert RK.row_dots_kernel() is op
+    g = gen(37)
+    for dtype in (F64, F32):
+        h, w = randn((11, 9), g, 1.0, dtype), randn((23, 9), g, 1.0, dtype)
+        rows = torch.tensor([0, 3, 4, 9, 10])
+        ids = torch.randint(0, 23, (5, 6), generator=g)
+        got = RK.support_logits(h, w, rows, ids, dtype, 2)
+        expected = torch.einsum("akd,ad->ak", w.to(F64)[ids], h.to(F64)[rows])
+        close(got, expected, dtype, str(dtype))
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+@pytest.mark.parametrize("chunk_size", [1, 3, None])
+def test_row_dot_fallback_matches_private_kernel(dtype, chunk_size, monkeypatch):
+    """The public fallback gives the private kernel's logits, and LSM from hidden states the
+    same values and gradients, on either path."""
+    h, w, ids, tlp, mask, sm, gout = hidden_inputs((3, 7, 47, 4), 38, dtype, mask_kind="random")
+    rows = mask.reshape(-1).nonzero().squeeze(-1)
+    ids_AK = ids.reshape(-1, 4)[rows]
+    fused = RK.support_logits(h.detach().reshape(-1, D), w.detach(), rows, ids_AK, dtype, chunk_size)
+    public = RK.gathered_support_logits(h.detach().reshape(-1, D), w.detach(), rows, ids_AK, dtype,
+                                        chunk_size)
+    close(public, fused, dtype)
+    results = []
+    for use_fused in (True, False):
+        calls = row_dots_path(monkeypatch, use_fused)
+        out = L.local_support_kl_from_hidden(h, w, ids, tlp, mask, support_mask=sm,
+                                             chunk_size=chunk_size or 1000)
+        assert calls["fused"] == use_fused and calls["gather"] != use_fused
+        results.append([out, *grads(out, [h, w], gout)])
+    for a, b in zip(*results):
+        close(b, a, dtype)
+
+
+def test_row_dot_kernel_probe_rejects_a_changed_op(monkeypatch):
+    """A missing op, a changed signature or a wrong answer each disable the kernel, with one
+    warning that says why; LSM from hidden states then still gives the right answer."""
+    assert "does not exist" in RK.probe_row_dots(None)
+    assert "failed" in RK.probe_row_dots(lambda grad, weight, indices: grad)
+    assert "returned" in RK.probe_row_dots(lambda *args: torch.zeros(args[2].shape, dtype=args[0].dtype))
+    assert "returned" in RK.probe_row_dots(lambda *args: getattr(torch.ops.aten, RK.ROW_DOTS_OP)(
+        *args).to(torch.float16))
+    RK.row_dots_kernel.cache_clear()
+    monkeypatch.setattr(RK, "ROW_DOTS_OP", "embedding_bag")  # a real op with another schema
+    try:
+        with pytest.warns(RuntimeWarning, match="embedding_bag"):
+            assert RK.row_dots_kernel() is None
+        h, w, ids, tlp, mask, sm, gout = hidden_inputs((2, 5, 31, 4), 39, F64)
+        out = L.local_support_kl_from_hidden(h, w, ids, tlp, mask, support_mask=sm)
+        ref, ref_gl = R.ref_local_support_kl(R.ref_logits(h, w), ids, tlp, mask, True, sm, gout)
+        close(out, ref, F64)
+        check_grad(grads(out, [h], gout)[0], R.ref_hidden_grads(h, w, ref_gl)[0], h, F64, "grad")
+    finally:
+        RK.row_dots_kernel.cache_clear()  # the next caller probes the real op again
+
+
+# ---------------------------------------------------------------- the package's import paths
+
+
+PUBLIC_NAMES = [  # the public API before the package split, then the names added since
+    "SUPPORT_KINDS", "build_support", "constant_sum", "full_vocab_kl", "gather_logprobs",
+    "generalized_jsd", "local_support_kl", "local_support_kl_from_hidden",
+    "sampled_token_advantages", "sampled_token_pg_loss", "sequence_mean", "special_token_mask",
+    "teacher_topk", "teacher_topk_from_hidden", "token_logprobs_from_hidden",
+    "topk_and_gather_from_hidden", "token_mean",
+] + ["full_vocab_kl_from_hidden", "topk_from_hidden"]
+
+
+@pytest.mark.parametrize("name", PUBLIC_NAMES)
+def test_public_names_import_from_opd_losses(name):
+    namespace = {}
+    exec(f"from opd.losses import {name}", namespace)  # the import statement users write
+    assert namespace[name] is getattr(L, name)
+    assert name in L.__all__
+
+
+def test_package_layout():
+    """__all__ is exactly the public API; the old top-K name is the neutral one; every file of
+    the package stays under 600 lines; importing it pulls in no model library."""
+    import pathlib
+    import subprocess
+    import sys
+
+    assert sorted(L.__all__) == sorted(PUBLIC_NAMES)
+    assert L.teacher_topk_from_hidden is L.topk_from_hidden
+    for path in pathlib.Path(L.__file__).parent.glob("*.py"):
+        assert len(path.read_text().splitlines()) < 600, path
+    code = "import sys, opd.losses; sys.exit('transformers' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0, "opd.losses imports transformers"
+
+
 # ---------------------------------------------------------------- reductions and masks
 
 
@@ -665,8 +976,8 @@ BAD_INPUTS = {
     "topk_k0": lambda: L.teacher_topk(torch.zeros(1, 2, 5), 0),
     "topk_k-1": lambda: L.teacher_topk(torch.zeros(1, 2, 5), -1),
     "topk_k>V": lambda: L.teacher_topk(torch.zeros(1, 2, 5), 6),
-    "topk_hidden_k0": lambda: L.teacher_topk_from_hidden(H, W, 0),
-    "topk_hidden_k>V": lambda: L.teacher_topk_from_hidden(H, W, 6),
+    "topk_hidden_k0": lambda: L.topk_from_hidden(H, W, 0),
+    "topk_hidden_k>V": lambda: L.topk_from_hidden(H, W, 6),
     "gamma<0": lambda: L.sampled_token_advantages(*[torch.zeros(1, 3)] * 3, gamma=-0.1),
     "gamma>1": lambda: L.sampled_token_advantages(*[torch.zeros(1, 3)] * 3, gamma=1.5),
     "direction": lambda: L.full_vocab_kl(*[torch.zeros(1, 2, 5)] * 2, torch.ones(1, 2),

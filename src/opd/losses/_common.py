@@ -1,0 +1,31 @@
+"""Helpers shared by every loss module: the dtype policy, boolean masks and position chunks."""
+
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float64 if any input is float64, else float32 (the package's dtype policy)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def as_bool(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def check_k(k: int, vocab: int) -> None:
+    if not 1 <= k <= vocab:
+        raise ValueError(
+            f"k={k} is outside [1, vocabulary size {vocab}]; choose a support size no larger "
+            "than the vocabulary (e.g. --k 32)."
+        )
+
+
+def position_chunks(n: int, chunk_size: int | None):
+    """Slices covering range(n), ``chunk_size`` at a time (all of it when None or <= 0)."""
+    step = n if not chunk_size or chunk_size <= 0 else chunk_size
+    for start in range(0, n, max(step, 1)):
+        yield slice(start, min(start + step, n))

@@ -1,0 +1,178 @@
+"""Local support matching (LSM, arXiv:2603.25562): reverse KL on a local support, renormalized.
+
+At each position take a support S (by default the teacher's top-K tokens, see
+:func:`opd.losses.build_support`), renormalize the student and the teacher over S and take
+KL(student_hat || teacher_hat). ``renormalize=False`` is the paper's ablation (truncated,
+unnormalized masses) that collapses in training.
+
+:func:`local_support_kl_from_hidden` departs from the paper's implementation in how, not what:
+renormalization cancels the student's full-vocabulary normalizer, so only the K logits
+``h_t . W[v]`` (v in S) are computed, with a hand-written backward, and no (B, T, V) tensor
+exists. The supports may have invalid slots (``support_mask``), which the paper's fixed top-K
+does not need.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from opd.losses._common import NEG_INF, as_bool, compute_dtype, position_chunks
+from opd.losses._row_kernels import support_logits, weighted_rows
+
+
+def _support_kl_terms(
+    s_logits_NK: torch.Tensor, t_logprobs_NK: torch.Tensor, valid_NK: torch.Tensor, active_N: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Renormalized KL over valid slots, with the slot probabilities and log-probs behind it.
+
+    Returns (kl_N, p_NK, logp_NK, logq_NK); slots that do not count hold p = logp = logq = 0.
+
+    Rows that do not count (inactive, no valid slot, or a student with no finite logit on the
+    support) are neutralised *before* any log/exp, so neither the value nor the gradient can
+    pick up a NaN from ``0 * inf``.
+    """
+    valid = valid_NK & torch.isfinite(t_logprobs_NK)
+    s = s_logits_NK.masked_fill(~valid, NEG_INF)
+    row_ok = active_N & (valid & torch.isfinite(s)).any(-1)
+    s = torch.where(row_ok.unsqueeze(-1), s, torch.zeros_like(s))
+    t = torch.where(row_ok.unsqueeze(-1) & valid, t_logprobs_NK, torch.full_like(t_logprobs_NK, NEG_INF))
+    t = torch.where(row_ok.unsqueeze(-1), t, torch.zeros_like(t))
+    logp = torch.log_softmax(s, dim=-1)
+    logq = torch.log_softmax(t, dim=-1)
+    counted = row_ok.unsqueeze(-1) & torch.isfinite(logp) & torch.isfinite(logq)
+    logp_safe = torch.where(counted, logp, torch.zeros_like(logp))
+    logq_safe = torch.where(counted, logq, torch.zeros_like(logq))
+    p = torch.where(counted, logp_safe.exp(), torch.zeros_like(logp))
+    return (p * (logp_safe - logq_safe)).sum(-1), p, logp_safe, logq_safe
+
+
+def local_support_kl(
+    student_logits_BTV: torch.Tensor,
+    support_ids_BTK: torch.Tensor,
+    teacher_logprobs_BTK: torch.Tensor,
+    mask_BT: torch.Tensor,
+    renormalize: bool = True,
+    support_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Truncated reverse KL of the student to the teacher over a local support S.
+
+    ``renormalize=True`` (LSM): p_hat = softmax(student logits on S), q_hat = softmax(teacher
+    log-probs on S), KL(p_hat || q_hat). ``renormalize=False`` (the ablation): full-vocabulary
+    student probabilities truncated to S, sum over S of p (log p - log q).
+
+    A slot counts when ``support_mask`` is true and the teacher's log-prob is finite (a token of
+    teacher probability 0 is outside the teacher's support). A student logit of -inf contributes
+    0 (0 log 0 = 0). Positions where ``mask_BT`` is false, or with nothing left to compare, are
+    exactly 0 with zero gradient. Gradients reach only ``student_logits_BTV``.
+
+    Shapes:
+        student_logits_BTV: (B, T, V)
+        support_ids_BTK, teacher_logprobs_BTK, support_mask: (B, T, K)
+        mask_BT: (B, T)
+        returns kl_BT: (B, T)
+    """
+    dtype = compute_dtype(student_logits_BTV, teacher_logprobs_BTK)
+    mask = as_bool(mask_BT)
+    valid = torch.ones_like(support_ids_BTK, dtype=torch.bool) if support_mask is None else as_bool(support_mask)
+    t_lp = teacher_logprobs_BTK.detach().to(dtype)
+    logits = student_logits_BTV.to(dtype)
+    if renormalize:
+        s_K = logits.gather(-1, support_ids_BTK)
+        return _support_kl_terms(s_K, t_lp, valid, mask)[0]
+    # Without renormalization the student masses come from the full-vocabulary softmax.
+    logp_full = torch.log_softmax(logits, dim=-1).gather(-1, support_ids_BTK)
+    counted = valid & mask.unsqueeze(-1) & torch.isfinite(t_lp) & torch.isfinite(logp_full)
+    logp = torch.where(counted, logp_full, torch.zeros_like(logp_full))
+    logq = torch.where(counted, t_lp, torch.zeros_like(t_lp))
+    p = torch.where(counted, logp.exp(), torch.zeros_like(logp))
+    return (p * (logp - logq)).sum(-1)
+
+
+class _SupportKLFromHidden(torch.autograd.Function):
+    """LSM from hidden states over the active positions ``rows_A``, with an analytic backward.
+
+    The forward stores only dKL/dz for the K support logits of each active position. The K
+    logits and grad_h come from embedding-bag kernels that read each weight row once, index the
+    hidden states in place (no copy of the active rows) and write grad_h at full size directly;
+    the weight gradient is accumulated a chunk at a time into one reused buffer, so peak extra
+    memory is O(chunk * K * D) rather than O(B * T * K * D).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_ND, weight_VD, rows_A, ids_AK, t_lp_AK, valid_AK, chunk_size):
+        dtype = compute_dtype(hidden_ND, weight_VD, t_lp_AK)
+        everyone = torch.ones(ids_AK.shape[0], dtype=torch.bool, device=hidden_ND.device)
+        z_AK = support_logits(hidden_ND, weight_VD, rows_A, ids_AK, dtype, chunk_size)
+        kl_A, p_AK, logp_AK, logq_AK = _support_kl_terms(z_AK, t_lp_AK.to(dtype), valid_AK, everyone)
+        # d KL(p||q) / dz_j = p_j (log p_j - log q_j - KL); slots that do not count have p_j = 0.
+        dz_AK = p_AK * (logp_AK - logq_AK - kl_A.unsqueeze(-1))
+        ctx.save_for_backward(hidden_ND, weight_VD, rows_A, ids_AK, dz_AK)
+        ctx.chunk_size = chunk_size
+        return kl_A
+
+    @staticmethod
+    def backward(ctx, grad_kl_A):
+        hidden_ND, weight_VD, rows_A, ids_AK, dz_AK = ctx.saved_tensors
+        dtype = dz_AK.dtype
+        g_AK = grad_kl_A.to(dtype).unsqueeze(-1) * dz_AK
+        grad_h = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_h = weighted_rows(weight_VD, rows_A, ids_AK, g_AK, hidden_ND.shape[0], ctx.chunk_size)
+            grad_h = grad_h.to(hidden_ND.dtype)
+        if ctx.needs_input_grad[1]:
+            A, K = ids_AK.shape
+            D = hidden_ND.shape[1]
+            grad_w = torch.zeros(weight_VD.shape, dtype=dtype, device=weight_VD.device)
+            buf = torch.empty(min(A, ctx.chunk_size or A), K, D, dtype=dtype, device=weight_VD.device)
+            for sl in position_chunks(A, ctx.chunk_size):
+                n = sl.stop - sl.start
+                h_cD = hidden_ND[rows_A[sl]].to(dtype)
+                contrib = torch.mul(g_AK[sl].unsqueeze(-1), h_cD.unsqueeze(1), out=buf[:n])
+                grad_w.index_add_(0, ids_AK[sl].reshape(-1), contrib.view(n * K, D))
+            grad_w = grad_w.to(weight_VD.dtype)
+        return grad_h, grad_w, None, None, None, None, None
+
+
+def local_support_kl_from_hidden(
+    hidden_BTD: torch.Tensor,
+    lm_head_weight_VD: torch.Tensor,
+    support_ids_BTK: torch.Tensor,
+    teacher_logprobs_BTK: torch.Tensor,
+    mask_BT: torch.Tensor,
+    support_mask: torch.Tensor | None = None,
+    chunk_size: int = 128,
+) -> torch.Tensor:
+    """:func:`local_support_kl` (renormalized) from the student's final hidden states.
+
+    Renormalizing over S cancels the student's full-vocabulary normalizer, so only the K logits
+    ``hidden_t . W[v]`` (v in S) are computed, chunk by chunk over the unmasked positions; the
+    (B, T, V) logits are never formed. Values and gradients (of hidden and weight) equal
+    ``local_support_kl(hidden @ W.T, ...)``. Models that scale or soft-cap their logits need
+    that applied before calling this (it assumes logits = hidden @ W.T).
+
+    Shapes:
+        hidden_BTD: (B, T, D); lm_head_weight_VD: (V, D)
+        support_ids_BTK, teacher_logprobs_BTK, support_mask: (B, T, K)
+        mask_BT: (B, T)
+        returns kl_BT: (B, T)
+    """
+    B, T, D = hidden_BTD.shape
+    K = support_ids_BTK.shape[-1]
+    dtype = compute_dtype(hidden_BTD, lm_head_weight_VD, teacher_logprobs_BTK)
+    valid = torch.ones_like(support_ids_BTK, dtype=torch.bool) if support_mask is None else as_bool(support_mask)
+    # Only unmasked positions are computed: padding and prompt cost nothing.
+    active = as_bool(mask_BT).reshape(-1).nonzero().squeeze(-1)
+    kl_flat = torch.zeros(B * T, dtype=dtype, device=hidden_BTD.device)
+    if active.numel() == 0:
+        # Keep the graph connected so callers can always call backward() on the reduced loss.
+        return kl_flat.view(B, T) + 0.0 * hidden_BTD.sum(-1).to(dtype)
+    kl_active = _SupportKLFromHidden.apply(
+        hidden_BTD.reshape(B * T, D),
+        lm_head_weight_VD,
+        active,
+        support_ids_BTK.reshape(B * T, K)[active],
+        teacher_logprobs_BTK.detach().reshape(B * T, K)[active],
+        valid.reshape(B * T, K)[active],
+        chunk_size,
+    )
+    return kl_flat.index_put((active,), kl_active).view(B, T)

@@ -1,0 +1,148 @@
+"""Sampled-token OPD: the per-token reward r_t = log q(y_t) - log p(y_t) and its policy gradient.
+
+The reward and the discounted reward-to-go follow the OPD papers (gamma = 0 token level,
+gamma = 1 sequence level); the surrogate adds an importance ratio and optional PPO clipping for
+rollouts from an older policy, which the on-policy papers do not need. The student's log-probs
+come from :func:`token_logprobs_from_hidden`, which never holds more than a chunk of logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from opd.losses._common import as_bool, compute_dtype, position_chunks
+
+
+def gather_logprobs(logits_BTV: torch.Tensor, ids_BT: torch.Tensor) -> torch.Tensor:
+    """Log-probability of ``ids_BT`` under ``softmax(logits_BTV)``.
+
+    Shapes:
+        logits_BTV: (B, T, V); ids_BT: (B, T) -> logp_BT: (B, T)
+    """
+    logits = logits_BTV.to(compute_dtype(logits_BTV))
+    picked = logits.gather(-1, ids_BT.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+class _TokenLogprobsFromHidden(torch.autograd.Function):
+    """log_softmax(h W^T)[id] a chunk of rows at a time, with a hand-written backward.
+
+    The backward recomputes one chunk's (chunk, V) logits and accumulates the weight gradient
+    into a single (V, D) buffer with addmm_: checkpointing each chunk instead would make autograd
+    allocate (and later sum) a full V x D gradient per chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_ND, weight_VD, ids_N, chunk_size):
+        lse_N = hidden_ND.new_empty(hidden_ND.shape[0])
+        picked_N = torch.empty_like(lse_N)
+        for sl in position_chunks(hidden_ND.shape[0], chunk_size):
+            logits_cV = hidden_ND[sl] @ weight_VD.T
+            lse_N[sl] = torch.logsumexp(logits_cV, dim=-1)
+            picked_N[sl] = logits_cV.gather(-1, ids_N[sl].unsqueeze(-1)).squeeze(-1)
+        ctx.save_for_backward(hidden_ND, weight_VD, ids_N, lse_N)
+        ctx.chunk_size = chunk_size
+        return picked_N - lse_N
+
+    @staticmethod
+    def backward(ctx, grad_N):
+        hidden_ND, weight_VD, ids_N, lse_N = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.zeros_like(hidden_ND) if need_h else None
+        grad_w = torch.zeros_like(weight_VD) if need_w else None
+        # Rows with a zero upstream gradient (masked positions) contribute nothing: skip them.
+        rows = grad_N.nonzero().squeeze(-1)
+        for sl in position_chunks(rows.numel(), ctx.chunk_size):
+            r = rows[sl]
+            h_cD, g_c = hidden_ND[r], grad_N[r]
+            # d logp[id] / d logits = onehot(id) - softmax(logits), scaled by the upstream grad.
+            d_cV = torch.exp((h_cD @ weight_VD.T).sub_(lse_N[r].unsqueeze(-1))).mul_(-g_c.unsqueeze(-1))
+            d_cV.scatter_add_(-1, ids_N[r].unsqueeze(-1), g_c.unsqueeze(-1))
+            if need_h:
+                grad_h[r] = d_cV @ weight_VD
+            if need_w:
+                grad_w.addmm_(d_cV.T, h_cD)
+        return grad_h, grad_w, None, None
+
+
+def token_logprobs_from_hidden(
+    hidden_BTD: torch.Tensor, lm_head_weight_VD: torch.Tensor, ids_BT: torch.Tensor, chunk_size: int = 256
+) -> torch.Tensor:
+    """Differentiable log-probs of ``ids_BT`` from hidden states, a chunk of logits at a time.
+
+    Only one chunk's (chunk, V) logits exist at a time, in the forward and in the backward
+    (which recomputes them and skips positions whose upstream gradient is zero).
+
+    Shapes:
+        hidden_BTD: (B, T, D); lm_head_weight_VD: (V, D); ids_BT: (B, T) -> logp_BT: (B, T)
+    """
+    B, T, D = hidden_BTD.shape
+    dtype = compute_dtype(hidden_BTD, lm_head_weight_VD)
+    flat_ND = hidden_BTD.reshape(B * T, D).to(dtype)
+    w_VD = lm_head_weight_VD.to(dtype)
+    return _TokenLogprobsFromHidden.apply(flat_ND, w_VD, ids_BT.reshape(-1), chunk_size).view(B, T)
+
+
+def sampled_token_advantages(
+    student_logprobs_BT: torch.Tensor,
+    teacher_logprobs_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    gamma: float = 0.0,
+) -> torch.Tensor:
+    """Discounted reward-to-go of the sampled-token OPD reward (detached).
+
+    r_t = log q(y_t) - log p(y_t); A_t = sum over unmasked u >= t of gamma^(u - t) r_u, with the
+    distance u - t counted in positions (masked positions break nothing, they just add no
+    reward). gamma = 0 is token-level OPD, gamma = 1 the sequence-level reward-to-go.
+
+    Shapes:
+        student_logprobs_BT, teacher_logprobs_BT, mask_BT: (B, T) -> adv_BT: (B, T)
+    """
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma={gamma} must lie in [0, 1] (0: token-level OPD, 1: sequence level)")
+    mask = as_bool(mask_BT)
+    dtype = compute_dtype(student_logprobs_BT, teacher_logprobs_BT)
+    r = (teacher_logprobs_BT.detach().to(dtype) - student_logprobs_BT.detach().to(dtype))
+    r = torch.where(mask, r, torch.zeros_like(r))
+    if gamma == 0.0:
+        return r
+    # Backward scan: A_t = r_t + gamma * A_{t+1}; T is the response length, so a loop is cheap.
+    adv = torch.zeros_like(r)
+    running = torch.zeros_like(r[:, 0])
+    for t in range(r.shape[1] - 1, -1, -1):
+        running = r[:, t] + gamma * running
+        adv[:, t] = running
+    return torch.where(mask, adv, torch.zeros_like(adv))
+
+
+def sampled_token_pg_loss(
+    student_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor | None = None,
+    clip_eps: float | None = None,
+) -> torch.Tensor:
+    """Policy-gradient surrogate whose gradient is -A_t * grad log p(y_t).
+
+    On policy (``old_logprobs_BT=None``) the ratio is exp(logp - logp.detach()) = 1 in value, so
+    the loss equals -A_t and its gradient the REINFORCE gradient. For rollouts from an older
+    policy the importance ratio exp(logp - old) is used, optionally PPO-clipped to
+    [1 - clip_eps, 1 + clip_eps].
+
+    Shapes:
+        student_logprobs_BT, advantages_BT, mask_BT, old_logprobs_BT: (B, T) -> loss_BT: (B, T)
+    """
+    dtype = compute_dtype(student_logprobs_BT, advantages_BT)
+    logp = student_logprobs_BT.to(dtype)
+    old = logp.detach() if old_logprobs_BT is None else old_logprobs_BT.detach().to(dtype)
+    adv = advantages_BT.detach().to(dtype)
+    mask = as_bool(mask_BT)
+    log_ratio = torch.where(mask, logp - old, torch.zeros_like(logp))
+    ratio = log_ratio.exp()
+    loss = -ratio * adv
+    if clip_eps is not None:
+        if clip_eps <= 0:
+            raise ValueError(f"clip_eps={clip_eps} must be positive (e.g. 0.2), or None for no clipping")
+        clipped = -ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * adv
+        loss = torch.maximum(loss, clipped)
+    return torch.where(mask, loss, torch.zeros_like(loss))
