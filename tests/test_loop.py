@@ -200,3 +200,33 @@ def test_evaluation_grades_with_the_tasks_reward(tiny_models):
     assert res["accuracy"] == 1.0 and res["avg_at_k"] == 1.0
     plain = evaluate_model(model, tok, prompts, ArithmeticTask(n_train=10, n_test=6), max_new_tokens=4)
     assert plain["accuracy"] == 0.0  # a random 1-layer model writes no boxed answer in 4 tokens
+
+
+# ----------------------------------------------------------------------------- full_kl
+
+
+@pytest.mark.parametrize("direction", ["reverse", "forward"])
+def test_full_kl_from_hidden_states_equals_the_dense_loss_on_rollouts(tiny_models, tmp_path, direction):
+    """The trainer's full_kl never builds (N, T, V) logits; it must still be the dense KL, value and gradient."""
+    from opd import losses as L
+    from opd.models import head_weight
+    from opd.objectives import objective_loss
+    from opd.teacher import response_hidden
+
+    run = train_mod.setup(cfg_for(tiny_models, tmp_path, objective="full_kl", kl_direction=direction))
+    batch, _ = train_mod.rollout_stage(run, 0)
+    mask = train_mod.loss_mask(batch, run.special_ids, run.cfg.mask_special)
+    scores = run.teacher.score(batch, run.cfg.k)
+    params = [p for p in run.student.parameters() if p.requires_grad]
+
+    loss_NT, _ = objective_loss(run.cfg, run.student, run.teacher, batch, scores, mask)
+    grads = torch.autograd.grad(loss_NT.sum(), params)
+    with torch.no_grad():
+        t_logits = response_hidden(run.teacher.model, batch) @ head_weight(run.teacher.model).T
+    s_logits = response_hidden(run.student, batch) @ head_weight(run.student).T
+    dense_NT = L.full_vocab_kl(s_logits, t_logits, mask, direction)
+    dense_grads = torch.autograd.grad(dense_NT.sum(), params)
+    assert mask.any() and float(dense_NT.detach().sum()) > 0
+    torch.testing.assert_close(loss_NT, dense_NT, rtol=1e-5, atol=1e-6)
+    for g, d in zip(grads, dense_grads, strict=True):
+        torch.testing.assert_close(g, d, rtol=1e-4, atol=1e-6)

@@ -8,7 +8,8 @@ This is the glue between the models and the pure losses of :mod:`opd.losses`:
   builds them.
 * ``sampled``: sampled-token OPD, r_t = log q(y_t) - log p(y_t) with the discounted reward-to-go
   and a policy-gradient surrogate (importance-ratio clipping when a batch is reused).
-* ``full_kl``: dense reverse or forward KL over the whole vocabulary, chunked.
+* ``full_kl``: dense reverse or forward KL over the whole vocabulary, from both models' hidden
+  states a chunk of positions at a time (:func:`~opd.losses.full_vocab_kl_from_hidden`).
 
 The loss mask is the response mask minus, when ``mask_special`` is on, the positions whose
 sampled token is special (EOS, ``<think>``, ``</think>``, template markers).
@@ -40,7 +41,7 @@ def loss_mask(batch: RolloutBatch, special_ids: list[int], mask_special: bool) -
 def student_topk_ids(student, batch: RolloutBatch, k: int) -> torch.Tensor:
     """The student's own top-K at each response position (for student-side supports)."""
     h = response_hidden(student, batch)
-    return L.teacher_topk_from_hidden(h, head_weight(student), k)[0]
+    return L.topk_from_hidden(h, head_weight(student), k)[0]
 
 
 def support_with_teacher_logprobs(cfg: TrainConfig, batch: RolloutBatch, scores: TeacherScores,
@@ -110,5 +111,5 @@ def objective_loss(cfg: TrainConfig, student, teacher, batch: RolloutBatch, scor
         adv = L.sampled_token_advantages(batch.logprobs_NT, scores.sampled_logprobs_NT, mask_NT, cfg.gamma)
         clip = cfg.clip_eps if old_logprobs_NT is not None else None
         return L.sampled_token_pg_loss(logp, adv, mask_NT, old_logprobs_NT, clip), h
-    teacher_logits = teacher.full_logits(batch)
-    return L.full_vocab_kl(h @ W.T, teacher_logits, mask_NT, cfg.kl_direction, chunk_size=256), h
+    t_h_NTE, t_W_VE = teacher.hidden_and_head(batch)
+    return L.full_vocab_kl_from_hidden(h, W, t_h_NTE, t_W_VE, mask_NT, cfg.kl_direction, chunk_size=256), h

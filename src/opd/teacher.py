@@ -53,8 +53,10 @@ class TeacherScorer(Protocol):
         diag_index_M: torch.Tensor | None = None,
     ) -> TeacherScores: ...
 
-    def full_logits(self, batch: RolloutBatch) -> torch.Tensor:
-        """(N, T, V) logits of every response position (full-vocabulary objectives only)."""
+    def hidden_and_head(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final hidden states (N, T, E) that predict each response position, and the output
+        head (V, E), for the full-vocabulary objectives: the loss projects them a chunk of
+        positions at a time, so no (N, T, V) tensor is ever formed."""
         ...
 
 
@@ -134,9 +136,9 @@ class HFTeacher:
         )
 
     @torch.no_grad()
-    def full_logits(self, batch: RolloutBatch) -> torch.Tensor:
-        # float32 logits whatever the teacher's dtype (--teacher-dtype bfloat16 included)
-        return response_hidden(self.model, batch).float() @ head_weight(self.model).float().T
+    def hidden_and_head(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        # In the teacher's own dtype: the loss computes in float32 whatever it is given.
+        return response_hidden(self.model, batch), head_weight(self.model)
 
 
 def make_teacher(cfg, student, tokenizer):

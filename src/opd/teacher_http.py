@@ -157,8 +157,8 @@ class HTTPTeacher:
         dev = batch.response_ids_NT.device
         return TeacherScores(topk_ids_NTK=ids.to(dev), topk_logprobs_NTK=lps.to(dev), sampled_logprobs_NT=sampled.to(dev))
 
-    def full_logits(self, batch: RolloutBatch) -> torch.Tensor:
-        raise UserError(f"a served teacher does not return full-vocabulary logits; use {SERVED_OBJECTIVES}")
+    def hidden_and_head(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        raise UserError(f"a served teacher does not return full-vocabulary scores; use {SERVED_OBJECTIVES}")
 
     def _complete(self, seqs: list[list[int]], k: int, starts: list[int], ids_NTK, lps_NTK, sampled_NT,
                   answered_NT) -> None:
