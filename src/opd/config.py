@@ -53,6 +53,25 @@ def check_device(spec: str) -> None:
     _require(bool(re.fullmatch(DEVICE_PATTERN, spec)), f"device={spec!r}: use auto, cpu, cuda or cuda:N")
 
 
+REPORT_TO = ("none", "tensorboard", "wandb", "trackio")
+REPORT_TO_HELP = ("Experiment trackers that also get the metrics of metrics.jsonl, per step, and the config: none, "
+                  "tensorboard (RUN/tensorboard), wandb (RUN/wandb; offline without an API key), trackio; "
+                  "several comma-separated or repeated.")
+
+
+def check_report_to(names: list | str) -> list[str]:
+    """``--report-to``: tracker names, comma-separated or repeated, normalised; ``none`` stands alone."""
+    given = [names] if isinstance(names, str) else list(names)
+    items = list(dict.fromkeys(n.strip().lower() for v in given for n in str(v).split(",") if n.strip()))
+    unknown = [n for n in items if n not in REPORT_TO]
+    _require(not unknown, f"report_to={','.join(unknown)}: unknown tracker; choose from {', '.join(REPORT_TO)} "
+                          "(several comma-separated)")
+    _require(bool(items), f"report_to is empty; use none or name trackers: {', '.join(REPORT_TO[1:])}")
+    _require(items == ["none"] or "none" not in items,
+             f"report_to={','.join(items)}: none turns tracking off, so it cannot be combined with a tracker")
+    return items
+
+
 @dataclass
 class ModelSource:
     """Where a run's models and prompts come from (shared by train, sft and eval)."""
@@ -121,6 +140,7 @@ class TrainConfig(ModelSource):
     eval_samples: int = opt(4, "Samples per prompt for avg@k / pass@k at evaluation (0: greedy only).")
     ckpt_every: int = opt(50, "Checkpoint every N steps.")
     log_rollouts: int = opt(4, "Rollouts per step written to rollouts.jsonl.")
+    report_to: list = opt(["none"], REPORT_TO_HELP)
     diag_positions: int = opt(256, "Positions sampled per step for the full-vocabulary diagnostics.")
     resume: bool = opt(False, "Resume from the latest checkpoint in the run directory.")
     teacher_url: str = opt("", "Served teacher (opd serve-teacher, or a vLLM server: vLLM's prompt_logprobs format), e.g. "
@@ -161,6 +181,7 @@ class TrainConfig(ModelSource):
         _require(self.lora_r >= 0, f"lora_r={self.lora_r} must be >= 0 (0 trains every weight)")
         _require(self.lora_alpha > 0 and 0.0 <= self.lora_dropout < 1.0, "lora_alpha must be > 0 and lora_dropout in [0, 1)")
         _require(bool(self.lora_targets), "lora_targets is empty; name linear layers (e.g. q_proj v_proj) or use all-linear")
+        self.report_to = check_report_to(self.report_to)
         if self.mask_special is None:
             self.mask_special = self.objective == "lsm"
 
@@ -184,9 +205,11 @@ class SFTConfig(ModelSource):
     eval_size: int = opt(200, "Test prompts for evaluation.")
     patience: int = opt(0, "Stop after this many evaluations without improvement (0: never).")
     max_grad_norm: float = opt(1.0, "Gradient clipping norm.")
+    report_to: list = opt(["none"], REPORT_TO_HELP)
 
     def __post_init__(self) -> None:
         self._check_common()
+        self.report_to = check_report_to(self.report_to)
         _require(self.steps >= 1 and self.batch_size >= 1, "steps and batch_size must be >= 1")
         _require(self.train_size >= 0, f"train_size={self.train_size} must be >= 0 (0 uses every example)")
         _require(bool(self.init) != bool(self.arch), "give exactly one of --init (a model directory) or --arch (qwen2:LAYERS:WIDTH)")

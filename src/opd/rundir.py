@@ -4,10 +4,15 @@ Everything a run leaves behind is written here, and readers (the report, ``opd e
 these files. Checkpoints are written to a temporary directory and renamed into place, and the
 ``latest`` pointer is replaced atomically, so a run killed at any moment leaves either the old or
 the new checkpoint, never half of one. Only rank 0 writes (``enabled=False`` elsewhere).
+
+Experiment trackers (``--report-to``, :mod:`opd.tracking`) are fed from here: they start when the
+config is written, get each metrics record as it is logged, and stop at :meth:`RunDir.close`
+(or at the end of a ``with RunDir(...)`` block).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -17,8 +22,9 @@ from typing import Any, Iterable
 
 import torch
 
-from opd.config import dump_config
+from opd.config import check_report_to, dump_config
 from opd.errors import UserError
+from opd.tracking import Tracking, check_installed
 
 CKPT_DIR = "checkpoints"
 
@@ -52,11 +58,25 @@ def is_main_process() -> bool:
 
 
 class RunDir:
-    def __init__(self, path: str | Path, enabled: bool | None = None):
+    def __init__(self, path: str | Path, enabled: bool | None = None, report_to: Iterable[str] | str = ()):
         self.path = Path(path)
         self.enabled = is_main_process() if enabled is None else enabled
+        trackers = [n for n in check_report_to(report_to) if n != "none"] if report_to else []
+        check_installed(trackers)  # on every rank, so that all of them stop alike, before any work
+        self.tracking = Tracking(self.path, trackers) if self.enabled and trackers else None
         if self.enabled:
             self.path.mkdir(parents=True, exist_ok=True)
+
+    def close(self, failed: bool = False) -> None:
+        """Stop the trackers (flushes TensorBoard; ``failed`` marks a wandb run as failed). Idempotent."""
+        if self.tracking is not None:
+            self.tracking.close(failed)
+
+    def __enter__(self) -> RunDir:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(failed=exc_type is not None)
 
     def require_fresh(self, resume: bool = False) -> None:
         """Refuse to start a new run over an earlier one: its logs would be appended to, not replaced."""
@@ -68,6 +88,8 @@ class RunDir:
     def write_config(self, cfg: Any) -> None:
         if self.enabled:
             dump_config(cfg, self.path / "config.json")
+            if self.tracking is not None:
+                self.tracking.start(dataclasses.asdict(cfg))
 
     def _append(self, name: str, records: Iterable[dict]) -> None:
         if not self.enabled:
@@ -77,7 +99,11 @@ class RunDir:
                 f.write(json.dumps(r, allow_nan=True) + "\n")
 
     def log_metrics(self, record: dict) -> None:
+        if self.tracking is not None:
+            self.tracking.start(None)  # no-op once write_config started it; before the append, so no replay of it
         self._append("metrics.jsonl", [record])
+        if self.tracking is not None:
+            self.tracking.log(record)
 
     def log_rollouts(self, records: list[dict]) -> None:
         self._append("rollouts.jsonl", records)
@@ -94,6 +120,7 @@ class RunDir:
         """Drop log lines of steps after ``step`` (a resumed run rewrites them)."""
         if not self.enabled:
             return
+        last_logged = step
         for name in ("metrics.jsonl", "rollouts.jsonl"):
             p = self.path / name
             if not p.exists():
@@ -101,11 +128,16 @@ class RunDir:
             kept = []
             for line in p.read_text().splitlines():
                 try:
-                    if json.loads(line).get("step", -1) <= step:
-                        kept.append(line)
+                    line_step = json.loads(line).get("step", -1)
                 except json.JSONDecodeError:
                     continue  # a line cut short by the kill
+                if line_step <= step:
+                    kept.append(line)
+                elif name == "metrics.jsonl":
+                    last_logged = max(last_logged, line_step)
             _atomic_write_text(p, "".join(l + "\n" for l in kept))
+        if self.tracking is not None:
+            self.tracking.resumed(step, last_logged)
 
     # ------------------------------------------------------------------ checkpoints
     @property
