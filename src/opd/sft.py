@@ -87,7 +87,7 @@ def teacher_completions(engine: HFRollout, tok, prompts: PromptSet, idx: list[in
 
 
 def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
-    rundir = RunDir(cfg.out)
+    rundir = RunDir(cfg.out, report_to=cfg.report_to)
     rundir.require_fresh()
     rundir.write_config(cfg)
     model, tok = build_model(cfg)
@@ -109,7 +109,7 @@ def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
     sched = make_scheduler(opt, cfg.warmup_steps, cfg.steps, cfg.schedule)
     best, stale, t0 = -1.0, 0, time.time()
     model.train()
-    with progress_bar("SFT", total=cfg.steps, enabled=show_progress) as bar:
+    with rundir, progress_bar("SFT", total=cfg.steps, enabled=show_progress) as bar:
         for step in range(cfg.steps):
             idx = train_set.batch_indices(step, cfg.batch_size, cfg.seed)
             prompts = [train_set.examples[i].prompt for i in idx]

@@ -76,7 +76,7 @@ def setup(cfg: TrainConfig) -> Run:
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
     dist = init_distributed(cfg.fsdp, device)
-    rundir = RunDir(cfg.out)
+    rundir = RunDir(cfg.out, report_to=cfg.report_to)
     rundir.require_fresh(cfg.resume)
     tok = load_tokenizer(cfg.student, "student")
     student = load_model(cfg.student, "student", cfg.dtype, device)
@@ -102,6 +102,8 @@ def setup(cfg: TrainConfig) -> Run:
               prompts, test, optimizer, scheduler, rundir, special_ids, dist)
     if ckpt is not None:
         resume(run, ckpt)
+    elif cfg.resume:  # killed before its first checkpoint: it starts over, so must its logs
+        rundir.truncate_logs_after(-1)
     rundir.write_config(cfg)
     rundir.write_jsonl("eval.jsonl", [{"prompt": e.prompt, "answer": e.answer} for e in test.examples])
     return run
@@ -289,7 +291,7 @@ def checkpoint_stage(run: Run, step: int) -> None:
 def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
     run = setup(cfg)
     last_eval: dict = {}
-    with progress_bar(f"OPD {cfg.objective}", total=cfg.steps, enabled=show_progress) as bar:
+    with run.rundir, progress_bar(f"OPD {cfg.objective}", total=cfg.steps, enabled=show_progress) as bar:
         bar.advance(run.start_step)
         for step in range(run.start_step, cfg.steps):
             t0 = time.perf_counter()
