@@ -80,8 +80,8 @@ FORMULAS = {
     "sampled": "flops 8TVd (fwd, recompute, 2 bwd GEMMs); bytes (4*ceil(T/256)+1)Vd*4 + 7TV*4",
     "full_kl": "flops 6TVd; bytes 4Vd*4 + 8TV*4 (logits, 2x2 chunk reads, dlogits, 2 GEMM reads)",
     "full_kl_hidden": "flops 8TVd + 4TVd_t (student fwd, recompute, 2 bwd GEMMs; teacher fwd, recompute); bytes "
-                      "(5Vd + 2Vd_t)*4c + 50TV*4, c = ceil(T/chunk) (W read x3 and dW read+write per chunk; "
-                      "about 50 passes over each (chunk, V) block in fwd+bwd)",
+    "(5Vd + 2Vd_t)*4c + 50TV*4, c = ceil(T/chunk) (W read x3 and dW read+write per chunk; "
+    "about 50 passes over each (chunk, V) block in fwd+bwd)",
     "trl": "flops 8TVd + 4TVd_t; bytes (4c+1)Vd*4 + 2cVd_t*4 + 11TV*4, c = ceil(T/4096)",
     "opd_signal": "flops 2TVd_t + 6TKd; bytes ceil(T/256)Vd_t*4 + 3TV*4 + the (a) bytes",
 }
@@ -93,7 +93,7 @@ TRL_FN = "trl.trainer.distillation_trainer._chunked_divergence_loss"
 
 def _status_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
-        line = next(l for l in f if l.startswith(field + ":"))
+        line = next(x for x in f if x.startswith(field + ":"))
     return int(line.split()[1]) * 1024  # kB
 
 
@@ -178,6 +178,7 @@ def build_step(variant: str, x: dict, K: int, kl_chunk: int, kl_hidden_chunk: in
     elif variant == "lsm_logits":
         loss = lambda: L.local_support_kl(h @ W.T, x["ids"], x["lp"], mask)
     elif variant == "sampled":
+
         def loss():
             logp = L.token_logprobs_from_hidden(h, W, x["y"])
             adv = L.sampled_token_advantages(logp, x["t_logp"], mask, gamma=0.0)
@@ -187,6 +188,7 @@ def build_step(variant: str, x: dict, K: int, kl_chunk: int, kl_hidden_chunk: in
     elif variant == "full_kl_hidden":
         loss = lambda: L.full_vocab_kl_from_hidden(h, W, x["ht"], x["Wt"], mask, "reverse", chunk_size=kl_hidden_chunk)
     elif variant == "opd_signal":
+
         def loss():
             ids, lp = L.topk_from_hidden(x["ht"], x["Wt"], K)
             return L.local_support_kl_from_hidden(h, W, ids, lp, mask)
@@ -195,6 +197,7 @@ def build_step(variant: str, x: dict, K: int, kl_chunk: int, kl_hidden_chunk: in
 
         def step():
             _chunked_divergence_loss(h, x["ht"], W, x["Wt"], mask.long(), beta=1.0)[0].backward()
+
         return step
     else:
         raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
@@ -228,9 +231,12 @@ def worker(a: argparse.Namespace) -> dict:
         times.append(t1 - t0)
         cpus.append(c1 - c0)
     return {
-        "times_s": times, "median_s": statistics.median(times),
-        "cpu_s": cpus, "cpu_median_s": statistics.median(cpus),
-        "baseline_rss_MB": base / 1e6, "peak_extra_MB": (_status_bytes("VmHWM") - base) / 1e6,
+        "times_s": times,
+        "median_s": statistics.median(times),
+        "cpu_s": cpus,
+        "cpu_median_s": statistics.median(cpus),
+        "baseline_rss_MB": base / 1e6,
+        "peak_extra_MB": (_status_bytes("VmHWM") - base) / 1e6,
         "peak_reset": reset,
     }
 
@@ -263,9 +269,13 @@ def memory_estimate(variant: str, T: int, V: int, d: int, dt: int, chunk: int = 
     """Rough bytes a (variant, T) subprocess needs, to shrink T before the kernel kills it."""
     head, tv = V * d * 4, T * V * 4
     extra = {
-        "lsm_hidden": 0.5e9, "lsm_logits": 3 * tv, "sampled": 2 * head + 1e9, "full_kl": 5 * tv,
+        "lsm_hidden": 0.5e9,
+        "lsm_logits": 3 * tv,
+        "sampled": 2 * head + 1e9,
+        "full_kl": 5 * tv,
         "full_kl_hidden": V * dt * 4 + 4 * min(T, chunk) * V * 4,
-        "trl": V * dt * 4 + 8 * min(T, 4096) * 32768 * 4, "opd_signal": V * dt * 4 + 0.5e9,
+        "trl": V * dt * 4 + 8 * min(T, 4096) * 32768 * 4,
+        "opd_signal": V * dt * 4 + 0.5e9,
     }[variant]
     return 2 * head + extra + 0.5e9
 
@@ -285,8 +295,14 @@ def fit_T(variant: str, T: int, a: argparse.Namespace) -> tuple[int, str]:
 def run_one(variant: str, T: int, a: argparse.Namespace) -> dict:
     """Run (variant, T) in a fresh subprocess; return its row (timings or an error)."""
     T_run, note = fit_T(variant, T, a)
-    row = {"variant": variant, "label": VARIANTS[variant], "T_requested": T, "T": T_run, "note": note,
-           "load1_before": os.getloadavg()[0]}  # other processes on the cores make timings noisy
+    row = {
+        "variant": variant,
+        "label": VARIANTS[variant],
+        "T_requested": T,
+        "T": T_run,
+        "note": note,
+        "load1_before": os.getloadavg()[0],
+    }  # other processes on the cores make timings noisy
     cmd = [sys.executable, __file__, "--worker", variant, "--T", str(T_run)] + a.passthrough
     print(f"  {VARIANTS[variant]:<38} T={T_run:<5}", end=" ", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -321,8 +337,11 @@ def ratios(rows: list[dict]) -> list[dict]:
     out = []
     for T in sorted({r["T_requested"] for r in rows}):
         entry = {"T": T}
-        for name, slow, fast in (("logits_vs_lsm", "lsm_logits", "lsm_hidden"), ("full_kl_vs_hidden", "full_kl", "full_kl_hidden"),
-                                 ("trl_vs_opd", "trl", "opd_signal")):
+        for name, slow, fast in (
+            ("logits_vs_lsm", "lsm_logits", "lsm_hidden"),
+            ("full_kl_vs_hidden", "full_kl", "full_kl_hidden"),
+            ("trl_vs_opd", "trl", "opd_signal"),
+        ):
             s, f = by.get((slow, T)), by.get((fast, T))
             if s and f and s["T"] == f["T"] == T:
                 entry[f"{name}_time"] = s["median_s"] / f["median_s"]
@@ -356,16 +375,19 @@ def _f(v, spec=".2f") -> str:
 def render(report: dict) -> str:
     m, s = report["machine"], report["settings"]
     lines = [
-        f"# opd loss benchmark ({'quick' if s['quick'] else 'full'})", "",
+        f"# opd loss benchmark ({'quick' if s['quick'] else 'full'})",
+        "",
         f"- head V={s['V']} d={s['d']} teacher d={s['teacher_d']} K={s['K']}, fp32, B=1, threads={s['threads']}, "
         f"warmup={s['warmup']} (skipped when a step takes over {s.get('long_step', '-')} s), repeats={s['repeats']} (medians); torch {s['torch']}, "
         f"TRL {s['trl'] or 'not installed'}; load1 = 1-minute load average before the run ({s['threads']} = only us)",
         f"- machine (best of start/end): GEMM {m['gemm_GFLOPs']:.0f} GFLOP/s, copy {m['copy_GBps']:.1f} GB/s, "
         f"first touch {m['first_touch_GBps']:.1f} GB/s",
         f"- memory: {report['method']['memory']}",
-        f"- teacher: {report['method']['teacher']}", "",
+        f"- teacher: {report['method']['teacher']}",
+        "",
         "| variant | T | median s | CPU s | peak extra MB | GFLOP | GB | GFLOP/s | %GEMM | GB/s | %copy BW | bound "
-        "| load1 | note |", "|---|" + "---:|" * 10 + "---|---:|---|",
+        "| load1 | note |",
+        "|---|" + "---:|" * 10 + "---|---:|---|",
     ]
     for r in report["results"]:
         if "median_s" not in r:
@@ -374,14 +396,20 @@ def render(report: dict) -> str:
         lines.append(
             f"| {r['label']} | {r['T']} | {r['median_s']:.3f} | {r['cpu_median_s']:.2f} | {r['peak_extra_MB']:.0f} "
             f"| {r['flops'] / 1e9:.1f} | {r['bytes'] / 1e9:.2f} | {r['GFLOPs']:.1f} | {100 * r['gemm_fraction']:.1f} "
-            f"| {r['GBps']:.1f} | {100 * r['bw_fraction']:.1f} | {r['bound']} | {r['load1_before']:.1f} | {r['note']} |")
-    lines += ["", "| T | full logits / LSM time | full logits / LSM memory | full KL (d) / (d2) time "
-              "| full KL (d) / (d2) memory | TRL / opd signal time | TRL / opd signal memory |",
-              "|---:|---:|---:|---:|---:|---:|---:|"]
+            f"| {r['GBps']:.1f} | {100 * r['bw_fraction']:.1f} | {r['bound']} | {r['load1_before']:.1f} | {r['note']} |"
+        )
+    lines += [
+        "",
+        "| T | full logits / LSM time | full logits / LSM memory | full KL (d) / (d2) time "
+        "| full KL (d) / (d2) memory | TRL / opd signal time | TRL / opd signal memory |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for e in report["ratios"]:
-        lines.append(f"| {e['T']} | {_f(e.get('logits_vs_lsm_time'))} | {_f(e.get('logits_vs_lsm_mem'))} "
-                     f"| {_f(e.get('full_kl_vs_hidden_time'))} | {_f(e.get('full_kl_vs_hidden_mem'))} "
-                     f"| {_f(e.get('trl_vs_opd_time'))} | {_f(e.get('trl_vs_opd_mem'))} |")
+        lines.append(
+            f"| {e['T']} | {_f(e.get('logits_vs_lsm_time'))} | {_f(e.get('logits_vs_lsm_mem'))} "
+            f"| {_f(e.get('full_kl_vs_hidden_time'))} | {_f(e.get('full_kl_vs_hidden_mem'))} "
+            f"| {_f(e.get('trl_vs_opd_time'))} | {_f(e.get('trl_vs_opd_mem'))} |"
+        )
     lines += ["", "| target | measured | threshold | result | where |", "|---|---:|---|---|---|"]
     for t in report["targets"]:
         verdict = "n/a" if t["pass"] is None else ("PASS" if t["pass"] else "FAIL")
@@ -395,8 +423,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="small head and T (V=8192, d=256, T=256): < 1 minute")
     p.add_argument("--repeats", type=int, default=None, help="timed steps per (variant, T) (default 3, quick 2)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before timing")
-    p.add_argument("--long-step", type=float, default=10.0,
-                   help="a warm-up step slower than this (s) is timed instead of repeated")
+    p.add_argument(
+        "--long-step", type=float, default=10.0, help="a warm-up step slower than this (s) is timed instead of repeated"
+    )
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in every run")
     p.add_argument("--T", type=int, nargs="+", default=None, help="sequence lengths (default 512 2048 4096)")
     p.add_argument("--V", type=int, default=None, help="vocabulary size (default 151936)")
@@ -404,8 +433,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--teacher-d", type=int, default=None, help="teacher width for (e), (f) (default: --d)")
     p.add_argument("--K", type=int, default=32, help="support size")
     p.add_argument("--kl-chunk", type=int, default=512, help="chunk_size (positions) of full_vocab_kl in (d)")
-    p.add_argument("--kl-hidden-chunk", type=int, default=128,
-                   help="chunk_size (positions) of full_vocab_kl_from_hidden in (d2)")
+    p.add_argument(
+        "--kl-hidden-chunk", type=int, default=128, help="chunk_size (positions) of full_vocab_kl_from_hidden in (d2)"
+    )
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/losses[_quick].json)")
     p.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
@@ -416,9 +446,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.T = a.T[0] if a.worker and a.T else (a.T or ([256] if a.quick else [512, 2048, 4096]))
     a.repeats = a.repeats or (2 if a.quick else 3)
     a.out = a.out or HERE / "results" / ("losses_quick.json" if a.quick else "losses.json")
-    a.passthrough = [f"--{k}={getattr(a, k.replace('-', '_'))}" for k in
-                     ("V", "d", "teacher-d", "K", "kl-chunk", "kl-hidden-chunk", "repeats", "warmup", "long-step",
-                      "threads")]
+    a.passthrough = [
+        f"--{k}={getattr(a, k.replace('-', '_'))}"
+        for k in (
+            "V",
+            "d",
+            "teacher-d",
+            "K",
+            "kl-chunk",
+            "kl-hidden-chunk",
+            "repeats",
+            "warmup",
+            "long-step",
+            "threads",
+        )
+    ]
     return a
 
 
@@ -442,25 +484,49 @@ def main(argv=None) -> None:
     add_fractions(rows, machine)
     ratio_rows = ratios(rows)
     report = {
-        "settings": {k: getattr(a, k) for k in ("quick", "V", "d", "teacher_d", "K", "T", "kl_chunk",
-                                                 "kl_hidden_chunk", "repeats", "warmup", "long_step", "threads")}
-        | {"torch": torch.__version__, "trl": trl, "trl_function": TRL_FN if trl else None,
-           "python": platform.python_version(), "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M")},
+        "settings": {
+            k: getattr(a, k)
+            for k in (
+                "quick",
+                "V",
+                "d",
+                "teacher_d",
+                "K",
+                "T",
+                "kl_chunk",
+                "kl_hidden_chunk",
+                "repeats",
+                "warmup",
+                "long_step",
+                "threads",
+            )
+        }
+        | {
+            "torch": torch.__version__,
+            "trl": trl,
+            "trl_function": TRL_FN if trl else None,
+            "python": platform.python_version(),
+            "cpu_count": os.cpu_count(),
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+        },
         "method": {
             "time": "fresh subprocess per (variant, T); warmup steps, then median wall and CPU time of the timed "
-                    "forward+backward steps; grads set to None before each step",
+            "forward+backward steps; grads set to None before each step",
             "memory": "peak RSS (VmHWM, reset via /proc/self/clear_refs after setup) minus the RSS after "
-                      "allocating inputs, parameters and a touched parameter-sized gradient buffer (then freed): "
-                      "peak beyond inputs, parameters and their gradients",
+            "allocating inputs, parameters and a touched parameter-sized gradient buffer (then freed): "
+            "peak beyond inputs, parameters and their gradients",
             "flops": "analytic matmul FLOPs (2mnk); elementwise work not counted",
             "bytes": "analytic dominant tensor traffic, fp32; see each row's formula",
             "teacher": "(a),(b) precomputed top-K; (c) precomputed teacher log-prob of the sampled token; "
-                       "(d) precomputed (1,T,V) teacher logits (an input, outside the peak); (d2) teacher hidden "
-                       "states and head, its logits computed and recomputed chunk by chunk inside the timing and "
-                       "the peak; (e) TRL projects the teacher head itself; (f) topk_from_hidden on the teacher, "
-                       "chunked, no grad, inside the timing",
+            "(d) precomputed (1,T,V) teacher logits (an input, outside the peak); (d2) teacher hidden "
+            "states and head, its logits computed and recomputed chunk by chunk inside the timing and "
+            "the peak; (e) TRL projects the teacher head itself; (f) topk_from_hidden on the teacher, "
+            "chunked, no grad, inside the timing",
         },
-        "machine": machine, "results": rows, "ratios": ratio_rows, "targets": targets(ratio_rows, a),
+        "machine": machine,
+        "results": rows,
+        "ratios": ratio_rows,
+        "targets": targets(ratio_rows, a),
     }
     text = render(report)
     print(text)

@@ -75,10 +75,19 @@ SEED = 0
 def plan(args) -> dict:
     from opd import demo
 
-    return {"student": str(demo.ASSETS / "student"), "teacher": str(demo.ASSETS / "teacher"),
-            "task_level": demo.TASK_LEVEL, "top_p": demo.TOP_P, "batch": args.batch_size, "k": args.k,
-            "max_new_tokens": args.max_new_tokens, "steps": args.warmup + args.steps, "warmup": args.warmup,
-            "lr": 5e-4, "threads": args.threads}
+    return {
+        "student": str(demo.ASSETS / "student"),
+        "teacher": str(demo.ASSETS / "teacher"),
+        "task_level": demo.TASK_LEVEL,
+        "top_p": demo.TOP_P,
+        "batch": args.batch_size,
+        "k": args.k,
+        "max_new_tokens": args.max_new_tokens,
+        "steps": args.warmup + args.steps,
+        "warmup": args.warmup,
+        "lr": 5e-4,
+        "threads": args.threads,
+    }
 
 
 # ----------------------------------------------------------------------------- workers (subprocesses)
@@ -94,12 +103,30 @@ def opd_worker(spec: dict, out: Path) -> None:
     torch.set_num_threads(spec["threads"])
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = TrainConfig(
-        student=spec["student"], teacher="" if spec.get("teacher_url") else spec["teacher"],
-        teacher_url=spec.get("teacher_url", ""), teacher_dtype="" if spec.get("teacher_url") else spec["teacher_dtype"],
-        task_level=spec["task_level"], seed=SEED, out=str(out.parent / "run"), objective="lsm", k=spec["k"],
-        steps=spec["steps"], batch_size=spec["batch"] // world, device="cpu", max_new_tokens=spec["max_new_tokens"],
-        top_p=spec["top_p"], temperature=1.0, lr=spec["lr"], warmup_steps=0, eval_every=0, eval_size=1,
-        eval_samples=0, ckpt_every=0, log_rollouts=0, diag_positions=spec["diag_positions"])
+        student=spec["student"],
+        teacher="" if spec.get("teacher_url") else spec["teacher"],
+        teacher_url=spec.get("teacher_url", ""),
+        teacher_dtype="" if spec.get("teacher_url") else spec["teacher_dtype"],
+        task_level=spec["task_level"],
+        seed=SEED,
+        out=str(out.parent / "run"),
+        objective="lsm",
+        k=spec["k"],
+        steps=spec["steps"],
+        batch_size=spec["batch"] // world,
+        device="cpu",
+        max_new_tokens=spec["max_new_tokens"],
+        top_p=spec["top_p"],
+        temperature=1.0,
+        lr=spec["lr"],
+        warmup_steps=0,
+        eval_every=0,
+        eval_size=1,
+        eval_samples=0,
+        ckpt_every=0,
+        log_rollouts=0,
+        diag_positions=spec["diag_positions"],
+    )
     stamps, records, answers = [], [], []
     real_log = train_mod.log_stage
     if spec.get("teacher_url"):
@@ -123,11 +150,18 @@ def opd_worker(spec: dict, out: Path) -> None:
     train_mod.log_stage = timed_log
     train_mod.train(cfg, show_progress=False)
     if int(os.environ.get("RANK", "0")) == 0:
-        out.write_text(json.dumps({
-            "stamps": stamps, "world": world, "wire": answers[0] if answers else None,
-            "tokens": [r["rollout/response_len"] * spec["batch"] for r in records],
-            "split": [{k: r[k] for k in ("time/generate", "time/score", "time/update")} for r in records],
-            "loss": [r["train/loss"] for r in records]}))
+        out.write_text(
+            json.dumps(
+                {
+                    "stamps": stamps,
+                    "world": world,
+                    "wire": answers[0] if answers else None,
+                    "tokens": [r["rollout/response_len"] * spec["batch"] for r in records],
+                    "split": [{k: r[k] for k in ("time/generate", "time/score", "time/update")} for r in records],
+                    "loss": [r["train/loss"] for r in records],
+                }
+            )
+        )
 
 
 def trl_worker(spec: dict, out: Path) -> None:
@@ -156,22 +190,41 @@ def trl_worker(spec: dict, out: Path) -> None:
                 lengths.append(logs["completions/mean_length"])
 
     args = DistillationConfig(
-        output_dir=str(out.parent / "trl"), per_device_train_batch_size=spec["batch"], gradient_accumulation_steps=1,
-        max_steps=spec["steps"], learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
-        max_completion_length=spec["max_new_tokens"], temperature=1.0, top_p=spec["top_p"], top_k=0, beta=1.0,
-        use_cpu=True, report_to=[], logging_steps=1, save_strategy="no", shuffle_dataset=False, seed=SEED,
+        output_dir=str(out.parent / "trl"),
+        per_device_train_batch_size=spec["batch"],
+        gradient_accumulation_steps=1,
+        max_steps=spec["steps"],
+        learning_rate=spec["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_completion_length=spec["max_new_tokens"],
+        temperature=1.0,
+        top_p=spec["top_p"],
+        top_k=0,
+        beta=1.0,
+        use_cpu=True,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        shuffle_dataset=False,
+        seed=SEED,
         disable_tqdm=True,
         # DistillationConfig defaults to both; opd runs float32 without recomputation, so the same work means off
-        gradient_checkpointing=False, bf16=False)
+        gradient_checkpointing=False,
+        bf16=False,
+    )
     trainer = DistillationTrainer(
         model=AutoModelForCausalLM.from_pretrained(spec["student"], local_files_only=True),
-        teacher_model=AutoModelForCausalLM.from_pretrained(spec["teacher"], local_files_only=True,
-                                                           dtype=getattr(torch, spec["teacher_dtype"])),
-        args=args, train_dataset=data, processing_class=AutoTokenizer.from_pretrained(spec["student"]),
-        callbacks=[Clock()])
+        teacher_model=AutoModelForCausalLM.from_pretrained(
+            spec["teacher"], local_files_only=True, dtype=getattr(torch, spec["teacher_dtype"])
+        ),
+        args=args,
+        train_dataset=data,
+        processing_class=AutoTokenizer.from_pretrained(spec["student"]),
+        callbacks=[Clock()],
+    )
     trainer.train()
-    out.write_text(json.dumps({"stamps": stamps, "world": 1,
-                               "tokens": [m * spec["batch"] for m in lengths]}))
+    out.write_text(json.dumps({"stamps": stamps, "world": 1, "tokens": [m * spec["batch"] for m in lengths]}))
 
 
 # ----------------------------------------------------------------------------- the driver
@@ -179,8 +232,13 @@ def trl_worker(spec: dict, out: Path) -> None:
 
 def start_server(teacher: str, threads: int) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.Popen([sys.executable, "-m", "opd", "serve-teacher", teacher, "--port", "0", "--device", "cpu"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "opd", "serve-teacher", teacher, "--port", "0", "--device", "cpu"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     line = proc.stdout.readline()
     match = re.search(r"http://127\.0\.0\.1:\d+", line)
     if not match:
@@ -200,13 +258,22 @@ def run_row(name: str, kind: str, spec: dict, procs: int, timeout: float) -> dic
         if procs == 1:
             cmd = [sys.executable, *worker]
         else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs), *worker]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                str(procs),
+                *worker,
+            ]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
         print(f"  running {name} ...", flush=True)
         t0 = time.perf_counter()
         # its own process group: a row that hangs is killed with torchrun's ranks, not just torchrun
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp, start_new_session=True
+        )
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -225,17 +292,30 @@ def summarise(name: str, spec: dict, res: dict, wall: float) -> dict:
     w = spec["warmup"]
     stamps, tokens = res["stamps"], res["tokens"]
     if len(stamps) < w + 2 or len(tokens) != len(stamps):
-        return {"row": name, "available": False,
-                "reason": f"recorded {len(stamps)} step ends and {len(tokens)} token counts for {spec['steps']} steps"}
+        return {
+            "row": name,
+            "available": False,
+            "reason": f"recorded {len(stamps)} step ends and {len(tokens)} token counts for {spec['steps']} steps",
+        }
     if spec.get("teacher_url") and res.get("wire") != spec["wire"]:
-        return {"row": name, "available": False,
-                "reason": f"the client got {res.get('wire')} answers, not {spec['wire']}"}
+        return {
+            "row": name,
+            "available": False,
+            "reason": f"the client got {res.get('wire')} answers, not {spec['wire']}",
+        }
     step_s = [b - a for a, b in zip(stamps[w - 1 :], stamps[w:])]
     timed_tokens = sum(tokens[w:])
-    out = {"row": name, "available": True, "processes": res["world"], "timed_steps": len(step_s),
-           "s_per_step_median": statistics.median(step_s), "s_per_step_mean": sum(step_s) / len(step_s),
-           "rollout_tokens_per_s": timed_tokens / sum(step_s), "response_tokens_per_step": timed_tokens / len(step_s),
-           "process_wall_s": round(wall, 1)}
+    out = {
+        "row": name,
+        "available": True,
+        "processes": res["world"],
+        "timed_steps": len(step_s),
+        "s_per_step_median": statistics.median(step_s),
+        "s_per_step_mean": sum(step_s) / len(step_s),
+        "rollout_tokens_per_s": timed_tokens / sum(step_s),
+        "response_tokens_per_step": timed_tokens / len(step_s),
+        "process_wall_s": round(wall, 1),
+    }
     if "split" in res:
         for key in ("time/generate", "time/score", "time/update"):
             out[key.replace("time/", "median_") + "_s"] = statistics.median(s[key] for s in res["split"][w:])
@@ -314,7 +394,7 @@ def run_all(args, model_root: Path) -> dict:
     keys = args.rows.split(",")
     runs: dict[str, list[dict]] = {k: [] for k in keys}
     for r in range(args.rounds):
-        for key in keys[r % len(keys):] + keys[: r % len(keys)]:
+        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
             runs[key].append(run_one(key, base, args))
             print(f"    round {r + 1}: {runs[key][-1]}", flush=True)
     rows = [combine(runs[k]) for k in keys]
@@ -340,18 +420,30 @@ def add_ratios(rows: list[dict], rounds: list[list[dict]], keys: list[str]) -> N
     the in-process row of the same processes, diagnostics and dtype."""
     trl = {ROWS[k][5]: i for i, k in enumerate(keys) if ROWS[k][1] == "trl"}
     ref = keys.index("opd1") if "opd1" in keys else None
-    local = {(ROWS[k][2], ROWS[k][4], ROWS[k][5]): i for i, k in enumerate(keys)
-             if ROWS[k][1] == "opd" and ROWS[k][3] == "local"}
+    local = {
+        (ROWS[k][2], ROWS[k][4], ROWS[k][5]): i
+        for i, k in enumerate(keys)
+        if ROWS[k][1] == "opd" and ROWS[k][3] == "local"
+    }
 
     def ratio(i: int, j: int | None) -> float | None:
-        pairs = [(a, b) for a, b in zip(rounds[i], rounds[j]) if a["available"] and b["available"]] if j is not None else []
-        return statistics.median(a["rollout_tokens_per_s"] / b["rollout_tokens_per_s"] for a, b in pairs) if pairs else None
+        pairs = (
+            [(a, b) for a, b in zip(rounds[i], rounds[j]) if a["available"] and b["available"]] if j is not None else []
+        )
+        return (
+            statistics.median(a["rollout_tokens_per_s"] / b["rollout_tokens_per_s"] for a, b in pairs)
+            if pairs
+            else None
+        )
 
     for i, r in enumerate(rows):
         _, _, procs, teacher, diag, dtype = ROWS[keys[i]]
         in_process = local.get((procs, diag, dtype)) if teacher != "local" else None
-        for key, j in (("throughput_vs_trl", trl.get(dtype)), ("throughput_vs_opd_1proc", ref),
-                       ("throughput_vs_in_process", in_process)):
+        for key, j in (
+            ("throughput_vs_trl", trl.get(dtype)),
+            ("throughput_vs_opd_1proc", ref),
+            ("throughput_vs_in_process", in_process),
+        ):
             value = ratio(i, j) if r["available"] else None
             if value is not None:
                 r[key] = value
@@ -366,8 +458,12 @@ def _has(module: str) -> bool:
 def machine() -> dict:
     import torch
 
-    info = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
-            "platform": platform.platform()}
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+    }
     if _has("trl"):
         import trl
 
@@ -378,23 +474,28 @@ def machine() -> dict:
 def table(result: dict) -> str:
     p = result["plan"]
     head = f"output layer padded to {p['vocab']} rows, " if p.get("vocab") else ""
-    lines = [f"Batch {p['batch']} prompts, up to {p['max_new_tokens']} new tokens, K={p['k']}, {head}"
-             f"{p['steps'] - p['warmup']} timed steps after {p['warmup']} warm-up, {p['threads']} torch thread(s) per process; "
-             f"medians over {p['rounds']} interleaved round(s); load1 = 1-minute load average before the row "
-             f"({os.cpu_count()} cores, shared with other work).",
-             "", "| row | processes | s/step (median) | rollout tok/s | vs TRL (tok/s) | vs opd 1 proc | "
-             "served vs in-process | generate / score / update s | load1 |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    lines = [
+        f"Batch {p['batch']} prompts, up to {p['max_new_tokens']} new tokens, K={p['k']}, {head}"
+        f"{p['steps'] - p['warmup']} timed steps after {p['warmup']} warm-up, {p['threads']} torch thread(s) per process; "
+        f"medians over {p['rounds']} interleaved round(s); load1 = 1-minute load average before the row "
+        f"({os.cpu_count()} cores, shared with other work).",
+        "",
+        "| row | processes | s/step (median) | rollout tok/s | vs TRL (tok/s) | vs opd 1 proc | "
+        "served vs in-process | generate / score / update s | load1 |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
     for r in result["rows"]:
         if not r["available"]:
             lines.append(f"| {r['row']} | | unavailable: {r['reason']} | | | | | | |")
             continue
         split = " / ".join(f"{r[k]:.3f}" for k in ("median_generate_s", "median_score_s", "median_update_s") if k in r)
-        fmt = lambda k: f"{r[k]:.2f}x" if k in r else "-"
+        fmt = lambda k, r=r: f"{r[k]:.2f}x" if k in r else "-"
         procs = r["processes"] + (1 if "served" in r["row"] else 0)  # the teacher server is a process too
-        lines.append(f"| {r['row']} | {procs} | {r['s_per_step_median']:.3f} | {r['rollout_tokens_per_s']:.0f} | "
-                     f"{fmt('throughput_vs_trl')} | {fmt('throughput_vs_opd_1proc')} | "
-                     f"{fmt('throughput_vs_in_process')} | {split or '-'} | {r['load1_before']:.1f} |")
+        lines.append(
+            f"| {r['row']} | {procs} | {r['s_per_step_median']:.3f} | {r['rollout_tokens_per_s']:.0f} | "
+            f"{fmt('throughput_vs_trl')} | {fmt('throughput_vs_opd_1proc')} | "
+            f"{fmt('throughput_vs_in_process')} | {split or '-'} | {r['load1_before']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -407,12 +508,18 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48, help="generation length (the demo's)")
     ap.add_argument("--k", type=int, default=32, help="LSM support size")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process (trainer ranks and server alike)")
-    ap.add_argument("--vocab", type=int, default=0,
-                    help="pad both models' output layer to this many rows (e.g. 151936, Qwen2.5's); 0: as trained")
+    ap.add_argument(
+        "--vocab",
+        type=int,
+        default=0,
+        help="pad both models' output layer to this many rows (e.g. 151936, Qwen2.5's); 0: as trained",
+    )
     ap.add_argument("--rows", default=",".join(ROWS), help=f"rows to run, comma-separated from {','.join(ROWS)}")
     ap.add_argument("--rounds", type=int, default=None, help="runs of every row, interleaved (default 2; quick 1)")
     ap.add_argument("--row-timeout", type=float, default=900, help="seconds before a row is given up")
-    ap.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/scaleout[_quick].json)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="JSON path (default benchmarks/results/scaleout[_quick].json)"
+    )
     ap.add_argument("--worker", choices=("opd", "trl"), help=argparse.SUPPRESS)
     ap.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -436,7 +543,9 @@ def main() -> None:
     print("\n" + text)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(f"# opd scale-out benchmark\n\n{text}\n\nMachine: {json.dumps(result['machine'])}\n")
+    out.with_suffix(".md").write_text(
+        f"# opd scale-out benchmark\n\n{text}\n\nMachine: {json.dumps(result['machine'])}\n"
+    )
     print(f"\nwrote {out} and {out.with_suffix('.md')}")
 
 

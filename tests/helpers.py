@@ -25,8 +25,20 @@ def step_records(run_dir) -> list[dict]:
 
 
 # the size of the multi-process runs (and the single-process runs they are compared with)
-SMALL = dict(device="cpu", steps=8, max_new_tokens=8, eval_size=4, eval_samples=0, k=8, warmup_steps=1, log_rollouts=2,
-             diag_positions=16, eval_every=0, ckpt_every=1, lr=3e-3)
+SMALL = dict(
+    device="cpu",
+    steps=8,
+    max_new_tokens=8,
+    eval_size=4,
+    eval_samples=0,
+    k=8,
+    warmup_steps=1,
+    log_rollouts=2,
+    diag_positions=16,
+    eval_every=0,
+    ckpt_every=1,
+    lr=3e-3,
+)
 REL = 1e-4
 
 
@@ -49,9 +61,22 @@ def launch_command(launcher: str, args: list[str]) -> list[str]:
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     else:  # accelerate: --multi_gpu is what starts 2 ranks on a machine without a GPU (--cpu starts one)
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", str(free_port())]
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(free_port()),
+        ]
     return cmd + ["-m", "opd"] + args
 
 
@@ -61,8 +86,14 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "_TYPER_STANDARD_TRACEBACK": "1"}
 def launch(launcher: str, args: list[str], timeout: int = 300) -> None:
     # its own process group, so a launch that hangs is killed with its ranks (killing only the
     # launcher would leave the ranks running into the next tests)
-    proc = subprocess.Popen(launch_command(launcher, args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=ENV, start_new_session=True)
+    proc = subprocess.Popen(
+        launch_command(launcher, args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        start_new_session=True,
+    )
     try:
         _, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -83,8 +83,7 @@ def ref_hidden_grads(hidden_BTD, weight_VD, grad_logits_BTV):
     for b in range(len(h)):
         gh.append([])
         for t in range(len(h[b])):
-            gh[b].append([sum(g[b][t][v] * w[v][d] for v in range(V) if g[b][t][v] != 0.0)
-                          for d in range(D)])
+            gh[b].append([sum(g[b][t][v] * w[v][d] for v in range(V) if g[b][t][v] != 0.0) for d in range(D)])
             for v in range(V):
                 for d in range(D):
                     gw[v][d] += g[b][t][v] * h[b][t][d]
@@ -136,8 +135,7 @@ def _lsm_row(z, ids, tlp, smask, renormalize):
     return kl, _softmax_vjp(lpf, g)
 
 
-def ref_local_support_kl(student_BTV, ids_BTK, tlp_BTK, mask_BT, renormalize=True,
-                         support_mask_BTK=None, gout_BT=None):
+def ref_local_support_kl(student_BTV, ids_BTK, tlp_BTK, mask_BT, renormalize=True, support_mask_BTK=None, gout_BT=None):
     """Local support KL per position; returns (kl_BT, grad wrt student logits)."""
     z, ids, tlp, mask = _f(student_BTV), _i(ids_BTK), _f(tlp_BTK), _b(mask_BT)
     sm = _b(support_mask_BTK) if support_mask_BTK is not None else None
@@ -229,8 +227,7 @@ def ref_sampled_token_advantages(student_lp_BT, teacher_lp_BT, mask_BT, gamma):
     return _t(out)
 
 
-def ref_sampled_token_pg_loss(student_lp_BT, adv_BT, mask_BT, old_lp_BT=None, clip_eps=None,
-                              gout_BT=None):
+def ref_sampled_token_pg_loss(student_lp_BT, adv_BT, mask_BT, old_lp_BT=None, clip_eps=None, gout_BT=None):
     """-ratio*A (optionally PPO-clipped); returns (loss_BT, grad wrt student log-probs)."""
     s, adv, mask = _f(student_lp_BT), _f(adv_BT), _b(mask_BT)
     old = _f(old_lp_BT) if old_lp_BT is not None else s
@@ -285,8 +282,7 @@ def _divergence_row(ls, lt, kind, beta):
         # (p - q when C holds all of q's mass).
         counted = _counted(lt, ls)
         q_c = sum(math.exp(y) for y, c in zip(lt, counted) if c)
-        return kl, [math.exp(x) * q_c - (math.exp(y) if c else 0.0)
-                    for x, y, c in zip(ls, lt, counted)]
+        return kl, [math.exp(x) * q_c - (math.exp(y) if c else 0.0) for x, y, c in zip(ls, lt, counted)]
     lm = []
     for x, y in zip(ls, lt):  # log(beta q + (1-beta) p), stable
         u = y + math.log(beta) if y > -INF else -INF
@@ -310,8 +306,7 @@ def _divergence(student_BTV, teacher_BTV, mask_BT, kind, beta, gout_BT):
                 out[b].append(0.0)
                 grads[b].append([0.0] * len(zs[b][t]))
                 continue
-            val, g = _divergence_row(log_softmax_row(zs[b][t]), log_softmax_row(zt[b][t]),
-                                     kind, beta)
+            val, g = _divergence_row(log_softmax_row(zs[b][t]), log_softmax_row(zt[b][t]), kind, beta)
             out[b].append(val)
             grads[b].append([gout[b][t] * x for x in g])
     return _t(out), _t(grads)
@@ -325,14 +320,12 @@ def ref_full_vocab_kl(student_BTV, teacher_BTV, mask_BT, direction="reverse", go
     return _divergence(student_BTV, teacher_BTV, mask_BT, direction, None, gout_BT)
 
 
-def ref_full_vocab_kl_from_hidden(hs_BTD, ws_VD, ht_BTE, wt_VE, mask_BT, direction="reverse",
-                                  gout_BT=None):
+def ref_full_vocab_kl_from_hidden(hs_BTD, ws_VD, ht_BTE, wt_VE, mask_BT, direction="reverse", gout_BT=None):
     """ref_full_vocab_kl of both models' logits = hidden @ W.T, with the student's gradients.
 
     Returns (kl_BT, grad_student_hidden, grad_student_weight).
     """
-    kl, g_logits = ref_full_vocab_kl(ref_logits(hs_BTD, ws_VD), ref_logits(ht_BTE, wt_VE),
-                                     mask_BT, direction, gout_BT)
+    kl, g_logits = ref_full_vocab_kl(ref_logits(hs_BTD, ws_VD), ref_logits(ht_BTE, wt_VE), mask_BT, direction, gout_BT)
     return (kl, *ref_hidden_grads(hs_BTD, ws_VD, g_logits))
 
 
@@ -384,8 +377,7 @@ def ref_reduce(name, loss_BT, mask_BT, constant=None):
 
 def ref_special_token_mask(token_ids_BT, special_ids):
     special = set(int(s) for s in special_ids)
-    return torch.tensor([[v in special for v in row] for row in _i(token_ids_BT)],
-                        dtype=torch.bool)
+    return torch.tensor([[v in special for v in row] for row in _i(token_ids_BT)], dtype=torch.bool)
 
 
 def finite_diff(fn, x, gout, eps=1e-6):

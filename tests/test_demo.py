@@ -19,8 +19,9 @@ def test_make_demo_models_and_quick_demo(tmp_path):
         tok = AutoTokenizer.from_pretrained(assets / name)
         model = AutoModelForCausalLM.from_pretrained(assets / name)
         assert model.config.vocab_size == len(tok) >= 1000
-        assert "<|im_start|>assistant" in tok.apply_chat_template([{"role": "user", "content": "1+1"}],
-                                                                  tokenize=False, add_generation_prompt=True)
+        assert "<|im_start|>assistant" in tok.apply_chat_template(
+            [{"role": "user", "content": "1+1"}], tokenize=False, add_generation_prompt=True
+        )
     assert AutoModelForCausalLM.from_pretrained(assets / "teacher").config.num_hidden_layers == 4
     teacher_weights = (assets / "teacher" / "model.safetensors").read_bytes()
     remade = make_demo_models(assets, quick=True, only="student")  # the teacher is left as it was
@@ -40,7 +41,9 @@ def test_make_demo_models_and_quick_demo(tmp_path):
         r = saved["objectives"][objective]
         assert set(r) == {"final_acc", "avg_at_k", "steps", "wall_s"} and r["steps"] == 10
         run = tmp_path / "demo" / objective
-        evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "eval/accuracy" in line]
+        evals = [
+            json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "eval/accuracy" in line
+        ]
         assert r["final_acc"] == evals[-1]["eval/accuracy"] and r["avg_at_k"] == evals[-1]["eval/avg_at_k"]
         assert (run / "final" / "config.json").is_file() and (run / "eval.jsonl").is_file()
         assert json.loads((run / "config.json").read_text())["objective"] == objective

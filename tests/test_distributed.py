@@ -25,13 +25,21 @@ import time
 
 import pytest
 import torch
+from helpers import (
+    ENV,
+    SMALL,
+    assert_close_weights,
+    assert_same_trajectory,
+    cli_args,
+    final_weights,
+    launch,
+    launch_command,
+    step_records,
+)
 
 from opd import train as train_mod
 from opd.config import TrainConfig
 from opd.distributed import merge_metrics
-
-from helpers import (ENV, SMALL, assert_close_weights, assert_same_trajectory, cli_args, final_weights,
-                     launch, launch_command, step_records)
 
 SAMPLED_STEPS = {"lsm": {}, "sampled": {"steps": 3}}  # see the module docstring
 
@@ -41,8 +49,14 @@ def single(tiny_models, tmp_path_factory):
     """One process, batch 4: the reference trajectories (lsm and sampled)."""
     root = tmp_path_factory.mktemp("single")
     for objective in ("lsm", "sampled"):
-        cfg = TrainConfig(student=str(tiny_models[0]), teacher=str(tiny_models[1]), out=str(root / objective),
-                          batch_size=4, objective=objective, **{**SMALL, **SAMPLED_STEPS[objective]})
+        cfg = TrainConfig(
+            student=str(tiny_models[0]),
+            teacher=str(tiny_models[1]),
+            out=str(root / objective),
+            batch_size=4,
+            objective=objective,
+            **{**SMALL, **SAMPLED_STEPS[objective]},
+        )
         train_mod.train(cfg, show_progress=False)
     return root
 
@@ -66,8 +80,10 @@ def test_ddp_two_ranks_match_one_process_lsm(single, ddp_lsm):
 
 
 def test_accelerate_two_ranks_match_one_process_sampled(single, tiny_models, tmp_path):
-    launch("accelerate", cli_args(tiny_models, tmp_path / "run", batch_size=2, objective="sampled",
-                                  **SAMPLED_STEPS["sampled"]))
+    launch(
+        "accelerate",
+        cli_args(tiny_models, tmp_path / "run", batch_size=2, objective="sampled", **SAMPLED_STEPS["sampled"]),
+    )
     assert_same_trajectory(step_records(tmp_path / "run"), step_records(single / "sampled"))
 
 
@@ -76,8 +92,9 @@ def kill_a_rank_after_first_checkpoint(args: list[str], out) -> None:
     then tears the group down, as after a crash or a lost machine."""
     import psutil
 
-    proc = subprocess.Popen(launch_command("torchrun", args), env=ENV, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        launch_command("torchrun", args), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.time() + 300
         while not (out / "checkpoints" / "latest").exists() and proc.poll() is None and time.time() < deadline:
@@ -114,25 +131,46 @@ def test_fsdp_matches_one_process_and_resumes(single, tiny_models, tmp_path):
     from opd.errors import UserError
 
     with pytest.raises(UserError, match="written with --fsdp; resume with --fsdp"):
-        train_mod.setup(TrainConfig(student=str(tiny_models[0]), teacher=str(tiny_models[1]), out=str(out),
-                                    batch_size=4, resume=True, **SMALL))
+        train_mod.setup(
+            TrainConfig(
+                student=str(tiny_models[0]),
+                teacher=str(tiny_models[1]),
+                out=str(out),
+                batch_size=4,
+                resume=True,
+                **SMALL,
+            )
+        )
 
 
 def test_fsdp_needs_several_processes(tiny_models, tmp_path):
     from opd.errors import UserError
 
-    cfg = TrainConfig(student=str(tiny_models[0]), teacher=str(tiny_models[1]), out=str(tmp_path / "run"),
-                      fsdp=True, **SMALL)
+    cfg = TrainConfig(
+        student=str(tiny_models[0]), teacher=str(tiny_models[1]), out=str(tmp_path / "run"), fsdp=True, **SMALL
+    )
     with pytest.raises(UserError, match="--fsdp needs several processes"):
         train_mod.setup(cfg)
 
 
 def test_merge_metrics_rules():
     """Weighted means equal the mean over the concatenated batch; sums, maxima and global values."""
-    a = {"rollout/len": 2.0, "diag/r": 1.0, "depth/x": [1.0, 0.0], "train/loss_tokens": 3, "time/step": 1.0,
-         "train/loss": 0.5}
-    b = {"rollout/len": 5.0, "diag/r": 4.0, "depth/x": [3.0, 2.0], "train/loss_tokens": 4, "time/step": 2.5,
-         "train/loss": 0.7}  # global already: rank 0's value is kept
+    a = {
+        "rollout/len": 2.0,
+        "diag/r": 1.0,
+        "depth/x": [1.0, 0.0],
+        "train/loss_tokens": 3,
+        "time/step": 1.0,
+        "train/loss": 0.5,
+    }
+    b = {
+        "rollout/len": 5.0,
+        "diag/r": 4.0,
+        "depth/x": [3.0, 2.0],
+        "train/loss_tokens": 4,
+        "time/step": 2.5,
+        "train/loss": 0.7,
+    }  # global already: rank 0's value is kept
     wa = {"rollout/": 1, "diag/": 3, "depth/x": [2, 0], "train/loss_tokens": "sum", "time/": "max"}
     wb = {"rollout/": 3, "diag/": 1, "depth/x": [2, 4], "train/loss_tokens": "sum", "time/": "max"}
     got = merge_metrics([a, b], [wa, wb])

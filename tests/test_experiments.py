@@ -18,15 +18,24 @@ from opd.config import TrainConfig, build_config
 from opd.errors import UserError
 from opd.experiments import NAMES, get_experiment, run
 from opd.experiments.core import DONE, STARTED, RunSpec, Settings, command_line, run_specs
-from opd.experiments.stats import (INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, auroc, equivalence, fit_power_law,
-                                   mean_ci, t975, verdict)
+from opd.experiments.stats import (
+    INCONCLUSIVE,
+    NOT_REPRODUCED,
+    REPRODUCED,
+    auroc,
+    equivalence,
+    fit_power_law,
+    mean_ci,
+    t975,
+    verdict,
+)
 
 # ----------------------------------------------------------------------------- statistics
 
 
 def test_mean_ci_matches_hand_computation():
     ci = mean_ci([1.0, 2.0, 3.0, 4.0])
-    sd = math.sqrt(((1.5 ** 2) * 2 + (0.5 ** 2) * 2) / 3)  # sample sd of 1..4
+    sd = math.sqrt(((1.5**2) * 2 + (0.5**2) * 2) / 3)  # sample sd of 1..4
     assert ci.mean == pytest.approx(2.5)
     assert ci.hi - ci.mean == pytest.approx(3.182 * sd / 2)
     assert ci.mean - ci.lo == pytest.approx(3.182 * sd / 2)
@@ -64,10 +73,10 @@ def test_auroc_equals_pair_count(n, ties):
 
 def test_power_law_fit():
     xs = [4, 8, 16, 32, 64]
-    b, c = fit_power_law(xs, [3.0 * x ** 2.5 for x in xs])
+    b, c = fit_power_law(xs, [3.0 * x**2.5 for x in xs])
     assert b == pytest.approx(2.5) and c == pytest.approx(3.0)
     rng = random.Random(0)
-    b_noisy, _ = fit_power_law(xs, [x ** 4 * math.exp(rng.gauss(0, 0.05)) for x in xs])
+    b_noisy, _ = fit_power_law(xs, [x**4 * math.exp(rng.gauss(0, 0.05)) for x in xs])
     assert abs(b_noisy - 4) < 0.1
 
 
@@ -114,13 +123,26 @@ def test_finished_runs_are_skipped(tmp_path):
 
 
 def _train_cfg(student, teacher, out, **kw):
-    return TrainConfig(student=str(student), teacher=str(teacher), out=str(out), steps=4, batch_size=4,
-                       max_new_tokens=8, eval_every=0, eval_size=4, eval_samples=0, ckpt_every=2, log_rollouts=1,
-                       diag_positions=16, warmup_steps=1, **kw)
+    return TrainConfig(
+        student=str(student),
+        teacher=str(teacher),
+        out=str(out),
+        steps=4,
+        batch_size=4,
+        max_new_tokens=8,
+        eval_every=0,
+        eval_size=4,
+        eval_samples=0,
+        ckpt_every=2,
+        log_rollouts=1,
+        diag_positions=16,
+        warmup_steps=1,
+        **kw,
+    )
 
 
 def _steps(path):
-    return [json.loads(l) for l in path.read_text().splitlines() if "train/loss" in l]
+    return [json.loads(line) for line in path.read_text().splitlines() if "train/loss" in line]
 
 
 @pytest.mark.slow
@@ -177,8 +199,17 @@ def _parse_flags(argv: list[str]) -> dict:
 
 
 def test_command_line_parses_back_to_the_same_config(tmp_path):
-    cfg = TrainConfig(student="s dir", teacher="t", objective="sampled", top_p=1.0, mask_special=False, lr=2e-3,
-                      steps=7, special_tokens=["<|im_end|>"], renormalize=False)
+    cfg = TrainConfig(
+        student="s dir",
+        teacher="t",
+        objective="sampled",
+        top_p=1.0,
+        mask_special=False,
+        lr=2e-3,
+        steps=7,
+        special_tokens=["<|im_end|>"],
+        renormalize=False,
+    )
     line = command_line(RunSpec("x", "train", cfg), tmp_path / "x")
     argv = shlex.split(line)
     assert argv[:2] == ["opd", "train"]
@@ -202,7 +233,7 @@ def test_per_rollout_gradients_match_a_loop():
         grads = []
         for i in range(50):
             th = theta.clone().requires_grad_(True)
-            surrogate(th, teacher, ys[i:i + 1], prev[i:i + 1], gamma).sum().backward()
+            surrogate(th, teacher, ys[i : i + 1], prev[i : i + 1], gamma).sum().backward()
             grads.append(th.grad.reshape(-1))
         G = torch.stack(grads)
         assert res["var"] == pytest.approx(float(((G - G.mean(0)) ** 2).sum(-1).mean()), rel=1e-9)
@@ -250,14 +281,18 @@ def test_depth_buckets_and_reformatted_solutions():
     from opd.experiments.depth import BUCKET, bucket_stats
     from opd.tasks.arithmetic import reformat_solution
 
-    rows = [{"reward": [-1.0] * (2 * BUCKET), "correct": False}, {"reward": [0.5] * (2 * BUCKET) + [0.0], "correct": True}]
+    rows = [
+        {"reward": [-1.0] * (2 * BUCKET), "correct": False},
+        {"reward": [0.5] * (2 * BUCKET) + [0.0], "correct": True},
+    ]
     b = bucket_stats(rows)
     assert len(b) == 3 and b[0]["auroc"] == 1.0 and b[0]["mean_reward"] == pytest.approx(-0.25)
     assert math.isnan(b[2]["auroc"])  # only the correct rollout reaches the third bucket
     sol = "<think>12 + 7 = 19. 19 - 3 = 16.</think> The answer is \\boxed{16}"
     assert reformat_solution(sol, "default") == sol
-    assert reformat_solution(sol, "words") == ("Step 1: 12 plus 7 makes 19. Step 2: 19 minus 3 makes 16. "
-                                                "So the answer is \\boxed{16}")
+    assert reformat_solution(sol, "words") == (
+        "Step 1: 12 plus 7 makes 19. Step 2: 19 minus 3 makes 16. So the answer is \\boxed{16}"
+    )
     with pytest.raises(UserError, match="words"):
         reformat_solution(sol, "nope")
 
@@ -282,5 +317,7 @@ def test_results_md_names_a_corrupt_results_file(tmp_path):
 
     (tmp_path / "variance").mkdir()
     (tmp_path / "variance" / "results.json").write_text("{cut short")
-    with pytest.raises(UserError, match=r"variance/results.json is not a results.json.*rerun `opd experiment variance`"):
+    with pytest.raises(
+        UserError, match=r"variance/results.json is not a results.json.*rerun `opd experiment variance`"
+    ):
         build_results_md([tmp_path], tmp_path / "RESULTS.md")

@@ -29,10 +29,26 @@ KEYS = ("train/loss", "train/grad_norm", "rollout/response_len", "train/loss_tok
 
 
 def golden_config(out: Path) -> TrainConfig:
-    return TrainConfig(student=str(ASSETS / "student"), teacher=str(ASSETS / "teacher"), device="cpu", seed=0,
-                       objective="lsm", k=32, steps=3, batch_size=8, max_new_tokens=24, lr=5e-4, warmup_steps=1,
-                       eval_every=0, eval_size=4, eval_samples=0, ckpt_every=0, log_rollouts=0,
-                       diag_positions=16, out=str(out))
+    return TrainConfig(
+        student=str(ASSETS / "student"),
+        teacher=str(ASSETS / "teacher"),
+        device="cpu",
+        seed=0,
+        objective="lsm",
+        k=32,
+        steps=3,
+        batch_size=8,
+        max_new_tokens=24,
+        lr=5e-4,
+        warmup_steps=1,
+        eval_every=0,
+        eval_size=4,
+        eval_samples=0,
+        ckpt_every=0,
+        log_rollouts=0,
+        diag_positions=16,
+        out=str(out),
+    )
 
 
 def run_steps(out: Path) -> list[dict]:
@@ -44,8 +60,10 @@ def run_steps(out: Path) -> list[dict]:
 def test_lsm_steps_match_the_recorded_trajectory(tmp_path):
     golden = json.loads(GOLDEN.read_text())
     if golden["torch"] != torch.__version__:
-        pytest.skip(f"golden steps were recorded with torch {golden['torch']}, this is {torch.__version__}; "
-                    "re-record with python tests/test_golden.py --record")
+        pytest.skip(
+            f"golden steps were recorded with torch {golden['torch']}, this is {torch.__version__}; "
+            "re-record with python tests/test_golden.py --record"
+        )
     got = run_steps(tmp_path / "run")
     assert [r["step"] for r in got] == [r["step"] for r in golden["steps"]]
     for want, have in zip(golden["steps"], got, strict=True):
@@ -62,15 +80,32 @@ def test_a_short_lsm_run_raises_the_students_accuracy(tmp_path):
     from opd.evaluation import evaluate_model
     from opd.models import load_model, load_tokenizer
 
-    cfg = TrainConfig(student=str(ASSETS / "student"), teacher=str(ASSETS / "teacher"), device="cpu", seed=0,
-                      objective="lsm", k=32, steps=40, batch_size=32, max_new_tokens=48, lr=5e-4, warmup_steps=2,
-                      eval_every=0, eval_size=100, eval_samples=0, ckpt_every=0, log_rollouts=0,
-                      diag_positions=16, out=str(tmp_path / "run"))
+    cfg = TrainConfig(
+        student=str(ASSETS / "student"),
+        teacher=str(ASSETS / "teacher"),
+        device="cpu",
+        seed=0,
+        objective="lsm",
+        k=32,
+        steps=40,
+        batch_size=32,
+        max_new_tokens=48,
+        lr=5e-4,
+        warmup_steps=2,
+        eval_every=0,
+        eval_size=100,
+        eval_samples=0,
+        ckpt_every=0,
+        log_rollouts=0,
+        diag_positions=16,
+        out=str(tmp_path / "run"),
+    )
     tok = load_tokenizer(cfg.student)
     task = load_task(cfg.task, cfg.task_level, cfg.seed)
     prompts = PromptSet.build(task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
-    before = evaluate_model(load_model(cfg.student, device=torch.device("cpu")), tok, prompts, task,
-                            max_new_tokens=cfg.max_new_tokens)["accuracy"]
+    before = evaluate_model(
+        load_model(cfg.student, device=torch.device("cpu")), tok, prompts, task, max_new_tokens=cfg.max_new_tokens
+    )["accuracy"]
     after = train_mod.train(cfg, show_progress=False)["eval/accuracy"]  # the same 100 prompts, greedy
     assert after >= before + 0.10, (before, after)
 
@@ -83,6 +118,10 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as tmp:
         steps = run_steps(Path(tmp) / "run")
     GOLDEN.parent.mkdir(exist_ok=True)
-    GOLDEN.write_text(json.dumps({"torch": torch.__version__, "config": "tests/test_golden.py:golden_config",
-                                  "steps": steps}, indent=2) + "\n")
+    GOLDEN.write_text(
+        json.dumps(
+            {"torch": torch.__version__, "config": "tests/test_golden.py:golden_config", "steps": steps}, indent=2
+        )
+        + "\n"
+    )
     print(f"recorded {len(steps)} steps into {GOLDEN}")

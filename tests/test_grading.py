@@ -15,18 +15,21 @@ from opd.grading import MAX_SYMBOLIC_CHARS, answers_match, extract_boxed, grade
 # ---------------------------------------------------------------- extract_boxed
 
 
-@pytest.mark.parametrize("text, expected", [
-    (r"The answer is \boxed{16}", "16"),
-    (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),
-    (r"\boxed{\sqrt{\frac{a}{b}} + {c}}", r"\sqrt{\frac{a}{b}} + {c}"),
-    (r"first \boxed{1}, then \boxed{2}, finally \boxed{3}.", "3"),
-    (r"\boxed {7}", "7"),
-    (r"\boxed{ 42 }", "42"),
-    ("no box here", None),
-    ("", None),
-    (r"cut off \boxed{12", None),  # truncated generation: no partial answer
-    (r"\boxed{5} and the word \boxed without braces", "5"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (r"The answer is \boxed{16}", "16"),
+        (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),
+        (r"\boxed{\sqrt{\frac{a}{b}} + {c}}", r"\sqrt{\frac{a}{b}} + {c}"),
+        (r"first \boxed{1}, then \boxed{2}, finally \boxed{3}.", "3"),
+        (r"\boxed {7}", "7"),
+        (r"\boxed{ 42 }", "42"),
+        ("no box here", None),
+        ("", None),
+        (r"cut off \boxed{12", None),  # truncated generation: no partial answer
+        (r"\boxed{5} and the word \boxed without braces", "5"),
+    ],
+)
 def test_extract_boxed(text, expected):
     assert extract_boxed(text) == expected
 
@@ -34,17 +37,35 @@ def test_extract_boxed(text, expected):
 # ---------------------------------------------------------------- answers_match
 
 
-@pytest.mark.parametrize("pred, ref", [
-    ("16", "16"), (" 16 ", "16"), ("1/2", "0.5"), ("0.5", "1/2"), ("16.0", "16"),
-    ("16", "16.0"), (r"\frac{1}{2}", "0.5"), ("1,000", "1000"), ("x+1", "1+x"),
-])
+@pytest.mark.parametrize(
+    "pred, ref",
+    [
+        ("16", "16"),
+        (" 16 ", "16"),
+        ("1/2", "0.5"),
+        ("0.5", "1/2"),
+        ("16.0", "16"),
+        ("16", "16.0"),
+        (r"\frac{1}{2}", "0.5"),
+        ("1,000", "1000"),
+        ("x+1", "1+x"),
+    ],
+)
 def test_answers_match_equivalent(pred, ref):
     assert answers_match(pred, ref)
 
 
-@pytest.mark.parametrize("pred, ref", [
-    ("17", "16"), ("0.51", "0.5"), ("", "16"), ("16", ""), ("   ", "1"), ("1/3", "0.5"),
-])
+@pytest.mark.parametrize(
+    "pred, ref",
+    [
+        ("17", "16"),
+        ("0.51", "0.5"),
+        ("", "16"),
+        ("16", ""),
+        ("   ", "1"),
+        ("1/3", "0.5"),
+    ],
+)
 def test_answers_match_different(pred, ref):
     assert not answers_match(pred, ref)
 
@@ -66,8 +87,7 @@ def test_grade():
 def test_grading_from_worker_threads():
     # math-verify's own timeouts use signal.alarm, which raises off the main thread; these
     # cases need the symbolic path, so they only pass if grading handles that.
-    cases = [(r"\boxed{0.5}", "1/2", True), (r"\boxed{16.0}", "16", True),
-             (r"\boxed{0.4}", "1/2", False)]
+    cases = [(r"\boxed{0.5}", "1/2", True), (r"\boxed{16.0}", "16", True), (r"\boxed{0.4}", "1/2", False)]
     results, errors = [], []
 
     def work():
@@ -94,8 +114,10 @@ def brute_force_pass_at_k(n: int, c: int, k: int) -> float:
     return sum(any(samples[i] for i in d) for d in draws) / len(draws)
 
 
-@pytest.mark.parametrize("n, c, k", [(1, 0, 1), (1, 1, 1), (5, 2, 1), (5, 2, 3), (6, 1, 6),
-                                     (7, 3, 2), (8, 0, 4), (8, 5, 4), (10, 1, 3), (10, 9, 5)])
+@pytest.mark.parametrize(
+    "n, c, k",
+    [(1, 0, 1), (1, 1, 1), (5, 2, 1), (5, 2, 3), (6, 1, 6), (7, 3, 2), (8, 0, 4), (8, 5, 4), (10, 1, 3), (10, 9, 5)],
+)
 def test_pass_at_k_matches_brute_force(n, c, k):
     assert pass_at_k(n, c, k) == pytest.approx(brute_force_pass_at_k(n, c, k), abs=1e-12)
 

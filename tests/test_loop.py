@@ -11,6 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import step_records
+from test_train import cfg_for
 
 from opd import train as train_mod
 from opd.distributed import Dist
@@ -19,10 +21,6 @@ from opd.evaluation import evaluate_model
 from opd.models import disable_dropout, load_model, load_tokenizer
 from opd.objectives import reduce_loss
 from opd.tasks import ArithmeticTask
-
-from helpers import step_records
-from test_train import cfg_for
-
 
 # ----------------------------------------------------------------------------- constant_sum
 
@@ -59,8 +57,18 @@ def test_disable_dropout_reaches_modules_and_attention_attributes():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2,
-                                       resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3))
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=50,
+            n_positions=16,
+            n_embd=16,
+            n_layer=2,
+            n_head=2,
+            resid_pdrop=0.3,
+            embd_pdrop=0.3,
+            attn_pdrop=0.3,
+        )
+    )
     model.train()
     x = torch.randint(0, 50, (2, 8))
     assert not torch.equal(model(x).logits, model(x).logits)  # the dropout is live before

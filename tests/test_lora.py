@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from helpers import assert_close_weights, assert_same_trajectory, cli_args, launch, step_records
 from typer.testing import CliRunner
 
 from opd import train as train_mod
@@ -13,10 +14,20 @@ from opd.cli import app
 from opd.config import TrainConfig
 from opd.errors import UserError
 
-from helpers import assert_close_weights, assert_same_trajectory, cli_args, launch, step_records
-
-SMALL = dict(max_new_tokens=8, eval_size=4, eval_samples=0, k=8, warmup_steps=1, log_rollouts=2, diag_positions=16,
-             eval_every=0, batch_size=4, lr=3e-3, lora_r=4, lora_alpha=8.0)
+SMALL = dict(
+    max_new_tokens=8,
+    eval_size=4,
+    eval_samples=0,
+    k=8,
+    warmup_steps=1,
+    log_rollouts=2,
+    diag_positions=16,
+    eval_every=0,
+    batch_size=4,
+    lr=3e-3,
+    lora_r=4,
+    lora_alpha=8.0,
+)
 
 
 def cfg_for(models, out, **kw) -> TrainConfig:
@@ -103,8 +114,9 @@ def test_lora_on_two_ranks_matches_one_process(tiny_models, lora_run, tmp_path, 
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
-    launch("torchrun", cli_args(tiny_models, out, batch_size=2, steps=3, lora_r=4, lora_alpha=8.0, ckpt_every=0,
-                                fsdp=fsdp))
+    launch(
+        "torchrun", cli_args(tiny_models, out, batch_size=2, steps=3, lora_r=4, lora_alpha=8.0, ckpt_every=0, fsdp=fsdp)
+    )
     assert_same_trajectory(step_records(out), step_records(lora_run[0]))
     a = load_file(str(out / "final" / "adapter_model.safetensors"))
     b = load_file(str(lora_run[0] / "final" / "adapter_model.safetensors"))

@@ -11,11 +11,11 @@ Run: python -m pytest tests/test_losses.py -q
 import math
 
 import pytest
+import reference as R
 import torch
 
 import opd.losses as L
 import opd.losses._row_kernels as RK
-import reference as R
 
 F64, F32, BF16, F16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
 TOL = {F64: (1e-8, 1e-10), F32: (1e-5, 1e-5), BF16: (2e-2, 2e-2), F16: (2e-2, 2e-2)}
@@ -33,8 +33,9 @@ def cases(shapes=SHAPES, masks=MASKS, low=LOW):
 
 def close(got, expected, dtype, msg=""):
     rtol, atol = TOL[dtype]
-    torch.testing.assert_close(got.detach().to(F64), expected.to(F64), rtol=rtol, atol=atol,
-                               msg=lambda m: f"{msg}\n{m}")
+    torch.testing.assert_close(
+        got.detach().to(F64), expected.to(F64), rtol=rtol, atol=atol, msg=lambda m: f"{msg}\n{m}"
+    )
 
 
 def gen(seed):
@@ -65,8 +66,7 @@ def make_support_mask(B, T, K, kind, g):
 def grads(out, inputs, gout):
     """d sum(gout * out) / d inputs; unused inputs count as zero gradient."""
     assert out.requires_grad, "output must be differentiable (backward must not crash)"
-    gs = torch.autograd.grad(out, inputs, grad_outputs=gout.to(out.dtype), allow_unused=True,
-                             retain_graph=True)
+    gs = torch.autograd.grad(out, inputs, grad_outputs=gout.to(out.dtype), allow_unused=True, retain_graph=True)
     return [torch.zeros_like(x) if gi is None else gi for x, gi in zip(inputs, gs)]
 
 
@@ -109,13 +109,14 @@ def _fd_cases():
         val, gl = R.ref_gather_logprobs(R.ref_logits(hh, ww), ids_bt, gout)
         return val, R.ref_hidden_grads(hh, ww, gl)[which]
 
-    cases = {"gather": (zt, lambda x: R.ref_gather_logprobs(x, ids_bt, gout)),
-             "pg_clip": (lp, lambda x: R.ref_sampled_token_pg_loss(x, adv, mask, old, 0.2, gout)),
-             "hidden": (h, lambda x: via_hidden(x, w, 0)),
-             "weight": (w, lambda x: via_hidden(h, x, 1))}
+    cases = {
+        "gather": (zt, lambda x: R.ref_gather_logprobs(x, ids_bt, gout)),
+        "pg_clip": (lp, lambda x: R.ref_sampled_token_pg_loss(x, adv, mask, old, 0.2, gout)),
+        "hidden": (h, lambda x: via_hidden(x, w, 0)),
+        "weight": (w, lambda x: via_hidden(h, x, 1)),
+    }
     for ren in (True, False):
-        cases[f"lsm_{ren}"] = (zs, lambda x, ren=ren: R.ref_local_support_kl(
-            x, ids, tlp, mask, ren, None, gout))
+        cases[f"lsm_{ren}"] = (zs, lambda x, ren=ren: R.ref_local_support_kl(x, ids, tlp, mask, ren, None, gout))
     for d in ("reverse", "forward"):  # forward KL needs p > 0 wherever q > 0
         x0 = zs if d == "reverse" else zs.clamp(min=-30)
         cases[d] = (x0, lambda x, d=d: R.ref_full_vocab_kl(x, zt, mask, d, gout))
@@ -131,9 +132,24 @@ def _fd_cases():
     return cases, gout
 
 
-@pytest.mark.parametrize("case", ["lsm_True", "lsm_False", "reverse", "forward", "jsd_0.0",
-                                  "jsd_0.3", "jsd_1.0", "gather", "pg_clip", "hidden", "weight",
-                                  "reverse_trunc", "forward_trunc"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "lsm_True",
+        "lsm_False",
+        "reverse",
+        "forward",
+        "jsd_0.0",
+        "jsd_0.3",
+        "jsd_1.0",
+        "gather",
+        "pg_clip",
+        "hidden",
+        "weight",
+        "reverse_trunc",
+        "forward_trunc",
+    ],
+)
 def test_reference_gradients_match_finite_differences(case):
     cases, gout = _fd_cases()
     x, fn = cases[case]
@@ -195,8 +211,14 @@ def lsm_inputs(shape, seed, dtype=F64, support=None, mask_kind="random"):
     zs, zt = randn((B, T, V), g, 2.0), randn((B, T, V), g, 2.0)
     ids = distinct_ids(B, T, K, V, g)
     tlp = R.ref_log_softmax(zt).gather(-1, ids).to(dtype)
-    return (zs.to(dtype), ids, tlp, make_mask(B, T, mask_kind, g),
-            make_support_mask(B, T, K, support, g), randn((B, T), g))
+    return (
+        zs.to(dtype),
+        ids,
+        tlp,
+        make_mask(B, T, mask_kind, g),
+        make_support_mask(B, T, K, support, g),
+        randn((B, T), g),
+    )
 
 
 @pytest.mark.parametrize("shape,mask_kind,dtype", cases(low=LOW + ["bf16+fp32"]))
@@ -306,8 +328,15 @@ def hidden_inputs(shape, seed, dtype, shared_ids=False, mask_kind="row"):
         ids = ids[:1, :1].expand(B, T, K).contiguous()
     tlp = R.ref_log_softmax(randn((B, T, V), g, 2.0)).gather(-1, ids)
     tlp[..., -1][torch.rand(B, T, generator=g) < 0.3] = -math.inf
-    return (h, w, ids, tlp.to(dtype).requires_grad_(True), make_mask(B, T, mask_kind, g),
-            make_support_mask(B, T, K, "prefix", g), randn((B, T), g))
+    return (
+        h,
+        w,
+        ids,
+        tlp.to(dtype).requires_grad_(True),
+        make_mask(B, T, mask_kind, g),
+        make_support_mask(B, T, K, "prefix", g),
+        randn((B, T), g),
+    )
 
 
 def fresh(*xs):
@@ -340,8 +369,7 @@ def row_dots_path(monkeypatch, fused):
 def test_local_support_kl_from_hidden(shape, mask_kind, dtype, chunk_size, shared_ids, fused, monkeypatch):
     calls = row_dots_path(monkeypatch, fused)
     h, w, ids, tlp, mask, sm, gout = hidden_inputs(shape, 12, dtype, shared_ids, mask_kind)
-    out = L.local_support_kl_from_hidden(h, w, ids, tlp, mask, support_mask=sm,
-                                         chunk_size=chunk_size)
+    out = L.local_support_kl_from_hidden(h, w, ids, tlp, mask, support_mask=sm, chunk_size=chunk_size)
     if mask.any():  # the path under test is the one that ran
         took_fused = fused and dtype in (F64, F32)  # the private kernel needs one dtype throughout
         assert calls == {"fused": took_fused, "gather": not took_fused}, calls
@@ -424,8 +452,7 @@ def test_token_logprobs_from_hidden_masked_rows_and_one_input(which, chunk_size)
 def test_from_hidden_chunk_sizes_agree(chunk_size):
     h, w, ids, tlp, mask, sm, gout = hidden_inputs((3, 7, 47, 4), 26, F64)
     a = L.local_support_kl_from_hidden(h, w, ids, tlp, mask, support_mask=sm, chunk_size=1)
-    b = L.local_support_kl_from_hidden(h, w, ids, tlp, mask, support_mask=sm,
-                                       chunk_size=chunk_size)
+    b = L.local_support_kl_from_hidden(h, w, ids, tlp, mask, support_mask=sm, chunk_size=chunk_size)
     close(b, a, F64)
     for x, y in zip(grads(b, [h, w], gout), grads(a, [h, w], gout)):
         close(x, y, F64)
@@ -459,8 +486,14 @@ def test_gather_logprobs(shape, mask_kind, dtype):
 @pytest.mark.parametrize("shape", SHAPES + [(2, 6, 9, 3)])
 @pytest.mark.parametrize("kind", list(L.SUPPORT_KINDS))
 def test_build_support(shape, kind):
-    assert set(L.SUPPORT_KINDS) == {"teacher_topk", "student_topk", "union", "intersection",
-                                    "teacher_topk_plus_sampled", "symmetric_difference"}
+    assert set(L.SUPPORT_KINDS) == {
+        "teacher_topk",
+        "student_topk",
+        "union",
+        "intersection",
+        "teacher_topk_plus_sampled",
+        "symmetric_difference",
+    }
     B, T, V, K = shape
     g = gen(16)
     tids, sids = distinct_ids(B, T, K, V, g), distinct_ids(B, T, K, V, g)
@@ -480,19 +513,23 @@ def test_build_support(shape, kind):
 
 def test_build_support_expected_validity_by_hand():
     t, s, samp = torch.tensor([[[3, 1, 4]]]), torch.tensor([[[1, 5, 9]]]), torch.tensor([[4]])
-    expect = {"teacher_topk": ([3, 1, 4], [1, 1, 1]), "student_topk": ([1, 5, 9], [1, 1, 1]),
-              "union": ([3, 1, 4, 1, 5, 9], [1, 1, 1, 0, 1, 1]),
-              "intersection": ([3, 1, 4], [0, 1, 0]),
-              "symmetric_difference": ([3, 1, 4, 1, 5, 9], [1, 0, 1, 0, 1, 1]),
-              "teacher_topk_plus_sampled": ([3, 1, 4, 4], [1, 1, 1, 0])}
+    expect = {
+        "teacher_topk": ([3, 1, 4], [1, 1, 1]),
+        "student_topk": ([1, 5, 9], [1, 1, 1]),
+        "union": ([3, 1, 4, 1, 5, 9], [1, 1, 1, 0, 1, 1]),
+        "intersection": ([3, 1, 4], [0, 1, 0]),
+        "symmetric_difference": ([3, 1, 4, 1, 5, 9], [1, 0, 1, 0, 1, 1]),
+        "teacher_topk_plus_sampled": ([3, 1, 4, 4], [1, 1, 1, 0]),
+    }
     for kind, (eids, evalid) in expect.items():
         ids, sm = L.build_support(kind, t, s, samp)
         assert ids[0, 0].tolist() == eids, kind
         assert sm[0, 0].bool().tolist() == [bool(v) for v in evalid], kind
 
 
-@pytest.mark.parametrize("kind", ["nonsense", "student_topk", "union", "intersection",
-                                  "symmetric_difference", "teacher_topk_plus_sampled"])
+@pytest.mark.parametrize(
+    "kind", ["nonsense", "student_topk", "union", "intersection", "symmetric_difference", "teacher_topk_plus_sampled"]
+)
 def test_build_support_errors(kind):
     """Unknown kind, or a kind whose required input is missing: ValueError naming the kind."""
     with pytest.raises(ValueError, match=kind):
@@ -560,10 +597,14 @@ def divergence(fn, zs, zt, mask, chunk_size=None, gout=None):
     """(opd.losses value, reference (value, grad)) for full_vocab_kl / generalized_jsd."""
     if fn.startswith("jsd"):
         beta = float(fn[3:])
-        return (L.generalized_jsd(zs, zt, mask, beta=beta, chunk_size=chunk_size),
-                R.ref_generalized_jsd(zs, zt, mask, beta, gout))
-    return (L.full_vocab_kl(zs, zt, mask, direction=fn, chunk_size=chunk_size),
-            R.ref_full_vocab_kl(zs, zt, mask, fn, gout))
+        return (
+            L.generalized_jsd(zs, zt, mask, beta=beta, chunk_size=chunk_size),
+            R.ref_generalized_jsd(zs, zt, mask, beta, gout),
+        )
+    return (
+        L.full_vocab_kl(zs, zt, mask, direction=fn, chunk_size=chunk_size),
+        R.ref_full_vocab_kl(zs, zt, mask, fn, gout),
+    )
 
 
 @pytest.mark.parametrize("shape,mask_kind,dtype", cases())
@@ -801,12 +842,17 @@ KL_HIDDEN_BAD = {
 
 @pytest.mark.parametrize("case", list(KL_HIDDEN_BAD))
 def test_full_vocab_kl_from_hidden_bad_inputs(case):
-    args = dict(hs=torch.zeros(1, 2, 3), ws=torch.zeros(5, 3), ht=torch.zeros(1, 2, 4),
-                wt=torch.zeros(5, 4), mask=torch.ones(1, 2, dtype=torch.bool), direction="reverse")
+    args = dict(
+        hs=torch.zeros(1, 2, 3),
+        ws=torch.zeros(5, 3),
+        ht=torch.zeros(1, 2, 4),
+        wt=torch.zeros(5, 4),
+        mask=torch.ones(1, 2, dtype=torch.bool),
+        direction="reverse",
+    )
     args.update(KL_HIDDEN_BAD[case])
     with pytest.raises(ValueError):
-        L.full_vocab_kl_from_hidden(args["hs"], args["ws"], args["ht"], args["wt"], args["mask"],
-                                    args["direction"])
+        L.full_vocab_kl_from_hidden(args["hs"], args["ws"], args["ht"], args["wt"], args["mask"], args["direction"])
 
 
 # ---------------------------------------------------------------- the private row-dot kernel
@@ -838,14 +884,12 @@ def test_row_dot_fallback_matches_private_kernel(dtype, chunk_size, monkeypatch)
     rows = mask.reshape(-1).nonzero().squeeze(-1)
     ids_AK = ids.reshape(-1, 4)[rows]
     fused = RK.support_logits(h.detach().reshape(-1, D), w.detach(), rows, ids_AK, dtype, chunk_size)
-    public = RK.gathered_support_logits(h.detach().reshape(-1, D), w.detach(), rows, ids_AK, dtype,
-                                        chunk_size)
+    public = RK.gathered_support_logits(h.detach().reshape(-1, D), w.detach(), rows, ids_AK, dtype, chunk_size)
     close(public, fused, dtype)
     results = []
     for use_fused in (True, False):
         calls = row_dots_path(monkeypatch, use_fused)
-        out = L.local_support_kl_from_hidden(h, w, ids, tlp, mask, support_mask=sm,
-                                             chunk_size=chunk_size or 1000)
+        out = L.local_support_kl_from_hidden(h, w, ids, tlp, mask, support_mask=sm, chunk_size=chunk_size or 1000)
         assert calls["fused"] == use_fused and calls["gather"] != use_fused
         results.append([out, *grads(out, [h, w], gout)])
     for a, b in zip(*results):
@@ -858,8 +902,9 @@ def test_row_dot_kernel_probe_rejects_a_changed_op(monkeypatch):
     assert "does not exist" in RK.probe_row_dots(None)
     assert "failed" in RK.probe_row_dots(lambda grad, weight, indices: grad)
     assert "returned" in RK.probe_row_dots(lambda *args: torch.zeros(args[2].shape, dtype=args[0].dtype))
-    assert "returned" in RK.probe_row_dots(lambda *args: getattr(torch.ops.aten, RK.ROW_DOTS_OP)(
-        *args).to(torch.float16))
+    assert "returned" in RK.probe_row_dots(
+        lambda *args: getattr(torch.ops.aten, RK.ROW_DOTS_OP)(*args).to(torch.float16)
+    )
     RK.row_dots_kernel.cache_clear()
     monkeypatch.setattr(RK, "ROW_DOTS_OP", "embedding_bag")  # a real op with another schema
     try:
@@ -878,11 +923,23 @@ def test_row_dot_kernel_probe_rejects_a_changed_op(monkeypatch):
 
 
 PUBLIC_NAMES = [  # the public API before the package split, then the names added since
-    "SUPPORT_KINDS", "build_support", "constant_sum", "full_vocab_kl", "gather_logprobs",
-    "generalized_jsd", "local_support_kl", "local_support_kl_from_hidden",
-    "sampled_token_advantages", "sampled_token_pg_loss", "sequence_mean", "special_token_mask",
-    "teacher_topk", "teacher_topk_from_hidden", "token_logprobs_from_hidden",
-    "topk_and_gather_from_hidden", "token_mean",
+    "SUPPORT_KINDS",
+    "build_support",
+    "constant_sum",
+    "full_vocab_kl",
+    "gather_logprobs",
+    "generalized_jsd",
+    "local_support_kl",
+    "local_support_kl_from_hidden",
+    "sampled_token_advantages",
+    "sampled_token_pg_loss",
+    "sequence_mean",
+    "special_token_mask",
+    "teacher_topk",
+    "teacher_topk_from_hidden",
+    "token_logprobs_from_hidden",
+    "topk_and_gather_from_hidden",
+    "token_mean",
 ] + ["full_vocab_kl_from_hidden", "topk_from_hidden"]
 
 
@@ -912,9 +969,11 @@ def test_package_layout():
 # ---------------------------------------------------------------- reductions and masks
 
 
-REDUCTIONS = {"token_mean": lambda x, m: L.token_mean(x, m),
-              "sequence_mean": lambda x, m: L.sequence_mean(x, m),
-              "constant_sum": lambda x, m: L.constant_sum(x, m, 7.0)}
+REDUCTIONS = {
+    "token_mean": lambda x, m: L.token_mean(x, m),
+    "sequence_mean": lambda x, m: L.sequence_mean(x, m),
+    "constant_sum": lambda x, m: L.constant_sum(x, m, 7.0),
+}
 
 
 @pytest.mark.parametrize("name", list(REDUCTIONS))
@@ -943,16 +1002,19 @@ def test_masks_accept_0_1_tensors(mask_dtype):
     tlp = R.ref_log_softmax(zt).gather(-1, ids)
     m, sm = make_mask(B, T, "row", g), make_support_mask(B, T, K, "random", g)
     s0, t0 = zs[..., 0], zt[..., 0]
-    calls = [lambda m, sm: L.local_support_kl(zs, ids, tlp, m, support_mask=sm),
-             lambda m, sm: L.full_vocab_kl(zs, zt, m),
-             lambda m, sm: L.generalized_jsd(zs, zt, m, beta=0.3),
-             lambda m, sm: L.sampled_token_advantages(s0, t0, m, gamma=0.5),
-             lambda m, sm: L.sampled_token_pg_loss(s0, t0, m)]
+    calls = [
+        lambda m, sm: L.local_support_kl(zs, ids, tlp, m, support_mask=sm),
+        lambda m, sm: L.full_vocab_kl(zs, zt, m),
+        lambda m, sm: L.generalized_jsd(zs, zt, m, beta=0.3),
+        lambda m, sm: L.sampled_token_advantages(s0, t0, m, gamma=0.5),
+        lambda m, sm: L.sampled_token_pg_loss(s0, t0, m),
+    ]
     calls += [lambda m, sm, f=f: f(s0, m) for f in REDUCTIONS.values()]
     for n, call in enumerate(calls):
         expected = call(m, sm)
-        torch.testing.assert_close(call(m.to(mask_dtype), sm.to(mask_dtype)), expected,
-                                   rtol=0, atol=0, msg=lambda s: f"call {n}: {s}")
+        torch.testing.assert_close(
+            call(m.to(mask_dtype), sm.to(mask_dtype)), expected, rtol=0, atol=0, msg=lambda s, n=n: f"call {n}: {s}"
+        )
     close(calls[0](m, sm), R.ref_local_support_kl(zs, ids, tlp, m, True, sm)[0], F64)
 
 
@@ -966,8 +1028,7 @@ def test_special_token_mask():
     assert got.any() and not got.all()
     assert not L.special_token_mask(tok, []).any()
     resp = make_mask(3, 7, "random", g)
-    expected = [[r and v not in special for r, v in zip(rr, vv)]
-                for rr, vv in zip(resp.tolist(), tok.tolist())]
+    expected = [[r and v not in special for r, v in zip(rr, vv)] for rr, vv in zip(resp.tolist(), tok.tolist())]
     assert (resp & ~got).tolist() == expected
 
 
@@ -980,8 +1041,7 @@ BAD_INPUTS = {
     "topk_hidden_k>V": lambda: L.topk_from_hidden(H, W, 6),
     "gamma<0": lambda: L.sampled_token_advantages(*[torch.zeros(1, 3)] * 3, gamma=-0.1),
     "gamma>1": lambda: L.sampled_token_advantages(*[torch.zeros(1, 3)] * 3, gamma=1.5),
-    "direction": lambda: L.full_vocab_kl(*[torch.zeros(1, 2, 5)] * 2, torch.ones(1, 2),
-                                         direction="sideways"),
+    "direction": lambda: L.full_vocab_kl(*[torch.zeros(1, 2, 5)] * 2, torch.ones(1, 2), direction="sideways"),
 }
 
 

@@ -125,7 +125,7 @@ def test_topk_ids_matches_reference(shape, ties, neg_inf):
     for k in ks_for(shape[-1]):
         got = M.topk_ids(x, k)
         assert got.dtype == torch.int64 and got.shape == (*shape[:2], k)
-        assert got.tolist() == ref_per_position_lists(lambda r: ref_ranked(r, k), x.tolist())
+        assert got.tolist() == ref_per_position_lists(lambda r, k=k: ref_ranked(r, k), x.tolist())
 
 
 def test_topk_ids_ties_in_bfloat16_are_deterministic():
@@ -145,7 +145,7 @@ def test_overlap_and_advantage_match_reference(shape, ties, neg_inf):
     t = make_logits(*shape, seed=3, ties=ties, neg_inf=neg_inf, like=s)
     mask = make_mask(*shape[:2], seed=4)
     for k in ks_for(shape[-1]):
-        ov = ref_per_position(lambda a, b: ref_overlap(a, b, k), s.tolist(), t.tolist())
+        ov = ref_per_position(lambda a, b, k=k: ref_overlap(a, b, k), s.tolist(), t.tolist())
         got = M.topk_overlap_BT(s, t, k)
         torch.testing.assert_close(got, ov, rtol=0, atol=1e-12)
         torch.testing.assert_close(M.topk_overlap_BT(s, t, k, mask), ov * mask, rtol=0, atol=1e-12)
@@ -153,8 +153,8 @@ def test_overlap_and_advantage_match_reference(shape, ties, neg_inf):
         assert M.topk_overlap_ratio(s, t, k, mask) == pytest.approx(expected, abs=1e-12)
 
         s_list, t_list = s.tolist(), t.tolist()
-        adv_BT = ref_per_position(lambda a, b: ref_advantage(a, b, k)[0], s_list, t_list)
-        nonempty_BT = ref_per_position(lambda a, b: ref_advantage(a, b, k)[1], s_list, t_list)
+        adv_BT = ref_per_position(lambda a, b, k=k: ref_advantage(a, b, k)[0], s_list, t_list)
+        nonempty_BT = ref_per_position(lambda a, b, k=k: ref_advantage(a, b, k)[1], s_list, t_list)
         got = M.overlap_token_advantage_BT(s, t, k, mask)
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, adv_BT * mask, rtol=1e-9, atol=1e-12)
@@ -200,8 +200,12 @@ def test_support_mass_and_out_of_support_match_reference(shape, ties, neg_inf):
     expected = ref_masked_mean(mass, mask)
     assert M.support_mass(x, ids, mask, valid) == pytest.approx(expected, rel=1e-10)
 
-    out = ref_per_position(lambda y, i, ok: float(not any(a == y and o for a, o in zip(i, ok))),
-                           sampled.tolist(), ids.tolist(), valid.tolist())
+    out = ref_per_position(
+        lambda y, i, ok: float(not any(a == y and o for a, o in zip(i, ok))),
+        sampled.tolist(),
+        ids.tolist(),
+        valid.tolist(),
+    )
     torch.testing.assert_close(M.out_of_support_BT(sampled, ids, valid, mask).double(), out * mask)
     expected = ref_masked_mean(out, mask)
     assert M.out_of_support_share(sampled, ids, mask, valid) == pytest.approx(expected)
@@ -287,9 +291,13 @@ def all_scalars(s, t, mask, k=3):
     sampled = torch.zeros(B, T, dtype=torch.long)
     lp_s, lp_t = torch.log_softmax(s, -1)[..., 0], torch.log_softmax(t, -1)[..., 0]
     return [
-        M.topk_overlap_ratio(s, t, k, mask), M.overlap_token_advantage(s, t, k, mask),
-        M.entropy_gap(s, t, mask), M.entropy(s, mask), M.support_mass(s, ids, mask),
-        M.out_of_support_share(sampled, ids, mask), M.negative_reward_share(lp_s, lp_t, mask),
+        M.topk_overlap_ratio(s, t, k, mask),
+        M.overlap_token_advantage(s, t, k, mask),
+        M.entropy_gap(s, t, mask),
+        M.entropy(s, mask),
+        M.support_mass(s, ids, mask),
+        M.out_of_support_share(sampled, ids, mask),
+        M.negative_reward_share(lp_s, lp_t, mask),
         M.repetition_rate(sampled, mask, ngram=1, min_repeats=2),
     ]
 
@@ -301,8 +309,12 @@ def test_all_masked_gives_zero_and_all_inf_rows_give_no_nan():
     assert all_scalars(s, t, torch.zeros(2, 4)) == [0.0] * 8
     assert all(math.isfinite(v) for v in all_scalars(s, t, torch.ones(2, 4)))
     ids = torch.arange(3).expand(2, 4, 3)
-    zero_on_empty = [M.topk_overlap_BT(s, t, 3), M.overlap_token_advantage_BT(s, t, 3),
-                     M.support_mass_BT(s, ids), M.entropy_BT(s)]
+    zero_on_empty = [
+        M.topk_overlap_BT(s, t, 3),
+        M.overlap_token_advantage_BT(s, t, 3),
+        M.support_mass_BT(s, ids),
+        M.entropy_BT(s),
+    ]
     for out in zero_on_empty + [M.entropy_gap_BT(s, t)]:
         assert torch.isfinite(out).all()
     for out in zero_on_empty:
@@ -333,8 +345,12 @@ def test_dtypes_and_no_grad():
     assert not M.entropy_BT(s64).requires_grad
     s16, t16 = s64.detach().to(torch.bfloat16), t64.to(torch.bfloat16)
     ids = torch.zeros(2, 3, 1, dtype=torch.long)
-    for out in (M.topk_overlap_BT(s16, t16, 2), M.overlap_token_advantage_BT(s16, t16, 2),
-                M.entropy_gap_BT(s16, t16), M.support_mass_BT(s16, ids)):
+    for out in (
+        M.topk_overlap_BT(s16, t16, 2),
+        M.overlap_token_advantage_BT(s16, t16, 2),
+        M.entropy_gap_BT(s16, t16),
+        M.support_mass_BT(s16, ids),
+    ):
         assert out.dtype == torch.float32
     torch.testing.assert_close(M.entropy_BT(s16), M.entropy_BT(s16.double()).float())
 
@@ -410,20 +426,23 @@ def seqs_to_batch(seqs, pad=0):
     return ids, mask
 
 
-@pytest.mark.parametrize("seq,n,m,expected", [
-    ([1, 2, 1, 2, 1, 2], 2, 3, True),                  # "a b a b a b"
-    ([1, 2, 1, 2, 1, 3], 2, 3, False),
-    ([5, 1, 2, 1, 2, 1, 2, 7], 2, 3, True),            # loop in the middle
-    ([1, 2, 1, 2, 9, 1, 2], 2, 3, False),              # not consecutive
-    ([4] * 12, 4, 3, True),                            # period 1 is also a 4-gram loop
-    ([4] * 11, 4, 3, False),
-    ([1, 2, 3, 4] * 3, 4, 3, True),
-    ([1, 2, 3, 4] * 2 + [1, 2, 3], 4, 3, False),
-    ([1, 2, 3] * 6, 4, 3, False),                      # period 3 does not divide ngram 4
-    ([1, 2, 3] * 3, 3, 3, True),
-    ([7, 8], 1, 2, False),
-    ([7, 7], 1, 2, True),
-])
+@pytest.mark.parametrize(
+    "seq,n,m,expected",
+    [
+        ([1, 2, 1, 2, 1, 2], 2, 3, True),  # "a b a b a b"
+        ([1, 2, 1, 2, 1, 3], 2, 3, False),
+        ([5, 1, 2, 1, 2, 1, 2, 7], 2, 3, True),  # loop in the middle
+        ([1, 2, 1, 2, 9, 1, 2], 2, 3, False),  # not consecutive
+        ([4] * 12, 4, 3, True),  # period 1 is also a 4-gram loop
+        ([4] * 11, 4, 3, False),
+        ([1, 2, 3, 4] * 3, 4, 3, True),
+        ([1, 2, 3, 4] * 2 + [1, 2, 3], 4, 3, False),
+        ([1, 2, 3] * 6, 4, 3, False),  # period 3 does not divide ngram 4
+        ([1, 2, 3] * 3, 3, 3, True),
+        ([7, 8], 1, 2, False),
+        ([7, 7], 1, 2, True),
+    ],
+)
 def test_repetition_hand_written(seq, n, m, expected):
     ids, mask = seqs_to_batch([seq, [9]])  # a padded short neighbour must not matter
     assert M.has_repetition_loop_B(ids, mask, n, m).tolist() == [expected, False]

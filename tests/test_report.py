@@ -24,9 +24,15 @@ from opd.report.inspector import PROB_SCALE, display_token, inspector_data, pick
 from opd.report.load import load_run, load_runs
 
 STEPS, LOG_ROLLOUTS, K = 3, 2, 8
-SUMMARY = {"teacher_acc": 0.9, "teacher_avg_at_k": 0.85, "student_init_acc": 0.1, "student_init_avg_at_k": 0.12,
-           "eval_size": 4, "k": 2, "objectives": {"sampled": {"final_acc": 0.25, "avg_at_k": 0.2, "steps": STEPS,
-                                                               "wall_s": 12.0}}}
+SUMMARY = {
+    "teacher_acc": 0.9,
+    "teacher_avg_at_k": 0.85,
+    "student_init_acc": 0.1,
+    "student_init_avg_at_k": 0.12,
+    "eval_size": 4,
+    "k": 2,
+    "objectives": {"sampled": {"final_acc": 0.25, "avg_at_k": 0.2, "steps": STEPS, "wall_s": 12.0}},
+}
 
 
 def make_report_runs(models, root):
@@ -36,10 +42,26 @@ def make_report_runs(models, root):
     student, teacher = models
     demo = root / "demo"
     for objective in ("sampled", "lsm"):
-        train(TrainConfig(student=str(student), teacher=str(teacher), out=str(demo / objective), objective=objective,
-                          steps=STEPS, batch_size=4, max_new_tokens=8, eval_size=4, eval_samples=2, k=K,
-                          warmup_steps=1, log_rollouts=LOG_ROLLOUTS, diag_positions=16, eval_every=2, ckpt_every=0),
-              show_progress=False)
+        train(
+            TrainConfig(
+                student=str(student),
+                teacher=str(teacher),
+                out=str(demo / objective),
+                objective=objective,
+                steps=STEPS,
+                batch_size=4,
+                max_new_tokens=8,
+                eval_size=4,
+                eval_samples=2,
+                k=K,
+                warmup_steps=1,
+                log_rollouts=LOG_ROLLOUTS,
+                diag_positions=16,
+                eval_every=2,
+                ckpt_every=0,
+            ),
+            show_progress=False,
+        )
     (demo / "summary.json").write_text(json.dumps(SUMMARY))
     return demo / "sampled", demo / "lsm"
 
@@ -79,8 +101,10 @@ def test_load_in_progress_and_malformed_run(runs, tmp_path):
     shutil.copytree(runs[1], run_dir)
     shutil.rmtree(run_dir / "final")  # as if the run were still going
     with open(run_dir / "metrics.jsonl", "a") as f:
-        f.write('[1, 2]\n{"step": "x", "train/loss": 1}\n{"step": 3, "train/loss": NaN, "train/grad_norm": 2.0}\n'
-                '{"step": 4, "train/lo')  # the last line cut off by a kill
+        f.write(
+            '[1, 2]\n{"step": "x", "train/loss": 1}\n{"step": 3, "train/loss": NaN, "train/grad_norm": 2.0}\n'
+            '{"step": 4, "train/lo'
+        )  # the last line cut off by a kill
     lines = (run_dir / "rollouts.jsonl").read_text().splitlines()
     bad = json.loads(lines[0])
     bad["teacher_logprobs"] = bad["teacher_logprobs"][:-1]
@@ -135,8 +159,13 @@ def by_id(charts):
 def test_line_charts_are_fed_the_logged_metrics(runs):
     loaded = load_runs(list(runs))
     charts = by_id(build_charts(loaded))
-    for key, cid in (("train/loss", "loss"), ("train/kl_to_teacher", "kl"), ("diag/overlap", "overlap"),
-                     ("diag/negative_reward", "negative-reward"), ("rollout/eos_rate", "eos-rate")):
+    for key, cid in (
+        ("train/loss", "loss"),
+        ("train/kl_to_teacher", "kl"),
+        ("diag/overlap", "overlap"),
+        ("diag/negative_reward", "negative-reward"),
+        ("rollout/eos_rate", "eos-rate"),
+    ):
         series = charts[cid]["series"]
         assert [s["run"] for s in series] == ["sampled", "lsm"]
         for s, run_dir in zip(series, runs):
@@ -144,8 +173,12 @@ def test_line_charts_are_fed_the_logged_metrics(runs):
             assert s["x"] == [r["step"] for r in logged] and s["y"] == [r[key] for r in logged]
             assert "smooth" not in s  # three points: no moving average drawn over them
     mass = charts["support-mass"]["series"]
-    assert [(s["label"], s["dashed"]) for s in mass] == [("sampled student", False), ("sampled teacher", True),
-                                                         ("lsm student", False), ("lsm teacher", True)]
+    assert [(s["label"], s["dashed"]) for s in mass] == [
+        ("sampled student", False),
+        ("sampled teacher", True),
+        ("lsm student", False),
+        ("lsm teacher", True),
+    ]
     grad = charts["grad-norm"]
     for s, run in zip(grad["series"], loaded):
         assert s["marks"] == [r["step"] for r in run.steps if r["train/clipped"]]
@@ -156,7 +189,11 @@ def test_eval_chart_and_summary_rows(runs):
     loaded = load_runs(list(runs))
     ev = by_id(build_charts(loaded))["eval-accuracy"]
     assert {(s["label"], tuple(s["x"])) for s in ev["series"]} == {
-        ("sampled greedy", (1, 2)), ("sampled avg@k", (1, 2)), ("lsm greedy", (1, 2)), ("lsm avg@k", (1, 2))}
+        ("sampled greedy", (1, 2)),
+        ("sampled avg@k", (1, 2)),
+        ("lsm greedy", (1, 2)),
+        ("lsm avg@k", (1, 2)),
+    }
     assert ev["hlines"] == [{"y": 0.9, "label": "teacher"}, {"y": 0.1, "label": "student before"}]
     rows = summary_rows(loaded)
     for row, run in zip(rows, loaded):
@@ -176,10 +213,18 @@ def test_heatmaps_and_scatter_are_fed_depth_and_sampled_tokens(runs):
         assert heat["x"] == [0, 1, 2] and heat["z"] == [r["depth/reward"] for r in logged] and heat["buckets"] == 8
         assert heat["bound"] > 0 and charts[f"depth-loss-{run.name}"]["sign"] == -1
         sc = charts[f"scatter-{run.name}"]
-        tokens = [(s, t) for r in jsonl(run_dir / "rollouts.jsonl") for s, t in zip(r["student_logprobs"], r["teacher_logprobs"])]
+        tokens = [
+            (s, t)
+            for r in jsonl(run_dir / "rollouts.jsonl")
+            for s, t in zip(r["student_logprobs"], r["teacher_logprobs"])
+        ]
         assert sc["tokens"] == len(tokens) == len(sc["positive"]) + len(sc["negative"])
-        probs = lambda keep: sorted([round(math.exp(s), 4), round(math.exp(t), 4)] for s, t in tokens if keep(s, t))
-        assert sorted(sc["positive"]) == probs(lambda s, t: t > s) and sorted(sc["negative"]) == probs(lambda s, t: t <= s)
+        probs = lambda keep, tokens=tokens: sorted(
+            [round(math.exp(s), 4), round(math.exp(t), 4)] for s, t in tokens if keep(s, t)
+        )
+        assert sorted(sc["positive"]) == probs(lambda s, t: t > s) and sorted(sc["negative"]) == probs(
+            lambda s, t: t <= s
+        )
 
 
 def test_ema_and_step_picking():
@@ -245,7 +290,9 @@ def test_report_of_damaged_run_says_what_was_skipped(runs, tmp_path):
 
 
 def test_cli_report(runs, tmp_path):
-    result = CliRunner().invoke(app, ["report", *map(str, runs), "--out", str(tmp_path / "r"), "--inspector-steps", "2"])
+    result = CliRunner().invoke(
+        app, ["report", *map(str, runs), "--out", str(tmp_path / "r"), "--inspector-steps", "2"]
+    )
     assert result.exit_code == 0, result.output + repr(result.exception)
     assert f"report: {tmp_path / 'r' / 'report.html'}" in result.output.replace("\n", "")
     assert page_data((tmp_path / "r" / "report.html").read_text())["runs"][1]["inspector"]["steps"] == [0, 2]

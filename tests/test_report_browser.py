@@ -20,19 +20,33 @@ import threading
 import time
 
 import pytest
+from test_report import LOG_ROLLOUTS, make_report_runs
 
 from opd.report import write_report
 from opd.report.inspector import display_token
-from test_report import LOG_ROLLOUTS, make_report_runs
 
 CHROMIUM = os.environ.get("OPD_CHROMIUM") or next(
-    (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+    (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None
+)
 pytestmark = pytest.mark.skipif(
-    CHROMIUM is None, reason="no Chromium found: install Debian's chromium (apt-get install chromium) or set "
-                             "OPD_CHROMIUM=/path/to/chrome to run the report's browser tests")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-         "--disable-sync", "--no-first-run", "--disable-quic", "--disable-extensions", "--mute-audio",
-         "--window-size=1400,1000", "--remote-debugging-port=0"]
+    CHROMIUM is None,
+    reason="no Chromium found: install Debian's chromium (apt-get install chromium) or set "
+    "OPD_CHROMIUM=/path/to/chrome to run the report's browser tests",
+)
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+    "--disable-extensions",
+    "--mute-audio",
+    "--window-size=1400,1000",
+    "--remote-debugging-port=0",
+]
 
 
 class Browser:
@@ -40,8 +54,12 @@ class Browser:
 
     def __init__(self, profile_dir):
         ws_sync = pytest.importorskip("websockets.sync.client", reason="pip install websockets (in opd's dev extra)")
-        self.proc = subprocess.Popen([CHROMIUM, *FLAGS, f"--user-data-dir={profile_dir}", "about:blank"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [CHROMIUM, *FLAGS, f"--user-data-dir={profile_dir}", "about:blank"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             url = self._devtools_url(timeout=60)
             # __enter__ gives the plain connection on every websockets version (>= 17 warns on a bare connect()).
@@ -58,7 +76,7 @@ class Browser:
 
     def _devtools_url(self, timeout: float) -> str:
         lines: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(l) for l in self.proc.stderr], daemon=True).start()
+        threading.Thread(target=lambda: [lines.put(line) for line in self.proc.stderr], daemon=True).start()
         deadline = time.time() + timeout
         while time.time() < deadline:
             try:
@@ -149,7 +167,7 @@ def page(tiny_models, tmp_path_factory):
 
 
 def rollouts(run_dir):
-    return [json.loads(l) for l in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
 
 
 def test_page_loads_offline_without_errors(page):
@@ -223,8 +241,10 @@ def test_clicking_a_token_opens_its_distribution(page):
 
 
 def select(browser, sel_id: str, value) -> None:
-    browser.js(f"(() => {{ const s = document.getElementById('{sel_id}'); s.value = '{value}';"
-               "s.dispatchEvent(new Event('change')); })()")
+    browser.js(
+        f"(() => {{ const s = document.getElementById('{sel_id}'); s.value = '{value}';"
+        "s.dispatchEvent(new Event('change')); })()"
+    )
 
 
 def test_switching_run_step_and_rollout_updates_the_inspector(page):

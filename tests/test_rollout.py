@@ -44,8 +44,7 @@ def ref_softmax(row: list[float], temperature: float = 1.0) -> list[float]:
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("candidates", [2, 64, (1, 3)])
 def test_nucleus_sample_draws_exactly_the_renormalized_nucleus(top_p, temperature, candidates):
-    logits = [[2.0, 0.3, -1.0, 1.1, -math.inf, 0.0, 1.7],
-              [0.0, 0.0, 0.0, 5.0, -math.inf, -math.inf, 0.1]]
+    logits = [[2.0, 0.3, -1.0, 1.1, -math.inf, 0.0, 1.7], [0.0, 0.0, 0.0, 5.0, -math.inf, -math.inf, 0.1]]
     M = 4000  # evenly spaced uniforms: each token is drawn M * p_renorm times, to within one
     u = (torch.arange(M, dtype=torch.float64) + 0.5) / M
     for row in logits:
@@ -95,8 +94,12 @@ def model_logprobs(model, batch: RolloutBatch) -> torch.Tensor:
 
 
 def some_prompts(tok, n):
-    texts = ["What is 3 + 4?", "I have 12 apples and eat 5. How many are left?", "Add 7 and 9.",
-             "Begin with 13, then put 8 more on top. What is the result?"]
+    texts = [
+        "What is 3 + 4?",
+        "I have 12 apples and eat 5. How many are left?",
+        "Add 7 and 9.",
+        "Begin with 13, then put 8 more on top. What is the result?",
+    ]
     return [tok(format_prompt(tok, texts[i % len(texts)]), add_special_tokens=False)["input_ids"] for i in range(n)]
 
 
@@ -165,13 +168,16 @@ def test_finished_rows_leave_the_decoding_batch_without_changing_any_rollout(tin
     stop = int(free.response_ids_NT[0, 3])  # a token the rollouts produce, so rows stop at different steps
     rows_seen = []
     forward = model.forward
-    monkeypatch.setattr(model, "forward", lambda *a, **kw: rows_seen.append(kw["input_ids"].shape[0]) or forward(*a, **kw))
+    monkeypatch.setattr(
+        model, "forward", lambda *a, **kw: rows_seen.append(kw["input_ids"].shape[0]) or forward(*a, **kw)
+    )
     batches = {}
     for share in (0.0, 1.0):  # never drop finished rows; drop them as soon as any finishes
         monkeypatch.setattr(R, "COMPACT_BELOW", share)
         rows_seen.clear()
         batches[share] = HFRollout(model, eos_id=stop, pad_id=tok.pad_token_id).generate(
-            prompts, list(range(8)), max_new_tokens=10)
+            prompts, list(range(8)), max_new_tokens=10
+        )
         batches[share, "rows"] = list(rows_seen)
     kept, dropped = batches[0.0], batches[1.0]
     assert set(batches[0.0, "rows"]) == {8}
@@ -181,20 +187,30 @@ def test_finished_rows_leave_the_decoding_batch_without_changing_any_rollout(tin
         assert torch.equal(getattr(kept, field), getattr(dropped, field)), field
     torch.testing.assert_close(kept.logprobs_NT, dropped.logprobs_NT, atol=1e-5, rtol=0)
 
+
 def test_loss_mask_is_response_until_eos_minus_special_tokens():
     EOS, PAD, THINK, END_THINK = 2, 0, 5, 6
     specials = [EOS, THINK, END_THINK]
-    responses = [[THINK, 9, 10, END_THINK, 11, EOS, PAD, PAD],
-                 [7, 8, 9, 10, 11, 12, 13, 14],  # no EOS: cut at the length limit
-                 [EOS, PAD, PAD, PAD, PAD, PAD, PAD, PAD],
-                 [8, PAD, 9, EOS, PAD, PAD, PAD, PAD]]  # a PAD id emitted mid-response is still a token
+    responses = [
+        [THINK, 9, 10, END_THINK, 11, EOS, PAD, PAD],
+        [7, 8, 9, 10, 11, 12, 13, 14],  # no EOS: cut at the length limit
+        [EOS, PAD, PAD, PAD, PAD, PAD, PAD, PAD],
+        [8, PAD, 9, EOS, PAD, PAD, PAD, PAD],
+    ]  # a PAD id emitted mid-response is still a token
     lengths = [6, 8, 1, 4]
     T = 8
     resp = torch.tensor(responses)
     resp_mask = torch.tensor([[t < n for t in range(T)] for n in lengths])
     prompt = torch.tensor([[PAD, 3, 4], [3, 4, 4], [PAD, PAD, 3], [3, 3, 3]])
-    batch = RolloutBatch(torch.cat([prompt, resp], 1), torch.cat([prompt != PAD, resp_mask], 1).long(), 3,
-                         resp, resp_mask, torch.zeros(4, T), torch.tensor([True, False, True, True]))
+    batch = RolloutBatch(
+        torch.cat([prompt, resp], 1),
+        torch.cat([prompt != PAD, resp_mask], 1).long(),
+        3,
+        resp,
+        resp_mask,
+        torch.zeros(4, T),
+        torch.tensor([True, False, True, True]),
+    )
     on = loss_mask(batch, specials, mask_special=True)
     off = loss_mask(batch, specials, mask_special=False)
     for n, row in enumerate(responses):
@@ -224,9 +240,9 @@ def hand_batch(pad_id: int, prompts: list[list[int]], responses: list[list[int]]
     ids, mask = torch.full((N, P + T), pad_id), torch.zeros((N, P + T), dtype=torch.long)
     resp, resp_mask = torch.full((N, T), pad_id), torch.zeros((N, T), dtype=torch.bool)
     for n, (p, r) in enumerate(zip(prompts, responses)):
-        ids[n, P - len(p):P], mask[n, P - len(p):P] = torch.tensor(p), 1
-        ids[n, P:P + len(r)], mask[n, P:P + len(r)] = torch.tensor(r), 1
-        resp[n, :len(r)], resp_mask[n, :len(r)] = torch.tensor(r), True
+        ids[n, P - len(p) : P], mask[n, P - len(p) : P] = torch.tensor(p), 1
+        ids[n, P : P + len(r)], mask[n, P : P + len(r)] = torch.tensor(r), 1
+        resp[n, : len(r)], resp_mask[n, : len(r)] = torch.tensor(r), True
     return RolloutBatch(ids, mask, P, resp, resp_mask, torch.zeros(N, T), torch.ones(N, dtype=torch.bool))
 
 
@@ -251,9 +267,9 @@ def test_response_hidden_in_length_chunks_matches_each_row_alone(tiny_models, ro
     total = 0
     for n, (p, r) in enumerate(zip(prompts, responses)):  # each row unpadded, in a batch of its own
         seq = torch.tensor([p + r])
-        alone = final_hidden(model, seq, torch.ones_like(seq))[0, len(p) - 1:len(p) - 1 + len(r)]
-        torch.testing.assert_close(h[n, :len(r)], alone, atol=1e-5, rtol=1e-4)
-        total = total + (alone * weights[n, :len(r)]).sum()
+        alone = final_hidden(model, seq, torch.ones_like(seq))[0, len(p) - 1 : len(p) - 1 + len(r)]
+        torch.testing.assert_close(h[n, : len(r)], alone, atol=1e-5, rtol=1e-4)
+        total = total + (alone * weights[n, : len(r)]).sum()
     total.backward()
     for k, p in model.named_parameters():
         torch.testing.assert_close(got_grads[k], p.grad, atol=1e-5, rtol=1e-4, msg=f"gradient of {k}")
@@ -277,9 +293,22 @@ def test_hybrid_models_generate_without_dropping_rows():
     from transformers import FalconH1Config, FalconH1ForCausalLM
 
     torch.manual_seed(0)
-    cfg = FalconH1Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
-                         mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16, eos_token_id=2, pad_token_id=0)
+    cfg = FalconH1Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_d_ssm=64,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_d_state=16,
+        mamba_n_groups=1,
+        mamba_chunk_size=16,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     model = FalconH1ForCausalLM(cfg).eval()
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14, 15]]
     free = HFRollout(model, -1, 0).generate(prompts, [0, 1, 2, 3], max_new_tokens=6)

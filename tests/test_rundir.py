@@ -30,8 +30,12 @@ def test_atomic_writes_get_the_usual_permissions(tiny_models, tmp_path, umask_02
     model, tok = load_model(student), load_tokenizer(student)
     ckpt = run.save_checkpoint(3, model, {"step": 3})
     save_final_model(tmp_path / "run" / "final", model, tok)
-    files = [tmp_path / "run" / "summary.json", tmp_path / "run" / "eval.jsonl",
-             *[p for p in ckpt.rglob("*") if p.is_file()], *[p for p in (tmp_path / "run" / "final").rglob("*")]]
+    files = [
+        tmp_path / "run" / "summary.json",
+        tmp_path / "run" / "eval.jsonl",
+        *[p for p in ckpt.rglob("*") if p.is_file()],
+        *[p for p in (tmp_path / "run" / "final").rglob("*")],
+    ]
     assert any(p.name == "model.safetensors" for p in files)
     for p in files:
         assert mode(p) == 0o644, f"{p} has mode {oct(mode(p))}"

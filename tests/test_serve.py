@@ -20,16 +20,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
+from opd import teacher_http, wire
+from opd import train as train_mod
 from opd.config import TrainConfig
 from opd.errors import UserError
 from opd.models import head_weight, load_model, load_tokenizer
 from opd.rollout import HFRollout
 from opd.serve import BatchScorer, Limits, RequestError, TeacherApp, start_server, stop_server
-from opd.teacher import HFTeacher
-from opd.teacher import make_teacher
+from opd.teacher import HFTeacher, make_teacher
 from opd.teacher_http import HTTPTeacher
-from opd import teacher_http, wire
-from opd import train as train_mod
 
 real_encode = wire.encode_scores
 
@@ -59,7 +58,8 @@ def rollouts(tok, student_dir, n=6, new_tokens=10):
     student = load_model(student_dir, "student")
     prompts = [tok(f"Compute {i} + {3 * i + 1} * {i % 4 + 2}." + " x" * i)["input_ids"] for i in range(n)]
     return HFRollout(student, tok.eos_token_id, tok.pad_token_id).generate(
-        prompts, list(range(n)), max_new_tokens=new_tokens, temperature=1.5, top_p=1.0)
+        prompts, list(range(n)), max_new_tokens=new_tokens, temperature=1.5, top_p=1.0
+    )
 
 
 @pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
@@ -175,8 +175,10 @@ def test_load_many_concurrent_clients(served):
         t.join(timeout=60)
     elapsed = time.monotonic() - t0
     batches = app.scorer.batches - batches_before
-    print(f"\nload test: {len(done)} requests in {elapsed:.1f} s = {len(done) / elapsed:.1f} requests/s "
-          f"({len(done) * len(seqs) / elapsed:.1f} sequences/s), {batches} forward passes, {len(errors)} errors")
+    print(
+        f"\nload test: {len(done)} requests in {elapsed:.1f} s = {len(done) / elapsed:.1f} requests/s "
+        f"({len(done) * len(seqs) / elapsed:.1f} sequences/s), {batches} forward passes, {len(errors)} errors"
+    )
     assert errors == [] and len(done) > 0
     assert batches < len(done)  # concurrent requests were merged into shared forward passes
 
@@ -184,19 +186,35 @@ def test_load_many_concurrent_clients(served):
 def test_training_with_served_teacher_matches_in_process(served, tiny_models, tmp_path, monkeypatch):
     url, app, model, tok = served
     student, teacher = tiny_models
-    common = dict(student=str(student), steps=2, batch_size=4, max_new_tokens=8, eval_size=4, eval_samples=0, k=8,
-                  warmup_steps=1, log_rollouts=2, diag_positions=16, eval_every=0, ckpt_every=0, lr=3e-3)
+    common = dict(
+        student=str(student),
+        steps=2,
+        batch_size=4,
+        max_new_tokens=8,
+        eval_size=4,
+        eval_samples=0,
+        k=8,
+        warmup_steps=1,
+        log_rollouts=2,
+        diag_positions=16,
+        eval_every=0,
+        ckpt_every=0,
+        lr=3e-3,
+    )
     encoded = []  # binary answers the server wrote, so the test knows which format each run used
     monkeypatch.setattr(wire, "encode_scores", lambda *a: encoded.append(1) or real_encode(*a))
     losses, counts = {}, {}
-    for name, extra in (("local", {"teacher": str(teacher)}), ("binary", {"teacher_url": url}),
-                        ("json", {"teacher_url": url})):
+    for name, extra in (
+        ("local", {"teacher": str(teacher)}),
+        ("binary", {"teacher_url": url}),
+        ("json", {"teacher_url": url}),
+    ):
         # make_teacher builds the client; the JSON run gets one that declines the binary answer
         client = functools.partial(HTTPTeacher, binary=False) if name == "json" else HTTPTeacher
         monkeypatch.setattr(teacher_http, "HTTPTeacher", client)
         out, before = tmp_path / name, len(encoded)
         train_mod.train(TrainConfig(out=str(out), **common, **extra), show_progress=False)
-        records = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         losses[name], counts[name] = [r for r in records if "train/loss" in r], len(encoded) - before
     assert counts["local"] == counts["json"] == 0 and counts["binary"] >= 2  # at least one request a step
     for answers in ("binary", "json"):
@@ -316,8 +334,12 @@ def test_foreign_server_warns_and_malformed_answers_are_errors(served, tiny_mode
 
 
 def test_cli_serve_teacher_port_zero(tiny_models):
-    proc = subprocess.Popen([sys.executable, "-m", "opd", "serve-teacher", str(tiny_models[1]), "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "opd", "serve-teacher", str(tiny_models[1]), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()  # the server prints its address once it listens
         match = re.search(r"http://127\.0\.0\.1:(\d+)", line)
@@ -353,8 +375,10 @@ def test_a_failing_request_does_not_fail_the_requests_batched_with_it(served):
             except RequestError as exc:
                 got[name] = exc
 
-        threads = [threading.Thread(target=ask, args=("bad", [[7, 7, 7]])),
-                   threading.Thread(target=ask, args=("good", [[5, 6, 7, 8]]))]
+        threads = [
+            threading.Thread(target=ask, args=("bad", [[7, 7, 7]])),
+            threading.Thread(target=ask, args=("good", [[5, 6, 7, 8]])),
+        ]
         for t in threads:
             t.start()
         for t in threads:

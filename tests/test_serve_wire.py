@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from test_serve import rollouts
 
 from opd import wire
 from opd.errors import UserError
@@ -22,7 +23,6 @@ from opd.models import head_weight, load_model, load_tokenizer
 from opd.serve import BatchScorer, Limits, TeacherApp, start_server, stop_server
 from opd.teacher import HFTeacher
 from opd.teacher_http import HTTPTeacher
-from test_serve import rollouts
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_codec_round_trip_is_exact_and_bad_bodies_are_refused():
     assert [t.shape for t in wire.decode_scores(empty, [0], 2, 100)] == [(0, 2), (0, 2), (0,)]
 
     def patched(offset, fmt, value):
-        return body[:offset] + struct.pack(fmt, value) + body[offset + struct.calcsize(fmt):]
+        return body[:offset] + struct.pack(fmt, value) + body[offset + struct.calcsize(fmt) :]
 
     ids_at, lps_at = 20 + 4 * 3, 20 + 4 * 3 + 8 * 4 * 4
     bad = [
@@ -209,6 +209,7 @@ def test_binary_answers_are_retried_and_checked(served, tiny_models):
         _Relay.failures, _Relay.cut = 0, 1
         with pytest.raises(UserError, match="unreachable after 1 attempts"):
             impatient.score(batch, 4)
+
         def ids_at(body):  # the ids start after the 20-byte header and the rows
             return 20 + 4 * int.from_bytes(body[8:12], "little")
 
@@ -250,8 +251,10 @@ def test_a_failing_request_fails_alone_on_the_binary_path(tiny_models):
             both_ready.wait(timeout=30)
             got[name] = post(url, {"prompt": seqs, "max_tokens": 1, "prompt_logprobs": 4})
 
-        threads = [threading.Thread(target=ask, args=("bad", [[7, 7, 7]])),
-                   threading.Thread(target=ask, args=("good", [[5, 6, 7, 8]]))]
+        threads = [
+            threading.Thread(target=ask, args=("bad", [[7, 7, 7]])),
+            threading.Thread(target=ask, args=("good", [[5, 6, 7, 8]])),
+        ]
         for t in threads:
             t.start()
         for t in threads:

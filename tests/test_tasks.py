@@ -12,8 +12,10 @@ from opd.tasks import ArithmeticTask, Example, JsonlTask, Task, get_task
 from opd.tasks.arithmetic import MAX_ANSWER, solve_chain
 
 EQUATION = re.compile(r"(\d+) ([-+*]) (\d+) = (\d+)\.")
-SOLUTION = re.compile(r"<think>((?:\d+ [-+*] \d+ = \d+\.(?: |(?=<)))+)</think> The answer is "
-                      r"\\boxed\{(\d+)\}")
+SOLUTION = re.compile(
+    r"<think>((?:\d+ [-+*] \d+ = \d+\.(?: |(?=<)))+)</think> The answer is "
+    r"\\boxed\{(\d+)\}"
+)
 
 
 def small(**kw) -> ArithmeticTask:
@@ -123,8 +125,9 @@ def test_prompts_vary_in_wording():
     assert len(shapes) >= 100
 
 
-@pytest.mark.parametrize("kwargs", [dict(num_ops=(0, 2)), dict(num_ops=(3, 2)),
-                                    dict(max_operand=0), dict(ops=("/",)), dict(n_train=-1)])
+@pytest.mark.parametrize(
+    "kwargs", [dict(num_ops=(0, 2)), dict(num_ops=(3, 2)), dict(max_operand=0), dict(ops=("/",)), dict(n_train=-1)]
+)
 def test_bad_arithmetic_settings(kwargs):
     with pytest.raises(UserError):
         ArithmeticTask(**kwargs)
@@ -132,7 +135,9 @@ def test_bad_arithmetic_settings(kwargs):
 
 def test_solve_chain_format():
     assert solve_chain(12, [("+", 7), ("-", 3)]) == (
-        16, "<think>12 + 7 = 19. 19 - 3 = 16.</think> The answer is \\boxed{16}")
+        16,
+        "<think>12 + 7 = 19. 19 - 3 = 16.</think> The answer is \\boxed{16}",
+    )
 
 
 def test_registry_and_protocol(tmp_path):
@@ -193,15 +198,18 @@ def test_jsonl_empty_file(tmp_path, text):
         JsonlTask(write(tmp_path, text))
 
 
-@pytest.mark.parametrize("bad_line, pattern", [
-    ('{"prompt": "x", "answer": ', r"invalid JSON .*line 3"),
-    ('{"answer": "1"}', r'line 3 has no "prompt" field'),
-    ('{"prompt": "x"}', r'line 3 has no "answer" field'),
-    ('{"prompt": "x", "answer": 16}', r'field "answer" .*line 3 is a int, not a string'),
-    ('{"prompt": ["x"], "answer": "1"}', r'field "prompt" .*line 3 is a list, not a string'),
-    ('{"prompt": "x", "answer": "1", "task": 5}', r'field "task" .*line 3 is a int'),
-    ('["x", "1"]', r"line 3 is a JSON list, not an object"),
-])
+@pytest.mark.parametrize(
+    "bad_line, pattern",
+    [
+        ('{"prompt": "x", "answer": ', r"invalid JSON .*line 3"),
+        ('{"answer": "1"}', r'line 3 has no "prompt" field'),
+        ('{"prompt": "x"}', r'line 3 has no "answer" field'),
+        ('{"prompt": "x", "answer": 16}', r'field "answer" .*line 3 is a int, not a string'),
+        ('{"prompt": ["x"], "answer": "1"}', r'field "prompt" .*line 3 is a list, not a string'),
+        ('{"prompt": "x", "answer": "1", "task": 5}', r'field "task" .*line 3 is a int'),
+        ('["x", "1"]', r"line 3 is a JSON list, not an object"),
+    ],
+)
 def test_jsonl_bad_line_is_named(tmp_path, bad_line, pattern):
     good = '{"prompt": "ok", "answer": "1"}\n'
     path = write(tmp_path, good + good + bad_line + "\n" + good)

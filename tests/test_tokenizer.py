@@ -12,9 +12,19 @@ from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from opd.errors import UserError
 from opd.tasks import ArithmeticTask
-from opd.tokenizer import (CHAT_TEMPLATE, EOS, IM_START, PAD, QWEN2_PRETOKENIZE_REGEX, THINK,
-                           THINK_END, format_chat, format_prompt, special_token_ids,
-                           train_tokenizer)
+from opd.tokenizer import (
+    CHAT_TEMPLATE,
+    EOS,
+    IM_START,
+    PAD,
+    QWEN2_PRETOKENIZE_REGEX,
+    THINK,
+    THINK_END,
+    format_chat,
+    format_prompt,
+    special_token_ids,
+    train_tokenizer,
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +47,16 @@ def tok(trained):
 
 @pytest.fixture(scope="module")
 def sample_texts(examples):
-    return [e.prompt for e in examples[:5]] + [e.solution for e in examples[:3]] + [
-        "  odd   spacing\n\n and tabs\tthere",
-        "Unicode: café, naïve, 你好, emoji 😀, cafe\u0301 (decomposed)",
-        "don't I'll WE'RE it's",
-        f"{IM_START}user\nhi{EOS}\n{IM_START}assistant\n{THINK}1 + 1 = 2.{THINK_END} ok{EOS}",
-    ]
+    return (
+        [e.prompt for e in examples[:5]]
+        + [e.solution for e in examples[:3]]
+        + [
+            "  odd   spacing\n\n and tabs\tthere",
+            "Unicode: café, naïve, 你好, emoji 😀, cafe\u0301 (decomposed)",
+            "don't I'll WE'RE it's",
+            f"{IM_START}user\nhi{EOS}\n{IM_START}assistant\n{THINK}1 + 1 = 2.{THINK_END} ok{EOS}",
+        ]
+    )
 
 
 def test_training_is_fast(trained):
@@ -95,10 +109,10 @@ def test_chat_format_and_round_trip(tok, examples):
     assert tok.decode(ids) == full
     assert ids[-1] == tok.eos_token_id
     # The prompt's ids are a prefix of the full text's ids: the split point is clean.
-    assert ids[: len(tok.encode(prompt, add_special_tokens=False))] == tok.encode(
-        prompt, add_special_tokens=False)
+    assert ids[: len(tok.encode(prompt, add_special_tokens=False))] == tok.encode(prompt, add_special_tokens=False)
     two_turns = tok.apply_chat_template(
-        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], tokenize=False)
+        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], tokenize=False
+    )
     assert two_turns == f"{IM_START}user\na{EOS}\n{IM_START}assistant\nb{EOS}\n"
 
 
@@ -109,10 +123,17 @@ def test_pretokenizer_is_qwen2s():
 
 
 def test_reload_next_to_qwen2_model_is_identical(tok, sample_texts, tmp_path):
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=512, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     Qwen2ForCausalLM(config).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     loaded = AutoTokenizer.from_pretrained(tmp_path)

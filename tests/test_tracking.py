@@ -16,14 +16,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import read_metrics
 from typer.testing import CliRunner
 
 from opd.cli import app
 from opd.config import ConfigError, SFTConfig, TrainConfig, build_config
 from opd.errors import UserError
 from opd.rundir import RunDir
-
-from helpers import read_metrics
 
 NAN = float("nan")
 
@@ -63,9 +62,16 @@ def assert_same_scalars(got: dict[str, dict[int, float]], want: dict[str, dict[i
 def record(step: int, scale: float = 1.0) -> dict:
     """A training record shaped like opd train's: floats, a bool, an int, per-bucket lists (an empty
     bucket is NaN), and a text value that no tracker gets."""
-    return {"step": step, "train/loss": scale / (step + 1), "train/clipped": step % 2 == 0, "train/loss_tokens": 100 + step,
-            "diag/overlap": 0.25 * scale, "depth/reward": [0.1 * step * scale, NAN, -0.5], "depth/loss": [1.0, 2.0, scale],
-            "note": "text"}
+    return {
+        "step": step,
+        "train/loss": scale / (step + 1),
+        "train/clipped": step % 2 == 0,
+        "train/loss_tokens": 100 + step,
+        "diag/overlap": 0.25 * scale,
+        "depth/reward": [0.1 * step * scale, NAN, -0.5],
+        "depth/loss": [1.0, 2.0, scale],
+        "note": "text",
+    }
 
 
 def tensorboard_scalars(run_dir: Path):
@@ -79,8 +85,20 @@ def tensorboard_scalars(run_dir: Path):
 
 def tiny_train_cfg(models, out, **kw) -> TrainConfig:
     student, teacher = models
-    small = dict(device="cpu", steps=4, batch_size=4, max_new_tokens=8, eval_size=4, eval_samples=0, k=8, warmup_steps=1,
-                 log_rollouts=2, diag_positions=16, eval_every=0, ckpt_every=2)
+    small = dict(
+        device="cpu",
+        steps=4,
+        batch_size=4,
+        max_new_tokens=8,
+        eval_size=4,
+        eval_samples=0,
+        k=8,
+        warmup_steps=1,
+        log_rollouts=2,
+        diag_positions=16,
+        eval_every=0,
+        ckpt_every=2,
+    )
     return TrainConfig(student=str(student), teacher=str(teacher), out=str(out), **{**small, **kw})
 
 
@@ -92,15 +110,20 @@ def test_report_to_is_parsed_like_other_lists():
     assert build_config(TrainConfig, {}, {"report_to": ["tensorboard,wandb"]}).report_to == ["tensorboard", "wandb"]
     repeated = build_config(TrainConfig, {}, {"report_to": ["TensorBoard", "wandb", "tensorboard"]})
     assert repeated.report_to == ["tensorboard", "wandb"]
-    assert build_config(SFTConfig, {"report_to": "trackio", "arch": "qwen2:1:8"}).report_to == ["trackio"]  # YAML scalar
+    assert build_config(SFTConfig, {"report_to": "trackio", "arch": "qwen2:1:8"}).report_to == [
+        "trackio"
+    ]  # YAML scalar
 
 
-@pytest.mark.parametrize("value, match", [
-    (["tensorbord"], r"report_to=tensorbord: unknown tracker; choose from none, tensorboard, wandb, trackio"),
-    (["none,wandb"], r"none turns tracking off, so it cannot be combined"),
-    (["none", "tensorboard"], r"none turns tracking off"),
-    ([], r"report_to is empty"),
-])
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        (["tensorbord"], r"report_to=tensorbord: unknown tracker; choose from none, tensorboard, wandb, trackio"),
+        (["none,wandb"], r"none turns tracking off, so it cannot be combined"),
+        (["none", "tensorboard"], r"none turns tracking off"),
+        ([], r"report_to is empty"),
+    ],
+)
 def test_bad_report_to_is_a_clear_error(value, match):
     with pytest.raises(ConfigError, match=match):
         TrainConfig(report_to=value)
@@ -118,7 +141,9 @@ def test_cli_takes_repeated_and_comma_separated_report_to(monkeypatch, tmp_path)
         assert result.exit_code == 0, result.output + repr(result.exception)
     assert seen == [["tensorboard", "wandb"]] * 2
     result = CliRunner().invoke(app, ["train", "--report-to", "mlflow"])
-    assert isinstance(result.exception, ConfigError) and "choose from none, tensorboard, wandb, trackio" in str(result.exception)
+    assert isinstance(result.exception, ConfigError) and "choose from none, tensorboard, wandb, trackio" in str(
+        result.exception
+    )
 
 
 @pytest.mark.parametrize("enabled", [True, False], ids=["rank0", "rank1"])
@@ -133,7 +158,9 @@ def test_missing_tracker_package_names_the_pip_command(monkeypatch, tmp_path, en
 
 
 def test_report_to_none_starts_nothing(tmp_path):
-    assert RunDir(tmp_path / "other", enabled=True, report_to="tensorboard").tracking.names == ["tensorboard"]  # a string
+    assert RunDir(tmp_path / "other", enabled=True, report_to="tensorboard").tracking.names == [
+        "tensorboard"
+    ]  # a string
     run = RunDir(tmp_path / "run", enabled=True, report_to=["none"])
     run.write_config(TrainConfig())
     run.log_metrics(record(0))
@@ -263,8 +290,13 @@ if a["report_to"] == ["trackio"]:
 
 def attempt(out: Path, report_to: list[str], records: list[dict], env: dict, resume_after: int | None = None) -> str:
     args = json.dumps({"out": str(out), "report_to": report_to, "records": records, "resume_after": resume_after})
-    proc = subprocess.run([sys.executable, "-c", ATTEMPT, args], env={**env, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", ATTEMPT, args],
+        env={**env, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stderr
 
@@ -282,8 +314,8 @@ def wandb_records(path: Path):
         if left < 7:  # a block's tail too short for a header is padding
             pos += left
             continue
-        _crc, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk, pos = data[pos + 7:pos + 7 + n], pos + 7 + n
+        _crc, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + n], pos + 7 + n
         if kind == 0:
             break
         parts = chunk if kind in (1, 2) else parts + chunk
@@ -312,8 +344,13 @@ def test_wandb_offline_holds_metrics_jsonl_and_resumes_the_same_run(tmp_path):
     pytest.importorskip("wandb")
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env.update(NETRC=str(tmp_path / "no-netrc"), HOME=str(tmp_path / "home"), WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"),
-               WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"), WANDB_DATA_DIR=str(tmp_path / "wandb-data"))
+    env.update(
+        NETRC=str(tmp_path / "no-netrc"),
+        HOME=str(tmp_path / "home"),
+        WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"),
+        WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"),
+        WANDB_DATA_DIR=str(tmp_path / "wandb-data"),
+    )
     stderr = attempt(out, ["wandb"], [record(step) for step in range(6)], env)
     assert "no API key found, logging offline" in stderr
     first_log = {tag: dict(v) for tag, v in expected_scalars(out).items()}
@@ -327,10 +364,14 @@ def test_wandb_offline_holds_metrics_jsonl_and_resumes_the_same_run(tmp_path):
     (config1, got1), (config2, got2) = map(wandb_history, logs)
     want = expected_scalars(out)
     assert config1 == config2 == json.loads((out / "config.json").read_text())
-    assert_same_scalars({t: {s: v for s, v in d.items() if s <= 3} for t, d in got1.items()},
-                        {t: {s: v for s, v in d.items() if s <= 3} for t, d in want.items()})
-    assert_same_scalars({t: {s: v for s, v in d.items() if s in (4, 5)} for t, d in got1.items()},
-                        {t: {s: v for s, v in d.items() if s in (4, 5)} for t, d in first_log.items()})
+    assert_same_scalars(
+        {t: {s: v for s, v in d.items() if s <= 3} for t, d in got1.items()},
+        {t: {s: v for s, v in d.items() if s <= 3} for t, d in want.items()},
+    )
+    assert_same_scalars(
+        {t: {s: v for s, v in d.items() if s in (4, 5)} for t, d in got1.items()},
+        {t: {s: v for s, v in d.items() if s in (4, 5)} for t, d in first_log.items()},
+    )
     assert_same_scalars(got2, {t: {s: v for s, v in d.items() if s >= 6} for t, d in want.items()})
 
 

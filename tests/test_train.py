@@ -7,17 +7,28 @@ import json
 
 import pytest
 import torch
+from helpers import read_metrics, step_records
 from typer.testing import CliRunner
 
+from opd import train as train_mod
 from opd.cli import app
 from opd.config import ConfigError, TrainConfig
 from opd.errors import UserError
-from opd import train as train_mod
 
-from helpers import read_metrics, step_records
-
-SMALL = dict(device="cpu", steps=2, batch_size=4, max_new_tokens=8, eval_size=4, eval_samples=2, k=8, warmup_steps=1,
-             log_rollouts=2, diag_positions=16, eval_every=0, ckpt_every=0)
+SMALL = dict(
+    device="cpu",
+    steps=2,
+    batch_size=4,
+    max_new_tokens=8,
+    eval_size=4,
+    eval_samples=2,
+    k=8,
+    warmup_steps=1,
+    log_rollouts=2,
+    diag_positions=16,
+    eval_every=0,
+    ckpt_every=0,
+)
 
 
 def cfg_for(models, tmp_path, **kw) -> TrainConfig:
@@ -79,8 +90,10 @@ def test_cli_smoke_every_objective(tiny_models, tmp_path, args):
 def test_config_file_and_cli_precedence(tiny_models, tmp_path):
     student, teacher = tiny_models
     cfg_file = tmp_path / "c.yaml"
-    cfg_file.write_text(f"student: {student}\nteacher: {teacher}\nsteps: 1\nbatch_size: 2\nk: 4\nlr: 0.01\n"
-                        "max_new_tokens: 4\neval_size: 2\neval_samples: 0\n")
+    cfg_file.write_text(
+        f"student: {student}\nteacher: {teacher}\nsteps: 1\nbatch_size: 2\nk: 4\nlr: 0.01\n"
+        "max_new_tokens: 4\neval_size: 2\neval_samples: 0\n"
+    )
     out = tmp_path / "run"
     result = CliRunner().invoke(app, ["train", "--config", str(cfg_file), "--lr", "0.002", "--out", str(out)])
     assert result.exit_code == 0, result.output
@@ -216,9 +229,13 @@ def test_top_p_out_of_range(tiny_models, tmp_path, top_p):
         cfg_for(tiny_models, tmp_path, top_p=top_p)
 
 
-@pytest.mark.parametrize("kw,match", [(dict(teacher_dtype="fp8"), "teacher_dtype='fp8'"),
-                                      (dict(teacher_dtype="bfloat16", teacher_url="http://127.0.0.1:1"),
-                                       "in-process teacher")])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(teacher_dtype="fp8"), "teacher_dtype='fp8'"),
+        (dict(teacher_dtype="bfloat16", teacher_url="http://127.0.0.1:1"), "in-process teacher"),
+    ],
+)
 def test_teacher_dtype_is_validated(tiny_models, tmp_path, kw, match):
     with pytest.raises(ConfigError, match=match):
         cfg_for(tiny_models, tmp_path, **kw)
@@ -243,9 +260,16 @@ def test_bfloat16_teacher_scores_float32_students_rollouts(tiny_models, tmp_path
     assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in step_records(out))
 
 
-@pytest.mark.parametrize("objective", [dict(objective="lsm", support="union"), dict(objective="sampled"),
-                                       dict(objective="full_kl"), dict(objective="lsm", served="yes")],
-                         ids=lambda o: "-".join(o.values()))
+@pytest.mark.parametrize(
+    "objective",
+    [
+        dict(objective="lsm", support="union"),
+        dict(objective="sampled"),
+        dict(objective="full_kl"),
+        dict(objective="lsm", served="yes"),
+    ],
+    ids=lambda o: "-".join(o.values()),
+)
 def test_steps_make_no_tensor_on_the_default_device(tiny_models, tmp_path, monkeypatch, objective):
     """On a GPU the default device (the CPU) is the wrong one, so a step must not create tensors on
     the default device. No GPU here: the models stay on the CPU and, from step 1 on, the default
@@ -293,12 +317,25 @@ def test_device_option(tiny_models, tmp_path):
         with pytest.raises(UserError, match=f"--device {spec}: torch sees no CUDA GPU"):
             train_mod.setup(cfg_for(tiny_models, tmp_path, device=spec))
 
+
 def test_cli_reports_user_errors_without_traceback(tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "opd", "train", "--student", str(tmp_path / "missing"),
-                           "--teacher", str(tmp_path / "missing")], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "opd",
+            "train",
+            "--student",
+            str(tmp_path / "missing"),
+            "--teacher",
+            str(tmp_path / "missing"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2
     assert "error:" in proc.stderr and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, List, Optional, get_type_hints
+from typing import Any, Optional, get_type_hints
 
 import typer
 
-from opd.errors import UserError
 from opd.config import DTYPES, EvalConfig, SFTConfig, TrainConfig, build_config, read_config_file
+from opd.errors import UserError
 
 app = typer.Typer(
     add_completion=False,
@@ -30,7 +31,7 @@ def _cli_type(hint: Any) -> Any:
     if hint in (bool, Optional[bool]) or str(hint) == "bool | None":
         return Optional[bool]
     if hint is list or getattr(hint, "__origin__", None) is list:
-        return Optional[List[str]]
+        return Optional[list[str]]
     return Optional[hint]
 
 
@@ -41,22 +42,30 @@ def config_command(name: str, cls: type, help: str) -> Callable[[Callable[[Any],
         hints = get_type_hints(cls)
         params = [
             inspect.Parameter(
-                "config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path],
+                "config",
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=Optional[Path],
                 default=typer.Option(None, "--config", help="YAML or JSON file of options (command-line options win)."),
             )
         ]
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             decl = f"{flag}/--no-{flag[2:]}" if hints[f.name] in (bool, Optional[bool]) else flag
-            params.append(inspect.Parameter(
-                f.name, inspect.Parameter.KEYWORD_ONLY, annotation=_cli_type(hints[f.name]),
-                default=typer.Option(None, decl, help=f.metadata.get("help", ""), show_default=False),
-            ))
+            params.append(
+                inspect.Parameter(
+                    f.name,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    annotation=_cli_type(hints[f.name]),
+                    default=typer.Option(None, decl, help=f.metadata.get("help", ""), show_default=False),
+                )
+            )
 
         def command(**kwargs: Any) -> None:
             file_values = read_config_file(kwargs.pop("config")) if kwargs.get("config") else {}
             kwargs.pop("config", None)
-            cli_values = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in kwargs.items() if v is not None}
+            cli_values = {
+                k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in kwargs.items() if v is not None
+            }
             run(build_config(cls, file_values, cli_values))
 
         command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
@@ -92,7 +101,7 @@ def _demo(
     out: Path = typer.Option(Path("runs/demo"), help="Directory for the demo's run directories and summary.json."),
     steps: int = typer.Option(200, help="OPD steps per objective."),
     quick: bool = typer.Option(False, help="A much shorter run (smoke test, a minute or two)."),
-    assets: Optional[Path] = typer.Option(None, help="Directory of demo models (default: the packaged ones)."),
+    assets: Path | None = typer.Option(None, help="Directory of demo models (default: the packaged ones)."),
 ) -> None:
     """The embedded default: sampled-token OPD vs LSM from the same tiny student, on this CPU."""
     from opd.demo import run_demo
@@ -121,16 +130,21 @@ def _serve_teacher(
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: use {', '.join(DTYPES)}")
     if min(max_k, max_prompt_tokens, max_prompts, max_batch_tokens) < 1 or batch_wait_ms < 0:
-        raise UserError("--max-k, --max-prompt-tokens, --max-prompts and --max-batch-tokens must be >= 1, --batch-wait-ms >= 0")
+        raise UserError(
+            "--max-k, --max-prompt-tokens, --max-prompts and --max-batch-tokens must be >= 1, --batch-wait-ms >= 0"
+        )
     limits = Limits(max_k, max_prompt_tokens, max_prompts, max_batch_tokens, batch_wait_ms)
     serve(str(model), host, port, dtype, served_model_name, limits, verbose, device)
 
 
 @app.command("report")
 def _report(
-    run_dirs: List[Path] = typer.Argument(..., help="Run directories to report on (compared on the same axes)."),
-    out: Optional[Path] = typer.Option(None, help="Directory for report.html and charts/*.png (default: RUN_DIR/report, "
-                                                  "or the runs' common parent/report for several)."),
+    run_dirs: list[Path] = typer.Argument(..., help="Run directories to report on (compared on the same axes)."),
+    out: Path | None = typer.Option(
+        None,
+        help="Directory for report.html and charts/*.png (default: RUN_DIR/report, "
+        "or the runs' common parent/report for several).",
+    ),
     inspector_steps: int = typer.Option(24, help="Logged steps per run kept for the token inspector (evenly spaced)."),
 ) -> None:
     """A self-contained HTML report (opens offline) and a PNG of every chart, from run directories only."""
@@ -144,7 +158,7 @@ def _report(
 def _merge_lora(
     adapter: Path = typer.Argument(..., help="A LoRA run's final/ (or checkpoints/step_*/model) directory."),
     out: Path = typer.Option(..., help="Where to write the merged model (a plain Hugging Face model directory)."),
-    base: Optional[Path] = typer.Option(None, help="Base model directory (default: the path recorded in the adapter)."),
+    base: Path | None = typer.Option(None, help="Base model directory (default: the path recorded in the adapter)."),
 ) -> None:
     """Fold a LoRA adapter (opd train --lora-r) into its base model and write a plain model directory."""
     from opd.lora import merge_lora
@@ -167,7 +181,9 @@ def _make_demo_models(
 
 @app.command("experiment")
 def _experiment(
-    name: str = typer.Argument(..., help="Experiment: variance, objectives, tokenizer-mismatch, teacher-choice or depth."),
+    name: str = typer.Argument(
+        ..., help="Experiment: variance, objectives, tokenizer-mismatch, teacher-choice or depth."
+    ),
     seeds: int = typer.Option(3, help="Seeds per setting (3 or more for 95% intervals)."),
     out: Path = typer.Option(Path("runs/experiments"), help="Output root; the experiment writes OUT/NAME/."),
     quick: bool = typer.Option(False, help="A shortened smoke version (what CI runs); its numbers decide nothing."),
@@ -180,7 +196,11 @@ def _experiment(
 
 @app.command("results")
 def _results(
-    from_dirs: List[Path] = typer.Option([Path("runs/experiments")], "--from", help="Experiment output roots (repeatable); full results win over --quick ones."),
+    from_dirs: list[Path] = typer.Option(
+        [Path("runs/experiments")],
+        "--from",
+        help="Experiment output roots (repeatable); full results win over --quick ones.",
+    ),
     doc: Path = typer.Option(Path("docs/RESULTS.md"), help="The document to write (plots go to DOC_DIR/results/)."),
 ) -> None:
     """Build docs/RESULTS.md from the experiments' results.json files (never by hand)."""

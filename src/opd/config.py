@@ -54,9 +54,11 @@ def check_device(spec: str) -> None:
 
 
 REPORT_TO = ("none", "tensorboard", "wandb", "trackio")
-REPORT_TO_HELP = ("Experiment trackers that also get the metrics of metrics.jsonl, per step, and the config: none, "
-                  "tensorboard (RUN/tensorboard), wandb (RUN/wandb; offline without an API key), trackio; "
-                  "several comma-separated or repeated.")
+REPORT_TO_HELP = (
+    "Experiment trackers that also get the metrics of metrics.jsonl, per step, and the config: none, "
+    "tensorboard (RUN/tensorboard), wandb (RUN/wandb; offline without an API key), trackio; "
+    "several comma-separated or repeated."
+)
 
 
 def check_report_to(names: list | str) -> list[str]:
@@ -64,11 +66,15 @@ def check_report_to(names: list | str) -> list[str]:
     given = [names] if isinstance(names, str) else list(names)
     items = list(dict.fromkeys(n.strip().lower() for v in given for n in str(v).split(",") if n.strip()))
     unknown = [n for n in items if n not in REPORT_TO]
-    _require(not unknown, f"report_to={','.join(unknown)}: unknown tracker; choose from {', '.join(REPORT_TO)} "
-                          "(several comma-separated)")
+    _require(
+        not unknown,
+        f"report_to={','.join(unknown)}: unknown tracker; choose from {', '.join(REPORT_TO)} (several comma-separated)",
+    )
     _require(bool(items), f"report_to is empty; use none or name trackers: {', '.join(REPORT_TO[1:])}")
-    _require(items == ["none"] or "none" not in items,
-             f"report_to={','.join(items)}: none turns tracking off, so it cannot be combined with a tracker")
+    _require(
+        items == ["none"] or "none" not in items,
+        f"report_to={','.join(items)}: none turns tracking off, so it cannot be combined with a tracker",
+    )
     return items
 
 
@@ -78,13 +84,22 @@ class ModelSource:
 
     student: str = opt("", "Student model: a local Hugging Face causal-LM directory (from_pretrained).")
     task: str = opt("arithmetic", "Prompt source: 'arithmetic' (built-in task) or a JSONL file with prompt/answer.")
-    task_level: int = opt(2, f"Difficulty level of the built-in arithmetic task ({min(LEVELS)}-{max(LEVELS)}; see ArithmeticTask.from_level).")
+    task_level: int = opt(
+        2,
+        f"Difficulty level of the built-in arithmetic task ({min(LEVELS)}-{max(LEVELS)}; see ArithmeticTask.from_level).",
+    )
     seed: int = opt(0, "Seed for data order, sampling and initialisation.")
     out: str = opt("runs/run", "Run directory (config.json, metrics.jsonl, rollouts.jsonl, checkpoints).")
-    dtype: str = opt("float32", "Model dtype: float32, bfloat16 or float16 (bfloat16 pays off on GPUs and on CPUs "
-                                    "with bf16 matrix instructions, e.g. AVX512-BF16 or AMX).")
-    device: str = opt("auto", "Where models compute: auto (this process's GPU if torch sees one, else the CPU), "
-                              "cpu, cuda (this process's GPU: LOCAL_RANK under torchrun/accelerate) or cuda:N.")
+    dtype: str = opt(
+        "float32",
+        "Model dtype: float32, bfloat16 or float16 (bfloat16 pays off on GPUs and on CPUs "
+        "with bf16 matrix instructions, e.g. AVX512-BF16 or AMX).",
+    )
+    device: str = opt(
+        "auto",
+        "Where models compute: auto (this process's GPU if torch sees one, else the CPU), "
+        "cpu, cuda (this process's GPU: LOCAL_RANK under torchrun/accelerate) or cuda:N.",
+    )
     max_new_tokens: int = opt(64, "Maximum number of generated tokens per response.")
     max_prompt_tokens: int = opt(256, "Prompts longer than this (in tokens) are rejected with an error.")
 
@@ -101,26 +116,39 @@ class TrainConfig(ModelSource):
     """On-policy distillation: the student samples, the teacher scores, the student moves toward it."""
 
     teacher: str = opt("", "Teacher model directory (same vocabulary as the student).")
-    teacher_dtype: str = opt("", "In-process teacher's dtype (default: --dtype). The teacher is never trained, so it can "
-                                 "run in bfloat16 while the student trains in float32, as a served teacher usually does; "
-                                 "its log-probs are still taken in float32.")
-    objective: str = opt("lsm", "Training signal: lsm (teacher top-K local support matching), sampled (sampled-token OPD), full_kl.")
+    teacher_dtype: str = opt(
+        "",
+        "In-process teacher's dtype (default: --dtype). The teacher is never trained, so it can "
+        "run in bfloat16 while the student trains in float32, as a served teacher usually does; "
+        "its log-probs are still taken in float32.",
+    )
+    objective: str = opt(
+        "lsm", "Training signal: lsm (teacher top-K local support matching), sampled (sampled-token OPD), full_kl."
+    )
     k: int = opt(32, "Support size K for lsm (and the top-K of the diagnostics).")
     support: str = opt("teacher_topk", f"Support set for lsm: {', '.join(SUPPORT_KINDS)}.")
-    renormalize: bool = opt(True, "Renormalize student and teacher over the support (lsm). Off is the collapsing ablation.")
+    renormalize: bool = opt(
+        True, "Renormalize student and teacher over the support (lsm). Off is the collapsing ablation."
+    )
     gamma: float = opt(0.0, "Discount of the sampled-token reward-to-go: 0 token level, 1 sequence level.")
     kl_direction: str = opt("reverse", "Direction of full_kl: reverse (KL(student||teacher)) or forward.")
     mask_special: bool | None = opt(None, "Mask special tokens from the loss (default: on for lsm, off otherwise).")
     special_tokens: list = opt(list(DEFAULT_SPECIAL_TOKENS), "Tokens masked when mask_special is on.")
     steps: int = opt(200, "Number of rollout batches (training steps).")
-    batch_size: int = opt(64, "Prompts per step and process (one rollout each unless samples_per_prompt > 1); "
-                              "N processes under torchrun/accelerate train on N x this per step.")
+    batch_size: int = opt(
+        64,
+        "Prompts per step and process (one rollout each unless samples_per_prompt > 1); "
+        "N processes under torchrun/accelerate train on N x this per step.",
+    )
     samples_per_prompt: int = opt(1, "Rollouts per prompt.")
     grad_accum: int = opt(1, "Micro-batches per optimizer step; the batch is split evenly.")
-    updates_per_batch: int = opt(1, "Optimizer steps per rollout batch. > 1 reuses the batch: sampled corrects with "
-                                    "PPO-clipped importance ratios; lsm and full_kl are computed exactly at each "
-                                    "visited state and need no ratio, but those states then come from an older "
-                                    "policy (mildly off-policy). Only the first update's loss is logged.")
+    updates_per_batch: int = opt(
+        1,
+        "Optimizer steps per rollout batch. > 1 reuses the batch: sampled corrects with "
+        "PPO-clipped importance ratios; lsm and full_kl are computed exactly at each "
+        "visited state and need no ratio, but those states then come from an older "
+        "policy (mildly off-policy). Only the first update's loss is logged.",
+    )
     clip_eps: float = opt(0.2, "PPO clip for the importance ratio when updates_per_batch > 1.")
     lr: float = opt(5e-4, "Peak learning rate (AdamW).")
     weight_decay: float = opt(0.0, "AdamW weight decay.")
@@ -129,12 +157,18 @@ class TrainConfig(ModelSource):
     max_grad_norm: float = opt(1.0, "Gradient clipping norm (0 disables).")
     temperature: float = opt(1.0, "Rollout sampling temperature.")
     top_p: float = opt(0.9, "Rollout nucleus (top-p) sampling, in (0, 1].")
-    reduction: str = opt("token_mean", "Loss reduction: token_mean (over the batch's loss tokens), sequence_mean, or "
-                                       "constant_sum (summed, divided by rollouts x max_new_tokens, a constant that "
-                                       "does not depend on the batch, as in Dr. GRPO).")
-    keep_dropout: bool = opt(False, "Keep the student's dropout during OPD. Off by default, as RL and distillation "
-                                    "trainers do: with dropout on, rollouts, loss and diagnostics each see a different "
-                                    "random network. --lora-dropout is not affected.")
+    reduction: str = opt(
+        "token_mean",
+        "Loss reduction: token_mean (over the batch's loss tokens), sequence_mean, or "
+        "constant_sum (summed, divided by rollouts x max_new_tokens, a constant that "
+        "does not depend on the batch, as in Dr. GRPO).",
+    )
+    keep_dropout: bool = opt(
+        False,
+        "Keep the student's dropout during OPD. Off by default, as RL and distillation "
+        "trainers do: with dropout on, rollouts, loss and diagnostics each see a different "
+        "random network. --lora-dropout is not affected.",
+    )
     eval_every: int = opt(50, "Evaluate every N steps (0: only at the end).")
     eval_size: int = opt(200, "Number of test prompts for evaluation.")
     eval_samples: int = opt(4, "Samples per prompt for avg@k / pass@k at evaluation (0: greedy only).")
@@ -143,16 +177,24 @@ class TrainConfig(ModelSource):
     report_to: list = opt(["none"], REPORT_TO_HELP)
     diag_positions: int = opt(256, "Positions sampled per step for the full-vocabulary diagnostics.")
     resume: bool = opt(False, "Resume from the latest checkpoint in the run directory.")
-    teacher_url: str = opt("", "Served teacher (opd serve-teacher, or a vLLM server: vLLM's prompt_logprobs format), e.g. "
-                               "http://127.0.0.1:8000; replaces --teacher. Works with --objective sampled and lsm "
-                               "with support teacher_topk or teacher_topk_plus_sampled.")
+    teacher_url: str = opt(
+        "",
+        "Served teacher (opd serve-teacher, or a vLLM server: vLLM's prompt_logprobs format), e.g. "
+        "http://127.0.0.1:8000; replaces --teacher. Works with --objective sampled and lsm "
+        "with support teacher_topk or teacher_topk_plus_sampled.",
+    )
     teacher_timeout: float = opt(120.0, "Seconds to wait for one served-teacher request before retrying.")
     teacher_retries: int = opt(3, "Retries (exponential backoff) of a failed served-teacher request.")
-    fsdp: bool = opt(False, "Shard the student with FSDP across the launched processes (torchrun/accelerate) instead of DDP.")
+    fsdp: bool = opt(
+        False, "Shard the student with FSDP across the launched processes (torchrun/accelerate) instead of DDP."
+    )
     lora_r: int = opt(0, "LoRA rank: > 0 trains a peft LoRA adapter on the student instead of all its weights.")
     lora_alpha: float = opt(16.0, "LoRA scaling alpha (the update is scaled by alpha / r).")
-    lora_targets: list = opt(["all-linear"], "Linear layers given a LoRA adapter, by name, comma-separated "
-                                             "(e.g. q_proj,v_proj); all-linear: every linear layer of the blocks.")
+    lora_targets: list = opt(
+        ["all-linear"],
+        "Linear layers given a LoRA adapter, by name, comma-separated "
+        "(e.g. q_proj,v_proj); all-linear: every linear layer of the blocks.",
+    )
     lora_dropout: float = opt(0.0, "Dropout on the LoRA branch's input.")
 
     def __post_init__(self) -> None:
@@ -166,21 +208,37 @@ class TrainConfig(ModelSource):
         _require(self.kl_direction in ("reverse", "forward"), f"kl_direction={self.kl_direction!r}: reverse or forward")
         _require(self.steps >= 1 and self.batch_size >= 1, "steps and batch_size must be >= 1")
         _require(self.samples_per_prompt >= 1, "samples_per_prompt must be >= 1")
-        _require(self.grad_accum >= 1 and (self.batch_size * self.samples_per_prompt) % self.grad_accum == 0,
-                 f"grad_accum={self.grad_accum} must divide batch_size*samples_per_prompt={self.batch_size * self.samples_per_prompt}")
+        _require(
+            self.grad_accum >= 1 and (self.batch_size * self.samples_per_prompt) % self.grad_accum == 0,
+            f"grad_accum={self.grad_accum} must divide batch_size*samples_per_prompt={self.batch_size * self.samples_per_prompt}",
+        )
         _require(self.updates_per_batch >= 1, "updates_per_batch must be >= 1")
         _require(self.lr > 0, f"lr={self.lr} must be > 0")
-        _require(self.schedule in ("constant", "linear", "cosine"), f"schedule={self.schedule!r}: constant, linear or cosine")
-        _require(self.reduction in ("token_mean", "sequence_mean", "constant_sum"),
-                 f"reduction={self.reduction!r}: token_mean, sequence_mean or constant_sum")
+        _require(
+            self.schedule in ("constant", "linear", "cosine"), f"schedule={self.schedule!r}: constant, linear or cosine"
+        )
+        _require(
+            self.reduction in ("token_mean", "sequence_mean", "constant_sum"),
+            f"reduction={self.reduction!r}: token_mean, sequence_mean or constant_sum",
+        )
         _require(self.max_grad_norm >= 0, "max_grad_norm must be >= 0")
         _require(self.teacher_dtype in ("", *DTYPES), f"teacher_dtype={self.teacher_dtype!r}: use {', '.join(DTYPES)}")
-        _require(not (self.teacher_dtype and self.teacher_url), "teacher_dtype applies to an in-process teacher "
-                 "(--teacher DIR); a served teacher keeps the dtype it was started with (opd serve-teacher --dtype)")
-        _require(self.teacher_timeout > 0 and self.teacher_retries >= 0, "teacher_timeout must be > 0 and teacher_retries >= 0")
+        _require(
+            not (self.teacher_dtype and self.teacher_url),
+            "teacher_dtype applies to an in-process teacher "
+            "(--teacher DIR); a served teacher keeps the dtype it was started with (opd serve-teacher --dtype)",
+        )
+        _require(
+            self.teacher_timeout > 0 and self.teacher_retries >= 0,
+            "teacher_timeout must be > 0 and teacher_retries >= 0",
+        )
         _require(self.lora_r >= 0, f"lora_r={self.lora_r} must be >= 0 (0 trains every weight)")
-        _require(self.lora_alpha > 0 and 0.0 <= self.lora_dropout < 1.0, "lora_alpha must be > 0 and lora_dropout in [0, 1)")
-        _require(bool(self.lora_targets), "lora_targets is empty; name linear layers (e.g. q_proj v_proj) or use all-linear")
+        _require(
+            self.lora_alpha > 0 and 0.0 <= self.lora_dropout < 1.0, "lora_alpha must be > 0 and lora_dropout in [0, 1)"
+        )
+        _require(
+            bool(self.lora_targets), "lora_targets is empty; name linear layers (e.g. q_proj v_proj) or use all-linear"
+        )
         self.report_to = check_report_to(self.report_to)
         if self.mask_special is None:
             self.mask_special = self.objective == "lsm"
@@ -194,8 +252,12 @@ class SFTConfig(ModelSource):
     init: str = opt("", "Model to start from; empty with --arch builds a new model.")
     arch: str = opt("", "New tiny model 'qwen2:LAYERS:WIDTH' (e.g. qwen2:4:256) when --init is empty.")
     tokenizer: str = opt("", "Tokenizer directory for a new model (the demo trains one).")
-    teacher: str = opt("", "Sample the targets from this teacher model (off-policy cold start) instead of using solutions.")
-    train_size: int = opt(0, "Train on only the first N examples (0: all); a small labelled set, as the demo's student.")
+    teacher: str = opt(
+        "", "Sample the targets from this teacher model (off-policy cold start) instead of using solutions."
+    )
+    train_size: int = opt(
+        0, "Train on only the first N examples (0: all); a small labelled set, as the demo's student."
+    )
     steps: int = opt(2000, "Optimizer steps.")
     batch_size: int = opt(64, "Examples per step.")
     lr: float = opt(1e-3, "Peak learning rate (AdamW).")
@@ -212,8 +274,13 @@ class SFTConfig(ModelSource):
         self.report_to = check_report_to(self.report_to)
         _require(self.steps >= 1 and self.batch_size >= 1, "steps and batch_size must be >= 1")
         _require(self.train_size >= 0, f"train_size={self.train_size} must be >= 0 (0 uses every example)")
-        _require(bool(self.init) != bool(self.arch), "give exactly one of --init (a model directory) or --arch (qwen2:LAYERS:WIDTH)")
-        _require(self.schedule in ("constant", "linear", "cosine"), f"schedule={self.schedule!r}: constant, linear or cosine")
+        _require(
+            bool(self.init) != bool(self.arch),
+            "give exactly one of --init (a model directory) or --arch (qwen2:LAYERS:WIDTH)",
+        )
+        _require(
+            self.schedule in ("constant", "linear", "cosine"), f"schedule={self.schedule!r}: constant, linear or cosine"
+        )
 
 
 @dataclass
@@ -232,7 +299,9 @@ class EvalConfig(ModelSource):
         self._check_common()
         _require(0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must lie in (0, 1]")
         _require(self.samples >= 0, "samples must be >= 0")
-        _require(self.temperature > 0, f"temperature={self.temperature} must be > 0 (greedy accuracy is always reported)")
+        _require(
+            self.temperature > 0, f"temperature={self.temperature} must be > 0 (greedy accuracy is always reported)"
+        )
 
 
 def field_help(cls: type) -> dict[str, str]:
@@ -256,7 +325,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def build_config(cls: type[C], file_values: dict[str, Any] | None = None, cli_values: dict[str, Any] | None = None) -> C:
+def build_config(
+    cls: type[C], file_values: dict[str, Any] | None = None, cli_values: dict[str, Any] | None = None
+) -> C:
     """Merge defaults < file < CLI into a validated ``cls`` instance; unknown keys are errors."""
     names = {f.name for f in dataclasses.fields(cls)}
     merged: dict[str, Any] = {}

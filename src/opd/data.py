@@ -34,8 +34,9 @@ class PromptSet:
     prompt_ids: list[list[int]]
 
     @classmethod
-    def build(cls, examples: list[Example], tokenizer: PreTrainedTokenizerBase, max_prompt_tokens: int,
-              name: str = "prompts") -> "PromptSet":
+    def build(
+        cls, examples: list[Example], tokenizer: PreTrainedTokenizerBase, max_prompt_tokens: int, name: str = "prompts"
+    ) -> PromptSet:
         if not examples:
             raise UserError(f"the {name} set is empty; give a task or JSONL file with at least one prompt")
         ids = [tokenizer(format_prompt(tokenizer, ex.prompt), add_special_tokens=False)["input_ids"] for ex in examples]

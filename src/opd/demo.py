@@ -59,19 +59,41 @@ def make_demo_models(out: Path, quick: bool = False, seed: int = 0, only: str = 
         train = get_task("arithmetic", level=TASK_LEVEL, seed=seed).examples("train")
         tok = train_tokenizer([e.prompt for e in train] + [e.solution for e in train], VOCAB_SIZE)
         tok.save_pretrained(out / "tokenizer")
-    common = dict(task="arithmetic", task_level=TASK_LEVEL, seed=seed, tokenizer=str(out / "tokenizer"),
-                  max_new_tokens=MAX_NEW_TOKENS, batch_size=8 if quick else 64, eval_size=16 if quick else 300)
+    common = dict(
+        task="arithmetic",
+        task_level=TASK_LEVEL,
+        seed=seed,
+        tokenizer=str(out / "tokenizer"),
+        max_new_tokens=MAX_NEW_TOKENS,
+        batch_size=8 if quick else 64,
+        eval_size=16 if quick else 300,
+    )
     # --quick only checks that the recipe runs (tests): a few steps, small batches.
     plans = {
-        "teacher": SFTConfig(arch=TEACHER_ARCH, out=str(out / "runs" / "teacher"), lr=1e-3,
-                             steps=10 if quick else 1200, warmup_steps=2 if quick else 100,
-                             eval_every=10 if quick else 200, **common),
+        "teacher": SFTConfig(
+            arch=TEACHER_ARCH,
+            out=str(out / "runs" / "teacher"),
+            lr=1e-3,
+            steps=10 if quick else 1200,
+            warmup_steps=2 if quick else 100,
+            eval_every=10 if quick else 200,
+            **common,
+        ),
         # The student learns from a small labelled set (the first STUDENT_TRAIN_SIZE solutions) at a
         # constant rate until its test accuracy stops improving: more of the same supervised
         # training cannot raise it, while OPD brings the teacher's knowledge on every task prompt.
-        "student": SFTConfig(arch=STUDENT_ARCH, out=str(out / "runs" / "student"), lr=1e-3, schedule="constant",
-                             steps=10 if quick else 3000, warmup_steps=2 if quick else 100, patience=0 if quick else 5,
-                             eval_every=10 if quick else 100, train_size=STUDENT_TRAIN_SIZE, **common),
+        "student": SFTConfig(
+            arch=STUDENT_ARCH,
+            out=str(out / "runs" / "student"),
+            lr=1e-3,
+            schedule="constant",
+            steps=10 if quick else 3000,
+            warmup_steps=2 if quick else 100,
+            patience=0 if quick else 5,
+            eval_every=10 if quick else 100,
+            train_size=STUDENT_TRAIN_SIZE,
+            **common,
+        ),
     }
     summary_path = out / "make_summary.json"
     for name, cfg in plans.items():
@@ -93,8 +115,17 @@ def make_demo_models(out: Path, quick: bool = False, seed: int = 0, only: str = 
 
 def _eval(model_dir: Path, prompts: PromptSet, task: Task, tok, seed: int) -> dict:
     model = load_model(model_dir, "model", device=resolve_device("auto"))  # where the demo's training ran
-    return evaluate_model(model, tok, prompts, task, max_new_tokens=MAX_NEW_TOKENS, samples=EVAL_SAMPLES,
-                          top_p=TOP_P, seed=seed, show_progress=True)
+    return evaluate_model(
+        model,
+        tok,
+        prompts,
+        task,
+        max_new_tokens=MAX_NEW_TOKENS,
+        samples=EVAL_SAMPLES,
+        top_p=TOP_P,
+        seed=seed,
+        show_progress=True,
+    )
 
 
 def run_demo(out: Path, steps: int = 200, quick: bool = False, assets: Path | None = None, seed: int = 0) -> dict:
@@ -116,10 +147,22 @@ def run_demo(out: Path, steps: int = 200, quick: bool = False, assets: Path | No
     teacher_res = _eval(assets / "teacher", prompts, task, tok, seed)
     student_res = _eval(assets / "student", prompts, task, tok, seed)
     base = TrainConfig(
-        student=str(assets / "student"), teacher=str(assets / "teacher"), task="arithmetic", task_level=TASK_LEVEL,
-        seed=seed, steps=10 if quick else steps, batch_size=16 if quick else 64, lr=5e-4, warmup_steps=10,
-        max_new_tokens=MAX_NEW_TOKENS, eval_every=0 if quick else 50, eval_size=eval_size, eval_samples=EVAL_SAMPLES,
-        ckpt_every=50, top_p=TOP_P, k=32,
+        student=str(assets / "student"),
+        teacher=str(assets / "teacher"),
+        task="arithmetic",
+        task_level=TASK_LEVEL,
+        seed=seed,
+        steps=10 if quick else steps,
+        batch_size=16 if quick else 64,
+        lr=5e-4,
+        warmup_steps=10,
+        max_new_tokens=MAX_NEW_TOKENS,
+        eval_every=0 if quick else 50,
+        eval_size=eval_size,
+        eval_samples=EVAL_SAMPLES,
+        ckpt_every=50,
+        top_p=TOP_P,
+        k=32,
     )
     results = {}
     for objective in ("sampled", "lsm"):
@@ -128,11 +171,21 @@ def run_demo(out: Path, steps: int = 200, quick: bool = False, assets: Path | No
         console.print(f"[bold]OPD with objective {objective}[/bold] ({cfg.steps} steps) -> {cfg.out}")
         t0 = time.time()
         final = train(cfg)
-        results[objective] = {"final_acc": final.get("eval/accuracy"), "avg_at_k": final.get("eval/avg_at_k"),
-                              "steps": cfg.steps, "wall_s": round(time.time() - t0, 1)}
-    summary = {"teacher_acc": teacher_res["accuracy"], "teacher_avg_at_k": teacher_res.get("avg_at_k"),
-               "student_init_acc": student_res["accuracy"], "student_init_avg_at_k": student_res.get("avg_at_k"),
-               "eval_size": eval_size, "k": EVAL_SAMPLES, "objectives": results}
+        results[objective] = {
+            "final_acc": final.get("eval/accuracy"),
+            "avg_at_k": final.get("eval/avg_at_k"),
+            "steps": cfg.steps,
+            "wall_s": round(time.time() - t0, 1),
+        }
+    summary = {
+        "teacher_acc": teacher_res["accuracy"],
+        "teacher_avg_at_k": teacher_res.get("avg_at_k"),
+        "student_init_acc": student_res["accuracy"],
+        "student_init_avg_at_k": student_res.get("avg_at_k"),
+        "eval_size": eval_size,
+        "k": EVAL_SAMPLES,
+        "objectives": results,
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     console.print(summary_table(summary))
     report = write_report([out / name for name in results], out / "report")
@@ -142,13 +195,17 @@ def run_demo(out: Path, steps: int = 200, quick: bool = False, assets: Path | No
 
 def summary_table(summary: dict) -> Table:
     k = summary["k"]
-    table = Table(title=f"opd demo: greedy accuracy and avg@{k} (temperature 1, top-p {TOP_P}) "
-                        f"on {summary['eval_size']} test prompts")
+    table = Table(
+        title=f"opd demo: greedy accuracy and avg@{k} (temperature 1, top-p {TOP_P}) "
+        f"on {summary['eval_size']} test prompts"
+    )
     for col in ("model", "greedy acc", f"avg@{k}", "steps", "wall s"):
         table.add_column(col, justify="left" if col == "model" else "right")
     fmt = lambda x: "-" if x is None else f"{100 * x:.1f}%"
     table.add_row("teacher", fmt(summary["teacher_acc"]), fmt(summary["teacher_avg_at_k"]), "-", "-")
-    table.add_row("student (before OPD)", fmt(summary["student_init_acc"]), fmt(summary["student_init_avg_at_k"]), "-", "-")
+    table.add_row(
+        "student (before OPD)", fmt(summary["student_init_acc"]), fmt(summary["student_init_avg_at_k"]), "-", "-"
+    )
     for name, r in summary["objectives"].items():
         label = {"sampled": "student + sampled-token OPD", "lsm": "student + LSM (teacher top-K)"}.get(name, name)
         table.add_row(label, fmt(r["final_acc"]), fmt(r["avg_at_k"]), str(r["steps"]), f"{r['wall_s']:.0f}")

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as tdist
@@ -148,16 +149,23 @@ class Dist:
         if not self.fsdp:
             return None
         # A tied weight (the head) is one parameter under two names: keep the first, as save_pretrained does.
-        aliases = {n for n, _ in student.named_parameters(remove_duplicate=False)} - {n for n, _ in student.named_parameters()}
-        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v)
-                for k, v in student.state_dict().items() if k not in aliases}
+        aliases = {n for n, _ in student.named_parameters(remove_duplicate=False)} - {
+            n for n, _ in student.named_parameters()
+        }
+        return {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v)
+            for k, v in student.state_dict().items()
+            if k not in aliases
+        }
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         if not self.fsdp:
             return optimizer.state_dict()  # identical on every DDP rank
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self.model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_optimizer_state_dict(
+            self.model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         if not self.fsdp:
@@ -170,7 +178,7 @@ class Dist:
     def shard(self, items: list) -> list:
         """This rank's contiguous block of a global list (its length must divide evenly)."""
         n = len(items) // self.world
-        return items[self.rank * n:(self.rank + 1) * n]
+        return items[self.rank * n : (self.rank + 1) * n]
 
 
 def init_distributed(fsdp: bool = False, device: torch.device = torch.device("cpu")) -> Dist:
@@ -178,8 +186,10 @@ def init_distributed(fsdp: bool = False, device: torch.device = torch.device("cp
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         if fsdp:
-            raise UserError("--fsdp needs several processes; launch with torchrun --nproc_per_node N "
-                            "(or accelerate launch) or drop --fsdp")
+            raise UserError(
+                "--fsdp needs several processes; launch with torchrun --nproc_per_node N "
+                "(or accelerate launch) or drop --fsdp"
+            )
         return Dist(device=device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # nccl and the object collectives use the current device

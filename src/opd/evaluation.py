@@ -46,9 +46,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def mean_pass_at_k(correct_matrix: Sequence[Sequence[bool]], k: int) -> float:
     """pass@k averaged over prompts; row i holds the correctness of prompt i's samples."""
     _check_matrix(correct_matrix)
-    return sum(pass_at_k(len(row), sum(map(bool, row)), k) for row in correct_matrix) / len(
-        correct_matrix
-    )
+    return sum(pass_at_k(len(row), sum(map(bool, row)), k) for row in correct_matrix) / len(correct_matrix)
 
 
 def avg_at_k(correct_matrix: Sequence[Sequence[bool]]) -> float:
@@ -92,9 +90,20 @@ def decode_responses(tokenizer, response_ids_NT, response_mask_NT) -> list[str]:
     ]
 
 
-def evaluate_model(model, tokenizer, prompts: PromptSet, task: Task, *, max_new_tokens: int, samples: int = 0,
-                   temperature: float = 1.0, top_p: float = 1.0, batch_size: int = 128, seed: int = 0,
-                   show_progress: bool = False) -> dict:
+def evaluate_model(
+    model,
+    tokenizer,
+    prompts: PromptSet,
+    task: Task,
+    *,
+    max_new_tokens: int,
+    samples: int = 0,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    batch_size: int = 128,
+    seed: int = 0,
+    show_progress: bool = False,
+) -> dict:
     """Greedy accuracy over ``prompts``; with ``samples`` > 0 also avg@k and pass@k (k = samples).
 
     A response counts as correct when ``task.reward`` gives it 1, the same test as training's.
@@ -108,19 +117,25 @@ def evaluate_model(model, tokenizer, prompts: PromptSet, task: Task, *, max_new_
     with progress_bar("evaluating", total=len(greedy_jobs) + len(sampled_jobs), enabled=show_progress) as bar:
         for jobs, greedy in ((greedy_jobs, True), (sampled_jobs, False)):
             for start in range(0, len(jobs), batch_size):
-                chunk = jobs[start:start + batch_size]
+                chunk = jobs[start : start + batch_size]
                 batch = engine.generate(
-                    [prompts.prompt_ids[i] for i, _ in chunk], [seed * 7919 + i * 131 + s for i, s in chunk],
-                    max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, greedy=greedy,
+                    [prompts.prompt_ids[i] for i, _ in chunk],
+                    [seed * 7919 + i * 131 + s for i, s in chunk],
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    top_p=top_p,
+                    greedy=greedy,
                 )
                 texts = decode_responses(tokenizer, batch.response_ids_NT, batch.response_mask_NT)
-                for (i, s), text in zip(chunk, texts):
+                for (i, _), text in zip(chunk, texts, strict=True):
                     ok = task.reward(text, prompts.examples[i]) == 1.0
                     (greedy_ok.append(ok) if greedy else sampled_ok[i].append(ok))
                 bar.advance(len(chunk))
     result = {"accuracy": sum(greedy_ok) / n, "n": n}
     if samples > 0:
-        result.update({"avg_at_k": avg_at_k(sampled_ok), "pass_at_k": mean_pass_at_k(sampled_ok, samples), "k": samples})
+        result.update(
+            {"avg_at_k": avg_at_k(sampled_ok), "pass_at_k": mean_pass_at_k(sampled_ok, samples), "k": samples}
+        )
     return result
 
 
@@ -130,9 +145,19 @@ def run_eval(cfg: EvalConfig) -> dict:
     task = load_task(cfg.task, cfg.task_level, cfg.seed)
     prompts = PromptSet.build(task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
     t0 = time.time()
-    result = evaluate_model(model, tok, prompts, task, max_new_tokens=cfg.max_new_tokens, samples=cfg.samples,
-                            temperature=cfg.temperature, top_p=cfg.top_p, batch_size=cfg.batch_size,
-                            seed=cfg.seed, show_progress=True)
+    result = evaluate_model(
+        model,
+        tok,
+        prompts,
+        task,
+        max_new_tokens=cfg.max_new_tokens,
+        samples=cfg.samples,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        batch_size=cfg.batch_size,
+        seed=cfg.seed,
+        show_progress=True,
+    )
     result["wall_s"] = round(time.time() - t0, 2)
     if cfg.acc_before >= 0 and cfg.acc_teacher >= 0:
         result["gap_recovery"] = gap_recovery(cfg.acc_before, result["accuracy"], cfg.acc_teacher)

@@ -31,23 +31,34 @@ def _check_targets(student: torch.nn.Module, targets: list[str]) -> None:
     forbidden = {n.rsplit(".", 1)[-1] for n, m in student.named_modules() if m is head or m is embed}
     for t in targets:
         if t in forbidden:
-            raise UserError(f"--lora-targets {t!r} is the output head or input embedding, which LoRA cannot adapt here "
-                            "(the LSM path reads the head weight directly, and it may be tied to the embedding); "
-                            f"choose among the block layers: {', '.join(sorted(names - forbidden))}")
+            raise UserError(
+                f"--lora-targets {t!r} is the output head or input embedding, which LoRA cannot adapt here "
+                "(the LSM path reads the head weight directly, and it may be tied to the embedding); "
+                f"choose among the block layers: {', '.join(sorted(names - forbidden))}"
+            )
         if t not in names:
-            raise UserError(f"--lora-targets {t!r} is not a linear layer of the student; "
-                            f"choose among: {', '.join(sorted(names - forbidden))}")
+            raise UserError(
+                f"--lora-targets {t!r} is not a linear layer of the student; "
+                f"choose among: {', '.join(sorted(names - forbidden))}"
+            )
 
 
-def apply_lora(student: torch.nn.Module, r: int, alpha: float, targets: list[str], dropout: float,
-               base_path: str | Path) -> torch.nn.Module:
+def apply_lora(
+    student: torch.nn.Module, r: int, alpha: float, targets: list[str], dropout: float, base_path: str | Path
+) -> torch.nn.Module:
     """Freeze the student and add a LoRA adapter (a ``peft.PeftModel``) to ``targets``."""
     from peft import LoraConfig, get_peft_model
 
     targets = [name for t in targets for name in t.split(",") if name and name != ALL_LINEAR]
     _check_targets(student, targets)
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, bias="none", task_type="CAUSAL_LM",
-                        target_modules=targets or ALL_LINEAR)
+    config = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        bias="none",
+        task_type="CAUSAL_LM",
+        target_modules=targets or ALL_LINEAR,
+    )
     model = get_peft_model(student, config)
     # merge-lora finds the base model from this path, so make it independent of the working directory.
     model.peft_config["default"].base_model_name_or_path = str(Path(base_path).resolve())
@@ -63,21 +74,28 @@ def load_weights(student: torch.nn.Module, model_dir: Path) -> None:
 
         path = model_dir / "adapter_model.safetensors"
         if not path.is_file():
-            raise UserError(f"checkpoint {model_dir.parent} holds no LoRA adapter; resume with the run's own "
-                            "settings (it was trained without --lora-r)")
+            raise UserError(
+                f"checkpoint {model_dir.parent} holds no LoRA adapter; resume with the run's own "
+                "settings (it was trained without --lora-r)"
+            )
         result = set_peft_model_state_dict(student, load_file(str(path)))
         if result.unexpected_keys:
-            raise UserError(f"the adapter in {model_dir} does not fit this student ({len(result.unexpected_keys)} "
-                            "unexpected tensors); resume with the same --student and --lora-* settings")
+            raise UserError(
+                f"the adapter in {model_dir} does not fit this student ({len(result.unexpected_keys)} "
+                "unexpected tensors); resume with the same --student and --lora-* settings"
+            )
         return
     path = model_dir / "model.safetensors"
     if not path.is_file():
-        raise UserError(f"checkpoint {model_dir.parent} holds no full model (a LoRA run?); resume with the run's "
-                        "own --lora-r")
+        raise UserError(
+            f"checkpoint {model_dir.parent} holds no full model (a LoRA run?); resume with the run's own --lora-r"
+        )
     missing, unexpected = student.load_state_dict(load_file(str(path)), strict=False)
     if unexpected or [m for m in missing if "lm_head" not in m]:
-        raise UserError(f"checkpoint {model_dir.parent} does not match the student model ({len(missing)} missing, "
-                        f"{len(unexpected)} unexpected tensors); resume with the same --student")
+        raise UserError(
+            f"checkpoint {model_dir.parent} does not match the student model ({len(missing)} missing, "
+            f"{len(unexpected)} unexpected tensors); resume with the same --student"
+        )
     student.tie_weights()
 
 
@@ -93,8 +111,10 @@ def merge_lora(adapter: str | Path, out: str | Path, base: str | Path | None = N
     adapter = Path(adapter)
     cfg_path = adapter / "adapter_config.json"
     if not cfg_path.is_file():
-        raise UserError(f"{adapter} has no adapter_config.json, so it is not a LoRA adapter; pass a run's final/ "
-                        "or checkpoints/step_*/model directory of a --lora-r run")
+        raise UserError(
+            f"{adapter} has no adapter_config.json, so it is not a LoRA adapter; pass a run's final/ "
+            "or checkpoints/step_*/model directory of a --lora-r run"
+        )
     base = base or json.loads(cfg_path.read_text()).get("base_model_name_or_path")
     if not base:
         raise UserError(f"{cfg_path} names no base model (base_model_name_or_path); pass --base DIR")

@@ -40,11 +40,25 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "by_position_bucket", "entropy", "entropy_BT", "entropy_gap", "entropy_gap_BT",
-    "has_repetition_loop_B", "masked_mean", "negative_reward_BT", "negative_reward_share",
-    "out_of_support_BT", "out_of_support_share", "overlap_token_advantage",
-    "overlap_token_advantage_BT", "repetition_rate", "support_mass", "support_mass_BT",
-    "topk_ids", "topk_overlap_BT", "topk_overlap_ratio",
+    "by_position_bucket",
+    "entropy",
+    "entropy_BT",
+    "entropy_gap",
+    "entropy_gap_BT",
+    "has_repetition_loop_B",
+    "masked_mean",
+    "negative_reward_BT",
+    "negative_reward_share",
+    "out_of_support_BT",
+    "out_of_support_share",
+    "overlap_token_advantage",
+    "overlap_token_advantage_BT",
+    "repetition_rate",
+    "support_mass",
+    "support_mass_BT",
+    "topk_ids",
+    "topk_overlap_BT",
+    "topk_overlap_ratio",
 ]
 
 
@@ -246,8 +260,11 @@ def support_mass_BT(logits_BTV, support_ids_BTK, support_mask_BTK=None, mask_BT=
         logits_BTV (B, T, V); support_ids_BTK (B, T, K) int; support_mask_BTK optional (B, T, K);
         mask_BT optional (B, T). Returns (B, T) in [0, 1], 0 where masked.
     """
-    valid_BTK = (torch.ones_like(support_ids_BTK, dtype=torch.bool) if support_mask_BTK is None
-                 else _bool(support_mask_BTK, support_ids_BTK.shape))
+    valid_BTK = (
+        torch.ones_like(support_ids_BTK, dtype=torch.bool)
+        if support_mask_BTK is None
+        else _bool(support_mask_BTK, support_ids_BTK.shape)
+    )
     ids_BTK = torch.where(valid_BTK, support_ids_BTK.long(), -1).sort(dim=-1).values
     valid_BTK = ids_BTK >= 0
     valid_BTK[..., 1:] &= ids_BTK[..., 1:] != ids_BTK[..., :-1]  # drop repeated ids

@@ -28,8 +28,10 @@ def _check_model_dir(path: str | Path, role: str, required: str = "config.json")
     if not p.is_dir():
         raise UserError(f"{role} model directory {p} does not exist; pass a local directory written by save_pretrained")
     if not (p / required).is_file() and (p / "adapter_config.json").is_file():
-        raise UserError(f"{p} holds a LoRA adapter, not a whole model; write one with opd merge-lora {p} --out DIR "
-                        f"and pass that DIR as --{role}")
+        raise UserError(
+            f"{p} holds a LoRA adapter, not a whole model; write one with opd merge-lora {p} --out DIR "
+            f"and pass that DIR as --{role}"
+        )
     if not (p / required).is_file():
         raise UserError(f"{p} has no {required}, so it is not a Hugging Face {role} directory; check the --{role} path")
     return p
@@ -46,8 +48,9 @@ def load_tokenizer(path: str | Path, role: str = "student") -> PreTrainedTokeniz
     return tok
 
 
-def load_model(path: str | Path, role: str = "student", dtype: str = "float32",
-               device: torch.device | str = "cpu") -> PreTrainedModel:
+def load_model(
+    path: str | Path, role: str = "student", dtype: str = "float32", device: torch.device | str = "cpu"
+) -> PreTrainedModel:
     p = _check_model_dir(path, role)
     model = AutoModelForCausalLM.from_pretrained(p, dtype=_DTYPES[dtype], local_files_only=True)
     check_plain_head(model, p)
@@ -62,13 +65,17 @@ def resolve_device(spec: str) -> torch.device:
     if spec == "cpu" or (spec == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise UserError(f"--device {spec}: torch sees no CUDA GPU here (torch {torch.__version__}, "
-                        f"CUDA build: {torch.version.cuda or 'none'}); install a CUDA build of torch or use --device cpu")
+        raise UserError(
+            f"--device {spec}: torch sees no CUDA GPU here (torch {torch.__version__}, "
+            f"CUDA build: {torch.version.cuda or 'none'}); install a CUDA build of torch or use --device cpu"
+        )
     if spec in ("auto", "cuda"):
         local = int(os.environ.get("LOCAL_RANK", "0"))
         if local >= torch.cuda.device_count():  # two ranks on one GPU would make nccl fail later, less clearly
-            raise UserError(f"local rank {local} has no GPU of its own: this machine shows {torch.cuda.device_count()} "
-                            "GPU(s); launch at most that many processes per machine (--nproc_per_node)")
+            raise UserError(
+                f"local rank {local} has no GPU of its own: this machine shows {torch.cuda.device_count()} "
+                "GPU(s); launch at most that many processes per machine (--nproc_per_node)"
+            )
         return torch.device("cuda", local)
     index = int(spec.split(":")[1])
     if index >= torch.cuda.device_count():
@@ -92,8 +99,12 @@ def check_plain_head(model: PreTrainedModel, where: str | Path = "model") -> Non
             )
 
 
-def check_same_vocab(student_tok: PreTrainedTokenizerBase, teacher_tok: PreTrainedTokenizerBase,
-                     student: PreTrainedModel, teacher: PreTrainedModel) -> None:
+def check_same_vocab(
+    student_tok: PreTrainedTokenizerBase,
+    teacher_tok: PreTrainedTokenizerBase,
+    student: PreTrainedModel,
+    teacher: PreTrainedModel,
+) -> None:
     """Student and teacher must share one vocabulary: the teacher scores the student's token ids."""
     s_vocab, t_vocab = student_tok.get_vocab(), teacher_tok.get_vocab()
     if s_vocab != t_vocab:
@@ -126,15 +137,25 @@ def final_hidden(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask
     return out.last_hidden_state
 
 
-def tiny_qwen2(vocab_size: int, layers: int, width: int, *, eos_id: int, pad_id: int, max_len: int = 512) -> PreTrainedModel:
+def tiny_qwen2(
+    vocab_size: int, layers: int, width: int, *, eos_id: int, pad_id: int, max_len: int = 512
+) -> PreTrainedModel:
     """A small Qwen2 causal LM built from a config (the embedded default's teacher and student)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     heads = max(2, width // 64)
     cfg = Qwen2Config(
-        vocab_size=vocab_size, hidden_size=width, intermediate_size=width * 3, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max_len,
-        tie_word_embeddings=True, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None,
+        vocab_size=vocab_size,
+        hidden_size=width,
+        intermediate_size=width * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max_len,
+        tie_word_embeddings=True,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        bos_token_id=None,
     )
     return Qwen2ForCausalLM(cfg)
 

@@ -44,8 +44,9 @@ def student_topk_ids(student, batch: RolloutBatch, k: int) -> torch.Tensor:
     return L.topk_from_hidden(h, head_weight(student), k)[0]
 
 
-def support_with_teacher_logprobs(cfg: TrainConfig, batch: RolloutBatch, scores: TeacherScores,
-                                  student_ids_NTK: torch.Tensor | None):
+def support_with_teacher_logprobs(
+    cfg: TrainConfig, batch: RolloutBatch, scores: TeacherScores, student_ids_NTK: torch.Tensor | None
+):
     """Support ids, validity mask and the teacher's log-probs on every slot."""
     ids, smask = L.build_support(cfg.support, scores.topk_ids_NTK, student_ids_NTK, batch.response_ids_NT)
     t = scores.topk_logprobs_NTK
@@ -94,9 +95,16 @@ def reduce_loss(kind: str, loss_NT: torch.Tensor, mask_NT: torch.Tensor, totals:
     return loss * totals.ranks if totals.ranks != 1 else loss
 
 
-def objective_loss(cfg: TrainConfig, student, teacher, batch: RolloutBatch, scores: TeacherScores,
-                   mask_NT: torch.Tensor, student_ids_NTK: torch.Tensor | None = None,
-                   old_logprobs_NT: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def objective_loss(
+    cfg: TrainConfig,
+    student,
+    teacher,
+    batch: RolloutBatch,
+    scores: TeacherScores,
+    mask_NT: torch.Tensor,
+    student_ids_NTK: torch.Tensor | None = None,
+    old_logprobs_NT: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position loss (N, T) of ``cfg.objective`` (gradients to the student only) and the
     student's response hidden states (N, T, D) it was computed from (for diagnostics)."""
     h = response_hidden(student, batch)

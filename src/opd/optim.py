@@ -12,7 +12,9 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0)
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
 
 
-def make_scheduler(opt: torch.optim.Optimizer, warmup: int, total: int, schedule: str) -> torch.optim.lr_scheduler.LambdaLR:
+def make_scheduler(
+    opt: torch.optim.Optimizer, warmup: int, total: int, schedule: str
+) -> torch.optim.lr_scheduler.LambdaLR:
     def factor(i: int) -> float:
         if warmup and i < warmup:
             return (i + 1) / warmup
@@ -33,8 +35,9 @@ def rng_state(device: torch.device = torch.device("cpu")) -> dict:
     return state
 
 
-def set_rng_state(state: dict | list[dict], rank: int = 0, world: int = 1,
-                  device: torch.device = torch.device("cpu")) -> None:
+def set_rng_state(
+    state: dict | list[dict], rank: int = 0, world: int = 1, device: torch.device = torch.device("cpu")
+) -> None:
     """Restore a saved state: one dict, or (data-parallel runs) one per rank, indexed by rank.
 
     A run resumed with a different number of ranks keeps its seeded state instead: sampling and

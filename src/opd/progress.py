@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -28,7 +28,13 @@ def progress_bar(label: str, total: int, enabled: bool = True) -> Iterator[_Bar]
     if not (enabled and is_main_process()):
         yield _Bar(None, None)
         return
-    columns = (TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
+    columns = (
+        TextColumn(f"[bold]{label}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[info]}"),
+    )
     with Progress(*columns, transient=False) as progress:
         yield _Bar(progress, progress.add_task(label, total=total, info=""))

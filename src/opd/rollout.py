@@ -19,8 +19,9 @@ token mid-response, so padding is never inferred from token values.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel
@@ -51,11 +52,16 @@ class RolloutBatch:
     def num_rollouts(self) -> int:
         return self.response_ids_NT.shape[0]
 
-    def select(self, rows: torch.Tensor | slice) -> "RolloutBatch":
+    def select(self, rows: torch.Tensor | slice) -> RolloutBatch:
         """A sub-batch (micro-batches for gradient accumulation)."""
         return RolloutBatch(
-            self.input_ids_NL[rows], self.attention_mask_NL[rows], self.prompt_len,
-            self.response_ids_NT[rows], self.response_mask_NT[rows], self.logprobs_NT[rows], self.finished_N[rows],
+            self.input_ids_NL[rows],
+            self.attention_mask_NL[rows],
+            self.prompt_len,
+            self.response_ids_NT[rows],
+            self.response_mask_NT[rows],
+            self.logprobs_NT[rows],
+            self.finished_N[rows],
         )
 
 
@@ -63,8 +69,14 @@ class RolloutEngine(Protocol):
     """What the trainer needs from a generation backend."""
 
     def generate(
-        self, prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int], *, max_new_tokens: int,
-        temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        seeds: Sequence[int],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        greedy: bool = False,
     ) -> RolloutBatch: ...
 
 
@@ -81,8 +93,13 @@ COMPACT_BELOW = 0.75
 NUCLEUS_CANDIDATES = (16, 256)
 
 
-def nucleus_sample(logits_NV: torch.Tensor, u_N: torch.Tensor, temperature: float, top_p: float,
-                   candidates: int | Sequence[int] = NUCLEUS_CANDIDATES) -> torch.Tensor:
+def nucleus_sample(
+    logits_NV: torch.Tensor,
+    u_N: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    candidates: int | Sequence[int] = NUCLEUS_CANDIDATES,
+) -> torch.Tensor:
     """Draw one token per row from the top-p nucleus of softmax(logits / temperature).
 
     The nucleus is the smallest set of most probable tokens whose mass reaches ``top_p`` (the
@@ -128,7 +145,8 @@ def _can_drop_rows(cache) -> bool:
     from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
     return isinstance(cache, DynamicCache) and all(
-        type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers)
+        type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers
+    )
 
 
 def left_pad(prompt_ids: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,8 +157,8 @@ def left_pad(prompt_ids: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Te
     ids = torch.full((len(prompt_ids), P), pad_id, dtype=torch.long, device="cpu")
     mask = torch.zeros((len(prompt_ids), P), dtype=torch.long, device="cpu")
     for i, p in enumerate(prompt_ids):
-        ids[i, P - len(p):] = torch.as_tensor(list(p), dtype=torch.long, device="cpu")
-        mask[i, P - len(p):] = 1
+        ids[i, P - len(p) :] = torch.as_tensor(list(p), dtype=torch.long, device="cpu")
+        mask[i, P - len(p) :] = 1
     return ids, mask
 
 
@@ -213,8 +231,11 @@ class HFRollout:
                 still = still[keep]
             live_attn = torch.cat([live_attn, still.long().unsqueeze(-1)], dim=-1)
             out = self.model(
-                input_ids=tok.unsqueeze(-1), attention_mask=live_attn, position_ids=live_pos.unsqueeze(-1),
-                past_key_values=cache, use_cache=True,
+                input_ids=tok.unsqueeze(-1),
+                attention_mask=live_attn,
+                position_ids=live_pos.unsqueeze(-1),
+                past_key_values=cache,
+                use_cache=True,
             )
             live_pos = live_pos + 1
         self.model.train(was_training)

@@ -17,8 +17,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -81,8 +82,10 @@ class RunDir:
     def require_fresh(self, resume: bool = False) -> None:
         """Refuse to start a new run over an earlier one: its logs would be appended to, not replaced."""
         if self.enabled and not resume and (self.path / "metrics.jsonl").exists():
-            raise UserError(f"{self.path} already holds a run (metrics.jsonl); pass --resume to continue it, "
-                            "or choose a new --out (or delete that directory) to start over")
+            raise UserError(
+                f"{self.path} already holds a run (metrics.jsonl); pass --resume to continue it, "
+                "or choose a new --out (or delete that directory) to start over"
+            )
 
     # ------------------------------------------------------------------ logs
     def write_config(self, cfg: Any) -> None:
@@ -135,7 +138,7 @@ class RunDir:
                     kept.append(line)
                 elif name == "metrics.jsonl":
                     last_logged = max(last_logged, line_step)
-            _atomic_write_text(p, "".join(l + "\n" for l in kept))
+            _atomic_write_text(p, "".join(line + "\n" for line in kept))
         if self.tracking is not None:
             self.tracking.resumed(step, last_logged)
 
@@ -144,7 +147,9 @@ class RunDir:
     def ckpt_root(self) -> Path:
         return self.path / CKPT_DIR
 
-    def save_checkpoint(self, step: int, model, state: dict, keep: int = 2, model_state: dict | None = None) -> Path | None:
+    def save_checkpoint(
+        self, step: int, model, state: dict, keep: int = 2, model_state: dict | None = None
+    ) -> Path | None:
         """Atomically write ``model`` (save_pretrained; ``model_state`` replaces its own state dict, e.g.
         the gathered weights of an FSDP-sharded model) and ``state`` (optimizer, RNG, ...)."""
         if not self.enabled:

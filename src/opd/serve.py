@@ -94,9 +94,15 @@ class SeqScores:
 
 
 @torch.no_grad()
-def score_sequences(model, seqs: list[list[int]], k: int, chunk_size: int = 256,
-                    starts: list[int] | None = None, rows_per_chunk: int = ROWS_PER_CHUNK,
-                    ranks: bool = True) -> list[SeqScores]:
+def score_sequences(
+    model,
+    seqs: list[list[int]],
+    k: int,
+    chunk_size: int = 256,
+    starts: list[int] | None = None,
+    rows_per_chunk: int = ROWS_PER_CHUNK,
+    ranks: bool = True,
+) -> list[SeqScores]:
     """Top-K, given-token log-probs and ranks of each sequence's tokens from ``starts[i]`` on
     (default 1: every token but the first). The model runs on chunks of ``rows_per_chunk``
     sequences of similar length, each padded only to its own longest (as the in-process teacher
@@ -162,14 +168,18 @@ class BatchScorer:
         self.thread = threading.Thread(target=self._loop, name="opd-teacher-scorer", daemon=True)
         self.thread.start()
 
-    def submit(self, seqs: list[list[int]], k: int, starts: list[int] | None = None,
-               ranks: bool = True) -> list[SeqScores]:
+    def submit(
+        self, seqs: list[list[int]], k: int, starts: list[int] | None = None, ranks: bool = True
+    ) -> list[SeqScores]:
         job = _Job(seqs, k, starts or [1] * len(seqs), ranks)
         self.queue.put(job)
         if not job.done.wait(self.limits.request_timeout):
             job.abandoned = True
-            raise RequestError(503, f"scoring took longer than {self.limits.request_timeout:.0f} s; retry later",
-                               "ServiceUnavailableError")
+            raise RequestError(
+                503,
+                f"scoring took longer than {self.limits.request_timeout:.0f} s; retry later",
+                "ServiceUnavailableError",
+            )
         if job.error is not None:
             raise RequestError(500, f"scoring failed: {job.error}", "InternalServerError")
         return job.result
@@ -223,8 +233,14 @@ class BatchScorer:
             while end < len(flat) and (end - start + 1) * L <= self.limits.max_batch_tokens:
                 end += 1
             part = flat[start:end]
-            scored = score_sequences(self.model, [jobs[ji].seqs[si] for _, ji, si in part], k, self.chunk_size,
-                                     [jobs[ji].starts[si] for _, ji, si in part], ranks=ranks)
+            scored = score_sequences(
+                self.model,
+                [jobs[ji].seqs[si] for _, ji, si in part],
+                k,
+                self.chunk_size,
+                [jobs[ji].starts[si] for _, ji, si in part],
+                ranks=ranks,
+            )
             results.update({(ji, si): sc for (_, ji, si), sc in zip(part, scored)})
             self.batches += 1
             start = end
@@ -244,28 +260,41 @@ def parse_completion_request(body: bytes, tokenizer, vocab_rows: int, model_name
     if not isinstance(req, dict):
         raise RequestError(400, "the request body must be a JSON object with 'prompt' and 'prompt_logprobs'")
     if req.get("model") not in (None, model_name):
-        raise RequestError(404, f"The model `{req['model']}` does not exist; this server serves `{model_name}`",
-                           "NotFoundError")
+        raise RequestError(
+            404, f"The model `{req['model']}` does not exist; this server serves `{model_name}`", "NotFoundError"
+        )
     k = req.get("prompt_logprobs")
     if isinstance(k, bool) or not isinstance(k, int):
         raise RequestError(400, "'prompt_logprobs' must be an integer K >= 1 (the number of top tokens per position)")
     if not 1 <= k <= limits.max_k:
-        raise RequestError(422, f"prompt_logprobs={k} is outside [1, {limits.max_k}]; ask for 1 to {limits.max_k} "
-                                "top tokens, or restart the server with a larger --max-k")
+        raise RequestError(
+            422,
+            f"prompt_logprobs={k} is outside [1, {limits.max_k}]; ask for 1 to {limits.max_k} "
+            "top tokens, or restart the server with a larger --max-k",
+        )
     if req.get("max_tokens", 1) not in (1,) or req.get("n", 1) != 1:
         raise RequestError(422, "this teacher server only scores prompts: set max_tokens to 1 and n to 1")
     seqs = _prompt_ids(req.get("prompt"), tokenizer)
     if len(seqs) > limits.max_prompts:
-        raise RequestError(413, f"{len(seqs)} prompts in one request; the limit is {limits.max_prompts} "
-                                "(split the request or raise --max-prompts)")
+        raise RequestError(
+            413,
+            f"{len(seqs)} prompts in one request; the limit is {limits.max_prompts} "
+            "(split the request or raise --max-prompts)",
+        )
     for i, s in enumerate(seqs):
         if not 1 <= len(s) <= limits.max_prompt_tokens:
-            raise RequestError(413 if s else 400, f"prompt {i} has {len(s)} tokens; each prompt needs 1 to "
-                                                  f"{limits.max_prompt_tokens} tokens (--max-prompt-tokens)")
+            raise RequestError(
+                413 if s else 400,
+                f"prompt {i} has {len(s)} tokens; each prompt needs 1 to "
+                f"{limits.max_prompt_tokens} tokens (--max-prompt-tokens)",
+            )
         bad = [t for t in s if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_rows]
         if bad:
-            raise RequestError(422, f"prompt {i} holds token id {bad[0]!r}, not an integer in [0, {vocab_rows}); "
-                                    "send ids from the teacher's vocabulary")
+            raise RequestError(
+                422,
+                f"prompt {i} holds token id {bad[0]!r}, not an integer in [0, {vocab_rows}); "
+                "send ids from the teacher's vocabulary",
+            )
     return seqs, k, _starts(req.get("opd_logprobs_from"), seqs)
 
 
@@ -276,10 +305,15 @@ def _starts(value, seqs: list[list[int]]) -> list[int]:
     if value is None:
         return [1] * len(seqs)
     value = [value] * len(seqs) if isinstance(value, int) and not isinstance(value, bool) else value
-    if (not isinstance(value, list) or len(value) != len(seqs)
-            or any(isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= len(s) for v, s in zip(value, seqs))):
-        raise RequestError(422, "'opd_logprobs_from' must be an integer or one integer per prompt, each between 1 "
-                                "and that prompt's length")
+    if (
+        not isinstance(value, list)
+        or len(value) != len(seqs)
+        or any(isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= len(s) for v, s in zip(value, seqs))
+    ):
+        raise RequestError(
+            422,
+            "'opd_logprobs_from' must be an integer or one integer per prompt, each between 1 and that prompt's length",
+        )
     return value
 
 
@@ -290,7 +324,9 @@ def _prompt_ids(prompt, tokenizer) -> list[list[int]]:
     if isinstance(prompt, str):
         return [tokenizer(prompt)["input_ids"]]
     if not isinstance(prompt, list) or not prompt:
-        raise RequestError(400, "'prompt' must be a non-empty string, list of strings, list of token ids or list of lists")
+        raise RequestError(
+            400, "'prompt' must be a non-empty string, list of strings, list of token ids or list of lists"
+        )
     if all(isinstance(p, str) for p in prompt):
         return [tokenizer(p)["input_ids"] for p in prompt]
     if all(isinstance(p, list) for p in prompt):
@@ -300,8 +336,9 @@ def _prompt_ids(prompt, tokenizer) -> list[list[int]]:
     raise RequestError(400, "'prompt' mixes forms; send a list of token ids or a list of lists of token ids")
 
 
-def completion_response(seqs: list[list[int]], scores: list[SeqScores], k: int, decoded: list[str],
-                        model_name: str) -> dict:
+def completion_response(
+    seqs: list[list[int]], scores: list[SeqScores], k: int, decoded: list[str], model_name: str
+) -> dict:
     """The vLLM completions answer for scored prompts (one choice per prompt)."""
     choices = []
     for i, (seq, sc) in enumerate(zip(seqs, scores)):
@@ -317,19 +354,35 @@ def completion_response(seqs: list[list[int]], scores: list[SeqScores], k: int, 
             given = seq[sc.start + j]
             entry.setdefault(str(given), {"logprob": g_lp[j], "rank": g_rank[j], "decoded_token": decoded[given]})
             positions.append(entry)
-        choices.append({"index": i, "text": decoded[sc.next_id], "logprobs": None, "finish_reason": "length",
-                        "stop_reason": None, "prompt_logprobs": positions})
+        choices.append(
+            {
+                "index": i,
+                "text": decoded[sc.next_id],
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "prompt_logprobs": positions,
+            }
+        )
     n_prompt = sum(len(s) for s in seqs)
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": model_name, "choices": choices,
-            "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(seqs), "total_tokens": n_prompt + len(seqs)}}
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": choices,
+        "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(seqs), "total_tokens": n_prompt + len(seqs)},
+    }
 
 
 def binary_response(scores: list[SeqScores], k: int) -> bytes:
     """opd's binary answer (:mod:`opd.wire`): whole arrays, no per-token Python object."""
-    return wire.encode_scores([len(sc.given_logprob) for sc in scores], torch.cat([sc.ids[:, :k] for sc in scores]),
-                              torch.cat([sc.logprobs[:, :k] for sc in scores]),
-                              torch.cat([sc.given_logprob for sc in scores]))
+    return wire.encode_scores(
+        [len(sc.given_logprob) for sc in scores],
+        torch.cat([sc.ids[:, :k] for sc in scores]),
+        torch.cat([sc.logprobs[:, :k] for sc in scores]),
+        torch.cat([sc.given_logprob for sc in scores]),
+    )
 
 
 class TeacherApp:
@@ -342,8 +395,10 @@ class TeacherApp:
         self.limits = limits or Limits()
         self.vocab_rows = head_weight(model).shape[0]
         # opd's clients read the answer formats from here: listing the binary one is the offer
-        self.vocab = {**vocab_info(tokenizer, self.vocab_rows),
-                      "answer_media_types": ["application/json", wire.MEDIA_TYPE]}
+        self.vocab = {
+            **vocab_info(tokenizer, self.vocab_rows),
+            "answer_media_types": ["application/json", wire.MEDIA_TYPE],
+        }
         n = len(tokenizer)
         self.decoded = tokenizer.batch_decode([[i] for i in range(n)]) + [""] * max(self.vocab_rows - n, 0)
         self.scorer = BatchScorer(self.model, self.limits)
@@ -359,8 +414,10 @@ class TeacherApp:
 
     def models(self) -> dict:
         max_len = getattr(self.model.config, "max_position_embeddings", None)
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "opd",
-                                            "max_model_len": max_len}]}
+        return {
+            "object": "list",
+            "data": [{"id": self.model_name, "object": "model", "owned_by": "opd", "max_model_len": max_len}],
+        }
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -408,8 +465,11 @@ class _Handler(BaseHTTPRequestHandler):
                 raise RequestError(400, f"Content-Length {length!r} is not a byte count; send the JSON body with one")
             size = int(length)
             if size > app.limits.max_body_bytes:
-                raise RequestError(413, f"request body of {size} bytes exceeds {app.limits.max_body_bytes}; "
-                                        "send fewer or shorter prompts per request")
+                raise RequestError(
+                    413,
+                    f"request body of {size} bytes exceeds {app.limits.max_body_bytes}; "
+                    "send fewer or shorter prompts per request",
+                )
             self._send(200, app.complete(self.rfile.read(size), binary=wire.accepts(self.headers.get("Accept"))))
         except RequestError as err:
             self._error(err)
@@ -435,15 +495,26 @@ def stop_server(server: ThreadingHTTPServer) -> None:
     server.app.scorer.close()
 
 
-def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, dtype: str = "float32",
-          served_model_name: str = "", limits: Limits | None = None, verbose: bool = False, device: str = "auto") -> None:
+def serve(
+    model_dir: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    dtype: str = "float32",
+    served_model_name: str = "",
+    limits: Limits | None = None,
+    verbose: bool = False,
+    device: str = "auto",
+) -> None:
     """``opd serve-teacher``: load the model, serve until interrupted (Ctrl-C)."""
     model = load_model(model_dir, "teacher", dtype, resolve_device(device))
     app = TeacherApp(model, load_tokenizer(model_dir, "teacher"), served_model_name or str(model_dir), limits)
     server = start_server(app, host, port, verbose)
     host, port = server.server_address[:2]
-    print(f"opd teacher server: http://{host}:{port} (model {app.model_name}, vocabulary {app.vocab_rows}); "
-          f"train with --teacher-url http://{host}:{port}", flush=True)
+    print(
+        f"opd teacher server: http://{host}:{port} (model {app.model_name}, vocabulary {app.vocab_rows}); "
+        f"train with --teacher-url http://{host}:{port}",
+        flush=True,
+    )
     try:
         while True:
             time.sleep(3600)

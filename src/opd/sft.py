@@ -74,15 +74,22 @@ def encode_pairs(tok, prompts: list[str], completions: list[str]) -> tuple[torch
     ids = torch.full((len(seqs), L), tok.pad_token_id, dtype=torch.long, device="cpu")
     lab = torch.full((len(seqs), L), -100, dtype=torch.long, device="cpu")
     att = torch.zeros((len(seqs), L), dtype=torch.long, device="cpu")
-    for i, (s, l) in enumerate(zip(seqs, labels)):
-        ids[i, : len(s)], lab[i, : len(s)] = torch.tensor(s, device="cpu"), torch.tensor(l, device="cpu")
+    for i, (s, lab_i) in enumerate(zip(seqs, labels, strict=True)):
+        ids[i, : len(s)], lab[i, : len(s)] = torch.tensor(s, device="cpu"), torch.tensor(lab_i, device="cpu")
         att[i, : len(s)] = 1
     return ids, att, lab
 
 
-def teacher_completions(engine: HFRollout, tok, prompts: PromptSet, idx: list[int], step: int, cfg: SFTConfig) -> list[str]:
-    batch = engine.generate([prompts.prompt_ids[i] for i in idx], [sample_seed(cfg.seed, step, j) for j in range(len(idx))],
-                            max_new_tokens=cfg.max_new_tokens, temperature=1.0, top_p=1.0)
+def teacher_completions(
+    engine: HFRollout, tok, prompts: PromptSet, idx: list[int], step: int, cfg: SFTConfig
+) -> list[str]:
+    batch = engine.generate(
+        [prompts.prompt_ids[i] for i in idx],
+        [sample_seed(cfg.seed, step, j) for j in range(len(idx))],
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+    )
     return decode_responses(tok, batch.response_ids_NT, batch.response_mask_NT)
 
 
@@ -94,11 +101,15 @@ def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
     task = load_task(cfg.task, cfg.task_level, cfg.seed)
     examples = load_sft_examples(cfg.data) if cfg.data else task.examples("train")
     if cfg.train_size > len(examples):
-        raise UserError(f"--train-size {cfg.train_size} is more than the {len(examples)} training examples; "
-                        "lower it or pass 0 to use them all")
+        raise UserError(
+            f"--train-size {cfg.train_size} is more than the {len(examples)} training examples; "
+            "lower it or pass 0 to use them all"
+        )
     examples = examples[: cfg.train_size or None]
     if not cfg.teacher and any(not e.solution for e in examples):
-        raise UserError("some training examples have no solution; give --data with solutions or --teacher to sample them")
+        raise UserError(
+            "some training examples have no solution; give --data with solutions or --teacher to sample them"
+        )
     train_set = PromptSet.build(examples, tok, cfg.max_prompt_tokens, "SFT prompts")
     test = PromptSet.build(task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
     teacher_engine = None
@@ -113,8 +124,11 @@ def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
         for step in range(cfg.steps):
             idx = train_set.batch_indices(step, cfg.batch_size, cfg.seed)
             prompts = [train_set.examples[i].prompt for i in idx]
-            targets = (teacher_completions(teacher_engine, tok, train_set, idx, step, cfg) if teacher_engine
-                       else [train_set.examples[i].solution for i in idx])
+            targets = (
+                teacher_completions(teacher_engine, tok, train_set, idx, step, cfg)
+                if teacher_engine
+                else [train_set.examples[i].solution for i in idx]
+            )
             ids, att, lab = (t.to(model_device(model)) for t in encode_pairs(tok, prompts, targets))
             loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
             if not torch.isfinite(loss):
@@ -124,12 +138,20 @@ def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             opt.step()
             sched.step()
-            rundir.log_metrics({"step": step, "train/loss": loss.item(), "train/grad_norm": float(norm),
-                                "train/lr": sched.get_last_lr()[0]})
+            rundir.log_metrics(
+                {
+                    "step": step,
+                    "train/loss": loss.item(),
+                    "train/grad_norm": float(norm),
+                    "train/lr": sched.get_last_lr()[0],
+                }
+            )
             bar.advance(1)
             bar.describe(f"loss {loss.item():.3f}  best acc {max(best, 0):.3f}")
             if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step == cfg.steps - 1:
-                acc = evaluate_model(model, tok, test, task, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)["accuracy"]
+                acc = evaluate_model(model, tok, test, task, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)[
+                    "accuracy"
+                ]
                 model.train()
                 rundir.log_metrics({"step": step, "eval/accuracy": acc})
                 if acc > best:

@@ -60,15 +60,24 @@ def _full_vocab_diagnostics(s_MV: torch.Tensor, t_MV: torch.Tensor, k: int) -> d
     }
 
 
-def grade_rollouts(tokenizer: PreTrainedTokenizerBase, task: Task, examples: list[Example],
-                   batch: RolloutBatch) -> tuple[list[str], list[float]]:
+def grade_rollouts(
+    tokenizer: PreTrainedTokenizerBase, task: Task, examples: list[Example], batch: RolloutBatch
+) -> tuple[list[str], list[float]]:
     """Decoded responses and their task rewards (1 = correct), graded once per step."""
     texts = decode_responses(tokenizer, batch.response_ids_NT, batch.response_mask_NT)
     return texts, [task.reward(t, e) for t, e in zip(texts, examples, strict=True)]
 
 
-def step_metrics(batch: RolloutBatch, correct: list[float], scores: TeacherScores, upd: StepUpdate,
-                 mask_NT: torch.Tensor, head_VD: torch.Tensor, k: int, horizon: int) -> dict:
+def step_metrics(
+    batch: RolloutBatch,
+    correct: list[float],
+    scores: TeacherScores,
+    upd: StepUpdate,
+    mask_NT: torch.Tensor,
+    head_VD: torch.Tensor,
+    k: int,
+    horizon: int,
+) -> dict:
     """One rank's metrics of a step; ``horizon`` (max new tokens) fixes the depth buckets."""
     resp = batch.response_mask_NT
     reward_NT = (scores.sampled_logprobs_NT - batch.logprobs_NT) * resp
@@ -90,15 +99,26 @@ def step_metrics(batch: RolloutBatch, correct: list[float], scores: TeacherScore
         "diag/negative_reward": M.negative_reward_share(batch.logprobs_NT, scores.sampled_logprobs_NT, resp),
         "diag/out_of_support": M.out_of_support_share(batch.response_ids_NT, scores.topk_ids_NTK, resp),
         # A served teacher returns no full logits: those diagnostics are then absent, not faked.
-        **({} if scores.diag_logits_MV is None else _full_vocab_diagnostics(s_MV, scores.diag_logits_MV, min(k, head_VD.shape[0]))),
+        **(
+            {}
+            if scores.diag_logits_MV is None
+            else _full_vocab_diagnostics(s_MV, scores.diag_logits_MV, min(k, head_VD.shape[0]))
+        ),
         "depth/reward": depth_reward.tolist(),
         "depth/loss": depth_loss.tolist(),
     }
 
 
-FULL_VOCAB_KEYS = ("train/kl_to_teacher", "diag/overlap", "diag/overlap_advantage", "diag/entropy_gap",
-                   "diag/student_entropy", "diag/teacher_entropy", "diag/student_support_mass",
-                   "diag/teacher_support_mass")
+FULL_VOCAB_KEYS = (
+    "train/kl_to_teacher",
+    "diag/overlap",
+    "diag/overlap_advantage",
+    "diag/entropy_gap",
+    "diag/student_entropy",
+    "diag/teacher_entropy",
+    "diag/student_support_mass",
+    "diag/teacher_support_mass",
+)
 
 
 def metric_weights(batch, mask_NT: torch.Tensor, n_diag: int, horizon: int) -> dict:
@@ -118,9 +138,18 @@ def metric_weights(batch, mask_NT: torch.Tensor, n_diag: int, horizon: int) -> d
     }
 
 
-def rollout_records(tok: PreTrainedTokenizerBase, head_VD: torch.Tensor, step: int, batch: RolloutBatch,
-                    examples: list[Example], texts: list[str], correct: list[float], scores: TeacherScores,
-                    upd: StepUpdate, mask_NT: torch.Tensor) -> list[dict]:
+def rollout_records(
+    tok: PreTrainedTokenizerBase,
+    head_VD: torch.Tensor,
+    step: int,
+    batch: RolloutBatch,
+    examples: list[Example],
+    texts: list[str],
+    correct: list[float],
+    scores: TeacherScores,
+    upd: StepUpdate,
+    mask_NT: torch.Tensor,
+) -> list[dict]:
     """Per-token detail of the first few rollouts, for the report's token inspector."""
     h = upd.log_hidden_LTD
     student_lp = torch.log_softmax(h.float() @ head_VD.float().T, dim=-1)
@@ -131,22 +160,28 @@ def rollout_records(tok: PreTrainedTokenizerBase, head_VD: torch.Tensor, step: i
         topk = scores.topk_ids_NTK[r, :n]
         uniq = topk.unique().tolist()
         example = examples[r]
-        records.append({
-            "step": step,
-            "prompt": example.prompt,
-            "answer": example.answer,
-            "response": texts[r],
-            "correct": bool(correct[r]),
-            "tokens": tok.convert_ids_to_tokens(ids.tolist()),
-            "token_ids": ids.tolist(),
-            "loss_mask": mask_NT[r, :n].tolist(),
-            "student_logprobs": [round(x, 5) for x in batch.logprobs_NT[r, :n].tolist()],
-            "teacher_logprobs": [round(x, 5) for x in scores.sampled_logprobs_NT[r, :n].float().tolist()],
-            "token_loss": [round(x, 6) for x in upd.loss_NT[r, :n].float().tolist()],
-            "teacher_topk_ids": topk.tolist(),
-            "teacher_topk_logprobs": [[round(x, 4) for x in row] for row in scores.topk_logprobs_NTK[r, :n].float().tolist()],
-            "student_topk_logprobs": [[round(x, 4) for x in row] for row in student_lp[r, :n].gather(-1, topk).tolist()],
-            # Each distinct top-K id once, so the report can label the inspector's bars without a tokenizer.
-            "topk_tokens": dict(zip(map(str, uniq), tok.convert_ids_to_tokens(uniq))),
-        })
+        records.append(
+            {
+                "step": step,
+                "prompt": example.prompt,
+                "answer": example.answer,
+                "response": texts[r],
+                "correct": bool(correct[r]),
+                "tokens": tok.convert_ids_to_tokens(ids.tolist()),
+                "token_ids": ids.tolist(),
+                "loss_mask": mask_NT[r, :n].tolist(),
+                "student_logprobs": [round(x, 5) for x in batch.logprobs_NT[r, :n].tolist()],
+                "teacher_logprobs": [round(x, 5) for x in scores.sampled_logprobs_NT[r, :n].float().tolist()],
+                "token_loss": [round(x, 6) for x in upd.loss_NT[r, :n].float().tolist()],
+                "teacher_topk_ids": topk.tolist(),
+                "teacher_topk_logprobs": [
+                    [round(x, 4) for x in row] for row in scores.topk_logprobs_NTK[r, :n].float().tolist()
+                ],
+                "student_topk_logprobs": [
+                    [round(x, 4) for x in row] for row in student_lp[r, :n].gather(-1, topk).tolist()
+                ],
+                # Each distinct top-K id once, so the report can label the inspector's bars without a tokenizer.
+                "topk_tokens": dict(zip(map(str, uniq), tok.convert_ids_to_tokens(uniq))),
+            }
+        )
     return records

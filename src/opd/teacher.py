@@ -39,7 +39,7 @@ class TeacherScores:
     query_logprobs_NTQ: torch.Tensor | None = None
     diag_logits_MV: torch.Tensor | None = None
 
-    def select(self, rows: slice) -> "TeacherScores":
+    def select(self, rows: slice) -> TeacherScores:
         """The rows of a micro-batch (diagnostic logits are not per row and are dropped)."""
         q = None if self.query_logprobs_NTQ is None else self.query_logprobs_NTQ[rows]
         return TeacherScores(self.topk_ids_NTK[rows], self.topk_logprobs_NTK[rows], self.sampled_logprobs_NT[rows], q)
@@ -49,7 +49,10 @@ class TeacherScorer(Protocol):
     """What the trainer needs from a teacher backend."""
 
     def score(
-        self, batch: RolloutBatch, k: int, query_ids_NTQ: torch.Tensor | None = None,
+        self,
+        batch: RolloutBatch,
+        k: int,
+        query_ids_NTQ: torch.Tensor | None = None,
         diag_index_M: torch.Tensor | None = None,
     ) -> TeacherScores: ...
 
@@ -84,15 +87,17 @@ def response_hidden(model: PreTrainedModel, batch: RolloutBatch, rows_per_chunk:
     for rows in order_N.split(rows_per_chunk):
         start, t_max = P - int(prompt_lens_N[rows].max()), int(response_lens_N[rows].max())
         # the last response token is never an input that predicts one, so the slice stops before it
-        h = final_hidden(model, batch.input_ids_NL[rows, start : P + t_max - 1],
-                         batch.attention_mask_NL[rows, start : P + t_max - 1])
+        h = final_hidden(
+            model, batch.input_ids_NL[rows, start : P + t_max - 1], batch.attention_mask_NL[rows, start : P + t_max - 1]
+        )
         h = h[:, P - 1 - start : P - 1 - start + t_max]
         pieces.append(torch.nn.functional.pad(h, (0, 0, 0, T - t_max)))
     return torch.cat(pieces)[torch.argsort(order_N)]
 
 
-def filler_scores(N: int, T: int, k: int, q: int, device: torch.device | str = "cpu",
-                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def filler_scores(
+    N: int, T: int, k: int, q: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What a teacher reports at positions past a rollout's end, which every loss masks out: distinct
     ids (a valid support never repeats an id), a uniform top-K and zero query log-probs.
 
@@ -121,8 +126,9 @@ class HFTeacher:
         query = sampled if query_ids_NTQ is None else torch.cat([sampled, query_ids_NTQ], dim=-1)
         # The head runs on response positions only: padding can be a large share of a batch.
         active_A = batch.response_mask_NT.reshape(-1).nonzero().squeeze(-1)
-        ids_A, lps_A, q_A = topk_and_gather_from_hidden(h_NTD.reshape(N * T, 1, D)[active_A], W, k,
-                                                        query.reshape(N * T, 1, -1)[active_A], self.chunk_size)
+        ids_A, lps_A, q_A = topk_and_gather_from_hidden(
+            h_NTD.reshape(N * T, 1, D)[active_A], W, k, query.reshape(N * T, 1, -1)[active_A], self.chunk_size
+        )
         ids, lps, q_lps = filler_scores(N, T, k, query.shape[-1], h_NTD.device, lps_A.dtype)
         ids.view(N * T, k)[active_A] = ids_A.squeeze(1)
         lps.view(N * T, k)[active_A] = lps_A.squeeze(1)
@@ -131,8 +137,11 @@ class HFTeacher:
         if diag_index_M is not None:
             diag = h_NTD.reshape(-1, D)[diag_index_M].float() @ W.float().T
         return TeacherScores(
-            topk_ids_NTK=ids, topk_logprobs_NTK=lps, sampled_logprobs_NT=q_lps[..., 0],
-            query_logprobs_NTQ=None if query_ids_NTQ is None else q_lps[..., 1:], diag_logits_MV=diag,
+            topk_ids_NTK=ids,
+            topk_logprobs_NTK=lps,
+            sampled_logprobs_NT=q_lps[..., 0],
+            query_logprobs_NTQ=None if query_ids_NTQ is None else q_lps[..., 1:],
+            diag_logits_MV=diag,
         )
 
     @torch.no_grad()
@@ -151,11 +160,19 @@ def make_teacher(cfg, student, tokenizer):
         return HFTeacher(teacher_model)
     if cfg.teacher:
         raise UserError("both --teacher and --teacher-url are set; give one (a model directory or a served teacher)")
-    needs_more = cfg.objective == "full_kl" or (cfg.objective == "lsm" and cfg.support not in
-                                                  ("teacher_topk", "teacher_topk_plus_sampled"))
+    needs_more = cfg.objective == "full_kl" or (
+        cfg.objective == "lsm" and cfg.support not in ("teacher_topk", "teacher_topk_plus_sampled")
+    )
     if needs_more:
-        raise UserError(f"--objective {cfg.objective} --support {cfg.support} needs teacher log-probs a "
-                        f"vLLM-format server does not return; with --teacher-url use {SERVED_OBJECTIVES}, "
-                        "or use --teacher DIR")
-    return HTTPTeacher(cfg.teacher_url, tokenizer, head_weight(student).shape[0],
-                       timeout=cfg.teacher_timeout, retries=cfg.teacher_retries)
+        raise UserError(
+            f"--objective {cfg.objective} --support {cfg.support} needs teacher log-probs a "
+            f"vLLM-format server does not return; with --teacher-url use {SERVED_OBJECTIVES}, "
+            "or use --teacher DIR"
+        )
+    return HTTPTeacher(
+        cfg.teacher_url,
+        tokenizer,
+        head_weight(student).shape[0],
+        timeout=cfg.teacher_timeout,
+        retries=cfg.teacher_retries,
+    )

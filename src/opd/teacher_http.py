@@ -53,8 +53,19 @@ class HTTPTeacher:
 
     ``binary=False`` keeps vLLM's JSON answers even from an opd server that offers the binary ones."""
 
-    def __init__(self, url: str, tokenizer, vocab_rows: int, *, timeout: float = 120.0, retries: int = 3,
-                 backoff: float = 0.5, prompts_per_request: int = 16, concurrency: int = 4, binary: bool = True):
+    def __init__(
+        self,
+        url: str,
+        tokenizer,
+        vocab_rows: int,
+        *,
+        timeout: float = 120.0,
+        retries: int = 3,
+        backoff: float = 0.5,
+        prompts_per_request: int = 16,
+        concurrency: int = 4,
+        binary: bool = True,
+    ):
         if not url.startswith(("http://", "https://")):
             raise UserError(f"--teacher-url {url!r} must start with http:// or https:// (e.g. http://127.0.0.1:8000)")
         self.url = url.rstrip("/").removesuffix("/v1")
@@ -65,7 +76,9 @@ class HTTPTeacher:
         try:
             self.model_name = models["data"][0]["id"]
         except (KeyError, IndexError, TypeError):
-            raise UserError(f"{self.url}/v1/models did not list a model; is --teacher-url an OpenAI-compatible server?") from None
+            raise UserError(
+                f"{self.url}/v1/models did not list a model; is --teacher-url an OpenAI-compatible server?"
+            ) from None
         theirs = self._check_vocab(tokenizer)
         self.vocab_verified = theirs is not None
         offered = theirs.get("answer_media_types") if self.vocab_verified else None
@@ -74,8 +87,9 @@ class HTTPTeacher:
 
     # ------------------------------------------------------------------ HTTP
 
-    def _fetch(self, method: str, path: str, data: bytes | None = None, accept: str | None = None,
-               missing_ok: bool = False) -> tuple[str, bytes] | None:
+    def _fetch(
+        self, method: str, path: str, data: bytes | None = None, accept: str | None = None, missing_ok: bool = False
+    ) -> tuple[str, bytes] | None:
         """One request with retries: the answer's media type and body; ``None`` for a 404 when ``missing_ok``."""
         fix = f"start it (opd serve-teacher TEACHER_DIR --port PORT) or fix --teacher-url {self.url}"
         headers = {"Content-Type": "application/json", **({"Accept": accept} if accept else {})}
@@ -88,15 +102,17 @@ class HTTPTeacher:
                 if err.code == 404 and missing_ok:
                     return None
                 if err.code < 500 or attempt == self.retries:
-                    raise UserError(f"teacher server {self.url}{path} answered HTTP {err.code}: "
-                                    f"{_error_message(err)}") from None
+                    raise UserError(
+                        f"teacher server {self.url}{path} answered HTTP {err.code}: {_error_message(err)}"
+                    ) from None
                 reason = f"HTTP {err.code}"
             # refused, reset, timed out, or a body cut short (IncompleteRead): worth another try
             except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
                 reason = str(getattr(err, "reason", err)) or type(err).__name__
                 if attempt == self.retries:
-                    raise UserError(f"teacher server {self.url} is unreachable after {attempt + 1} attempts "
-                                    f"({reason}); {fix}") from None
+                    raise UserError(
+                        f"teacher server {self.url} is unreachable after {attempt + 1} attempts ({reason}); {fix}"
+                    ) from None
             time.sleep(self.backoff * 2**attempt)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
@@ -110,23 +126,29 @@ class HTTPTeacher:
         try:
             return json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise UserError(f"teacher server {self.url}{path} answered something that is not JSON; "
-                            "is --teacher-url a vLLM-compatible server?") from None
+            raise UserError(
+                f"teacher server {self.url}{path} answered something that is not JSON; "
+                "is --teacher-url a vLLM-compatible server?"
+            ) from None
 
     def _check_vocab(self, tokenizer) -> dict | None:
         """opd's server's ``/opd/vocab`` answer once it matches the student's; ``None`` from a foreign server."""
         theirs = self._request("GET", "/opd/vocab", missing_ok=True)
         if theirs is None:
-            warnings.warn(f"teacher server {self.url} does not report its vocabulary (not an opd server), so it "
-                          "could not be verified; make sure it serves a model with the student's tokenizer",
-                          stacklevel=3)
+            warnings.warn(
+                f"teacher server {self.url} does not report its vocabulary (not an opd server), so it "
+                "could not be verified; make sure it serves a model with the student's tokenizer",
+                stacklevel=3,
+            )
             return None
         ours = vocab_info(tokenizer, self.vocab_rows)
         theirs = theirs if isinstance(theirs, dict) else {}
         if theirs.get("sha256") != ours["sha256"] or theirs.get("head_rows") != ours["head_rows"]:
-            raise UserError(f"the served teacher's vocabulary ({theirs.get('tokens')} tokens, {theirs.get('head_rows')} "
-                            f"output rows) differs from the student's ({ours['tokens']} tokens, {ours['head_rows']} "
-                            "rows); serve a teacher from the student's model family")
+            raise UserError(
+                f"the served teacher's vocabulary ({theirs.get('tokens')} tokens, {theirs.get('head_rows')} "
+                f"output rows) differs from the student's ({ours['tokens']} tokens, {ours['head_rows']} "
+                "rows); serve a teacher from the student's model family"
+            )
         return theirs
 
     # ------------------------------------------------------------------ scoring
@@ -155,26 +177,33 @@ class HTTPTeacher:
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
             list(pool.map(one, range(0, N, step)))
         dev = batch.response_ids_NT.device
-        return TeacherScores(topk_ids_NTK=ids.to(dev), topk_logprobs_NTK=lps.to(dev), sampled_logprobs_NT=sampled.to(dev))
+        return TeacherScores(
+            topk_ids_NTK=ids.to(dev), topk_logprobs_NTK=lps.to(dev), sampled_logprobs_NT=sampled.to(dev)
+        )
 
     def hidden_and_head(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         raise UserError(f"a served teacher does not return full-vocabulary scores; use {SERVED_OBJECTIVES}")
 
-    def _complete(self, seqs: list[list[int]], k: int, starts: list[int], ids_NTK, lps_NTK, sampled_NT,
-                  answered_NT) -> None:
+    def _complete(
+        self, seqs: list[list[int]], k: int, starts: list[int], ids_NTK, lps_NTK, sampled_NT, answered_NT
+    ) -> None:
         """POST the sequences; write each one's response positions into its row of the outputs."""
         payload = {"model": self.model_name, "prompt": seqs, "max_tokens": 1, "prompt_logprobs": k, "temperature": 1.0}
         if self.vocab_verified:  # opd's server: score only the responses (see opd.serve)
             payload["opd_logprobs_from"] = starts
-        media, body = self._fetch("POST", "/v1/completions", json.dumps(payload).encode(),
-                                  accept=wire.MEDIA_TYPE if self.binary else None)
+        media, body = self._fetch(
+            "POST", "/v1/completions", json.dumps(payload).encode(), accept=wire.MEDIA_TYPE if self.binary else None
+        )
         if self.binary and media == wire.MEDIA_TYPE:
             try:
-                top_ids, top_lps, given = wire.decode_scores(body, [len(s) - p for s, p in zip(seqs, starts)], k,
-                                                             self.vocab_rows)
+                top_ids, top_lps, given = wire.decode_scores(
+                    body, [len(s) - p for s, p in zip(seqs, starts)], k, self.vocab_rows
+                )
             except wire.WireError as exc:
-                raise UserError(f"teacher server {self.url} sent a malformed binary answer ({exc}); is it an opd "
-                                "server of this version? (--teacher-url)") from None
+                raise UserError(
+                    f"teacher server {self.url} sent a malformed binary answer ({exc}); is it an opd "
+                    "server of this version? (--teacher-url)"
+                ) from None
             ids_NTK[answered_NT], lps_NTK[answered_NT], sampled_NT[answered_NT] = top_ids, top_lps, given
             return
         answer = self._json(body, "/v1/completions")
@@ -199,23 +228,29 @@ class HTTPTeacher:
             except (AttributeError, KeyError, TypeError, ValueError):
                 raise self._malformed(f"position {p + t} lacks the given token {given} or a numeric logprob") from None
             if len(pairs) < k:
-                raise UserError(f"teacher server {self.url} returned {len(pairs)} top tokens where --k {k} were asked; "
-                                "raise the server's limit (vllm serve --max-logprobs) or lower --k")
+                raise UserError(
+                    f"teacher server {self.url} returned {len(pairs)} top tokens where --k {k} were asked; "
+                    "raise the server's limit (vllm serve --max-logprobs) or lower --k"
+                )
             if len(pairs) > k + 1:
                 raise self._malformed(f"position {p + t} has {len(pairs)} entries for prompt_logprobs={k}")
             # K + 1 entries: the given token is the extra one, outside the top-K.
             top = [x for x in pairs if x[1] != given] if len(pairs) == k + 1 else pairs
             if any(not 0 <= tid < self.vocab_rows for _, tid in top) or any(not lp <= 1e-4 for lp, _ in top):
-                raise self._malformed(f"position {p + t} holds a token id outside the student's vocabulary "
-                                      f"[0, {self.vocab_rows}) or a log-prob that is not <= 0")
+                raise self._malformed(
+                    f"position {p + t} holds a token id outside the student's vocabulary "
+                    f"[0, {self.vocab_rows}) or a log-prob that is not <= 0"
+                )
             top_lps.append([lp for lp, _ in top])
             top_ids.append([tid for _, tid in top])
         n = len(given_lps)
         ids_TK[:n], lps_TK[:n], sampled_T[:n] = (torch.tensor(x, device="cpu") for x in (top_ids, top_lps, given_lps))
 
     def _malformed(self, what: str) -> UserError:
-        return UserError(f"teacher server {self.url} sent a malformed prompt_logprobs answer ({what}); "
-                         "--teacher-url must be a vLLM-compatible completions server")
+        return UserError(
+            f"teacher server {self.url} sent a malformed prompt_logprobs answer ({what}); "
+            "--teacher-url must be a vLLM-compatible completions server"
+        )
 
 
 def _error_message(err: urllib.error.HTTPError) -> str:

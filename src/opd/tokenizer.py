@@ -29,9 +29,19 @@ from transformers import PreTrainedTokenizerFast
 
 from opd.errors import UserError
 
-__all__ = ["PAD", "EOS", "IM_START", "THINK", "THINK_END", "CHAT_TEMPLATE",
-           "QWEN2_PRETOKENIZE_REGEX", "train_tokenizer", "format_prompt", "format_chat",
-           "special_token_ids"]
+__all__ = [
+    "PAD",
+    "EOS",
+    "IM_START",
+    "THINK",
+    "THINK_END",
+    "CHAT_TEMPLATE",
+    "QWEN2_PRETOKENIZE_REGEX",
+    "train_tokenizer",
+    "format_prompt",
+    "format_chat",
+    "special_token_ids",
+]
 
 PAD = "<|pad|>"
 EOS = "<|im_end|>"
@@ -60,13 +70,18 @@ _ADDED_SPLIT = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS + ADDED_
 
 def _qwen2_pipeline_tokenizer() -> Tokenizer:
     """An empty BPE with the pipeline Qwen2Tokenizer rebuilds on load (see module docstring)."""
-    tok = Tokenizer(models.BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="",
-                               fuse_unk=False, byte_fallback=False))
+    tok = Tokenizer(
+        models.BPE(
+            unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False
+        )
+    )
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     return tok
 
@@ -89,8 +104,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> PreTrainedT
     """
     n_fixed = 256 + len(SPECIAL_TOKENS) + len(ADDED_TOKENS)
     if vocab_size < n_fixed:
-        raise UserError(f"vocab_size={vocab_size} is below the {n_fixed} byte and special tokens: "
-                        "use at least 512")
+        raise UserError(f"vocab_size={vocab_size} is below the {n_fixed} byte and special tokens: use at least 512")
     tok = _qwen2_pipeline_tokenizer()
     trainer = BpeTrainer(
         vocab_size=vocab_size - len(ADDED_TOKENS),
@@ -124,8 +138,9 @@ def format_chat(tokenizer, prompt: str, completion: str | None = None) -> str:
 
 def format_prompt(tokenizer, prompt: str) -> str:
     """``prompt`` as a user turn followed by the assistant header the model continues from."""
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def special_token_ids(tokenizer) -> dict[str, int]:
@@ -139,7 +154,9 @@ def special_token_ids(tokenizer) -> dict[str, int]:
     for name, token in names.items():
         encoded = tokenizer.encode(token, add_special_tokens=False)
         if len(encoded) != 1:
-            raise UserError(f"tokenizer has no single token for {token!r} (it encodes to "
-                            f"{len(encoded)} ids): use one made by opd.tokenizer.train_tokenizer")
+            raise UserError(
+                f"tokenizer has no single token for {token!r} (it encodes to "
+                f"{len(encoded)} ids): use one made by opd.tokenizer.train_tokenizer"
+            )
         ids[name] = encoded[0]
     return ids

@@ -63,8 +63,10 @@ def check_installed(names: list[str]) -> None:
     """One line naming the pip command when a named tracker's package is missing."""
     missing = [n for n in names if n in TRACKERS and not installed(n)]
     if missing:
-        raise UserError(f"--report-to {','.join(missing)} needs {'these packages' if len(missing) > 1 else 'its package'}: "
-                        f"pip install {' '.join(missing)}")
+        raise UserError(
+            f"--report-to {','.join(missing)} needs {'these packages' if len(missing) > 1 else 'its package'}: "
+            f"pip install {' '.join(missing)}"
+        )
 
 
 def scalars(record: dict) -> dict[str, float]:
@@ -103,8 +105,11 @@ class TensorBoard:
 
         text = json.dumps(config, indent=2, sort_keys=True)
         self.writer.add_text("config", "\n".join("    " + line for line in text.splitlines()), step)  # a code block
-        flat = {k: ",".join(map(str, v)) if isinstance(v, (list, tuple)) else v for k, v in config.items()
-                if isinstance(v, (bool, int, float, str, list, tuple))}
+        flat = {
+            k: ",".join(map(str, v)) if isinstance(v, (list, tuple)) else v
+            for k, v in config.items()
+            if isinstance(v, (bool, int, float, str, list, tuple))
+        }
         for summary in hparams(flat, {"eval/accuracy": 0.0, "train/loss": 0.0}):  # metric names only
             self.writer.file_writer.add_summary(summary)
 
@@ -141,12 +146,22 @@ class Wandb:
         mode = None  # wandb's own choice: WANDB_MODE, else online
         if not os.environ.get("WANDB_MODE") and not _wandb_credentials():
             mode = "offline"
-            print(f"wandb: no API key found, logging offline to {path / 'wandb'} "
-                  f"(upload with: wandb sync {path / 'wandb'}/offline-run-*)", file=sys.stderr)
+            print(
+                f"wandb: no API key found, logging offline to {path / 'wandb'} "
+                f"(upload with: wandb sync {path / 'wandb'}/offline-run-*)",
+                file=sys.stderr,
+            )
         self.skip_through = -1
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or "opd", name=os.environ.get("WANDB_NAME") or path.name,
-                              id=state["wandb_id"], resume="allow", dir=str(path), config=config or {},
-                              allow_val_change=True, mode=mode)
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or "opd",
+            name=os.environ.get("WANDB_NAME") or path.name,
+            id=state["wandb_id"],
+            resume="allow",
+            dir=str(path),
+            config=config or {},
+            allow_val_change=True,
+            mode=mode,
+        )
 
     def log(self, values: dict[str, float], step: int | None) -> None:
         self.run.log(values, step=step)

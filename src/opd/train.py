@@ -98,8 +98,21 @@ def setup(cfg: TrainConfig) -> Run:
     student.train()
     optimizer = make_optimizer(dist.wrap(student), cfg.lr, cfg.weight_decay)
     scheduler = make_scheduler(optimizer, cfg.warmup_steps, cfg.steps * cfg.updates_per_batch, cfg.schedule)
-    run = Run(cfg, student, teacher, tok, HFRollout(student, tok.eos_token_id, tok.pad_token_id), task,
-              prompts, test, optimizer, scheduler, rundir, special_ids, dist)
+    run = Run(
+        cfg,
+        student,
+        teacher,
+        tok,
+        HFRollout(student, tok.eos_token_id, tok.pad_token_id),
+        task,
+        prompts,
+        test,
+        optimizer,
+        scheduler,
+        rundir,
+        special_ids,
+        dist,
+    )
     if ckpt is not None:
         resume(run, ckpt)
     elif cfg.resume:  # killed before its first checkpoint: it starts over, so must its logs
@@ -127,8 +140,10 @@ def resume(run: Run, ckpt: Path) -> None:
         raise UserError(f"checkpoint {ckpt} was written {was} --fsdp; resume {was} --fsdp as well")
     saved_world = len(state["rng"]) if isinstance(state["rng"], list) else 1
     if saved_world != run.dist.world:  # the global batch, and so each step's prompts, would change
-        raise UserError(f"checkpoint {ckpt} was written by {saved_world} process(es), this launch has "
-                        f"{run.dist.world}; resume with the same number of processes")
+        raise UserError(
+            f"checkpoint {ckpt} was written by {saved_world} process(es), this launch has "
+            f"{run.dist.world}; resume with the same number of processes"
+        )
     run.dist.load_optimizer_state(run.optimizer, state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"], run.dist.rank, run.dist.world, run.dist.device)
@@ -147,9 +162,15 @@ def rollout_stage(run: Run, step: int) -> tuple[RolloutBatch, list[int]]:
     slots = run.dist.shard(list(range(len(global_rows))))
     rows = [global_rows[s] for s in slots]
     seeds = [sample_seed(cfg.seed, step, s) for s in slots]
-    batch = run.dist.full_call(lambda _: run.engine.generate(
-        [run.prompts.prompt_ids[i] for i in rows], seeds, max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature, top_p=cfg.top_p))
+    batch = run.dist.full_call(
+        lambda _: run.engine.generate(
+            [run.prompts.prompt_ids[i] for i in rows],
+            seeds,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+        )
+    )
     return batch, rows
 
 
@@ -173,8 +194,9 @@ def score_stage(run: Run, batch: RolloutBatch, diag_M: torch.Tensor):
 
 def global_totals(run: Run, mask_NT: torch.Tensor) -> LossTotals:
     """The loss normalisers of the global batch (all ranks), so every rank's share adds up to it."""
-    tokens, seqs, rollouts = run.dist.all_sum([float(mask_NT.sum()), float((mask_NT.sum(-1) > 0).sum()),
-                                               float(mask_NT.shape[0])])
+    tokens, seqs, rollouts = run.dist.all_sum(
+        [float(mask_NT.sum()), float((mask_NT.sum(-1) > 0).sum()), float(mask_NT.shape[0])]
+    )
     return LossTotals(int(tokens), int(seqs), int(rollouts), run.cfg.max_new_tokens, run.dist.world)
 
 
@@ -182,8 +204,9 @@ def _objective(student, run: Run, *args):
     return objective_loss(run.cfg, student, run.teacher, *args)
 
 
-def update_stage(run: Run, step: int, batch: RolloutBatch, scores: TeacherScores, student_ids, mask_NT,
-                 diag_M) -> StepUpdate:
+def update_stage(
+    run: Run, step: int, batch: RolloutBatch, scores: TeacherScores, student_ids, mask_NT, diag_M
+) -> StepUpdate:
     """Objective loss over micro-batches, clipping, optimizer step(s); the first update's by-products.
 
     With ``--updates-per-batch`` > 1 the later updates reuse the batch: the sampled-token loss
@@ -203,8 +226,9 @@ def update_stage(run: Run, step: int, batch: RolloutBatch, scores: TeacherScores
             old = batch.logprobs_NT[rows] if cfg.updates_per_batch > 1 else None
             ids_rows = None if student_ids is None else student_ids[rows]
             with run.dist.sync_gradients(start + mb >= N):  # reduce across ranks once, after the last micro-batch
-                loss_NT, h = run.dist.train_call(_objective, run, batch.select(rows), scores.select(rows),
-                                                 mask_NT[rows], ids_rows, old)
+                loss_NT, h = run.dist.train_call(
+                    _objective, run, batch.select(rows), scores.select(rows), mask_NT[rows], ids_rows, old
+                )
                 loss = reduce_loss(cfg.reduction, loss_NT, mask_NT[rows], totals)
                 loss.backward()
             loss_value += float(loss.detach())
@@ -219,10 +243,15 @@ def update_stage(run: Run, step: int, batch: RolloutBatch, scores: TeacherScores
         run.scheduler.step()
         if first is None:
             h_all = torch.cat(hidden_rows)
-            first = StepUpdate(loss=loss_value, grad_norm=norm, clipped=bool(cfg.max_grad_norm and norm > cfg.max_grad_norm),
-                               lr=0.0, loss_NT=torch.cat(loss_rows),
-                               diag_hidden_MD=h_all.reshape(-1, h_all.shape[-1])[diag_M],
-                               log_hidden_LTD=h_all[: cfg.log_rollouts])
+            first = StepUpdate(
+                loss=loss_value,
+                grad_norm=norm,
+                clipped=bool(cfg.max_grad_norm and norm > cfg.max_grad_norm),
+                lr=0.0,
+                loss_NT=torch.cat(loss_rows),
+                diag_hidden_MD=h_all.reshape(-1, h_all.shape[-1])[diag_M],
+                log_hidden_LTD=h_all[: cfg.log_rollouts],
+            )
     first.lr = run.scheduler.get_last_lr()[0]
     return first
 
@@ -238,8 +267,16 @@ def check_finite(run: Run, step: int, **values: float) -> None:
             )
 
 
-def log_stage(run: Run, step: int, rows: list[int], batch: RolloutBatch, scores: TeacherScores, upd: StepUpdate,
-              mask_NT: torch.Tensor, timings: dict) -> dict:
+def log_stage(
+    run: Run,
+    step: int,
+    rows: list[int],
+    batch: RolloutBatch,
+    scores: TeacherScores,
+    upd: StepUpdate,
+    mask_NT: torch.Tensor,
+    timings: dict,
+) -> dict:
     """Metrics of the whole batch (ranks' records merged) and rank 0's sample rollouts."""
     cfg = run.cfg
     examples = [run.prompts.examples[i] for i in rows]
@@ -247,8 +284,10 @@ def log_stage(run: Run, step: int, rows: list[int], batch: RolloutBatch, scores:
 
     def local(student):
         W = head_weight(student).detach()
-        metrics = {**step_metrics(batch, correct, scores, upd, mask_NT, W, k=cfg.k, horizon=cfg.max_new_tokens),
-                   **timings}
+        metrics = {
+            **step_metrics(batch, correct, scores, upd, mask_NT, W, k=cfg.k, horizon=cfg.max_new_tokens),
+            **timings,
+        }
         if not (cfg.log_rollouts and run.dist.is_main):
             return metrics, []
         return metrics, rollout_records(run.tokenizer, W, step, batch, examples, texts, correct, scores, upd, mask_NT)
@@ -265,9 +304,23 @@ def log_stage(run: Run, step: int, rows: list[int], batch: RolloutBatch, scores:
 def eval_stage(run: Run, step: int) -> dict:
     """Rank 0 evaluates (with FSDP, on weights all ranks gathered); the others wait for it."""
     cfg = run.cfg
-    res = run.dist.full_call(lambda s: evaluate_model(
-        s, run.tokenizer, run.test, run.task, max_new_tokens=cfg.max_new_tokens, samples=cfg.eval_samples,
-        temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed) if run.dist.is_main else None)
+    res = run.dist.full_call(
+        lambda s: (
+            evaluate_model(
+                s,
+                run.tokenizer,
+                run.test,
+                run.task,
+                max_new_tokens=cfg.max_new_tokens,
+                samples=cfg.eval_samples,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                seed=cfg.seed,
+            )
+            if run.dist.is_main
+            else None
+        )
+    )
     run.student.train()
     if res is None:
         return {}
@@ -279,8 +332,14 @@ def eval_stage(run: Run, step: int) -> dict:
 def checkpoint_stage(run: Run, step: int) -> None:
     """Rank 0 writes; every rank takes part in gathering sharded weights and per-rank RNG states."""
     rng = run.dist.gather(rng_state(run.dist.device))
-    state = {"step": step, "optimizer": run.dist.optimizer_state(run.optimizer), "scheduler": run.scheduler.state_dict(),
-             "rng": rng if run.dist.active else rng[0], "fsdp": run.dist.fsdp, "config": dataclasses.asdict(run.cfg)}
+    state = {
+        "step": step,
+        "optimizer": run.dist.optimizer_state(run.optimizer),
+        "scheduler": run.scheduler.state_dict(),
+        "rng": rng if run.dist.active else rng[0],
+        "fsdp": run.dist.fsdp,
+        "config": dataclasses.asdict(run.cfg),
+    }
     run.rundir.save_checkpoint(step, run.student, state, model_state=run.dist.full_state_dict(run.student))
     run.dist.barrier()
 
@@ -312,7 +371,12 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
                 last_eval = eval_stage(run, step)
             if last or (cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0):
                 checkpoint_stage(run, step)
-    save_final_model(run.rundir.path / "final", run.student, run.tokenizer, run.rundir.enabled,
-                     model_state=run.dist.full_state_dict(run.student))
+    save_final_model(
+        run.rundir.path / "final",
+        run.student,
+        run.tokenizer,
+        run.rundir.enabled,
+        model_state=run.dist.full_state_dict(run.student),
+    )
     shutdown(run.dist)
     return last_eval

@@ -45,11 +45,18 @@ def encode_scores(rows_S: list[int], ids_RK: torch.Tensor, logprobs_RK: torch.Te
     """The binary answer for S sequences whose R scored rows are stacked in ``ids_RK`` etc."""
     R, K = ids_RK.shape
     if sum(rows_S) != R or logprobs_RK.shape != (R, K) or given_R.shape != (R,):
-        raise ValueError(f"rows {sum(rows_S)} != {R}, or shapes {tuple(logprobs_RK.shape)} / {tuple(given_R.shape)} "
-                         f"do not match ids {(R, K)}")
+        raise ValueError(
+            f"rows {sum(rows_S)} != {R}, or shapes {tuple(logprobs_RK.shape)} / {tuple(given_R.shape)} "
+            f"do not match ids {(R, K)}"
+        )
     header = np.array([(MAGIC, VERSION, len(rows_S), K, R)], dtype=_HEADER)
-    parts = [header, np.asarray(rows_S, dtype="<u4"), _array(ids_RK, "<i4"), _array(logprobs_RK, "<f4"),
-             _array(given_R, "<f4")]
+    parts = [
+        header,
+        np.asarray(rows_S, dtype="<u4"),
+        _array(ids_RK, "<i4"),
+        _array(logprobs_RK, "<f4"),
+        _array(given_R, "<f4"),
+    ]
     return b"".join(p.tobytes() for p in parts)
 
 
@@ -58,8 +65,9 @@ def _array(t: torch.Tensor, dtype: str) -> np.ndarray:
     return t.detach().to("cpu", torch.int32 if dtype == "<i4" else torch.float32).numpy().astype(dtype, copy=False)
 
 
-def decode_scores(body: bytes, rows_S: list[int], k: int, vocab_rows: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def decode_scores(
+    body: bytes, rows_S: list[int], k: int, vocab_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Check a binary answer against what was asked and return (ids_RK int64, logprobs_RK, given_R float32).
 
     ``rows_S``: the scored positions expected per sequence; ``vocab_rows``: ids must lie in
@@ -68,8 +76,9 @@ def decode_scores(body: bytes, rows_S: list[int], k: int, vocab_rows: int
         raise WireError(f"{len(body)} bytes, shorter than the {_HEADER.itemsize}-byte header (truncated)")
     head = np.frombuffer(body, dtype=_HEADER, count=1)[0]
     if head["magic"] != MAGIC or head["version"] != VERSION:
-        raise WireError(f"magic {bytes(head['magic'])!r} version {int(head['version'])}, expected {MAGIC!r} "
-                        f"version {VERSION}")
+        raise WireError(
+            f"magic {bytes(head['magic'])!r} version {int(head['version'])}, expected {MAGIC!r} version {VERSION}"
+        )
     S, K, R = int(head["n_seqs"]), int(head["k"]), int(head["rows"])
     if S != len(rows_S) or K != k:
         raise WireError(f"{S} sequences with K={K}, where {len(rows_S)} with K={k} were asked")

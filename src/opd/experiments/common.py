@@ -25,40 +25,82 @@ def sizes(quick: bool, steps: int = 100, batch: int = 32) -> dict:
     """OPD run sizes: full (``steps`` x ``batch``) or a smoke-test size for ``--quick``."""
     if quick:
         return dict(steps=3, batch_size=8, eval_every=0, eval_size=16, ckpt_every=2, log_rollouts=2, diag_positions=64)
-    return dict(steps=steps, batch_size=batch, eval_every=max(steps // 2, 1), eval_size=200, ckpt_every=max(steps // 2, 1),
-                log_rollouts=4, diag_positions=256)
+    return dict(
+        steps=steps,
+        batch_size=batch,
+        eval_every=max(steps // 2, 1),
+        eval_size=200,
+        ckpt_every=max(steps // 2, 1),
+        log_rollouts=4,
+        diag_positions=256,
+    )
 
 
 def eval_size(quick: bool) -> int:
     return 16 if quick else 200
 
 
-def opd_config(s: Settings, name: str, seed: int, student: str = STUDENT, teacher: str = TEACHER, **over) -> TrainConfig:
+def opd_config(
+    s: Settings, name: str, seed: int, student: str = STUDENT, teacher: str = TEACHER, **over
+) -> TrainConfig:
     """A TrainConfig with the demo's settings; ``over`` changes the objective, lr, top-p, ..."""
     size = sizes(s.quick, **{k: over.pop(k) for k in ("steps", "batch") if k in over})
-    base = dict(student=student, teacher=teacher, task="arithmetic", task_level=TASK_LEVEL, seed=seed,
-                out=str(s.run_dir(name)), max_new_tokens=MAX_NEW_TOKENS, top_p=TOP_P, k=32, lr=5e-4,
-                warmup_steps=2 if s.quick else 10, eval_samples=0, **size)
+    base = dict(
+        student=student,
+        teacher=teacher,
+        task="arithmetic",
+        task_level=TASK_LEVEL,
+        seed=seed,
+        out=str(s.run_dir(name)),
+        max_new_tokens=MAX_NEW_TOKENS,
+        top_p=TOP_P,
+        k=32,
+        lr=5e-4,
+        warmup_steps=2 if s.quick else 10,
+        eval_samples=0,
+        **size,
+    )
     base.update(over)
     return TrainConfig(**base)
 
 
-def sft_config(s: Settings, name: str, seed: int, init: str = STUDENT, steps: int = 100, batch: int = 32,
-               **over) -> SFTConfig:
+def sft_config(
+    s: Settings, name: str, seed: int, init: str = STUDENT, steps: int = 100, batch: int = 32, **over
+) -> SFTConfig:
     """An SFTConfig that keeps the *last* model (one evaluation at the end: no test-set model selection)."""
-    base = dict(init=init, task="arithmetic", task_level=TASK_LEVEL, seed=seed, out=str(s.run_dir(name)),
-                max_new_tokens=MAX_NEW_TOKENS, steps=3 if s.quick else steps, batch_size=8 if s.quick else batch,
-                warmup_steps=2 if s.quick else 10, eval_every=0, eval_size=eval_size(s.quick), schedule="constant")
+    base = dict(
+        init=init,
+        task="arithmetic",
+        task_level=TASK_LEVEL,
+        seed=seed,
+        out=str(s.run_dir(name)),
+        max_new_tokens=MAX_NEW_TOKENS,
+        steps=3 if s.quick else steps,
+        batch_size=8 if s.quick else batch,
+        warmup_steps=2 if s.quick else 10,
+        eval_every=0,
+        eval_size=eval_size(s.quick),
+        schedule="constant",
+    )
     base.update(over)
     return SFTConfig(**base)
 
 
-def final_eval_spec(s: Settings, run_name: str, seed: int, model: str = "",
-                    max_new_tokens: int = MAX_NEW_TOKENS) -> RunSpec:
+def final_eval_spec(
+    s: Settings, run_name: str, seed: int, model: str = "", max_new_tokens: int = MAX_NEW_TOKENS
+) -> RunSpec:
     """``opd eval`` of ``model`` (default ``run_name/final``): greedy and avg@k at top-p 0.9 on the test prompts."""
-    cfg = EvalConfig(student=model or str(s.run_dir(run_name) / "final"), task="arithmetic", task_level=TASK_LEVEL, seed=seed,
-                     out=str(s.run_dir(run_name + "/eval")), max_new_tokens=max_new_tokens,
-                     eval_size=eval_size(s.quick), samples=2 if s.quick else EVAL_SAMPLES, top_p=TOP_P)
+    cfg = EvalConfig(
+        student=model or str(s.run_dir(run_name) / "final"),
+        task="arithmetic",
+        task_level=TASK_LEVEL,
+        seed=seed,
+        out=str(s.run_dir(run_name + "/eval")),
+        max_new_tokens=max_new_tokens,
+        eval_size=eval_size(s.quick),
+        samples=2 if s.quick else EVAL_SAMPLES,
+        top_p=TOP_P,
+    )
     return RunSpec(run_name + "/eval", "eval", cfg)
 
 
@@ -88,11 +130,15 @@ def stability(records: list[dict]) -> dict:
     head = ent[: max(1, len(ent) // 10)]
     e0 = sum(head) / len(head) if head else math.nan
     median_g = sorted(g)[len(g) // 2] if g else math.nan
-    return {"grad_norm_mean": mean_g, "grad_norm_cv": sd_g / mean_g if mean_g else math.nan,
-            "spike_share": sum(x > SPIKE * median_g for x in g) / len(g) if g else math.nan,
-            "clipped_share": sum(clipped) / len(clipped) if clipped else math.nan,
-            "entropy_start": e0, "entropy_end": ent[-1] if ent else math.nan,
-            "entropy_min_ratio": min(ent) / e0 if ent and e0 else math.nan}
+    return {
+        "grad_norm_mean": mean_g,
+        "grad_norm_cv": sd_g / mean_g if mean_g else math.nan,
+        "spike_share": sum(x > SPIKE * median_g for x in g) / len(g) if g else math.nan,
+        "clipped_share": sum(clipped) / len(clipped) if clipped else math.nan,
+        "entropy_start": e0,
+        "entropy_end": ent[-1] if ent else math.nan,
+        "entropy_min_ratio": min(ent) / e0 if ent and e0 else math.nan,
+    }
 
 
 def mean_curve(s: Settings, names: list[str], key: str) -> tuple[list[int], list[float], list[float], list[float]]:
@@ -103,7 +149,9 @@ def mean_curve(s: Settings, names: list[str], key: str) -> tuple[list[int], list
     return steps, [c.mean for c in cis], [c.lo for c in cis], [c.hi for c in cis]
 
 
-def diagnostics_plots(a: Analysis, s: Settings, groups: dict[str, list[str]], keys: dict[str, str], prefix: str) -> None:
+def diagnostics_plots(
+    a: Analysis, s: Settings, groups: dict[str, list[str]], keys: dict[str, str], prefix: str
+) -> None:
     """One PNG per diagnostic: a curve (mean and CI over seeds) per group of runs."""
     for key, label in keys.items():
         curves = {g: mean_curve(s, names, key) for g, names in groups.items()}
@@ -117,13 +165,20 @@ def diagnostics_plots(a: Analysis, s: Settings, groups: dict[str, list[str]], ke
 
 def generate_batches(engine, prompt_ids: list[list[int]], seeds: list[int], batch: int = 128) -> list:
     """Sample (temperature 1, the demo's top-p) in batches of ``batch`` prompts; a list of RolloutBatch."""
-    return [engine.generate(prompt_ids[i:i + batch], seeds[i:i + batch], max_new_tokens=MAX_NEW_TOKENS,
-                            temperature=1.0, top_p=TOP_P) for i in range(0, len(prompt_ids), batch)]
+    return [
+        engine.generate(
+            prompt_ids[i : i + batch], seeds[i : i + batch], max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, top_p=TOP_P
+        )
+        for i in range(0, len(prompt_ids), batch)
+    ]
 
 
-def avg_at_k_claim(a: Analysis, s: Settings, source: str, claim: str, hi: str, lo: str, hi_runs: list[str],
-                   lo_runs: list[str]) -> None:
+def avg_at_k_claim(
+    a: Analysis, s: Settings, source: str, claim: str, hi: str, lo: str, hi_runs: list[str], lo_runs: list[str]
+) -> None:
     """Claim "hi beats lo": the verdict on the paired (same seed) differences of final avg@k."""
-    diffs = [final_scores(s, h)["avg_at_k"] - final_scores(s, l)["avg_at_k"] for h, l in zip(hi_runs, lo_runs)]
+    diffs = [final_scores(s, hi)["avg_at_k"] - final_scores(s, lo)["avg_at_k"] for hi, lo in zip(hi_runs, lo_runs)]
     v, ci = verdict(diffs)
-    a.claims.append(Claim(source, claim, f"CI of paired avg@k difference ({hi} - {lo}) above 0", v, f"{ci.fmt(1, 100)} points"))
+    a.claims.append(
+        Claim(source, claim, f"CI of paired avg@k difference ({hi} - {lo}) above 0", v, f"{ci.fmt(1, 100)} points")
+    )

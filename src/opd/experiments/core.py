@@ -21,9 +21,10 @@ import platform
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from opd.errors import UserError
 
@@ -83,7 +84,9 @@ class Analysis:
     notes: list[str] = field(default_factory=list)
 
     def table(self, title: str, headers: list[str], rows: list[list], note: str = "") -> None:
-        self.tables.append({"title": title, "headers": headers, "rows": [[str(c) for c in r] for r in rows], "note": note})
+        self.tables.append(
+            {"title": title, "headers": headers, "rows": [[str(c) for c in r] for r in rows], "note": note}
+        )
 
 
 @dataclass
@@ -214,13 +217,22 @@ def command_line(spec: RunSpec, run_dir: Path) -> str:
 def machine_info() -> dict:
     import torch
 
-    return {"cpu_cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "torch_threads": torch.get_num_threads()}
+    return {
+        "cpu_cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def _md_table(t: dict) -> str:
-    lines = [f"**{t['title']}**", "", "| " + " | ".join(t["headers"]) + " |",
-             "|" + "|".join("---" for _ in t["headers"]) + "|"]
+    lines = [
+        f"**{t['title']}**",
+        "",
+        "| " + " | ".join(t["headers"]) + " |",
+        "|" + "|".join("---" for _ in t["headers"]) + "|",
+    ]
     lines += ["| " + " | ".join(r) + " |" for r in t["rows"]]
     if t.get("note"):
         lines += ["", t["note"]]
@@ -238,13 +250,20 @@ def render_markdown(res: dict, plot_prefix: str = "") -> str:
     """The body of an experiment's results (used for results.md and docs/RESULTS.md)."""
     size = "quick (--quick: a shortened smoke version, NOT the full result)" if res["quick"] else "full size"
     m = res["machine"]
-    out = [f"Size: {size}; seeds: {res['seeds']}; wall time {res['wall_s'] / 60:.1f} min of runs "
-           f"({res['runs_total']} runs); machine: {m['cpu_cores']} CPU cores, torch {m['torch']}, "
-           f"Python {m['python']}; generated {res['generated']}.", "", res["about"].strip(), ""]
+    out = [
+        f"Size: {size}; seeds: {res['seeds']}; wall time {res['wall_s'] / 60:.1f} min of runs "
+        f"({res['runs_total']} runs); machine: {m['cpu_cores']} CPU cores, torch {m['torch']}, "
+        f"Python {m['python']}; generated {res['generated']}.",
+        "",
+        res["about"].strip(),
+        "",
+    ]
     if res["claims"]:
         out += ["**Claims**", "", "| source | claim | rule | verdict | numbers |", "|---|---|---|---|---|"]
-        out += [f"| {c['source']} | {c['claim']} | {c['rule']} | {verdict_cell(res, c)} | {c['evidence']} |"
-                for c in res["claims"]]
+        out += [
+            f"| {c['source']} | {c['claim']} | {c['rule']} | {verdict_cell(res, c)} | {c['evidence']} |"
+            for c in res["claims"]
+        ]
         out.append("")
     for t in res["tables"]:
         out += [_md_table(t), ""]
@@ -266,11 +285,21 @@ def run_experiment(exp: Experiment, out: Path, seeds: int, quick: bool, show_pro
     analysis = exp.analyze(settings, specs)
     wall_runs = sum(read_done(settings, s.name)["wall_s"] for s in specs)
     res = {
-        "name": exp.name, "title": exp.title, "about": exp.about, "quick": quick, "seeds": seeds,
-        "wall_s": wall_runs, "wall_s_this_invocation": round(time.time() - t0, 1), "runs_total": len(specs),
-        "machine": machine_info(), "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "tables": analysis.tables, "plots": analysis.plots, "notes": analysis.notes,
-        "claims": [dataclasses.asdict(c) for c in analysis.claims], "run_log": log,
+        "name": exp.name,
+        "title": exp.title,
+        "about": exp.about,
+        "quick": quick,
+        "seeds": seeds,
+        "wall_s": wall_runs,
+        "wall_s_this_invocation": round(time.time() - t0, 1),
+        "runs_total": len(specs),
+        "machine": machine_info(),
+        "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "tables": analysis.tables,
+        "plots": analysis.plots,
+        "notes": analysis.notes,
+        "claims": [dataclasses.asdict(c) for c in analysis.claims],
+        "run_log": log,
         "command": f"opd experiment {exp.name} --seeds {seeds} --out {out}" + (" --quick" if quick else ""),
     }
     (settings.out / "results.json").write_text(json.dumps(res, indent=2, default=str) + "\n")

@@ -15,8 +15,18 @@ LSM without renormalization, full KL) also at lr 2e-3; two greedy evaluations du
 from __future__ import annotations
 
 from opd.demo import STUDENT_TRAIN_SIZE
-from opd.experiments.common import (SPIKE, TEACHER, avg_at_k_claim, diagnostics_plots, final_scores, opd_config, read_metrics, sft_config,
-                                    stability, with_eval)
+from opd.experiments.common import (
+    SPIKE,
+    TEACHER,
+    avg_at_k_claim,
+    diagnostics_plots,
+    final_scores,
+    opd_config,
+    read_metrics,
+    sft_config,
+    stability,
+    with_eval,
+)
 from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
 from opd.experiments.stats import equivalence, mean_ci, verdict
 
@@ -60,10 +70,15 @@ def plan(s: Settings) -> list[RunSpec]:
             if variant == "off-policy-sft":
                 spec = RunSpec(name, "sft", sft_config(s, name, seed, teacher=TEACHER, lr=lr, steps=STEPS, batch=BATCH))
             elif variant == "sft-continue":
-                spec = RunSpec(name, "sft", sft_config(s, name, seed, lr=lr, steps=STEPS, batch=BATCH,
-                                                       train_size=STUDENT_TRAIN_SIZE))
+                spec = RunSpec(
+                    name,
+                    "sft",
+                    sft_config(s, name, seed, lr=lr, steps=STEPS, batch=BATCH, train_size=STUDENT_TRAIN_SIZE),
+                )
             else:
-                spec = RunSpec(name, "train", opd_config(s, name, seed, lr=lr, steps=STEPS, batch=BATCH, **VARIANTS[variant]))
+                spec = RunSpec(
+                    name, "train", opd_config(s, name, seed, lr=lr, steps=STEPS, batch=BATCH, **VARIANTS[variant])
+                )
             specs += with_eval(s, spec, seed)
     return specs
 
@@ -86,29 +101,65 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
     for variant, lr in _grid(s.quick):
         sc = _scores(s, variant, lr)
         st = _stab(s, variant, lr) if variant not in SFT_VARIANTS else None
-        pick = lambda key: mean_ci([x[key] for x in st]).fmt(2) if st else "-"
-        rows.append([variant, f"{lr:g}", mean_ci([x["accuracy"] for x in sc]).fmt(1, 100),
-                     mean_ci([x["avg_at_k"] for x in sc]).fmt(1, 100), pick("grad_norm_cv"), pick("clipped_share"),
-                     pick("entropy_start"), pick("entropy_end"), pick("entropy_min_ratio")])
-    a.table("Final accuracy (%) and stability, mean [95% CI] over seeds; avg@k at temperature 1, top-p 0.9; "
-            "grad-norm CV = std/mean over steps; entropy = student entropy at sampled positions",
-            ["variant", "lr", "greedy acc", "avg@k", "grad-norm CV", "clipped share", "entropy start", "entropy end",
-             "min entropy / start"], rows)
+        pick = lambda key, st=st: mean_ci([x[key] for x in st]).fmt(2) if st else "-"
+        rows.append(
+            [
+                variant,
+                f"{lr:g}",
+                mean_ci([x["accuracy"] for x in sc]).fmt(1, 100),
+                mean_ci([x["avg_at_k"] for x in sc]).fmt(1, 100),
+                pick("grad_norm_cv"),
+                pick("clipped_share"),
+                pick("entropy_start"),
+                pick("entropy_end"),
+                pick("entropy_min_ratio"),
+            ]
+        )
+    a.table(
+        "Final accuracy (%) and stability, mean [95% CI] over seeds; avg@k at temperature 1, top-p 0.9; "
+        "grad-norm CV = std/mean over steps; entropy = student entropy at sampled positions",
+        [
+            "variant",
+            "lr",
+            "greedy acc",
+            "avg@k",
+            "grad-norm CV",
+            "clipped share",
+            "entropy start",
+            "entropy end",
+            "min entropy / start",
+        ],
+        rows,
+    )
     lr = LRS[0]
     shown = ("sampled", "sampled+mask", "lsm", "lsm-no-renorm", "lsm-no-top-p", "full-kl", "lsm-k1")
     groups = {v: [run_name(v, lr, k) for k in range(s.seeds)] for v in shown if _has(s, v)}
-    diagnostics_plots(a, s, groups, {"diag/student_entropy": "student entropy", "train/grad_norm": "gradient norm",
-                                     "diag/overlap": "top-K overlap", "diag/negative_reward": "negative-reward share",
-                                     "train/kl_to_teacher": "KL(student || teacher)", "eval/accuracy": "greedy accuracy"},
-                      "objectives")
+    diagnostics_plots(
+        a,
+        s,
+        groups,
+        {
+            "diag/student_entropy": "student entropy",
+            "train/grad_norm": "gradient norm",
+            "diag/overlap": "top-K overlap",
+            "diag/negative_reward": "negative-reward share",
+            "train/kl_to_teacher": "KL(student || teacher)",
+            "eval/accuracy": "greedy accuracy",
+        },
+        "objectives",
+    )
     _claims(a, s)
     clipped = [x["clipped_share"] for v, lr_ in _grid(s.quick) if v not in SFT_VARIANTS for x in _stab(s, v, lr_)]
-    a.notes.append(f"Gradients are clipped at norm 1 (`--max-grad-norm`, the default); {100 * mean_ci(clipped).mean:.0f}% "
-                   "of all OPD steps here exceed it, so the stability claims use the pre-clipping norm's spread and its "
-                   f"spikes (steps above {SPIKE:g}x the run's median) rather than the clipped-step share.")
+    a.notes.append(
+        f"Gradients are clipped at norm 1 (`--max-grad-norm`, the default); {100 * mean_ci(clipped).mean:.0f}% "
+        "of all OPD steps here exceed it, so the stability claims use the pre-clipping norm's spread and its "
+        f"spikes (steps above {SPIKE:g}x the run's median) rather than the clipped-step share."
+    )
     if _has(s, "lsm-k1"):
-        a.notes.append("LSM with K=1 and renormalization is identically zero (student and teacher are both 1 on the "
-                       "single support token), so lsm-k1 makes no update: the degenerate top-1 case by construction.")
+        a.notes.append(
+            "LSM with K=1 and renormalization is identically zero (student and teacher are both 1 on the "
+            "single support token), so lsm-k1 makes no update: the degenerate top-1 case by construction."
+        )
     return a
 
 
@@ -120,54 +171,113 @@ def _better(a: Analysis, s: Settings, source: str, claim: str, hi: str, lo: str,
     for lr in lrs:
         if not _has(s, hi, lo, lr=lr):
             continue
-        avg_at_k_claim(a, s, source, f"{claim} (lr {lr:g})", hi, lo, *([run_name(v, lr, k) for k in range(s.seeds)]
-                                                                        for v in (hi, lo)))
+        avg_at_k_claim(
+            a,
+            s,
+            source,
+            f"{claim} (lr {lr:g})",
+            hi,
+            lo,
+            *([run_name(v, lr, k) for k in range(s.seeds)] for v in (hi, lo)),
+        )
 
 
 def _claims(a: Analysis, s: Settings) -> None:
     lr = LRS[0]
     _better(a, s, "2603.25562 Tab. 1", "LSM beats sampled-token OPD", "lsm", "sampled")
-    _better(a, s, "2603.25562 Tab. 1", "special-token masking alone improves sampled-token OPD", "sampled+mask", "sampled")
+    _better(
+        a, s, "2603.25562 Tab. 1", "special-token masking alone improves sampled-token OPD", "sampled+mask", "sampled"
+    )
     _better(a, s, "2603.25562 Tab. 3", "top-p rollouts improve sampled-token OPD", "sampled+top-p", "sampled", (lr,))
-    _better(a, s, "2603.25562 Tab. 3", "teacher top-K without top-p scores below sampled-token OPD", "sampled",
-            "lsm-no-top-p", (lr,))
+    _better(
+        a,
+        s,
+        "2603.25562 Tab. 3",
+        "teacher top-K without top-p scores below sampled-token OPD",
+        "sampled",
+        "lsm-no-top-p",
+        (lr,),
+    )
     _better(a, s, "2603.25562 Tab. 3", "top-p is needed by teacher top-K", "lsm", "lsm-no-top-p", (lr,))
     _better(a, s, "2603.25562 Fig. 6", "renormalization is required", "lsm", "lsm-no-renorm")
-    _better(a, s, "2604.13016 Tab. (support size)", "top-1 is the degenerate setting (top-4 beats top-1)", "lsm-k4",
-            "lsm-k1", (lr,))
-    _better(a, s, "2604.13016 (motivation)", "on-policy distillation beats off-policy distillation (SFT on teacher "
-            "samples) with the same number of updates", "lsm", "off-policy-sft")
+    _better(
+        a,
+        s,
+        "2604.13016 Tab. (support size)",
+        "top-1 is the degenerate setting (top-4 beats top-1)",
+        "lsm-k4",
+        "lsm-k1",
+        (lr,),
+    )
+    _better(
+        a,
+        s,
+        "2604.13016 (motivation)",
+        "on-policy distillation beats off-policy distillation (SFT on teacher samples) with the same number of updates",
+        "lsm",
+        "off-policy-sft",
+    )
     for k in (16, 48) if _has(s, "lsm-k16", "lsm-k48", "student-topk") else ():
         v, ci = equivalence(_diff(s, f"lsm-k{k}", "lsm", lr), MARGIN)
-        a.claims.append(Claim("2603.25562 (K ablation)", f"K={k} performs like K=32", f"CI of paired avg@k difference "
-                              f"inside +-{MARGIN * 100:g} points", v, f"{ci.fmt(1, 100)} points"))
+        a.claims.append(
+            Claim(
+                "2603.25562 (K ablation)",
+                f"K={k} performs like K=32",
+                f"CI of paired avg@k difference inside +-{MARGIN * 100:g} points",
+                v,
+                f"{ci.fmt(1, 100)} points",
+            )
+        )
     if _has(s, "student-topk"):
         v, ci = equivalence(_diff(s, "student-topk", "lsm", lr), MARGIN)
-        a.claims.append(Claim("2603.25562 Tab. 4", "student top-K support is competitive with teacher top-K in a "
-                              "single task", f"CI of paired avg@k difference inside +-{MARGIN * 100:g} points", v,
-                              f"{ci.fmt(1, 100)} points"))
+        a.claims.append(
+            Claim(
+                "2603.25562 Tab. 4",
+                "student top-K support is competitive with teacher top-K in a single task",
+                f"CI of paired avg@k difference inside +-{MARGIN * 100:g} points",
+                v,
+                f"{ci.fmt(1, 100)} points",
+            )
+        )
     for lr_ in [x for x in LRS if _has(s, "lsm", "lsm-no-renorm", lr=x)]:
         lsm, raw = _stab(s, "lsm", lr_), _stab(s, "lsm-no-renorm", lr_)
         v, ci = verdict([x["entropy_min_ratio"] - y["entropy_min_ratio"] for x, y in zip(lsm, raw)])
-        a.claims.append(Claim("2603.25562 Fig. 6", f"without renormalization the student's entropy collapses within "
-                              f"about 100 steps (lr {lr_:g})", "CI of paired difference of (minimum entropy / starting "
-                              "entropy), lsm - lsm-no-renorm, above 0", v, f"{ci.fmt(2)}; entropy at the end "
-                              f"{mean_ci([y['entropy_end'] for y in raw]).fmt(2)} without vs "
-                              f"{mean_ci([x['entropy_end'] for x in lsm]).fmt(2)} with renormalization"))
-    for metric, label in (("spike_share", f"share of gradient-norm spikes (steps above {SPIKE:g}x the run's median)"),
-                          ("grad_norm_cv", "grad-norm spread (CV)")):
+        a.claims.append(
+            Claim(
+                "2603.25562 Fig. 6",
+                f"without renormalization the student's entropy collapses within about 100 steps (lr {lr_:g})",
+                "CI of paired difference of (minimum entropy / starting entropy), lsm - lsm-no-renorm, above 0",
+                v,
+                f"{ci.fmt(2)}; entropy at the end "
+                f"{mean_ci([y['entropy_end'] for y in raw]).fmt(2)} without vs "
+                f"{mean_ci([x['entropy_end'] for x in lsm]).fmt(2)} with renormalization",
+            )
+        )
+    for metric, label in (
+        ("spike_share", f"share of gradient-norm spikes (steps above {SPIKE:g}x the run's median)"),
+        ("grad_norm_cv", "grad-norm spread (CV)"),
+    ):
         d = [x[metric] - y[metric] for x, y in zip(_stab(s, "sampled", lr), _stab(s, "lsm", lr))]
         v, ci = verdict(d)
-        a.claims.append(Claim("2603.25562 (optimization diagnostics)", f"LSM has a smaller {label} than sampled-token "
-                              f"OPD (lr {lr:g})", "CI of paired difference (sampled - lsm) above 0", v, ci.fmt(3)))
+        a.claims.append(
+            Claim(
+                "2603.25562 (optimization diagnostics)",
+                f"LSM has a smaller {label} than sampled-token OPD (lr {lr:g})",
+                "CI of paired difference (sampled - lsm) above 0",
+                v,
+                ci.fmt(3),
+            )
+        )
 
 
 EXPERIMENT = Experiment(
     name="objectives",
     title="objectives: sampled-token OPD, LSM and their ablations from one student (2603.25562, 2604.13016)",
-    about=__doc__.split("\n\n", 1)[1].strip() + (
+    about=__doc__.split("\n\n", 1)[1].strip()
+    + (
         "\n\nFull size: 60 training runs (20 settings x 3 seeds, about 50-70 s each here with their evaluations): "
-        "about an hour on 2 CPU cores. `--quick`: 3 steps of 8 rollouts per setting, lr 5e-4 only."),
+        "about an hour on 2 CPU cores. `--quick`: 3 steps of 8 rollouts per setting, lr 5e-4 only."
+    ),
     plan=plan,
     analyze=analyze,
 )

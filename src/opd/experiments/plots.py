@@ -10,8 +10,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
 
-def line_plot(path: Path, series: dict, xlabel: str, ylabel: str, title: str, logy: bool = False,
-              logx: bool = False) -> None:
+def line_plot(
+    path: Path, series: dict, xlabel: str, ylabel: str, title: str, logy: bool = False, logx: bool = False
+) -> None:
     """One line per series; ``series[label] = (xs, mean, lo, hi)``, the band drawn when lo/hi are finite."""
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for label, (xs, mean, lo, hi) in series.items():

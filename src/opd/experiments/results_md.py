@@ -27,8 +27,10 @@ def _pick(dirs: list[Path], name: str) -> dict | None:
                 res = json.loads(p.read_text())
                 quick = bool(res["quick"])
             except (ValueError, KeyError, TypeError) as exc:
-                raise UserError(f"{p} is not a results.json written by `opd experiment` ({type(exc).__name__}: "
-                                f"{exc}); delete it and rerun `opd experiment {name}`") from exc
+                raise UserError(
+                    f"{p} is not a results.json written by `opd experiment` ({type(exc).__name__}: "
+                    f"{exc}); delete it and rerun `opd experiment {name}`"
+                ) from exc
             res["_dir"], res["quick"] = str(p.parent), quick
             found.append(res)
     full = [r for r in found if not r["quick"]]
@@ -54,12 +56,18 @@ def build_results_md(dirs: list[Path], doc: Path) -> Path:
         for png in res["plots"]:
             shutil.copy(Path(res["_dir"]) / png, target / png)
         for c in res["claims"]:
-            summary.append(f"| {name} | {size} | {res['seeds']} | {c['source']} | {c['claim']} | "
-                           f"{verdict_cell(res, c)} | {c['evidence']} |")
-        sections.append(f"## {res['title']}\n\nMade with `{res['command']}`.\n\n"
-                        + render_markdown(res, plot_prefix=f"results/{name}/"))
+            summary.append(
+                f"| {name} | {size} | {res['seeds']} | {c['source']} | {c['claim']} | "
+                f"{verdict_cell(res, c)} | {c['evidence']} |"
+            )
+        sections.append(
+            f"## {res['title']}\n\nMade with `{res['command']}`.\n\n"
+            + render_markdown(res, plot_prefix=f"results/{name}/")
+        )
     wall = sum(r["wall_s"] for r in picked.values() if r) / 60
-    machines = sorted({f"{r['machine']['cpu_cores']} CPU cores, torch {r['machine']['torch']}" for r in picked.values() if r})
+    machines = sorted(
+        {f"{r['machine']['cpu_cores']} CPU cores, torch {r['machine']['torch']}" for r in picked.values() if r}
+    )
     head = [
         "# Results: the papers' claims at small scale",
         "",

@@ -19,8 +19,18 @@ from pathlib import Path
 
 from opd.data import load_task
 from opd.demo import TASK_LEVEL
-from opd.experiments.common import (TEACHER, avg_at_k_claim, diagnostics_plots, final_eval_spec, final_scores, opd_config,
-                                    read_metrics, series, sft_config, with_eval)
+from opd.experiments.common import (
+    TEACHER,
+    avg_at_k_claim,
+    diagnostics_plots,
+    final_eval_spec,
+    final_scores,
+    opd_config,
+    read_metrics,
+    series,
+    sft_config,
+    with_eval,
+)
 from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
 from opd.experiments.stats import mean_ci, verdict
 from opd.tasks.arithmetic import reformat_solution
@@ -30,8 +40,11 @@ ALIGNED_PROMPTS, TEACHER_SFT_STEPS, COLD_START_STEPS, OPD_STEPS = 4000, 400, 50,
 # of the different-pattern teacher (200 test prompts) were cut-off answers, so every sampling step
 # here (OPD, cold start, evaluation) gets room for it.
 MAX_NEW = 64
-DIAGS = {"diag/overlap": "top-K overlap ratio", "diag/entropy_gap": "entropy gap |H(q) - H(p)|",
-         "diag/overlap_advantage": "overlap-token advantage"}
+DIAGS = {
+    "diag/overlap": "top-K overlap ratio",
+    "diag/entropy_gap": "entropy gap |H(q) - H(p)|",
+    "diag/overlap_advantage": "overlap-token advantage",
+}
 CONDITIONS = ("compatible", "different", "cold-start", "aligned-prompts")
 
 
@@ -40,7 +53,10 @@ def write_data(p: dict, run_dir: Path) -> dict:
     examples = load_task("arithmetic", TASK_LEVEL, 0).examples("train")[: p["n"]]
     with open(run_dir / "sft.jsonl", "w") as f:
         for e in examples:
-            f.write(json.dumps({"prompt": e.prompt, "answer": e.answer, "solution": reformat_solution(e.solution, "words")}) + "\n")
+            f.write(
+                json.dumps({"prompt": e.prompt, "answer": e.answer, "solution": reformat_solution(e.solution, "words")})
+                + "\n"
+            )
     with open(run_dir / "aligned_prompts.jsonl", "w") as f:
         for e in examples:
             f.write(json.dumps({"prompt": e.prompt, "answer": e.answer}) + "\n")
@@ -52,12 +68,32 @@ def plan(s: Settings) -> list[RunSpec]:
     data = s.run_dir("teacher/data")
     alt = str(s.run_dir("teacher/different") / "final")
     specs = [
-        RunSpec("teacher/data", "python", {"n": 64 if q else ALIGNED_PROMPTS}, write_data,
-                "write the words-format fine-tuning data and the aligned prompt file"),
-        RunSpec("teacher/different", "sft", sft_config(s, "teacher/different", 0, init=TEACHER, data=str(data / "sft.jsonl"),
-                                                       steps=TEACHER_SFT_STEPS, batch=32, lr=5e-4, schedule="cosine")),
+        RunSpec(
+            "teacher/data",
+            "python",
+            {"n": 64 if q else ALIGNED_PROMPTS},
+            write_data,
+            "write the words-format fine-tuning data and the aligned prompt file",
+        ),
+        RunSpec(
+            "teacher/different",
+            "sft",
+            sft_config(
+                s,
+                "teacher/different",
+                0,
+                init=TEACHER,
+                data=str(data / "sft.jsonl"),
+                steps=TEACHER_SFT_STEPS,
+                batch=32,
+                lr=5e-4,
+                schedule="cosine",
+            ),
+        ),
         final_eval_spec(s, "teacher/different", 0, max_new_tokens=MAX_NEW),
-        final_eval_spec(s, "teacher/compatible", 0, model=TEACHER, max_new_tokens=MAX_NEW),  # the packaged teacher, evaluated the same way
+        final_eval_spec(
+            s, "teacher/compatible", 0, model=TEACHER, max_new_tokens=MAX_NEW
+        ),  # the packaged teacher, evaluated the same way
     ]
     for seed in range(s.seeds):
         cold = f"cold-start-sft/seed{seed}"
@@ -65,13 +101,22 @@ def plan(s: Settings) -> list[RunSpec]:
         runs = {
             "compatible": opd_config(s, f"compatible/seed{seed}", seed, teacher=TEACHER, **common),
             "different": opd_config(s, f"different/seed{seed}", seed, teacher=alt, **common),
-            "cold-start": opd_config(s, f"cold-start/seed{seed}", seed, teacher=alt, student=str(s.run_dir(cold) / "final"),
-                                     **common),
-            "aligned-prompts": opd_config(s, f"aligned-prompts/seed{seed}", seed, teacher=alt,
-                                          task=str(data / "aligned_prompts.jsonl"), **common),
+            "cold-start": opd_config(
+                s, f"cold-start/seed{seed}", seed, teacher=alt, student=str(s.run_dir(cold) / "final"), **common
+            ),
+            "aligned-prompts": opd_config(
+                s, f"aligned-prompts/seed{seed}", seed, teacher=alt, task=str(data / "aligned_prompts.jsonl"), **common
+            ),
         }
-        specs.append(RunSpec(cold, "sft", sft_config(s, cold, seed, teacher=alt, steps=COLD_START_STEPS, batch=32, lr=5e-4,
-                                                      max_new_tokens=MAX_NEW)))
+        specs.append(
+            RunSpec(
+                cold,
+                "sft",
+                sft_config(
+                    s, cold, seed, teacher=alt, steps=COLD_START_STEPS, batch=32, lr=5e-4, max_new_tokens=MAX_NEW
+                ),
+            )
+        )
         for cond, cfg in runs.items():
             specs += with_eval(s, RunSpec(f"{cond}/seed{seed}", "train", cfg), seed)
     return specs
@@ -92,7 +137,9 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
     t_rows = []
     for name in ("compatible", "different"):
         res = json.loads((s.run_dir(f"teacher/{name}/eval") / "DONE.json").read_text())["result"]
-        t_rows.append([name, f"{100 * res['accuracy']:.1f}", f"{100 * res.get('avg_at_k', math.nan):.1f}", str(res["n"])])
+        t_rows.append(
+            [name, f"{100 * res['accuracy']:.1f}", f"{100 * res.get('avg_at_k', math.nan):.1f}", str(res["n"])]
+        )
     a.table("Teachers (greedy accuracy and avg@k, %)", ["teacher", "greedy acc", "avg@k", "prompts"], t_rows)
     recs = {(c, k): read_metrics(s, f"{c}/seed{k}") for c in CONDITIONS for k in seeds}
     rows = []
@@ -100,13 +147,18 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
         sc = [final_scores(s, f"{c}/seed{k}") for k in seeds]
         row = [c, mean_ci([x["accuracy"] for x in sc]).fmt(1, 100), mean_ci([x["avg_at_k"] for x in sc]).fmt(1, 100)]
         for key in DIAGS:
-            row += [mean_ci([_window(recs[(c, k)], key, False) for k in seeds]).fmt(3),
-                    mean_ci([_window(recs[(c, k)], key, True) for k in seeds]).fmt(3)]
+            row += [
+                mean_ci([_window(recs[(c, k)], key, False) for k in seeds]).fmt(3),
+                mean_ci([_window(recs[(c, k)], key, True) for k in seeds]).fmt(3),
+            ]
         rows.append(row)
-    a.table("OPD (LSM) from the same student: final accuracy (%) and the diagnostics over the first and last 10% of "
-            "steps, mean [95% CI] over seeds",
-            ["condition", "greedy acc", "avg@k"] + [f"{short} {w}" for short in ("overlap", "entropy gap", "overlap adv.")
-                                                    for w in ("first", "last")], rows)
+    a.table(
+        "OPD (LSM) from the same student: final accuracy (%) and the diagnostics over the first and last 10% of "
+        "steps, mean [95% CI] over seeds",
+        ["condition", "greedy acc", "avg@k"]
+        + [f"{short} {w}" for short in ("overlap", "entropy gap", "overlap adv.") for w in ("first", "last")],
+        rows,
+    )
     diagnostics_plots(a, s, {c: [f"{c}/seed{k}" for k in seeds] for c in CONDITIONS}, DIAGS, "teacher_choice")
     _claims(a, s, recs)
     return a
@@ -122,35 +174,81 @@ def _claims(a: Analysis, s: Settings, recs: dict) -> None:
         a.claims.append(Claim("2604.13016", text, rule, v, ci.fmt(3)))
 
     runs = lambda c: [f"{c}/seed{k}" for k in seeds]
-    avg_at_k_claim(a, s, "2604.13016", "a teacher with a compatible thinking pattern distils better than one of "
-                   "similar accuracy with a different pattern", "compatible", "different", runs("compatible"), runs("different"))
-    claim("in the succeeding run the overlap ratio rises", "CI of (last - first 10% of steps) of diag/overlap, "
-          "compatible teacher, above 0", [y - x for x, y in zip(first("compatible", "diag/overlap"), last("compatible", "diag/overlap"))])
-    claim("in the succeeding run the entropy gap narrows", "CI of (first - last) of diag/entropy_gap, compatible "
-          "teacher, above 0", [x - y for x, y in zip(first("compatible", "diag/entropy_gap"), last("compatible", "diag/entropy_gap"))])
-    claim("in the succeeding run the overlap-token advantage moves toward zero", "CI of |first| - |last| of "
-          "diag/overlap_advantage, compatible teacher, above 0",
-          [abs(x) - abs(y) for x, y in zip(first("compatible", "diag/overlap_advantage"), last("compatible", "diag/overlap_advantage"))])
-    mean_over = lambda c: [sum(series(recs[(c, k)], "diag/overlap")[1]) / max(len(series(recs[(c, k)], "diag/overlap")[1]), 1)
-                           for k in seeds]
-    claim("the failing run (different pattern) has a lower overlap ratio", "CI of the paired difference in mean "
-          "overlap over training (compatible - different) above 0", [x - y for x, y in zip(mean_over("compatible"), mean_over("different"))])
-    avg_at_k_claim(a, s, "2604.13016", "an off-policy cold start recovers OPD with the different-pattern teacher",
-                   "cold-start", "different", runs("cold-start"), runs("different"))
-    claim("the cold start begins OPD with a higher overlap ratio", "CI of the paired difference in the first 10% of "
-          "steps (cold-start - different) above 0", [x - y for x, y in zip(first("cold-start", "diag/overlap"), first("different", "diag/overlap"))])
-    avg_at_k_claim(a, s, "2604.13016", "teacher-aligned prompts improve OPD with the different-pattern teacher",
-                   "aligned-prompts", "different", runs("aligned-prompts"), runs("different"))
+    avg_at_k_claim(
+        a,
+        s,
+        "2604.13016",
+        "a teacher with a compatible thinking pattern distils better than one of "
+        "similar accuracy with a different pattern",
+        "compatible",
+        "different",
+        runs("compatible"),
+        runs("different"),
+    )
+    claim(
+        "in the succeeding run the overlap ratio rises",
+        "CI of (last - first 10% of steps) of diag/overlap, compatible teacher, above 0",
+        [y - x for x, y in zip(first("compatible", "diag/overlap"), last("compatible", "diag/overlap"))],
+    )
+    claim(
+        "in the succeeding run the entropy gap narrows",
+        "CI of (first - last) of diag/entropy_gap, compatible teacher, above 0",
+        [x - y for x, y in zip(first("compatible", "diag/entropy_gap"), last("compatible", "diag/entropy_gap"))],
+    )
+    claim(
+        "in the succeeding run the overlap-token advantage moves toward zero",
+        "CI of |first| - |last| of diag/overlap_advantage, compatible teacher, above 0",
+        [
+            abs(x) - abs(y)
+            for x, y in zip(first("compatible", "diag/overlap_advantage"), last("compatible", "diag/overlap_advantage"))
+        ],
+    )
+    mean_over = lambda c: [
+        sum(series(recs[(c, k)], "diag/overlap")[1]) / max(len(series(recs[(c, k)], "diag/overlap")[1]), 1)
+        for k in seeds
+    ]
+    claim(
+        "the failing run (different pattern) has a lower overlap ratio",
+        "CI of the paired difference in mean overlap over training (compatible - different) above 0",
+        [x - y for x, y in zip(mean_over("compatible"), mean_over("different"))],
+    )
+    avg_at_k_claim(
+        a,
+        s,
+        "2604.13016",
+        "an off-policy cold start recovers OPD with the different-pattern teacher",
+        "cold-start",
+        "different",
+        runs("cold-start"),
+        runs("different"),
+    )
+    claim(
+        "the cold start begins OPD with a higher overlap ratio",
+        "CI of the paired difference in the first 10% of steps (cold-start - different) above 0",
+        [x - y for x, y in zip(first("cold-start", "diag/overlap"), first("different", "diag/overlap"))],
+    )
+    avg_at_k_claim(
+        a,
+        s,
+        "2604.13016",
+        "teacher-aligned prompts improve OPD with the different-pattern teacher",
+        "aligned-prompts",
+        "different",
+        runs("aligned-prompts"),
+        runs("different"),
+    )
 
 
 EXPERIMENT = Experiment(
     name="teacher-choice",
     title="teacher-choice: thinking-pattern consistency, cold start and aligned prompts (2604.13016)",
-    about=__doc__.split("\n\n", 1)[1].strip() + (
+    about=__doc__.split("\n\n", 1)[1].strip()
+    + (
         f"\n\nFull size: the different-pattern teacher's fine-tune ({TEACHER_SFT_STEPS} steps of 32 on "
         f"{ALIGNED_PROMPTS} prompts, once), then per seed a {COLD_START_STEPS}-step cold start and 4 OPD runs of "
         f"{OPD_STEPS} steps x 32: about 20-25 minutes for 3 seeds on 2 CPU cores. `--quick`: 3-step fine-tunes (too "
-        "short for the new pattern to take: a smoke test only) and 3-step OPD runs."),
+        "short for the new pattern to take: a smoke test only) and 3-step OPD runs."
+    ),
     plan=plan,
     analyze=analyze,
 )

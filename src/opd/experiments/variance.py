@@ -29,13 +29,22 @@ import torch
 
 from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
 from opd.experiments.plots import line_plot
-from opd.experiments.stats import NOT_REPRODUCED, REPRODUCED, INCONCLUSIVE, fit_power_law, mean_ci, verdict
+from opd.experiments.stats import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, fit_power_law, mean_ci, verdict
 from opd.losses import sampled_token_advantages, sampled_token_pg_loss
 
 GAMMAS = (0.0, 0.5, 0.9, 1.0)
 LRS = (0.05, 0.3)  # stability across learning rates: the smaller is smooth for every gamma
-FULL = dict(vocab=8, horizon=16, iters=300, batch=64, rollouts=2000, measure_every=25,
-            horizons=[4, 8, 16, 32, 64], teacher_scale=2.0, init_scale=1.0)
+FULL = dict(
+    vocab=8,
+    horizon=16,
+    iters=300,
+    batch=64,
+    rollouts=2000,
+    measure_every=25,
+    horizons=[4, 8, 16, 32, 64],
+    teacher_scale=2.0,
+    init_scale=1.0,
+)
 QUICK = dict(FULL, iters=40, rollouts=200, measure_every=10, horizons=[4, 8, 16])
 
 
@@ -86,7 +95,7 @@ def gradient_variance(theta, teacher, gamma: float, m: int, gen: torch.Generator
     surrogate(copies, teacher, ys, prev, gamma).sum().backward()  # rollout i only touches copy i
     g = copies.grad.reshape(m, -1)
     mean = g.mean(0)
-    return {"var": float(((g - mean) ** 2).sum(-1).mean()), "mean_sq_norm": float((mean ** 2).sum())}
+    return {"var": float(((g - mean) ** 2).sum(-1).mean()), "mean_sq_norm": float((mean**2).sum())}
 
 
 def sequence_kl(theta: torch.Tensor, teacher: torch.Tensor) -> float:
@@ -152,13 +161,26 @@ def plan(s: Settings) -> list[RunSpec]:
     base = QUICK if s.quick else FULL
     specs = []
     for seed in range(s.seeds):
-        specs.append(RunSpec(f"horizon/seed{seed}", "python", {**base, "seed": seed}, horizon_run,
-                             "variance vs horizon T at initialisation"))
+        specs.append(
+            RunSpec(
+                f"horizon/seed{seed}",
+                "python",
+                {**base, "seed": seed},
+                horizon_run,
+                "variance vs horizon T at initialisation",
+            )
+        )
         for lr in LRS:
             for g in GAMMAS:
-                specs.append(RunSpec(f"train/lr{lr}/gamma{g}/seed{seed}", "python",
-                                     {**base, "seed": seed, "gamma": g, "lr": lr}, train_run,
-                                     "train the tabular student with sampled-token OPD at this gamma and lr"))
+                specs.append(
+                    RunSpec(
+                        f"train/lr{lr}/gamma{g}/seed{seed}",
+                        "python",
+                        {**base, "seed": seed, "gamma": g, "lr": lr},
+                        train_run,
+                        "train the tabular student with sampled-token OPD at this gamma and lr",
+                    )
+                )
     return specs
 
 
@@ -167,15 +189,19 @@ def plan(s: Settings) -> list[RunSpec]:
 
 def _read(s: Settings, name: str, file: str):
     text = (s.run_dir(name) / file).read_text()
-    return [json.loads(l) for l in text.splitlines() if l.strip()] if file.endswith("jsonl") else json.loads(text)
+    return (
+        [json.loads(line) for line in text.splitlines() if line.strip()] if file.endswith("jsonl") else json.loads(text)
+    )
 
 
 def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
     a = Analysis()
     seeds = range(s.seeds)
     p = QUICK if s.quick else FULL
-    runs = {lr: {(g, k): _read(s, f"train/lr{lr}/gamma{g}/seed{k}", "metrics.jsonl") for g in GAMMAS for k in seeds}
-            for lr in LRS}
+    runs = {
+        lr: {(g, k): _read(s, f"train/lr{lr}/gamma{g}/seed{k}", "metrics.jsonl") for g in GAMMAS for k in seeds}
+        for lr in LRS
+    }
     horizon = {k: _read(s, f"horizon/seed{k}", "horizon.json") for k in seeds}
     _variance_over_training(a, s, runs[LRS[0]], p)
     expo = _horizon_fits(a, s, horizon, p)
@@ -194,14 +220,27 @@ def _variance_over_training(a: Analysis, s: Settings, train, p) -> None:
     series, rows = {}, []
     for g in GAMMAS:
         per_iter = [mean_ci([math.log10(dict(_measured(train, g, k))[i]) for k in range(s.seeds)]) for i in iters]
-        series[f"gamma={g}"] = (iters, [10 ** c.mean for c in per_iter],
-                                [10 ** c.lo for c in per_iter], [10 ** c.hi for c in per_iter])
+        series[f"gamma={g}"] = (
+            iters,
+            [10**c.mean for c in per_iter],
+            [10**c.lo for c in per_iter],
+            [10**c.hi for c in per_iter],
+        )
         rows.append([f"{g}"] + [per_iter[j].fmt(2) for j in (0, len(iters) // 2, len(iters) - 1)])
-    a.table(f"Gradient variance (log10 of trace of covariance, {p['rollouts']} rollouts per point, T={p['horizon']}, "
-            f"V={p['vocab']}), mean [95% CI] over seeds",
-            ["gamma", f"iter {iters[0]}", f"iter {iters[len(iters) // 2]}", f"iter {iters[-1]}"], rows)
-    line_plot(s.out / "variance_over_training.png", series, "training iteration", "gradient variance (log scale)",
-              f"Sampled-token OPD gradient variance during training (T={p['horizon']})", logy=True)
+    a.table(
+        f"Gradient variance (log10 of trace of covariance, {p['rollouts']} rollouts per point, T={p['horizon']}, "
+        f"V={p['vocab']}), mean [95% CI] over seeds",
+        ["gamma", f"iter {iters[0]}", f"iter {iters[len(iters) // 2]}", f"iter {iters[-1]}"],
+        rows,
+    )
+    line_plot(
+        s.out / "variance_over_training.png",
+        series,
+        "training iteration",
+        "gradient variance (log scale)",
+        f"Sampled-token OPD gradient variance during training (T={p['horizon']})",
+        logy=True,
+    )
     a.plots.append("variance_over_training.png")
 
 
@@ -214,22 +253,39 @@ def _horizon_fits(a: Analysis, s: Settings, horizon, p) -> dict:
             pts = {r["T"]: r["var"] for r in horizon[k] if r["gamma"] == g}
             fits.append(fit_power_law(Ts, [pts[T] for T in Ts])[0])
         expo[g] = fits
-        logs = [mean_ci([math.log10(next(r["var"] for r in horizon[k] if r["gamma"] == g and r["T"] == T))
-                         for k in range(s.seeds)]) for T in Ts]
-        series[f"gamma={g}"] = (Ts, [10 ** c.mean for c in logs], [10 ** c.lo for c in logs], [10 ** c.hi for c in logs])
-        rows.append([f"{g}", mean_ci(fits).fmt(2)] + [f"{10 ** c.mean:.3g}" for c in logs])
-    a.table("Gradient variance at initialisation against the horizon T: fitted exponent b of var ~ T^b "
-            "(mean [95% CI] over seeds) and the variance (geometric mean over seeds)",
-            ["gamma", "exponent b"] + [f"T={T}" for T in Ts], rows)
-    line_plot(s.out / "variance_vs_horizon.png", series, "horizon T", "gradient variance", "Variance against horizon "
-              "(log-log)", logy=True, logx=True)
+        logs = [
+            mean_ci(
+                [
+                    math.log10(next(r["var"] for r in horizon[k] if r["gamma"] == g and r["T"] == T))
+                    for k in range(s.seeds)
+                ]
+            )
+            for T in Ts
+        ]
+        series[f"gamma={g}"] = (Ts, [10**c.mean for c in logs], [10**c.lo for c in logs], [10**c.hi for c in logs])
+        rows.append([f"{g}", mean_ci(fits).fmt(2)] + [f"{10**c.mean:.3g}" for c in logs])
+    a.table(
+        "Gradient variance at initialisation against the horizon T: fitted exponent b of var ~ T^b "
+        "(mean [95% CI] over seeds) and the variance (geometric mean over seeds)",
+        ["gamma", "exponent b"] + [f"T={T}" for T in Ts],
+        rows,
+    )
+    line_plot(
+        s.out / "variance_vs_horizon.png",
+        series,
+        "horizon T",
+        "gradient variance",
+        "Variance against horizon (log-log)",
+        logy=True,
+        logx=True,
+    )
     a.plots.append("variance_vs_horizon.png")
     return expo
 
 
 def _final_kl(train, g, k, frac: float = 0.1) -> float:
     kls = [r["kl"] for r in train[(g, k)]]
-    tail = kls[-max(1, int(len(kls) * frac)):]
+    tail = kls[-max(1, int(len(kls) * frac)) :]
     return sum(tail) / len(tail)
 
 
@@ -242,18 +298,34 @@ def _stability(a: Analysis, s: Settings, train, p, lr: float) -> None:
     rows, series = [], {}
     for g in GAMMAS:
         finals = [_final_kl(train, g, k) for k in range(s.seeds)]
-        rows.append([f"{g}", mean_ci([train[(g, k)][0]["kl"] for k in range(s.seeds)]).fmt(3),
-                     mean_ci(finals).fmt(3), mean_ci([_rises(train, g, k) for k in range(s.seeds)]).fmt(2)])
+        rows.append(
+            [
+                f"{g}",
+                mean_ci([train[(g, k)][0]["kl"] for k in range(s.seeds)]).fmt(3),
+                mean_ci(finals).fmt(3),
+                mean_ci([_rises(train, g, k) for k in range(s.seeds)]).fmt(2),
+            ]
+        )
         its = [r["iter"] for r in train[(g, 0)]]
         # On the log axis the band is the interval of log10 KL (a geometric mean and interval).
         cis = [mean_ci([math.log10(train[(g, k)][j]["kl"]) for k in range(s.seeds)]) for j in range(len(its))]
         series[f"gamma={g}"] = (its, *([10 ** getattr(c, f) for c in cis] for f in ("mean", "lo", "hi")))
-    a.table(f"Training stability at Adam lr {lr}: exact sequence KL(student || teacher), batch {p['batch']}, "
-            f"{p['iters']} iterations; final = mean of the last 10% of iterations; 'KL rises' = share of "
-            "iterations where the exact KL went up", ["gamma", "initial KL", "final KL", "KL rises"], rows)
+    a.table(
+        f"Training stability at Adam lr {lr}: exact sequence KL(student || teacher), batch {p['batch']}, "
+        f"{p['iters']} iterations; final = mean of the last 10% of iterations; 'KL rises' = share of "
+        "iterations where the exact KL went up",
+        ["gamma", "initial KL", "final KL", "KL rises"],
+        rows,
+    )
     name = f"training_kl_lr{lr}.png"
-    line_plot(s.out / name, series, "training iteration", "exact sequence KL(student || teacher)",
-              f"Training curves per gamma, Adam lr {lr} (geometric mean, 95% CI over seeds)", logy=True)
+    line_plot(
+        s.out / name,
+        series,
+        "training iteration",
+        "exact sequence KL(student || teacher)",
+        f"Training curves per gamma, Adam lr {lr} (geometric mean, 95% CI over seeds)",
+        logy=True,
+    )
     a.plots.append(name)
 
 
@@ -274,53 +346,92 @@ def _claims(a: Analysis, s: Settings, runs, expo, p) -> None:
     per_point = {i: verdict(d) for i, d in ratios.items()}
     worst = min(per_point.items(), key=lambda kv: kv[1][1].lo if kv[1][1].n > 1 else kv[1][1].mean)
     mean_orders = sum(ci.mean for _, ci in per_point.values()) / len(per_point)
-    a.claims.append(Claim(
-        "2603.25562 Fig. 1a", "token-level (gamma=0) gradient variance stays below sequence-level (gamma=1) "
-        f"throughout training (lr {LRS[0]})", "95% CI of log10(var gamma=1 / var gamma=0), paired by seed, above 0 "
-        "at every measured iteration", _all([v for v, _ in per_point.values()]),
-        f"mean gap {mean_orders:.2f} orders of magnitude; smallest at iter {worst[0]}: {worst[1][1].fmt(2)}"))
+    a.claims.append(
+        Claim(
+            "2603.25562 Fig. 1a",
+            "token-level (gamma=0) gradient variance stays below sequence-level (gamma=1) "
+            f"throughout training (lr {LRS[0]})",
+            "95% CI of log10(var gamma=1 / var gamma=0), paired by seed, above 0 at every measured iteration",
+            _all([v for v, _ in per_point.values()]),
+            f"mean gap {mean_orders:.2f} orders of magnitude; smallest at iter {worst[0]}: {worst[1][1].fmt(2)}",
+        )
+    )
     mono = []
     for g_lo, g_hi in zip(GAMMAS, GAMMAS[1:]):
-        d = [math.log10(dict(_measured(train, g_hi, k))[0]) - math.log10(dict(_measured(train, g_lo, k))[0]) for k in seeds]
+        d = [
+            math.log10(dict(_measured(train, g_hi, k))[0]) - math.log10(dict(_measured(train, g_lo, k))[0])
+            for k in seeds
+        ]
         mono.append((g_lo, g_hi, *verdict(d)))
-    a.claims.append(Claim("2603.25562 Sec. 3 (synthetic study)", "stronger future-reward coupling (larger gamma) "
-                          "increases gradient variance", "each step up in gamma: CI of the paired log10 variance "
-                          "ratio at initialisation above 0", _all([m[2] for m in mono]),
-                          "; ".join(f"{lo}->{hi}: {ci.fmt(2)}" for lo, hi, _, ci in mono)))
+    a.claims.append(
+        Claim(
+            "2603.25562 Sec. 3 (synthetic study)",
+            "stronger future-reward coupling (larger gamma) increases gradient variance",
+            "each step up in gamma: CI of the paired log10 variance ratio at initialisation above 0",
+            _all([m[2] for m in mono]),
+            "; ".join(f"{lo}->{hi}: {ci.fmt(2)}" for lo, hi, _, ci in mono),
+        )
+    )
     for g, bound in ((0.0, 2.0), (1.0, 4.0)):
         v, _ = verdict([bound - e for e in expo[g]])  # the module's one rule, on "bound > exponent"
-        a.claims.append(Claim("2603.25562 Sec. 3 (bounds)", f"variance at gamma={g:g} grows at most like T^{bound:g}",
-                              f"95% CI of the fitted exponent entirely below {bound:g} (entirely above: not "
-                              f"reproduced; T in {p['horizons']})", v, f"exponent {mean_ci(expo[g]).fmt(2)}"))
+        a.claims.append(
+            Claim(
+                "2603.25562 Sec. 3 (bounds)",
+                f"variance at gamma={g:g} grows at most like T^{bound:g}",
+                f"95% CI of the fitted exponent entirely below {bound:g} (entirely above: not "
+                f"reproduced; T in {p['horizons']})",
+                v,
+                f"exponent {mean_ci(expo[g]).fmt(2)}",
+            )
+        )
     v, ci = verdict([b1 - b0 for b1, b0 in zip(expo[1.0], expo[0.0])])
-    a.claims.append(Claim("2603.25562 Sec. 3 (bounds)", "variance grows faster with T at gamma=1 than at gamma=0",
-                          "CI of the paired exponent difference (gamma=1 minus gamma=0) above 0", v,
-                          f"difference {ci.fmt(2)}"))
+    a.claims.append(
+        Claim(
+            "2603.25562 Sec. 3 (bounds)",
+            "variance grows faster with T at gamma=1 than at gamma=0",
+            "CI of the paired exponent difference (gamma=1 minus gamma=0) above 0",
+            v,
+            f"difference {ci.fmt(2)}",
+        )
+    )
     for lr, train_lr in runs.items():
         v, ci = verdict([_final_kl(train_lr, 1.0, k) - _final_kl(train_lr, 0.0, k) for k in seeds])
-        a.claims.append(Claim("2603.25562 Sec. 3 (synthetic study)", f"the larger variance destabilizes (here: slows) "
-                              f"training: gamma=1 ends further from the teacher than gamma=0 (Adam lr {lr})", "CI of the paired difference in "
-                              "final exact KL (gamma=1 minus gamma=0) above 0", v, f"final KL difference {ci.fmt(4)}"))
+        a.claims.append(
+            Claim(
+                "2603.25562 Sec. 3 (synthetic study)",
+                f"the larger variance destabilizes (here: slows) "
+                f"training: gamma=1 ends further from the teacher than gamma=0 (Adam lr {lr})",
+                "CI of the paired difference in final exact KL (gamma=1 minus gamma=0) above 0",
+                v,
+                f"final KL difference {ci.fmt(4)}",
+            )
+        )
         r1, r0 = (mean_ci([_rises(train_lr, g, k) for k in seeds]) for g in (1.0, 0.0))
         worse = sum(_final_kl(train_lr, g, k) > train_lr[(g, k)][0]["kl"] for g in GAMMAS for k in seeds)
-        a.notes.append(f"Adam lr {lr}: share of iterations where the exact KL rose: gamma=1 {r1.fmt(3)}, gamma=0 "
-                       f"{r0.fmt(3)}; runs ending above their initial KL (diverged): {worse} of {len(GAMMAS) * s.seeds}. "
-                       "The share is not used as a verdict: a run that has reached its noise floor (gamma=0 first) "
-                       "fluctuates there, so it counts convergence as much as instability.")
-    a.notes.append("The T^2 / T^4 figures are worst-case bounds for bounded rewards; a measured exponent below them "
-                   "is consistent with the bound, and the typical growth can be slower than the worst case.")
+        a.notes.append(
+            f"Adam lr {lr}: share of iterations where the exact KL rose: gamma=1 {r1.fmt(3)}, gamma=0 "
+            f"{r0.fmt(3)}; runs ending above their initial KL (diverged): {worse} of {len(GAMMAS) * s.seeds}. "
+            "The share is not used as a verdict: a run that has reached its noise floor (gamma=0 first) "
+            "fluctuates there, so it counts convergence as much as instability."
+        )
+    a.notes.append(
+        "The T^2 / T^4 figures are worst-case bounds for bounded rewards; a measured exponent below them "
+        "is consistent with the bound, and the typical growth can be slower than the worst case."
+    )
 
 
 EXPERIMENT = Experiment(
     name="variance",
     title="variance: sampled-token OPD gradient variance against gamma and horizon (2603.25562)",
-    about=("Tabular autoregressive student and fixed random teacher (V=8 tokens, one softmax per position and "
-           "previous token); the single-rollout estimate of sampled-token OPD with the discounted reward-to-go, "
-           "through opd.losses.sampled_token_advantages / sampled_token_pg_loss. Variance = trace of the covariance of "
-           "the per-rollout gradient over 2,000 independent rollouts at fixed parameters (200 with --quick), measured "
-           "every 25 iterations of training (T=16, Adam, batch 64, 300 iterations, at lr 0.05 and 0.3, one run per "
-           "gamma, lr and seed) and at initialisation for T in {4, 8, 16, 32, 64}. Full size: 3-4 minutes on 2 CPU "
-           "cores; --quick: 40 iterations, T up to 16, about 10 seconds."),
+    about=(
+        "Tabular autoregressive student and fixed random teacher (V=8 tokens, one softmax per position and "
+        "previous token); the single-rollout estimate of sampled-token OPD with the discounted reward-to-go, "
+        "through opd.losses.sampled_token_advantages / sampled_token_pg_loss. Variance = trace of the covariance of "
+        "the per-rollout gradient over 2,000 independent rollouts at fixed parameters (200 with --quick), measured "
+        "every 25 iterations of training (T=16, Adam, batch 64, 300 iterations, at lr 0.05 and 0.3, one run per "
+        "gamma, lr and seed) and at initialisation for T in {4, 8, 16, 32, 64}. Full size: 3-4 minutes on 2 CPU "
+        "cores; --quick: 40 iterations, T up to 16, about 10 seconds."
+    ),
     plan=plan,
     analyze=analyze,
 )

@@ -89,7 +89,9 @@ def _chunked_divergence(student_logits_BTV, teacher_logits_BTV, mask_BT, mode, b
         args = (s_cV.to(dtype), t_cV.to(dtype), m_c, mode, beta)
         # Checkpointing keeps only the chunk's inputs in the graph: one chunk of V-sized
         # intermediates is alive at a time, in the forward and in the backward.
-        pieces.append(checkpoint(_divergence_chunk, *args, use_reentrant=False) if grad_on else _divergence_chunk(*args))
+        pieces.append(
+            checkpoint(_divergence_chunk, *args, use_reentrant=False) if grad_on else _divergence_chunk(*args)
+        )
     return torch.cat(pieces).view(B, T)
 
 

@@ -8,7 +8,7 @@ how many other tokens share its batch).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -102,7 +102,7 @@ def sampled_token_advantages(
         raise ValueError(f"gamma={gamma} must lie in [0, 1] (0: token-level OPD, 1: sequence level)")
     mask = as_bool(mask_BT)
     dtype = compute_dtype(student_logprobs_BT, teacher_logprobs_BT)
-    r = (teacher_logprobs_BT.detach().to(dtype) - student_logprobs_BT.detach().to(dtype))
+    r = teacher_logprobs_BT.detach().to(dtype) - student_logprobs_BT.detach().to(dtype)
     r = torch.where(mask, r, torch.zeros_like(r))
     if gamma == 0.0:
         return r

@@ -39,15 +39,18 @@ def default_out(run_dirs: list[Path]) -> Path:
 def write_report(run_dirs: list[Path], out: Path, inspector_steps: int = 24, show_progress: bool = True) -> Path:
     """Write ``out/report.html`` and ``out/charts/*.png`` for ``run_dirs``; returns the page's path."""
     if inspector_steps < 1:
-        raise UserError(f"inspector_steps={inspector_steps}: the token inspector needs at least 1 step; pass "
-                        "--inspector-steps 1 or more")
+        raise UserError(
+            f"inspector_steps={inspector_steps}: the token inspector needs at least 1 step; pass "
+            "--inspector-steps 1 or more"
+        )
     runs = load_runs(run_dirs)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     charts = build_charts(runs)
     write_pngs(charts, out / PNG_DIR, show_progress=show_progress)
-    page = render_page(runs, charts, summary_rows(runs), [inspector_data(r, inspector_steps) for r in runs], PALETTE,
-                       PNG_DIR)
+    page = render_page(
+        runs, charts, summary_rows(runs), [inspector_data(r, inspector_steps) for r in runs], PALETTE, PNG_DIR
+    )
     path = out / "report.html"
     path.write_text(page, encoding="utf-8")
     return path

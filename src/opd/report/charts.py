@@ -23,36 +23,87 @@ from opd.report.load import RunData
 # (id, title, [(metric key, series label suffix, dashed)], y label, what it shows)
 TRAINING = [
     ("loss", "Training loss", [("train/loss", "", False)], "loss", "Objective loss per step (token mean)."),
-    ("kl", "Reverse KL to the teacher", [("train/kl_to_teacher", "", False)], "KL (nats)",
-     "KL(student || teacher) over the full vocabulary at sampled response positions."),
-    ("rollout-accuracy", "Rollout accuracy (training batch)", [("rollout/accuracy", "", False)], "accuracy",
-     "Share of the step's sampled rollouts graded correct."),
-    ("grad-norm", "Gradient norm", [("train/grad_norm", "", False)], "norm",
-     "Before clipping; crosses mark steps whose gradient was clipped."),
-    ("response-len", "Response length", [("rollout/response_len", "", False)], "tokens",
-     "Mean generated tokens per rollout."),
+    (
+        "kl",
+        "Reverse KL to the teacher",
+        [("train/kl_to_teacher", "", False)],
+        "KL (nats)",
+        "KL(student || teacher) over the full vocabulary at sampled response positions.",
+    ),
+    (
+        "rollout-accuracy",
+        "Rollout accuracy (training batch)",
+        [("rollout/accuracy", "", False)],
+        "accuracy",
+        "Share of the step's sampled rollouts graded correct.",
+    ),
+    (
+        "grad-norm",
+        "Gradient norm",
+        [("train/grad_norm", "", False)],
+        "norm",
+        "Before clipping; crosses mark steps whose gradient was clipped.",
+    ),
+    (
+        "response-len",
+        "Response length",
+        [("rollout/response_len", "", False)],
+        "tokens",
+        "Mean generated tokens per rollout.",
+    ),
     ("eos-rate", "EOS rate", [("rollout/eos_rate", "", False)], "share", "Share of rollouts that ended with EOS."),
-    ("repetition", "Repetition rate", [("rollout/repetition_rate", "", False)], "share",
-     "Share of rollouts caught repeating themselves."),
+    (
+        "repetition",
+        "Repetition rate",
+        [("rollout/repetition_rate", "", False)],
+        "share",
+        "Share of rollouts caught repeating themselves.",
+    ),
 ]
 DIAGNOSTICS = [
-    ("overlap", "Top-K overlap ratio", [("diag/overlap", "", False)], "ratio",
-     "|top-K(student) ∩ top-K(teacher)| / K: how much of the teacher's support the student already shares."),
-    ("overlap-advantage", "Overlap-token advantage", [("diag/overlap_advantage", "", False)], "advantage",
-     "Teacher minus student log-probability on the shared top-K tokens."),
+    (
+        "overlap",
+        "Top-K overlap ratio",
+        [("diag/overlap", "", False)],
+        "ratio",
+        "|top-K(student) ∩ top-K(teacher)| / K: how much of the teacher's support the student already shares.",
+    ),
+    (
+        "overlap-advantage",
+        "Overlap-token advantage",
+        [("diag/overlap_advantage", "", False)],
+        "advantage",
+        "Teacher minus student log-probability on the shared top-K tokens.",
+    ),
     ("entropy-gap", "Entropy gap", [("diag/entropy_gap", "", False)], "nats", "Student entropy minus teacher entropy."),
-    ("support-mass", "Mass inside the teacher's top-K",
-     [("diag/student_support_mass", " student", False), ("diag/teacher_support_mass", " teacher", True)], "mass",
-     "Probability mass each model puts on the teacher's top-K (solid: student, dashed: teacher)."),
-    ("out-of-support", "Sampled tokens outside the teacher's top-K", [("diag/out_of_support", "", False)], "share",
-     "Share of sampled tokens the teacher does not rank in its top-K."),
-    ("negative-reward", "Negative sampled-token rewards", [("diag/negative_reward", "", False)], "share",
-     "Share of sampled tokens with log q - log p < 0: the student likes them more than the teacher."),
+    (
+        "support-mass",
+        "Mass inside the teacher's top-K",
+        [("diag/student_support_mass", " student", False), ("diag/teacher_support_mass", " teacher", True)],
+        "mass",
+        "Probability mass each model puts on the teacher's top-K (solid: student, dashed: teacher).",
+    ),
+    (
+        "out-of-support",
+        "Sampled tokens outside the teacher's top-K",
+        [("diag/out_of_support", "", False)],
+        "share",
+        "Share of sampled tokens the teacher does not rank in its top-K.",
+    ),
+    (
+        "negative-reward",
+        "Negative sampled-token rewards",
+        [("diag/negative_reward", "", False)],
+        "share",
+        "Share of sampled tokens with log q - log p < 0: the student likes them more than the teacher.",
+    ),
 ]
 # (key, title, colour-bar label, sign): sign -1 flips the colours so that red always means bad for the
 # student (a negative reward, a high loss).
-DEPTH = [("depth/reward", "Sampled-token reward by depth", "log q - log p (mean per bucket)", 1),
-         ("depth/loss", "Per-token loss by depth", "loss (mean per bucket)", -1)]
+DEPTH = [
+    ("depth/reward", "Sampled-token reward by depth", "log q - log p (mean per bucket)", 1),
+    ("depth/loss", "Per-token loss by depth", "loss (mean per bucket)", -1),
+]
 # Run colours (Okabe-Ito, readable with colour blindness) and reward-sign colours, shared by both renderers.
 PALETTE = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000", "#F0E442"]
 NEGATIVE, POSITIVE = "#d62728", "#1f9e4a"
@@ -70,7 +121,11 @@ def ema(values: list[float], alpha: float) -> list[float]:
 
 
 def _series(run: RunData, color: int, key: str, suffix: str, dashed: bool, records: list[dict]) -> dict | None:
-    pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+    pts = [
+        (r["step"], r[key])
+        for r in records
+        if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)
+    ]
     if not pts:
         return None
     x, y = [p[0] for p in pts], [float(p[1]) for p in pts]
@@ -94,8 +149,18 @@ def line_chart(runs: list[RunData], cid: str, title: str, keys, ylabel: str, not
     if cid == "grad-norm":
         limits = sorted({r.config["max_grad_norm"] for r in runs if r.config.get("max_grad_norm")})
         hlines = [{"y": v, "label": f"clip at {v:g}"} for v in limits]
-    return {"id": cid, "kind": "line", "group": group, "title": title, "xlabel": "step", "ylabel": ylabel,
-            "note": note, "keys": [k for k, _, _ in keys], "series": series, "hlines": hlines}
+    return {
+        "id": cid,
+        "kind": "line",
+        "group": group,
+        "title": title,
+        "xlabel": "step",
+        "ylabel": ylabel,
+        "note": note,
+        "keys": [k for k, _, _ in keys],
+        "series": series,
+        "hlines": hlines,
+    }
 
 
 def eval_chart(runs: list[RunData]) -> dict:
@@ -114,10 +179,19 @@ def eval_chart(runs: list[RunData]) -> dict:
             if v is not None and (label, v) not in seen:
                 seen.add((label, v))
                 hlines.append({"y": v, "label": label})
-    return {"id": "eval-accuracy", "kind": "line", "group": "training", "title": "Eval accuracy",
-            "xlabel": "step", "ylabel": "accuracy", "keys": ["eval/accuracy", "eval/avg_at_k"],
-            "note": "Held-out accuracy: greedy (solid) and avg@k sampled (dashed); grey lines: teacher and the "
-                    "student before OPD.", "series": series, "hlines": hlines}
+    return {
+        "id": "eval-accuracy",
+        "kind": "line",
+        "group": "training",
+        "title": "Eval accuracy",
+        "xlabel": "step",
+        "ylabel": "accuracy",
+        "keys": ["eval/accuracy", "eval/avg_at_k"],
+        "note": "Held-out accuracy: greedy (solid) and avg@k sampled (dashed); grey lines: teacher and the "
+        "student before OPD.",
+        "series": series,
+        "hlines": hlines,
+    }
 
 
 def depth_heatmap(run: RunData, color: int, key: str, title: str, zlabel: str, sign: int) -> dict | None:
@@ -130,17 +204,33 @@ def depth_heatmap(run: RunData, color: int, key: str, title: str, zlabel: str, s
     flat = sorted(abs(float(v)) for _, z in rows for v in z)
     # The colour scale ends at the 98th percentile of |value|, so one wild step does not wash out the rest.
     bound = flat[min(len(flat) - 1, int(0.98 * len(flat)))] or (flat[-1] or 1.0)
-    return {"id": f"depth-{slug}-{run.name}".replace("/", "-"), "kind": "heatmap", "group": "depth",
-            "run": run.name, "color": color, "key": key, "title": f"{title}: {run.name}", "xlabel": "step",
-            "ylabel": "depth bucket (0 = start of response)", "zlabel": zlabel,
-            "x": [s for s, _ in rows], "buckets": width, "bound": bound, "sign": sign, "z": [[float(v) for v in z] for _, z in rows]}
+    return {
+        "id": f"depth-{slug}-{run.name}".replace("/", "-"),
+        "kind": "heatmap",
+        "group": "depth",
+        "run": run.name,
+        "color": color,
+        "key": key,
+        "title": f"{title}: {run.name}",
+        "xlabel": "step",
+        "ylabel": "depth bucket (0 = start of response)",
+        "zlabel": zlabel,
+        "x": [s for s, _ in rows],
+        "buckets": width,
+        "bound": bound,
+        "sign": sign,
+        "z": [[float(v) for v in z] for _, z in rows],
+    }
 
 
 def scatter_chart(run: RunData, color: int) -> dict | None:
     """Student vs teacher probability of every logged sampled token (loss-masked ones included)."""
-    pts = [(s, t) for r in run.rollouts
-           for s, t in zip(r["student_logprobs"], r["teacher_logprobs"])
-           if isinstance(s, (int, float)) and isinstance(t, (int, float))]
+    pts = [
+        (s, t)
+        for r in run.rollouts
+        for s, t in zip(r["student_logprobs"], r["teacher_logprobs"])
+        if isinstance(s, (int, float)) and isinstance(t, (int, float))
+    ]
     if not pts:
         return None
     total = len(pts)
@@ -150,10 +240,20 @@ def scatter_chart(run: RunData, color: int) -> dict | None:
     prob = lambda s, t: [round(math.exp(s), 4), round(math.exp(t), 4)]
     pos = [prob(s, t) for s, t in pts if t > s]
     neg = [prob(s, t) for s, t in pts if t <= s]
-    return {"id": f"scatter-{run.name}".replace("/", "-"), "kind": "scatter", "group": "scatter", "run": run.name,
-            "color": color, "title": f"Sampled tokens: {run.name}", "xlabel": "student probability",
-            "ylabel": "teacher probability", "positive": pos, "negative": neg, "stride": stride,
-            "tokens": total}
+    return {
+        "id": f"scatter-{run.name}".replace("/", "-"),
+        "kind": "scatter",
+        "group": "scatter",
+        "run": run.name,
+        "color": color,
+        "title": f"Sampled tokens: {run.name}",
+        "xlabel": "student probability",
+        "ylabel": "teacher probability",
+        "positive": pos,
+        "negative": neg,
+        "stride": stride,
+        "tokens": total,
+    }
 
 
 def build_charts(runs: list[RunData]) -> list[dict]:
@@ -183,7 +283,9 @@ def _settings(cfg: dict) -> str:
         return "unknown (no config.json)"
     parts = []
     if cfg.get("objective") == "lsm":
-        parts.append(f"K={cfg.get('k')} {cfg.get('support', '')}" + ("" if cfg.get("renormalize", True) else " no-renorm"))
+        parts.append(
+            f"K={cfg.get('k')} {cfg.get('support', '')}" + ("" if cfg.get("renormalize", True) else " no-renorm")
+        )
     elif cfg.get("objective") == "sampled":
         parts.append(f"γ={cfg.get('gamma')}")
     elif cfg.get("objective") == "full_kl":
@@ -207,13 +309,22 @@ def summary_rows(runs: list[RunData]) -> list[dict]:
         if wall is None and run.steps:
             wall = sum(r.get("time/step", 0.0) for r in run.steps)
         planned = run.planned_steps
-        steps = f"{len(run.steps)}" + (f" / {planned}" if planned else "") + (" (in progress)" if run.in_progress else "")
+        steps = (
+            f"{len(run.steps)}" + (f" / {planned}" if planned else "") + (" (in progress)" if run.in_progress else "")
+        )
         k = last_eval.get("eval/k", run.summary.get("k"))
-        rows.append({
-            "run": run.name, "objective": run.config.get("objective", "?"), "settings": _settings(run.config),
-            "steps": steps, "wall": _fmt_duration(wall), "teacher": _fmt_pct(teacher), "before": _fmt_pct(before),
-            "after": _fmt_pct(after) + (f" (step {last_eval['step']})" if last_eval else ""),
-            "avg_at_k": _fmt_pct(last_eval.get("eval/avg_at_k")) + (f" (k={k})" if last_eval and k else ""),
-            "gap_recovery": "–" if recovery is None or math.isnan(recovery) else f"{100 * recovery:.0f}%",
-        })
+        rows.append(
+            {
+                "run": run.name,
+                "objective": run.config.get("objective", "?"),
+                "settings": _settings(run.config),
+                "steps": steps,
+                "wall": _fmt_duration(wall),
+                "teacher": _fmt_pct(teacher),
+                "before": _fmt_pct(before),
+                "after": _fmt_pct(after) + (f" (step {last_eval['step']})" if last_eval else ""),
+                "avg_at_k": _fmt_pct(last_eval.get("eval/avg_at_k")) + (f" (k={k})" if last_eval and k else ""),
+                "gap_recovery": "–" if recovery is None or math.isnan(recovery) else f"{100 * recovery:.0f}%",
+            }
+        )
     return rows

@@ -61,10 +61,15 @@ def _prob(logprob: float) -> int:
 
 def _rollout(r: dict) -> dict:
     return {
-        "prompt": str(r.get("prompt", "")), "answer": str(r.get("answer", "")), "correct": bool(r.get("correct")),
-        "ids": r["token_ids"], "mask": [1 if m else 0 for m in r["loss_mask"]],
-        "s": [round(x, 3) for x in r["student_logprobs"]], "t": [round(x, 3) for x in r["teacher_logprobs"]],
-        "loss": [round(x, 5) for x in r["token_loss"]], "topk": r["teacher_topk_ids"],
+        "prompt": str(r.get("prompt", "")),
+        "answer": str(r.get("answer", "")),
+        "correct": bool(r.get("correct")),
+        "ids": r["token_ids"],
+        "mask": [1 if m else 0 for m in r["loss_mask"]],
+        "s": [round(x, 3) for x in r["student_logprobs"]],
+        "t": [round(x, 3) for x in r["teacher_logprobs"]],
+        "loss": [round(x, 5) for x in r["token_loss"]],
+        "topk": r["teacher_topk_ids"],
         "tp": [[_prob(x) for x in row] for row in r["teacher_topk_logprobs"]],
         "sp": [[_prob(x) for x in row] for row in r["student_topk_logprobs"]],
     }
@@ -78,5 +83,11 @@ def inspector_data(run: RunData, max_steps: int = 24) -> dict:
     rollouts = {str(s): [_rollout(r) for r in by_step[s]] for s in steps}
     used = {i for rs in rollouts.values() for r in rs for i in r["ids"] + [j for row in r["topk"] for j in row]}
     vocab = {str(i): display_token(run.vocab[i]) for i in sorted(used) if i in run.vocab}
-    return {"steps": steps, "logged_steps": len(by_step), "rollouts": rollouts, "vocab": vocab,
-            "prob_scale": PROB_SCALE, "k": run.config.get("k")}
+    return {
+        "steps": steps,
+        "logged_steps": len(by_step),
+        "rollouts": rollouts,
+        "vocab": vocab,
+        "prob_scale": PROB_SCALE,
+        "k": run.config.get("k"),
+    }

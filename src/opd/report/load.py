@@ -25,8 +25,18 @@ from pathlib import Path
 from opd.errors import UserError
 
 # Per-rollout fields the inspector needs; a rollout record missing one is skipped as a whole.
-ROLLOUT_FIELDS = ("step", "tokens", "token_ids", "loss_mask", "student_logprobs", "teacher_logprobs", "token_loss",
-                  "teacher_topk_ids", "teacher_topk_logprobs", "student_topk_logprobs")
+ROLLOUT_FIELDS = (
+    "step",
+    "tokens",
+    "token_ids",
+    "loss_mask",
+    "student_logprobs",
+    "teacher_logprobs",
+    "token_loss",
+    "teacher_topk_ids",
+    "teacher_topk_logprobs",
+    "student_topk_logprobs",
+)
 
 
 @dataclass
@@ -87,8 +97,9 @@ def read_jsonl(path: Path, skipped: list[str], need_step: bool = True) -> list[d
             except json.JSONDecodeError:
                 bad_lines.append(i)
                 continue
-            if not isinstance(rec, dict) or (need_step and not (isinstance(rec.get("step"), int)
-                                                                and not isinstance(rec.get("step"), bool))):
+            if not isinstance(rec, dict) or (
+                need_step and not (isinstance(rec.get("step"), int) and not isinstance(rec.get("step"), bool))
+            ):
                 bad_lines.append(i)
                 continue
             records.append(rec)
@@ -129,8 +140,16 @@ def _valid_rollout(r: dict) -> bool:
     if any(k not in r for k in ROLLOUT_FIELDS):
         return False
     n = len(r["tokens"]) if isinstance(r["tokens"], list) else -1
-    per_token = ("token_ids", "loss_mask", "student_logprobs", "teacher_logprobs", "token_loss",
-                 "teacher_topk_ids", "teacher_topk_logprobs", "student_topk_logprobs")
+    per_token = (
+        "token_ids",
+        "loss_mask",
+        "student_logprobs",
+        "teacher_logprobs",
+        "token_loss",
+        "teacher_topk_ids",
+        "teacher_topk_logprobs",
+        "student_topk_logprobs",
+    )
     return n > 0 and all(isinstance(r[k], list) and len(r[k]) == n for k in per_token)
 
 
@@ -143,8 +162,11 @@ def _summary_for(run_dir: Path, skipped: list[str]) -> dict:
         data = _read_json(path, skipped)
         if not data:
             continue
-        out = {k: data[k] for k in ("teacher_acc", "teacher_avg_at_k", "student_init_acc", "student_init_avg_at_k",
-                                    "eval_size", "k") if _finite_number(data.get(k))}
+        out = {
+            k: data[k]
+            for k in ("teacher_acc", "teacher_avg_at_k", "student_init_acc", "student_init_avg_at_k", "eval_size", "k")
+            if _finite_number(data.get(k))
+        }
         entry = (data.get("objectives") or {}).get(run_dir.name)
         if isinstance(entry, dict):
             out.update({k: v for k, v in entry.items() if _finite_number(v)})
@@ -185,8 +207,11 @@ def load_run(run_dir: Path | str, name: str | None = None) -> RunData:
         raise UserError(f"{run_dir} is not a directory; pass run directories written by `opd train` or `opd demo`")
     if not (run_dir / "metrics.jsonl").is_file() and not (run_dir / "config.json").is_file():
         inside = sorted(p for p in run_dir.iterdir() if (p / "metrics.jsonl").is_file())
-        hint = (f"it holds run directories: pass them, e.g. `opd report {' '.join(str(p) for p in inside)}`" if inside
-                else "pass a directory written by `opd train`, e.g. runs/demo/lsm")
+        hint = (
+            f"it holds run directories: pass them, e.g. `opd report {' '.join(str(p) for p in inside)}`"
+            if inside
+            else "pass a directory written by `opd train`, e.g. runs/demo/lsm"
+        )
         raise UserError(f"{run_dir} is not a run directory (no metrics.jsonl or config.json); {hint}")
     run = RunData(path=run_dir, name=name or run_dir.name)
     run.config = _read_json(run_dir / "config.json", run.skipped)
@@ -196,14 +221,18 @@ def load_run(run_dir: Path | str, name: str | None = None) -> RunData:
     raw = read_jsonl(run_dir / "rollouts.jsonl", run.skipped)
     run.rollouts = [r for r in raw if _valid_rollout(r)]
     if len(run.rollouts) < len(raw):
-        run.skipped.append(f"rollouts.jsonl: {len(raw) - len(run.rollouts)} record(s) with missing or "
-                           "mismatched per-token fields skipped")
+        run.skipped.append(
+            f"rollouts.jsonl: {len(raw) - len(run.rollouts)} record(s) with missing or "
+            "mismatched per-token fields skipped"
+        )
     run.summary = _summary_for(run_dir, run.skipped)
     run.vocab = _vocab(run_dir, run.rollouts, run.skipped)
     if run.in_progress:
         planned = run.planned_steps
-        run.skipped.append(f"run in progress or stopped early: {len(run.steps)} of {planned or '?'} steps logged"
-                           + ("" if (run_dir / "final").is_dir() else ", no final model yet"))
+        run.skipped.append(
+            f"run in progress or stopped early: {len(run.steps)} of {planned or '?'} steps logged"
+            + ("" if (run_dir / "final").is_dir() else ", no final model yet")
+        )
     return run
 
 

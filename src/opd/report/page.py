@@ -9,22 +9,38 @@ from __future__ import annotations
 
 import html
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 HERE = Path(__file__).parent
 
 SECTIONS = [
-    ("training", "Training curves", "Runs overlaid on the same axes. Thin lines are the per-step values, thick lines "
-     "their moving average; hover a chart to read the values at a step."),
-    ("diagnostics", "Diagnostics of OPD", "The papers' diagnostics over steps (full-vocabulary ones at a sample of "
-     "response positions): do the student's and the teacher's supports agree, and where does the sampled-token "
-     "signal point?"),
-    ("depth", "Signal by depth", "Each response is cut into equal-width position buckets (0 = its first tokens); "
-     "a column is one step. Red is negative, blue positive; drift with depth shows as colour moving down the rows."),
-    ("scatter", "The failure mode: sampled tokens, student vs teacher", "Each dot is a logged sampled token. Below the "
-     "y = x line the student likes its own token more than the teacher does, so its sampled-token reward "
-     "log q − log p is negative; most tokens of sampled-token OPD land there."),
+    (
+        "training",
+        "Training curves",
+        "Runs overlaid on the same axes. Thin lines are the per-step values, thick lines "
+        "their moving average; hover a chart to read the values at a step.",
+    ),
+    (
+        "diagnostics",
+        "Diagnostics of OPD",
+        "The papers' diagnostics over steps (full-vocabulary ones at a sample of "
+        "response positions): do the student's and the teacher's supports agree, and where does the sampled-token "
+        "signal point?",
+    ),
+    (
+        "depth",
+        "Signal by depth",
+        "Each response is cut into equal-width position buckets (0 = its first tokens); "
+        "a column is one step. Red is negative, blue positive; drift with depth shows as colour moving down the rows.",
+    ),
+    (
+        "scatter",
+        "The failure mode: sampled tokens, student vs teacher",
+        "Each dot is a logged sampled token. Below the "
+        "y = x line the student likes its own token more than the teacher does, so its sampled-token reward "
+        "log q − log p is negative; most tokens of sampled-token OPD land there.",
+    ),
 ]
 
 
@@ -35,18 +51,28 @@ def _notices(runs) -> str:
     return f'<div class="notice" id="skipped"><b>Left out of this report</b><ul>{"".join(items)}</ul></div>'
 
 
-def render_page(runs, charts: list[dict], summary: list[dict], inspectors: list[dict], palette: list[str],
-                png_dir: str) -> str:
-    data = {"palette": palette, "charts": charts, "summary": summary,
-            "runs": [{"name": r.name, "path": str(r.path), "inspector": ins} for r, ins in zip(runs, inspectors)]}
+def render_page(
+    runs, charts: list[dict], summary: list[dict], inspectors: list[dict], palette: list[str], png_dir: str
+) -> str:
+    data = {
+        "palette": palette,
+        "charts": charts,
+        "summary": summary,
+        "runs": [{"name": r.name, "path": str(r.path), "inspector": ins} for r, ins in zip(runs, inspectors)],
+    }
     # "</" inside the JSON would end the script element early; JSON allows "<\/" for it.
     blob = json.dumps(data, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
-    chips = "".join(f'<span class="chip"><span class="swatch" style="background:{palette[i % len(palette)]}"></span>'
-                    f'{html.escape(r.name)} <span class="sub">({html.escape(str(r.path))})</span></span>'
-                    for i, r in enumerate(runs))
-    sections = "".join(f'<section id="sec-{gid}"><h2>{title}</h2><p class="lead">{lead}</p>'
-                       f'<div class="grid" id="grid-{gid}"></div></section>' for gid, title, lead in SECTIONS)
-    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    chips = "".join(
+        f'<span class="chip"><span class="swatch" style="background:{palette[i % len(palette)]}"></span>'
+        f'{html.escape(r.name)} <span class="sub">({html.escape(str(r.path))})</span></span>'
+        for i, r in enumerate(runs)
+    )
+    sections = "".join(
+        f'<section id="sec-{gid}"><h2>{title}</h2><p class="lead">{lead}</p>'
+        f'<div class="grid" id="grid-{gid}"></div></section>'
+        for gid, title, lead in SECTIONS
+    )
+    when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">

@@ -23,8 +23,17 @@ def _line(ax, chart: dict) -> None:
         color = PALETTE[s["color"] % len(PALETTE)]
         style = "--" if s["dashed"] else "-"
         smooth = s.get("smooth")
-        ax.plot(s["x"], s["y"], style, color=color, alpha=0.3 if smooth else 1.0, lw=1,
-                label=None if smooth else s["label"], marker="o" if len(s["x"]) < 20 else None, ms=3)
+        ax.plot(
+            s["x"],
+            s["y"],
+            style,
+            color=color,
+            alpha=0.3 if smooth else 1.0,
+            lw=1,
+            label=None if smooth else s["label"],
+            marker="o" if len(s["x"]) < 20 else None,
+            ms=3,
+        )
         if smooth:
             ax.plot(s["x"], smooth, style, color=color, lw=1.8, label=s["label"])
         if s.get("marks"):
@@ -32,8 +41,15 @@ def _line(ax, chart: dict) -> None:
             ax.plot(s["marks"], [ys[m] for m in s["marks"]], "x", color=color, ms=4, alpha=0.8)
     for h in chart["hlines"]:
         ax.axhline(h["y"], color="#888", lw=1, ls=":")
-        ax.annotate(h["label"], (1, h["y"]), xycoords=("axes fraction", "data"), ha="right", va="bottom",
-                    fontsize=8, color="#555")
+        ax.annotate(
+            h["label"],
+            (1, h["y"]),
+            xycoords=("axes fraction", "data"),
+            ha="right",
+            va="bottom",
+            fontsize=8,
+            color="#555",
+        )
     ax.legend(fontsize=8, frameon=False)
     ax.grid(alpha=0.25)
 
@@ -42,17 +58,33 @@ def _heatmap(fig, ax, chart: dict) -> None:
     z = [list(row) for row in zip(*chart["z"])]  # buckets x steps
     bound, x = chart["bound"], chart["x"]
     # Bucket 0 (the start of the response) on top, as in the page: depth grows downward.
-    im = ax.imshow(z, aspect="auto", origin="upper", cmap="RdBu" if chart["sign"] > 0 else "RdBu_r", norm=TwoSlopeNorm(0.0, -bound, bound),
-                   extent=(x[0] - 0.5, x[-1] + 0.5, chart["buckets"] - 0.5, -0.5), interpolation="nearest")
+    im = ax.imshow(
+        z,
+        aspect="auto",
+        origin="upper",
+        cmap="RdBu" if chart["sign"] > 0 else "RdBu_r",
+        norm=TwoSlopeNorm(0.0, -bound, bound),
+        extent=(x[0] - 0.5, x[-1] + 0.5, chart["buckets"] - 0.5, -0.5),
+        interpolation="nearest",
+    )
     fig.colorbar(im, ax=ax, label=chart["zlabel"])
 
 
 def _scatter(ax, chart: dict) -> None:
-    for pts, color, label in ((chart["negative"], NEGATIVE, "negative reward (student > teacher)"),
-                              (chart["positive"], POSITIVE, "positive reward (teacher > student)")):
+    for pts, color, label in (
+        (chart["negative"], NEGATIVE, "negative reward (student > teacher)"),
+        (chart["positive"], POSITIVE, "positive reward (teacher > student)"),
+    ):
         if pts:
-            ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=6, alpha=0.45, color=color, label=f"{label}: {len(pts)}",
-                       edgecolors="none")
+            ax.scatter(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                s=6,
+                alpha=0.45,
+                color=color,
+                label=f"{label}: {len(pts)}",
+                edgecolors="none",
+            )
     ax.plot([0, 1], [0, 1], color="#444", lw=1, ls="--", label="y = x")
     ax.set_xlim(0, 1.02)
     ax.set_ylim(0, 1.02)
