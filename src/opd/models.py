@@ -27,14 +27,54 @@ def _check_model_dir(path: str | Path, role: str, required: str = "config.json")
     p = Path(path)
     if not p.is_dir():
         raise UserError(f"{role} model directory {p} does not exist; pass a local directory written by save_pretrained")
-    if not (p / required).is_file() and (p / "adapter_config.json").is_file():
-        raise UserError(
-            f"{p} holds a LoRA adapter, not a whole model; write one with opd merge-lora {p} --out DIR "
-            f"and pass that DIR as --{role}"
-        )
+    mistake = _not_a_model(p, role, wants_weights=required == "config.json")
+    if mistake:
+        raise UserError(mistake)
     if not (p / required).is_file():
         raise UserError(f"{p} has no {required}, so it is not a Hugging Face {role} directory; check the --{role} path")
     return p
+
+
+_WEIGHTS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+
+
+def _not_a_model(p: Path, role: str, wants_weights: bool) -> str | None:
+    """What a directory is when it is one of the things users pass by mistake instead of a model.
+
+    An opd run directory has a config.json too (opd's own), so transformers would answer with an
+    "Unrecognized model" traceback; the directories opd writes are recognised by their layout.
+    """
+    if not (p / "config.json").is_file() and (p / "adapter_config.json").is_file():
+        return (
+            f"{p} holds a LoRA adapter, not a whole model; write one with opd merge-lora {p} --out DIR "
+            f"and pass that DIR as --{role}"
+        )
+    if (p / "metrics.jsonl").is_file() or (p / "checkpoints").is_dir():
+        if (p / "final").is_dir():
+            return f"{p} is an opd run directory; its trained model is {p / 'final'}: pass --{role} {p / 'final'}"
+        return (
+            f"{p} is an opd run directory without a final model (the run did not finish); continue it with "
+            f"--resume --out {p}, or pass a checkpoint's model, e.g. {p / 'checkpoints' / 'step_N' / 'model'}"
+        )
+    if (p / "state.pt").is_file() and (p / "model").is_dir():
+        return f"{p} is an opd checkpoint; its model is {p / 'model'}: pass --{role} {p / 'model'}"
+    if (p / "latest").is_file() and any(p.glob("step_*")):
+        latest = p / (p / "latest").read_text().strip() / "model"
+        return f"{p} holds opd checkpoints; the latest one's model is {latest}: pass --{role} {latest}"
+    if not wants_weights:  # a tokenizer directory needs no model beside it
+        return None
+    has_tokenizer = (p / "tokenizer_config.json").is_file() or (p / "tokenizer.json").is_file()
+    if has_tokenizer and not (p / "config.json").is_file():
+        return (
+            f"{p} holds a tokenizer but no model (no config.json); pass the directory that holds the "
+            f"model's config.json and weights as --{role}"
+        )
+    if (p / "config.json").is_file() and not any(any(p.glob(w)) for w in _WEIGHTS):
+        return (
+            f"{p} has a config.json but no weights (*.safetensors or *.bin); save the model with "
+            f"save_pretrained, or pass the directory that holds its weights as --{role}"
+        )
+    return None
 
 
 def load_tokenizer(path: str | Path, role: str = "student") -> PreTrainedTokenizerBase:
