@@ -44,11 +44,6 @@ def _not_a_model(p: Path, role: str, wants_weights: bool) -> str | None:
     An opd run directory has a config.json too (opd's own), so transformers would answer with an
     "Unrecognized model" traceback; the directories opd writes are recognised by their layout.
     """
-    if not (p / "config.json").is_file() and (p / "adapter_config.json").is_file():
-        return (
-            f"{p} holds a LoRA adapter, not a whole model; write one with opd merge-lora {p} --out DIR "
-            f"and pass that DIR as --{role}"
-        )
     if (p / "metrics.jsonl").is_file() or (p / "checkpoints").is_dir():
         if (p / "final").is_dir():
             return f"{p} is an opd run directory; its trained model is {p / 'final'}: pass --{role} {p / 'final'}"
@@ -61,8 +56,13 @@ def _not_a_model(p: Path, role: str, wants_weights: bool) -> str | None:
     if (p / "latest").is_file() and any(p.glob("step_*")):
         latest = p / (p / "latest").read_text().strip() / "model"
         return f"{p} holds opd checkpoints; the latest one's model is {latest}: pass --{role} {latest}"
-    if not wants_weights:  # a tokenizer directory needs no model beside it
+    if not wants_weights:  # a tokenizer directory needs no model beside it (an adapter directory holds one too)
         return None
+    if not (p / "config.json").is_file() and (p / "adapter_config.json").is_file():
+        return (
+            f"{p} holds a LoRA adapter, not a whole model; write one with opd merge-lora {p} --out DIR "
+            f"and pass that DIR as --{role}"
+        )
     has_tokenizer = (p / "tokenizer_config.json").is_file() or (p / "tokenizer.json").is_file()
     if has_tokenizer and not (p / "config.json").is_file():
         return (
