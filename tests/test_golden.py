@@ -28,8 +28,9 @@ GOLDEN = Path(__file__).parent / "golden" / "lsm_demo_steps.json"
 KEYS = ("train/loss", "train/grad_norm", "rollout/response_len", "train/loss_tokens")
 
 
-def golden_config(out: Path) -> TrainConfig:
-    return TrainConfig(
+def golden_config(out: Path, **changes) -> TrainConfig:
+    """The recorded run's configuration (``changes`` for the longer accuracy run beside it)."""
+    fields = dict(
         student=str(ASSETS / "student"),
         teacher=str(ASSETS / "teacher"),
         device="cpu",
@@ -49,6 +50,7 @@ def golden_config(out: Path) -> TrainConfig:
         diag_positions=16,
         out=str(out),
     )
+    return TrainConfig(**{**fields, **changes})
 
 
 def run_steps(out: Path) -> list[dict]:
@@ -80,26 +82,7 @@ def test_a_short_lsm_run_raises_the_students_accuracy(tmp_path):
     from opd.evaluation import evaluate_model
     from opd.models import load_model, load_tokenizer
 
-    cfg = TrainConfig(
-        student=str(ASSETS / "student"),
-        teacher=str(ASSETS / "teacher"),
-        device="cpu",
-        seed=0,
-        objective="lsm",
-        k=32,
-        steps=40,
-        batch_size=32,
-        max_new_tokens=48,
-        lr=5e-4,
-        warmup_steps=2,
-        eval_every=0,
-        eval_size=100,
-        eval_samples=0,
-        ckpt_every=0,
-        log_rollouts=0,
-        diag_positions=16,
-        out=str(tmp_path / "run"),
-    )
+    cfg = golden_config(tmp_path / "run", steps=40, batch_size=32, max_new_tokens=48, warmup_steps=2, eval_size=100)
     tok = load_tokenizer(cfg.student)
     task = load_task(cfg.task, cfg.task_level, cfg.seed)
     prompts = PromptSet.build(task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
