@@ -395,3 +395,43 @@ def test_chat_format_follows_other_templates_and_refuses_unstable_ones(student):
     tok.chat_template = "{%- for m in messages %}{%- if m['role'] == 'system' %}{{ raise_exception('no system') }}{%- endif %}{%- endfor %}"
     with pytest.raises(UserError, match="cannot render"):
         ChatFormat(tok, tok.eos_token_id)
+
+
+# ---------------------------------------------------------------- what a step measures
+
+
+def test_step_metrics_and_records_count_action_tokens_only(teacher, student, played):
+    from types import SimpleNamespace
+
+    from opd.models import head_weight
+    from opd.stepstats import StepUpdate, metric_weights, rollout_records, step_metrics
+    from opd.teacher import HFTeacher, response_hidden
+
+    model, tok = student
+    b = played[1].batch
+    scores = HFTeacher(teacher).score(b, 8)
+    a, N = b.action_mask_NT, b.num_rollouts
+    with torch.no_grad():
+        h = response_hidden(model, b)
+    upd = StepUpdate(0.0, 0.0, False, 1e-3, torch.zeros(b.response_ids_NT.shape), h[a][:4], h[:2])
+    W = head_weight(model).detach()
+    m = step_metrics(b, [0.0] * N, scores, upd, a, W, k=8, horizon=PLAY["max_new_tokens"])
+    assert m["rollout/response_len"] == pytest.approx(float(a.sum()) / N)
+    reward = [float(scores.sampled_logprobs_NT[n, t] - b.logprobs_NT[n, t]) for n, t in a.nonzero().tolist()]
+    assert m["diag/reward_mean"] == pytest.approx(sum(reward) / len(reward), rel=1e-5)
+    assert metric_weights(b, a, 4, PLAY["max_new_tokens"])["diag/"] == int(a.sum())
+    examples = [SimpleNamespace(prompt="p", answer="a")] * 2
+    records = rollout_records(tok, W, 0, b, examples, ["", ""], [0.0, 0.0], scores, upd, a)
+    for n, rec in enumerate(records):
+        assert rec["token_ids"] == b.response_ids_NT[n][a[n]].tolist()
+        assert len(rec["teacher_topk_ids"]) == len(rec["loss_mask"]) == int(a[n].sum())
+
+
+def test_single_turn_rollouts_have_equal_masks(student):
+    from opd.rollout import HFRollout
+
+    model, tok = student
+    prompts = [tok("<|im_start|>user\nAdd 3 and 4.<|im_end|>\n<|im_start|>assistant\n")["input_ids"]] * 3
+    b = HFRollout(model, tok.eos_token_id, tok.pad_token_id).generate(prompts, [0, 1, 2], max_new_tokens=12)
+    assert torch.equal(b.action_mask_NT, b.response_mask_NT)
+    assert torch.equal(b.select(slice(1, 3)).action_mask_NT, b.response_mask_NT[1:3])
