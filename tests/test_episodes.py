@@ -435,3 +435,26 @@ def test_single_turn_rollouts_have_equal_masks(student):
     b = HFRollout(model, tok.eos_token_id, tok.pad_token_id).generate(prompts, [0, 1, 2], max_new_tokens=12)
     assert torch.equal(b.action_mask_NT, b.response_mask_NT)
     assert torch.equal(b.select(slice(1, 3)).action_mask_NT, b.response_mask_NT[1:3])
+
+
+QWEN25_LIKE = (  # Qwen2.5's template without its tool branches: a default system turn when none is given
+    "{%- if messages[0]['role'] != 'system' %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+QWEN3_LIKE = (  # Qwen3's habit: the last assistant turn gets an empty think block that later turns lose
+    "{%- for m in messages %}{%- if m.role == 'assistant' and loop.last %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_qwen_like_templates(student):
+    tok = load_tokenizer(DEMO / "student", "student")
+    opd_reply = ChatFormat(tok, tok.eos_token_id).reply("You see a key.")
+    tok.chat_template = QWEN25_LIKE
+    assert ChatFormat(tok, tok.eos_token_id).reply("You see a key.") == opd_reply
+    tok.chat_template = QWEN3_LIKE
+    with pytest.raises(UserError, match="prefix-stable"):
+        ChatFormat(tok, tok.eos_token_id)
