@@ -207,9 +207,14 @@ def ref_gather_logprobs(logits_BTV, ids_BT, gout_BT=None):
     return _t(out), _t(grads)
 
 
-def ref_sampled_token_advantages(student_lp_BT, teacher_lp_BT, mask_BT, gamma):
-    """A_t = sum_{u>=t, u unmasked} gamma**(u-t) (teacher_u - student_u); 0 where masked."""
+def ref_sampled_token_advantages(student_lp_BT, teacher_lp_BT, mask_BT, gamma, action_mask_BT=None):
+    """A_t = sum_{u>=t, u unmasked} gamma**d(t, u) (teacher_u - student_u); 0 where masked.
+
+    d(t, u) = u - t without an action mask; with one, the number of positions v in [t, u) that are
+    in the action mask or the mask (environment tokens between an episode's turns add no distance).
+    """
     s, q, mask = _f(student_lp_BT), _f(teacher_lp_BT), _b(mask_BT)
+    action = _b(action_mask_BT) if action_mask_BT is not None else None
     out = []
     for b in range(len(s)):
         T = len(s[b])
@@ -220,8 +225,16 @@ def ref_sampled_token_advantages(student_lp_BT, teacher_lp_BT, mask_BT, gamma):
                 continue
             a = 0.0
             for u in range(t, T):
-                if mask[b][u]:
-                    a += gamma ** (u - t) * (q[b][u] - s[b][u])
+                if not mask[b][u]:
+                    continue
+                if action is None:
+                    d = u - t
+                else:
+                    d = 0
+                    for v in range(t, u):
+                        if action[b][v] or mask[b][v]:
+                            d += 1
+                a += gamma**d * (q[b][u] - s[b][u])
             row.append(a)
         out.append(row)
     return _t(out)

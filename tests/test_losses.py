@@ -566,6 +566,67 @@ def test_sampled_token_advantages(shape, mask_kind, dtype, gamma):
     assert (out[~mask] == 0).all()
 
 
+def interleaved_masks(B, T, g):
+    """An action mask of turns separated by environment tokens (runs of random lengths, a row with
+    no action at all) and a loss mask inside it that also drops some action tokens (special tokens)."""
+    action = torch.zeros(B, T, dtype=torch.bool)
+    for b in range(1, B):
+        t, writing = 0, True
+        while t < T:
+            n = int(torch.randint(1, 5, (1,), generator=g))
+            action[b, t : t + n] = writing
+            t, writing = t + n, not writing
+    loss = action & (torch.rand(B, T, generator=g) < 0.8)
+    return action, loss
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (4, 13), (5, 2)])
+@pytest.mark.parametrize("dtype", [F64, F32, BF16])
+@pytest.mark.parametrize("gamma", [0.0, 0.5, 0.9, 1.0])
+def test_sampled_token_advantages_count_distance_in_action_tokens(shape, dtype, gamma):
+    """Multi-turn episodes: the discount skips environment tokens; values against the float64 loop
+    reference, and the policy gradient (-A at each trained position, 0 elsewhere)."""
+    B, T = shape
+    g = gen(18 + T)
+    s = (randn((B, T), g) - 1.0).to(dtype).requires_grad_(True)
+    q = (randn((B, T), g) - 1.0).to(dtype)
+    action, mask = interleaved_masks(B, T, g)
+    out = L.sampled_token_advantages(s, q, mask, gamma=gamma, action_mask_BT=action)
+    assert not out.requires_grad and out.dtype == OUT_DTYPE[dtype]
+    ref = R.ref_sampled_token_advantages(s, q, mask, gamma, action)
+    close(out, ref, dtype)
+    assert (out[~mask] == 0).all()
+    loss = L.sampled_token_pg_loss(s, out, mask)
+    gout = randn((B, T), g)
+    (gl,) = grads(loss, [s], gout)
+    ref_loss, ref_g = R.ref_sampled_token_pg_loss(s, ref, mask, gout_BT=gout)
+    close(loss, ref_loss, dtype, "value")
+    check_grad(gl, ref_g, s, dtype, "grad logprobs")
+    check_masked_exact(loss, gl, mask)
+
+
+def test_advantages_skip_environment_tokens_by_hand():
+    s = torch.zeros(1, 6, dtype=F64)
+    q = torch.tensor([[1.0, 2.0, 100.0, 100.0, 3.0, 4.0]], dtype=F64)
+    action = torch.tensor([[True, True, False, False, True, True]])
+    mask = action & torch.tensor([[True, False, True, True, True, True]])  # position 1: EOS, not trained
+    out = L.sampled_token_advantages(s, q, mask, gamma=0.5, action_mask_BT=action)
+    # A_0 = 1 + 0.5**2 * 3 + 0.5**3 * 4: the EOS counts one step, the two observation tokens none
+    close(out, torch.tensor([[1.0 + 0.75 + 0.5, 0.0, 0.0, 0.0, 3.0 + 2.0, 4.0]], dtype=F64), F64)
+
+
+def test_advantages_with_a_prefix_action_mask_are_the_positional_ones():
+    """Single-turn rollouts: the action mask is a prefix, so counting in action tokens changes nothing."""
+    g = gen(20)
+    s, q = randn((4, 9), g), randn((4, 9), g)
+    lengths = [9, 4, 0, 6]
+    action = torch.tensor([[t < n for t in range(9)] for n in lengths])
+    mask = action & (torch.rand(4, 9, generator=g) < 0.8)
+    for gamma in (0.3, 1.0):
+        plain = L.sampled_token_advantages(s, q, mask, gamma=gamma)
+        assert torch.equal(L.sampled_token_advantages(s, q, mask, gamma=gamma, action_mask_BT=action), plain)
+
+
 @pytest.mark.parametrize("shape,mask_kind,dtype", cases(BTS, MASKS, [F32, BF16]))
 @pytest.mark.parametrize("use_old", [False, True])
 @pytest.mark.parametrize("clip_eps", [None, 0.2])

@@ -11,8 +11,9 @@ This is the glue between the models and the pure losses of :mod:`opd.losses`:
 * ``full_kl``: dense reverse or forward KL over the whole vocabulary, from both models' hidden
   states a chunk of positions at a time (:func:`~opd.losses.full_vocab_kl_from_hidden`).
 
-The loss mask is the response mask minus, when ``mask_special`` is on, the positions whose
-sampled token is special (EOS, ``<think>``, ``</think>``, template markers).
+The loss mask is the action mask (the tokens the model sampled; environment and template tokens
+of multi-turn episodes are context, never trained) minus, when ``mask_special`` is on, the
+positions whose sampled token is special (EOS, ``<think>``, ``</think>``, template markers).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ NEEDS_STUDENT_TOPK = ("student_topk", "union", "intersection", "symmetric_differ
 
 
 def loss_mask(batch: RolloutBatch, special_ids: list[int], mask_special: bool) -> torch.Tensor:
-    mask = batch.response_mask_NT.clone()
+    mask = batch.action_mask_NT.clone()
     if mask_special and special_ids:
         mask &= ~L.special_token_mask(batch.response_ids_NT, special_ids)
     return mask
@@ -116,7 +117,9 @@ def objective_loss(
         return L.local_support_kl(h @ W.T, ids, t_lp, mask_NT, renormalize=False, support_mask=smask), h
     if cfg.objective == "sampled":
         logp = L.token_logprobs_from_hidden(h, W, batch.response_ids_NT)
-        adv = L.sampled_token_advantages(batch.logprobs_NT, scores.sampled_logprobs_NT, mask_NT, cfg.gamma)
+        adv = L.sampled_token_advantages(
+            batch.logprobs_NT, scores.sampled_logprobs_NT, mask_NT, cfg.gamma, action_mask_BT=batch.action_mask_NT
+        )
         clip = cfg.clip_eps if old_logprobs_NT is not None else None
         return L.sampled_token_pg_loss(logp, adv, mask_NT, old_logprobs_NT, clip), h
     t_h_NTE, t_W_VE = teacher.hidden_and_head(batch)

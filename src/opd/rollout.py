@@ -14,7 +14,10 @@ things the trainer relies on:
   makes resumed and data-parallel runs reproduce single-process ones.
 
 The response mask covers tokens up to and including the first EOS: a model may emit the pad
-token mid-response, so padding is never inferred from token values.
+token mid-response, so padding is never inferred from token values. A batch also carries an
+action mask, the tokens the model sampled: in a single-turn rollout it equals the response mask;
+multi-turn episodes (:mod:`opd.episodes`) interleave the model's turns with environment tokens
+that are real (response mask) but not the model's (action mask), and only the latter are trained.
 """
 
 from __future__ import annotations
@@ -34,10 +37,15 @@ from opd.models import model_device
 class RolloutBatch:
     """N rollouts: left-padded prompts of common length P followed by T response slots.
 
+    ``response_mask_NT`` marks the real tokens of the response region (a prefix of each row: the
+    region is compact, so positions and attention come from it); ``action_mask_NT`` the tokens the
+    model sampled (EOS included), which are what trains and what the metrics measure. Left out, it
+    is the response mask (a single-turn rollout). ``logprobs_NT`` is 0 outside the action mask.
+
     Shapes:
         input_ids_NL, attention_mask_NL: (N, P + T)
-        response_ids_NT, response_mask_NT, logprobs_NT: (N, T)
-        finished_N: (N,) -- an EOS was produced
+        response_ids_NT, response_mask_NT, logprobs_NT, action_mask_NT: (N, T)
+        finished_N: (N,) -- an EOS was produced (episodes: the game ended the episode)
     """
 
     input_ids_NL: torch.Tensor
@@ -47,6 +55,11 @@ class RolloutBatch:
     response_mask_NT: torch.Tensor
     logprobs_NT: torch.Tensor
     finished_N: torch.Tensor
+    action_mask_NT: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.action_mask_NT is None:
+            self.action_mask_NT = self.response_mask_NT
 
     @property
     def num_rollouts(self) -> int:
@@ -62,6 +75,7 @@ class RolloutBatch:
             self.response_mask_NT[rows],
             self.logprobs_NT[rows],
             self.finished_N[rows],
+            self.action_mask_NT[rows],
         )
 
 
@@ -173,6 +187,45 @@ def prompt_uniforms(seeds: Sequence[int], steps: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def check_sampling(max_new_tokens: int, temperature: float, greedy: bool) -> None:
+    """ValueError for a token budget or temperature no sampler can use."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if not greedy and not temperature > 0:
+        raise ValueError(f"temperature={temperature} must be > 0; pass greedy=True for argmax decoding")
+
+
+def check_context(prompt_len: int, max_new_tokens: int, max_context: int | None, fix: str) -> None:
+    """UserError when the longest prompt plus the token budget cannot fit the model's positions."""
+    if max_context and prompt_len + max_new_tokens > max_context:
+        raise UserError(
+            f"a prompt of {prompt_len} tokens plus max_new_tokens={max_new_tokens} exceeds the model's context of "
+            f"{max_context} positions; {fix}"
+        )
+
+
+def sample_next(
+    logits_NV: torch.Tensor, u_N: torch.Tensor, temperature: float, top_p: float, greedy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next token of each row and its log-prob under the unmodified policy (temperature 1,
+    no top-p): the quantity the sampled-token reward and importance ratios use.
+
+    Shapes: logits_NV: (N, V); u_N: (N,) -> ids_N: (N,) int64, logp_N: (N,) float32
+    """
+    logits = logits_NV.float()
+    tok = logits.argmax(-1) if greedy else nucleus_sample(logits, u_N, temperature, top_p)
+    return tok, torch.log_softmax(logits, -1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+
+
+def prefill(model: PreTrainedModel, ids_NP: torch.Tensor, attn_NP: torch.Tensor):
+    """The forward over left-padded prompts that starts a KV cache: (model output, position ids).
+
+    Positions count real tokens only, so a left-padded row is computed as it would be alone."""
+    positions = (attn_NP.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids_NP, attention_mask=attn_NP, position_ids=positions, use_cache=True, logits_to_keep=1)
+    return out, positions
+
+
 class HFRollout:
     """Sampling with the KV cache from a Hugging Face causal LM (the default backend)."""
 
@@ -186,23 +239,15 @@ class HFRollout:
     def generate(self, prompt_ids, seeds, *, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False) -> RolloutBatch:
         if len(seeds) != len(prompt_ids):
             raise ValueError("one seed per prompt is required")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-        if not greedy and not temperature > 0:
-            raise ValueError(f"temperature={temperature} must be > 0; pass greedy=True for argmax decoding")
+        check_sampling(max_new_tokens, temperature, greedy)
         dev = model_device(self.model)
         ids, attn = (t.to(dev) for t in left_pad(prompt_ids, self.pad_id))
         N, P = ids.shape
-        if self.max_context and P + max_new_tokens > self.max_context:
-            raise UserError(
-                f"a prompt of {P} tokens plus max_new_tokens={max_new_tokens} exceeds the model's context of "
-                f"{self.max_context} positions; shorten the prompts or lower --max-new-tokens"
-            )
+        check_context(P, max_new_tokens, self.max_context, "shorten the prompts or lower --max-new-tokens")
         was_training = self.model.training
         self.model.eval()
         u = prompt_uniforms(seeds, max_new_tokens).to(dev)
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True, logits_to_keep=1)
+        out, positions = prefill(self.model, ids, attn)
         cache = out.past_key_values
         compact = _can_drop_rows(cache)
         resp = torch.full((N, max_new_tokens), self.pad_id, dtype=torch.long, device=dev)
@@ -212,12 +257,10 @@ class HFRollout:
         # rows still in the model's batch (global indices), with their attention mask and next position
         live, live_attn, live_pos = torch.arange(N, device=dev), attn, positions[:, -1] + 1
         for t in range(max_new_tokens):
-            logits = out.logits[:, -1].float()
-            tok = logits.argmax(-1) if greedy else nucleus_sample(logits, u[live, t], temperature, top_p)
+            tok, lp = sample_next(out.logits[:, -1], u[live, t], temperature, top_p, greedy)
             alive = ~finished[live]
             tok = torch.where(alive, tok, torch.full_like(tok, self.pad_id))
             resp[live, t], resp_mask[live, t] = tok, alive
-            lp = torch.log_softmax(logits, -1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
             logp[live, t] = torch.where(alive, lp, 0.0)
             finished[live] = finished[live] | (alive & (tok == self.eos_id))
             still = ~finished[live]
@@ -242,4 +285,4 @@ class HFRollout:
         resp, logp, resp_mask = resp[:, : t + 1], logp[:, : t + 1], resp_mask[:, : t + 1]
         full_ids = torch.cat([ids, resp], dim=1)
         full_mask = torch.cat([attn, resp_mask.long()], dim=1)
-        return RolloutBatch(full_ids, full_mask, P, resp, resp_mask, logp, finished)
+        return RolloutBatch(full_ids, full_mask, P, resp, resp_mask, logp, finished, action_mask_NT=resp_mask)

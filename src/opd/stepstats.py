@@ -4,7 +4,9 @@ Metric keys are namespaced: ``train/`` (loss, grad norm, clipping, lr), ``rollou
 rate, repetition, accuracy), ``diag/`` (the papers' diagnostics), ``depth/`` (per-position values
 in equal-width depth buckets, for drift with depth), ``time/``. The full-vocabulary diagnostics
 use the student and teacher logits at the step's sampled diagnostic positions; the cheap ones
-(sampled-token rewards, out-of-support share) use every response position.
+(sampled-token rewards, out-of-support share) use every position of the action mask. Lengths,
+rates and per-token records count the tokens the model wrote (the action mask), never the
+environment's tokens between the turns of an episode.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def step_metrics(
     horizon: int,
 ) -> dict:
     """One rank's metrics of a step; ``horizon`` (max new tokens) fixes the depth buckets."""
-    resp = batch.response_mask_NT
+    resp = batch.action_mask_NT
     reward_NT = (scores.sampled_logprobs_NT - batch.logprobs_NT) * resp
     s_MV = upd.diag_hidden_MD.float() @ head_VD.float().T
     # A fixed horizon keeps bucket b the same depth range at every step, whatever the batch's length.
@@ -126,7 +128,7 @@ def metric_weights(batch, mask_NT: torch.Tensor, n_diag: int, horizon: int) -> d
     (:func:`opd.distributed.merge_metrics`): rollouts, response tokens, diagnostic positions, or
     per depth bucket its positions; loss tokens add up, timings take the slowest rank, and the
     loss, gradient norm and learning rate are already global."""
-    resp = batch.response_mask_NT
+    resp = batch.action_mask_NT
     return {
         "rollout/": batch.num_rollouts,
         "diag/": int(resp.sum()),
@@ -150,14 +152,15 @@ def rollout_records(
     upd: StepUpdate,
     mask_NT: torch.Tensor,
 ) -> list[dict]:
-    """Per-token detail of the first few rollouts, for the report's token inspector."""
+    """Per-token detail of the first few rollouts, for the report's token inspector: the tokens the
+    model wrote (its action mask; in a single-turn rollout the response up to its end)."""
     h = upd.log_hidden_LTD
     student_lp = torch.log_softmax(h.float() @ head_VD.float().T, dim=-1)
     records = []
     for r in range(h.shape[0]):
-        n = int(batch.response_mask_NT[r].sum())
-        ids = batch.response_ids_NT[r, :n]
-        topk = scores.topk_ids_NTK[r, :n]
+        at = batch.action_mask_NT[r].nonzero().squeeze(-1)  # a prefix in single-turn rollouts
+        ids = batch.response_ids_NT[r, at]
+        topk = scores.topk_ids_NTK[r, at]
         uniq = topk.unique().tolist()
         example = examples[r]
         records.append(
@@ -169,16 +172,16 @@ def rollout_records(
                 "correct": bool(correct[r]),
                 "tokens": tok.convert_ids_to_tokens(ids.tolist()),
                 "token_ids": ids.tolist(),
-                "loss_mask": mask_NT[r, :n].tolist(),
-                "student_logprobs": [round(x, 5) for x in batch.logprobs_NT[r, :n].tolist()],
-                "teacher_logprobs": [round(x, 5) for x in scores.sampled_logprobs_NT[r, :n].float().tolist()],
-                "token_loss": [round(x, 6) for x in upd.loss_NT[r, :n].float().tolist()],
+                "loss_mask": mask_NT[r, at].tolist(),
+                "student_logprobs": [round(x, 5) for x in batch.logprobs_NT[r, at].tolist()],
+                "teacher_logprobs": [round(x, 5) for x in scores.sampled_logprobs_NT[r, at].float().tolist()],
+                "token_loss": [round(x, 6) for x in upd.loss_NT[r, at].float().tolist()],
                 "teacher_topk_ids": topk.tolist(),
                 "teacher_topk_logprobs": [
-                    [round(x, 4) for x in row] for row in scores.topk_logprobs_NTK[r, :n].float().tolist()
+                    [round(x, 4) for x in row] for row in scores.topk_logprobs_NTK[r, at].float().tolist()
                 ],
                 "student_topk_logprobs": [
-                    [round(x, 4) for x in row] for row in student_lp[r, :n].gather(-1, topk).tolist()
+                    [round(x, 4) for x in row] for row in student_lp[r, at].gather(-1, topk).tolist()
                 ],
                 # Each distinct top-K id once, so the report can label the inspector's bars without a tokenizer.
                 "topk_tokens": dict(zip(map(str, uniq), tok.convert_ids_to_tokens(uniq))),

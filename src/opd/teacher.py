@@ -2,7 +2,8 @@
 
 :class:`TeacherScorer` is the protocol (a served teacher speaking vLLM's ``prompt_logprobs``
 format can implement it later); :class:`HFTeacher` is the in-process default. The teacher sees
-exactly the student's token ids and returns, per response position, its top-K tokens with
+exactly the student's token ids and returns, per position the student wrote (a multi-turn
+episode's environment tokens are read as context but not scored), its top-K tokens with
 full-vocabulary log-probs, its log-prob of the sampled token, and optionally its log-probs of
 other query tokens (for student-side or union supports). Nothing here builds a gradient.
 """
@@ -124,8 +125,9 @@ class HFTeacher:
         N, T, D = h_NTD.shape
         sampled = batch.response_ids_NT.unsqueeze(-1)
         query = sampled if query_ids_NTQ is None else torch.cat([sampled, query_ids_NTQ], dim=-1)
-        # The head runs on response positions only: padding can be a large share of a batch.
-        active_A = batch.response_mask_NT.reshape(-1).nonzero().squeeze(-1)
+        # The head runs on the positions the model wrote only: padding, and the environment's tokens
+        # between an episode's turns (context every loss masks), can be a large share of a batch.
+        active_A = batch.action_mask_NT.reshape(-1).nonzero().squeeze(-1)
         ids_A, lps_A, q_A = topk_and_gather_from_hidden(
             h_NTD.reshape(N * T, 1, D)[active_A], W, k, query.reshape(N * T, 1, -1)[active_A], self.chunk_size
         )

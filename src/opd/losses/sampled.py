@@ -88,15 +88,19 @@ def sampled_token_advantages(
     teacher_logprobs_BT: torch.Tensor,
     mask_BT: torch.Tensor,
     gamma: float = 0.0,
+    action_mask_BT: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Discounted reward-to-go of the sampled-token OPD reward (detached).
 
-    r_t = log q(y_t) - log p(y_t); A_t = sum over unmasked u >= t of gamma^(u - t) r_u, with the
-    distance u - t counted in positions (masked positions break nothing, they just add no
-    reward). gamma = 0 is token-level OPD, gamma = 1 the sequence-level reward-to-go.
+    r_t = log q(y_t) - log p(y_t); A_t = sum over unmasked u >= t of gamma^d(t, u) r_u, where the
+    distance d(t, u) counts the positions of ``action_mask_BT`` (the tokens the model wrote; a
+    position of ``mask_BT`` always counts) in [t, u): environment tokens between the turns of an
+    episode add no distance. Without an action mask every position counts, so d = u - t; a masked
+    position inside the action mask (a special token) counts but adds no reward. gamma = 0 is
+    token-level OPD, gamma = 1 the sequence-level reward-to-go.
 
     Shapes:
-        student_logprobs_BT, teacher_logprobs_BT, mask_BT: (B, T) -> adv_BT: (B, T)
+        student_logprobs_BT, teacher_logprobs_BT, mask_BT, action_mask_BT: (B, T) -> adv_BT: (B, T)
     """
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma={gamma} must lie in [0, 1] (0: token-level OPD, 1: sequence level)")
@@ -106,11 +110,14 @@ def sampled_token_advantages(
     r = torch.where(mask, r, torch.zeros_like(r))
     if gamma == 0.0:
         return r
-    # Backward scan: A_t = r_t + gamma * A_{t+1}; T is the response length, so a loop is cheap.
+    steps = None if action_mask_BT is None else as_bool(action_mask_BT) | mask
+    # Backward scan: A_t = r_t + gamma * A_{t+1} over counted positions; T is the response
+    # length, so a loop is cheap. Positions that do not count carry the running sum past them.
     adv = torch.zeros_like(r)
     running = torch.zeros_like(r[:, 0])
     for t in range(r.shape[1] - 1, -1, -1):
-        running = r[:, t] + gamma * running
+        stepped = r[:, t] + gamma * running
+        running = stepped if steps is None else torch.where(steps[:, t], stepped, running)
         adv[:, t] = running
     return torch.where(mask, adv, torch.zeros_like(adv))
 
