@@ -158,7 +158,7 @@ def test_updates_per_batch_with_an_analytic_loss(tiny_models, tmp_path, objectiv
     twice = dataclasses.replace(once, out=str(tmp_path / "twice" / "run"), updates_per_batch=2)
     train_mod.train(once, show_progress=False)
     run = train_mod.setup(dataclasses.replace(twice, steps=1))
-    batch, _ = train_mod.rollout_stage(run, 0)
+    batch, _, _ = train_mod.rollout_stage(run, 0)
     mask = train_mod.loss_mask(batch, run.special_ids, run.cfg.mask_special)
     diag = train_mod.diag_index(mask, run.cfg.diag_positions, 0, run.cfg.seed)
     scores, ids = train_mod.score_stage(run, batch, diag)
@@ -222,7 +222,7 @@ def test_full_kl_from_hidden_states_equals_the_dense_loss_on_rollouts(tiny_model
     from opd.teacher import response_hidden
 
     run = train_mod.setup(cfg_for(tiny_models, tmp_path, objective="full_kl", kl_direction=direction))
-    batch, _ = train_mod.rollout_stage(run, 0)
+    batch, _, _ = train_mod.rollout_stage(run, 0)
     mask = train_mod.loss_mask(batch, run.special_ids, run.cfg.mask_special)
     scores = run.teacher.score(batch, run.cfg.k)
     params = [p for p in run.student.parameters() if p.requires_grad]

@@ -105,7 +105,7 @@ def test_lsm_loss_decreases_on_a_fixed_batch(tiny_models, tmp_path):
     from opd.objectives import LossTotals, loss_mask, objective_loss, reduce_loss
 
     run = train_mod.setup(cfg_for(tiny_models, tmp_path, lr=3e-3, warmup_steps=0, batch_size=8))
-    batch, _ = train_mod.rollout_stage(run, 0)
+    batch, _, _ = train_mod.rollout_stage(run, 0)
     mask = loss_mask(batch, run.special_ids, True)
     scores = run.teacher.score(batch, run.cfg.k)
     totals = LossTotals(int(mask.sum()), int((mask.sum(-1) > 0).sum()), *mask.shape)
@@ -247,7 +247,7 @@ def test_bfloat16_teacher_scores_float32_students_rollouts(tiny_models, tmp_path
     half = train_mod.setup(cfg_for(tiny_models, tmp_path, teacher_dtype="bfloat16"))
     full = train_mod.setup(cfg_for(tiny_models, tmp_path / "f32"))
     assert half.teacher.model.dtype == torch.bfloat16 and half.student.dtype == torch.float32
-    batch, _ = train_mod.rollout_stage(half, 0)
+    batch, _, _ = train_mod.rollout_stage(half, 0)
     got, want = half.teacher.score(batch, 8), full.teacher.score(batch, 8)
     mask = batch.response_mask_NT
     assert got.sampled_logprobs_NT.dtype == torch.float32

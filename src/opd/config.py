@@ -100,7 +100,9 @@ class ModelSource:
         "Where models compute: auto (this process's GPU if torch sees one, else the CPU), "
         "cpu, cuda (this process's GPU: LOCAL_RANK under torchrun/accelerate) or cuda:N.",
     )
-    max_new_tokens: int = opt(64, "Maximum number of generated tokens per response.")
+    max_new_tokens: int = opt(
+        64, "Maximum number of generated tokens per response (with --env: per episode, actions and replies)."
+    )
     max_prompt_tokens: int = opt(256, "Prompts longer than this (in tokens) are rejected with an error.")
 
     def _check_common(self) -> None:
@@ -112,7 +114,31 @@ class ModelSource:
 
 
 @dataclass
-class TrainConfig(ModelSource):
+class EnvSource:
+    """Agentic runs: an environment's games instead of prompts (train and eval)."""
+
+    env: str = opt(
+        "",
+        "Agentic environment whose games the student plays, multi-turn, instead of --task's prompts: "
+        "alfworld, textworld, toy (or one you registered). Empty: single-turn prompts.",
+    )
+    env_level: int = opt(1, "Difficulty level of the environment's games (its own scale; toy: level + 1 rooms).")
+    env_args: list = opt(
+        [], "More arguments for the environment, KEY=VALUE comma-separated (e.g. n_train=256,max_turns=10)."
+    )
+    max_turns: int = opt(0, "Actions per episode before it ends unwon (0: the environment's own limit).")
+    max_action_tokens: int = opt(
+        32, "Tokens the model may write in one turn (with --env; --max-new-tokens bounds the whole episode)."
+    )
+
+    def _check_env(self) -> None:
+        _require(self.env_level >= 1, f"env_level={self.env_level} must be >= 1")
+        _require(self.max_turns >= 0, f"max_turns={self.max_turns} must be >= 0 (0: the environment's limit)")
+        _require(self.max_action_tokens >= 1, f"max_action_tokens={self.max_action_tokens} must be >= 1")
+
+
+@dataclass
+class TrainConfig(EnvSource, ModelSource):
     """On-policy distillation: the student samples, the teacher scores, the student moves toward it."""
 
     teacher: str = opt("", "Teacher model directory (same vocabulary as the student).")
@@ -199,6 +225,7 @@ class TrainConfig(ModelSource):
 
     def __post_init__(self) -> None:
         self._check_common()
+        self._check_env()
         _require(self.objective in OBJECTIVES, f"objective={self.objective!r}: choose one of {', '.join(OBJECTIVES)}")
         _require(self.support in SUPPORT_KINDS, f"support={self.support!r}: choose one of {', '.join(SUPPORT_KINDS)}")
         _require(self.k >= 1, f"k={self.k} must be >= 1")
@@ -284,7 +311,7 @@ class SFTConfig(ModelSource):
 
 
 @dataclass
-class EvalConfig(ModelSource):
+class EvalConfig(EnvSource, ModelSource):
     """Accuracy, avg@k and pass@k of a model; gap recovery when the before/teacher accuracies are given."""
 
     eval_size: int = opt(500, "Test prompts.")
@@ -297,6 +324,7 @@ class EvalConfig(ModelSource):
 
     def __post_init__(self) -> None:
         self._check_common()
+        self._check_env()
         _require(0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must lie in (0, 1]")
         _require(self.samples >= 0, "samples must be >= 0")
         _require(

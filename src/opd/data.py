@@ -54,13 +54,16 @@ class PromptSet:
         return len(self.examples)
 
     def batch_indices(self, step: int, batch_size: int, seed: int) -> list[int]:
-        """Indices for ``step``: consecutive slices of per-epoch seeded permutations."""
-        n = len(self)
-        out = []
-        for i in range(step * batch_size, (step + 1) * batch_size):
-            epoch, pos = divmod(i, n)
-            out.append(int(_epoch_order(n, seed, epoch)[pos]))
-        return out
+        return batch_indices(len(self), step, batch_size, seed)
+
+
+def batch_indices(n: int, step: int, batch_size: int, seed: int) -> list[int]:
+    """Indices of ``step``'s batch among ``n`` items: consecutive slices of per-epoch seeded permutations."""
+    out = []
+    for i in range(step * batch_size, (step + 1) * batch_size):
+        epoch, pos = divmod(i, n)
+        out.append(int(_epoch_order(n, seed, epoch)[pos]))
+    return out
 
 
 @lru_cache(maxsize=4)

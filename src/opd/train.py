@@ -32,9 +32,11 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from opd.agentic import GameSet, episode_metrics, episode_outcomes, evaluate_agent, make_env, write_eval_games
 from opd.config import TrainConfig
 from opd.data import PromptSet, load_task, sample_seed
 from opd.distributed import Dist, init_distributed, merge_metrics, shutdown
+from opd.episodes import EpisodeRecord, EpisodeRollout
 from opd.errors import UserError
 from opd.evaluation import evaluate_model
 from opd.lora import apply_lora, load_weights
@@ -57,10 +59,10 @@ class Run:
     student: torch.nn.Module  # a transformers causal LM, or peft's wrapper of one (--lora-r)
     teacher: TeacherScorer
     tokenizer: PreTrainedTokenizerBase
-    engine: HFRollout
-    task: Task
-    prompts: PromptSet
-    test: PromptSet
+    engine: HFRollout | EpisodeRollout  # single-turn prompts, or an environment's episodes (--env)
+    task: Task | None  # None with --env: an episode's reward is the game's
+    prompts: PromptSet | GameSet
+    test: PromptSet | GameSet
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     rundir: RunDir
@@ -84,9 +86,7 @@ def setup(cfg: TrainConfig) -> Run:
     V = head_weight(student).shape[0]
     if cfg.k > V:
         raise UserError(f"k={cfg.k} is larger than the vocabulary ({V} tokens); choose --k <= {V}")
-    task = load_task(cfg.task, cfg.task_level, cfg.seed)
-    prompts = PromptSet.build(task.examples("train"), tok, cfg.max_prompt_tokens, "training prompts")
-    test = PromptSet.build(task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
+    task, prompts, test = data_sources(cfg, tok)
     special_ids = special_token_ids(tok, cfg.special_tokens)
     if not cfg.keep_dropout:  # before LoRA, so --lora-dropout still applies to the adapter
         disable_dropout(student)
@@ -103,7 +103,7 @@ def setup(cfg: TrainConfig) -> Run:
         student,
         teacher,
         tok,
-        HFRollout(student, tok.eos_token_id, tok.pad_token_id),
+        EpisodeRollout(student, tok) if cfg.env else HFRollout(student, tok.eos_token_id, tok.pad_token_id),
         task,
         prompts,
         test,
@@ -118,8 +118,22 @@ def setup(cfg: TrainConfig) -> Run:
     elif cfg.resume:  # killed before its first checkpoint: it starts over, so must its logs
         rundir.truncate_logs_after(-1)
     rundir.write_config(cfg)
-    rundir.write_jsonl("eval.jsonl", [{"prompt": e.prompt, "answer": e.answer} for e in test.examples])
+    if isinstance(test, GameSet):
+        rundir.write_jsonl("eval.jsonl", write_eval_games(rundir.path, test) if rundir.enabled else [])
+    else:
+        rundir.write_jsonl("eval.jsonl", [{"prompt": e.prompt, "answer": e.answer} for e in test.examples])
     return run
+
+
+def data_sources(cfg: TrainConfig, tok) -> tuple[Task | None, PromptSet | GameSet, PromptSet | GameSet]:
+    """The task and its training and test prompts, or (with --env) the environment's games."""
+    if cfg.env:
+        env = make_env(cfg.env, cfg.env_level, cfg.env_args)
+        return None, GameSet.build(env, "train"), GameSet.build(env, "test", cfg.eval_size)
+    task = load_task(cfg.task, cfg.task_level, cfg.seed)
+    prompts = PromptSet.build(task.examples("train"), tok, cfg.max_prompt_tokens, "training prompts")
+    test = PromptSet.build(task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
+    return task, prompts, test
 
 
 def special_token_ids(tok, tokens: list[str]) -> list[int]:
@@ -154,14 +168,29 @@ def resume(run: Run, ckpt: Path) -> None:
 # ----------------------------------------------------------------------------- stages
 
 
-def rollout_stage(run: Run, step: int) -> tuple[RolloutBatch, list[int]]:
-    """This rank's rollouts: its contiguous block of the step's global batch, seeded by global slot."""
+def rollout_stage(run: Run, step: int) -> tuple[RolloutBatch, list[int], list[EpisodeRecord] | None]:
+    """This rank's rollouts: its contiguous block of the step's global batch, seeded by global slot;
+    with --env, episodes of the step's games and what happened in each."""
     cfg = run.cfg
     idx = run.prompts.batch_indices(step, cfg.batch_size * run.dist.world, cfg.seed)
     global_rows = [i for i in idx for _ in range(cfg.samples_per_prompt)]
     slots = run.dist.shard(list(range(len(global_rows))))
     rows = [global_rows[s] for s in slots]
     seeds = [sample_seed(cfg.seed, step, s) for s in slots]
+    if isinstance(run.prompts, GameSet):
+        played = run.dist.full_call(
+            lambda _: run.engine.play(
+                run.prompts.env,
+                [run.prompts.games[i] for i in rows],
+                seeds,
+                max_new_tokens=cfg.max_new_tokens,
+                max_action_tokens=cfg.max_action_tokens,
+                max_turns=cfg.max_turns or None,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+            )
+        )
+        return played.batch, rows, played.records
     batch = run.dist.full_call(
         lambda _: run.engine.generate(
             [run.prompts.prompt_ids[i] for i in rows],
@@ -171,7 +200,7 @@ def rollout_stage(run: Run, step: int) -> tuple[RolloutBatch, list[int]]:
             top_p=cfg.top_p,
         )
     )
-    return batch, rows
+    return batch, rows, None
 
 
 def diag_index(mask_NT: torch.Tensor, n: int, step: int, seed: int) -> torch.Tensor:
@@ -276,16 +305,23 @@ def log_stage(
     upd: StepUpdate,
     mask_NT: torch.Tensor,
     timings: dict,
+    records: list[EpisodeRecord] | None = None,
 ) -> dict:
     """Metrics of the whole batch (ranks' records merged) and rank 0's sample rollouts."""
     cfg = run.cfg
     examples = [run.prompts.examples[i] for i in rows]
-    texts, correct = grade_rollouts(run.tokenizer, run.task, examples, batch)
+    if records is None:
+        texts, correct = grade_rollouts(run.tokenizer, run.task, examples, batch)
+        episodes = {}
+    else:
+        texts, correct = episode_outcomes(records)
+        episodes = episode_metrics(records)
 
     def local(student):
         W = head_weight(student).detach()
         metrics = {
             **step_metrics(batch, correct, scores, upd, mask_NT, W, k=cfg.k, horizon=cfg.max_new_tokens),
+            **episodes,
             **timings,
         }
         if not (cfg.log_rollouts and run.dist.is_main):
@@ -304,23 +340,17 @@ def log_stage(
 def eval_stage(run: Run, step: int) -> dict:
     """Rank 0 evaluates (with FSDP, on weights all ranks gathered); the others wait for it."""
     cfg = run.cfg
-    res = run.dist.full_call(
-        lambda s: (
-            evaluate_model(
-                s,
-                run.tokenizer,
-                run.test,
-                run.task,
-                max_new_tokens=cfg.max_new_tokens,
-                samples=cfg.eval_samples,
-                temperature=cfg.temperature,
-                top_p=cfg.top_p,
-                seed=cfg.seed,
+    common = dict(samples=cfg.eval_samples, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
+
+    def evaluate(student):
+        if isinstance(run.test, GameSet):
+            limits = dict(max_action_tokens=cfg.max_action_tokens, max_turns=cfg.max_turns or None)
+            return evaluate_agent(
+                student, run.tokenizer, run.test, max_new_tokens=cfg.max_new_tokens, **limits, **common
             )
-            if run.dist.is_main
-            else None
-        )
-    )
+        return evaluate_model(student, run.tokenizer, run.test, run.task, max_new_tokens=cfg.max_new_tokens, **common)
+
+    res = run.dist.full_call(lambda s: evaluate(s) if run.dist.is_main else None)
     run.student.train()
     if res is None:
         return {}
@@ -354,7 +384,7 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
         bar.advance(run.start_step)
         for step in range(run.start_step, cfg.steps):
             t0 = time.perf_counter()
-            batch, rows = rollout_stage(run, step)
+            batch, rows, records = rollout_stage(run, step)
             t1 = time.perf_counter()
             mask_NT = loss_mask(batch, run.special_ids, cfg.mask_special)
             diag_M = diag_index(mask_NT, cfg.diag_positions, step, cfg.seed)
@@ -363,7 +393,7 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
             upd = update_stage(run, step, batch, scores, student_ids, mask_NT, diag_M)
             t3 = time.perf_counter()
             timings = {"time/generate": t1 - t0, "time/score": t2 - t1, "time/update": t3 - t2, "time/step": t3 - t0}
-            record = log_stage(run, step, rows, batch, scores, upd, mask_NT, timings)
+            record = log_stage(run, step, rows, batch, scores, upd, mask_NT, timings, records)
             bar.advance(1)
             bar.describe(f"loss {record['train/loss']:.4f}  acc {record['rollout/accuracy']:.2f}")
             last = step == cfg.steps - 1

@@ -8,8 +8,9 @@ one goal: open the box of a given colour, which needs the key of that colour in 
 
 A command the game does not accept in the current state is answered "Nothing happens." (the
 model's mistake is part of the episode, never an error). Winning gives reward 1 and ends the
-episode; every other step gives 0. ``get_env("toy", n_train=64, n_test=16, max_turns=8)``; train
-and test games come from disjoint seeds, and a game's layout is a function of its seed alone.
+episode; every other step gives 0. ``get_env("toy", level=2, n_train=64, n_test=16, max_turns=8)``
+(level L: L + 1 rooms); train and test games come from disjoint seeds, and a game's layout is a
+function of its seed alone.
 """
 
 from __future__ import annotations
@@ -109,7 +110,11 @@ class ToyEnv:
         "open COLOUR box, look, or inventory."
     )
 
-    def __init__(self, n_train: int = 64, n_test: int = 16, rooms: int = 3, max_turns: int = 8):
+    def __init__(
+        self, level: int | None = None, n_train: int = 64, n_test: int = 16, rooms: int = 3, max_turns: int = 8
+    ):
+        if level is not None:  # the trainer's --env-level: level L has L + 1 rooms
+            rooms = level + 1
         if not 2 <= rooms <= len(ROOMS) or n_train < 0 or n_test < 0 or max_turns < 1:
             raise ValueError(f"toy env: need 2 <= rooms <= {len(ROOMS)}, n_train, n_test >= 0, max_turns >= 1")
         self.n = {"train": n_train, "test": n_test}

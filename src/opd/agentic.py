@@ -1,0 +1,204 @@
+"""Agentic OPD: the games a run plays, how its episodes are graded, and success-rate evaluation.
+
+``opd train --env NAME`` replaces the prompt set with an environment's games (:mod:`opd.envs`):
+each rollout is a multi-turn episode played by :class:`opd.episodes.EpisodeRollout`, the teacher
+scores every token of it, and only the student's own action tokens are trained (the environment's
+replies are context). The rest of the loop is the single-turn one. This module holds what differs:
+
+* :class:`GameSet`, the games of a split, visited in the same seeded order as prompts
+  (:func:`opd.data.batch_indices`), with the labels the logs need;
+* :func:`episode_outcomes` and :func:`episode_metrics`: an episode's "correct" is "won", and the
+  step logs turns, invalid actions, truncations and games that failed;
+* :func:`evaluate_agent`: greedy success rate on held-out games, avg@k / pass@k over sampled
+  episodes, mean turns to success, invalid-action rate;
+* :func:`write_eval_games`: the held-out games and their list (``eval_games/``, ``eval.jsonl``) in
+  the run directory, so the figures can be checked by replaying them.
+
+Evaluation reports ``accuracy`` equal to ``success_rate`` so that reports and experiments read one
+key for prompt tasks and environments alike.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from opd.data import batch_indices
+from opd.envs import Environment, Game, get_env
+from opd.episodes import EpisodeRecord, EpisodeRollout
+from opd.errors import UserError
+from opd.evaluation import avg_at_k, mean_pass_at_k
+from opd.progress import progress_bar
+from opd.tasks import Example
+
+__all__ = [
+    "GameSet",
+    "make_env",
+    "parse_env_args",
+    "episode_outcomes",
+    "episode_metrics",
+    "evaluate_agent",
+    "write_eval_games",
+]
+
+
+def parse_env_args(items: list[str]) -> dict[str, Any]:
+    """``--env-args`` as keyword arguments: ``["n_train=256", "max_turns=10"]`` -> {n_train: 256, ...}
+    (values read as YAML scalars, so numbers and booleans keep their types)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = str(item).partition("=")
+        if not sep or not key.strip():
+            raise UserError(
+                f"--env-args item {item!r} is not KEY=VALUE; write e.g. --env-args n_train=256,max_turns=10"
+            )
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def make_env(name: str, level: int, env_args: list[str]) -> Environment:
+    """The environment ``name`` at ``level``, with ``--env-args`` passed through to its constructor."""
+    kwargs = {"level": level, **parse_env_args(env_args)}
+    try:
+        return get_env(name, **kwargs)
+    except TypeError as err:  # an argument the environment's constructor does not take
+        raise UserError(f"environment {name!r} does not accept these arguments ({err}); fix --env-args") from None
+
+
+@dataclass
+class GameSet:
+    """The games of one split of an environment, in the environment's fixed order."""
+
+    env: Environment
+    games: list[Game]
+    examples: list[Example]  # one per game, for logs: the goal as "prompt", no reference answer
+
+    @classmethod
+    def build(cls, env: Environment, split: str, limit: int | None = None) -> GameSet:
+        games = list(env.games(split))[:limit]
+        if not games:
+            raise UserError(
+                f"environment {env.name!r} has no {split} games; check its level and --env-args "
+                "(or its data directory, e.g. ALFWORLD_DATA)"
+            )
+        return cls(env, games, [Example(prompt=g.goal or g.id, answer="", task=env.name) for g in games])
+
+    def __len__(self) -> int:
+        return len(self.games)
+
+    def batch_indices(self, step: int, batch_size: int, seed: int) -> list[int]:
+        return batch_indices(len(self), step, batch_size, seed)
+
+
+def episode_outcomes(records: list[EpisodeRecord]) -> tuple[list[str], list[float]]:
+    """Each episode's transcript of actions (for the logs) and its reward: 1 if won."""
+    return [" | ".join(r.actions) for r in records], [float(r.won) for r in records]
+
+
+def episode_metrics(records: list[EpisodeRecord]) -> dict[str, float]:
+    """Per-rollout averages of a step's episodes (``rollout/`` keys, merged over ranks by rollouts)."""
+    n = len(records)
+    listed = [r for r in records if r.invalid_actions is not None]
+    actions = sum(r.turns for r in listed)
+    return {
+        "rollout/turns": sum(r.turns for r in records) / n,
+        "rollout/truncated_rate": sum(r.truncated for r in records) / n,
+        "rollout/env_error_rate": sum(r.error is not None for r in records) / n,
+        # actions outside the game's admissible commands, where the game lists them
+        "rollout/invalid_action_rate": sum(r.invalid_actions for r in listed) / actions if actions else 0.0,
+    }
+
+
+def evaluate_agent(
+    model,
+    tokenizer,
+    games: GameSet,
+    *,
+    max_new_tokens: int,
+    max_action_tokens: int,
+    max_turns: int | None = None,
+    samples: int = 0,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    batch_size: int = 64,
+    seed: int = 0,
+    show_progress: bool = False,
+) -> dict:
+    """Greedy success rate over ``games``; with ``samples`` > 0 also avg@k and pass@k (k = samples).
+
+    Also the mean number of turns of the won greedy episodes, the invalid-action rate (where the
+    game lists its admissible commands) and the episodes a game error ended (they count as lost).
+    Seeds are per game and sample, as in :func:`opd.evaluation.evaluate_model`.
+    """
+    engine = EpisodeRollout(model, tokenizer)
+    n = len(games)
+    greedy: list[EpisodeRecord] = []
+    sampled_ok: list[list[bool]] = [[] for _ in range(n)]
+    jobs = [(i, -1) for i in range(n)] + [(i, s) for s in range(samples) for i in range(n)]
+    with progress_bar("playing held-out games", total=len(jobs), enabled=show_progress) as bar:
+        for start in range(0, len(jobs), batch_size):
+            chunk = jobs[start : start + batch_size]
+            for is_greedy in (True, False):
+                part = [(i, s) for i, s in chunk if (s < 0) == is_greedy]
+                if not part:
+                    continue
+                played = engine.play(
+                    games.env,
+                    [games.games[i] for i, _ in part],
+                    [seed * 7919 + i * 131 + s for i, s in part],
+                    max_new_tokens=max_new_tokens,
+                    max_action_tokens=max_action_tokens,
+                    max_turns=max_turns,
+                    temperature=temperature,
+                    top_p=top_p,
+                    greedy=is_greedy,
+                )
+                for (i, _), rec in zip(part, played.records, strict=True):
+                    (greedy.append(rec) if is_greedy else sampled_ok[i].append(rec.won))
+            bar.advance(len(chunk))
+    won = [r for r in greedy if r.won]
+    listed = [r for r in greedy if r.invalid_actions is not None]
+    actions = sum(r.turns for r in listed)
+    result = {
+        "success_rate": len(won) / n,
+        "accuracy": len(won) / n,
+        "n": n,
+        "mean_turns_to_success": sum(r.turns for r in won) / len(won) if won else float("nan"),
+        "invalid_action_rate": sum(r.invalid_actions for r in listed) / actions if actions else float("nan"),
+        "env_errors": sum(r.error is not None for r in greedy),
+    }
+    if samples > 0:
+        result.update(
+            {"avg_at_k": avg_at_k(sampled_ok), "pass_at_k": mean_pass_at_k(sampled_ok, samples), "k": samples}
+        )
+    return result
+
+
+def write_eval_games(run_dir: Path, games: GameSet) -> list[dict]:
+    """Copy the held-out games' files into ``RUN/eval_games/<game id>/`` and list them (the lines of
+    ``eval.jsonl``: game id, path relative to the run directory, goal). A game directory is copied
+    whole; a game file with the files that share its stem (TextWorld's .z8/.json/.ni)."""
+    lines = []
+    for g in games.games:
+        rel = None
+        if g.path:
+            src, dest = Path(g.path), run_dir / "eval_games" / _safe(g.id)
+            if src.is_dir():
+                shutil.copytree(src, dest, dirs_exist_ok=True)
+                rel = dest.relative_to(run_dir)
+            elif src.is_file():
+                dest.mkdir(parents=True, exist_ok=True)
+                for f in src.parent.glob(src.stem + ".*"):
+                    shutil.copy2(f, dest / f.name)
+                rel = (dest / src.name).relative_to(run_dir)
+        lines.append({"game": g.id, "path": None if rel is None else str(rel), "goal": g.goal})
+    return lines
+
+
+def _safe(game_id: str) -> str:
+    """A game id as one path component."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in game_id)

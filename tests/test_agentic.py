@@ -1,0 +1,234 @@
+"""Agentic OPD through the trainer (``opd train --env``): what trains, evaluation, resume, 2 ranks.
+
+The episode engine's own guarantees (masks against the rendered chat text, KV cache vs
+re-encoding, batch invariance) are in test_episodes.py; these tests check the loop around it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from helpers import assert_close_weights, cli_args, final_weights, launch, read_metrics, step_records
+from typer.testing import CliRunner
+
+from opd import train as train_mod
+from opd.agentic import GameSet, evaluate_agent, make_env, parse_env_args, write_eval_games
+from opd.cli import app
+from opd.config import TrainConfig
+from opd.envs import Game, StepResult, register_env
+from opd.errors import UserError
+from opd.models import load_model, load_tokenizer
+
+AGENTIC = dict(
+    env="toy",
+    env_level=1,
+    max_new_tokens=96,
+    max_action_tokens=8,
+    max_turns=4,
+    steps=3,
+    eval_size=4,
+    eval_samples=2,
+    log_rollouts=4,
+)
+
+
+def agentic_cfg(models, out, **kw) -> TrainConfig:
+    student, teacher = models
+    base = dict(
+        student=str(student),
+        teacher=str(teacher),
+        out=str(out),
+        device="cpu",
+        batch_size=4,
+        k=8,
+        warmup_steps=1,
+        diag_positions=16,
+        eval_every=0,
+        ckpt_every=1,
+        lr=3e-3,
+    )
+    return TrainConfig(**{**base, **AGENTIC, **kw})
+
+
+def test_cli_agentic_run_trains_the_students_action_tokens_only(tiny_models, tmp_path):
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, cli_args(tiny_models, out, batch_size=4, **AGENTIC))
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    steps = step_records(out)
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 3 * 4  # every rollout of every step
+    for r in steps:
+        mine = [x for x in rollouts if x["step"] == r["step"]]
+        # The records hold the model's own tokens; the loss skips only its end-of-turn tokens (lsm
+        # masks special tokens), so the loss tokens are the action tokens less the EOS ones.
+        eos = sum(t == "<|im_end|>" for x in mine for t in x["tokens"])
+        actions = sum(len(x["tokens"]) for x in mine)
+        assert r["train/loss_tokens"] == actions - eos
+        assert all(not m for x in mine for t, m in zip(x["tokens"], x["loss_mask"]) if t == "<|im_end|>")
+        assert r["rollout/response_len"] == pytest.approx(actions / 4)
+        assert 1 <= r["rollout/turns"] <= AGENTIC["max_turns"]
+        assert r["rollout/accuracy"] == sum(x["correct"] for x in mine) / 4
+        assert r["rollout/env_error_rate"] == 0.0
+        # an observation is never among the trained tokens: its words do not appear in the actions
+        assert not any("You are in the" in "".join(x["tokens"]).replace("Ġ", " ") for x in mine)
+    evals = [r for r in read_metrics(out) if "eval/success_rate" in r]
+    assert len(evals) == 1 and evals[0]["eval/n"] == 4 and evals[0]["eval/k"] == 2
+    assert evals[0]["eval/accuracy"] == evals[0]["eval/success_rate"]
+    games = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [g["game"] for g in games] == [f"toy-test-{i}" for i in range(4)]
+    assert all(g["goal"].startswith("open the ") for g in games)
+    assert json.loads((out / "config.json").read_text())["env"] == "toy"
+
+
+def test_agentic_resume_equals_uninterrupted(tiny_models, tmp_path, monkeypatch):
+    train_mod.train(agentic_cfg(tiny_models, tmp_path / "a", eval_samples=0), show_progress=False)
+    expected = step_records(tmp_path / "a")
+    killed = agentic_cfg(tiny_models, tmp_path / "b", eval_samples=0)
+    real_rollout = train_mod.rollout_stage
+
+    def dies_at_step_2(run, step):
+        if step == 2:
+            raise KeyboardInterrupt("simulated kill")
+        return real_rollout(run, step)
+
+    monkeypatch.setattr(train_mod, "rollout_stage", dies_at_step_2)
+    with pytest.raises(KeyboardInterrupt):
+        train_mod.train(killed, show_progress=False)
+    monkeypatch.setattr(train_mod, "rollout_stage", real_rollout)
+    train_mod.train(TrainConfig(**{**killed.__dict__, "resume": True}), show_progress=False)
+    got = step_records(tmp_path / "b")
+    assert [r["step"] for r in got] == [0, 1, 2]
+    for e, g in zip(expected, got, strict=True):
+        for key in e:
+            if not key.startswith("time/"):
+                assert g[key] == pytest.approx(e[key], rel=1e-6, abs=1e-9), (e["step"], key)
+
+
+@pytest.mark.slow
+def test_agentic_two_ranks_match_one_process(tiny_models, tmp_path):
+    train_mod.train(agentic_cfg(tiny_models, tmp_path / "one", eval_samples=0), show_progress=False)
+    launch("torchrun", cli_args(tiny_models, tmp_path / "two", **{**AGENTIC, "batch_size": 2, "eval_samples": 0}))
+    want, got = step_records(tmp_path / "one"), step_records(tmp_path / "two")
+    assert [r["step"] for r in got] == [0, 1, 2]
+    for w, g in zip(want, got, strict=True):
+        for key in ("train/loss", "train/grad_norm", "rollout/turns", "rollout/response_len", "train/loss_tokens"):
+            assert g[key] == pytest.approx(w[key], rel=1e-4), (w["step"], key)
+    assert_close_weights(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"))
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+class _WinsOnTurn:
+    """Every episode is won by its ``n``-th action, whatever it says (or never, for n = 0)."""
+
+    name, system_prompt, max_turns = "wins-on-turn", "Say anything.", 5
+
+    def __init__(self, level: int = 1, n: int = 2, games: int = 3):
+        self.n, self.count = n, games
+
+    def games(self, split):
+        return [Game(id=f"{split}-{i}", goal="say something") for i in range(self.count)]
+
+    def open(self, game):
+        env = self
+
+        class Session:
+            def reset(self):
+                self.t = 0
+                return "Say something."
+
+            def step(self, action):
+                self.t += 1
+                won = self.t == env.n
+                return StepResult("You win." if won else "Go on.", float(won), won, won)
+
+            def admissible_commands(self):
+                return None
+
+            def expert_actions(self):
+                return None
+
+            def close(self):
+                pass
+
+        return Session()
+
+
+register_env("wins-on-turn", _WinsOnTurn)
+
+
+@pytest.fixture(scope="module")
+def student(tiny_models):
+    return load_model(tiny_models[0], device="cpu"), load_tokenizer(tiny_models[0])
+
+
+@pytest.mark.parametrize("n, success, turns", [(2, 1.0, 2.0), (0, 0.0, math.nan)])
+def test_evaluate_agent_counts_wins_and_turns(student, n, success, turns):
+    model, tok = student
+    games = GameSet.build(make_env("wins-on-turn", 1, [f"n={n}"]), "test")
+    res = evaluate_agent(model, tok, games, max_new_tokens=64, max_action_tokens=4, samples=2, top_p=0.9)
+    assert res["n"] == 3 and res["success_rate"] == success and res["accuracy"] == success
+    assert res["avg_at_k"] == success and res["pass_at_k"] == success and res["k"] == 2
+    assert res["mean_turns_to_success"] == turns or (math.isnan(turns) and math.isnan(res["mean_turns_to_success"]))
+    assert math.isnan(res["invalid_action_rate"]) and res["env_errors"] == 0  # the game lists no commands
+
+
+def test_evaluate_agent_invalid_action_rate_on_the_toy_game(student):
+    model, tok = student
+    games = GameSet.build(make_env("toy", 1, ["n_test=2", "max_turns=3"]), "test")
+    res = evaluate_agent(model, tok, games, max_new_tokens=64, max_action_tokens=4)
+    # A random one-layer model writes no valid command of the toy game.
+    assert res["success_rate"] == 0.0 and res["invalid_action_rate"] == 1.0
+
+
+# ----------------------------------------------------------------------------- bad input and files
+
+
+def test_environment_mistakes_are_clear(tiny_models, tmp_path):
+    with pytest.raises(UserError, match="unknown environment 'nope'"):
+        make_env("nope", 1, [])
+    with pytest.raises(UserError, match="not KEY=VALUE"):
+        parse_env_args(["rooms"])
+    with pytest.raises(UserError, match="does not accept these arguments"):
+        make_env("toy", 1, ["colours=3"])
+    with pytest.raises(UserError, match="has no test games"):
+        GameSet.build(make_env("toy", 1, ["n_test=0"]), "test")
+    assert parse_env_args(["n_train=8", "name=x", "flag=true"]) == {"n_train": 8, "name": "x", "flag": True}
+    with pytest.raises(UserError, match="unknown environment"):
+        train_mod.setup(agentic_cfg(tiny_models, tmp_path / "run", env="nope"))
+
+
+def test_write_eval_games_copies_game_files(tmp_path):
+    folder = tmp_path / "games" / "g1"
+    folder.mkdir(parents=True)
+    (folder / "game.tw-pddl").write_text("{}")
+    (folder / "traj_data.json").write_text("{}")
+    (tmp_path / "games" / "g2.z8").write_bytes(b"z")
+    (tmp_path / "games" / "g2.json").write_text("{}")
+    (tmp_path / "games" / "other.z8").write_bytes(b"o")
+    env = _WinsOnTurn()
+    games = GameSet(
+        env,
+        [Game("g1", "a", str(folder)), Game("g/2", "b", str(tmp_path / "games" / "g2.z8")), Game("g3", "c")],
+        [],
+    )
+    run = tmp_path / "run"
+    lines = write_eval_games(run, games)
+    assert lines == [
+        {"game": "g1", "path": "eval_games/g1", "goal": "a"},
+        {"game": "g/2", "path": "eval_games/g_2/g2.z8", "goal": "b"},
+        {"game": "g3", "path": None, "goal": "c"},
+    ]
+    assert sorted(p.name for p in (run / "eval_games" / "g1").iterdir()) == ["game.tw-pddl", "traj_data.json"]
+    assert sorted(p.name for p in (run / "eval_games" / "g_2").iterdir()) == ["g2.json", "g2.z8"]
+
+
+def test_single_turn_rollout_stage_has_no_episode_records(tiny_models, tmp_path):
+    run = train_mod.setup(agentic_cfg(tiny_models, tmp_path / "run", env="", max_new_tokens=8))
+    batch, rows, records = train_mod.rollout_stage(run, 0)
+    assert records is None and len(rows) == 4 and torch.equal(batch.action_mask_NT, batch.response_mask_NT)
