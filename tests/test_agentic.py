@@ -232,3 +232,12 @@ def test_single_turn_rollout_stage_has_no_episode_records(tiny_models, tmp_path)
     run = train_mod.setup(agentic_cfg(tiny_models, tmp_path / "run", env="", max_new_tokens=8))
     batch, rows, records = train_mod.rollout_stage(run, 0)
     assert records is None and len(rows) == 4 and torch.equal(batch.action_mask_NT, batch.response_mask_NT)
+
+
+def test_cli_eval_plays_the_environments_held_out_games(tiny_models, tmp_path):
+    args = ["eval", "--student", str(tiny_models[0]), "--env", "wins-on-turn", "--env-args", "n=1,games=5"]
+    args += ["--samples", "0", "--max-new-tokens", "32", "--max-action-tokens", "4", "--out", str(tmp_path)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    res = json.loads((tmp_path / "eval.json").read_text())
+    assert res["n"] == 5 and res["success_rate"] == 1.0 and res["mean_turns_to_success"] == 1.0
