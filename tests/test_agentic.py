@@ -198,7 +198,7 @@ def test_environment_mistakes_are_clear(tiny_models, tmp_path):
         make_env("toy", 1, ["colours=3"])
     with pytest.raises(UserError, match="has no test games"):
         GameSet.build(make_env("toy", 1, ["n_test=0"]), "test")
-    assert parse_env_args(["n_train=8", "name=x", "flag=true"]) == {"n_train": 8, "name": "x", "flag": True}
+    assert parse_env_args(["n_train=8,name=x", "flag=true"]) == {"n_train": 8, "name": "x", "flag": True}
     with pytest.raises(UserError, match="unknown environment"):
         train_mod.setup(agentic_cfg(tiny_models, tmp_path / "run", env="nope"))
 

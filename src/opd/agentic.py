@@ -47,11 +47,12 @@ __all__ = [
 
 
 def parse_env_args(items: list[str]) -> dict[str, Any]:
-    """``--env-args`` as keyword arguments: ``["n_train=256", "max_turns=10"]`` -> {n_train: 256, ...}
-    (values read as YAML scalars, so numbers and booleans keep their types)."""
+    """``--env-args`` as keyword arguments: ``["n_train=256,max_turns=10"]`` -> {n_train: 256, ...}
+    (items comma-separated or repeated; values read as YAML scalars, so numbers and booleans keep
+    their types)."""
     out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = str(item).partition("=")
+    for item in (part for given in items for part in str(given).split(",") if part.strip()):
+        key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise UserError(
                 f"--env-args item {item!r} is not KEY=VALUE; write e.g. --env-args n_train=256,max_turns=10"
