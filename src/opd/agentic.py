@@ -12,7 +12,10 @@ replies are context). The rest of the loop is the single-turn one. This module h
 * :func:`evaluate_agent`: greedy success rate on held-out games, avg@k / pass@k over sampled
   episodes, mean turns to success, invalid-action rate;
 * :func:`write_eval_games`: the held-out games and their list (``eval_games/``, ``eval.jsonl``) in
-  the run directory, so the figures can be checked by replaying them.
+  the run directory, so the figures can be checked by replaying them;
+* :func:`expert_sequences`: the environment's expert episodes in the same episode format, with
+  labels on the action tokens only, for ``opd sft --env`` (behaviour cloning: the game teacher and
+  the student start there).
 
 Evaluation reports ``accuracy`` equal to ``success_rate`` so that reports and experiments read one
 key for prompt tasks and environments alike.
@@ -29,7 +32,7 @@ import yaml
 
 from opd.data import batch_indices
 from opd.envs import Environment, Game, get_env
-from opd.episodes import EpisodeRecord, EpisodeRollout
+from opd.episodes import ChatFormat, EpisodeRecord, EpisodeRollout
 from opd.errors import UserError
 from opd.evaluation import avg_at_k, mean_pass_at_k
 from opd.progress import progress_bar
@@ -43,6 +46,7 @@ __all__ = [
     "episode_metrics",
     "evaluate_agent",
     "write_eval_games",
+    "expert_sequences",
 ]
 
 
@@ -203,3 +207,50 @@ def write_eval_games(run_dir: Path, games: GameSet) -> list[dict]:
 def _safe(game_id: str) -> str:
     """A game id as one path component."""
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in game_id)
+
+
+def expert_sequences(env: Environment, games: list[Game], tokenizer, max_len: int) -> tuple[list, list, int]:
+    """The expert's episodes as token sequences in the episode format of :mod:`opd.episodes` and
+    their labels (the action tokens and their EOS; -100 on the prompt and the game's replies).
+
+    A game whose expert does not win, has no expert, fails (EnvError), or whose episode is longer
+    than ``max_len`` tokens is left out and counted. Returns (sequences, labels, left out).
+    """
+    from opd.envs import EnvError
+
+    fmt, eos = ChatFormat(tokenizer, tokenizer.eos_token_id), tokenizer.eos_token_id
+    seqs, labels, skipped = [], [], 0
+    for game in games:
+        try:
+            session = env.open(game)
+            try:
+                ids, lab = _expert_episode(fmt, eos, env.system_prompt, session)
+            finally:
+                session.close()
+        except EnvError:
+            ids = None
+        if ids is None or len(ids) > max_len:
+            skipped += 1
+            continue
+        seqs.append(ids)
+        labels.append(lab)
+    return seqs, labels, skipped
+
+
+def _expert_episode(fmt: ChatFormat, eos: int, system: str, session) -> tuple[list[int], list[int]] | tuple[None, None]:
+    prompt = fmt.encode(fmt.prompt(system, session.reset()))
+    actions = session.expert_actions()
+    if not actions:
+        return None, None
+    ids, lab = list(prompt), [-100] * len(prompt)
+    for i, action in enumerate(actions):
+        turn = fmt.encode(action) + [eos]
+        ids += turn
+        lab += turn
+        result = session.step(action)
+        if result.done or i == len(actions) - 1:
+            return (ids, lab) if result.won else (None, None)
+        reply = fmt.encode(fmt.reply(result.observation, after_eos=True))
+        ids += reply
+        lab += [-100] * len(reply)
+    return None, None

@@ -272,7 +272,7 @@ class TrainConfig(EnvSource, ModelSource):
 
 
 @dataclass
-class SFTConfig(ModelSource):
+class SFTConfig(EnvSource, ModelSource):
     """Supervised fine-tuning on (prompt, solution) pairs: makes teachers/students, off-policy cold start."""
 
     data: str = opt("", "JSONL with prompt and solution (or completion); empty: the task's own solutions.")
@@ -298,6 +298,7 @@ class SFTConfig(ModelSource):
 
     def __post_init__(self) -> None:
         self._check_common()
+        self._check_env()
         self.report_to = check_report_to(self.report_to)
         _require(self.steps >= 1 and self.batch_size >= 1, "steps and batch_size must be >= 1")
         _require(self.train_size >= 0, f"train_size={self.train_size} must be >= 0 (0 uses every example)")

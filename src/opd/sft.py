@@ -6,18 +6,23 @@ Targets are, in order of precedence: completions sampled from ``--teacher`` on t
 solutions. The loss is cross-entropy on the completion tokens (prompt and padding masked). The
 model with the best greedy test accuracy is kept in ``OUT/final`` (early stopping with
 ``--patience``), so "trained until it plateaus" is measured, not assumed.
+
+With ``--env NAME`` the targets are the environment's expert episodes (behaviour cloning), in the
+episode format the student later plays (:func:`opd.agentic.expert_sequences`): the loss is on the
+action tokens only, and "accuracy" is the greedy success rate on the held-out games.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from opd.config import SFTConfig
-from opd.data import PromptSet, load_task, sample_seed
+from opd.data import PromptSet, batch_indices, load_task, sample_seed
 from opd.errors import UserError
 from opd.evaluation import decode_responses, evaluate_model
 from opd.models import load_model, load_tokenizer, model_device, parse_arch, resolve_device, tiny_qwen2
@@ -70,8 +75,13 @@ def encode_pairs(tok, prompts: list[str], completions: list[str]) -> tuple[torch
         c = tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         seqs.append(p + c)
         labels.append([-100] * len(p) + c)
+    return pad_right(seqs, labels, tok.pad_token_id)
+
+
+def pad_right(seqs: list[list[int]], labels: list[list[int]], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """Token lists right-padded to one length: (ids, attention mask, labels with -100 on padding)."""
     L = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), L), tok.pad_token_id, dtype=torch.long, device="cpu")
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long, device="cpu")
     lab = torch.full((len(seqs), L), -100, dtype=torch.long, device="cpu")
     att = torch.zeros((len(seqs), L), dtype=torch.long, device="cpu")
     for i, (s, lab_i) in enumerate(zip(seqs, labels, strict=True)):
@@ -93,11 +103,8 @@ def teacher_completions(
     return decode_responses(tok, batch.response_ids_NT, batch.response_mask_NT)
 
 
-def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
-    rundir = RunDir(cfg.out, report_to=cfg.report_to)
-    rundir.require_fresh()
-    rundir.write_config(cfg)
-    model, tok = build_model(cfg)
+def prompt_source(cfg: SFTConfig, tok, model) -> tuple[Callable[[int], tuple], Callable[[object], float]]:
+    """The batch of a step (ids, attention mask, labels) and the greedy test accuracy, for prompts."""
     task = load_task(cfg.task, cfg.task_level, cfg.seed)
     examples = load_sft_examples(cfg.data) if cfg.data else task.examples("train")
     if cfg.train_size > len(examples):
@@ -116,20 +123,65 @@ def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
     if cfg.teacher:
         teacher = load_model(cfg.teacher, "teacher", cfg.dtype, model_device(model))
         teacher_engine = HFRollout(teacher, tok.eos_token_id, tok.pad_token_id)
+
+    def batch(step: int) -> tuple:
+        idx = train_set.batch_indices(step, cfg.batch_size, cfg.seed)
+        prompts = [train_set.examples[i].prompt for i in idx]
+        targets = (
+            teacher_completions(teacher_engine, tok, train_set, idx, step, cfg)
+            if teacher_engine
+            else [train_set.examples[i].solution for i in idx]
+        )
+        return encode_pairs(tok, prompts, targets)
+
+    def accuracy(m) -> float:
+        return evaluate_model(m, tok, test, task, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)["accuracy"]
+
+    return batch, accuracy
+
+
+def episode_source(cfg: SFTConfig, tok, model) -> tuple[Callable[[int], tuple], Callable[[object], float]]:
+    """The same for an environment: its expert episodes, and the greedy success rate on held-out games."""
+    from opd.agentic import GameSet, evaluate_agent, expert_sequences, make_env
+
+    if cfg.teacher or cfg.data:
+        raise UserError("--env trains on the environment's expert episodes; --teacher and --data are for prompts")
+    env = make_env(cfg.env, cfg.env_level, cfg.env_args)
+    games = GameSet.build(env, "train").games[: cfg.train_size or None]
+    seqs, labels, skipped = expert_sequences(env, games, tok, cfg.max_new_tokens + cfg.max_prompt_tokens)
+    if not seqs:
+        raise UserError(
+            f"none of the {len(games)} training games of {env.name!r} gave an expert episode that wins within "
+            f"{cfg.max_new_tokens + cfg.max_prompt_tokens} tokens; raise --max-new-tokens or check the environment"
+        )
+    test = GameSet.build(env, "test", cfg.eval_size)
+    if skipped:
+        print(f"opd sft: {skipped} of {len(games)} training games left out (no winning expert episode that fits)")
+
+    def batch(step: int) -> tuple:
+        idx = batch_indices(len(seqs), step, cfg.batch_size, cfg.seed)
+        return pad_right([seqs[i] for i in idx], [labels[i] for i in idx], tok.pad_token_id)
+
+    def accuracy(m) -> float:
+        limits = dict(max_action_tokens=cfg.max_action_tokens, max_turns=cfg.max_turns or None)
+        return evaluate_agent(m, tok, test, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, **limits)["success_rate"]
+
+    return batch, accuracy
+
+
+def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
+    rundir = RunDir(cfg.out, report_to=cfg.report_to)
+    rundir.require_fresh()
+    rundir.write_config(cfg)
+    model, tok = build_model(cfg)
+    next_batch, accuracy = (episode_source if cfg.env else prompt_source)(cfg, tok, model)
     opt = make_optimizer(model, cfg.lr)
     sched = make_scheduler(opt, cfg.warmup_steps, cfg.steps, cfg.schedule)
     best, stale, t0 = -1.0, 0, time.time()
     model.train()
     with rundir, progress_bar("SFT", total=cfg.steps, enabled=show_progress) as bar:
         for step in range(cfg.steps):
-            idx = train_set.batch_indices(step, cfg.batch_size, cfg.seed)
-            prompts = [train_set.examples[i].prompt for i in idx]
-            targets = (
-                teacher_completions(teacher_engine, tok, train_set, idx, step, cfg)
-                if teacher_engine
-                else [train_set.examples[i].solution for i in idx]
-            )
-            ids, att, lab = (t.to(model_device(model)) for t in encode_pairs(tok, prompts, targets))
+            ids, att, lab = (t.to(model_device(model)) for t in next_batch(step))
             loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
             if not torch.isfinite(loss):
                 raise UserError(f"SFT loss became {float(loss)} at step {step}; lower --lr")
@@ -149,9 +201,7 @@ def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
             bar.advance(1)
             bar.describe(f"loss {loss.item():.3f}  best acc {max(best, 0):.3f}")
             if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step == cfg.steps - 1:
-                acc = evaluate_model(model, tok, test, task, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)[
-                    "accuracy"
-                ]
+                acc = accuracy(model)
                 model.train()
                 rundir.log_metrics({"step": step, "eval/accuracy": acc})
                 if acc > best:
