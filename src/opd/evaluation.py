@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from opd.config import EvalConfig
-from opd.data import PromptSet, load_task
+from opd.data import PromptSet, data_options, load_task
 from opd.models import load_model, load_tokenizer, resolve_device
 from opd.progress import progress_bar
 from opd.rollout import HFRollout
@@ -142,7 +142,7 @@ def evaluate_model(
 def run_eval(cfg: EvalConfig) -> dict:
     tok = load_tokenizer(cfg.student)
     model = load_model(cfg.student, dtype=cfg.dtype, device=resolve_device(cfg.device))
-    task = load_task(cfg.task, cfg.task_level, cfg.seed)
+    task = load_task(cfg.task, cfg.task_level, cfg.seed, split=cfg.split, **data_options(cfg))
     prompts = PromptSet.build(task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
     t0 = time.time()
     result = evaluate_model(

@@ -10,6 +10,7 @@ model with the best greedy test accuracy is kept in ``OUT/final`` (early stoppin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 from opd.config import SFTConfig
-from opd.data import PromptSet, load_task, sample_seed
+from opd.data import PromptSet, load_tasks, sample_seed
 from opd.errors import UserError
 from opd.evaluation import decode_responses, evaluate_model
 from opd.models import load_model, load_tokenizer, model_device, parse_arch, resolve_device, tiny_qwen2
@@ -62,11 +63,14 @@ def build_model(cfg: SFTConfig):
     return model.to(resolve_device(cfg.device)), tok
 
 
-def encode_pairs(tok, prompts: list[str], completions: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded prompt+completion+EOS ids, attention mask, and labels (-100 off the completion)."""
+def encode_pairs(
+    tok, prompts: list[str], completions: list[str], systems: list[str | None] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded prompt+completion+EOS ids, attention mask, and labels (-100 off the completion);
+    ``systems``: each prompt's system turn (None: none)."""
     seqs, labels = [], []
-    for prompt, completion in zip(prompts, completions):
-        p = tok(format_prompt(tok, prompt), add_special_tokens=False)["input_ids"]
+    for prompt, completion, system in zip(prompts, completions, systems or [None] * len(prompts)):
+        p = tok(format_prompt(tok, prompt, system), add_special_tokens=False)["input_ids"]
         c = tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         seqs.append(p + c)
         labels.append([-100] * len(p) + c)
@@ -98,8 +102,11 @@ def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
     rundir.require_fresh()
     rundir.write_config(cfg)
     model, tok = build_model(cfg)
-    task = load_task(cfg.task, cfg.task_level, cfg.seed)
-    examples = load_sft_examples(cfg.data) if cfg.data else task.examples("train")
+    task, eval_task = load_tasks(cfg)
+    if cfg.data:  # --system-prompt applies to these prompts too
+        examples = [dataclasses.replace(e, system=cfg.system_prompt or None) for e in load_sft_examples(cfg.data)]
+    else:
+        examples = task.examples("train")
     if cfg.train_size > len(examples):
         raise UserError(
             f"--train-size {cfg.train_size} is more than the {len(examples)} training examples; "
@@ -111,7 +118,7 @@ def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
             "some training examples have no solution; give --data with solutions or --teacher to sample them"
         )
     train_set = PromptSet.build(examples, tok, cfg.max_prompt_tokens, "SFT prompts")
-    test = PromptSet.build(task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
+    test = PromptSet.build(eval_task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
     teacher_engine = None
     if cfg.teacher:
         teacher = load_model(cfg.teacher, "teacher", cfg.dtype, model_device(model))
@@ -124,12 +131,13 @@ def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
         for step in range(cfg.steps):
             idx = train_set.batch_indices(step, cfg.batch_size, cfg.seed)
             prompts = [train_set.examples[i].prompt for i in idx]
+            systems = [train_set.examples[i].system for i in idx]
             targets = (
                 teacher_completions(teacher_engine, tok, train_set, idx, step, cfg)
                 if teacher_engine
                 else [train_set.examples[i].solution for i in idx]
             )
-            ids, att, lab = (t.to(model_device(model)) for t in encode_pairs(tok, prompts, targets))
+            ids, att, lab = (t.to(model_device(model)) for t in encode_pairs(tok, prompts, targets, systems))
             loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
             if not torch.isfinite(loss):
                 raise UserError(f"SFT loss became {float(loss)} at step {step}; lower --lr")
@@ -149,7 +157,7 @@ def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
             bar.advance(1)
             bar.describe(f"loss {loss.item():.3f}  best acc {max(best, 0):.3f}")
             if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step == cfg.steps - 1:
-                acc = evaluate_model(model, tok, test, task, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)[
+                acc = evaluate_model(model, tok, test, eval_task, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)[
                     "accuracy"
                 ]
                 model.train()

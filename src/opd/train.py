@@ -33,7 +33,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from opd.config import TrainConfig
-from opd.data import PromptSet, load_task, sample_seed
+from opd.data import PromptSet, load_tasks, sample_seed
 from opd.distributed import Dist, init_distributed, merge_metrics, shutdown
 from opd.errors import UserError
 from opd.evaluation import evaluate_model
@@ -67,6 +67,7 @@ class Run:
     special_ids: list[int]
     dist: Dist = field(default_factory=Dist)  # ranks, and the student as DDP/FSDP wrap it (dist.model)
     start_step: int = 0
+    eval_task: Task | None = None  # grades the test set (--eval-task); None: the training task
 
 
 # ----------------------------------------------------------------------------- setup
@@ -84,9 +85,9 @@ def setup(cfg: TrainConfig) -> Run:
     V = head_weight(student).shape[0]
     if cfg.k > V:
         raise UserError(f"k={cfg.k} is larger than the vocabulary ({V} tokens); choose --k <= {V}")
-    task = load_task(cfg.task, cfg.task_level, cfg.seed)
+    task, eval_task = load_tasks(cfg)
     prompts = PromptSet.build(task.examples("train"), tok, cfg.max_prompt_tokens, "training prompts")
-    test = PromptSet.build(task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
+    test = PromptSet.build(eval_task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
     special_ids = special_token_ids(tok, cfg.special_tokens)
     if not cfg.keep_dropout:  # before LoRA, so --lora-dropout still applies to the adapter
         disable_dropout(student)
@@ -112,6 +113,7 @@ def setup(cfg: TrainConfig) -> Run:
         rundir,
         special_ids,
         dist,
+        eval_task=eval_task,
     )
     if ckpt is not None:
         resume(run, ckpt)
@@ -310,7 +312,7 @@ def eval_stage(run: Run, step: int) -> dict:
                 s,
                 run.tokenizer,
                 run.test,
-                run.task,
+                run.eval_task or run.task,
                 max_new_tokens=cfg.max_new_tokens,
                 samples=cfg.eval_samples,
                 temperature=cfg.temperature,
