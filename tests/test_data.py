@@ -329,12 +329,19 @@ def test_unknown_answer_format_and_stray_eval_options(tmp_path):
         SFTConfig(arch="qwen2:1:8", eval_task="x", eval_answer_format="regex:(")
     with pytest.raises(ConfigError, match="eval_prompt_field set without eval_task"):
         TrainConfig(eval_prompt_field="question")
-    proc = subprocess.run(
-        [sys.executable, "-m", "opd", "eval", "--student", str(tmp_path), "--answer-format", "boxd"],
-        capture_output=True,
-        text=True,
-    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--answer-format", "boxd"], "unknown answer format 'boxd': use one of boxed, gsm8k, last_number"),
+        (["--task", "{data}/gsm8k_test.parquet"], "has no column 'prompt' (its columns: question, answer)"),
+    ],
+)
+def test_the_cli_prints_data_errors_as_one_line(byo_data, tmp_path, args, message):
+    # the data is read before the models: the student path is never looked at
+    cmd = ["eval", "--student", str(tmp_path / "no-model"), *(a.format(data=byo_data) for a in args)]
+    proc = subprocess.run([sys.executable, "-m", "opd", *cmd], capture_output=True, text=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines() == [
-        "error: unknown answer format 'boxd': use one of boxed, gsm8k, last_number, exact, regex:PATTERN"
-    ]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr

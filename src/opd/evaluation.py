@@ -140,9 +140,9 @@ def evaluate_model(
 
 
 def run_eval(cfg: EvalConfig) -> dict:
+    task = load_task(cfg.task, cfg.task_level, cfg.seed, split=cfg.split, **data_options(cfg))
     tok = load_tokenizer(cfg.student)
     model = load_model(cfg.student, dtype=cfg.dtype, device=resolve_device(cfg.device))
-    task = load_task(cfg.task, cfg.task_level, cfg.seed, split=cfg.split, **data_options(cfg))
     prompts = PromptSet.build(task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
     t0 = time.time()
     result = evaluate_model(

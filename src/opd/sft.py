@@ -101,8 +101,8 @@ def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
     rundir = RunDir(cfg.out, report_to=cfg.report_to)
     rundir.require_fresh()
     rundir.write_config(cfg)
+    task, eval_task = load_tasks(cfg)  # before the model: a data problem shows at once
     model, tok = build_model(cfg)
-    task, eval_task = load_tasks(cfg)
     if cfg.data:  # --system-prompt applies to these prompts too
         examples = [dataclasses.replace(e, system=cfg.system_prompt or None) for e in load_sft_examples(cfg.data)]
     else:

@@ -79,13 +79,13 @@ def setup(cfg: TrainConfig) -> Run:
     dist = init_distributed(cfg.fsdp, device)
     rundir = RunDir(cfg.out, report_to=cfg.report_to)
     rundir.require_fresh(cfg.resume)
+    task, eval_task = load_tasks(cfg)  # before the models: a data problem shows at once
     tok = load_tokenizer(cfg.student, "student")
     student = load_model(cfg.student, "student", cfg.dtype, device)
     teacher = make_teacher(cfg, student, tok)
     V = head_weight(student).shape[0]
     if cfg.k > V:
         raise UserError(f"k={cfg.k} is larger than the vocabulary ({V} tokens); choose --k <= {V}")
-    task, eval_task = load_tasks(cfg)
     prompts = PromptSet.build(task.examples("train"), tok, cfg.max_prompt_tokens, "training prompts")
     test = PromptSet.build(eval_task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
     special_ids = special_token_ids(tok, cfg.special_tokens)

@@ -42,6 +42,7 @@ from typing import Any
 from opd.errors import UserError
 from opd.grading import check_answer_format, extract_answer, grade, reference_answer
 from opd.tasks.base import Example, check_split, hold_out
+from opd.tasks.rows import convert_rows
 
 __all__ = ["DatasetTask", "BUILDERS", "DEFAULT_TEST_FRACTION", "parse_split", "read_splits"]
 
@@ -206,7 +207,7 @@ class DatasetTask:
         self.source, self.answer_format, self.system_prompt = str(source), answer_format, system_prompt
         self.name = name or Path(self.source).stem.strip("*?[]") or "data"
         self.fields = {"prompt": prompt_field, "answer": answer_field, "solution": solution_field}
-        self._flag = flag_prefix
+        self.flag_prefix = flag_prefix  # "eval-": errors name the --eval-* options
         splits, self._json_files = read_splits(source)
         if test_source is not None:
             test_splits, test_json = read_splits(test_source)
@@ -235,7 +236,7 @@ class DatasetTask:
         else:
             raise UserError(
                 f"{self.source} has the splits {', '.join(splits)} and none is called train; "
-                f"name the training and test splits with --{self._flag}split TRAIN,TEST"
+                f"name the training and test splits with --{self.flag_prefix}split TRAIN,TEST"
             )
         return hold_out(self._convert(splits, base, self._json_files), spec, seed)
 
@@ -249,7 +250,7 @@ class DatasetTask:
             return next(iter(splits))
         raise UserError(
             f"{self.source} has the splits {', '.join(splits)} and none is called test; "
-            f"choose the evaluation split with --{self._flag}split NAME"
+            f"choose the evaluation split with --{self.flag_prefix}split NAME"
         )
 
     def _only_split(self, splits: dict[str, Any], source: str) -> str:
@@ -260,18 +261,18 @@ class DatasetTask:
     def _check_split_name(self, splits: dict[str, Any], name: str) -> None:
         if name not in splits:
             raise UserError(
-                f"{self.source} has no split {name!r} (its splits: {', '.join(splits)}); fix --{self._flag}split"
+                f"{self.source} has no split {name!r} (its splits: {', '.join(splits)}); fix --{self.flag_prefix}split"
             )
 
     # ------------------------------------------------------------------ rows -> examples
 
     def _convert(self, splits: dict[str, Any], split: str, json_files: list[Path]) -> list[Example]:
-        from opd.tasks.rows import convert_rows
-
         ds = splits[split]
         where = self.source if len(splits) == 1 else f"split {split!r} of {self.source}"
         if ds.num_rows == 0:
-            raise UserError(f"{where} is empty (0 rows); choose another split with --{self._flag}split or add rows")
+            raise UserError(
+                f"{where} is empty (0 rows); choose another split with --{self.flag_prefix}split or add rows"
+            )
         return convert_rows(ds, where, self, json_files)
 
     def examples(self, split: str) -> list[Example]:

@@ -74,11 +74,8 @@ def _text(value: Any, row: int, column: str, problems: dict[str, _Problems]) -> 
     return None
 
 
-def convert_rows(ds: Any, where: str, task: Any, json_files: list[Path]) -> list[Example]:
-    flag, fmt = task._flag, task.answer_format
-    prompt_col, answer_col, solution_col = _columns(ds.column_names, task.fields, where, flag)
-    label_col = LABEL if LABEL in ds.column_names and LABEL not in (prompt_col, answer_col, solution_col) else None
-    problems = {
+def _problem_kinds(flag: str, fmt: str) -> dict[str, _Problems]:
+    return {
         "prompt": _Problems(
             "prompts are not usable",
             f"--{flag}prompt-field must name a column of non-empty strings or of chat messages with a user turn",
@@ -94,6 +91,24 @@ def convert_rows(ds: Any, where: str, task: Any, json_files: list[Path]) -> list
             f"last_number, exact, regex:PATTERN) or another --{flag}answer-field",
         ),
     }
+
+
+def _read_prompt(value: Any) -> tuple[str, str | None, str | None]:
+    """``(question, system, solution)`` of a prompt cell: a string, or chat messages."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError("is empty")
+        return value, None, None
+    if isinstance(value, list):
+        return from_messages(value)
+    raise ValueError(f"is a {type(value).__name__}, neither a string nor chat messages")
+
+
+def convert_rows(ds: Any, where: str, task: Any, json_files: list[Path]) -> list[Example]:
+    flag = task.flag_prefix
+    prompt_col, answer_col, solution_col = _columns(ds.column_names, task.fields, where, flag)
+    label_col = LABEL if LABEL in ds.column_names and LABEL not in (prompt_col, answer_col, solution_col) else None
+    problems = _problem_kinds(flag, task.answer_format)
     if answer_col is None and solution_col is None and prompt_col != MESSAGES:
         raise UserError(
             f"{where} has no column {task.fields['answer']!r} (its columns: {', '.join(ds.column_names)}); name the "
@@ -103,21 +118,13 @@ def convert_rows(ds: Any, where: str, task: Any, json_files: list[Path]) -> list
     used = [c for c in dict.fromkeys((prompt_col, answer_col, solution_col, label_col)) if c]
     examples = []
     for row, record in enumerate(ds.select_columns(used).to_list(), start=1):
-        system, solution = task.system_prompt or None, _text(record.get(solution_col), row, solution_col, problems)
-        value = record[prompt_col]
         try:
-            if isinstance(value, str):
-                if not value.strip():
-                    raise ValueError("is empty")
-                prompt = value
-            elif isinstance(value, list):
-                prompt, chat_system, chat_solution = from_messages(value)
-                system, solution = system or chat_system, solution or chat_solution
-            else:
-                raise ValueError(f"is a {type(value).__name__}, neither a string nor chat messages")
+            prompt, chat_system, chat_solution = _read_prompt(record[prompt_col])
         except ValueError as e:
             problems["prompt"].add(row, f"{prompt_col!r} {e}")
             continue
+        system = task.system_prompt or chat_system
+        solution = _text(record.get(solution_col), row, solution_col, problems) or chat_solution
         raw = record[answer_col] if answer_col else None
         ref_text = _text(raw, row, answer_col, problems)
         if raw is not None and ref_text is None:  # a type problem, already recorded
