@@ -121,12 +121,12 @@ def test_train_on_a_chat_save_to_disk_directory(byo_data, arithmetic_run, arithm
     train_mod.train(TrainConfig(out=str(out), task=str(byo_data / "chat"), **RUN), show_progress=False)
     # train/test splits of the DatasetDict, answers read from the assistant turns' \boxed{}
     assert_same_trajectory(step_records(out), step_records(arithmetic_run), rel=1e-6)
-    assert final_eval(out)["eval/accuracy"] == final_eval(arithmetic_run)["eval/accuracy"]
+    assert final_eval(out)["eval/accuracy"] == final_eval(arithmetic_run)["eval/accuracy"] >= 0.25
     evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     assert evals == [{"prompt": e.prompt, "answer": e.answer} for e in arithmetic.examples("test")[:16]]
 
 
-def test_opd_eval_and_sft_take_the_data_options(byo_data, tmp_path):
+def test_opd_eval_and_sft_take_the_data_options(byo_data, arithmetic, tmp_path):
     from opd.evaluation import run_eval
     from opd.sft import sft
 
@@ -134,11 +134,18 @@ def test_opd_eval_and_sft_take_the_data_options(byo_data, tmp_path):
     builtin = run_eval(EvalConfig(out=str(tmp_path / "a"), **common))
     chat = run_eval(EvalConfig(out=str(tmp_path / "b"), task=str(byo_data / "chat"), **common))
     assert chat["accuracy"] == builtin["accuracy"] and chat["n"] == 16
+    assert builtin["accuracy"] >= 0.25  # the demo student gets about half right: the equality says something
+    # a one-split file is evaluated whole; --split evaluates the part training holds out
+    Dataset.from_list([gsm8k_row(e) for e in arithmetic.examples("test")[:10]]).to_parquet(tmp_path / "ten.parquet")
+    ten = dict(common, task=str(tmp_path / "ten.parquet"), prompt_field="question", answer_format="last_number")
+    assert run_eval(EvalConfig(out=str(tmp_path / "c"), **ten))["n"] == 10
+    assert run_eval(EvalConfig(out=str(tmp_path / "d"), split="0.3", **ten))["n"] == 3
     # sft trains on the assistant turns, as on the built-in solutions
     runs = {}
     for name, task in (("builtin", "arithmetic"), ("chat", str(byo_data / "chat"))):
-        cfg = SFTConfig(init=RUN["student"], task=task, out=str(tmp_path / name), steps=2, batch_size=4)
-        sft(SFTConfig(**{**cfg.__dict__, "eval_size": 4, "device": "cpu", "warmup_steps": 1}), show_progress=False)
+        out = str(tmp_path / name)
+        cfg = SFTConfig(init=RUN["student"], task=task, out=out, steps=2, batch_size=4, eval_size=4, device="cpu")
+        sft(cfg, show_progress=False)
         runs[name] = [r["train/loss"] for r in read_metrics(tmp_path / name) if "train/loss" in r]
     assert runs["chat"] == pytest.approx(runs["builtin"], rel=1e-6) and len(runs["chat"]) == 2
 

@@ -140,7 +140,10 @@ def evaluate_model(
 
 
 def run_eval(cfg: EvalConfig) -> dict:
-    task = load_task(cfg.task, cfg.task_level, cfg.seed, split=cfg.split, **data_options(cfg))
+    # Data named for evaluation is evaluated whole, as --eval-task is (its test split, or every row
+    # of a one-split set); --split instead picks the held-out part, as training holds it out.
+    options = data_options(cfg)
+    task = load_task(cfg.task, cfg.task_level, cfg.seed, split=cfg.split, evaluation=not cfg.split, **options)
     tok = load_tokenizer(cfg.student)
     model = load_model(cfg.student, dtype=cfg.dtype, device=resolve_device(cfg.device))
     prompts = PromptSet.build(task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
