@@ -325,7 +325,9 @@ def test_glob_without_match_and_missing_paths(tmp_path):
     with pytest.raises(UserError, match=r"--task 'arithmetik' is neither 'arithmetic' nor an existing file"):
         load_task("arithmetik")
     (tmp_path / "notes.txt").write_text("hello")
-    with pytest.raises(UserError, match=r"cannot read files of type \.txt"):
+    with pytest.raises(
+        UserError, match=r"found \.txt files; opd reads \.parquet, \.arrow, \.json, \.jsonl, \.csv files"
+    ):
         DatasetTask(tmp_path / "notes.txt")
 
 

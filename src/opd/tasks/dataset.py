@@ -159,10 +159,10 @@ def _read_files(source: str, files: list[Path]) -> tuple[dict[str, Any], list[Pa
 
     kinds = {BUILDERS.get(f.suffix.lower()) for f in files}
     if None in kinds or len(kinds) != 1:
-        odd = sorted({f.suffix or f.name for f in files})
+        found = ", ".join(sorted({f.suffix or f.name for f in files}))
         raise UserError(
-            f"{source}: cannot read files of type {', '.join(odd)} together; use one of "
-            f"{', '.join(BUILDERS)} (one type per --task), or a save_to_disk directory"
+            f"{source}: found {found} files; opd reads {', '.join(BUILDERS)} files (one type per --task), "
+            "a folder of them, or a save_to_disk directory"
         )
     builder = kinds.pop()
     json_files = files if builder == "json" else []
