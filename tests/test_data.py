@@ -304,6 +304,22 @@ def test_non_string_prompts_and_answers(tmp_path):
         DatasetTask(parquet(tmp_path, [{"messages": [{"role": "assistant", "content": "x"}]}], "chat.parquet"))
 
 
+def test_bad_chats_and_empty_sets(tmp_path):
+    good = {"messages": [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "\\boxed{2}"}]}
+    bad = {"messages": [{"role": "system", "content": "Be brief."}]}
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (good, good, bad)))
+    with pytest.raises(
+        UserError, match=r'field "messages" in .*chats.jsonl, line 3 has no user turn \(roles: system\)'
+    ):
+        DatasetTask(path)
+    cfg = TrainConfig(task=str(tmp_path / "one.parquet"), split="0", student="s", teacher="t")
+    parquet(tmp_path, [{"prompt": "p", "answer": "1"}], "one.parquet")
+    _, evaluation = load_tasks(cfg)
+    with pytest.raises(UserError, match=r"there are no test prompts: .*--split holds out, or --eval-task"):
+        PromptSet.build(evaluation.examples("test"), load_tokenizer(ASSETS / "student"), 256, "test prompts")
+
+
 def test_unparseable_answers_are_counted_and_one_is_shown(tmp_path):
     rows = [{"prompt": f"q{i}", "answer": f"so {i}\n#### {i}" if i % 2 else f"it is {i}"} for i in range(6)]
     with pytest.raises(

@@ -79,7 +79,10 @@ class PromptSet:
         cls, examples: list[Example], tokenizer: PreTrainedTokenizerBase, max_prompt_tokens: int, name: str = "prompts"
     ) -> PromptSet:
         if not examples:
-            raise UserError(f"the {name} set is empty; give a task or JSONL file with at least one prompt")
+            raise UserError(
+                f"there are no {name}: give data with at least one (evaluation prompts come from the data's "
+                "test split, the share --split holds out, or --eval-task)"
+            )
         ids = [
             tokenizer(format_prompt(tokenizer, ex.prompt, ex.system), add_special_tokens=False)["input_ids"]
             for ex in examples

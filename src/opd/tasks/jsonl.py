@@ -39,20 +39,20 @@ def check_not_empty(path: Path) -> None:
 
 
 def _check_value(key: str, value, where: str, chat: bool = False) -> None:
-    if isinstance(value, str) or (chat and _is_chat(value)):
+    if isinstance(value, str):
+        return
+    if chat and isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
+        from opd.tasks.rows import from_messages
+
+        try:
+            from_messages(value)
+        except ValueError as e:
+            raise UserError(
+                f'field "{key}" in {where} {e}; give every chat a user turn, with string "role" and "content"'
+            ) from None
         return
     fix = f'quote it: "{key}": "{value}"' if isinstance(value, (int, float)) else "write it as one JSON string"
     raise UserError(f'field "{key}" in {where} is a {type(value).__name__}, not a string: {fix}')
-
-
-def _is_chat(value) -> bool:
-    from opd.tasks.rows import from_messages
-
-    try:
-        from_messages(value)
-    except ValueError:
-        return False
-    return True
 
 
 def find_bad_line(path: Path, required: tuple = (), optional: tuple = ()) -> None:
