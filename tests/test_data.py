@@ -320,6 +320,15 @@ def test_bad_chats_and_empty_sets(tmp_path):
         PromptSet.build(evaluation.examples("test"), load_tokenizer(ASSETS / "student"), 256, "test prompts")
 
 
+def test_a_json_array_file_names_rows_not_lines(tmp_path):
+    path = tmp_path / "array.json"
+    path.write_text(json.dumps([{"prompt": "p", "answer": "1"}, {"prompt": None, "answer": "2"}], indent=1))
+    with pytest.raises(
+        UserError, match=r"1 of 2 prompts are not usable in .*array.json, e.g. row 2: 'prompt' is missing"
+    ):
+        DatasetTask(path)
+
+
 def test_unparseable_answers_are_counted_and_one_is_shown(tmp_path):
     rows = [{"prompt": f"q{i}", "answer": f"so {i}\n#### {i}" if i % 2 else f"it is {i}"} for i in range(6)]
     with pytest.raises(

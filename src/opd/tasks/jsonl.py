@@ -63,6 +63,9 @@ def find_bad_line(path: Path, required: tuple = (), optional: tuple = ()) -> Non
     optional = tuple(k for k in optional if k)
     needs = " and ".join(f'"{k}"' for k in required)
     with path.open(encoding="utf-8") as f:
+        if f.read(4096).lstrip().startswith("["):  # one JSON array, not JSON Lines: rows are named instead
+            return
+        f.seek(0)
         for lineno, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue

@@ -101,6 +101,8 @@ def _read_prompt(value: Any) -> tuple[str, str | None, str | None]:
         return value, None, None
     if isinstance(value, list):
         return from_messages(value)
+    if value is None:
+        raise ValueError("is missing (null)")
     raise ValueError(f"is a {type(value).__name__}, neither a string nor chat messages")
 
 
