@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import math
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from itertools import combinations
 
 import pytest
 
+from opd.errors import UserError
 from opd.evaluation import avg_at_k, gap_recovery, mean_pass_at_k, pass_at_k
-from opd.grading import MAX_SYMBOLIC_CHARS, answers_match, extract_boxed, grade
+from opd.grading import (
+    MAX_SYMBOLIC_CHARS,
+    answers_match,
+    check_answer_format,
+    extract_answer,
+    extract_boxed,
+    grade,
+    reference_answer,
+)
 
 # ---------------------------------------------------------------- extract_boxed
 
@@ -103,6 +113,63 @@ def test_grading_from_worker_threads():
     assert results == [want for _, _, want in cases]
     with ThreadPoolExecutor(max_workers=4) as pool:
         assert list(pool.map(lambda c: grade(c[0], c[1]), cases * 4)) == [w for *_, w in cases] * 4
+
+
+# ---------------------------------------------------------------- answer formats
+
+
+@pytest.mark.parametrize(
+    "text, fmt, expected",
+    [
+        (r"so \boxed{12}", "boxed", "12"),
+        ("3 + 4 = 7.\n#### 7", "gsm8k", "7"),
+        ("#### 1,200\nthat is all", "gsm8k", "1200"),
+        ("#### 5 then #### 6", "gsm8k", "6"),
+        ("no mark, 7", "gsm8k", None),
+        ("####   ", "gsm8k", None),
+        ("she had 1,200, then 35.5 apples", "last_number", "35.5"),
+        ("left with -3.", "last_number", "-3"),
+        ("no digits", "last_number", None),
+        ("  Paris \n", "exact", "Paris"),
+        ("  ", "exact", None),
+        ("Answer: (B), no, Answer: (C)", r"regex:Answer: \((\w)\)", "C"),
+        ("x = 5 and y = 6", r"regex:\d+", "6"),
+        ("nothing", r"regex:Answer: (\w)", None),
+    ],
+)
+def test_extract_answer(text, fmt, expected):
+    assert extract_answer(text, fmt) == expected
+
+
+def test_reference_answers():
+    assert reference_answer("3/4") == "3/4"  # a bare answer, as JSONL files have always held
+    assert reference_answer(r"so it is \boxed{\frac{3}{4}}.") == r"\frac{3}{4}"
+    assert reference_answer("step 1\n#### 4") is None  # a solution in another format, not an answer
+    assert reference_answer("step 1\n#### 4", "gsm8k") == "4"
+    assert reference_answer("no number", "last_number") is None
+
+
+def test_grade_in_each_format():
+    assert grade("half of it: #### 0.5", "1/2", "gsm8k")  # still math-verify
+    assert not grade(r"\boxed{7}", "7", "gsm8k")  # the format reads the model's output too
+    assert grade("The farm has 1,000 cows.", "1000", "last_number")
+    assert grade(" Paris ", "Paris", "exact")
+    assert not grade("paris", "Paris", "exact") and not grade("0.5", "1/2", "exact")  # strings, no math
+    assert grade("Answer: 16.0", "16", r"regex:Answer: (\S+)")
+    assert not grade("", "16", r"regex:Answer: (\S+)")
+
+
+@pytest.mark.parametrize(
+    "fmt, message",
+    [
+        ("boxd", "unknown answer format 'boxd': use one of boxed, gsm8k"),
+        ("regex:", "has no pattern"),
+        ("regex:(", "not a valid Python regex"),
+    ],
+)
+def test_bad_answer_formats(fmt, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        check_answer_format(fmt)
 
 
 # ---------------------------------------------------------------- evaluation

@@ -19,9 +19,9 @@ def record_targets(monkeypatch):
     seen = []
     real = sft_mod.encode_pairs
 
-    def spy(tok, prompts, completions):
+    def spy(tok, prompts, completions, *systems):
         seen.extend(zip(prompts, completions))
-        return real(tok, prompts, completions)
+        return real(tok, prompts, completions, *systems)
 
     monkeypatch.setattr(sft_mod, "encode_pairs", spy)
     return seen

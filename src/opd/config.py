@@ -18,8 +18,10 @@ from typing import Any, TypeVar, get_type_hints
 import yaml
 
 from opd.errors import UserError
+from opd.grading import check_answer_format
 from opd.losses import SUPPORT_KINDS
 from opd.tasks.arithmetic import LEVELS
+from opd.tasks.dataset import parse_split
 
 C = TypeVar("C")
 
@@ -83,7 +85,41 @@ class ModelSource:
     """Where a run's models and prompts come from (shared by train, sft and eval)."""
 
     student: str = opt("", "Student model: a local Hugging Face causal-LM directory (from_pretrained).")
-    task: str = opt("arithmetic", "Prompt source: 'arithmetic' (built-in task) or a JSONL file with prompt/answer.")
+    task: str = opt(
+        "arithmetic",
+        "Prompts and answers: 'arithmetic' (the built-in task), or your data, read with Hugging Face "
+        "datasets: a save_to_disk directory, a folder of data files, or parquet, arrow, JSON/JSONL or "
+        "CSV files or a glob ('data/*.parquet').",
+    )
+    split: str = opt(
+        "",
+        "Which part of --task data trains and which is evaluated: TRAIN,TEST (two split names, e.g. "
+        "train,validation) or a fraction held out at random, seeded by --seed (e.g. 0.1). Default: the "
+        "train and test splits when the data has both, else 0.1 of its one split held out.",
+    )
+    prompt_field: str = opt(
+        "prompt",
+        "Column of prompts: strings, or chat messages (the last user turn is the question, a system "
+        "turn is kept). A 'messages' column is used when there is no 'prompt' column.",
+    )
+    answer_field: str = opt(
+        "answer",
+        "Column of reference answers, read with --answer-format; without such a column the answer is "
+        "read from the solution (--solution-field, or a chat's assistant turn).",
+    )
+    solution_field: str = opt(
+        "solution",
+        "Column of worked solutions (optional; opd sft trains on them). A chat's assistant turn after "
+        "the question serves when there is no such column.",
+    )
+    system_prompt: str = opt("", "System turn before every prompt (replaces a system turn of chat messages).")
+    answer_format: str = opt(
+        "boxed",
+        "How the final answer is read, from reference answers and model outputs alike: boxed (the "
+        "last \\boxed{}; a reference without one is the bare answer), gsm8k (after the last '####'), "
+        "last_number, exact (compared as strings; the others with math-verify) or regex:PATTERN "
+        "(the last match, its group 1 if it has a group).",
+    )
     task_level: int = opt(
         2,
         f"Difficulty level of the built-in arithmetic task ({min(LEVELS)}-{max(LEVELS)}; see ArithmeticTask.from_level).",
@@ -105,7 +141,12 @@ class ModelSource:
     )
     max_prompt_tokens: int = opt(256, "Prompts longer than this (in tokens) are rejected with an error.")
 
+    def _check_data(self) -> None:
+        check_answer_format(self.answer_format)
+        parse_split(self.split)
+
     def _check_common(self) -> None:
+        self._check_data()
         _require(self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens} must be >= 1")
         _require(self.max_prompt_tokens >= 1, f"max_prompt_tokens={self.max_prompt_tokens} must be >= 1")
         _require(self.task_level in LEVELS, f"task_level={self.task_level} must be one of {sorted(LEVELS)}")
@@ -138,7 +179,39 @@ class EnvSource:
 
 
 @dataclass
-class TrainConfig(EnvSource, ModelSource):
+class TrainingSource(ModelSource):
+    """A model source that trains, with an optional evaluation set of its own (train and sft)."""
+
+    eval_task: str = opt(
+        "",
+        "Evaluate on other data than --task (the same kinds of source): its test split, or every "
+        "row when it has one split. Default: the held-out part of --task.",
+    )
+    eval_split: str = opt("", "Split of --eval-task to evaluate on (default: test, or its only split).")
+    eval_prompt_field: str = opt("", "--prompt-field of --eval-task (default: --prompt-field).")
+    eval_answer_field: str = opt("", "--answer-field of --eval-task (default: --answer-field).")
+    eval_solution_field: str = opt("", "--solution-field of --eval-task (default: --solution-field).")
+    eval_answer_format: str = opt(
+        "", "--answer-format for --eval-task, its references and the model's outputs (default: --answer-format)."
+    )
+
+    def _check_data(self) -> None:
+        super()._check_data()
+        if self.eval_answer_format:
+            check_answer_format(self.eval_answer_format)
+        given = [
+            f.name for f in dataclasses.fields(TrainingSource) if f.name.startswith("eval_") and f.name != "eval_task"
+        ]
+        given = [n for n in given if getattr(self, n)]
+        _require(
+            bool(self.eval_task) or not given,
+            f"{', '.join(given)} set without eval_task; give --eval-task DATA, or drop the eval options",
+        )
+        _require("," not in self.eval_split, f"eval_split={self.eval_split!r}: name one split, e.g. test")
+
+
+@dataclass
+class TrainConfig(EnvSource, TrainingSource):
     """On-policy distillation: the student samples, the teacher scores, the student moves toward it."""
 
     teacher: str = opt("", "Teacher model directory (same vocabulary as the student).")
@@ -272,7 +345,7 @@ class TrainConfig(EnvSource, ModelSource):
 
 
 @dataclass
-class SFTConfig(EnvSource, ModelSource):
+class SFTConfig(EnvSource, TrainingSource):
     """Supervised fine-tuning on (prompt, solution) pairs: makes teachers/students, off-policy cold start."""
 
     data: str = opt("", "JSONL with prompt and solution (or completion); empty: the task's own solutions.")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -19,13 +20,53 @@ from opd.tasks import Example, Task, get_task
 from opd.tokenizer import format_prompt
 
 
-def load_task(task: str, level: int, seed: int) -> Task:
-    """``arithmetic`` (built in) or a path to a JSONL file of prompt/answer lines."""
+def load_task(task: str, level: int = 2, seed: int = 0, **options: Any) -> Task:
+    """``arithmetic`` (built in, at difficulty ``level``), or data on disk read with Hugging Face
+    ``datasets`` (a file, glob or directory: :class:`opd.tasks.dataset.DatasetTask`, which takes
+    ``options``: split, prompt_field, answer_field, solution_field, answer_format, system_prompt,
+    evaluation, flag_prefix). The arithmetic task reads only answer_format and system_prompt."""
     if task == "arithmetic":
-        return get_task("arithmetic", level=level, seed=seed)
-    if task.endswith(".jsonl") or Path(task).exists():
-        return get_task("jsonl", path=task, seed=seed)
-    raise UserError(f"--task {task!r} is neither 'arithmetic' nor an existing JSONL file; check the path")
+        if options.get("split"):
+            flag = options.get("flag_prefix", "")
+            raise UserError(
+                f"--{flag}split applies to data on disk; the arithmetic task has its own train and test sets"
+            )
+        keep = {k: options[k] for k in ("answer_format", "system_prompt") if k in options}
+        return get_task("arithmetic", level=level, seed=seed, **keep)
+    if not Path(task).exists() and not any(c in task for c in "*?["):
+        flag = options.get("flag_prefix", "")
+        raise UserError(
+            f"--{flag}task {task!r} is neither 'arithmetic' nor an existing file, glob or directory; "
+            f"check the path (it is read relative to {Path.cwd()})"
+        )
+    return get_task("dataset", source=task, seed=seed, **options)
+
+
+def data_options(cfg: Any, prefix: str = "") -> dict[str, str]:
+    """The data options of ``cfg`` (``prefix="eval_"``: the evaluation set's, each defaulting to
+    the training set's)."""
+    names = ("prompt_field", "answer_field", "solution_field", "answer_format")
+    options = {n: getattr(cfg, prefix + n, "") or getattr(cfg, n) for n in names}
+    return {**options, "system_prompt": cfg.system_prompt}
+
+
+def load_tasks(cfg: Any) -> tuple[Task, Task]:
+    """``(training task, evaluation task)`` of a config; the evaluation task is the training task
+    (its test split) unless ``cfg.eval_task`` names other data, whose test split (or, with one
+    split, every row) is then evaluated."""
+    task = load_task(cfg.task, cfg.task_level, cfg.seed, split=cfg.split, **data_options(cfg))
+    if not getattr(cfg, "eval_task", ""):
+        return task, task
+    evaluation = load_task(
+        cfg.eval_task,
+        cfg.task_level,
+        cfg.seed,
+        split=cfg.eval_split,
+        evaluation=True,
+        flag_prefix="eval-",
+        **data_options(cfg, "eval_"),
+    )
+    return task, evaluation
 
 
 @dataclass
@@ -38,8 +79,14 @@ class PromptSet:
         cls, examples: list[Example], tokenizer: PreTrainedTokenizerBase, max_prompt_tokens: int, name: str = "prompts"
     ) -> PromptSet:
         if not examples:
-            raise UserError(f"the {name} set is empty; give a task or JSONL file with at least one prompt")
-        ids = [tokenizer(format_prompt(tokenizer, ex.prompt), add_special_tokens=False)["input_ids"] for ex in examples]
+            raise UserError(
+                f"there are no {name}: give data with at least one (evaluation prompts come from the data's "
+                "test split, the share --split holds out, or --eval-task)"
+            )
+        ids = [
+            tokenizer(format_prompt(tokenizer, ex.prompt, ex.system), add_special_tokens=False)["input_ids"]
+            for ex in examples
+        ]
         too_long = [i for i, p in enumerate(ids) if len(p) > max_prompt_tokens]
         if too_long:
             longest = max(len(ids[i]) for i in too_long)

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from opd.config import EvalConfig
-from opd.data import PromptSet, load_task
+from opd.data import PromptSet, data_options, load_task
 from opd.models import load_model, load_tokenizer, resolve_device
 from opd.progress import progress_bar
 from opd.rollout import HFRollout
@@ -140,6 +140,11 @@ def evaluate_model(
 
 
 def run_eval(cfg: EvalConfig) -> dict:
+    # Data named for evaluation is evaluated whole, as --eval-task is (its test split, or every row
+    # of a one-split set); --split instead picks the held-out part, as training holds it out.
+    if not cfg.env:  # before the model: a data problem shows at once
+        options = data_options(cfg)
+        task = load_task(cfg.task, cfg.task_level, cfg.seed, split=cfg.split, evaluation=not cfg.split, **options)
     tok = load_tokenizer(cfg.student)
     model = load_model(cfg.student, dtype=cfg.dtype, device=resolve_device(cfg.device))
     common = dict(
@@ -159,7 +164,6 @@ def run_eval(cfg: EvalConfig) -> dict:
         limits = dict(max_action_tokens=cfg.max_action_tokens, max_turns=cfg.max_turns or None)
         result = evaluate_agent(model, tok, games, **limits, **common)
     else:
-        task = load_task(cfg.task, cfg.task_level, cfg.seed)
         prompts = PromptSet.build(task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
         result = evaluate_model(model, tok, prompts, task, **common)
     result["wall_s"] = round(time.time() - t0, 2)

@@ -14,6 +14,7 @@ action tokens only, and "accuracy" is the greedy success rate on the held-out ga
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 from opd.config import SFTConfig
-from opd.data import PromptSet, batch_indices, load_task, sample_seed
+from opd.data import PromptSet, batch_indices, load_tasks, sample_seed
 from opd.errors import UserError
 from opd.evaluation import decode_responses, evaluate_model
 from opd.models import load_model, load_tokenizer, model_device, parse_arch, resolve_device, tiny_qwen2
@@ -67,11 +68,14 @@ def build_model(cfg: SFTConfig):
     return model.to(resolve_device(cfg.device)), tok
 
 
-def encode_pairs(tok, prompts: list[str], completions: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded prompt+completion+EOS ids, attention mask, and labels (-100 off the completion)."""
+def encode_pairs(
+    tok, prompts: list[str], completions: list[str], systems: list[str | None] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded prompt+completion+EOS ids, attention mask, and labels (-100 off the completion);
+    ``systems``: each prompt's system turn (None: none)."""
     seqs, labels = [], []
-    for prompt, completion in zip(prompts, completions):
-        p = tok(format_prompt(tok, prompt), add_special_tokens=False)["input_ids"]
+    for prompt, completion, system in zip(prompts, completions, systems or [None] * len(prompts)):
+        p = tok(format_prompt(tok, prompt, system), add_special_tokens=False)["input_ids"]
         c = tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         seqs.append(p + c)
         labels.append([-100] * len(p) + c)
@@ -103,10 +107,14 @@ def teacher_completions(
     return decode_responses(tok, batch.response_ids_NT, batch.response_mask_NT)
 
 
-def prompt_source(cfg: SFTConfig, tok, model) -> tuple[Callable[[int], tuple], Callable[[object], float]]:
+def prompt_source(
+    cfg: SFTConfig, tok, model, task, eval_task
+) -> tuple[Callable[[int], tuple], Callable[[object], float]]:
     """The batch of a step (ids, attention mask, labels) and the greedy test accuracy, for prompts."""
-    task = load_task(cfg.task, cfg.task_level, cfg.seed)
-    examples = load_sft_examples(cfg.data) if cfg.data else task.examples("train")
+    if cfg.data:  # --system-prompt applies to these prompts too
+        examples = [dataclasses.replace(e, system=cfg.system_prompt or None) for e in load_sft_examples(cfg.data)]
+    else:
+        examples = task.examples("train")
     if cfg.train_size > len(examples):
         raise UserError(
             f"--train-size {cfg.train_size} is more than the {len(examples)} training examples; "
@@ -118,7 +126,7 @@ def prompt_source(cfg: SFTConfig, tok, model) -> tuple[Callable[[int], tuple], C
             "some training examples have no solution; give --data with solutions or --teacher to sample them"
         )
     train_set = PromptSet.build(examples, tok, cfg.max_prompt_tokens, "SFT prompts")
-    test = PromptSet.build(task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
+    test = PromptSet.build(eval_task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
     teacher_engine = None
     if cfg.teacher:
         teacher = load_model(cfg.teacher, "teacher", cfg.dtype, model_device(model))
@@ -127,15 +135,16 @@ def prompt_source(cfg: SFTConfig, tok, model) -> tuple[Callable[[int], tuple], C
     def batch(step: int) -> tuple:
         idx = train_set.batch_indices(step, cfg.batch_size, cfg.seed)
         prompts = [train_set.examples[i].prompt for i in idx]
+        systems = [train_set.examples[i].system for i in idx]
         targets = (
             teacher_completions(teacher_engine, tok, train_set, idx, step, cfg)
             if teacher_engine
             else [train_set.examples[i].solution for i in idx]
         )
-        return encode_pairs(tok, prompts, targets)
+        return encode_pairs(tok, prompts, targets, systems)
 
     def accuracy(m) -> float:
-        return evaluate_model(m, tok, test, task, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)["accuracy"]
+        return evaluate_model(m, tok, test, eval_task, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)["accuracy"]
 
     return batch, accuracy
 
@@ -173,8 +182,9 @@ def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
     rundir = RunDir(cfg.out, report_to=cfg.report_to)
     rundir.require_fresh()
     rundir.write_config(cfg)
+    tasks = None if cfg.env else load_tasks(cfg)  # before the model: a data problem shows at once
     model, tok = build_model(cfg)
-    next_batch, accuracy = (episode_source if cfg.env else prompt_source)(cfg, tok, model)
+    next_batch, accuracy = episode_source(cfg, tok, model) if cfg.env else prompt_source(cfg, tok, model, *tasks)
     opt = make_optimizer(model, cfg.lr)
     sched = make_scheduler(opt, cfg.warmup_steps, cfg.steps, cfg.schedule)
     best, stale, t0 = -1.0, 0, time.time()

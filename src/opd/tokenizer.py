@@ -130,16 +130,18 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> PreTrainedT
     )
 
 
-def format_chat(tokenizer, prompt: str, completion: str | None = None) -> str:
+def format_chat(tokenizer, prompt: str, completion: str | None = None, system: str | None = None) -> str:
     """The chat text of one turn: the generation prompt, plus ``completion + EOS`` if given."""
-    text = format_prompt(tokenizer, prompt)
+    text = format_prompt(tokenizer, prompt, system)
     return text if completion is None else text + completion + tokenizer.eos_token
 
 
-def format_prompt(tokenizer, prompt: str) -> str:
-    """``prompt`` as a user turn followed by the assistant header the model continues from."""
+def format_prompt(tokenizer, prompt: str, system: str | None = None) -> str:
+    """``prompt`` as a user turn (after a ``system`` turn, if given) followed by the assistant
+    header the model continues from."""
+    turns = [{"role": "system", "content": system}] if system else []
     return tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        [*turns, {"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
     )
 
 

@@ -34,7 +34,7 @@ from transformers import PreTrainedTokenizerBase
 
 from opd.agentic import GameSet, episode_metrics, episode_outcomes, evaluate_agent, make_env, write_eval_games
 from opd.config import TrainConfig
-from opd.data import PromptSet, load_task, sample_seed
+from opd.data import PromptSet, load_tasks, sample_seed
 from opd.distributed import Dist, init_distributed, merge_metrics, shutdown
 from opd.episodes import EpisodeRecord, EpisodeRollout
 from opd.errors import UserError
@@ -69,6 +69,7 @@ class Run:
     special_ids: list[int]
     dist: Dist = field(default_factory=Dist)  # ranks, and the student as DDP/FSDP wrap it (dist.model)
     start_step: int = 0
+    eval_task: Task | None = None  # grades the test set (--eval-task); None: the training task
 
 
 # ----------------------------------------------------------------------------- setup
@@ -80,13 +81,14 @@ def setup(cfg: TrainConfig) -> Run:
     dist = init_distributed(cfg.fsdp, device)
     rundir = RunDir(cfg.out, report_to=cfg.report_to)
     rundir.require_fresh(cfg.resume)
+    task, eval_task = (None, None) if cfg.env else load_tasks(cfg)  # before the models: a data problem shows at once
     tok = load_tokenizer(cfg.student, "student")
     student = load_model(cfg.student, "student", cfg.dtype, device)
     teacher = make_teacher(cfg, student, tok)
     V = head_weight(student).shape[0]
     if cfg.k > V:
         raise UserError(f"k={cfg.k} is larger than the vocabulary ({V} tokens); choose --k <= {V}")
-    task, prompts, test = data_sources(cfg, tok)
+    prompts, test = prompt_sets(cfg, tok, task, eval_task)
     special_ids = special_token_ids(tok, cfg.special_tokens)
     if not cfg.keep_dropout:  # before LoRA, so --lora-dropout still applies to the adapter
         disable_dropout(student)
@@ -112,6 +114,7 @@ def setup(cfg: TrainConfig) -> Run:
         rundir,
         special_ids,
         dist,
+        eval_task=eval_task,
     )
     if ckpt is not None:
         resume(run, ckpt)
@@ -125,15 +128,14 @@ def setup(cfg: TrainConfig) -> Run:
     return run
 
 
-def data_sources(cfg: TrainConfig, tok) -> tuple[Task | None, PromptSet | GameSet, PromptSet | GameSet]:
-    """The task and its training and test prompts, or (with --env) the environment's games."""
+def prompt_sets(cfg: TrainConfig, tok, task, eval_task) -> tuple[PromptSet | GameSet, PromptSet | GameSet]:
+    """The training and test prompts, or (with --env) the environment's training and held-out games."""
     if cfg.env:
         env = make_env(cfg.env, cfg.env_level, cfg.env_args)
-        return None, GameSet.build(env, "train"), GameSet.build(env, "test", cfg.eval_size)
-    task = load_task(cfg.task, cfg.task_level, cfg.seed)
+        return GameSet.build(env, "train"), GameSet.build(env, "test", cfg.eval_size)
     prompts = PromptSet.build(task.examples("train"), tok, cfg.max_prompt_tokens, "training prompts")
-    test = PromptSet.build(task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
-    return task, prompts, test
+    test = PromptSet.build(eval_task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
+    return prompts, test
 
 
 def special_token_ids(tok, tokens: list[str]) -> list[int]:
@@ -348,7 +350,8 @@ def eval_stage(run: Run, step: int) -> dict:
             return evaluate_agent(
                 student, run.tokenizer, run.test, max_new_tokens=cfg.max_new_tokens, **limits, **common
             )
-        return evaluate_model(student, run.tokenizer, run.test, run.task, max_new_tokens=cfg.max_new_tokens, **common)
+        task = run.eval_task or run.task
+        return evaluate_model(student, run.tokenizer, run.test, task, max_new_tokens=cfg.max_new_tokens, **common)
 
     res = run.dist.full_call(lambda s: evaluate(s) if run.dist.is_main else None)
     run.student.train()

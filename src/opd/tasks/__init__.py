@@ -1,11 +1,13 @@
 """Tasks: prompts with reference answers and a reward (see ``opd.tasks.base``).
 
 ``get_task("arithmetic", level=2)`` builds the synthetic default; ``get_task("jsonl",
-path="data.jsonl")`` loads your own prompts.
+path="data.jsonl")`` loads your own prompts, and ``get_task("dataset", source=...)`` any data
+set on disk that Hugging Face ``datasets`` reads (``opd.tasks.dataset``).
 """
 
 from opd.tasks.arithmetic import ArithmeticTask
 from opd.tasks.base import SPLITS, TASK_NAMES, Example, Task, get_task
+from opd.tasks.dataset import DatasetTask
 from opd.tasks.jsonl import JsonlTask
 
-__all__ = ["Example", "Task", "get_task", "SPLITS", "TASK_NAMES", "ArithmeticTask", "JsonlTask"]
+__all__ = ["Example", "Task", "get_task", "SPLITS", "TASK_NAMES", "ArithmeticTask", "DatasetTask", "JsonlTask"]

@@ -22,7 +22,7 @@ import re
 from collections import namedtuple
 
 from opd.errors import UserError
-from opd.grading import grade
+from opd.grading import check_answer_format, grade
 from opd.tasks.base import Example, check_split
 
 __all__ = ["ArithmeticTask", "LEVELS", "MAX_ANSWER", "SOLUTION_STYLES", "reformat_solution", "solve_chain"]
@@ -429,7 +429,10 @@ class ArithmeticTask:
         seed: int = 0,
         ops: tuple[str, ...] = ("+", "-"),
         name: str = "arithmetic",
+        answer_format: str = "boxed",
+        system_prompt: str = "",
     ):
+        check_answer_format(answer_format)
         lo, hi = (num_ops, num_ops) if isinstance(num_ops, int) else tuple(num_ops)
         if not 1 <= lo <= hi:
             raise UserError(f"num_ops must satisfy 1 <= min <= max, got {num_ops!r}")
@@ -441,6 +444,7 @@ class ArithmeticTask:
             raise UserError(f"ops must be a non-empty subset of {OPS}, got {ops!r}")
         self.name, self.num_ops, self.max_operand = name, (lo, hi), max_operand
         self.n_train, self.n_test, self.seed, self.ops = n_train, n_test, seed, tuple(ops)
+        self.answer_format, self.system_prompt = answer_format, system_prompt
         self._splits: dict[str, list[Example]] | None = None
 
     @classmethod
@@ -461,7 +465,7 @@ class ArithmeticTask:
         return list(self._splits[split])
 
     def reward(self, completion: str, example: Example) -> float:
-        return 1.0 if grade(completion, example.answer) else 0.0
+        return 1.0 if grade(completion, example.answer, self.answer_format) else 0.0
 
     def _generate(self, split: str, n: int, exclude: set[str]) -> list[Example]:
         # A string seed is hashed with SHA-512 by `random`: stable across runs and machines.
@@ -476,7 +480,7 @@ class ArithmeticTask:
                 continue
             seen.add(prompt)
             answer, solution = solve_chain(a, steps)
-            out.append(Example(prompt, str(answer), self.name, solution))
+            out.append(Example(prompt, str(answer), self.name, solution, self.system_prompt or None))
         raise UserError(
             f"could only make {len(out)} distinct {split} prompts of {n} requested: "
             "lower n_train/n_test or raise max_operand/num_ops"

@@ -14,25 +14,29 @@ grades answers the same way.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from opd.errors import UserError
 
-__all__ = ["Example", "Task", "SPLITS", "check_split", "get_task", "TASK_NAMES"]
+__all__ = ["Example", "Task", "SPLITS", "check_split", "get_task", "hold_out", "TASK_NAMES"]
 
 SPLITS = ("train", "test")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class Example:
     """One prompt. ``answer`` is the reference final answer; ``solution`` an optional worked
-    completion (used for supervised warm-up and tokenizer training, never for reward)."""
+    completion (used for supervised warm-up and tokenizer training, never for reward);
+    ``system`` an optional system turn put before the prompt in the chat template."""
 
     prompt: str
     answer: str
     task: str = "default"
     solution: str | None = None
+    system: str | None = None
 
 
 @runtime_checkable
@@ -53,6 +57,22 @@ def check_split(split: str) -> None:
         raise UserError(f"unknown split {split!r}: use one of {SPLITS}")
 
 
+def hold_out(items: list[T], test_fraction: float, seed: int) -> tuple[list[T], list[T]]:
+    """A seeded held-out split ``(train, test)`` of ``items``; both keep the input order, so that
+    a split is easy to inspect. ``round(n * test_fraction)`` items are held out, at least one
+    and at most ``n - 1`` when the fraction is positive and there are two items or more."""
+    if not 0.0 <= test_fraction < 1.0:
+        raise UserError(f"test_fraction must be in [0, 1), got {test_fraction}")
+    order = list(range(len(items)))
+    # The seed string predates other data sources: kept so that earlier JSONL runs split alike.
+    random.Random(f"opd-jsonl/{seed}").shuffle(order)
+    n_test = round(len(items) * test_fraction)
+    if test_fraction > 0 and len(items) >= 2:
+        n_test = min(max(n_test, 1), len(items) - 1)
+    test_idx = set(order[:n_test])
+    return [e for i, e in enumerate(items) if i not in test_idx], [e for i, e in enumerate(items) if i in test_idx]
+
+
 def _make_arithmetic(**kwargs: Any) -> Task:
     from opd.tasks.arithmetic import ArithmeticTask
 
@@ -67,13 +87,20 @@ def _make_jsonl(**kwargs: Any) -> Task:
     return JsonlTask(**kwargs)
 
 
+def _make_dataset(**kwargs: Any) -> Task:
+    from opd.tasks.dataset import DatasetTask
+
+    return DatasetTask(**kwargs)
+
+
 # Imports inside the factories: the task modules import this one.
-_REGISTRY = {"arithmetic": _make_arithmetic, "jsonl": _make_jsonl}
+_REGISTRY = {"arithmetic": _make_arithmetic, "jsonl": _make_jsonl, "dataset": _make_dataset}
 TASK_NAMES = tuple(_REGISTRY)
 
 
 def get_task(name: str, **kwargs: Any) -> Task:
-    """Build a task by name: ``get_task("arithmetic", level=3)``, ``get_task("jsonl", path=p)``."""
+    """Build a task by name: ``get_task("arithmetic", level=3)``, ``get_task("jsonl", path=p)``,
+    ``get_task("dataset", source="gsm8k.parquet", prompt_field="question", answer_format="gsm8k")``."""
     try:
         factory = _REGISTRY[name]
     except KeyError:

@@ -12,72 +12,83 @@ Usage::
     task = JsonlTask("train.jsonl", test_path="test.jsonl")   # explicit test file
     task.examples("test"); task.reward(completion, example)
 
-Completions are graded by their last ``\\boxed{...}`` against ``answer`` (``opd.grading``).
-Problems in the file raise ``opd.errors.UserError`` naming the file, the line and the fix.
+A JSONL file is read like any other data file, by :class:`opd.tasks.dataset.DatasetTask` (other
+field names, answer formats and chat messages work the same way). This module adds what the
+``datasets`` JSON reader cannot say: which line of a file is bad (:func:`find_bad_line`), used
+whenever a JSON file fails to load or fails the row checks. Completions are graded by their last
+``\\boxed{...}`` against ``answer`` (``opd.grading``). Problems raise ``opd.errors.UserError``
+naming the file, the line and the fix.
 """
 
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 from opd.errors import UserError
-from opd.grading import grade
-from opd.tasks.base import Example, check_split
+from opd.tasks.dataset import DatasetTask
 
-__all__ = ["JsonlTask", "load_jsonl_examples"]
-
-_REQUIRED = ("prompt", "answer")
-_OPTIONAL = ("task", "solution")
+__all__ = ["JsonlTask", "check_not_empty", "find_bad_line"]
 
 
-def _parse_line(raw: str, lineno: int, path: Path, default_task: str) -> Example:
-    where = f"{path}, line {lineno}"
-    try:
-        record = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise UserError(
-            f"invalid JSON in {where}: {e.msg} (column {e.colno}); each line must be one complete JSON object"
-        ) from None
-    if not isinstance(record, dict):
-        raise UserError(
-            f'{where} is a JSON {type(record).__name__}, not an object: write {{"prompt": "...", "answer": "..."}}'
-        )
-    for key in _REQUIRED:
-        if key not in record:
-            raise UserError(f'{where} has no "{key}" field: every line needs "prompt" and "answer"')
-    for key in _REQUIRED + _OPTIONAL:
-        value = record.get(key)
-        if key in _OPTIONAL and value is None:
-            continue
-        if not isinstance(value, str):
-            fix = f'quote it: "{key}": "{value}"' if isinstance(value, (int, float)) else "write it as one JSON string"
-            raise UserError(f'field "{key}" in {where} is a {type(value).__name__}, not a string: {fix}')
-    return Example(
-        prompt=record["prompt"],
-        answer=record["answer"],
-        task=record.get("task") or default_task,
-        solution=record.get("solution"),
-    )
-
-
-def load_jsonl_examples(path: str | Path, default_task: str = "jsonl") -> list[Example]:
-    """Read and validate every line of ``path``; raises UserError on the first bad line."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"JSONL file not found: {path} (check the path; it is read relative to {Path.cwd()})")
-    examples = []
+def check_not_empty(path: Path) -> None:
     with path.open(encoding="utf-8") as f:
+        if any(line.strip() for line in f):
+            return
+    raise UserError(f'JSONL file {path} is empty: add one {{"prompt": "...", "answer": "..."}} object per line')
+
+
+def _check_value(key: str, value, where: str, chat: bool = False) -> None:
+    if isinstance(value, str):
+        return
+    if chat and isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
+        from opd.tasks.rows import from_messages
+
+        try:
+            from_messages(value)
+        except ValueError as e:
+            raise UserError(
+                f'field "{key}" in {where} {e}; give every chat a user turn, with string "role" and "content"'
+            ) from None
+        return
+    fix = f'quote it: "{key}": "{value}"' if isinstance(value, (int, float)) else "write it as one JSON string"
+    raise UserError(f'field "{key}" in {where} is a {type(value).__name__}, not a string: {fix}')
+
+
+def find_bad_line(path: Path, required: tuple = (), optional: tuple = ()) -> None:
+    """Raise UserError naming the first line of ``path`` that is not a JSON object whose
+    ``required`` fields are strings (or chat messages) and whose ``optional`` fields are strings
+    or null. Returns when every line is fine. None entries of ``required``/``optional`` are skipped."""
+    required = tuple(k for k in required if k)
+    optional = tuple(k for k in optional if k)
+    needs = " and ".join(f'"{k}"' for k in required)
+    with path.open(encoding="utf-8") as f:
+        if f.read(4096).lstrip().startswith("["):  # one JSON array, not JSON Lines: rows are named instead
+            return
+        f.seek(0)
         for lineno, raw in enumerate(f, start=1):
-            if raw.strip():
-                examples.append(_parse_line(raw, lineno, path, default_task))
-    if not examples:
-        raise UserError(f'JSONL file {path} is empty: add one {{"prompt": "...", "answer": "..."}} object per line')
-    return examples
+            if not raw.strip():
+                continue
+            where = f"{path}, line {lineno}"
+            try:
+                record = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise UserError(
+                    f"invalid JSON in {where}: {e.msg} (column {e.colno}); each line must be one complete JSON object"
+                ) from None
+            if not isinstance(record, dict):
+                example = ", ".join(f'"{k}": "..."' for k in required or ("prompt", "answer"))
+                raise UserError(f"{where} is a JSON {type(record).__name__}, not an object: write {{{example}}}")
+            for key in required:
+                if key not in record or record[key] is None:
+                    raise UserError(f'{where} has no "{key}" field: every line needs {needs}')
+                _check_value(key, record[key], where, chat=key == required[0])  # the prompt may be a chat
+            for key in optional:
+                if record.get(key) is not None:
+                    _check_value(key, record[key], where)
 
 
-class JsonlTask:
+class JsonlTask(DatasetTask):
     """Prompts and answers from JSONL; see the module docstring."""
 
     def __init__(
@@ -90,26 +101,5 @@ class JsonlTask:
     ):
         if not 0.0 <= test_fraction < 1.0:
             raise UserError(f"test_fraction must be in [0, 1), got {test_fraction}")
-        self.name, self.path, self.test_path = name, Path(path), test_path
-        examples = load_jsonl_examples(path, default_task=name)
-        if test_path is not None:
-            self._splits = {"train": examples, "test": load_jsonl_examples(test_path, default_task=name)}
-            return
-        # Seeded held-out split; kept in file order so that a split is easy to inspect.
-        order = list(range(len(examples)))
-        random.Random(f"opd-jsonl/{seed}").shuffle(order)
-        n_test = round(len(examples) * test_fraction)
-        if test_fraction > 0 and len(examples) >= 2:
-            n_test = min(max(n_test, 1), len(examples) - 1)
-        test_idx = set(order[:n_test])
-        self._splits = {
-            "train": [e for i, e in enumerate(examples) if i not in test_idx],
-            "test": [e for i, e in enumerate(examples) if i in test_idx],
-        }
-
-    def examples(self, split: str) -> list[Example]:
-        check_split(split)
-        return list(self._splits[split])
-
-    def reward(self, completion: str, example: Example) -> float:
-        return 1.0 if grade(completion, example.answer) else 0.0
+        self.path, self.test_path = Path(path), test_path
+        super().__init__(path, name=name, split=test_fraction, test_source=test_path, seed=seed)
