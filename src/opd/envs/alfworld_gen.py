@@ -57,17 +57,18 @@ class Level:
     receptacles: tuple[int, int]  # how many receptacles a room has (inclusive range)
     distractors: tuple[int, int]  # objects that have nothing to do with the task
     max_same: int  # at most this many receptacles of one kind (cabinet 1, cabinet 2, ...)
+    closed: bool  # whether rooms have receptacles to open (fridge, drawers, cabinets, ...)
     task_types: tuple[str, ...]
     max_turns: int  # the default turn budget: about 2-3x the expert's length at this level
 
 
 LEVELS: dict[int, Level] = {
     # Open surfaces only, one object to move: the expert needs 4 actions.
-    1: Level((3, 4), (1, 2), 1, ("pick_and_place_simple",), 12),
+    1: Level((3, 4), (1, 2), 1, False, ("pick_and_place_simple",), 12),
     # All six task types, closed fridges and drawers, some clutter: experts of 4-9 actions.
-    2: Level((5, 7), (2, 4), 2, TASK_TYPES, 24),
+    2: Level((5, 7), (2, 4), 2, True, TASK_TYPES, 24),
     # Bigger rooms, repeated receptacles to search, more clutter: experts of 4-12 actions.
-    3: Level((8, 12), (5, 8), 3, TASK_TYPES, 36),
+    3: Level((8, 12), (5, 8), 3, True, TASK_TYPES, 36),
 }
 
 # The receptacles a room of each ALFRED scene type may have (the real scenes' furniture;
@@ -140,10 +141,14 @@ class _Scene:
     params: dict[str, Any]  # traj_data's pddl_params
 
 
-def _receptacles(rng: random.Random, spec: Level, room: str, required: list[str]) -> list[tuple[str, str]]:
+def _furniture(room: str, spec: Level, openable: list[str]) -> list[str]:
+    """The receptacle classes a room of this level may have."""
+    return [c for c in ROOMS[room] if c not in _NOT_PLACES and (spec.closed or c not in openable)]
+
+
+def _receptacles(rng: random.Random, spec: Level, pool: list[str], required: list[str]) -> list[tuple[str, str]]:
     n = rng.randint(*spec.receptacles)
     classes = list(required)
-    pool = [c for c in ROOMS[room] if c not in _NOT_PLACES]
     while len(classes) < n:
         room_left = [c for c in pool if classes.count(c) < (spec.max_same if c in REPEATABLE else 1)]
         if not room_left:
@@ -175,10 +180,11 @@ def _scene(rng: random.Random, spec: Level, task_type: str) -> _Scene | None:
         toggle = "DeskLamp"
         required.append(rng.choice([c for c in LAMP_STANDS if c in ROOMS[room]]))
     # The goal receptacle: any furniture of the room an object fits in (not the lamp's stand).
-    parent = "" if toggle else rng.choice([c for c in ROOMS[room] if c not in _NOT_PLACES and c != appliance])
+    pool = _furniture(room, spec, C.OPENABLE_CLASS_LIST)
+    parent = "" if toggle else rng.choice([c for c in pool if c != appliance])
     if parent:
         required.append(parent)
-    recs = _receptacles(rng, spec, room, required)
+    recs = _receptacles(rng, spec, pool, required)
     # The target object: fits the goal receptacle, has the needed affordance, can start elsewhere.
     candidates = sorted(
         o

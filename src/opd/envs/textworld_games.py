@@ -21,6 +21,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -73,6 +74,15 @@ def clean(text: str) -> str:
     return squeeze(_NOISE.sub("", text or ""))
 
 
+@contextlib.contextmanager
+def _quiet_jericho():
+    # jericho warns that TextWorld's games are "not fully supported" (its own score and change
+    # detection): TextWorld tracks the game state itself, so nothing used here is missing.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is not fully supported")
+        yield
+
+
 def check_story_file(path: str | os.PathLike) -> None:
     """Raise ValueError unless ``path`` is a whole Z-machine story file.
 
@@ -105,10 +115,7 @@ class CookingSession(TextWorldSession):
         if not Path(self.path).with_suffix(".json").is_file():
             raise FileNotFoundError(f"{Path(self.path).with_suffix('.json')} is missing")
         check_story_file(self.path)
-        with warnings.catch_warnings():
-            # jericho: "not fully supported ... change detection disabled": TextWorld tracks the
-            # game state itself, so nothing the session uses is missing.
-            warnings.filterwarnings("ignore", message=".*is not fully supported")
+        with _quiet_jericho():
             return textworld.start(self.path, infos)
 
     def _first_text(self, state: Any) -> str:
@@ -200,7 +207,8 @@ def generate_cooking(level: int, seed: int, split: str, out_dir: str | os.PathLi
         options.path = str(tmp / "game.z8")
         options.force_recompile = True
         game = challenges.CHALLENGES["tw-cooking"][1](settings, options)  # (description, make, argparser)
-        generator.compile_game(game, options)
+        with _quiet_jericho():
+            generator.compile_game(game, options)
         try:
             os.rename(tmp, out)
         except OSError:  # another process got there first; its game is the same
