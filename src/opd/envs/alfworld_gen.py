@@ -65,10 +65,11 @@ class Level:
 LEVELS: dict[int, Level] = {
     # Open surfaces only, one object to move: the expert needs 4 actions.
     1: Level((3, 4), (1, 2), 1, False, ("pick_and_place_simple",), 12),
-    # All six task types, closed fridges and drawers, some clutter: experts of 4-9 actions.
+    # All six task types, closed fridges and drawers, some clutter: experts of 4-9 actions (mean 6).
     2: Level((5, 7), (2, 4), 2, True, TASK_TYPES, 24),
-    # Bigger rooms, repeated receptacles to search, more clutter: experts of 4-12 actions.
-    3: Level((8, 12), (5, 8), 3, True, TASK_TYPES, 36),
+    # Bigger rooms, repeated receptacles to search, more clutter: experts of 3-10 actions (mean 6),
+    # many more wrong places to go.
+    3: Level((8, 12), (5, 8), 3, True, TASK_TYPES, 30),
 }
 
 # The receptacles a room of each ALFRED scene type may have (the real scenes' furniture;
