@@ -361,6 +361,21 @@ def test_cooking_wrong_actions_and_splits(cooking):
     assert test.info["seed"] % 2 == 1 and game.info["seed"] % 2 == 0 and test.id != game.id
 
 
+def test_cooking_generation_is_deterministic(cooking, tmp_path):
+    from opd.envs.textworld_games import generate_cooking
+
+    env, game = cooking
+    again = generate_cooking(1, game.info["seed"], "train", tmp_path / "again")
+    first = Path(game.path).parent
+    assert (again / "game.json").read_bytes() == (first / "game.json").read_bytes()
+    # The story file's header carries the compile date (bytes 0x12-0x17, Inform's serial number).
+    mask = lambda b: b[:0x12] + b[0x18:]  # noqa: E731
+    assert mask((again / "game.z8").read_bytes()) == mask((first / "game.z8").read_bytes())
+    assert (first / "game.z8").read_bytes() != generate_cooking(1, 2, "train", tmp_path / "other").joinpath(
+        "game.z8"
+    ).read_bytes()
+
+
 def test_cooking_corrupted_file(cooking, tmp_path):
     env, game = cooking
     folder = tmp_path / "bad"

@@ -4,7 +4,8 @@ The player is told to cook the meal in the cookbook: find the cookbook, read the
 the ingredients (opening doors and containers at higher levels), prepare the meal, eat it.
 Games are generated in-process by TextWorld (``textworld.challenges.CHALLENGES``, compiled with
 Inform 7), written on first use under ``games_dir`` (default ``~/.cache/opd/textworld/<level>``)
-and reused afterwards; generation is a function of (level, seed). Train games use TextWorld's
+and reused afterwards; generation is a function of (level, seed) (the story file's header
+also carries the compile date, Inform's serial number). Train games use TextWorld's
 "train" foods and even seeds, test games its "test" foods and odd seeds.
 
 Rewards are the game's points divided by its maximum, per step, so a won episode sums to 1.
@@ -206,8 +207,8 @@ def generate_cooking(level: int, seed: int, split: str, out_dir: str | os.PathLi
         options.seeds = seed
         options.path = str(tmp / "game.z8")
         options.force_recompile = True
-        game = challenges.CHALLENGES["tw-cooking"][1](settings, options)  # (description, make, argparser)
-        with _quiet_jericho():
+        with _quiet_jericho():  # make() plays the game once to record its walkthrough
+            game = challenges.CHALLENGES["tw-cooking"][1](settings, options)  # (description, make, argparser)
             generator.compile_game(game, options)
         try:
             os.rename(tmp, out)
