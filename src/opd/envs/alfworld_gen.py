@@ -65,7 +65,7 @@ class Level:
 LEVELS: dict[int, Level] = {
     # Open surfaces only, one object to move: the expert needs 4 actions.
     1: Level((3, 4), (1, 2), 1, False, ("pick_and_place_simple",), 12),
-    # All six task types, closed fridges and drawers, some clutter: experts of 4-9 actions (mean 6).
+    # All six task types, closed fridges and drawers, some clutter: experts of 3-10 actions (mean 6).
     2: Level((5, 7), (2, 4), 2, True, TASK_TYPES, 24),
     # Bigger rooms, repeated receptacles to search, more clutter: experts of 3-10 actions (mean 6),
     # many more wrong places to go.
