@@ -85,7 +85,13 @@ class AlfworldSession(TextWorldSession):
 
 
 class AlfworldEnv:
-    """ALFWorld games, generated or real (see the module docstring)."""
+    """ALFWorld games, generated or real (see the module docstring).
+
+    Generated games: ``level`` (1-3, see ``alfworld_gen.LEVELS``), ``seed`` (another set of
+    games), ``num_train`` / ``num_test`` games per split, ``games_dir`` (the cache). Real games:
+    ``data_dir`` (default ``$ALFWORLD_DATA``; ``generated=True`` ignores the variable),
+    ``test_split`` (what "test" plays), ``max_games`` (a cap per split). Both: ``max_turns``
+    (default: the level's, or 50 for real games)."""
 
     name = "alfworld"
     system_prompt = SYSTEM_PROMPT
@@ -155,7 +161,7 @@ class AlfworldEnv:
             raise UserError(
                 f"no playable ALFWorld games in {folder}: expected <task>-<...>/<trial>/ folders with game.tw-pddl"
                 f" (solvable) and traj_data.json, as alfworld-download writes them; run alfworld-download"
-                f" with ALFWORLD_DATA={self.data_dir.parent}, or unset ALFWORLD_DATA to play generated games"
+                f" with ALFWORLD_DATA={self.data_dir.parent}, or unset ALFWORLD_DATA (or pass generated=True) to play generated games"
             )
         return out
 
@@ -209,7 +215,7 @@ def _real_root(data_dir: str | os.PathLike | None) -> Path | None:
         f"{source}={raw} {state}: expected the folder alfworld-download fills"
         f" ({root}/json_2.1.1/<split>/<task>/<trial>/game.tw-pddl + traj_data.json);"
         f" run `ALFWORLD_DATA={raw} alfworld-download`, point {source} at that folder,"
-        " or unset it (generated=True) to play generated games"
+        " or unset it (or pass generated=True) to play generated games"
     )
 
 
