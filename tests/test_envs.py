@@ -328,7 +328,9 @@ def test_alfworld_imports_offline_without_side_effects(tmp_path):
 @pytest.fixture(scope="session")
 def cooking(tmp_path_factory):
     env = get_env("textworld", level=1, num_train=1, num_test=1, games_dir=tmp_path_factory.mktemp("tw"))
-    return env, env.games("train")[0]
+    game = env.games("train")[0]
+    env.open(game).close()  # generates it, whichever test runs first (under xdist too)
+    return env, game
 
 
 def test_cooking_expert_wins_with_clean_observations(cooking):
