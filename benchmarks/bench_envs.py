@@ -1,0 +1,90 @@
+"""Measure the agentic environments: generation, reset and step time, expert length, text size,
+and how often a random policy wins.
+
+    PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/bench_envs.py --games 12 --random 20
+
+Games are generated into a fresh temporary folder, so generation time is measured too. "chars"
+is everything a model reads and writes in an expert episode (system prompt, observations,
+actions); divide by about 4 for tokens. The random policy picks uniformly among the admissible
+commands each turn, for the level's default turn budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+
+from opd.envs import get_env
+
+
+def expert_episode(env, game):
+    t = time.perf_counter()
+    session = env.open(game)  # generates the game on first use
+    opened = time.perf_counter() - t
+    t = time.perf_counter()
+    first = session.reset()
+    reset = time.perf_counter() - t
+    actions = session.expert_actions()
+    chars = len(env.system_prompt) + len(first)
+    t = time.perf_counter()
+    for action in actions:
+        result = session.step(action)
+        chars += len(action) + len(result.observation)
+    step = (time.perf_counter() - t) / len(actions)
+    session.close()
+    return {"open": opened, "reset": reset, "step": step, "len": len(actions), "chars": chars, "won": result.won}
+
+
+def random_wins(env, games, episodes, seed=0):
+    rng = random.Random(seed)
+    wins = 0
+    for i in range(episodes):
+        session = env.open(games[i % len(games)])
+        session.reset()
+        for _ in range(env.max_turns):
+            result = session.step(rng.choice(session.admissible_commands()))
+            if result.done:
+                break
+        wins += result.won
+        session.close()
+    return wins
+
+
+def report(name, level, rows, wins, episodes):
+    med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
+    lens = [r["len"] for r in rows]
+    print(
+        f"{name} L{level}: {len(rows)} games, generate+open {med('open'):.2f} s, reset {med('reset') * 1000:.0f} ms,"
+        f" step {med('step') * 1000:.0f} ms, expert {min(lens)}-{max(lens)} (mean {statistics.mean(lens):.1f}),"
+        f" chars/episode {statistics.mean(r['chars'] for r in rows):.0f}, expert wins {sum(r['won'] for r in rows)}/{len(rows)},"
+        f" random wins {wins}/{episodes}"
+    )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--games", type=int, default=12)
+    parser.add_argument("--random", type=int, default=20, help="random-policy episodes per level")
+    parser.add_argument("--alfworld-levels", default="1,2,3")
+    parser.add_argument("--textworld-levels", default="1,2")
+    parser.add_argument("--textworld-games", type=int, default=4)
+    args = parser.parse_args()
+    for name, levels, n in (
+        ("alfworld", args.alfworld_levels, args.games),
+        ("textworld", args.textworld_levels, args.textworld_games),
+    ):
+        for level in (int(x) for x in levels.split(",") if x):
+            with tempfile.TemporaryDirectory() as tmp:
+                kw = {"generated": True} if name == "alfworld" else {}
+                env = get_env(name, level=level, num_train=n, games_dir=tmp, **kw)
+                games = env.games("train")
+                rows = [expert_episode(env, g) for g in games]
+                episodes = args.random if name == "alfworld" else min(args.random, len(games) * 5)
+                report(name, level, rows, random_wins(env, games, episodes), episodes)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,390 @@
+"""The agentic environments: generated ALFWorld games, real ALFWorld data layouts, tw-cooking.
+
+Games are generated once per test session into a temporary folder (about 1.5 s an ALFWorld game
+and 3-8 s a cooking game on 2 cores), so the file stays under two minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from opd.envs import EnvError, Game, GameSession, get_env
+from opd.envs._textworld import clean_action, planner_plan
+from opd.envs.alfworld_gen import LEVELS, TASK_TYPES, game_files, generate_game
+from opd.errors import UserError
+
+WRONG = ["go to the moon", "take apple 1 from nowhere", "dance"]
+
+
+@pytest.fixture(scope="session")
+def alf_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("alfworld")
+
+
+@pytest.fixture(scope="session")
+def alf_env(alf_dir):
+    # Six train games at level 2: one of each task type (types cycle in TASK_TYPES order).
+    return get_env("alfworld", level=2, num_train=6, num_test=2, games_dir=alf_dir, generated=True)
+
+
+@pytest.fixture(scope="session")
+def alf_games(alf_env):
+    games = alf_env.games("train")
+    for game in games:  # generate them all (open() writes a missing game)
+        alf_env.open(game).close()
+    return games
+
+
+def play(session, actions):
+    return [session.step(a) for a in actions]
+
+
+# -- ALFWorld generation
+
+
+def test_generation_is_deterministic_and_seeded(tmp_path):
+    a = generate_game(2, 10, "pick_heat_then_place_in_recep", tmp_path / "a")
+    b = generate_game(2, 10, "pick_heat_then_place_in_recep", tmp_path / "b")
+    for name in ("game.tw-pddl", "traj_data.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes()
+    other, _ = game_files("pick_heat_then_place_in_recep", 2, 12)
+    assert other["pddl_problem"] != json.loads((a / "game.tw-pddl").read_text())["pddl_problem"]
+    game = json.loads((a / "game.tw-pddl").read_text())
+    assert game["solvable"] is True and game["walkthrough"]
+    assert "UNKNOWN GOAL" not in game["grammar"] and "_bar_1" in game["pddl_problem"]
+    traj = json.loads((a / "traj_data.json").read_text())
+    assert traj["task_type"] == "pick_heat_then_place_in_recep"
+    assert traj["pddl_params"]["object_target"] and traj["pddl_params"]["parent_target"]
+
+
+def test_train_and_test_games_are_disjoint(tmp_path):
+    env = get_env("alfworld", level=1, num_train=60, num_test=60, games_dir=tmp_path, generated=True)
+    train, test = env.games("train"), env.games("test")
+    assert len(train) == 60 and len(test) == 60
+    assert not {g.id for g in train} & {g.id for g in test}
+    assert not {g.info["seed"] for g in train} & {g.info["seed"] for g in test}
+    problems = {
+        s: {game_files(g.info["task_type"], 1, g.info["seed"])[0]["pddl_problem"] for g in gs}
+        for s, gs in (("train", train), ("test", test))
+    }
+    assert not problems["train"] & problems["test"]
+    assert len(problems["train"]) == 60  # different seeds, different games
+    assert [g.id for g in env.games("train")] == [g.id for g in train]  # a fixed order
+    # Listing does not write anything: games are generated when first opened.
+    assert not any(tmp_path.iterdir())
+
+
+def test_level_one_is_simple_pick_and_place(tmp_path):
+    env = get_env("alfworld", level=1, num_train=4, games_dir=tmp_path, generated=True)
+    games = env.games("train")
+    assert {g.info["task_type"] for g in games} == {"pick_and_place_simple"}
+    problems = [game_files(g.info["task_type"], 1, g.info["seed"])[0]["pddl_problem"] for g in games]
+    assert not any("(openable" in p for p in problems)  # nothing to open at level 1
+    assert LEVELS[2].task_types == TASK_TYPES and env.max_turns == LEVELS[1].max_turns
+
+
+@pytest.mark.parametrize("task_type", TASK_TYPES)
+def test_expert_wins_every_task_type(alf_env, alf_games, task_type):
+    game = next(g for g in alf_games if g.info["task_type"] == task_type)
+    session = alf_env.open(game)
+    assert isinstance(session, GameSession)
+    session.reset()
+    expert = session.expert_actions()
+    assert expert and len(expert) <= alf_env.max_turns
+    assert expert[0] in session.admissible_commands()
+    results = play(session, expert)
+    assert all(r.reward == 0.0 and not r.done for r in results[:-1])
+    assert results[-1] == results[-1].__class__(results[-1].observation, 1.0, True, True)
+    session.close()
+
+
+def test_stored_walkthrough_is_the_planners_plan(alf_env, alf_games):
+    session = alf_env.open(alf_games[0])
+    assert session.expert_actions() == planner_plan(alf_games[0].path)
+    session.close()
+
+
+def test_alfworlds_own_expert_solves_generated_games(alf_games):
+    # The games are ALFWorld games, not just PDDL: alfworld's hand-coded expert (which reads
+    # traj_data.json's pddl_params and explores like a player) wins them too. Not pick_two: that
+    # policy keeps going back to where it found the first object (it failed 9 of 16 generated
+    # ones); ALFWorld's own generator marks such games unsolvable, ours use the planner's plan.
+    import textworld
+    from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredExpert, AlfredInfos
+    from textworld.envs import PddlEnv
+
+    infos = textworld.EnvInfos(admissible_commands=True, won=True, extras=["gamefile", "expert_plan"])
+    env = AlfredExpert(AlfredInfos(AlfredDemangler(PddlEnv(infos))), expert_type="handcoded")
+    for game in [g for g in alf_games if g.info["task_type"] != "pick_two_obj_and_place"]:
+        env.load(game.path)
+        state = env.reset()
+        for _ in range(40):
+            state, _, done = env.step(state["extra.expert_plan"][0])
+            if done:
+                break
+        assert state["won"], game.id
+
+
+def test_wrong_actions_get_the_engines_reply(alf_env, alf_games):
+    session = alf_env.open(alf_games[0])
+    session.reset()
+    results = play(session, WRONG)
+    assert [r.observation for r in results] == ["Nothing happens."] * 3
+    assert not any(r.done or r.won or r.reward for r in results)
+    # The engine still plays on: the expert wins from here (wrong commands change nothing).
+    assert play(session, session.expert_actions())[-1].won
+    session.close()
+
+
+def test_observations_are_clean(alf_env, alf_games):
+    for game in alf_games:
+        session = alf_env.open(game)
+        first = session.reset()
+        assert "Welcome" not in first and "-=" not in first
+        assert first.startswith("You are in the middle of a room. Looking quickly around you, you see ")
+        assert first.endswith(f"Your task is to: {game.goal}.")
+        step = session.step(session.expert_actions()[0]).observation
+        assert step.startswith("You arrive at ") and step == step.strip()
+        session.close()
+
+
+def test_turn_limit_and_after_the_end(alf_dir, alf_games):
+    env = get_env("alfworld", level=2, num_train=6, games_dir=alf_dir, generated=True, max_turns=2)
+    session = env.open(alf_games[0])
+    session.reset()
+    first, second = play(session, WRONG[:2])
+    assert not first.done and second.done and not second.won
+    assert session.step("look") == second.__class__("The game is over.", 0.0, True, False)
+    session.close()
+
+
+def test_actions_are_normalised():
+    assert clean_action("  Go to Fridge 1.\nthen open it") == "go to fridge 1"
+    assert clean_action('> "take apple 1 from countertop 1"') == "take apple 1 from countertop 1"
+    assert clean_action("\n\n") == ""
+
+
+# -- real ALFWorld data (a fake layout built from generated games)
+
+
+def fake_alfworld_data(root: Path, games: list[Game]) -> Path:
+    """``$ALFWORLD_DATA/json_2.1.1/<split>/<task>-.../trial_.../`` as alfworld-download lays it out."""
+    splits = {"train": games[:3], "valid_seen": games[3:4], "valid_unseen": games[4:6]}
+    for split, gs in splits.items():
+        for i, g in enumerate(gs):
+            trial = root / "json_2.1.1" / split / f"{g.info['task_type']}-Obj-None-Recep-{i}" / f"trial_T{i}"
+            shutil.copytree(Path(g.path).parent, trial)
+            data = json.loads((trial / "game.tw-pddl").read_text())
+            data.pop("opd_generated")  # as a real file: its walkthrough is not the planner's
+            data["walkthrough"] = ["look"]
+            (trial / "game.tw-pddl").write_text(json.dumps(data))
+    # What AlfredTWEnv skips: movable receptacles, sliced objects, unsolvable games.
+    skipped = root / "json_2.1.1" / "train"
+    shutil.copytree(Path(games[0].path).parent, skipped / "pick_and_place_with_movable_recep-A-B-C-1" / "trial_1")
+    shutil.copytree(Path(games[0].path).parent, skipped / "pick_and_place_simple-AppleSliced-None-C-1" / "trial_1")
+    unsolvable = skipped / "pick_and_place_simple-X-None-Y-9" / "trial_1"
+    shutil.copytree(Path(games[0].path).parent, unsolvable)
+    data = json.loads((unsolvable / "game.tw-pddl").read_text())
+    (unsolvable / "game.tw-pddl").write_text(json.dumps({**data, "solvable": False}))
+    return root
+
+
+def test_real_alfworld_layout(alf_games, tmp_path, monkeypatch):
+    root = fake_alfworld_data(tmp_path / "alfworld_data", alf_games)
+    monkeypatch.setenv("ALFWORLD_DATA", str(root))
+    env = get_env("alfworld")
+    assert env.max_turns == 50
+    train = env.games("train")
+    assert len(train) == 3 and all(g.id.count("/") == 1 and "trial_T" in g.id for g in train)
+    assert sorted(g.goal for g in train) == sorted(g.goal for g in alf_games[:3])
+    assert len(env.games("test")) == 2 and env.games("test") == env.games("valid_unseen")
+    assert len(env.games("valid_seen")) == 1
+    assert len(get_env("alfworld", test_split="valid_seen").games("test")) == 1
+    assert len(get_env("alfworld", max_games=2).games("train")) == 2
+    # A real game is played by the same engine; its expert is the planner's, not the stored one.
+    game = train[0]
+    session = env.open(game)
+    assert game.goal in session.reset()
+    assert play(session, session.expert_actions())[-1].won
+    session.close()
+    # data_dir= does the same without the variable; generated=True ignores the variable.
+    monkeypatch.delenv("ALFWORLD_DATA")
+    assert len(get_env("alfworld", data_dir=root / "json_2.1.1").games("train")) == 3
+    monkeypatch.setenv("ALFWORLD_DATA", str(root))
+    assert get_env("alfworld", generated=True, games_dir=tmp_path / "gen").games("train")[0].id.startswith("train/")
+
+
+def test_bad_alfworld_data_errors_clearly(tmp_path, monkeypatch):
+    missing = tmp_path / "nowhere"
+    monkeypatch.setenv("ALFWORLD_DATA", str(missing))
+    with pytest.raises(UserError, match=r"ALFWORLD_DATA=.*nowhere does not exist.*json_2\.1\.1.*alfworld-download"):
+        get_env("alfworld")
+    assert not missing.exists()  # importing alfworld did not create it
+    assert os.environ["ALFWORLD_DATA"] == str(missing)  # nor changed the variable
+    monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path))
+    with pytest.raises(UserError, match=r"has no json_2\.1\.1"):
+        get_env("alfworld")
+    (tmp_path / "json_2.1.1" / "train").mkdir(parents=True)
+    with pytest.raises(UserError, match=r"no playable ALFWorld games in .*train"):
+        get_env("alfworld").games("train")
+
+
+# -- bad input
+
+
+def test_corrupted_game_files_raise_env_error(alf_env, alf_games, tmp_path):
+    folder = tmp_path / "broken"
+    shutil.copytree(Path(alf_games[0].path).parent, folder)
+    game = Game(id="broken", goal="", path=str(folder / "game.tw-pddl"))
+    (folder / "game.tw-pddl").write_text('{"pddl_domain": "(define')
+    with pytest.raises(EnvError, match="broken/game.tw-pddl"):
+        alf_env.open(game)
+    data = json.loads(Path(alf_games[0].path).read_text())
+    (folder / "game.tw-pddl").write_text(json.dumps({**data, "pddl_problem": "(define (problem x) (:objects"}))
+    with pytest.raises(EnvError, match="broken/game.tw-pddl"):
+        alf_env.open(game).reset()
+    with pytest.raises(EnvError, match="missing and it is not a generated game"):
+        alf_env.open(Game(id="gone", path=str(tmp_path / "gone" / "game.tw-pddl")))
+
+
+def test_engine_failure_mid_episode_is_env_error(alf_env, alf_games, monkeypatch):
+    session = alf_env.open(alf_games[0])
+    session.reset()
+
+    def crash(command):
+        raise RuntimeError("engine crashed")
+
+    monkeypatch.setattr(session._env, "step", crash)
+    with pytest.raises(EnvError, match="failed on 'look'.*engine crashed"):
+        session.step("look")
+    session.close()
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, message",
+    [
+        ("alfworld", {"level": 9}, "unknown ALFWorld level 9: use one of 1, 2, 3"),
+        ("alfworld", {"levle": 2}, "unknown ALFWorld option.*levle.*use level"),
+        ("alfworld", {"num_train": 0}, "num_train=0: expected an integer >= 1"),
+        ("alfworld", {"test_split": "valid"}, "test_split='valid'.*valid_unseen"),
+        ("textworld", {"level": 7}, "unknown textworld level 7"),
+        ("textworld", {"recipe": 2}, "unknown textworld option.*recipe"),
+    ],
+)
+def test_bad_arguments(name, kwargs, message, tmp_path):
+    with pytest.raises(UserError, match=message):
+        get_env(name, games_dir=tmp_path, **kwargs)
+
+
+def test_unknown_split(alf_env):
+    with pytest.raises(UserError, match="unknown split 'dev'.*'train' or 'test'"):
+        alf_env.games("dev")
+
+
+def test_missing_engine_names_the_extra(monkeypatch):
+    import importlib.util
+
+    from opd.envs import _textworld
+
+    real = importlib.import_module
+
+    def no_textworld(name, *a, **k):
+        if name.startswith("textworld"):
+            raise ImportError(f"No module named {name!r}")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(_textworld.importlib, "import_module", no_textworld)
+    with pytest.raises(UserError, match=r"pip install 'opd\[agent\]'"):
+        get_env("textworld")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(UserError, match=r"pip install 'opd\[agent\]'"):
+        _textworld.alfworld_paths()
+
+
+def test_alfworld_imports_offline_without_side_effects(tmp_path):
+    # A fresh process: alfworld's import would create ~/.cache/alfworld and set ALFWORLD_DATA.
+    code = (
+        "import os; from opd.envs import get_env; env = get_env('alfworld', num_train=2);"
+        "print(len(env.games('train')), os.environ.get('ALFWORLD_DATA'))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "ALFWORLD_DATA"}
+    env.update(HOME=str(tmp_path), PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["2", "None"]
+    assert not (tmp_path / ".cache" / "alfworld").exists()
+
+
+# -- TextWorld's cooking games
+
+
+@pytest.fixture(scope="session")
+def cooking(tmp_path_factory):
+    env = get_env("textworld", level=1, num_train=1, num_test=1, games_dir=tmp_path_factory.mktemp("tw"))
+    game = env.games("train")[0]
+    env.open(game).close()  # generates it, whichever test runs first (under xdist too)
+    return env, game
+
+
+def test_cooking_expert_wins_with_clean_observations(cooking):
+    env, game = cooking
+    session = env.open(game)
+    first = session.reset()
+    assert first.startswith("You are hungry!") and "cookbook" in first
+    assert "$$" not in first and "=-0/" not in first and "-= Kitchen =-\n" in first
+    expert = session.expert_actions()
+    assert expert[:2] == ["inventory", "examine cookbook"] and expert[-1] == "eat meal"
+    results = play(session, expert)
+    texts = [r.observation for r in results]
+    assert not any(">" in t or "=-" in t or "score" in t.lower() or "RESTART" in t for t in texts)
+    assert results[-1].done and results[-1].won and not any(r.done for r in results[:-1])
+    assert sum(r.reward for r in results) == pytest.approx(1.0)  # points over the maximum
+    assert "Recipe #1" in texts[1]
+    session.close()
+
+
+def test_cooking_wrong_actions_and_splits(cooking):
+    env, game = cooking
+    session = env.open(game)
+    session.reset()
+    dance, inedible = play(session, ["dance", "eat fridge"])
+    assert dance.observation == "That's not a verb I recognise." and not (dance.done or dance.reward)
+    assert not inedible.won and inedible.reward == 0.0
+    assert "examine cookbook" in session.admissible_commands()
+    session.close()
+    test = env.games("test")[0]
+    assert test.info["seed"] % 2 == 1 and game.info["seed"] % 2 == 0 and test.id != game.id
+
+
+def test_cooking_generation_is_deterministic(cooking, tmp_path):
+    from opd.envs.textworld_games import generate_cooking
+
+    env, game = cooking
+    again = generate_cooking(1, game.info["seed"], "train", tmp_path / "again")
+    first = Path(game.path).parent
+    assert (again / "game.json").read_bytes() == (first / "game.json").read_bytes()
+    # The story file's header carries the compile date (bytes 0x12-0x17, Inform's serial number).
+    mask = lambda b: b[:0x12] + b[0x18:]  # noqa: E731
+    assert mask((again / "game.z8").read_bytes()) == mask((first / "game.z8").read_bytes())
+    assert (first / "game.z8").read_bytes() != generate_cooking(1, 2, "train", tmp_path / "other").joinpath(
+        "game.z8"
+    ).read_bytes()
+
+
+def test_cooking_corrupted_file(cooking, tmp_path):
+    env, game = cooking
+    folder = tmp_path / "bad"
+    shutil.copytree(Path(game.path).parent, folder)
+    # jericho would end the whole process on these: the session must refuse them first.
+    story = (folder / "game.z8").read_bytes()
+    for damaged in (b"not a story file", story[: len(story) // 2], story[:100] + b"x" + story[101:]):
+        (folder / "game.z8").write_bytes(damaged)
+        with pytest.raises(EnvError, match="bad/game.z8.*story file"):
+            env.open(Game(id="bad", path=str(folder / "game.z8")))
