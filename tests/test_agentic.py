@@ -203,29 +203,29 @@ def test_environment_mistakes_are_clear(tiny_models, tmp_path):
         train_mod.setup(agentic_cfg(tiny_models, tmp_path / "run", env="nope"))
 
 
-def test_write_eval_games_copies_game_files(tmp_path):
-    folder = tmp_path / "games" / "g1"
-    folder.mkdir(parents=True)
-    (folder / "game.tw-pddl").write_text("{}")
-    (folder / "traj_data.json").write_text("{}")
-    (tmp_path / "games" / "g2.z8").write_bytes(b"z")
-    (tmp_path / "games" / "g2.json").write_text("{}")
-    (tmp_path / "games" / "other.z8").write_bytes(b"o")
-    env = _WinsOnTurn()
+def test_write_eval_games_copies_each_games_folder(tmp_path):
+    for name, files in (("g1", ["game.tw-pddl", "traj_data.json"]), ("g2", ["game.z8", "game.json"])):
+        (tmp_path / "games" / name).mkdir(parents=True)
+        for f in files:
+            (tmp_path / "games" / name / f).write_text("{}")
     games = GameSet(
-        env,
-        [Game("g1", "a", str(folder)), Game("g/2", "b", str(tmp_path / "games" / "g2.z8")), Game("g3", "c")],
+        _WinsOnTurn(),
+        [
+            Game("g1", "a", str(tmp_path / "games" / "g1" / "game.tw-pddl")),
+            Game("test/g2", "b", str(tmp_path / "games" / "g2")),
+            Game("g3", "c"),
+        ],
         [],
     )
     run = tmp_path / "run"
     lines = write_eval_games(run, games)
     assert lines == [
-        {"game": "g1", "path": "eval_games/g1", "goal": "a"},
-        {"game": "g/2", "path": "eval_games/g_2/g2.z8", "goal": "b"},
+        {"game": "g1", "path": "eval_games/g1/game.tw-pddl", "goal": "a"},
+        {"game": "test/g2", "path": "eval_games/test_g2", "goal": "b"},
         {"game": "g3", "path": None, "goal": "c"},
     ]
     assert sorted(p.name for p in (run / "eval_games" / "g1").iterdir()) == ["game.tw-pddl", "traj_data.json"]
-    assert sorted(p.name for p in (run / "eval_games" / "g_2").iterdir()) == ["g2.json", "g2.z8"]
+    assert sorted(p.name for p in (run / "eval_games" / "test_g2").iterdir()) == ["game.json", "game.z8"]
 
 
 def test_single_turn_rollout_stage_has_no_episode_records(tiny_models, tmp_path):

@@ -184,22 +184,21 @@ def evaluate_agent(
 
 
 def write_eval_games(run_dir: Path, games: GameSet) -> list[dict]:
-    """Copy the held-out games' files into ``RUN/eval_games/<game id>/`` and list them (the lines of
-    ``eval.jsonl``: game id, path relative to the run directory, goal). A game directory is copied
-    whole; a game file with the files that share its stem (TextWorld's .z8/.json/.ni)."""
+    """Copy the held-out games into ``RUN/eval_games/<game id>/`` and list them (the lines of
+    ``eval.jsonl``: game id, its file there relative to the run directory, goal).
+
+    A game is the folder that holds its file (``Game.path``), copied whole: ALFWorld's game file
+    needs its ``traj_data.json`` beside it, TextWorld's ``game.z8`` its ``game.json``. Environments
+    keep one game per folder; a game without a file (the toy game) is listed with no path.
+    """
     lines = []
     for g in games.games:
         rel = None
-        if g.path:
-            src, dest = Path(g.path), run_dir / "eval_games" / _safe(g.id)
-            if src.is_dir():
-                shutil.copytree(src, dest, dirs_exist_ok=True)
-                rel = dest.relative_to(run_dir)
-            elif src.is_file():
-                dest.mkdir(parents=True, exist_ok=True)
-                for f in src.parent.glob(src.stem + ".*"):
-                    shutil.copy2(f, dest / f.name)
-                rel = (dest / src.name).relative_to(run_dir)
+        if g.path and Path(g.path).exists():
+            src = Path(g.path)
+            dest = run_dir / "eval_games" / _safe(g.id)
+            shutil.copytree(src if src.is_dir() else src.parent, dest, dirs_exist_ok=True)
+            rel = (dest if src.is_dir() else dest / src.name).relative_to(run_dir)
         lines.append({"game": g.id, "path": None if rel is None else str(rel), "goal": g.goal})
     return lines
 

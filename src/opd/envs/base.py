@@ -69,8 +69,9 @@ class EnvError(RuntimeError):
 @dataclass(frozen=True)
 class Game:
     """One playable game. ``id`` is unique within its environment and stable across runs (it
-    seeds nothing by itself); ``path`` is the game file where there is one; ``goal`` the task's
-    text (for eval.jsonl and reports)."""
+    seeds nothing by itself); ``path`` is the game file where there is one, in a folder of its
+    own (a run copies that folder into ``eval_games/`` to keep its held-out games); ``goal`` the
+    task's text (for eval.jsonl and reports)."""
 
     id: str
     goal: str = ""
