@@ -241,3 +241,17 @@ def test_cli_eval_plays_the_environments_held_out_games(tiny_models, tmp_path):
     assert result.exit_code == 0, result.output + repr(result.exception)
     res = json.loads((tmp_path / "eval.json").read_text())
     assert res["n"] == 5 and res["success_rate"] == 1.0 and res["mean_turns_to_success"] == 1.0
+
+
+def test_an_episode_whose_prompt_is_too_long_ends_counted_and_the_context_is_checked_first(student):
+    from opd.agentic import check_episode_context
+
+    model, tok = student
+    games = GameSet.build(make_env("wins-on-turn", 1, ["n=1"]), "test")
+    limits = dict(max_new_tokens=32, max_action_tokens=4)
+    assert evaluate_agent(model, tok, games, max_prompt_tokens=200, **limits)["success_rate"] == 1.0
+    short = evaluate_agent(model, tok, games, max_prompt_tokens=5, **limits)
+    assert short["success_rate"] == 0.0 and short["env_errors"] == 3
+    check_episode_context(model, 400, 112)  # 512 positions: fits exactly
+    with pytest.raises(UserError, match="exceed the model's context of 512 positions"):
+        check_episode_context(model, 400, 113)

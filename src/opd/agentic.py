@@ -47,6 +47,7 @@ __all__ = [
     "evaluate_agent",
     "write_eval_games",
     "expert_sequences",
+    "check_episode_context",
 ]
 
 
@@ -126,6 +127,7 @@ def evaluate_agent(
     max_new_tokens: int,
     max_action_tokens: int,
     max_turns: int | None = None,
+    max_prompt_tokens: int | None = None,
     samples: int = 0,
     temperature: float = 1.0,
     top_p: float = 1.0,
@@ -136,7 +138,8 @@ def evaluate_agent(
     """Greedy success rate over ``games``; with ``samples`` > 0 also avg@k and pass@k (k = samples).
 
     Also the mean number of turns of the won greedy episodes, the invalid-action rate (where the
-    game lists its admissible commands) and the episodes a game error ended (they count as lost).
+    game lists its admissible commands) and the episodes a game error or a prompt longer than
+    ``max_prompt_tokens`` ended (they count as lost).
     Seeds are per game and sample, as in :func:`opd.evaluation.evaluate_model`.
     """
     engine = EpisodeRollout(model, tokenizer)
@@ -161,6 +164,7 @@ def evaluate_agent(
                     temperature=temperature,
                     top_p=top_p,
                     greedy=is_greedy,
+                    max_prompt_tokens=max_prompt_tokens,
                 )
                 for (i, _), rec in zip(part, played.records, strict=True):
                     (greedy.append(rec) if is_greedy else sampled_ok[i].append(rec.won))
@@ -253,3 +257,14 @@ def _expert_episode(fmt: ChatFormat, eos: int, system: str, session) -> tuple[li
         ids += reply
         lab += [-100] * len(reply)
     return None, None
+
+
+def check_episode_context(model, max_prompt_tokens: int, max_new_tokens: int) -> None:
+    """Before any work: the longest prompt an episode may have plus its token budget must fit the
+    model's positions (a longer first observation ends its episode, counted, instead)."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context and max_prompt_tokens + max_new_tokens > context:
+        raise UserError(
+            f"--max-prompt-tokens {max_prompt_tokens} plus --max-new-tokens {max_new_tokens} (an episode's prompt "
+            f"and its budget) exceed the model's context of {context} positions; lower one of them"
+        )

@@ -172,6 +172,15 @@ class EnvSource:
         32, "Tokens the model may write in one turn (with --env; --max-new-tokens bounds the whole episode)."
     )
 
+    def episode_limits(self) -> dict:
+        """What bounds an episode, as keyword arguments of EpisodeRollout.play and evaluate_agent."""
+        return dict(
+            max_new_tokens=self.max_new_tokens,
+            max_action_tokens=self.max_action_tokens,
+            max_turns=self.max_turns or None,
+            max_prompt_tokens=self.max_prompt_tokens,
+        )
+
     def _check_env(self) -> None:
         _require(self.env_level >= 1, f"env_level={self.env_level} must be >= 1")
         _require(self.max_turns >= 0, f"max_turns={self.max_turns} must be >= 0 (0: the environment's limit)")

@@ -258,8 +258,12 @@ class EpisodeRollout:
         temperature: float = 1.0,
         top_p: float = 1.0,
         greedy: bool = False,
+        max_prompt_tokens: int | None = None,
     ) -> Episodes:
-        """Play ``games[i]`` with seed ``seeds[i]``, all together, until every episode has ended."""
+        """Play ``games[i]`` with seed ``seeds[i]``, all together, until every episode has ended.
+
+        An episode whose prompt (system turn and first observation) is longer than
+        ``max_prompt_tokens`` is not played: it ends as an error, counted, like a game that fails."""
         seeds = [int(s) for s in seeds]
         if len(seeds) != len(games) or not games:
             raise ValueError(f"one seed per game is required (got {len(games)} games, {len(seeds)} seeds)")
@@ -269,7 +273,7 @@ class EpisodeRollout:
         turns = env.max_turns if max_turns is None else max_turns
         if turns < 1:
             raise UserError(f"max_turns={turns} must be >= 1")
-        episodes = [self._start(env, g, s) for g, s in zip(games, seeds)]
+        episodes = [self._start(env, g, s, max_prompt_tokens) for g, s in zip(games, seeds)]
         try:
             P = max(len(e.prompt) for e in episodes)
             check_context(
@@ -293,17 +297,26 @@ class EpisodeRollout:
                         pass  # a crashed engine may fail to close too; its episode is already over
         return Episodes(self._batch(episodes), [e.record for e in episodes])
 
-    def _start(self, env: Environment, game: Game, seed: int) -> _Episode:
+    def _start(self, env: Environment, game: Game, seed: int, max_prompt_tokens: int | None) -> _Episode:
         record, session = EpisodeRecord(game.id, seed), None
         try:
             session = env.open(game)
             first = session.reset()
-        except EnvError as err:  # the episode is counted, with an empty response region
-            ep = _Episode(record, session, self.format.encode(self.format.prompt(env.system_prompt, "")))
-            ep.finish("error", str(err))
-            return ep
+        except EnvError as err:
+            return self._unplayed(env, record, session, str(err))
+        prompt = self.format.encode(self.format.prompt(env.system_prompt, first))
+        if max_prompt_tokens is not None and len(prompt) > max_prompt_tokens:
+            why = f"its prompt has {len(prompt)} tokens, more than max_prompt_tokens={max_prompt_tokens}"
+            return self._unplayed(env, record, session, why)
         record.observations.append(first)
-        return _Episode(record, session, self.format.encode(self.format.prompt(env.system_prompt, first)))
+        return _Episode(record, session, prompt)
+
+    def _unplayed(self, env: Environment, record: EpisodeRecord, session, why: str) -> _Episode:
+        """An episode that ends before its first turn, counted as an error, with an empty response
+        region and the shortest prompt (so it cannot push the batch past the model's context)."""
+        ep = _Episode(record, session, self.format.encode(self.format.prompt(env.system_prompt, "")))
+        ep.finish("error", why)
+        return ep
 
     def _play(self, episodes, seeds, budget, max_action_tokens, max_turns, sampling) -> None:
         dev = model_device(self.model)

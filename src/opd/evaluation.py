@@ -148,7 +148,6 @@ def run_eval(cfg: EvalConfig) -> dict:
     tok = load_tokenizer(cfg.student)
     model = load_model(cfg.student, dtype=cfg.dtype, device=resolve_device(cfg.device))
     common = dict(
-        max_new_tokens=cfg.max_new_tokens,
         samples=cfg.samples,
         temperature=cfg.temperature,
         top_p=cfg.top_p,
@@ -158,14 +157,14 @@ def run_eval(cfg: EvalConfig) -> dict:
     )
     t0 = time.time()
     if cfg.env:  # the held-out games of an environment: success rate (opd.agentic)
-        from opd.agentic import GameSet, evaluate_agent, make_env
+        from opd.agentic import GameSet, check_episode_context, evaluate_agent, make_env
 
+        check_episode_context(model, cfg.max_prompt_tokens, cfg.max_new_tokens)
         games = GameSet.build(make_env(cfg.env, cfg.env_level, cfg.env_args), "test", cfg.eval_size)
-        limits = dict(max_action_tokens=cfg.max_action_tokens, max_turns=cfg.max_turns or None)
-        result = evaluate_agent(model, tok, games, **limits, **common)
+        result = evaluate_agent(model, tok, games, **cfg.episode_limits(), **common)
     else:
         prompts = PromptSet.build(task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
-        result = evaluate_model(model, tok, prompts, task, **common)
+        result = evaluate_model(model, tok, prompts, task, max_new_tokens=cfg.max_new_tokens, **common)
     result["wall_s"] = round(time.time() - t0, 2)
     if cfg.acc_before >= 0 and cfg.acc_teacher >= 0:
         result["gap_recovery"] = gap_recovery(cfg.acc_before, result["accuracy"], cfg.acc_teacher)

@@ -151,10 +151,11 @@ def prompt_source(
 
 def episode_source(cfg: SFTConfig, tok, model) -> tuple[Callable[[int], tuple], Callable[[object], float]]:
     """The same for an environment: its expert episodes, and the greedy success rate on held-out games."""
-    from opd.agentic import GameSet, evaluate_agent, expert_sequences, make_env
+    from opd.agentic import GameSet, check_episode_context, evaluate_agent, expert_sequences, make_env
 
     if cfg.teacher or cfg.data:
         raise UserError("--env trains on the environment's expert episodes; --teacher and --data are for prompts")
+    check_episode_context(model, cfg.max_prompt_tokens, cfg.max_new_tokens)
     env = make_env(cfg.env, cfg.env_level, cfg.env_args)
     games = GameSet.build(env, "train").games[: cfg.train_size or None]
     seqs, labels, skipped = expert_sequences(env, games, tok, cfg.max_new_tokens + cfg.max_prompt_tokens)
@@ -172,8 +173,7 @@ def episode_source(cfg: SFTConfig, tok, model) -> tuple[Callable[[int], tuple], 
         return pad_right([seqs[i] for i in idx], [labels[i] for i in idx], tok.pad_token_id)
 
     def accuracy(m) -> float:
-        limits = dict(max_action_tokens=cfg.max_action_tokens, max_turns=cfg.max_turns or None)
-        return evaluate_agent(m, tok, test, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, **limits)["success_rate"]
+        return evaluate_agent(m, tok, test, seed=cfg.seed, **cfg.episode_limits())["success_rate"]
 
     return batch, accuracy
 

@@ -32,7 +32,15 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from opd.agentic import GameSet, episode_metrics, episode_outcomes, evaluate_agent, make_env, write_eval_games
+from opd.agentic import (
+    GameSet,
+    check_episode_context,
+    episode_metrics,
+    episode_outcomes,
+    evaluate_agent,
+    make_env,
+    write_eval_games,
+)
 from opd.config import TrainConfig
 from opd.data import PromptSet, load_tasks, sample_seed
 from opd.distributed import Dist, init_distributed, merge_metrics, shutdown
@@ -88,6 +96,8 @@ def setup(cfg: TrainConfig) -> Run:
     V = head_weight(student).shape[0]
     if cfg.k > V:
         raise UserError(f"k={cfg.k} is larger than the vocabulary ({V} tokens); choose --k <= {V}")
+    if cfg.env:
+        check_episode_context(student, cfg.max_prompt_tokens, cfg.max_new_tokens)
     prompts, test = prompt_sets(cfg, tok, task, eval_task)
     special_ids = special_token_ids(tok, cfg.special_tokens)
     if not cfg.keep_dropout:  # before LoRA, so --lora-dropout still applies to the adapter
@@ -121,9 +131,7 @@ def setup(cfg: TrainConfig) -> Run:
     elif cfg.resume:  # killed before its first checkpoint: it starts over, so must its logs
         rundir.truncate_logs_after(-1)
     rundir.write_config(cfg)
-    if isinstance(test, GameSet):
-        rundir.write_jsonl("eval.jsonl", write_eval_games(rundir.path, test) if rundir.enabled else [])
-    else:
+    if not isinstance(test, GameSet):  # an environment's games are written once played (eval_stage)
         rundir.write_jsonl("eval.jsonl", [{"prompt": e.prompt, "answer": e.answer} for e in test.examples])
     return run
 
@@ -185,11 +193,9 @@ def rollout_stage(run: Run, step: int) -> tuple[RolloutBatch, list[int], list[Ep
                 run.prompts.env,
                 [run.prompts.games[i] for i in rows],
                 seeds,
-                max_new_tokens=cfg.max_new_tokens,
-                max_action_tokens=cfg.max_action_tokens,
-                max_turns=cfg.max_turns or None,
                 temperature=cfg.temperature,
                 top_p=cfg.top_p,
+                **cfg.episode_limits(),
             )
         )
         return played.batch, rows, played.records
@@ -346,10 +352,7 @@ def eval_stage(run: Run, step: int) -> dict:
 
     def evaluate(student):
         if isinstance(run.test, GameSet):
-            limits = dict(max_action_tokens=cfg.max_action_tokens, max_turns=cfg.max_turns or None)
-            return evaluate_agent(
-                student, run.tokenizer, run.test, max_new_tokens=cfg.max_new_tokens, **limits, **common
-            )
+            return evaluate_agent(student, run.tokenizer, run.test, **cfg.episode_limits(), **common)
         task = run.eval_task or run.task
         return evaluate_model(student, run.tokenizer, run.test, task, max_new_tokens=cfg.max_new_tokens, **common)
 
@@ -357,6 +360,8 @@ def eval_stage(run: Run, step: int) -> dict:
     run.student.train()
     if res is None:
         return {}
+    if isinstance(run.test, GameSet):  # generated games have their files once opened
+        run.rundir.write_jsonl("eval.jsonl", write_eval_games(run.rundir.path, run.test))
     record = {"step": step, **{f"eval/{k}": v for k, v in res.items()}}
     run.rundir.log_metrics(record)
     return record
