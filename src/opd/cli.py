@@ -99,14 +99,23 @@ def _eval(cfg: EvalConfig) -> None:
 @app.command("demo")
 def _demo(
     out: Path = typer.Option(Path("runs/demo"), help="Directory for the demo's run directories and summary.json."),
-    steps: int = typer.Option(200, help="OPD steps per objective."),
+    steps: Optional[int] = typer.Option(None, help="OPD steps per objective (default 200; --agentic 100)."),
     quick: bool = typer.Option(False, help="A much shorter run (smoke test, a minute or two)."),
     assets: Path | None = typer.Option(None, help="Directory of demo models (default: the packaged ones)."),
+    agentic: bool = typer.Option(
+        False,
+        help="The agentic demo: ALFWorld household games, multi-turn, with a game teacher (needs the agent extra).",
+    ),
 ) -> None:
     """The embedded default: sampled-token OPD vs LSM from the same tiny student, on this CPU."""
+    if agentic:
+        from opd.demo_agentic import run_agentic_demo
+
+        run_agentic_demo(out=out, steps=steps or 100, quick=quick, assets=assets)
+        return
     from opd.demo import run_demo
 
-    run_demo(out=out, steps=steps, quick=quick, assets=assets)
+    run_demo(out=out, steps=steps or 200, quick=quick, assets=assets)
 
 
 @app.command("serve-teacher")
@@ -172,8 +181,16 @@ def _make_demo_models(
     quick: bool = typer.Option(False, help="A shortened version (for tests): far fewer steps."),
     seed: int = typer.Option(0, help="Seed."),
     only: str = typer.Option("", help="Make only 'teacher' or 'student' (reuses OUT/tokenizer)."),
+    agentic: bool = typer.Option(
+        False, help="The agentic demo's models: the game teacher and student (needs the agent extra)."
+    ),
 ) -> None:
     """Reproduce the packaged demo models: train the tokenizer, the teacher and the student."""
+    if agentic:
+        from opd.demo_agentic import make_agentic_models
+
+        make_agentic_models(out=out, quick=quick, seed=seed, only=only)
+        return
     from opd.demo import make_demo_models
 
     make_demo_models(out=out, quick=quick, seed=seed, only=only)

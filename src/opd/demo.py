@@ -49,7 +49,6 @@ def make_demo_models(out: Path, quick: bool = False, seed: int = 0, only: str = 
     """Train the tokenizer, the teacher and the student of the demo into ``out``.
 
     ``only="teacher"`` or ``"student"`` makes just that model (reusing ``out/tokenizer``)."""
-    from opd.sft import sft
 
     if only not in ("", "teacher", "student"):
         raise UserError(f"--only {only!r}: use teacher or student (or leave it empty for both)")
@@ -95,6 +94,14 @@ def make_demo_models(out: Path, quick: bool = False, seed: int = 0, only: str = 
             **common,
         ),
     }
+    return train_models(out, plans, only)
+
+
+def train_models(out: Path, plans: dict[str, SFTConfig], only: str = "") -> dict:
+    """Run each plan's ``opd sft`` (``only``: just that one), move its best model to ``out/<name>``
+    and record its summary in ``out/make_summary.json``."""
+    from opd.sft import sft
+
     summary_path = out / "make_summary.json"
     for name, cfg in plans.items():
         if only and name != only:
@@ -130,7 +137,6 @@ def _eval(model_dir: Path, prompts: PromptSet, task: Task, tok, seed: int) -> di
 
 def run_demo(out: Path, steps: int = 200, quick: bool = False, assets: Path | None = None, seed: int = 0) -> dict:
     """Evaluate teacher and student, run sampled-token OPD and LSM, compare."""
-    from opd.train import train
 
     assets = Path(assets) if assets else ASSETS
     for name in ("teacher", "student"):
@@ -164,19 +170,7 @@ def run_demo(out: Path, steps: int = 200, quick: bool = False, assets: Path | No
         top_p=TOP_P,
         k=32,
     )
-    results = {}
-    for objective in ("sampled", "lsm"):
-        cfg = replace(base, objective=objective, mask_special=None, out=str(out / objective))
-        shutil.rmtree(cfg.out, ignore_errors=True)  # a demo run always starts from the packaged student
-        console.print(f"[bold]OPD with objective {objective}[/bold] ({cfg.steps} steps) -> {cfg.out}")
-        t0 = time.time()
-        final = train(cfg)
-        results[objective] = {
-            "final_acc": final.get("eval/accuracy"),
-            "avg_at_k": final.get("eval/avg_at_k"),
-            "steps": cfg.steps,
-            "wall_s": round(time.time() - t0, 1),
-        }
+    results = run_objectives(base, ("sampled", "lsm"), out, console)
     summary = {
         "teacher_acc": teacher_res["accuracy"],
         "teacher_avg_at_k": teacher_res.get("avg_at_k"),
@@ -193,20 +187,43 @@ def run_demo(out: Path, steps: int = 200, quick: bool = False, assets: Path | No
     return summary
 
 
-def summary_table(summary: dict) -> Table:
+def run_objectives(base: TrainConfig, objectives, out: Path, console: Console) -> dict:
+    """``opd train`` from the same student, seeds and settings once per objective (each name in
+    ``objectives``, or name -> config changes), into ``out/<name>``; the final evaluation of each."""
+    from opd.train import train
+
+    changes = objectives if isinstance(objectives, dict) else {name: {"objective": name} for name in objectives}
+    results = {}
+    for name, change in changes.items():
+        cfg = replace(base, **{"mask_special": None, **change}, out=str(out / name))
+        shutil.rmtree(cfg.out, ignore_errors=True)  # a demo run always starts from the packaged student
+        console.print(f"[bold]OPD: {name}[/bold] ({cfg.steps} steps) -> {cfg.out}")
+        t0 = time.time()
+        final = train(cfg)
+        results[name] = {
+            "final_acc": final.get("eval/accuracy"),
+            "avg_at_k": final.get("eval/avg_at_k"),
+            "steps": cfg.steps,
+            "wall_s": round(time.time() - t0, 1),
+        }
+    return results
+
+
+def summary_table(summary: dict, title: str = "", metric: str = "greedy acc", labels: dict | None = None) -> Table:
     k = summary["k"]
     table = Table(
-        title=f"opd demo: greedy accuracy and avg@{k} (temperature 1, top-p {TOP_P}) "
-        f"on {summary['eval_size']} test prompts"
+        title=title
+        or f"opd demo: greedy accuracy and avg@{k} (temperature 1, top-p {TOP_P}) on {summary['eval_size']} test prompts"
     )
-    for col in ("model", "greedy acc", f"avg@{k}", "steps", "wall s"):
+    for col in ("model", metric, f"avg@{k}", "steps", "wall s"):
         table.add_column(col, justify="left" if col == "model" else "right")
     fmt = lambda x: "-" if x is None else f"{100 * x:.1f}%"
     table.add_row("teacher", fmt(summary["teacher_acc"]), fmt(summary["teacher_avg_at_k"]), "-", "-")
     table.add_row(
         "student (before OPD)", fmt(summary["student_init_acc"]), fmt(summary["student_init_avg_at_k"]), "-", "-"
     )
+    labels = labels or {"sampled": "student + sampled-token OPD", "lsm": "student + LSM (teacher top-K)"}
     for name, r in summary["objectives"].items():
-        label = {"sampled": "student + sampled-token OPD", "lsm": "student + LSM (teacher top-K)"}.get(name, name)
+        label = labels.get(name, name)
         table.add_row(label, fmt(r["final_acc"]), fmt(r["avg_at_k"]), str(r["steps"]), f"{r['wall_s']:.0f}")
     return table

@@ -1,0 +1,188 @@
+"""The agentic demo (``opd demo --agentic``): multi-turn OPD on ALFWorld household games, on a CPU.
+
+A student plays ALFWorld games (the six task types' simplest, pick-and-place, at level 1: a few
+receptacles, "put some dishsponge on toilet"), generated locally in ALFWorld's own format and
+played by its engine (:mod:`opd.envs.alfworld`). The game teacher and the student are tiny Qwen2
+models made by behaviour cloning on the environment's expert episodes (``opd sft --env``), on one
+tokenizer trained on the arithmetic task's text and the games' transcripts (so a math teacher can
+be made on it too): the teacher from every training game, the student, smaller, from a few dozen,
+to its plateau. Cloning the expert only ever shows the states the expert visits; a student that
+strays (a wrong receptacle, a command the game rejects) has never seen what to do next. On-policy
+distillation puts the teacher's judgement on exactly those states.
+
+The demo evaluates teacher and student on the held-out games, runs sampled-token OPD and LSM from
+the same student with the same seeds, evaluates both, and writes ``summary.json``, a table and the
+report. Each run directory holds ``final/``, the held-out games it was evaluated on
+(``eval_games/``) and ``eval.jsonl``. ``opd make-demo-models --agentic --out DIR`` reproduces the
+packaged models (``opd/assets/agentic``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from opd.agentic import GameSet, evaluate_agent, make_env
+from opd.config import SFTConfig, TrainConfig
+from opd.demo import run_objectives, summary_table, train_models
+from opd.envs import Environment
+from opd.errors import UserError
+from opd.models import load_model, load_tokenizer, resolve_device
+from opd.report import PNG_DIR, write_report
+from opd.tasks import get_task
+from opd.tokenizer import train_tokenizer
+
+ASSETS = Path(__file__).parent / "assets" / "agentic"
+ENV, LEVEL = "alfworld", 1
+ENV_ARGS = ["num_train=400", "num_test=50"]
+VOCAB_SIZE = 4096
+TEACHER_ARCH, STUDENT_ARCH = "qwen2:4:256", "qwen2:2:128"
+STUDENT_GAMES = 40  # expert episodes the student clones, of the 400 the teacher learns from
+MAX_PROMPT_TOKENS, MAX_NEW_TOKENS, MAX_ACTION_TOKENS = 180, 320, 16
+EVAL_SAMPLES = 2
+TOP_P = 0.9
+LIMITS = dict(max_prompt_tokens=MAX_PROMPT_TOKENS, max_new_tokens=MAX_NEW_TOKENS, max_action_tokens=MAX_ACTION_TOKENS)
+
+
+def environment(quick: bool = False) -> Environment:
+    args = ["num_train=24", "num_test=8"] if quick else ENV_ARGS
+    return make_env(ENV, LEVEL, args)
+
+
+def game_texts(env: Environment, split: str = "train") -> list[str]:
+    """The text of the expert episodes of ``split`` (system prompt, observations, actions): what a
+    game-playing model reads and writes, for the tokenizer."""
+    texts = [env.system_prompt]
+    for game in env.games(split):
+        session = env.open(game)
+        try:
+            texts.append(session.reset())
+            for action in session.expert_actions() or []:
+                texts += [action, session.step(action).observation]
+        finally:
+            session.close()
+    return texts
+
+
+def make_agentic_models(out: Path, quick: bool = False, seed: int = 0, only: str = "") -> dict:
+    """Train the shared tokenizer, the game teacher and the student of the agentic demo into ``out``."""
+    if only not in ("", "teacher", "student"):
+        raise UserError(f"--only {only!r}: use teacher or student (or leave it empty for both)")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment(quick)
+    env_args = ["num_train=24", "num_test=8"] if quick else ENV_ARGS
+    if not (only and (out / "tokenizer" / "tokenizer.json").is_file()):
+        math = get_task("arithmetic", level=2, seed=seed).examples("train")
+        # The game transcripts are few and repetitive next to 20,000 solutions: weighted up so that
+        # their words become tokens and an episode fits a tiny model's context.
+        games = game_texts(env) * 20
+        tok = train_tokenizer([e.prompt for e in math] + [e.solution for e in math] + games, VOCAB_SIZE)
+        tok.save_pretrained(out / "tokenizer")
+    common = dict(
+        env=ENV,
+        env_level=LEVEL,
+        env_args=env_args,
+        seed=seed,
+        tokenizer=str(out / "tokenizer"),
+        batch_size=8 if quick else 32,
+        eval_size=4 if quick else 50,
+        **LIMITS,
+    )
+    plans = {
+        "teacher": SFTConfig(
+            arch=TEACHER_ARCH,
+            out=str(out / "runs" / "teacher"),
+            lr=1e-3,
+            steps=6 if quick else 600,
+            warmup_steps=2 if quick else 50,
+            eval_every=6 if quick else 100,
+            **common,
+        ),
+        # Few expert episodes at a constant rate until the held-out success stops improving: more
+        # cloning of the same episodes cannot raise it.
+        "student": SFTConfig(
+            arch=STUDENT_ARCH,
+            out=str(out / "runs" / "student"),
+            lr=1e-3,
+            schedule="constant",
+            steps=6 if quick else 1500,
+            warmup_steps=2 if quick else 50,
+            patience=0 if quick else 4,
+            eval_every=6 if quick else 100,
+            train_size=8 if quick else STUDENT_GAMES,
+            **common,
+        ),
+    }
+    return train_models(out, plans, only)
+
+
+def _eval(model_dir: Path, games: GameSet, tok, seed: int) -> dict:
+    model = load_model(model_dir, "model", device=resolve_device("auto"))
+    return evaluate_agent(model, tok, games, samples=EVAL_SAMPLES, top_p=TOP_P, seed=seed, show_progress=True, **LIMITS)
+
+
+def run_agentic_demo(
+    out: Path, steps: int = 100, quick: bool = False, assets: Path | None = None, seed: int = 0
+) -> dict:
+    """Evaluate the game teacher and the student, run sampled-token OPD and LSM, compare."""
+    assets = Path(assets) if assets else ASSETS
+    for name in ("teacher", "student"):
+        if not (assets / name / "config.json").is_file():
+            raise UserError(
+                f"agentic demo model {assets / name} is missing; run `opd make-demo-models --agentic --out {assets}`"
+            )
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    console = Console()
+    tok = load_tokenizer(assets / "student")
+    env = environment(quick)
+    games = GameSet.build(env, "test")
+    console.print(f"[bold]opd demo --agentic[/bold]: the teacher and the student play {len(games)} held-out games")
+    teacher_res = _eval(assets / "teacher", games, tok, seed)
+    student_res = _eval(assets / "student", games, tok, seed)
+    base = TrainConfig(
+        student=str(assets / "student"),
+        teacher=str(assets / "teacher"),
+        env=ENV,
+        env_level=LEVEL,
+        env_args=["num_train=24", "num_test=8"] if quick else ENV_ARGS,
+        seed=seed,
+        steps=3 if quick else steps,
+        batch_size=8 if quick else 32,
+        lr=5e-4,
+        warmup_steps=5,
+        eval_every=0 if quick else 50,
+        eval_size=len(games),
+        eval_samples=EVAL_SAMPLES,
+        ckpt_every=50,
+        top_p=TOP_P,
+        k=32,
+        **LIMITS,
+    )
+    t0 = time.time()
+    results = run_objectives(base, ("sampled", "lsm"), out, console)
+    summary = {
+        "env": ENV,
+        "level": LEVEL,
+        "teacher_acc": teacher_res["success_rate"],
+        "teacher_avg_at_k": teacher_res.get("avg_at_k"),
+        "student_init_acc": student_res["success_rate"],
+        "student_init_avg_at_k": student_res.get("avg_at_k"),
+        "eval_size": len(games),
+        "k": EVAL_SAMPLES,
+        "objectives": results,
+        "wall_s": round(time.time() - t0, 1),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    title = (
+        f"opd demo --agentic: ALFWorld level {LEVEL}, greedy success and avg@{EVAL_SAMPLES} "
+        f"(top-p {TOP_P}) on {len(games)} held-out games"
+    )
+    console.print(summary_table(summary, title=title, metric="greedy success"))
+    report = write_report([out / name for name in results], out / "report")
+    console.print(f"report: {report}  (open it in a browser; the charts are also PNGs in {report.parent / PNG_DIR})")
+    return summary

@@ -1,0 +1,54 @@
+"""The agentic demo: the model recipe (shortened) and the demo pipeline (quick) run end to end on
+ALFWorld games generated locally."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from opd.demo_agentic import MAX_PROMPT_TOKENS, environment, make_agentic_models, run_agentic_demo
+from opd.errors import UserError
+
+# Looked up, not imported: importing alfworld sets ALFWORLD_DATA for the whole process.
+if importlib.util.find_spec("alfworld") is None:
+    pytest.skip("the agentic demo needs the agent extra: pip install 'opd[agent]'", allow_module_level=True)
+
+
+@pytest.mark.slow
+def test_make_agentic_models_and_quick_agentic_demo(tmp_path):
+    assets = tmp_path / "assets"
+    made = make_agentic_models(assets, quick=True)
+    assert set(made) == {"teacher", "student"} and all(m["steps"] == 6 for m in made.values())
+    tok = AutoTokenizer.from_pretrained(assets / "student")
+    for name, layers in (("teacher", 4), ("student", 2)):
+        model = AutoModelForCausalLM.from_pretrained(assets / name)
+        assert model.config.vocab_size == len(tok) and model.config.num_hidden_layers == layers
+    # One tokenizer for both kinds of text: game words are tokens, so an episode's prompt fits.
+    env = environment(quick=True)
+    first = env.open(env.games("test")[0]).reset()
+    prompt = tok.apply_chat_template(
+        [{"role": "system", "content": env.system_prompt}, {"role": "user", "content": first}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert len(tok(prompt)["input_ids"]) <= MAX_PROMPT_TOKENS < len(prompt.encode()) / 2
+    assert tok.decode(tok("Compute 12 + 7.")["input_ids"]) == "Compute 12 + 7."
+    with pytest.raises(UserError, match="--only"):
+        make_agentic_models(assets, quick=True, only="teachers")
+
+    summary = run_agentic_demo(tmp_path / "demo", quick=True, assets=assets)
+    assert json.loads((tmp_path / "demo" / "summary.json").read_text()) == summary
+    assert summary["env"] == "alfworld" and summary["eval_size"] == 8
+    assert (tmp_path / "demo" / "report" / "report.html").is_file()
+    for objective in ("sampled", "lsm"):
+        r = summary["objectives"][objective]
+        run = tmp_path / "demo" / objective
+        evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "eval/" in line]
+        assert r["final_acc"] == evals[-1]["eval/success_rate"] and r["steps"] == 3
+        games = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+        assert len(games) == 8 and all((run / g["path"]).is_file() for g in games)
+        assert (run / "final" / "config.json").is_file()
+        assert json.loads((run / "config.json").read_text())["env"] == "alfworld"
