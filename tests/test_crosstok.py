@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerFast
 from opd import crosstok
 from opd import losses as L
 from opd.errors import UserError
+from opd.losses import cross as X
 from opd.tokenizer import train_tokenizer
 
 INF = math.inf
@@ -447,7 +448,7 @@ def _random_case(seed, B, T, U, K, V_s, V_t):
 def test_cross_lsm_matches_loop_reference(seed, B, T, U, K, V_s, V_t):
     z, t_ids, t_lp, pos, t2s, mask = _random_case(seed, B, T, U, K, V_s, V_t)
     z.requires_grad_(True)
-    kl, counts = L.cross_tokenizer_local_support_kl(z, t_ids, t_lp, pos, t2s, mask)
+    kl, counts = X.cross_tokenizer_local_support_kl(z, t_ids, t_lp, pos, t2s, mask)
     gout = torch.rand(B, T, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
     (kl * gout).sum().backward()
     ref, ref_grad = ref_cross_lsm(z.detach(), t_ids, t_lp, pos, t2s, mask)
@@ -474,7 +475,7 @@ def test_cross_lsm_twins_are_merged():
     t_ids = torch.tensor([[[0, 3, 1]]])
     t_lp = torch.tensor([[[math.log(0.4), math.log(0.3), math.log(0.2)]]], dtype=torch.float64)
     t2s = torch.tensor([2, 2, -1, 0])
-    kl, _ = L.cross_tokenizer_local_support_kl(z, t_ids, t_lp, torch.tensor([[0]]), t2s, torch.tensor([[True]]))
+    kl, _ = X.cross_tokenizer_local_support_kl(z, t_ids, t_lp, torch.tensor([[0]]), t2s, torch.tensor([[True]]))
     p = torch.softmax(torch.tensor([1.1, 0.3], dtype=torch.float64), 0)  # student ids 2, 0
     q = torch.tensor([0.6, 0.3], dtype=torch.float64) / 0.9
     torch.testing.assert_close(kl[0, 0], (p * (p.log() - q.log())).sum(), rtol=1e-12, atol=1e-12)
@@ -482,17 +483,17 @@ def test_cross_lsm_twins_are_merged():
 
 def test_cross_lsm_float32_and_from_hidden_agree_with_float64():
     z, t_ids, t_lp, pos, t2s, mask = _random_case(5, 2, 5, 6, 4, 9, 11)
-    kl64, _ = L.cross_tokenizer_local_support_kl(z, t_ids, t_lp, pos, t2s, mask)
-    kl32, _ = L.cross_tokenizer_local_support_kl(z.float(), t_ids, t_lp.float(), pos, t2s, mask)
+    kl64, _ = X.cross_tokenizer_local_support_kl(z, t_ids, t_lp, pos, t2s, mask)
+    kl32, _ = X.cross_tokenizer_local_support_kl(z.float(), t_ids, t_lp.float(), pos, t2s, mask)
     assert kl32.dtype == torch.float32
     torch.testing.assert_close(kl32.double(), kl64, rtol=1e-5, atol=1e-6)
     # the same support through the hidden-state LSM
     gen = torch.Generator().manual_seed(0)
     h = torch.randn(2, 5, 3, dtype=torch.float64, generator=gen)
     W = torch.randn(9, 3, dtype=torch.float64, generator=gen)
-    ids, lp, valid, lmask, _ = L.cross_tokenizer_support(t_ids, t_lp, pos, t2s, mask)
+    ids, lp, valid, lmask, _ = X.cross_tokenizer_support(t_ids, t_lp, pos, t2s, mask)
     from_h = L.local_support_kl_from_hidden(h, W, ids, lp, lmask, support_mask=valid)
-    from_logits, _ = L.cross_tokenizer_local_support_kl(h @ W.T, t_ids, t_lp, pos, t2s, mask)
+    from_logits, _ = X.cross_tokenizer_local_support_kl(h @ W.T, t_ids, t_lp, pos, t2s, mask)
     torch.testing.assert_close(from_h, from_logits, rtol=1e-10, atol=1e-12)
 
 
@@ -515,7 +516,7 @@ def test_cross_lsm_with_identical_tokenizers_is_ordinary_lsm(student_tok):
     t_lp[1, 1, 4:] = -INF
     mask[1, 0] = False
     z1, z2 = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
-    cross, counts = L.cross_tokenizer_local_support_kl(
+    cross, counts = X.cross_tokenizer_local_support_kl(
         z1, t_ids, t_lp, idx.teacher_pos_BT, vmap.teacher_to_student_V, mask
     )
     plain = L.local_support_kl(z2, t_ids, t_lp, mask)
@@ -524,8 +525,8 @@ def test_cross_lsm_with_identical_tokenizers_is_ordinary_lsm(student_tok):
     plain.sum().backward()
     assert torch.equal(z1.grad, z2.grad)
     assert counts.compared == mask.sum() and counts.unpaired == 0
-    assert L.one_to_one_share(idx.one_to_one_BT, mask) == 1.0
-    assert L.mapped_topk_mass(t_ids, t_lp, idx.teacher_pos_BT, vmap.teacher_to_student_V, mask) == 1.0
+    assert X.one_to_one_share(idx.one_to_one_BT, mask) == 1.0
+    assert X.mapped_topk_mass(t_ids, t_lp, idx.teacher_pos_BT, vmap.teacher_to_student_V, mask) == 1.0
 
 
 # ---------------------------------------------------------------- span reward and diagnostics
@@ -538,7 +539,7 @@ def test_span_reward_by_hand():
     s_grp = torch.tensor([[0, 0, 1, -1], [0, 1, 2, -1]])
     t_grp = torch.tensor([[0, 1, 1], [0, 1, 2]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
-    r = L.span_reward(s_lp, t_lp, s_grp, t_grp, mask)
+    r = X.span_reward(s_lp, t_lp, s_grp, t_grp, mask)
     expected = [
         [0.0, -0.7 - (-0.5 - 1.0), (-0.4 - 0.25) - (-2.0), 0.0],
         [-0.15 + 0.1, -0.1 + 0.2, 0.0, 0.0],  # group 2 lands on a masked position: dropped
@@ -547,7 +548,7 @@ def test_span_reward_by_hand():
     # with gamma=1 every token of a group sees its reward through the reward-to-go
     adv = L.sampled_token_advantages(torch.zeros_like(r), r, mask, gamma=1.0)
     torch.testing.assert_close(adv[0, :3], torch.tensor([0.8 + 1.35, 0.8 + 1.35, 1.35], dtype=torch.float64))
-    assert L.span_reward(s_lp[:, :0], t_lp[:, :0], s_grp[:, :0], t_grp[:, :0], mask[:, :0]).shape == (2, 0)
+    assert X.span_reward(s_lp[:, :0], t_lp[:, :0], s_grp[:, :0], t_grp[:, :0], mask[:, :0]).shape == (2, 0)
 
 
 def test_span_reward_on_real_alignment_matches_a_loop_over_groups(student_tok, teacher_tok, vbs):
@@ -565,7 +566,7 @@ def test_span_reward_on_real_alignment_matches_a_loop_over_groups(student_tok, t
     mask = torch.zeros(2, T, dtype=torch.bool)
     for b, s in enumerate(s_rows):
         mask[b, : len(s)] = True
-    r = L.span_reward(s_lp, t_lp, idx.student_group_BT, idx.teacher_group_BU, mask)
+    r = X.span_reward(s_lp, t_lp, idx.student_group_BT, idx.teacher_group_BU, mask)
     expected = torch.zeros(2, T, dtype=torch.float64)
     for b, al in enumerate(als):
         for g in al.groups:
@@ -575,12 +576,13 @@ def test_span_reward_on_real_alignment_matches_a_loop_over_groups(student_tok, t
 
 
 def test_diagnostics_by_hand():
+    assert crosstok.one_to_one_share is X.one_to_one_share and crosstok.mapped_topk_mass is X.mapped_topk_mass
     one = torch.tensor([[True, False, True, True]])
     mask = torch.tensor([[True, True, True, False]])
-    assert L.one_to_one_share(one, mask).item() == pytest.approx(2 / 3)
+    assert X.one_to_one_share(one, mask).item() == pytest.approx(2 / 3)
     t_ids = torch.tensor([[[0, 1, 2], [2, 1, 0]]])
     t_lp = torch.tensor([[[math.log(0.5), math.log(0.2), math.log(0.1)], [math.log(0.6), -INF, -INF]]])
     t2s = torch.tensor([0, -1, 1])
     pos = torch.tensor([[0, 1, -1]])
-    share = L.mapped_topk_mass(t_ids, t_lp, pos, t2s, torch.tensor([[True, True, True]]))
+    share = X.mapped_topk_mass(t_ids, t_lp, pos, t2s, torch.tensor([[True, True, True]]))
     assert share.item() == pytest.approx(((0.5 + 0.1) / 0.8 + 1.0) / 2)

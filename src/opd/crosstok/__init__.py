@@ -15,11 +15,11 @@ chat template. These building blocks relate the two (they are not wired into ``o
 * :mod:`~opd.crosstok.template` -- :func:`render_for_teacher`: the student's messages in the
   teacher's chat template.
 
-The losses that use them are pure torch, in :mod:`opd.losses.cross`:
-:func:`~opd.losses.cross_tokenizer_local_support_kl` (LSM over the teacher's top-K tokens that
-map into the student vocabulary; equal to :func:`~opd.losses.local_support_kl` for identical
-tokenizers), :func:`~opd.losses.span_reward` (sampled-token OPD per aligned group) and two
-diagnostics.
+The losses that use them are pure torch, in :mod:`opd.losses.cross` (re-exported here; not yet
+in ``opd.losses.__all__``, whose exact list ``tests/test_losses.py`` pins):
+:func:`cross_tokenizer_local_support_kl` (LSM over the teacher's top-K tokens that map into the
+student vocabulary; equal to :func:`opd.losses.local_support_kl` for identical tokenizers),
+:func:`span_reward` (sampled-token OPD per aligned group) and two diagnostics.
 
 How this departs from TRL's GOLD (which re-tokenizes, aligns by byte offsets, merges each group's
 probabilities and applies ULD): tokens are compared by bytes, not strings, so ``Ġ``/``▁``
@@ -29,12 +29,12 @@ positions whose text prefix is the same on both sides, instead of merged group d
 
 Usage::
 
-    from opd import crosstok, losses
+    from opd import crosstok
     s_vb, t_vb = crosstok.VocabBytes.from_tokenizer(s_tok), crosstok.VocabBytes.from_tokenizer(t_tok)
     vmap = crosstok.build_vocab_map(s_vb, t_vb, special_pairs={"</s>": "<|im_end|>"})
     als = [crosstok.align_ids(s, t, s_vb, t_vb, special_pairs=vmap.special_pairs) for s, t in pairs]
     idx = crosstok.alignment_tensors(als, T, U)
-    kl_BT, counts = losses.cross_tokenizer_local_support_kl(
+    kl_BT, counts = crosstok.cross_tokenizer_local_support_kl(
         student_logits_BTV, t_ids_BUK, t_lp_BUK, idx.teacher_pos_BT, vmap.teacher_to_student_V, mask_BT
     )
 """
@@ -52,12 +52,21 @@ from opd.crosstok.align import (
 from opd.crosstok.template import render_for_teacher, teacher_prompt_and_response_ids
 from opd.crosstok.token_bytes import TokenSpans, VocabBytes, byte_level_alphabet
 from opd.crosstok.vocab_map import VocabMap, build_vocab_map
+from opd.losses.cross import (
+    CrossSupportCounts,
+    cross_tokenizer_local_support_kl,
+    cross_tokenizer_support,
+    mapped_topk_mass,
+    one_to_one_share,
+    span_reward,
+)
 
 __all__ = [
     "PAIRINGS",
     "Alignment",
     "AlignmentTensors",
     "ByteMismatchError",
+    "CrossSupportCounts",
     "Group",
     "TokenSpans",
     "VocabBytes",
@@ -67,6 +76,11 @@ __all__ = [
     "alignment_tensors",
     "build_vocab_map",
     "byte_level_alphabet",
+    "cross_tokenizer_local_support_kl",
+    "cross_tokenizer_support",
+    "mapped_topk_mass",
+    "one_to_one_share",
     "render_for_teacher",
+    "span_reward",
     "teacher_prompt_and_response_ids",
 ]

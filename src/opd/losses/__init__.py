@@ -20,9 +20,6 @@ The package, by concern (everything is importable from ``opd.losses`` itself):
   surrogate; :func:`token_logprobs_from_hidden`.
 * :mod:`~opd.losses.full_vocab` -- :func:`full_vocab_kl` and :func:`generalized_jsd` from logits,
   and :func:`full_vocab_kl_from_hidden`, which never forms a (B, T, V) tensor of either model.
-* :mod:`~opd.losses.cross` -- cross-tokenizer OPD (a teacher with another vocabulary, aligned by
-  :mod:`opd.crosstok`): :func:`cross_tokenizer_local_support_kl`, :func:`span_reward` and the
-  diagnostics :func:`one_to_one_share`, :func:`mapped_topk_mass`.
 * :mod:`~opd.losses.reductions` -- :func:`token_mean`, :func:`sequence_mean`,
   :func:`constant_sum`, :func:`special_token_mask`.
 
@@ -34,14 +31,6 @@ inputs are computed and returned in float32 (low-precision accumulation of a KL 
 error). Gradients come back in each input's own dtype.
 """
 
-from opd.losses.cross import (
-    CrossSupportCounts,
-    cross_tokenizer_local_support_kl,
-    cross_tokenizer_support,
-    mapped_topk_mass,
-    one_to_one_share,
-    span_reward,
-)
 from opd.losses.full_vocab import full_vocab_kl, full_vocab_kl_from_hidden, generalized_jsd
 from opd.losses.lsm import local_support_kl, local_support_kl_from_hidden
 from opd.losses.reductions import constant_sum, sequence_mean, special_token_mask, token_mean
@@ -62,23 +51,17 @@ from opd.losses.support import (
 
 __all__ = [
     "SUPPORT_KINDS",
-    "CrossSupportCounts",
     "build_support",
     "constant_sum",
-    "cross_tokenizer_local_support_kl",
-    "cross_tokenizer_support",
     "full_vocab_kl",
     "full_vocab_kl_from_hidden",
     "gather_logprobs",
     "generalized_jsd",
     "local_support_kl",
     "local_support_kl_from_hidden",
-    "mapped_topk_mass",
-    "one_to_one_share",
     "sampled_token_advantages",
     "sampled_token_pg_loss",
     "sequence_mean",
-    "span_reward",
     "special_token_mask",
     "teacher_topk",
     "teacher_topk_from_hidden",
