@@ -14,7 +14,7 @@ import random
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers.trainers import BpeTrainer
 from transformers import PreTrainedTokenizerFast
 
@@ -119,6 +119,17 @@ def test_token_bytes_equal_decoded_text(student_tok, teacher_tok, vbs, text):
             assert not special or start == end
             pos = end
         assert pos == len(spans.text)
+
+
+def test_added_special_token_outside_the_special_map_is_special():
+    tok = train_tokenizer(STUDENT_TEXTS[:2], vocab_size=400)
+    tok.backend_tokenizer.add_special_tokens([AddedToken("<|tool|>", special=True)])
+    ids = tok.encode("hello<|tool|> world <think>", add_special_tokens=False)
+    tool = tok.backend_tokenizer.token_to_id("<|tool|>")
+    assert tool in ids and tool not in tok.all_special_ids
+    spans = crosstok.VocabBytes.from_tokenizer(tok).spans(ids)
+    assert spans.text == tok.decode(ids, skip_special_tokens=True).encode() == b"hello world <think>"
+    assert spans.special[ids.index(tool)]
 
 
 def test_spans_split_multibyte_characters_exactly(student_tok, teacher_tok, vbs):

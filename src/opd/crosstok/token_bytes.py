@@ -14,8 +14,8 @@ emulating the tokenizer's decoder, read from its ``tokenizers`` JSON:
   removes every ``▁`` of the first decoded token (that is what ``tokenizers`` does), and
   ``Strip(" ", n)`` after ``Fuse`` removes n leading spaces of the text.
 * ``ByteFallback``: a ``<0xNN>`` token is the single byte NN.
-* Special tokens (``all_special_ids``: BOS, EOS, pad, template markers) and ids beyond the
-  tokenizer's vocabulary have no bytes: they get an empty span and are reported, never aligned
+* Special tokens (``all_special_ids`` and added tokens marked special: BOS, EOS, pad, template
+  markers) and ids beyond the tokenizer's vocabulary have no bytes: they get an empty span and are reported, never aligned
   to text. Non-special added tokens (``<think>``) are text.
 
 Departure from TRL's GOLD: GOLD takes a byte-level token's length to be its string length, which
@@ -156,7 +156,10 @@ class VocabBytes:
         decoder = backend.decoder
         decoding = _decoding_from_json(None if decoder is None else json.loads(decoder.__getstate__()), name)
         vocab = backend.get_vocab(with_added_tokens=True)
-        special = set(tokenizer.all_special_ids)
+        # decode(skip_special_tokens=True) also skips added tokens marked special that are not in
+        # the special-tokens map (tool-call markers and the like), so both count as special here.
+        added = backend.get_added_tokens_decoder()
+        special = set(tokenizer.all_special_ids) | {i for i, tok in added.items() if tok.special}
         size = max(len(tokenizer), max(vocab.values(), default=-1) + 1)
         table: list[bytes | None] = [None] * size
         names, fallback = {}, set()
