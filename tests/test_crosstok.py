@@ -121,6 +121,33 @@ def test_token_bytes_equal_decoded_text(student_tok, teacher_tok, vbs, text):
         assert pos == len(spans.text)
 
 
+def test_tokenizers_reloaded_from_disk_give_the_same_bytes(student_tok, teacher_tok, tmp_path):
+    from transformers import AutoTokenizer
+
+    for i, tok in enumerate((student_tok, teacher_tok)):
+        tok.save_pretrained(tmp_path / str(i))
+        reloaded = AutoTokenizer.from_pretrained(tmp_path / str(i))
+        before, after = crosstok.VocabBytes.from_tokenizer(tok), crosstok.VocabBytes.from_tokenizer(reloaded)
+        assert after.token_bytes == before.token_bytes and after.decoding == before.decoding
+        ids = reloaded(TEXT)["input_ids"]
+        assert after.text(ids) == reloaded.decode(ids, skip_special_tokens=True) == TEXT
+
+
+def test_response_cut_inside_a_character_is_a_flagged_mismatch(student_tok, teacher_tok, vbs):
+    s_vb, t_vb = vbs
+    ids = student_tok.encode("hello 🙂", add_special_tokens=False)
+    assert student_tok.convert_ids_to_tokens(ids)[-2:] == ["ĠðŁĻ", "Ĥ"]  # " " + 3 bytes of 🙂, then its last
+    cut = ids[:-1]  # a response that stopped inside the emoji
+    text = s_vb.text(cut)
+    assert text == "hello \ufffd"
+    t_ids = teacher_tok(text)["input_ids"]
+    al = crosstok.align_ids(cut, t_ids, s_vb, t_vb, on_mismatch="flag")
+    assert al.mismatch_at == len(b"hello ")
+    # "hello" aligns; the token " \xf0\x9f\x99" runs into the mismatch and is left unaligned
+    assert [(g.byte_start, g.byte_end) for g in al.groups] == [(0, 5)]
+    assert al.student_unaligned == (len(cut) - 1,)
+
+
 def test_added_special_token_outside_the_special_map_is_special():
     tok = train_tokenizer(STUDENT_TEXTS[:2], vocab_size=400)
     tok.backend_tokenizer.add_special_tokens([AddedToken("<|tool|>", special=True)])

@@ -29,6 +29,7 @@ U+FFFD). Usage::
     vb = VocabBytes.from_tokenizer(tok)
     spans = vb.spans(ids)                 # TokenSpans: .text, .spans, .special
     spans = vb.spans(ids, at_text_start=False)  # ids that continue a text (no prefix-space strip)
+    response_text = vb.text(ids)          # the text to re-tokenize for the teacher
 """
 
 from __future__ import annotations
@@ -197,6 +198,15 @@ class VocabBytes:
             special.append(piece is None)
             pos += n
         return TokenSpans(b"".join(p for p in pieces if p), tuple(spans), tuple(special), tuple(int(i) for i in ids))
+
+    def text(self, ids, at_text_start: bool = True) -> str:
+        """The text to hand the other tokenizer: exactly the bytes of :meth:`spans`, as str.
+
+        Unlike ``tokenizer.decode`` it applies no clean-up of spaces; bytes that are not valid
+        UTF-8 (a response cut inside a character) become U+FFFD, which the alignment then
+        reports as a byte mismatch at that point instead of aligning through it.
+        """
+        return self.spans(ids, at_text_start).text.decode("utf-8", errors="replace")
 
     def _strip_text_start(self, pieces: list[bytes | None], ids: list[int]) -> list[bytes | None]:
         first = next((i for i, p in enumerate(pieces) if p is not None), None)
