@@ -241,6 +241,9 @@ def test_alignment_pairs_eos_and_reports_one_sided_bos():
     assert al.student_special == () and al.teacher_special == (0,)
     # a pair at another byte, or of other ids, is not made
     assert crosstok.align_spans(student, teacher, special_pairs={102: 100}).student_special == (2,)
+    # an EOS on the student side only is reported, and the text groups are unchanged
+    no_eos = crosstok.align_spans(student, _spans([None, b"a", b"bc"]), special_pairs={102: 103})
+    assert no_eos.student_special == (2,) and no_eos.groups == al.groups[:1]
 
 
 def test_alignment_of_real_tokenizers(student_tok, teacher_tok, vbs):
@@ -517,6 +520,11 @@ def test_cross_lsm_twins_are_merged():
     p = torch.softmax(torch.tensor([1.1, 0.3], dtype=torch.float64), 0)  # student ids 2, 0
     q = torch.tensor([0.6, 0.3], dtype=torch.float64) / 0.9
     torch.testing.assert_close(kl[0, 0], (p * (p.log() - q.log())).sum(), rtol=1e-12, atol=1e-12)
+    # no positions at all
+    empty, counts = X.cross_tokenizer_local_support_kl(
+        z[:, :0], t_ids, t_lp, torch.zeros(1, 0, dtype=torch.long), t2s, torch.ones(1, 0, dtype=torch.bool)
+    )
+    assert empty.shape == (1, 0) and counts.positions == 0
 
 
 def test_cross_lsm_float32_and_from_hidden_agree_with_float64():

@@ -106,13 +106,14 @@ def _mismatch_message(student: TokenSpans, teacher: TokenSpans, at: int) -> str:
         f"student and teacher tokens decode to different bytes from byte {at} on "
         f"(student {student.text[lo : at + 12]!r}, teacher {teacher.text[lo : at + 12]!r}; "
         f"{len(student.text)} vs {len(teacher.text)} bytes): the teacher's tokenizer normalises the text (NFKC, "
-        "lowercase, a prefix space) or was given another text. Tokenize for the teacher the text the student's "
-        "ids decode to, check at_text_start, or pass on_mismatch='flag' to mask everything after the mismatch"
+        "lowercase, a prefix space) or was given another text. Tokenize for the teacher VocabBytes.text(student_ids) "
+        "(the student's exact bytes), check at_text_start, or pass on_mismatch='flag' to mask everything after "
+        "the mismatch"
     )
 
 
 def _assign(spans: TokenSpans, cuts: list[int], text_len: int, aligned_len: int):
-    """Group index (or None) of each text token; specials are skipped by the caller."""
+    """Group index of each token: None for specials and for text past the aligned bytes."""
     out: list[int | None] = []
     for (start, end), special in zip(spans.spans, spans.special):
         if special:

@@ -183,8 +183,8 @@ def span_reward(
     group's other tokens get 0, so with ``gamma=0`` they receive no credit and with ``gamma=1``
     (reward-to-go) every token of the group sees r_g. For a one-to-one group this is the ordinary
     r_t = log q(y_t) - log p(y_t), and a teacher log-prob of -inf gives -inf as there. A group's
-    reward is dropped where ``mask_BT`` is false at its
-    last student token; positions in no group get 0.
+    reward is dropped where ``mask_BT`` is false at its last student token; positions in no
+    group get 0.
 
     To train: ``A = sampled_token_advantages(torch.zeros_like(r), r, mask, gamma)`` (r as the
     "teacher log-prob" against a zero student log-prob), then ``sampled_token_pg_loss``.
