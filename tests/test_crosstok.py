@@ -8,6 +8,7 @@ teacher. The losses are checked against float64 references written here with exp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -312,6 +313,9 @@ def test_alignment_tensors_pairings_and_offsets():
     assert idx.one_to_one_BT.tolist() == [[True] + [False] * 5, [False, False, True] + [False] * 3]
     assert idx.student_group_BT.tolist() == [[0, 1, 1, 2, -1, -1], [-1, -1, 0, 1, 1, 2]]
     assert idx.teacher_group_BU.tolist() == [[-1, 0, 1, 2, 2, -1, -1], [-1, -1, 0, 1, 2, 2, -1]]
+    assert idx.text_start_BT.tolist() == [[True] + [False] * 5, [False, False, True] + [False] * 3]
+    mid_text = dataclasses.replace(a, at_text_start=False)
+    assert not crosstok.alignment_tensors([mid_text], T=6, U=7).text_start_BT.any()
     strict = crosstok.alignment_tensors([a], T=4, U=5, pairing="one_to_one")
     assert strict.teacher_pos_BT.tolist() == [[1, -1, -1, -1]]
     with pytest.raises(ValueError, match="outside T=3"):
@@ -344,6 +348,39 @@ def test_vocab_map_meets_g_and_metaspace_spellings(student_tok, teacher_tok, vbs
             assert s_vb.bytes_of(int(t2s[v])) == b
     assert vmap.n_mapped == int((t2s >= 0).sum()) - 1  # the EOS pair is not a text token
     assert 0 < vmap.share < 1
+
+
+def test_text_start_map_reads_metaspace_tokens_without_their_space(student_tok, teacher_tok, vbs):
+    s_vb, t_vb = vbs
+    vmap = crosstok.build_vocab_map(s_vb, t_vb)
+    s_id = student_tok.convert_tokens_to_ids
+    t_id = teacher_tok.convert_tokens_to_ids
+    assert vmap.teacher_to_student_V[t_id("▁the")] == s_id("Ġthe")
+    assert vmap.teacher_to_student_start_V[t_id("▁the")] == s_id("the")  # "▁the" opening a text is b"the"
+    assert vmap.teacher_to_student_start_V[t_id("the")] == s_id("the")
+    assert vmap.teacher_to_student_start_V[t_id("▁hello")] == -1  # the student has no "hello" without a space
+    # byte-level tokenizers have no start-of-text rule: one map serves both
+    same = crosstok.build_vocab_map(s_vb, s_vb)
+    assert same.teacher_to_student_start_V is same.teacher_to_student_V
+
+    # the loss at the first response position goes through the start map
+    text = "the lazy dog"
+    s_ids, t_ids = student_tok.encode(text, add_special_tokens=False), teacher_tok(text)["input_ids"]
+    idx = crosstok.alignment_tensors([crosstok.align_ids(s_ids, t_ids, s_vb, t_vb)], len(s_ids), len(t_ids))
+    assert idx.text_start_BT[0].tolist() == [True] + [False] * (len(s_ids) - 1)
+    assert idx.teacher_pos_BT[0, 0] == 1  # after the teacher's BOS
+    top_ids = torch.tensor([t_id("▁the"), t_id("the"), t_id("▁hello")]).expand(1, len(t_ids), 3)
+    top_lp = torch.log(torch.tensor([0.5, 0.2, 0.1], dtype=torch.float64)).expand(1, len(t_ids), 3)
+    mask = torch.ones(1, len(s_ids), dtype=torch.bool)
+    args = (top_ids, top_lp, idx.teacher_pos_BT, vmap.teacher_to_student_V, mask)
+    ids, lp, valid, _, _ = X.cross_tokenizer_support(*args, idx.text_start_BT, vmap.teacher_to_student_start_V)
+    assert ids[0, 0][valid[0, 0]].tolist() == [s_id("the")]
+    torch.testing.assert_close(lp[0, 0, 0], torch.tensor(0.7, dtype=torch.float64).log())  # ▁the + the
+    assert ids[0, 1][valid[0, 1]].tolist() == [s_id("Ġthe"), s_id("the"), s_id("Ġhello")]  # mid-text: plain map
+    plain_ids, _, plain_valid, _, _ = X.cross_tokenizer_support(*args)
+    assert plain_ids[0, 0][plain_valid[0, 0]].tolist() == [s_id("Ġthe"), s_id("the"), s_id("Ġhello")]
+    with pytest.raises(ValueError, match="together"):
+        X.cross_tokenizer_support(*args, idx.text_start_BT)
 
 
 def test_vocab_map_prefers_regular_token_over_byte_fallback_twin(vbs):

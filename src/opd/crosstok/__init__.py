@@ -11,7 +11,8 @@ chat template. These building blocks relate the two (they are not wired into ``o
   byte mismatch raised or flagged. :func:`alignment_tensors` turns a batch of alignments into the
   index tensors the losses take.
 * :mod:`~opd.crosstok.vocab_map` -- :func:`build_vocab_map`: the teacher -> student id map by
-  bytes, as an index tensor, with a clear error when the vocabularies share almost nothing.
+  bytes, as an index tensor (and one for the first token of a text, where SentencePiece drops the
+  prefix space), with a clear error when the vocabularies share almost nothing.
 * :mod:`~opd.crosstok.template` -- :func:`render_for_teacher`: the student's messages in the
   teacher's chat template.
 
@@ -35,7 +36,8 @@ Usage::
     als = [crosstok.align_ids(s, t, s_vb, t_vb, special_pairs=vmap.special_pairs) for s, t in pairs]
     idx = crosstok.alignment_tensors(als, T, U)
     kl_BT, counts = crosstok.cross_tokenizer_local_support_kl(
-        student_logits_BTV, t_ids_BUK, t_lp_BUK, idx.teacher_pos_BT, vmap.teacher_to_student_V, mask_BT
+        student_logits_BTV, t_ids_BUK, t_lp_BUK, idx.teacher_pos_BT, vmap.teacher_to_student_V, mask_BT,
+        idx.text_start_BT, vmap.teacher_to_student_start_V,
     )
 """
 

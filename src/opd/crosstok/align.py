@@ -86,6 +86,7 @@ class Alignment:
     student_unaligned: tuple[int, ...] = ()
     teacher_unaligned: tuple[int, ...] = ()
     mismatch_at: int | None = None
+    at_text_start: bool = True  # the tokens start a text, so the group at byte 0 reads start-of-text bytes
 
     @property
     def one_to_one_count(self) -> int:
@@ -206,6 +207,7 @@ def align_spans(
         tuple(i for i, (k, sp) in enumerate(zip(g_s, student.special)) if k is None and not sp),
         tuple(j for j, (k, sp) in enumerate(zip(g_t, teacher.special)) if k is None and not sp),
         mismatch_at,
+        student.at_text_start and teacher.at_text_start,
     )
 
 
@@ -237,12 +239,15 @@ class AlignmentTensors(NamedTuple):
         one_to_one_BT: (B, T) bool, student position t is a one-to-one group
         student_group_BT: (B, T) int64, group index of student position t within its row (-1: none)
         teacher_group_BU: (B, U) int64, group index of teacher position u within its row (-1: none)
+        text_start_BT: (B, T) bool, student position t is paired at the start of a text, where
+            the vocabulary map's ``teacher_to_student_start_V`` applies
     """
 
     teacher_pos_BT: torch.Tensor
     one_to_one_BT: torch.Tensor
     student_group_BT: torch.Tensor
     teacher_group_BU: torch.Tensor
+    text_start_BT: torch.Tensor
 
 
 def alignment_tensors(
@@ -273,6 +278,7 @@ def alignment_tensors(
     one_to_one = [[False] * T for _ in range(B)]
     s_group = [[-1] * T for _ in range(B)]
     t_group = [[-1] * U for _ in range(B)]
+    text_start = [[False] * T for _ in range(B)]
     for b, al in enumerate(alignments):
         for k, g in enumerate(al.groups):
             s_cols = [s_off[b] + i for i in g.student]
@@ -290,10 +296,9 @@ def alignment_tensors(
                 one_to_one[b][s_cols[0]] = True
             if g.one_to_one or pairing == "group_start":
                 teacher_pos[b][s_cols[0]] = t_cols[0]
+                text_start[b][s_cols[0]] = al.at_text_start and g.byte_start == 0 < g.byte_end
     as_long = lambda x, width: torch.tensor(x, dtype=torch.long, device=device).view(B, width)
+    as_bool = lambda x: torch.tensor(x, dtype=torch.bool, device=device).view(B, T)
     return AlignmentTensors(
-        as_long(teacher_pos, T),
-        torch.tensor(one_to_one, dtype=torch.bool, device=device).view(B, T),
-        as_long(s_group, T),
-        as_long(t_group, U),
+        as_long(teacher_pos, T), as_bool(one_to_one), as_long(s_group, T), as_long(t_group, U), as_bool(text_start)
     )

@@ -117,6 +117,7 @@ class TokenSpans:
     spans: tuple[tuple[int, int], ...]
     special: tuple[bool, ...]
     ids: tuple[int, ...] = ()
+    at_text_start: bool = True  # whether the start-of-text rules were applied
 
     @property
     def special_indices(self) -> list[int]:
@@ -197,7 +198,19 @@ class VocabBytes:
             spans.append((pos, pos + n))
             special.append(piece is None)
             pos += n
-        return TokenSpans(b"".join(p for p in pieces if p), tuple(spans), tuple(special), tuple(int(i) for i in ids))
+        text = b"".join(p for p in pieces if p)
+        return TokenSpans(text, tuple(spans), tuple(special), tuple(int(i) for i in ids), at_text_start)
+
+    @property
+    def has_start_rule(self) -> bool:
+        """Whether a token's bytes differ at the start of a text (a stripped prefix space)."""
+        return self.decoding.strip_first_token_spaces or self.decoding.strip_leading_spaces > 0
+
+    def start_bytes_of(self, token_id: int) -> bytes | None:
+        """The bytes of one id when it is the first token of a text (``▁hello`` -> b"hello")."""
+        if self.bytes_of(token_id) is None:
+            return None
+        return self._strip_text_start([self.bytes_of(token_id)], [token_id])[0]
 
     def text(self, ids, at_text_start: bool = True) -> str:
         """The text to hand the other tokenizer: exactly the bytes of :meth:`spans`, as str.

@@ -9,7 +9,9 @@ have the same name (``<|im_end|>`` in both) or through ``special_pairs`` (``{"</
 The map is a pair of index tensors for the hot path: ``teacher_to_student_V[v]`` is the student
 id with the bytes of teacher id v, or -1. Where several ids of one side share bytes (a regular
 token and its byte-fallback twin), the map points at the regular token, then the lowest id; the
-cross-tokenizer loss merges the teacher's mass of such twins.
+cross-tokenizer loss merges the teacher's mass of such twins. A third tensor,
+``teacher_to_student_start_V``, maps the first token of a text, which a SentencePiece decoder
+reads without its prefix space.
 
 Departure from TRL's GOLD (``_initialize_vocabulary_mapping``): GOLD compares token *strings*,
 so ``Ġhello`` and ``▁hello`` never match, and it crashes (``max()`` of an empty set) when the
@@ -39,8 +41,13 @@ __all__ = ["VocabMap", "build_vocab_map"]
 class VocabMap:
     """Teacher <-> student id maps (-1: no counterpart) and how much of the teacher maps.
 
+    ``teacher_to_student_start_V`` is the map for the first token of a text, where a decoder
+    that strips the prefix space reads ``▁hello`` as b"hello" (so it meets the student's
+    ``hello``, not ``Ġhello``); it is ``teacher_to_student_V`` itself when neither tokenizer has
+    such a rule.
+
     Shapes:
-        teacher_to_student_V: (V_t,) int64; student_to_teacher_V: (V_s,) int64
+        teacher_to_student_V, teacher_to_student_start_V: (V_t,) int64; student_to_teacher_V: (V_s,) int64
     """
 
     teacher_to_student_V: torch.Tensor
@@ -48,6 +55,11 @@ class VocabMap:
     n_mapped: int  # teacher text tokens with a student token of the same bytes
     n_teacher_text: int  # teacher ids that are text (have bytes)
     special_pairs: dict[int, int] = field(default_factory=dict)  # student special id -> teacher special id
+    teacher_to_student_start_V: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.teacher_to_student_start_V is None:
+            self.teacher_to_student_start_V = self.teacher_to_student_V
 
     @property
     def share(self) -> float:
@@ -55,12 +67,15 @@ class VocabMap:
         return self.n_mapped / max(self.n_teacher_text, 1)
 
     def to(self, device) -> VocabMap:
+        same = self.teacher_to_student_start_V is self.teacher_to_student_V
+        t2s = self.teacher_to_student_V.to(device)
         return VocabMap(
-            self.teacher_to_student_V.to(device),
+            t2s,
             self.student_to_teacher_V.to(device),
             self.n_mapped,
             self.n_teacher_text,
             dict(self.special_pairs),
+            t2s if same else self.teacher_to_student_start_V.to(device),
         )
 
 
@@ -68,16 +83,34 @@ def _as_bytes(tok_or_bytes, name: str) -> VocabBytes:
     return tok_or_bytes if isinstance(tok_or_bytes, VocabBytes) else VocabBytes.from_tokenizer(tok_or_bytes, name)
 
 
-def _canonical_ids(vb: VocabBytes) -> dict[bytes, int]:
-    """bytes -> the id that stands for them: a regular token before a byte-fallback twin, then the lowest id."""
+def _canonical_ids(keys: list[bytes | None], fallback: frozenset[int], prefer: frozenset[int]) -> dict[bytes, int]:
+    """bytes -> the id that stands for them: a preferred id, then a regular token before a
+    byte-fallback twin, then the lowest id."""
     out: dict[bytes, int] = {}
-    for i, b in enumerate(vb.token_bytes):
-        if not b:
-            continue
-        j = out.get(b)
-        if j is None or (j in vb.byte_fallback_ids and i not in vb.byte_fallback_ids):
+    rank = lambda i: (i not in prefer, i in fallback, i)
+    for i, b in enumerate(keys):
+        if b and (b not in out or rank(i) < rank(out[b])):
             out[b] = i
     return out
+
+
+def _index_map(keys: list[bytes | None], target: dict[bytes, int], rows: int) -> tuple[torch.Tensor, int]:
+    """(rows,) tensor: target id of each key (-1: none or special), and how many text keys map."""
+    out = torch.full((rows,), -1, dtype=torch.long)
+    mapped = [(v, target[b]) for v, b in enumerate(keys) if b is not None and b in target]
+    if mapped:
+        src, dst = zip(*mapped)
+        out[list(src)] = torch.tensor(dst, dtype=torch.long)
+    return out, len(mapped)
+
+
+def _start_keys(vb: VocabBytes) -> tuple[list[bytes | None], frozenset[int]]:
+    """Every id's bytes as the first token of a text, and the ids that rule changes (``▁hello``):
+    the form the tokenizer itself writes at a text start, so the one to map to."""
+    if not vb.has_start_rule:
+        return vb.token_bytes, frozenset()
+    keys = [vb.start_bytes_of(i) for i in range(len(vb))]
+    return keys, frozenset(i for i, (a, b) in enumerate(zip(keys, vb.token_bytes)) if a != b)
 
 
 def _special_pairs(s: VocabBytes, t: VocabBytes, extra: dict[str, str]) -> dict[int, int]:
@@ -108,31 +141,26 @@ def build_vocab_map(
 
     ``student_rows`` / ``teacher_rows``: the models' head sizes when they exceed the tokenizers
     (padded embeddings); the extra rows map to -1. A teacher whose text tokens map less than
-    ``min_share`` is refused (UserError), below ``warn_share`` a warning says so: with little
-    overlap the cross-tokenizer LSM support is mostly empty.
+    ``min_share`` is refused (UserError; a map with no text token in common is refused at any
+    ``min_share``), below ``warn_share`` a warning says so: with little overlap the
+    cross-tokenizer LSM support is mostly empty.
     """
     s = _as_bytes(student, "student")
     t = _as_bytes(teacher, "teacher")
     s_rows = max(len(s), student_rows or 0)
     t_rows = max(len(t), teacher_rows or 0)
-    t2s = torch.full((t_rows,), -1, dtype=torch.long)
-    s2t = torch.full((s_rows,), -1, dtype=torch.long)
-    s_by_bytes, t_by_bytes = _canonical_ids(s), _canonical_ids(t)
-    n_text = n_mapped = 0
-    for v, b in enumerate(t.token_bytes):
-        if b is None:
-            continue
-        n_text += 1
-        if b in s_by_bytes:
-            t2s[v] = s_by_bytes[b]
-            n_mapped += 1
-    for v, b in enumerate(s.token_bytes):
-        if b is not None and b in t_by_bytes:
-            s2t[v] = t_by_bytes[b]
+    none: frozenset[int] = frozenset()
+    t2s, n_mapped = _index_map(t.token_bytes, _canonical_ids(s.token_bytes, s.byte_fallback_ids, none), t_rows)
+    s2t, _ = _index_map(s.token_bytes, _canonical_ids(t.token_bytes, t.byte_fallback_ids, none), s_rows)
+    t2s_start = t2s
+    if s.has_start_rule or t.has_start_rule:
+        (s_keys, s_prefer), (t_keys, _) = _start_keys(s), _start_keys(t)
+        t2s_start, _ = _index_map(t_keys, _canonical_ids(s_keys, s.byte_fallback_ids, s_prefer), t_rows)
     pairs = _special_pairs(s, t, special_pairs or {})
     for s_id, t_id in pairs.items():
-        t2s[t_id], s2t[s_id] = s_id, t_id
-    vmap = VocabMap(t2s, s2t, n_mapped, n_text, pairs)
+        t2s[t_id], t2s_start[t_id], s2t[s_id] = s_id, s_id, t_id
+    n_text = sum(b is not None for b in t.token_bytes)
+    vmap = VocabMap(t2s, s2t, n_mapped, n_text, pairs, t2s_start)
     _check_overlap(vmap, s, t, min_share, warn_share)
     return vmap
 

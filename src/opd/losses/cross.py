@@ -63,14 +63,26 @@ def _at_teacher_positions(x_BUK: torch.Tensor, teacher_pos_BT: torch.Tensor) -> 
     return x_BUK.gather(1, index)
 
 
-def _map_ids(teacher_ids: torch.Tensor, teacher_to_student_V: torch.Tensor) -> torch.Tensor:
+def _map_ids(
+    teacher_ids_BTK: torch.Tensor,
+    teacher_to_student_V: torch.Tensor,
+    text_start_BT: torch.Tensor | None,
+    teacher_to_student_start_V: torch.Tensor | None,
+) -> torch.Tensor:
+    """Student ids of teacher ids; at text-start positions through the start-of-text map."""
     V_t = teacher_to_student_V.shape[0]
-    if teacher_ids.numel() and int(teacher_ids.max()) >= V_t:
+    if teacher_ids_BTK.numel() and int(teacher_ids_BTK.max()) >= V_t:
         raise ValueError(
-            f"teacher id {int(teacher_ids.max())} is outside the vocabulary map ({V_t} ids): build the map with "
-            "teacher_rows set to the teacher head's size"
+            f"teacher id {int(teacher_ids_BTK.max())} is outside the vocabulary map ({V_t} ids): build the map "
+            "with teacher_rows set to the teacher head's size"
         )
-    return teacher_to_student_V[teacher_ids]
+    ids = teacher_to_student_V.to(teacher_ids_BTK.device)[teacher_ids_BTK]
+    if (text_start_BT is None) != (teacher_to_student_start_V is None):
+        raise ValueError("pass text_start_BT and teacher_to_student_start_V together (or neither)")
+    if text_start_BT is None:
+        return ids
+    start = teacher_to_student_start_V.to(teacher_ids_BTK.device)[teacher_ids_BTK]
+    return torch.where(as_bool(text_start_BT).unsqueeze(-1), start, ids)
 
 
 def _merge_twins(ids_NK: torch.Tensor, lp_NK: torch.Tensor, valid_NK: torch.Tensor):
@@ -102,6 +114,8 @@ def cross_tokenizer_support(
     teacher_pos_BT: torch.Tensor,
     teacher_to_student_V: torch.Tensor,
     mask_BT: torch.Tensor,
+    text_start_BT: torch.Tensor | None = None,
+    teacher_to_student_start_V: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, CrossSupportCounts]:
     """The LSM inputs at student positions from the teacher's top-K at its own positions.
 
@@ -109,12 +123,15 @@ def cross_tokenizer_support(
     loss_mask_BT, counts), ready for :func:`opd.losses.local_support_kl` or
     :func:`opd.losses.local_support_kl_from_hidden`. Invalid slots hold student id 0 (safe to
     gather). The teacher log-probs stay normalized over the teacher's full vocabulary; LSM
-    renormalizes them over the mapped support.
+    renormalizes them over the mapped support. Where ``text_start_BT`` is true the teacher ids
+    go through ``teacher_to_student_start_V`` (``AlignmentTensors.text_start_BT`` and
+    ``VocabMap.teacher_to_student_start_V``: a SentencePiece ``▁hello`` opening a text is
+    b"hello").
 
     Shapes:
         teacher_topk_ids_BUK, teacher_topk_logprobs_BUK: (B, U, K)
-        teacher_pos_BT: (B, T) int64, -1 where unpaired; mask_BT: (B, T)
-        teacher_to_student_V: (V_t,) int64, -1 where unmapped
+        teacher_pos_BT: (B, T) int64, -1 where unpaired; mask_BT, text_start_BT: (B, T)
+        teacher_to_student_V, teacher_to_student_start_V: (V_t,) int64, -1 where unmapped
         returns support_ids_BTK, teacher_logprobs_BTK, support_mask_BTK: (B, T, K); loss_mask_BT: (B, T)
     """
     B, T = teacher_pos_BT.shape
@@ -123,7 +140,7 @@ def cross_tokenizer_support(
     paired = mask & (teacher_pos_BT >= 0)
     t_ids = _at_teacher_positions(teacher_topk_ids_BUK, teacher_pos_BT)
     t_lp = _at_teacher_positions(teacher_topk_logprobs_BUK.detach(), teacher_pos_BT)
-    s_ids = _map_ids(t_ids, teacher_to_student_V.to(t_ids.device))
+    s_ids = _map_ids(t_ids, teacher_to_student_V, text_start_BT, teacher_to_student_start_V)
     # A slot of teacher probability 0 is outside the teacher's support (as in LSM).
     valid = (s_ids >= 0) & paired.unsqueeze(-1) & torch.isfinite(t_lp)
     lp, valid = _merge_twins(s_ids.reshape(B * T, K), t_lp.reshape(B * T, K), valid.reshape(B * T, K))
@@ -141,21 +158,31 @@ def cross_tokenizer_local_support_kl(
     teacher_pos_BT: torch.Tensor,
     teacher_to_student_V: torch.Tensor,
     mask_BT: torch.Tensor,
+    text_start_BT: torch.Tensor | None = None,
+    teacher_to_student_start_V: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, CrossSupportCounts]:
     """Cross-tokenizer LSM: renormalized KL(student || teacher) over the mapped teacher top-K.
 
     Exactly 0 (with zero gradient) where ``mask_BT`` is false, where the position is unpaired
     and where no top-K token maps; see :class:`CrossSupportCounts`. Gradients reach only
-    ``student_logits_BTV``.
+    ``student_logits_BTV``. ``text_start_BT`` / ``teacher_to_student_start_V``: see
+    :func:`cross_tokenizer_support`.
 
     Shapes:
         student_logits_BTV: (B, T, V_s)
         teacher_topk_ids_BUK, teacher_topk_logprobs_BUK: (B, U, K), ids in the teacher vocabulary
-        teacher_pos_BT: (B, T) int64; teacher_to_student_V: (V_t,) int64; mask_BT: (B, T)
+        teacher_pos_BT: (B, T) int64; mask_BT, text_start_BT: (B, T)
+        teacher_to_student_V, teacher_to_student_start_V: (V_t,) int64
         returns kl_BT: (B, T) and the counts
     """
     ids, lp, valid, loss_mask, counts = cross_tokenizer_support(
-        teacher_topk_ids_BUK, teacher_topk_logprobs_BUK, teacher_pos_BT, teacher_to_student_V, mask_BT
+        teacher_topk_ids_BUK,
+        teacher_topk_logprobs_BUK,
+        teacher_pos_BT,
+        teacher_to_student_V,
+        mask_BT,
+        text_start_BT,
+        teacher_to_student_start_V,
     )
     return local_support_kl(student_logits_BTV, ids, lp, loss_mask, support_mask=valid), counts
 
@@ -227,11 +254,14 @@ def mapped_topk_mass(
     teacher_pos_BT: torch.Tensor,
     teacher_to_student_V: torch.Tensor,
     mask_BT: torch.Tensor,
+    text_start_BT: torch.Tensor | None = None,
+    teacher_to_student_start_V: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean over paired positions of the share of the teacher's top-K mass that maps to student tokens.
 
     Per position: sum of q over mapped top-K slots / sum of q over all top-K slots; positions
     with no top-K mass are left out. 1.0 means the support lost nothing to the vocabulary map.
+    ``text_start_BT`` / ``teacher_to_student_start_V``: as in :func:`cross_tokenizer_support`.
 
     Shapes:
         teacher_topk_ids_BUK, teacher_topk_logprobs_BUK: (B, U, K); teacher_pos_BT, mask_BT: (B, T)
@@ -239,7 +269,8 @@ def mapped_topk_mass(
     """
     dtype = compute_dtype(teacher_topk_logprobs_BUK)
     q = _at_teacher_positions(teacher_topk_logprobs_BUK, teacher_pos_BT).to(dtype).exp()
-    mapped = _map_ids(_at_teacher_positions(teacher_topk_ids_BUK, teacher_pos_BT), teacher_to_student_V) >= 0
+    t_ids = _at_teacher_positions(teacher_topk_ids_BUK, teacher_pos_BT)
+    mapped = _map_ids(t_ids, teacher_to_student_V, text_start_BT, teacher_to_student_start_V) >= 0
     total = q.sum(-1)
     counted = as_bool(mask_BT) & (teacher_pos_BT >= 0) & (total > 0)
     share = torch.where(counted, (q * mapped).sum(-1) / total.clamp(min=torch.finfo(dtype).tiny), 0.0)
