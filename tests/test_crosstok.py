@@ -286,16 +286,28 @@ def test_byte_mismatch_raises_or_flags(student_tok, teacher_tok, vbs):
 def test_byte_mismatch_from_a_normalizer_is_flagged_after_the_agreeing_prefix(student_tok):
     teacher = make_teacher_tok(normalizer=normalizers.NFKC())
     s_vb, t_vb = crosstok.VocabBytes.from_tokenizer(student_tok), crosstok.VocabBytes.from_tokenizer(teacher)
-    text = "the ﬁsh hello"  # NFKC turns the ligature ﬁ into "fi"
-    s_ids = student_tok.encode(text, add_special_tokens=False)
-    t_ids = teacher(text)["input_ids"]
+    text = "the ﬁsh hello"  # NFKC turns the ligature ﬁ (3 bytes) into "fi" (2 bytes)
+    s_ids = student_tok.encode(text, add_special_tokens=False) + [student_tok.eos_token_id]
+    t_ids = teacher(text)["input_ids"] + [teacher.eos_token_id]
+    pairs = crosstok.build_vocab_map(s_vb, t_vb, special_pairs={"</s>": "<|im_end|>"}).special_pairs
     with pytest.raises(UserError, match="from byte 4 on"):
-        crosstok.align_ids(s_ids, t_ids, s_vb, t_vb)
-    al = crosstok.align_ids(s_ids, t_ids, s_vb, t_vb, on_mismatch="flag")
+        crosstok.align_ids(s_ids, t_ids, s_vb, t_vb, special_pairs=pairs)
+    al = crosstok.align_ids(s_ids, t_ids, s_vb, t_vb, on_mismatch="flag", special_pairs=pairs)
     assert al.mismatch_at == 4
+    # the EOS come after the mismatch, so they are reported, not paired
+    assert al.student_special == (len(s_ids) - 1,) and al.teacher_special == (0, len(t_ids) - 1)
     assert all(g.byte_end <= 4 for g in al.groups) and al.groups
     assert al.student_unaligned and al.teacher_unaligned
     assert max(i for g in al.groups for i in g.student) < min(al.student_unaligned)
+
+    # A lowercasing teacher keeps the length, so both EOS sit at the same byte: still not paired.
+    lower = make_teacher_tok(normalizer=normalizers.Lowercase())
+    l_vb = crosstok.VocabBytes.from_tokenizer(lower)
+    s_ids = student_tok.encode("the Fox", add_special_tokens=False) + [student_tok.eos_token_id]
+    t_ids = lower("the Fox")["input_ids"] + [lower.eos_token_id]
+    al = crosstok.align_ids(s_ids, t_ids, s_vb, l_vb, on_mismatch="flag", special_pairs=pairs)
+    assert al.mismatch_at == 4 and l_vb.spans(t_ids).spans[-1] == s_vb.spans(s_ids).spans[-1] == (7, 7)
+    assert al.student_special == (len(s_ids) - 1,) and all(g.byte_end <= 4 for g in al.groups)
 
 
 def test_alignment_tensors_pairings_and_offsets():

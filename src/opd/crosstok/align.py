@@ -133,11 +133,16 @@ def _assign(spans: TokenSpans, cuts: list[int], text_len: int, aligned_len: int)
     return out
 
 
-def _special_groups(student: TokenSpans, teacher: TokenSpans, pairs: Mapping[int, int]) -> list[Group]:
-    """Pair special tokens that sit at the same byte and map to each other, keeping their order."""
+def _special_groups(
+    student: TokenSpans, teacher: TokenSpans, pairs: Mapping[int, int], aligned_len: int
+) -> list[Group]:
+    """Pair special tokens that sit at the same byte and map to each other, keeping their order.
+
+    Only up to ``aligned_len``: past a byte mismatch the two sides no longer read the same prefix.
+    """
     by_pos: dict[int, list[int]] = {}
     for j, ((pos, _), sp) in enumerate(zip(teacher.spans, teacher.special)):
-        if sp:
+        if sp and pos <= aligned_len:
             by_pos.setdefault(pos, []).append(j)
     groups, used_up_to = [], {}
     for i, ((pos, _), sp) in enumerate(zip(student.spans, student.special)):
@@ -195,7 +200,7 @@ def align_spans(
         Group(tuple(ms), tuple(mt), cuts[k - 1] if k else 0, cuts[k])
         for k, (ms, mt) in enumerate(zip(members_s, members_t))
     ]
-    special_groups = _special_groups(student, teacher, special_pairs or {})
+    special_groups = _special_groups(student, teacher, special_pairs or {}, aligned_len)
     paired_s = {g.student[0] for g in special_groups}
     paired_t = {g.teacher[0] for g in special_groups}
     # Order by byte, an empty special group before the text group that starts at the same byte.
