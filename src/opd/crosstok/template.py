@@ -1,0 +1,92 @@
+"""Re-render a student's chat transcript for a teacher with another tokenizer and chat template.
+
+A teacher with its own tokenizer must read the prompt the way it was trained to: the same
+messages in *its* chat template, not the student's template text re-tokenized. The response is
+tokenized on its own (no special tokens added), so that its ids start exactly where the
+student's response starts and the two can be aligned by bytes (:mod:`opd.crosstok.align`).
+
+A template that cannot render a role raises in Jinja (``raise_exception('System role not
+supported')``), and some templates drop a role without a word; both become a
+:class:`opd.errors.UserError` naming the role and the fix.
+
+Usage::
+
+    prompt_text = render_for_teacher(teacher_tok, [{"role": "user", "content": "2 + 3 = ?"}])
+    prompt_ids, response_ids = teacher_prompt_and_response_ids(
+        teacher_tok, messages, student_tok.decode(resp_ids, skip_special_tokens=True), end_token="</s>"
+    )
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from opd.errors import UserError
+
+__all__ = ["render_for_teacher", "teacher_prompt_and_response_ids"]
+
+
+def render_for_teacher(teacher_tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    """``messages`` in the teacher's own chat template, as text.
+
+    Raises UserError when the tokenizer has no chat template, the template refuses a role, or
+    a message's content is missing from the rendered text (a role the template silently drops).
+    """
+    name = getattr(teacher_tokenizer, "name_or_path", "") or type(teacher_tokenizer).__name__
+    roles = sorted({m["role"] for m in messages})
+    if not getattr(teacher_tokenizer, "chat_template", None):
+        raise UserError(
+            f"the teacher tokenizer {name!r} has no chat template, so the prompt cannot be re-rendered for it; "
+            "set tokenizer.chat_template (or save one in its tokenizer_config.json) to a template with the roles "
+            f"{', '.join(roles)}"
+        )
+    try:
+        text = teacher_tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except Exception as err:  # Jinja's TemplateError, or a KeyError/TypeError from the template's own code
+        raise UserError(
+            f"the teacher's chat template ({name!r}) cannot render the roles {', '.join(roles)}: {err}. Give the "
+            "teacher a template that knows these roles, or merge the unsupported messages (e.g. the system prompt "
+            "into the first user message) before rendering"
+        ) from err
+    pos = 0
+    for m in messages:
+        content = m.get("content")
+        if not isinstance(content, str) or not content:
+            continue
+        found = text.find(content, pos)
+        if found < 0:
+            raise UserError(
+                f"the teacher's chat template ({name!r}) dropped the {m['role']!r} message (its content is not in the "
+                "rendered text): give the teacher a template that renders this role, or merge the message into "
+                "one it renders"
+            )
+        pos = found + len(content)
+    return text
+
+
+def teacher_prompt_and_response_ids(
+    teacher_tokenizer, messages: Sequence[dict], response_text: str, end_token: str | None = None
+) -> tuple[list[int], list[int]]:
+    """The teacher's prompt ids (its template) and response ids (the response text on its own).
+
+    ``end_token`` (e.g. the teacher's EOS name), when given, is appended to the response ids: a
+    student response that ended with its EOS should end with the teacher's, so the two EOS
+    positions pair up (see ``special_pairs`` in :func:`opd.crosstok.build_vocab_map`).
+    """
+    prompt = render_for_teacher(teacher_tokenizer, messages, add_generation_prompt=True)
+    # The template writes its own BOS and markers as text; adding special tokens would double them.
+    prompt_ids = teacher_tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    response_ids = teacher_tokenizer(response_text, add_special_tokens=False)["input_ids"]
+    if end_token is not None:
+        end_id = teacher_tokenizer.convert_tokens_to_ids(end_token)
+        unknown = end_id == teacher_tokenizer.unk_token_id and end_token != teacher_tokenizer.unk_token
+        if end_id is None or unknown:
+            name = getattr(teacher_tokenizer, "name_or_path", "") or type(teacher_tokenizer).__name__
+            raise UserError(
+                f"end_token {end_token!r} is not a token of the teacher tokenizer ({name!r}): pass its EOS or "
+                f"end-of-turn token, e.g. {teacher_tokenizer.eos_token!r}"
+            )
+        response_ids = [*response_ids, end_id]
+    return prompt_ids, response_ids
