@@ -130,3 +130,23 @@ def assert_close_weights(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     worst = max(float((a[k] - b[k]).abs().max()) for k in b)
     assert worst < 0.1 * SMALL["lr"], worst
+
+
+def train_killed_at(cfg, step: int, monkeypatch) -> None:
+    """Run ``opd train`` with ``cfg`` and kill it (KeyboardInterrupt) as ``step`` starts, as a
+    user's Ctrl-C or a lost machine would: what it wrote before stays, nothing after."""
+    import opd.train as train_mod
+
+    real_rollout = train_mod.rollout_stage
+
+    def dies(run, s):
+        if s == step:
+            raise KeyboardInterrupt("simulated kill")
+        return real_rollout(run, s)
+
+    monkeypatch.setattr(train_mod, "rollout_stage", dies)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train_mod.train(cfg, show_progress=False)
+    finally:
+        monkeypatch.setattr(train_mod, "rollout_stage", real_rollout)

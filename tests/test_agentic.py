@@ -11,7 +11,15 @@ import math
 
 import pytest
 import torch
-from helpers import assert_close_weights, cli_args, final_weights, launch, read_metrics, step_records
+from helpers import (
+    assert_close_weights,
+    cli_args,
+    final_weights,
+    launch,
+    read_metrics,
+    step_records,
+    train_killed_at,
+)
 from typer.testing import CliRunner
 
 from opd import train as train_mod
@@ -88,17 +96,7 @@ def test_agentic_resume_equals_uninterrupted(tiny_models, tmp_path, monkeypatch)
     train_mod.train(agentic_cfg(tiny_models, tmp_path / "a", eval_samples=0), show_progress=False)
     expected = step_records(tmp_path / "a")
     killed = agentic_cfg(tiny_models, tmp_path / "b", eval_samples=0)
-    real_rollout = train_mod.rollout_stage
-
-    def dies_at_step_2(run, step):
-        if step == 2:
-            raise KeyboardInterrupt("simulated kill")
-        return real_rollout(run, step)
-
-    monkeypatch.setattr(train_mod, "rollout_stage", dies_at_step_2)
-    with pytest.raises(KeyboardInterrupt):
-        train_mod.train(killed, show_progress=False)
-    monkeypatch.setattr(train_mod, "rollout_stage", real_rollout)
+    train_killed_at(killed, 2, monkeypatch)
     train_mod.train(TrainConfig(**{**killed.__dict__, "resume": True}), show_progress=False)
     got = step_records(tmp_path / "b")
     assert [r["step"] for r in got] == [0, 1, 2]

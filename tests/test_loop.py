@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import step_records
+from helpers import step_records, train_killed_at
 from test_train import cfg_for
 
 from opd import train as train_mod
@@ -242,17 +242,7 @@ def test_full_kl_from_hidden_states_equals_the_dense_loss_on_rollouts(tiny_model
 
 def test_resume_before_any_checkpoint_starts_the_logs_over(tiny_models, tmp_path, monkeypatch):
     cfg = cfg_for(tiny_models, tmp_path, steps=3, ckpt_every=0, eval_samples=0)
-    real = train_mod.rollout_stage
-
-    def dies_at_step_2(run, step):
-        if step == 2:
-            raise KeyboardInterrupt("simulated kill")
-        return real(run, step)
-
-    monkeypatch.setattr(train_mod, "rollout_stage", dies_at_step_2)
-    with pytest.raises(KeyboardInterrupt):
-        train_mod.train(cfg, show_progress=False)
+    train_killed_at(cfg, 2, monkeypatch)
     assert [r["step"] for r in step_records(tmp_path / "run")] == [0, 1]
-    monkeypatch.setattr(train_mod, "rollout_stage", real)
     train_mod.train(dataclasses.replace(cfg, resume=True), show_progress=False)
     assert [r["step"] for r in step_records(tmp_path / "run")] == [0, 1, 2]

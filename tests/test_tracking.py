@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import read_metrics
+from helpers import read_metrics, train_killed_at
 from typer.testing import CliRunner
 
 from opd.cli import app
@@ -243,17 +243,7 @@ def test_opd_train_killed_and_resumed_with_tensorboard(tiny_models, tmp_path, mo
 
     monkeypatch.setattr(train_mod, "RunDir", lambda path, **kw: RunDir(path, **{"report_to": ["tensorboard"], **kw}))
     cfg = tiny_train_cfg(tiny_models, tmp_path / "run", report_to=["tensorboard"])
-    real_rollout = train_mod.rollout_stage
-
-    def dies_at_step_3(run, step):
-        if step == 3:
-            raise KeyboardInterrupt("simulated kill")
-        return real_rollout(run, step)
-
-    monkeypatch.setattr(train_mod, "rollout_stage", dies_at_step_3)
-    with pytest.raises(KeyboardInterrupt):
-        train_mod.train(cfg, show_progress=False)
-    monkeypatch.setattr(train_mod, "rollout_stage", real_rollout)
+    train_killed_at(cfg, 3, monkeypatch)
     train_mod.train(TrainConfig(**{**cfg.__dict__, "resume": True}), show_progress=False)
 
     records = read_metrics(tmp_path / "run")

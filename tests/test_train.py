@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import read_metrics, step_records
+from helpers import read_metrics, step_records, train_killed_at
 from typer.testing import CliRunner
 
 from opd import train as train_mod
@@ -126,17 +126,7 @@ def test_resume_equals_uninterrupted(tiny_models, tmp_path, monkeypatch):
     expected = step_records(tmp_path / "a" / "run")
 
     killed = cfg_for(tiny_models, tmp_path / "b", steps=4, ckpt_every=2, eval_samples=0)
-    real_rollout = train_mod.rollout_stage
-
-    def dies_at_step_3(run, step):
-        if step == 3:
-            raise KeyboardInterrupt("simulated kill")
-        return real_rollout(run, step)
-
-    monkeypatch.setattr(train_mod, "rollout_stage", dies_at_step_3)
-    with pytest.raises(KeyboardInterrupt):
-        train_mod.train(killed, show_progress=False)
-    monkeypatch.setattr(train_mod, "rollout_stage", real_rollout)
+    train_killed_at(killed, 3, monkeypatch)
     assert [r["step"] for r in step_records(tmp_path / "b" / "run")] == [0, 1, 2]
     resumed = TrainConfig(**{**killed.__dict__, "resume": True})
     train_mod.train(resumed, show_progress=False)
