@@ -15,9 +15,9 @@ from helpers import read_metrics, step_records
 
 from opd.config import TrainConfig
 from opd.report import write_report
-from opd.report.charts import build_charts
+from opd.report.charts import build_charts, rate_word
 from opd.report.inspector import inspector_data
-from opd.report.load import load_run
+from opd.report.load import RunData, load_run
 from opd.stepstats import MODEL_FIELDS
 
 BATCH, MAX_TURNS = 4, 4
@@ -137,3 +137,10 @@ def test_agentic_charts_say_success_rate(agent, tmp_path):
     write_report([agent], tmp_path / "rep", show_progress=False)
     for cid in ("eval-accuracy", "rollout-accuracy", "turns", "invalid-actions"):
         assert (tmp_path / "rep" / "charts" / f"{cid}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_rate_word_follows_the_runs_kinds(tmp_path):
+    agentic, single = RunData(tmp_path, "a", config={"env": "toy"}), RunData(tmp_path, "s", config={"env": ""})
+    assert rate_word([agentic]) == "success rate" and rate_word([single]) == "accuracy"
+    assert rate_word([single, RunData(tmp_path, "old")]) == "accuracy"  # configs written before --env
+    assert rate_word([agentic, single]) == "accuracy / success rate"
