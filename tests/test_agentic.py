@@ -71,10 +71,12 @@ def test_cli_agentic_run_trains_the_students_action_tokens_only(tiny_models, tmp
     assert len(rollouts) == 3 * 4  # every rollout of every step
     for r in steps:
         mine = [x for x in rollouts if x["step"] == r["step"]]
-        # The records hold the model's own tokens; the loss skips only its end-of-turn tokens (lsm
-        # masks special tokens), so the loss tokens are the action tokens less the EOS ones.
-        eos = sum(t == "<|im_end|>" for x in mine for t in x["tokens"])
-        actions = sum(len(x["tokens"]) for x in mine)
+        # The records hold whole episodes, the model's own tokens flagged ``action``; the loss skips
+        # only its end-of-turn tokens (lsm masks special tokens), so the loss tokens are the action
+        # tokens less the EOS ones.
+        own = [[t for t, a in zip(x["tokens"], x["action"]) if a] for x in mine]
+        eos = sum(t == "<|im_end|>" for tokens in own for t in tokens)
+        actions = sum(len(tokens) for tokens in own)
         assert r["train/loss_tokens"] == actions - eos
         assert all(not m for x in mine for t, m in zip(x["tokens"], x["loss_mask"]) if t == "<|im_end|>")
         assert r["rollout/response_len"] == pytest.approx(actions / 4)
@@ -82,7 +84,7 @@ def test_cli_agentic_run_trains_the_students_action_tokens_only(tiny_models, tmp
         assert r["rollout/accuracy"] == sum(x["correct"] for x in mine) / 4
         assert r["rollout/env_error_rate"] == 0.0
         # an observation is never among the trained tokens: its words do not appear in the actions
-        assert not any("You are in the" in "".join(x["tokens"]).replace("Ġ", " ") for x in mine)
+        assert not any("You are in the" in "".join(tokens).replace("Ġ", " ") for tokens in own)
     evals = [r for r in read_metrics(out) if "eval/success_rate" in r]
     assert len(evals) == 1 and evals[0]["eval/n"] == 4 and evals[0]["eval/k"] == 2
     assert evals[0]["eval/accuracy"] == evals[0]["eval/success_rate"]

@@ -275,3 +275,78 @@ def test_switching_run_step_and_rollout_updates_the_inspector(page):
     assert len(colours) == len(record["tokens"]) and all(colours)
     browser.drain()
     assert browser.errors() == []
+
+
+# ----------------------------------------------------------------------------- an agentic run
+
+
+@pytest.fixture(scope="module")
+def agent_page(tiny_models, tmp_path_factory):
+    from test_report_agentic import make_agentic_run
+
+    root = tmp_path_factory.mktemp("report_browser_agentic")
+    run_dir = make_agentic_run(tiny_models, root)
+    path = write_report([run_dir], root / "report", show_progress=False)
+    browser = Browser(root / "profile")
+    browser.open(path.as_uri())
+    yield browser, run_dir
+    browser.close()
+
+
+def test_agentic_page_shows_success_rate_charts(agent_page):
+    browser, _ = agent_page
+    assert browser.js("document.body.dataset.rendered") == "yes"
+    titles = browser.js("""Object.fromEntries(Array.from(document.querySelectorAll('.card.chart')).map(c =>
+        [c.dataset.id, [c.querySelector('h3').textContent, c.querySelectorAll('path.series').length]]))""")
+    assert titles["eval-accuracy"] == ["Eval success rate", 2]  # greedy and avg@k
+    assert titles["rollout-accuracy"] == ["Training success rate (rollouts)", 1]
+    assert titles["turns"][1] == titles["invalid-actions"][1] == 1
+    browser.drain()
+    assert browser.errors() == []
+
+
+def episode_view(browser):
+    return browser.js("""(() => {
+        const toks = Array.from(document.querySelectorAll('#tokens .tok'));
+        const style = (t) => { const s = getComputedStyle(t); return [s.fontStyle, s.color, s.backgroundColor]; };
+        return {
+            env: toks.filter(t => t.classList.contains('env')).map(t => ({text: t.textContent, pos: t.hasAttribute('data-pos'),
+                 title: t.title, style: style(t)})),
+            model: toks.filter(t => !t.classList.contains('env')).map(t => ({text: t.textContent, pos: +t.dataset.pos,
+                 style: style(t)})),
+            labels: document.querySelectorAll('#tokens .env-label').length,
+            marks: Array.from(document.querySelectorAll('#tokens .turn-mark')).map(m => m.textContent),
+            rewards: Array.from(document.querySelectorAll('#tokens .turn-reward')).map(m => m.textContent),
+            header: document.getElementById('prompt').textContent};
+    })()""")
+
+
+def test_agentic_inspector_shows_environment_tokens_apart(agent_page):
+    browser, run_dir = agent_page
+    step = browser.js("INS.step")
+    records = [r for r in rollouts(run_dir) if r["step"] == step]
+    index = max(range(len(records)), key=lambda j: records[j]["action"].count(0))
+    record = records[index]
+    assert record["action"].count(0) > 0, "no rollout of the shown step has environment tokens"
+    select(browser, "inspector-rollout", index)
+    view = episode_view(browser)
+    flags = record["action"]
+    assert [t["text"] for t in view["env"]] == [shown(t) for t, a in zip(record["tokens"], flags) if not a]
+    assert [t["pos"] for t in view["model"]] == [i for i, a in enumerate(flags) if a]
+    # the environment's tokens: labelled, unscored (no value, no position to click) and styled apart
+    assert all(not t["pos"] and t["title"] == "environment — not scored" for t in view["env"])
+    assert all(t["style"][0] == "italic" for t in view["env"]) and all(t["style"][0] == "normal" for t in view["model"])
+    assert {tuple(t["style"][1:]) for t in view["env"]}.isdisjoint({tuple(t["style"][1:]) for t in view["model"]})
+    assert view["labels"] == sum(1 for i, a in enumerate(flags) if not a and (i == 0 or flags[i - 1]))
+    turns = record["turns"]
+    assert view["marks"] == [f"turn {j + 1}" for j in range(len(turns))]
+    assert len(view["rewards"]) == len(turns) and all(r.startswith("reward ") for r in view["rewards"])
+    won = "won in" if record["won"] else "lost after" if record["end"] == "lost" else "not won"
+    assert record["prompt"] in view["header"] and won in view["header"] and f"{len(turns)} turn" in view["header"]
+    # clicking an environment token opens nothing; the selected token stays a model token
+    before = inspector_state(browser)
+    assert flags[before["pos"]] == 1 and before["support"] == 8
+    browser.js("document.querySelector('#tokens .tok.env').click()")
+    assert inspector_state(browser)["pos"] == before["pos"]
+    browser.drain()
+    assert browser.errors() == []

@@ -4,9 +4,9 @@ Metric keys are namespaced: ``train/`` (loss, grad norm, clipping, lr), ``rollou
 rate, repetition, accuracy), ``diag/`` (the papers' diagnostics), ``depth/`` (per-position values
 in equal-width depth buckets, for drift with depth), ``time/``. The full-vocabulary diagnostics
 use the student and teacher logits at the step's sampled diagnostic positions; the cheap ones
-(sampled-token rewards, out-of-support share) use every position of the action mask. Lengths,
-rates and per-token records count the tokens the model wrote (the action mask), never the
-environment's tokens between the turns of an episode.
+(sampled-token rewards, out-of-support share) use every position of the action mask. Lengths and
+rates count the tokens the model wrote (the action mask), never the environment's tokens between
+the turns of an episode; an episode's rollout record shows those tokens, flagged and unscored.
 """
 
 from __future__ import annotations
@@ -140,6 +140,89 @@ def metric_weights(batch, mask_NT: torch.Tensor, n_diag: int, horizon: int) -> d
     }
 
 
+def _model_fields(
+    tok: PreTrainedTokenizerBase,
+    student_lp: torch.Tensor,
+    batch: RolloutBatch,
+    scores: TeacherScores,
+    upd: StepUpdate,
+    mask_NT: torch.Tensor,
+    r: int,
+    at: torch.Tensor,
+) -> dict:
+    """Row ``r``'s per-token fields at response positions ``at``, one list entry per position."""
+    ids = batch.response_ids_NT[r, at]
+    topk = scores.topk_ids_NTK[r, at]
+    uniq = topk.unique().tolist()
+    return {
+        "tokens": tok.convert_ids_to_tokens(ids.tolist()),
+        "token_ids": ids.tolist(),
+        "loss_mask": mask_NT[r, at].tolist(),
+        "student_logprobs": [round(x, 5) for x in batch.logprobs_NT[r, at].tolist()],
+        "teacher_logprobs": [round(x, 5) for x in scores.sampled_logprobs_NT[r, at].float().tolist()],
+        "token_loss": [round(x, 6) for x in upd.loss_NT[r, at].float().tolist()],
+        "teacher_topk_ids": topk.tolist(),
+        "teacher_topk_logprobs": [
+            [round(x, 4) for x in row] for row in scores.topk_logprobs_NTK[r, at].float().tolist()
+        ],
+        "student_topk_logprobs": [[round(x, 4) for x in row] for row in student_lp[r, at].gather(-1, topk).tolist()],
+        # Each distinct top-K id once, so the report can label the inspector's bars without a tokenizer.
+        "topk_tokens": dict(zip(map(str, uniq), tok.convert_ids_to_tokens(uniq))),
+    }
+
+
+# Fields that exist only where the model wrote the token; an environment token has null there.
+MODEL_FIELDS = (
+    "student_logprobs",
+    "teacher_logprobs",
+    "token_loss",
+    "teacher_topk_ids",
+    "teacher_topk_logprobs",
+    "student_topk_logprobs",
+)
+
+
+def _episode_fields(fields: dict, tok, batch: RolloutBatch, r: int, episode) -> dict:
+    """Widen an episode's action-token fields to its whole response region (replies as context,
+    flagged ``action`` 0) and add what happened at each turn."""
+    everything = batch.response_mask_NT[r].nonzero().squeeze(-1)
+    action = batch.action_mask_NT[r, everything].tolist()
+    ids = batch.response_ids_NT[r, everything].tolist()
+    widened = {}
+    for key in MODEL_FIELDS:
+        values = iter(fields[key])
+        widened[key] = [next(values) if a else None for a in action]
+    loss = iter(fields["loss_mask"])
+    # The observation after turn i is the game's reply to it; a turn that ended the episode by the
+    # budget or an engine error has none.
+    after = episode.observations[1:]
+    turns = [
+        {
+            "start": start,
+            "end": end,
+            "action": act,
+            "reward": reward,
+            "observation": after[i] if i < len(after) else None,
+        }
+        for i, ((start, end), act, reward) in enumerate(
+            zip(episode.spans, episode.actions, episode.rewards, strict=True)
+        )
+    ]
+    return {
+        **fields,
+        **widened,
+        "tokens": tok.convert_ids_to_tokens(ids),
+        "token_ids": ids,
+        "action": [int(a) for a in action],
+        "loss_mask": [bool(next(loss)) if a else False for a in action],
+        "game": episode.game_id,
+        "end": episode.end,
+        "won": episode.won,
+        "invalid_actions": episode.invalid_actions,
+        "turns": turns,
+    }
+
+
 def rollout_records(
     tok: PreTrainedTokenizerBase,
     head_VD: torch.Tensor,
@@ -151,17 +234,23 @@ def rollout_records(
     scores: TeacherScores,
     upd: StepUpdate,
     mask_NT: torch.Tensor,
+    episodes: list | None = None,
 ) -> list[dict]:
-    """Per-token detail of the first few rollouts, for the report's token inspector: the tokens the
-    model wrote (its action mask; in a single-turn rollout the response up to its end)."""
+    """Per-token detail of the first few rollouts, for the report's token inspector.
+
+    A single-turn rollout's record holds the tokens the model wrote (its response up to its end).
+    An episode's (``episodes``: its :class:`~opd.episodes.EpisodeRecord` per row) holds its whole
+    response region, so the inspector can show the turns in their context: ``action`` flags the
+    model's tokens, the per-token model fields are null at the environment's, and ``turns`` gives
+    each turn's span, action, reward and the observation that answered it."""
     h = upd.log_hidden_LTD
     student_lp = torch.log_softmax(h.float() @ head_VD.float().T, dim=-1)
     records = []
     for r in range(h.shape[0]):
         at = batch.action_mask_NT[r].nonzero().squeeze(-1)  # a prefix in single-turn rollouts
-        ids = batch.response_ids_NT[r, at]
-        topk = scores.topk_ids_NTK[r, at]
-        uniq = topk.unique().tolist()
+        fields = _model_fields(tok, student_lp, batch, scores, upd, mask_NT, r, at)
+        if episodes is not None:
+            fields = _episode_fields(fields, tok, batch, r, episodes[r])
         example = examples[r]
         records.append(
             {
@@ -170,21 +259,7 @@ def rollout_records(
                 "answer": example.answer,
                 "response": texts[r],
                 "correct": bool(correct[r]),
-                "tokens": tok.convert_ids_to_tokens(ids.tolist()),
-                "token_ids": ids.tolist(),
-                "loss_mask": mask_NT[r, at].tolist(),
-                "student_logprobs": [round(x, 5) for x in batch.logprobs_NT[r, at].tolist()],
-                "teacher_logprobs": [round(x, 5) for x in scores.sampled_logprobs_NT[r, at].float().tolist()],
-                "token_loss": [round(x, 6) for x in upd.loss_NT[r, at].float().tolist()],
-                "teacher_topk_ids": topk.tolist(),
-                "teacher_topk_logprobs": [
-                    [round(x, 4) for x in row] for row in scores.topk_logprobs_NTK[r, at].float().tolist()
-                ],
-                "student_topk_logprobs": [
-                    [round(x, 4) for x in row] for row in student_lp[r, at].gather(-1, topk).tolist()
-                ],
-                # Each distinct top-K id once, so the report can label the inspector's bars without a tokenizer.
-                "topk_tokens": dict(zip(map(str, uniq), tok.convert_ids_to_tokens(uniq))),
+                **fields,
             }
         )
     return records

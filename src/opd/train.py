@@ -334,7 +334,9 @@ def log_stage(
         }
         if not (cfg.log_rollouts and run.dist.is_main):
             return metrics, []
-        return metrics, rollout_records(run.tokenizer, W, step, batch, examples, texts, correct, scores, upd, mask_NT)
+        return metrics, rollout_records(
+            run.tokenizer, W, step, batch, examples, texts, correct, scores, upd, mask_NT, records
+        )
 
     metrics, rollouts = run.dist.full_call(local)
     weights = metric_weights(batch, mask_NT, upd.diag_hidden_MD.shape[0], cfg.max_new_tokens)

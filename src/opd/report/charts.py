@@ -60,6 +60,24 @@ TRAINING = [
         "Share of rollouts caught repeating themselves.",
     ),
 ]
+# Agentic runs (config "env" set): how the episodes of the training batch went.
+EPISODES = [
+    ("turns", "Turns per episode", [("rollout/turns", "", False)], "turns", "Mean actions per training episode."),
+    (
+        "invalid-actions",
+        "Invalid-action rate",
+        [("rollout/invalid_action_rate", "", False)],
+        "share",
+        "Share of the training episodes' actions outside the game's admissible commands (where it lists them).",
+    ),
+    (
+        "truncated",
+        "Truncated episodes",
+        [("rollout/truncated_rate", "", False)],
+        "share",
+        "Share of training episodes cut by the turn limit or the token budget before the game ended.",
+    ),
+]
 DIAGNOSTICS = [
     (
         "overlap",
@@ -163,11 +181,36 @@ def line_chart(runs: list[RunData], cid: str, title: str, keys, ylabel: str, not
     }
 
 
+def rate_word(runs: list[RunData]) -> str:
+    """What "correct" is called: an agentic run's episode is won, so its accuracy is a success rate."""
+    agentic = {bool(r.config.get("env")) for r in runs}
+    return {frozenset({True}): "success rate", frozenset({True, False}): "accuracy / success rate"}.get(
+        frozenset(agentic), "accuracy"
+    )
+
+
+def rollout_rate_chart(runs: list[RunData]) -> dict:
+    """The training batch's share correct, worded for the runs (see :func:`rate_word`)."""
+    word = rate_word(runs)
+    if word == "accuracy":
+        return line_chart(runs, *TRAINING[2], group="training")
+    note = (
+        "Share of the step's training episodes won."
+        if word == "success rate"
+        else "Share of the step's rollouts graded correct, or of its episodes won (agentic runs)."
+    )
+    keys = [("rollout/accuracy", "", False)]
+    return line_chart(runs, "rollout-accuracy", f"Training {word} (rollouts)", keys, word, note, group="training")
+
+
 def eval_chart(runs: list[RunData]) -> dict:
-    """Eval accuracy over steps (greedy solid, avg@k dashed), with the teacher and the start as references."""
-    series = []
+    """Eval accuracy (an agentic run's success rate) over steps (greedy solid, avg@k dashed), with the
+    teacher and the start as references."""
+    series, greedy_keys = [], set()
     for color, run in enumerate(runs):
-        for key, suffix, dashed in (("eval/accuracy", " greedy", False), ("eval/avg_at_k", " avg@k", True)):
+        greedy = "eval/success_rate" if run.config.get("env") else "eval/accuracy"
+        greedy_keys.add(greedy)
+        for key, suffix, dashed in ((greedy, " greedy", False), ("eval/avg_at_k", " avg@k", True)):
             s = _series(run, color, key, suffix, dashed, run.evals)
             if s:
                 s.pop("smooth", None)  # few points, each an evaluation over many prompts
@@ -179,15 +222,17 @@ def eval_chart(runs: list[RunData]) -> dict:
             if v is not None and (label, v) not in seen:
                 seen.add((label, v))
                 hlines.append({"y": v, "label": label})
+    word = rate_word(runs)
+    held_out = "Held-out accuracy" if word == "accuracy" else f"Held-out {word} (games won)"
     return {
         "id": "eval-accuracy",
         "kind": "line",
         "group": "training",
-        "title": "Eval accuracy",
+        "title": f"Eval {word}",
         "xlabel": "step",
-        "ylabel": "accuracy",
-        "keys": ["eval/accuracy", "eval/avg_at_k"],
-        "note": "Held-out accuracy: greedy (solid) and avg@k sampled (dashed); grey lines: teacher and the "
+        "ylabel": word,
+        "keys": [*sorted(greedy_keys), "eval/avg_at_k"],
+        "note": f"{held_out}: greedy (solid) and avg@k sampled (dashed); grey lines: teacher and the "
         "student before OPD.",
         "series": series,
         "hlines": hlines,
@@ -259,6 +304,8 @@ def scatter_chart(run: RunData, color: int) -> dict | None:
 def build_charts(runs: list[RunData]) -> list[dict]:
     """Every chart of the report, in page order; charts with no data at all are left out."""
     charts = [line_chart(runs, *spec, group="training") for spec in TRAINING]
+    charts[2] = rollout_rate_chart(runs)
+    charts[3:3] = [line_chart(runs, *spec, group="training") for spec in EPISODES]
     charts.insert(2, eval_chart(runs))
     charts += [line_chart(runs, *spec, group="diagnostics") for spec in DIAGNOSTICS]
     for spec in DEPTH:

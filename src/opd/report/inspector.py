@@ -3,8 +3,10 @@
 For each run, up to ``max_steps`` logged steps (evenly spaced, first and last included) keep all
 their rollouts. Per token: the display text, whether the loss sees it, the sampled token's student
 and teacher log-probabilities, its loss, and the teacher's top-K ids with the teacher's and the
-student's probabilities on them. Probabilities are stored as integers in units of 1e-4 (bars
-cannot show finer), which keeps a 200-step demo's report near a megabyte per run.
+student's probabilities on them; for an episode also which tokens are the environment's (context:
+none of those values), its turns with their rewards, and how it ended. Probabilities are stored as
+integers in units of 1e-4 (bars cannot show finer), which keeps a 200-step demo's report near a
+megabyte per run.
 
 Usage::
 
@@ -59,6 +61,26 @@ def _prob(logprob: float) -> int:
     return int(round(math.exp(logprob) * PROB_SCALE)) if math.isfinite(logprob) else 0
 
 
+def _each(values: list, f) -> list:
+    """``f`` of each value; None (an environment token's unscored field) stays None."""
+    return [None if v is None else f(v) for v in values]
+
+
+def _episode(r: dict) -> dict:
+    """What the inspector shows of an episode beyond its tokens: which are the environment's, the
+    turns with their rewards, and how it ended."""
+    turns = [t for t in r.get("turns") or [] if isinstance(t, dict)]
+    return {
+        "env": [0 if a else 1 for a in r["action"]],
+        "turns": [
+            {k: t.get(k) for k in ("start", "end", "action", "reward", "observation")}
+            for t in turns
+            if isinstance(t.get("start"), int) and isinstance(t.get("end"), int)
+        ],
+        "outcome": {"won": bool(r.get("won")), "end": str(r.get("end", "")), "turns": len(turns)},
+    }
+
+
 def _rollout(r: dict) -> dict:
     return {
         "prompt": str(r.get("prompt", "")),
@@ -66,12 +88,13 @@ def _rollout(r: dict) -> dict:
         "correct": bool(r.get("correct")),
         "ids": r["token_ids"],
         "mask": [1 if m else 0 for m in r["loss_mask"]],
-        "s": [round(x, 3) for x in r["student_logprobs"]],
-        "t": [round(x, 3) for x in r["teacher_logprobs"]],
-        "loss": [round(x, 5) for x in r["token_loss"]],
+        "s": _each(r["student_logprobs"], lambda x: round(x, 3)),
+        "t": _each(r["teacher_logprobs"], lambda x: round(x, 3)),
+        "loss": _each(r["token_loss"], lambda x: round(x, 5)),
         "topk": r["teacher_topk_ids"],
-        "tp": [[_prob(x) for x in row] for row in r["teacher_topk_logprobs"]],
-        "sp": [[_prob(x) for x in row] for row in r["student_topk_logprobs"]],
+        "tp": _each(r["teacher_topk_logprobs"], lambda row: [_prob(x) for x in row]),
+        "sp": _each(r["student_topk_logprobs"], lambda row: [_prob(x) for x in row]),
+        **(_episode(r) if "action" in r else {}),
     }
 
 
@@ -81,7 +104,7 @@ def inspector_data(run: RunData, max_steps: int = 24) -> dict:
         by_step.setdefault(r["step"], []).append(r)
     steps = pick_steps(list(by_step), max_steps)
     rollouts = {str(s): [_rollout(r) for r in by_step[s]] for s in steps}
-    used = {i for rs in rollouts.values() for r in rs for i in r["ids"] + [j for row in r["topk"] for j in row]}
+    used = {i for rs in rollouts.values() for r in rs for i in r["ids"] + [j for row in r["topk"] if row for j in row]}
     vocab = {str(i): display_token(run.vocab[i]) for i in sorted(used) if i in run.vocab}
     return {
         "steps": steps,

@@ -150,7 +150,9 @@ def _valid_rollout(r: dict) -> bool:
         "teacher_topk_logprobs",
         "student_topk_logprobs",
     )
-    return n > 0 and all(isinstance(r[k], list) and len(r[k]) == n for k in per_token)
+    # An episode's record (``action`` flags) holds the environment's tokens too, null in the model's fields.
+    episode = ("action",) if "action" in r else ()
+    return n > 0 and all(isinstance(r[k], list) and len(r[k]) == n for k in per_token + episode)
 
 
 def _summary_for(run_dir: Path, skipped: list[str]) -> dict:
@@ -194,7 +196,7 @@ def _vocab(run_dir: Path, rollouts: list[dict], skipped: list[str]) -> dict[int,
             from tokenizers import Tokenizer
 
             tok = Tokenizer.from_file(str(tok_file))
-            wanted = {i for r in rollouts for row in r["teacher_topk_ids"] for i in row} - vocab.keys()
+            wanted = {i for r in rollouts for row in r["teacher_topk_ids"] if row for i in row} - vocab.keys()
             vocab.update({i: s for i in wanted if (s := tok.id_to_token(i)) is not None})
         except Exception as exc:  # a damaged tokenizer file only costs labels
             skipped.append(f"final/tokenizer.json could not be read ({type(exc).__name__}); some tokens shown by id")

@@ -85,14 +85,16 @@ def render_page(
 <main>
 {_notices(runs)}
 <section id="sec-summary"><h2>Summary</h2><p class="lead">Accuracy is greedy on the held-out prompts at the last
-evaluation; teacher and "before" come from the demo's <code>summary.json</code> when there is one. Gap recovery =
+evaluation (for an agentic run: the success rate, games won); teacher and "before" come from the demo's <code>summary.json</code> when there is one. Gap recovery =
 (after − before) / (teacher − before).</p><table class="summary" id="summary"></table></section>
 {sections}
 <section id="sec-inspector"><h2>Token inspector</h2>
 <p class="lead">A logged rollout as text, each token coloured by its sampled-token reward log q − log p (or its
 loss). Click a token: the bars compare, at that position, the teacher's top-K (purple) with the student's
 probabilities on the same tokens (teal); the shaded rows are the support LSM matches on, ★ is the token the
-student sampled, the one token sampled-token OPD learns from.</p>
+student sampled, the one token sampled-token OPD learns from. In an episode of an agentic run the turns are
+marked, each with the game's reward, and the environment's replies between them (grey italics) are context:
+not scored, not trained.</p>
 <div class="controls">
 <label>run <select id="inspector-run"></select></label>
 <label>step <select id="inspector-step"></select></label>

@@ -193,7 +193,9 @@ function tokenText(ins, id) {
 }
 // In a bar label a space or newline would be invisible: show them as ␣ and ⏎.
 const barLabel = (ins, id) => tokenText(ins, id).replace(/ /g, "␣").replace(/\n/g, "⏎");
-function tokenValue(r, i, by) { return by === "reward" ? r.t[i] - r.s[i] : r.loss[i]; }
+// An environment token (an episode's observation or chat-template text between turns) has no score.
+const isEnv = (r, i) => !!(r.env && r.env[i]);
+function tokenValue(r, i, by) { return isEnv(r, i) ? null : by === "reward" ? r.t[i] - r.s[i] : r.loss[i]; }
 
 function currentRollout() {
   const ins = DATA.runs[INS.run].inspector;
@@ -231,9 +233,55 @@ function setRollout(j) {
   if (r) {  // open on the token the signal cares most about: the largest |value| the loss sees
     let best = -1;
     r.ids.forEach((_, i) => { const v = Math.abs(tokenValue(r, i, INS.by)); if (r.mask[i] && v > best) { best = v; INS.pos = i; } });
-    if (INS.pos === null) INS.pos = 0;
+    if (INS.pos === null) INS.pos = r.ids.findIndex((_, i) => !isEnv(r, i));
+    if (INS.pos < 0) INS.pos = null;
   }
   renderTokens();
+}
+
+const ENDS = {max_turns: "turn limit reached", budget: "token budget spent", error: "environment error"};
+function episodeOutcome(o) {
+  const turns = `${o.turns} turn${o.turns === 1 ? "" : "s"}`;
+  return o.won ? `✓ won in ${turns}` : o.end === "lost" ? `✗ lost after ${turns}`
+    : `✗ not won: ${ENDS[o.end] || o.end || "?"} after ${turns}`;
+}
+
+function renderHeader(r) {
+  const p = $("prompt");
+  p.textContent = "";
+  el("b", {}, p, r.outcome ? "Goal: " : "Prompt: ");
+  el("span", {}, p, r.prompt);
+  el("span", {class: "outcome", style: "margin-left:12px;color:var(--muted)"}, p,
+    r.outcome ? episodeOutcome(r.outcome) : `answer ${r.answer} · ${r.correct ? "✓ correct" : "✗ wrong"}`);
+}
+
+// Turn boundaries of an episode: a label where each turn starts, its reward where it ends.
+function turnMarks(r) {
+  const starts = new Map(), ends = new Map();
+  (r.turns || []).forEach((t, j) => { starts.set(t.start, j); ends.set(t.end, t); });
+  return {starts, ends};
+}
+
+function turnReward(box, t) {
+  const span = el("span", {class: "turn-reward"}, box, `reward ${fmt(t.reward)}`);
+  span.title = `action “${t.action}” · reward ${fmt(t.reward)}` + (t.observation ? ` · the game: ${t.observation}` : "");
+}
+
+function renderToken(box, ins, r, i, vals, bound) {
+  let text = tokenText(ins, r.ids[i]);
+  const nl = text.includes("\n");
+  if (nl) text = text.replace(/\n/g, "⏎");
+  if (isEnv(r, i)) {  // context, not the model's: no colour, no position to click, no statistics
+    if (!isEnv(r, i - 1)) el("span", {class: "env-label"}, box, "environment — not scored");
+    el("span", {class: "tok env", title: "environment — not scored"}, box, text);
+  } else {
+    // Red always means "bad for the student": a negative reward, or a high loss.
+    const t = (INS.by === "reward" ? 1 : -1) * vals[i] / bound;  // white text where the colour hides black
+    const span = el("span", {class: "tok" + (r.mask[i] ? "" : " masked") + (i === INS.pos ? " selected" : ""), "data-pos": i,
+      style: `background:${diverging(t)}` + (Math.abs(t) > 0.55 ? ";color:#fff" : "")}, box, text);
+    span.title = `${INS.by === "reward" ? "log q − log p" : "token loss"} = ${fmt(vals[i])}` + (r.mask[i] ? "" : " (masked from the loss)");
+  }
+  if (nl) el("br", {}, box);
 }
 
 function renderTokens() {
@@ -241,24 +289,16 @@ function renderTokens() {
   box.textContent = "";
   $("prompt").textContent = "";
   if (!r) { box.textContent = "No rollouts logged for this run (rollouts.jsonl missing or empty)."; renderDist(); return; }
-  const p = $("prompt");
-  el("b", {}, p, "Prompt: ");
-  el("span", {}, p, r.prompt);
-  el("span", {style: "margin-left:12px;color:var(--muted)"}, p, `answer ${r.answer} · ${r.correct ? "✓ correct" : "✗ wrong"}`);
+  renderHeader(r);
   const vals = r.ids.map((_, i) => tokenValue(r, i, INS.by));
-  const bound = Math.max(1e-6, ...vals.filter((_, i) => r.mask[i]).map(Math.abs));
-  // Red always means "bad for the student": a negative reward, or a high loss.
-  const sign = INS.by === "reward" ? 1 : -1;
-  r.ids.forEach((id, i) => {
-    let text = tokenText(ins, id);
-    const nl = text.includes("\n");
-    if (nl) text = text.replace(/\n/g, "⏎");
-    const t = sign * vals[i] / bound;  // white text where the colour is dark enough to hide black
-    const span = el("span", {class: "tok" + (r.mask[i] ? "" : " masked") + (i === INS.pos ? " selected" : ""), "data-pos": i,
-      style: `background:${diverging(t)}` + (Math.abs(t) > 0.55 ? ";color:#fff" : "")}, box, text);
-    span.title = `${INS.by === "reward" ? "log q − log p" : "token loss"} = ${fmt(vals[i])}` + (r.mask[i] ? "" : " (masked from the loss)");
-    if (nl) el("br", {}, box);
+  const bound = Math.max(1e-6, ...vals.filter((_, i) => r.mask[i] && !isEnv(r, i)).map(Math.abs));
+  const {starts, ends} = turnMarks(r);
+  r.ids.forEach((_, i) => {
+    if (ends.has(i)) turnReward(box, ends.get(i));
+    if (starts.has(i)) el("span", {class: "turn-mark"}, box, `turn ${starts.get(i) + 1}`);
+    renderToken(box, ins, r, i, vals, bound);
   });
+  if (ends.has(r.ids.length)) turnReward(box, ends.get(r.ids.length));
   $("scale").innerHTML = "";
   const sc = $("scale");
   el("span", {}, sc, INS.by === "reward" ? `reward log q − log p: −${fmt(bound)}` : `loss: +${fmt(bound)}`);
@@ -266,6 +306,10 @@ function renderTokens() {
   el("span", {}, sc, INS.by === "reward" ? `+${fmt(bound)}` : `−${fmt(bound)}`);
   el("span", {class: "tok masked", style: "margin-left:14px;padding:0 6px"}, sc, "masked");
   el("span", {}, sc, "special token left out of the loss");
+  if (r.env) {
+    el("span", {class: "tok env", style: "margin-left:14px;padding:0 6px"}, sc, "environment");
+    el("span", {}, sc, "the game's reply and the chat template between turns: context, not scored or trained");
+  }
   renderDist();
 }
 
@@ -283,7 +327,7 @@ function barRow(parent, cls, label, t, s, scale) {
 function renderDist() {
   const head = $("dist-head"), bars = $("bars"), r = currentRollout(), ins = DATA.runs[INS.run].inspector;
   head.textContent = ""; bars.textContent = "";
-  if (!r || INS.pos === null) { head.textContent = "Click a token to see the teacher's top-K there."; return; }
+  if (!r || INS.pos === null || isEnv(r, INS.pos)) { head.textContent = "Click a token to see the teacher's top-K there."; return; }
   for (const span of document.querySelectorAll(".tok.selected")) span.classList.remove("selected");
   const sel = document.querySelector(`.tok[data-pos="${INS.pos}"]`);
   if (sel) sel.classList.add("selected");
