@@ -52,11 +52,14 @@ def environment(quick: bool = False) -> Environment:
     return make_env(ENV, LEVEL, args)
 
 
-def game_texts(env: Environment, split: str = "train") -> list[str]:
-    """The text of the expert episodes of ``split`` (system prompt, observations, actions): what a
-    game-playing model reads and writes, for the tokenizer."""
+TOKENIZER_GAMES = 200  # training games whose expert episodes the tokenizer reads: enough for their words
+
+
+def game_texts(env: Environment, n_games: int) -> list[str]:
+    """The text of the first ``n_games`` training games' expert episodes (system prompt,
+    observations, actions): what a game-playing model reads and writes, for the tokenizer."""
     texts = [env.system_prompt]
-    for game in env.games(split):
+    for game in env.games("train")[:n_games]:
         session = env.open(game)
         try:
             texts.append(session.reset())
@@ -79,7 +82,7 @@ def make_agentic_models(out: Path, quick: bool = False, seed: int = 0, only: str
         math = get_task("arithmetic", level=2, seed=seed).examples("train")
         # The game transcripts are few and repetitive next to 20,000 solutions: weighted up so that
         # their words become tokens and an episode fits a tiny model's context.
-        games = game_texts(env) * 20
+        games = game_texts(env, TOKENIZER_GAMES) * 20
         tok = train_tokenizer([e.prompt for e in math] + [e.solution for e in math] + games, VOCAB_SIZE)
         tok.save_pretrained(out / "tokenizer")
     common = dict(
