@@ -137,8 +137,8 @@ def evaluate_agent(
 ) -> dict:
     """Greedy success rate over ``games``; with ``samples`` > 0 also avg@k and pass@k (k = samples).
 
-    Also the mean number of turns of the won greedy episodes, the invalid-action rate (where the
-    game lists its admissible commands) and the episodes a game error or a prompt longer than
+    Also the mean number of turns of the won greedy episodes (when one is won), the invalid-action
+    rate (when the game lists its admissible commands) and the episodes a game error or a prompt longer than
     ``max_prompt_tokens`` ended (they count as lost).
     Seeds are per game and sample, as in :func:`opd.evaluation.evaluate_model`.
     """
@@ -172,14 +172,13 @@ def evaluate_agent(
     won = [r for r in greedy if r.won]
     listed = [r for r in greedy if r.invalid_actions is not None]
     actions = sum(r.turns for r in listed)
-    result = {
-        "success_rate": len(won) / n,
-        "accuracy": len(won) / n,
-        "n": n,
-        "mean_turns_to_success": sum(r.turns for r in won) / len(won) if won else float("nan"),
-        "invalid_action_rate": sum(r.invalid_actions for r in listed) / actions if actions else float("nan"),
-        "env_errors": sum(r.error is not None for r in greedy),
-    }
+    result = {"success_rate": len(won) / n, "accuracy": len(won) / n, "n": n}
+    # Figures that are undefined (no game won; a game that lists no commands) are left out, not NaN.
+    if won:
+        result["mean_turns_to_success"] = sum(r.turns for r in won) / len(won)
+    if actions:
+        result["invalid_action_rate"] = sum(r.invalid_actions for r in listed) / actions
+    result["env_errors"] = sum(r.error is not None for r in greedy)
     if samples > 0:
         result.update(
             {"avg_at_k": avg_at_k(sampled_ok), "pass_at_k": mean_pass_at_k(sampled_ok, samples), "k": samples}
