@@ -199,7 +199,7 @@ def _make_demo_models(
 @app.command("experiment")
 def _experiment(
     name: str = typer.Argument(
-        ..., help="Experiment: variance, objectives, tokenizer-mismatch, teacher-choice or depth."
+        ..., help="Experiment: variance, objectives, tokenizer-mismatch, teacher-choice, depth or agentic."
     ),
     seeds: int = typer.Option(3, help="Seeds per setting (3 or more for 95% intervals)."),
     out: Path = typer.Option(Path("runs/experiments"), help="Output root; the experiment writes OUT/NAME/."),

@@ -18,6 +18,7 @@ _MODULES = {
     "tokenizer-mismatch": "opd.experiments.mismatch",
     "teacher-choice": "opd.experiments.teacher_choice",
     "depth": "opd.experiments.depth",
+    "agentic": "opd.experiments.agentic",
 }
 NAMES = tuple(_MODULES)
 
