@@ -156,20 +156,35 @@ def test_search_expert_wins_naming_only_what_it_has_seen(level, alf_env, alf_gam
             games = [g for g in games if g.info["task_type"] in ("look_at_obj_in_light", "pick_two_obj_and_place")]
         assert len(games) == 2
     for game in games:
-        session = env.open(game)
-        seen = session.reset()
-        receptacles = set(re.findall(r"[a-z]+ \d+", seen.split("Your task")[0]))
-        results = []
-        for action in session.expert_actions():
-            unseen = named_objects(action, receptacles) - set(re.findall(r"[a-z]+ \d+", seen))
-            assert not unseen, f"{game.id}: {action!r} names {unseen} before any observation showed them"
-            if action.startswith("go to "):
-                assert action[6:] in receptacles  # only receptacles the first observation listed
-            results.append(session.step(action))
-            seen += "\n" + results[-1].observation
-        assert results[-1].won and len(results) <= env.max_turns, game.id
-        assert "Nothing happens." not in [r.observation for r in results], game.id
-        session.close()
+        check_search_episode(env, game)
+
+
+def check_search_episode(env, game) -> None:
+    """The expert's episode searches before it takes, names nothing unseen, and wins."""
+    session = env.open(game)
+    seen = session.reset()
+    listed = re.findall(r"[a-z]+ \d+", seen.split("Your task")[0])
+    receptacles = set(listed)
+    actions = session.expert_actions()
+    # Until it first takes something, it searches: no receptacle skipped, in the listed order
+    # with the goal's kind last (the planner walks straight to the object instead).
+    goal_kind = json.loads((Path(game.path).parent / "traj_data.json").read_text())["pddl_params"]
+    goal_kind = goal_kind["parent_target"].lower()
+    order = [r for r in listed if r.split()[0] != goal_kind] + [r for r in listed if r.split()[0] == goal_kind]
+    first_take = next(n for n, a in enumerate(actions) if a.startswith("take "))
+    visits = [a[len("go to ") :] for a in actions[:first_take] if a.startswith("go to ")]
+    assert visits and visits == order[: len(visits)], (game.id, actions)
+    results = []
+    for action in actions:
+        unseen = named_objects(action, receptacles) - set(re.findall(r"[a-z]+ \d+", seen))
+        assert not unseen, f"{game.id}: {action!r} names {unseen} before any observation showed them"
+        if action.startswith("go to "):
+            assert action[6:] in receptacles  # only receptacles the first observation listed
+        results.append(session.step(action))
+        seen += "\n" + results[-1].observation
+    assert results[-1].won and len(results) <= env.max_turns, game.id
+    assert "Nothing happens." not in [r.observation for r in results], game.id
+    session.close()
 
 
 def test_alfworlds_own_expert_solves_generated_games(alf_games):
