@@ -65,7 +65,7 @@ class Level:
 LEVELS: dict[int, Level] = {
     # Open surfaces only, one object to move: the planner needs 4 actions (the search expert 4-6).
     1: Level((3, 4), (1, 2), 1, False, ("pick_and_place_simple",), 12),
-    # All six task types, closed fridges and drawers, some clutter: plans of 3-10 actions (mean 6; search 5-13).
+    # All six task types, closed fridges and drawers, some clutter: plans of 3-10 actions (mean 6; search 4-15).
     2: Level((5, 7), (2, 4), 2, True, TASK_TYPES, 24),
     # Bigger rooms, repeated receptacles to search, more clutter: plans of 3-10 actions (mean 6; search 6-20),
     # many more wrong places to go.
