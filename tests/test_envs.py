@@ -139,6 +139,16 @@ def test_search_expert_searches_in_the_listed_order(alf_env, alf_games):
     session.close()
 
 
+def test_search_expert_without_its_task_is_env_error(alf_env, alf_games, tmp_path):
+    folder = tmp_path / "no_traj"
+    shutil.copytree(Path(alf_games[0].path).parent, folder)
+    (folder / "traj_data.json").unlink()
+    session = alf_env.open(Game(id="no_traj", path=str(folder / "game.tw-pddl")))
+    with pytest.raises(EnvError, match=r"no search expert for .*no_traj.*cannot read its task from .*traj_data\.json"):
+        session.expert_actions()
+    session.close()
+
+
 def named_objects(action: str, receptacles: set[str]) -> set[str]:
     """The numbered things an action names that are not receptacles ("take egg 2 from cabinet 1")."""
     return set(re.findall(r"[a-z]+ \d+", action)) - receptacles
