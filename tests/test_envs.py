@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -105,9 +106,94 @@ def test_expert_wins_every_task_type(alf_env, alf_games, task_type):
     session.close()
 
 
-def test_stored_walkthrough_is_the_planners_plan(alf_env, alf_games):
-    session = alf_env.open(alf_games[0])
+def test_stored_walkthrough_is_the_planners_plan(alf_dir, alf_games):
+    env = get_env("alfworld", level=2, num_train=6, games_dir=alf_dir, generated=True, expert="planner")
+    session = env.open(alf_games[0])
     assert session.expert_actions() == planner_plan(alf_games[0].path)
+    session.reset()
+    assert play(session, session.expert_actions())[-1].won
+    session.close()
+
+
+def test_search_expert_searches_in_the_listed_order(alf_env, alf_games):
+    # Hand-checked: the room lists desk 1, drawer 1 (closed), garbagecan 2, garbagecan 1,
+    # shelf 1, sidetable 2, sidetable 1, and the bowl is on shelf 1. The planner walks straight
+    # there; the search expert looks everywhere before it (opening the drawer), but not on the
+    # sidetables (the goal's kind, searched last), then puts the bowl on the first sidetable listed.
+    game = alf_games[0]
+    assert game.id == "train/pick_and_place_simple-s0"
+    session = alf_env.open(game)
+    assert "you see a desk 1, a drawer 1, a garbagecan 2" in session.reset()
+    assert session.expert_actions() == [
+        "go to desk 1",
+        "go to drawer 1",
+        "open drawer 1",
+        "go to garbagecan 2",
+        "go to garbagecan 1",
+        "go to shelf 1",
+        "take bowl 1 from shelf 1",
+        "go to sidetable 2",
+        "move bowl 1 to sidetable 2",
+    ]
+    assert planner_plan(game.path)[0] == "go to shelf 1"
+    session.close()
+
+
+def test_search_expert_without_its_task_is_env_error(alf_env, alf_games, tmp_path):
+    folder = tmp_path / "no_traj"
+    shutil.copytree(Path(alf_games[0].path).parent, folder)
+    (folder / "traj_data.json").unlink()
+    session = alf_env.open(Game(id="no_traj", path=str(folder / "game.tw-pddl")))
+    with pytest.raises(EnvError, match=r"no search expert for .*no_traj.*cannot read its task from .*traj_data\.json"):
+        session.expert_actions()
+    session.close()
+
+
+def named_objects(action: str, receptacles: set[str]) -> set[str]:
+    """The numbered things an action names that are not receptacles ("take egg 2 from cabinet 1")."""
+    return set(re.findall(r"[a-z]+ \d+", action)) - receptacles
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_search_expert_wins_naming_only_what_it_has_seen(level, alf_env, alf_games, tmp_path):
+    # Level 2: one game of each task type. Level 3 (big rooms, 1.5 s to generate a game): the
+    # two tasks whose search differs, a second object to find and a lamp to find while holding.
+    env, games = alf_env, alf_games
+    if level != 2:
+        env = get_env("alfworld", level=level, num_train=2 if level == 1 else 6, games_dir=tmp_path, generated=True)
+        games = env.games("train")
+        if level == 3:
+            games = [g for g in games if g.info["task_type"] in ("look_at_obj_in_light", "pick_two_obj_and_place")]
+        assert len(games) == 2
+    for game in games:
+        check_search_episode(env, game)
+
+
+def check_search_episode(env, game) -> None:
+    """The expert's episode searches before it takes, names nothing unseen, and wins."""
+    session = env.open(game)
+    seen = session.reset()
+    listed = re.findall(r"[a-z]+ \d+", seen.split("Your task")[0])
+    receptacles = set(listed)
+    actions = session.expert_actions()
+    # Until it first takes something, it searches: no receptacle skipped, in the listed order
+    # with the goal's kind last (the planner walks straight to the object instead).
+    goal_kind = json.loads((Path(game.path).parent / "traj_data.json").read_text())["pddl_params"]
+    goal_kind = goal_kind["parent_target"].lower()
+    order = [r for r in listed if r.split()[0] != goal_kind] + [r for r in listed if r.split()[0] == goal_kind]
+    first_take = next(n for n, a in enumerate(actions) if a.startswith("take "))
+    visits = [a[len("go to ") :] for a in actions[:first_take] if a.startswith("go to ")]
+    assert visits and visits == order[: len(visits)], (game.id, actions)
+    results = []
+    for action in actions:
+        unseen = named_objects(action, receptacles) - set(re.findall(r"[a-z]+ \d+", seen))
+        assert not unseen, f"{game.id}: {action!r} names {unseen} before any observation showed them"
+        if action.startswith("go to "):
+            assert action[6:] in receptacles  # only receptacles the first observation listed
+        results.append(session.step(action))
+        seen += "\n" + results[-1].observation
+    assert results[-1].won and len(results) <= env.max_turns, game.id
+    assert "Nothing happens." not in [r.observation for r in results], game.id
     session.close()
 
 
@@ -212,6 +298,12 @@ def test_real_alfworld_layout(alf_games, tmp_path, monkeypatch):
     game = train[0]
     session = env.open(game)
     assert game.goal in session.reset()
+    assert env.expert == "planner" and session.expert_actions() == planner_plan(game.path)
+    assert play(session, session.expert_actions())[-1].won
+    session.close()
+    searching = get_env("alfworld", expert="search")
+    session = searching.open(game)
+    session.reset()
     assert play(session, session.expert_actions())[-1].won
     session.close()
     # data_dir= does the same without the variable; generated=True ignores the variable.
@@ -274,6 +366,7 @@ def test_engine_failure_mid_episode_is_env_error(alf_env, alf_games, monkeypatch
         ("alfworld", {"levle": 2}, "unknown ALFWorld option.*levle.*use level"),
         ("alfworld", {"num_train": 0}, "num_train=0: expected an integer >= 1"),
         ("alfworld", {"test_split": "valid"}, "test_split='valid'.*valid_unseen"),
+        ("alfworld", {"expert": "oracle"}, "expert='oracle': use 'search' or 'planner'"),
         ("textworld", {"level": 7}, "unknown textworld level 7"),
         ("textworld", {"recipe": 2}, "unknown textworld option.*recipe"),
     ],

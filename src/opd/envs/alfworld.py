@@ -16,6 +16,10 @@ and grammar, with alfworld's name demangler):
   ``alfworld-download`` fills: "train" plays ``json_2.1.1/train``, "test" plays
   ``valid_unseen`` (``test_split="valid_seen"`` for the other; both names are splits too).
 
+The expert (``expert_actions()``) of generated games searches: it acts only on what it has read
+(:mod:`opd.envs.alfworld_expert`); ``expert="planner"`` gives the PDDL planner's omniscient
+plan instead, the default for real games.
+
 Usage::
 
     env = get_env("alfworld", level=2, seed=0)       # or get_env("alfworld") with ALFWORLD_DATA
@@ -36,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from opd.envs._textworld import PLAYERS, TextWorldSession, alfworld_modules, check_int, planner_plan, squeeze
+from opd.envs.alfworld_expert import search_expert
 from opd.envs.alfworld_gen import LEVELS, TASK_TYPES, draw, generate_game, level_spec
 from opd.envs.base import EnvError, Game
 from opd.errors import UserError
@@ -52,6 +57,7 @@ _BANNER = re.compile(r"^\s*-= Welcome to TextWorld, ALFRED! =-\s*")
 _GOAL = re.compile(r"Your task is to: (.*?)\.?\"\s*$", re.MULTILINE)
 _TEST_OFFSET = 1  # test seeds are odd, train seeds even: see _seed
 _MAX_PER_SPLIT = 10**6
+EXPERTS = ("search", "planner")
 
 
 class AlfworldSession(TextWorldSession):
@@ -91,7 +97,10 @@ class AlfworldEnv:
     games), ``num_train`` / ``num_test`` games per split, ``games_dir`` (the cache). Real games:
     ``data_dir`` (default ``$ALFWORLD_DATA``; ``generated=True`` ignores the variable),
     ``test_split`` (what "test" plays), ``max_games`` (a cap per split). Both: ``max_turns``
-    (default: the level's, or 50 for real games)."""
+    (default: the level's, or 50 for real games); ``expert``: what ``expert_actions()`` plays,
+    "search" (default for generated games: searches the receptacles in the listed order and acts
+    only on what it has seen, see :mod:`opd.envs.alfworld_expert`) or "planner" (the PDDL
+    planner's omniscient plan, default for real games, where the search is untested)."""
 
     name = "alfworld"
     system_prompt = SYSTEM_PROMPT
@@ -108,6 +117,7 @@ class AlfworldEnv:
         test_split: str = "valid_unseen",
         max_turns: int | None = None,
         max_games: int | None = None,
+        expert: str | None = None,
     ):
         level_spec(level)  # an unknown level is a UserError naming the levels
         self.level = int(level)
@@ -121,6 +131,9 @@ class AlfworldEnv:
         self.test_split = test_split
         self.max_games = None if max_games is None else check_int("max_games", max_games, 1)
         self.data_dir = None if generated else _real_root(data_dir)
+        if expert is not None and expert not in EXPERTS:
+            raise UserError(f"expert={expert!r}: use 'search' or 'planner'")
+        self.expert = expert or ("planner" if self.data_dir else "search")
         default_turns = REAL_TURNS if self.data_dir else LEVELS[self.level].max_turns
         self.max_turns = default_turns if max_turns is None else check_int("max_turns", max_turns, 1)
         base = Path(games_dir) if games_dir is not None else Path.home() / ".cache" / "opd" / "alfworld" / str(level)
@@ -183,13 +196,17 @@ class AlfworldEnv:
             raise EnvError(f"game {game.id}: its file {game.path} is missing and it is not a generated game") from None
 
     def _expert(self, path: str) -> list[str]:
-        """The planner's plan (stored in generated games; computed once per real game)."""
+        """The expert's actions, found once per game file: the search expert plays the game; the
+        planner's plan is stored in generated games and computed for real ones."""
         with self._lock:
             if path in self._plans:
                 return list(self._plans[path])
-        data = json.loads(Path(path).read_text())
-        plan = data.get("walkthrough") if data.get("opd_generated") else None
-        plan = list(plan) if plan else planner_plan(path)
+        if self.expert == "search":
+            plan = search_expert(path)
+        else:
+            data = json.loads(Path(path).read_text())
+            plan = data.get("walkthrough") if data.get("opd_generated") else None
+            plan = list(plan) if plan else planner_plan(path)
         with self._lock:
             self._plans[path] = plan
         return list(plan)
@@ -249,6 +266,7 @@ _OPTIONS = (
     "test_split",
     "max_turns",
     "max_games",
+    "expert",
 )
 
 

@@ -59,15 +59,15 @@ class Level:
     max_same: int  # at most this many receptacles of one kind (cabinet 1, cabinet 2, ...)
     closed: bool  # whether rooms have receptacles to open (fridge, drawers, cabinets, ...)
     task_types: tuple[str, ...]
-    max_turns: int  # the default turn budget: about 2-3x the expert's length at this level
+    max_turns: int  # the default turn budget: about 2-3x the planner's plan, 1.5-2x the search expert's
 
 
 LEVELS: dict[int, Level] = {
-    # Open surfaces only, one object to move: the expert needs 4 actions.
+    # Open surfaces only, one object to move: the planner needs 4 actions (the search expert 4-6).
     1: Level((3, 4), (1, 2), 1, False, ("pick_and_place_simple",), 12),
-    # All six task types, closed fridges and drawers, some clutter: experts of 3-10 actions (mean 6).
+    # All six task types, closed fridges and drawers, some clutter: plans of 3-10 actions (mean 6; search 4-15).
     2: Level((5, 7), (2, 4), 2, True, TASK_TYPES, 24),
-    # Bigger rooms, repeated receptacles to search, more clutter: experts of 3-10 actions (mean 6),
+    # Bigger rooms, repeated receptacles to search, more clutter: plans of 3-10 actions (mean 6; search 6-20),
     # many more wrong places to go.
     3: Level((8, 12), (5, 8), 3, True, TASK_TYPES, 30),
 }
