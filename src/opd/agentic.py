@@ -108,15 +108,21 @@ def episode_outcomes(records: list[EpisodeRecord]) -> tuple[list[str], list[floa
 def episode_metrics(records: list[EpisodeRecord]) -> dict[str, float]:
     """Per-rollout averages of a step's episodes (``rollout/`` keys, merged over ranks by rollouts)."""
     n = len(records)
-    listed = [r for r in records if r.invalid_actions is not None]
-    actions = sum(r.turns for r in listed)
+    invalid = invalid_action_rate(records)
     return {
         "rollout/turns": sum(r.turns for r in records) / n,
         "rollout/truncated_rate": sum(r.truncated for r in records) / n,
         "rollout/env_error_rate": sum(r.error is not None for r in records) / n,
-        # actions outside the game's admissible commands, where the game lists them
-        "rollout/invalid_action_rate": sum(r.invalid_actions for r in listed) / actions if actions else 0.0,
+        "rollout/invalid_action_rate": 0.0 if invalid is None else invalid,
     }
+
+
+def invalid_action_rate(records: list[EpisodeRecord]) -> float | None:
+    """Share of actions outside the game's admissible commands, over the episodes of games that
+    list them; None when none does."""
+    listed = [r for r in records if r.invalid_actions is not None]
+    actions = sum(r.turns for r in listed)
+    return sum(r.invalid_actions for r in listed) / actions if actions else None
 
 
 def evaluate_agent(
@@ -170,14 +176,13 @@ def evaluate_agent(
                     (greedy.append(rec) if is_greedy else sampled_ok[i].append(rec.won))
             bar.advance(len(chunk))
     won = [r for r in greedy if r.won]
-    listed = [r for r in greedy if r.invalid_actions is not None]
-    actions = sum(r.turns for r in listed)
+    invalid = invalid_action_rate(greedy)
     result = {"success_rate": len(won) / n, "accuracy": len(won) / n, "n": n}
     # Figures that are undefined (no game won; a game that lists no commands) are left out, not NaN.
     if won:
         result["mean_turns_to_success"] = sum(r.turns for r in won) / len(won)
-    if actions:
-        result["invalid_action_rate"] = sum(r.invalid_actions for r in listed) / actions
+    if invalid is not None:
+        result["invalid_action_rate"] = invalid
     result["env_errors"] = sum(r.error is not None for r in greedy)
     if samples > 0:
         result.update(

@@ -38,6 +38,7 @@ from opd.tokenizer import train_tokenizer
 ASSETS = Path(__file__).parent / "assets" / "agentic"
 ENV, LEVEL = "alfworld", 1
 ENV_ARGS = ["num_train=400", "num_test=50"]
+QUICK_ENV_ARGS = ["num_train=24", "num_test=8"]  # the shortened recipe and demo (tests)
 VOCAB_SIZE = 4096
 TEACHER_ARCH, STUDENT_ARCH = "qwen2:4:256", "qwen2:2:128"
 STUDENT_GAMES = 40  # expert episodes the student clones, of the 400 the teacher learns from
@@ -47,9 +48,12 @@ TOP_P = 0.9
 LIMITS = dict(max_prompt_tokens=MAX_PROMPT_TOKENS, max_new_tokens=MAX_NEW_TOKENS, max_action_tokens=MAX_ACTION_TOKENS)
 
 
+def env_args(quick: bool) -> list[str]:
+    return QUICK_ENV_ARGS if quick else ENV_ARGS
+
+
 def environment(quick: bool = False) -> Environment:
-    args = ["num_train=24", "num_test=8"] if quick else ENV_ARGS
-    return make_env(ENV, LEVEL, args)
+    return make_env(ENV, LEVEL, env_args(quick))
 
 
 TOKENIZER_GAMES = 200  # training games whose expert episodes the tokenizer reads: enough for their words
@@ -77,7 +81,6 @@ def make_agentic_models(out: Path, quick: bool = False, seed: int = 0, only: str
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     env = environment(quick)
-    env_args = ["num_train=24", "num_test=8"] if quick else ENV_ARGS
     if not (only and (out / "tokenizer" / "tokenizer.json").is_file()):
         math = get_task("arithmetic", level=2, seed=seed).examples("train")
         # The game transcripts are few and repetitive next to 20,000 solutions: weighted up so that
@@ -88,7 +91,7 @@ def make_agentic_models(out: Path, quick: bool = False, seed: int = 0, only: str
     common = dict(
         env=ENV,
         env_level=LEVEL,
-        env_args=env_args,
+        env_args=env_args(quick),
         seed=seed,
         tokenizer=str(out / "tokenizer"),
         batch_size=8 if quick else 32,
@@ -152,7 +155,7 @@ def run_agentic_demo(
         teacher=str(assets / "teacher"),
         env=ENV,
         env_level=LEVEL,
-        env_args=["num_train=24", "num_test=8"] if quick else ENV_ARGS,
+        env_args=env_args(quick),
         seed=seed,
         steps=3 if quick else steps,
         batch_size=8 if quick else 32,

@@ -362,7 +362,8 @@ def eval_stage(run: Run, step: int) -> dict:
     run.student.train()
     if res is None:
         return {}
-    if isinstance(run.test, GameSet):  # generated games have their files once opened
+    # Generated games have their files once opened, so they are kept after the first evaluation (once).
+    if isinstance(run.test, GameSet) and not (run.rundir.path / "eval.jsonl").is_file():
         run.rundir.write_jsonl("eval.jsonl", write_eval_games(run.rundir.path, run.test))
     record = {"step": step, **{f"eval/{k}": v for k, v in res.items()}}
     run.rundir.log_metrics(record)

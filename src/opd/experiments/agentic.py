@@ -19,10 +19,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from opd.config import EvalConfig, TrainConfig
-from opd.demo_agentic import ASSETS, ENV, ENV_ARGS, EVAL_SAMPLES, LEVEL, LIMITS, TOP_P
+from opd.demo_agentic import ASSETS, ENV, EVAL_SAMPLES, LEVEL, LIMITS, TOP_P, env_args
 from opd.errors import UserError
-from opd.experiments.common import diagnostics_plots, read_metrics, series, stability
-from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_done
+from opd.experiments.common import avg_at_k_claim, diagnostics_plots, final_scores, read_metrics, series, stability
+from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
 from opd.experiments.stats import mean_ci, verdict
 
 VARIANTS = {
@@ -32,7 +32,6 @@ VARIANTS = {
     "full-kl": dict(objective="full_kl", kl_direction="reverse"),
 }
 STEPS, BATCH = 100, 32
-QUICK_ENV_ARGS = ["num_train=24", "num_test=8"]
 COVERAGE = 0.08  # the paper's authors: ">92% coverage" of the student's tokens by the teacher's top-K
 
 
@@ -54,10 +53,6 @@ def make_quick_models(p: dict, run_dir: Path) -> dict:
     return make_agentic_models(Path(p["out"]), quick=True)
 
 
-def _env_args(s: Settings) -> list[str]:
-    return QUICK_ENV_ARGS if s.quick else ENV_ARGS
-
-
 def run_name(variant: str, seed: int) -> str:
     return f"{variant}/seed{seed}"
 
@@ -75,7 +70,7 @@ def plan(s: Settings) -> list[RunSpec]:
                 teacher=str(root / "teacher"),
                 env=ENV,
                 env_level=LEVEL,
-                env_args=_env_args(s),
+                env_args=env_args(s.quick),
                 seed=seed,
                 out=str(s.run_dir(name)),
                 steps=3 if s.quick else STEPS,
@@ -96,7 +91,7 @@ def plan(s: Settings) -> list[RunSpec]:
                 student=str(s.run_dir(name) / "final"),
                 env=ENV,
                 env_level=LEVEL,
-                env_args=_env_args(s),
+                env_args=env_args(s.quick),
                 seed=seed,
                 out=str(s.run_dir(name + "/eval")),
                 eval_size=cfg.eval_size,
@@ -106,10 +101,6 @@ def plan(s: Settings) -> list[RunSpec]:
             )
             specs += [RunSpec(name, "train", cfg), RunSpec(name + "/eval", "eval", evaluation)]
     return specs
-
-
-def _final(s: Settings, variant: str) -> list[dict]:
-    return [read_done(s, run_name(variant, k) + "/eval")["result"] for k in range(s.seeds)]
 
 
 def _out_of_support(s: Settings, variant: str) -> list[float]:
@@ -125,12 +116,12 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
     a = Analysis()
     rows = []
     for variant in VARIANTS:
-        final = _final(s, variant)
+        final = [final_scores(s, run_name(variant, k)) for k in range(s.seeds)]  # accuracy: greedy success
         st = [stability(read_metrics(s, run_name(variant, k))) for k in range(s.seeds)]
         rows.append(
             [
                 variant,
-                mean_ci([r["success_rate"] for r in final]).fmt(1, 100),
+                mean_ci([r["accuracy"] for r in final]).fmt(1, 100),
                 mean_ci([r["avg_at_k"] for r in final]).fmt(1, 100),
                 mean_ci(_out_of_support(s, variant)).fmt(1, 100),
                 mean_ci([x["grad_norm_cv"] for x in st]).fmt(2),
@@ -160,21 +151,8 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
 
 
 def _better(a: Analysis, s: Settings, claim: str, hi: str, lo: str) -> None:
-    runs = [[run_name(v, k) + "/eval" for k in range(s.seeds)] for v in (hi, lo)]
-    diffs = [
-        read_done(s, x)["result"]["avg_at_k"] - read_done(s, y)["result"]["avg_at_k"]
-        for x, y in zip(*runs, strict=True)
-    ]
-    v, ci = verdict(diffs)
-    a.claims.append(
-        Claim(
-            "2603.25562 (ALFWorld)",
-            claim,
-            f"CI of the paired avg@k difference ({hi} - {lo}) above 0",
-            v,
-            f"{ci.fmt(1, 100)} points",
-        )
-    )
+    runs = ([run_name(v, k) for k in range(s.seeds)] for v in (hi, lo))
+    avg_at_k_claim(a, s, "2603.25562 (ALFWorld)", claim, hi, lo, *runs)
 
 
 def _claims(a: Analysis, s: Settings) -> None:
