@@ -62,8 +62,10 @@ def _bpe(texts, vocab_size, special, prepend="first", byte_fallback=True):
     return out
 
 
-def make_teacher_tok(decoder: str = "llama", normalizer=None) -> PreTrainedTokenizerFast:
-    tok = _bpe(TEACHER_TEXTS, 300, ["<unk>", "<s>", "</s>"])
+def make_teacher_tok(
+    decoder: str = "llama", normalizer=None, texts=TEACHER_TEXTS, vocab_size: int = 300
+) -> PreTrainedTokenizerFast:
+    tok = _bpe(texts, vocab_size, ["<unk>", "<s>", "</s>"])
     if decoder == "llama":  # Llama-2's decoder: Replace, ByteFallback, Fuse, Strip one leading space
         tok.decoder = decoders.Sequence(
             [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]

@@ -17,6 +17,7 @@ from typing import Any, TypeVar, get_type_hints
 
 import yaml
 
+from opd.crosstok.align import PAIRINGS
 from opd.errors import UserError
 from opd.grading import check_answer_format
 from opd.losses import SUPPORT_KINDS
@@ -223,7 +224,34 @@ class TrainingSource(ModelSource):
 class TrainConfig(EnvSource, TrainingSource):
     """On-policy distillation: the student samples, the teacher scores, the student moves toward it."""
 
-    teacher: str = opt("", "Teacher model directory (same vocabulary as the student).")
+    teacher: str = opt(
+        "", "Teacher model directory (its own tokenizer too: see --cross-tokenizer and --teacher-tokenizer)."
+    )
+    teacher_tokenizer: str = opt(
+        "",
+        "Teacher tokenizer directory (default: the --teacher directory). With --teacher-url, the served "
+        "model's tokenizer: given and different from the student's, the server scores the teacher's own "
+        "tokenization (cross-tokenizer OPD).",
+    )
+    cross_tokenizer: str = opt(
+        "auto",
+        "Cross-tokenizer OPD, for a teacher with another tokenizer: auto (on when the two vocabularies differ), "
+        "on, or off (a different vocabulary is an error). The teacher reads the same text in its own chat "
+        "template and tokenization; its scores are aligned to the student's tokens by bytes. Trains lsm "
+        "(--support teacher_topk) or sampled (span reward); not full_kl, student-side supports or --env.",
+    )
+    cross_pairing: str = opt(
+        "group_start",
+        "Cross-tokenizer LSM: which student positions get the teacher's top-K. group_start: the first "
+        "token of every aligned group (both sides then read the same text prefix); one_to_one: only "
+        "tokens whose bytes are exactly one teacher token.",
+    )
+    teacher_special_map: list = opt(
+        [],
+        "Cross-tokenizer: student special tokens and the teacher's that stand for them, STUDENT=TEACHER, "
+        "comma-separated (e.g. '<|im_end|>=</s>'). Same-named specials pair by themselves; the student's "
+        "EOS pairs with the teacher's EOS unless given here.",
+    )
     teacher_dtype: str = opt(
         "",
         "In-process teacher's dtype (default: --dtype). The teacher is never trained, so it can "
@@ -348,9 +376,65 @@ class TrainConfig(EnvSource, TrainingSource):
         _require(
             bool(self.lora_targets), "lora_targets is empty; name linear layers (e.g. q_proj v_proj) or use all-linear"
         )
+        _require(
+            self.cross_tokenizer in CROSS_TOKENIZER,
+            f"cross_tokenizer={self.cross_tokenizer!r}: choose one of {', '.join(CROSS_TOKENIZER)}",
+        )
+        _require(
+            self.cross_pairing in PAIRINGS, f"cross_pairing={self.cross_pairing!r}: choose one of {', '.join(PAIRINGS)}"
+        )
+        parse_special_map(self.teacher_special_map)
+        if self.cross_tokenizer == "on":
+            check_cross_tokenizer(self)
         self.report_to = check_report_to(self.report_to)
         if self.mask_special is None:
             self.mask_special = self.objective == "lsm"
+
+
+CROSS_TOKENIZER = ("auto", "on", "off")
+
+
+def parse_special_map(items: list[str]) -> dict[str, str]:
+    """``--teacher-special-map`` items ``STUDENT=TEACHER`` (special token names; several comma-separated
+    or repeated), as a dict."""
+    out = {}
+    for item in (piece for value in items for piece in str(value).split(",") if piece.strip()):
+        student, sep, teacher = str(item).partition("=")
+        if not sep or not student.strip() or not teacher.strip():
+            raise ConfigError(
+                f"teacher_special_map item {item!r} is not STUDENT=TEACHER; write e.g. '<|im_end|>=</s>' "
+                "(a student special token, then the teacher's that stands for it)"
+            )
+        out[student.strip()] = teacher.strip()
+    return out
+
+
+def check_cross_tokenizer(cfg: TrainConfig) -> None:
+    """Refuse what a teacher with another tokenizer cannot score (``--cross-tokenizer on``, or auto on detection).
+
+    full_kl and the student-side supports need the teacher's log-probs of arbitrary student tokens,
+    i.e. its whole distribution over the student's vocabulary, which has no counterpart for most
+    tokens; teacher_topk_plus_sampled needs the teacher's log-prob of the student's token at a
+    position inside a many-to-many group; an episode's environment turns would need re-rendering.
+    """
+    fix = (
+        "use --objective lsm --support teacher_topk, or --objective sampled, or a teacher with the student's tokenizer"
+    )
+    _require(
+        cfg.objective != "full_kl",
+        f"objective=full_kl needs the teacher's distribution over the student's vocabulary, which a teacher with "
+        f"another tokenizer (cross_tokenizer) does not give; {fix}",
+    )
+    _require(
+        cfg.objective != "lsm" or cfg.support == "teacher_topk",
+        f"support={cfg.support} needs teacher log-probs of student-chosen tokens, which a teacher with another "
+        f"tokenizer (cross_tokenizer) does not give; {fix}",
+    )
+    _require(
+        not cfg.env,
+        "env: multi-turn episodes with a teacher of another tokenizer (cross_tokenizer) are not supported yet; "
+        "use a teacher with the student's tokenizer",
+    )
 
 
 @dataclass

@@ -153,8 +153,8 @@ def check_same_vocab(
         moved = sum(1 for tok, i in s_vocab.items() if tok in t_vocab and t_vocab[tok] != i)
         raise UserError(
             f"student and teacher tokenizers differ ({len(s_vocab)} vs {len(t_vocab)} tokens; {only_s} only in the "
-            f"student, {only_t} only in the teacher, {moved} with different ids); OPD here needs one vocabulary "
-            "(cross-tokenizer distillation is not supported yet): pick a teacher from the student's model family"
+            f"student, {only_t} only in the teacher, {moved} with different ids) and --cross-tokenizer is off: pick a "
+            "teacher from the student's model family, or train with --cross-tokenizer auto (cross-tokenizer OPD)"
         )
     s_rows = head_weight(student).shape[0]
     t_rows = head_weight(teacher).shape[0]

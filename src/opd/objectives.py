@@ -38,6 +38,17 @@ def loss_mask(batch: RolloutBatch, special_ids: list[int], mask_special: bool) -
     return mask
 
 
+def scored_loss_mask(mask_NT: torch.Tensor, scores: TeacherScores) -> torch.Tensor:
+    """The loss mask without the positions the teacher did not score (``scores.position_mask_NT``:
+    a cross-tokenizer teacher's unaligned positions). Their share of the loss positions is recorded
+    in ``scores.metrics`` as ``cross/dropped``, so it is logged with the step."""
+    if scores.position_mask_NT is None:
+        return mask_NT
+    kept_NT = mask_NT & scores.position_mask_NT
+    scores.metrics["cross/dropped"] = float((mask_NT & ~kept_NT).sum()) / max(int(mask_NT.sum()), 1)
+    return kept_NT
+
+
 @torch.no_grad()
 def student_topk_ids(student, batch: RolloutBatch, k: int) -> torch.Tensor:
     """The student's own top-K at each response position (for student-side supports)."""

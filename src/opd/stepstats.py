@@ -2,7 +2,8 @@
 
 Metric keys are namespaced: ``train/`` (loss, grad norm, clipping, lr), ``rollout/`` (length, EOS
 rate, repetition, accuracy), ``diag/`` (the papers' diagnostics), ``depth/`` (per-position values
-in equal-width depth buckets, for drift with depth), ``time/``. The full-vocabulary diagnostics
+in equal-width depth buckets, for drift with depth), ``time/``, and with a cross-tokenizer teacher
+``cross/`` (one-to-one share, mapped top-K mass, dropped loss positions). The full-vocabulary diagnostics
 use the student and teacher logits at the step's sampled diagnostic positions; the cheap ones
 (sampled-token rewards, out-of-support share) use every position of the action mask. Lengths and
 rates count the tokens the model wrote (the action mask), never the environment's tokens between
@@ -108,6 +109,7 @@ def step_metrics(
         ),
         "depth/reward": depth_reward.tolist(),
         "depth/loss": depth_loss.tolist(),
+        **scores.metrics,  # cross/ diagnostics of a cross-tokenizer teacher
     }
 
 
@@ -132,6 +134,7 @@ def metric_weights(batch, mask_NT: torch.Tensor, n_diag: int, horizon: int) -> d
     return {
         "rollout/": batch.num_rollouts,
         "diag/": int(resp.sum()),
+        "cross/": int(resp.sum()),
         **{k: n_diag for k in FULL_VOCAB_KEYS},
         "train/loss_tokens": "sum",
         "time/": "max",

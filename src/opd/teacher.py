@@ -6,12 +6,18 @@ exactly the student's token ids and returns, per position the student wrote (a m
 episode's environment tokens are read as context but not scored), its top-K tokens with
 full-vocabulary log-probs, its log-prob of the sampled token, and optionally its log-probs of
 other query tokens (for student-side or union supports). Nothing here builds a gradient.
+
+A teacher with another tokenizer (``--cross-tokenizer``, detected by comparing vocabularies) is
+wrapped in :class:`opd.crosstok.scorer.CrossTokenizerTeacher`, which scores the teacher's own
+tokenization of the same text and returns its scores in the student's frame.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import os
+import sys
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -32,6 +38,9 @@ class TeacherScores:
         sampled_logprobs_NT: (N, T) -- teacher log-prob of the student's sampled token
         query_logprobs_NTQ: (N, T, Q) or None -- teacher log-probs of the requested query ids
         diag_logits_MV: (M, V) or None -- full teacher logits at the requested diagnostic positions
+        position_mask_NT: (N, T) bool or None -- the positions the teacher scored (None: all); a
+            cross-tokenizer teacher leaves unaligned positions out, and the loss mask drops them
+    ``metrics``: scalar diagnostics of the scoring, logged with the step (``cross/...``).
     """
 
     topk_ids_NTK: torch.Tensor
@@ -39,11 +48,16 @@ class TeacherScores:
     sampled_logprobs_NT: torch.Tensor
     query_logprobs_NTQ: torch.Tensor | None = None
     diag_logits_MV: torch.Tensor | None = None
+    position_mask_NT: torch.Tensor | None = None
+    metrics: dict = field(default_factory=dict)
 
     def select(self, rows: slice) -> TeacherScores:
-        """The rows of a micro-batch (diagnostic logits are not per row and are dropped)."""
+        """The rows of a micro-batch (diagnostic logits and metrics are not per row and are dropped)."""
         q = None if self.query_logprobs_NTQ is None else self.query_logprobs_NTQ[rows]
-        return TeacherScores(self.topk_ids_NTK[rows], self.topk_logprobs_NTK[rows], self.sampled_logprobs_NT[rows], q)
+        pos = None if self.position_mask_NT is None else self.position_mask_NT[rows]
+        return TeacherScores(
+            self.topk_ids_NTK[rows], self.topk_logprobs_NTK[rows], self.sampled_logprobs_NT[rows], q, None, pos
+        )
 
 
 class TeacherScorer(Protocol):
@@ -153,13 +167,17 @@ class HFTeacher:
 
 
 def make_teacher(cfg, student, tokenizer):
-    """The trainer's teacher: in-process from ``cfg.teacher``, or served at ``cfg.teacher_url``."""
+    """The trainer's teacher: in-process from ``cfg.teacher``, or served at ``cfg.teacher_url``; wrapped
+    for cross-tokenizer OPD when its tokenizer differs (``cfg.cross_tokenizer``)."""
     from opd.teacher_http import SERVED_OBJECTIVES, HTTPTeacher  # it imports this module
 
     if not cfg.teacher_url:
         teacher_model = load_model(cfg.teacher, "teacher", cfg.teacher_dtype or cfg.dtype, model_device(student))
-        check_same_vocab(tokenizer, load_tokenizer(cfg.teacher, "teacher"), student, teacher_model)
-        return HFTeacher(teacher_model)
+        teacher_tok = load_tokenizer(cfg.teacher_tokenizer or cfg.teacher, "teacher")
+        if not uses_cross_tokenizer(cfg, tokenizer, teacher_tok):
+            check_same_vocab(tokenizer, teacher_tok, student, teacher_model)
+            return HFTeacher(teacher_model)
+        return cross_tokenizer_teacher(cfg, HFTeacher(teacher_model), tokenizer, teacher_tok)
     if cfg.teacher:
         raise UserError("both --teacher and --teacher-url are set; give one (a model directory or a served teacher)")
     needs_more = cfg.objective == "full_kl" or (
@@ -171,10 +189,41 @@ def make_teacher(cfg, student, tokenizer):
             f"vLLM-format server does not return; with --teacher-url use {SERVED_OBJECTIVES}, "
             "or use --teacher DIR"
         )
-    return HTTPTeacher(
-        cfg.teacher_url,
-        tokenizer,
-        head_weight(student).shape[0],
-        timeout=cfg.teacher_timeout,
-        retries=cfg.teacher_retries,
+    client = dict(timeout=cfg.teacher_timeout, retries=cfg.teacher_retries)
+    if cfg.teacher_tokenizer:
+        teacher_tok = load_tokenizer(cfg.teacher_tokenizer, "teacher")
+        if uses_cross_tokenizer(cfg, tokenizer, teacher_tok):
+            # The server scores teacher-token sequences; its head size comes from its /opd/vocab answer.
+            inner = HTTPTeacher(cfg.teacher_url, teacher_tok, None, **client)
+            return cross_tokenizer_teacher(cfg, inner, tokenizer, teacher_tok)
+    return HTTPTeacher(cfg.teacher_url, tokenizer, head_weight(student).shape[0], **client)
+
+
+def uses_cross_tokenizer(cfg, student_tok, teacher_tok) -> bool:
+    """``--cross-tokenizer``: on, off, or auto (on exactly when the two vocabularies differ)."""
+    if cfg.cross_tokenizer == "auto":
+        return student_tok.get_vocab() != teacher_tok.get_vocab()
+    return cfg.cross_tokenizer == "on"
+
+
+def cross_tokenizer_teacher(cfg, inner: TeacherScorer, student_tok, teacher_tok) -> TeacherScorer:
+    """``inner`` wrapped to score in the student's frame, after the options it cannot do are refused."""
+    from opd.config import check_cross_tokenizer, parse_special_map
+    from opd.crosstok.scorer import CrossTokenizerTeacher  # it imports this module
+
+    check_cross_tokenizer(cfg)
+    rows = head_weight(inner.model).shape[0] if isinstance(inner, HFTeacher) else inner.vocab_rows
+    if cfg.k > rows:
+        raise UserError(f"k={cfg.k} is larger than the teacher's vocabulary ({rows} tokens); choose --k <= {rows}")
+    teacher = CrossTokenizerTeacher(
+        inner,
+        student_tok,
+        teacher_tok,
+        objective=cfg.objective,
+        pairing=cfg.cross_pairing,
+        special_map=parse_special_map(cfg.teacher_special_map),
+        teacher_rows=rows,
     )
+    if os.environ.get("RANK", "0") == "0":  # one line per run, not one per rank (torchrun/accelerate set RANK)
+        print(f"opd train: {teacher.notice}", file=sys.stderr, flush=True)
+    return teacher

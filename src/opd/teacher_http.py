@@ -51,13 +51,16 @@ def vocab_info(tokenizer, head_rows: int) -> dict:
 class HTTPTeacher:
     """A served teacher behind :class:`~opd.teacher.TeacherScorer` (top-K and sampled log-probs).
 
-    ``binary=False`` keeps vLLM's JSON answers even from an opd server that offers the binary ones."""
+    ``tokenizer`` is the one whose ids are sent (the student's; a cross-tokenizer teacher's own).
+    ``vocab_rows``: the output rows the ids must fall in; None takes the head size an opd server
+    reports (the tokenizer's size from a foreign server). ``binary=False`` keeps vLLM's JSON answers
+    even from an opd server that offers the binary ones."""
 
     def __init__(
         self,
         url: str,
         tokenizer,
-        vocab_rows: int,
+        vocab_rows: int | None,
         *,
         timeout: float = 120.0,
         retries: int = 3,
@@ -135,14 +138,17 @@ class HTTPTeacher:
         """opd's server's ``/opd/vocab`` answer once it matches the student's; ``None`` from a foreign server."""
         theirs = self._request("GET", "/opd/vocab", missing_ok=True)
         if theirs is None:
+            self.vocab_rows = self.vocab_rows or len(tokenizer)
             warnings.warn(
                 f"teacher server {self.url} does not report its vocabulary (not an opd server), so it "
                 "could not be verified; make sure it serves a model with the student's tokenizer",
                 stacklevel=3,
             )
             return None
-        ours = vocab_info(tokenizer, self.vocab_rows)
         theirs = theirs if isinstance(theirs, dict) else {}
+        if self.vocab_rows is None and isinstance(theirs.get("head_rows"), int):
+            self.vocab_rows = theirs["head_rows"]
+        ours = vocab_info(tokenizer, self.vocab_rows or len(tokenizer))
         if theirs.get("sha256") != ours["sha256"] or theirs.get("head_rows") != ours["head_rows"]:
             raise UserError(
                 f"the served teacher's vocabulary ({theirs.get('tokens')} tokens, {theirs.get('head_rows')} "

@@ -49,7 +49,15 @@ from opd.errors import UserError
 from opd.evaluation import evaluate_model
 from opd.lora import apply_lora, load_weights
 from opd.models import disable_dropout, head_weight, load_model, load_tokenizer, resolve_device
-from opd.objectives import NEEDS_STUDENT_TOPK, LossTotals, loss_mask, objective_loss, reduce_loss, student_topk_ids
+from opd.objectives import (
+    NEEDS_STUDENT_TOPK,
+    LossTotals,
+    loss_mask,
+    objective_loss,
+    reduce_loss,
+    scored_loss_mask,
+    student_topk_ids,
+)
 from opd.optim import make_optimizer, make_scheduler, rng_state, set_rng_state
 from opd.progress import progress_bar
 from opd.rollout import HFRollout, RolloutBatch
@@ -400,6 +408,7 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
             mask_NT = loss_mask(batch, run.special_ids, cfg.mask_special)
             diag_M = diag_index(mask_NT, cfg.diag_positions, step, cfg.seed)
             scores, student_ids = score_stage(run, batch, diag_M)
+            mask_NT = scored_loss_mask(mask_NT, scores)  # a cross-tokenizer teacher leaves unaligned positions out
             t2 = time.perf_counter()
             upd = update_stage(run, step, batch, scores, student_ids, mask_NT, diag_M)
             t3 = time.perf_counter()

@@ -1,7 +1,9 @@
 """Foundations of cross-tokenizer on-policy distillation: a teacher with another vocabulary.
 
 The student samples a response; the teacher reads the same *text* in its own tokenization and
-chat template. These building blocks relate the two (they are not wired into ``opd train`` yet):
+chat template. These building blocks relate the two; :class:`opd.crosstok.scorer.CrossTokenizerTeacher`
+puts them behind the trainer's teacher protocol (``opd train --cross-tokenizer``; not imported
+here, since it depends on the trainer's teacher module):
 
 * :mod:`~opd.crosstok.token_bytes` -- :class:`VocabBytes`: every token's UTF-8 bytes (byte-level
   ``Ġ`` alphabet, SentencePiece ``▁`` and ``<0xNN>`` byte fallback), and each token's exact byte
@@ -13,11 +15,11 @@ chat template. These building blocks relate the two (they are not wired into ``o
 * :mod:`~opd.crosstok.vocab_map` -- :func:`build_vocab_map`: the teacher -> student id map by
   bytes, as an index tensor (and one for the first token of a text, where SentencePiece drops the
   prefix space), with a clear error when the vocabularies share almost nothing.
-* :mod:`~opd.crosstok.template` -- :func:`render_for_teacher`: the student's messages in the
-  teacher's chat template.
+* :mod:`~opd.crosstok.template` -- :func:`messages_from_prompt`: the messages of a student prompt
+  (its template inverted); :func:`render_for_teacher`: messages in the teacher's chat template.
 
-The losses that use them are pure torch, in :mod:`opd.losses.cross` (re-exported here; not yet
-in ``opd.losses.__all__``, whose exact list ``tests/test_losses.py`` pins):
+The losses that use them are pure torch, in :mod:`opd.losses.cross` (re-exported here, not in
+``opd.losses.__all__``):
 :func:`cross_tokenizer_local_support_kl` (LSM over the teacher's top-K tokens that map into the
 student vocabulary; equal to :func:`opd.losses.local_support_kl` for identical tokenizers),
 :func:`span_reward` (sampled-token OPD per aligned group) and two diagnostics.
@@ -51,7 +53,7 @@ from opd.crosstok.align import (
     align_spans,
     alignment_tensors,
 )
-from opd.crosstok.template import render_for_teacher, teacher_prompt_and_response_ids
+from opd.crosstok.template import messages_from_prompt, render_for_teacher, teacher_prompt_and_response_ids
 from opd.crosstok.token_bytes import TokenSpans, VocabBytes, byte_level_alphabet
 from opd.crosstok.vocab_map import VocabMap, build_vocab_map
 from opd.losses.cross import (
@@ -81,6 +83,7 @@ __all__ = [
     "cross_tokenizer_local_support_kl",
     "cross_tokenizer_support",
     "mapped_topk_mass",
+    "messages_from_prompt",
     "one_to_one_share",
     "render_for_teacher",
     "span_reward",

@@ -5,6 +5,10 @@ messages in *its* chat template, not the student's template text re-tokenized. T
 tokenized on its own (no special tokens added), so that its ids start exactly where the
 student's response starts and the two can be aligned by bytes (:mod:`opd.crosstok.align`).
 
+The trainer holds only the student's prompt *ids*; :func:`messages_from_prompt` recovers the
+messages from them by inverting the student's own template (rendered once with placeholder
+contents, whose literal text around them must then match the prompt).
+
 A template that cannot render a role raises in Jinja (``raise_exception('System role not
 supported')``), and some templates drop a role without a word; both become a
 :class:`opd.errors.UserError` naming the role and the fix.
@@ -19,11 +23,49 @@ Usage::
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from opd.errors import UserError
 
-__all__ = ["render_for_teacher", "teacher_prompt_and_response_ids"]
+__all__ = ["messages_from_prompt", "render_for_teacher", "teacher_prompt_and_response_ids"]
+
+# opd prompts are one user turn, after a system turn or not (opd.data, opd.tokenizer.format_prompt).
+_PROMPT_SHAPES = (("system", "user"), ("user",))
+
+
+def _tokenizer_name(tok) -> str:
+    return getattr(tok, "name_or_path", "") or type(tok).__name__
+
+
+def messages_from_prompt(student_tokenizer, prompt_text: str) -> list[dict]:
+    """The messages a generation prompt was rendered from with the student's chat template.
+
+    The template is rendered with placeholder contents (private-use characters, which no prompt
+    holds) for each prompt shape opd writes; the text between the placeholders is the template's
+    own (markers, role names), and the prompt must consist of exactly that text around the
+    contents. Raises UserError when no shape matches (a prompt not made by the template).
+    """
+    name = _tokenizer_name(student_tokenizer)
+    for roles in _PROMPT_SHAPES:
+        holders = [f"\ue000{i}\ue001" for i in range(len(roles))]
+        try:
+            probe = student_tokenizer.apply_chat_template(
+                [{"role": r, "content": h} for r, h in zip(roles, holders)], tokenize=False, add_generation_prompt=True
+            )
+        except Exception:  # this template refuses the shape (no system role): try the next
+            continue
+        if any(probe.count(h) != 1 for h in holders):
+            continue
+        pattern = "(.*)".join(re.escape(piece) for piece in re.split("|".join(holders), probe))
+        found = re.fullmatch(pattern, prompt_text, re.DOTALL)
+        if found:
+            return [{"role": r, "content": c} for r, c in zip(roles, found.groups())]
+    raise UserError(
+        f"a student prompt is not a user turn (after an optional system turn) of the student's chat template "
+        f"({name!r}), so it cannot be re-rendered for the teacher: {prompt_text[:80]!r}. Build prompts with the "
+        "student tokenizer's apply_chat_template (as opd's prompt sets do)"
+    )
 
 
 def render_for_teacher(teacher_tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
@@ -32,7 +74,7 @@ def render_for_teacher(teacher_tokenizer, messages: Sequence[dict], add_generati
     Raises UserError when the tokenizer has no chat template, the template refuses a role, or
     a message's content is missing from the rendered text (a role the template silently drops).
     """
-    name = getattr(teacher_tokenizer, "name_or_path", "") or type(teacher_tokenizer).__name__
+    name = _tokenizer_name(teacher_tokenizer)
     roles = sorted({m["role"] for m in messages})
     if not getattr(teacher_tokenizer, "chat_template", None):
         raise UserError(
@@ -83,7 +125,7 @@ def teacher_prompt_and_response_ids(
         end_id = teacher_tokenizer.convert_tokens_to_ids(end_token)
         unknown = end_id == teacher_tokenizer.unk_token_id and end_token != teacher_tokenizer.unk_token
         if end_id is None or unknown:
-            name = getattr(teacher_tokenizer, "name_or_path", "") or type(teacher_tokenizer).__name__
+            name = _tokenizer_name(teacher_tokenizer)
             raise UserError(
                 f"end_token {end_token!r} is not a token of the teacher tokenizer ({name!r}): pass its EOS or "
                 f"end-of-turn token, e.g. {teacher_tokenizer.eos_token!r}"
