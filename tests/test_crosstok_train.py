@@ -164,8 +164,10 @@ def _student_batch(tok, prompt: str, responses: list[str]) -> RolloutBatch:
     )
 
 
-@pytest.mark.parametrize("objective", ["lsm", "sampled"])
-def test_scorer_by_hand(cross_models, objective):
+@pytest.mark.parametrize(
+    "objective, pairing", [("lsm", "group_start"), ("lsm", "one_to_one"), ("sampled", "group_start")]
+)
+def test_scorer_by_hand(cross_models, objective, pairing):
     student, _, teacher_dir = cross_models
     s_tok, t_tok = load_tokenizer(student, "student"), load_tokenizer(teacher_dir, "teacher")
     s_vb, t_vb = crosstok.VocabBytes.from_tokenizer(s_tok), crosstok.VocabBytes.from_tokenizer(t_tok)
@@ -173,7 +175,7 @@ def test_scorer_by_hand(cross_models, objective):
     unmapped = next(v for v, b in enumerate(t_vb.token_bytes) if b is not None and b not in s_by_bytes)
     top = [t_tok.convert_tokens_to_ids(t) for t in ("▁The", "9", "<0x0A>")] + [unmapped]
     fixed = _FixedTeacher(top, [-0.5, -1.5, -2.0, -3.0])
-    scorer = CrossTokenizerTeacher(fixed, s_tok, t_tok, objective=objective)
+    scorer = CrossTokenizerTeacher(fixed, s_tok, t_tok, objective=objective, pairing=pairing)
     responses = ["<think>3 + 4 = 7.</think> The answer is \\boxed{7}", "The answer is 12"]
     batch = _student_batch(s_tok, "Compute 3 + 4.", responses)
     scores = scorer.score(batch, 4)
@@ -192,7 +194,8 @@ def test_scorer_by_hand(cross_models, objective):
         for g in al.groups:  # the span reward on the group's last student token
             t_sum = sum(-0.1 * (j + 1) for j in g.teacher)
             reward[g.student[-1]] = t_sum - sum(-0.05 * (i + 1) for i in g.student)
-            paired[g.student[0]] = g.byte_start == 0 < g.byte_end
+            if pairing == "group_start" or g.one_to_one:
+                paired[g.student[0]] = g.byte_start == 0 < g.byte_end
         got = scores.sampled_logprobs_NT[n, : len(s_ids)] - batch.logprobs_NT[n, : len(s_ids)]
         torch.testing.assert_close(got, torch.tensor(reward), rtol=0, atol=2e-6)
         for i in range(len(s_ids)):
