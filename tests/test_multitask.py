@@ -214,6 +214,33 @@ def test_each_rollout_is_scored_by_its_own_tasks_teacher(tiny_models, teacher2, 
     assert all(("turns" in r) == (r["task"] == "toy") for r in records)
 
 
+def test_a_teacher_server_that_is_down_names_its_task(tiny_models, teacher2, tmp_path, monkeypatch):
+    from helpers import free_port
+
+    down = [{"name": "math"}, {"name": "game", "teacher_url": f"http://127.0.0.1:{free_port()}"}]
+    cfg = mt_cfg(tiny_models, tmp_path / "a", down, teacher_retries=0, teacher_timeout=2.0)
+    with pytest.raises(UserError, match="task 'game': teacher server .* is unreachable"):
+        train_mod.setup(cfg)
+    # one that goes down mid-run stops it, naming the task; the last checkpoint stays
+    real_make = train_mod.make_teacher
+
+    class GoesDown(_Spy):
+        def score(self, batch, k, **kw):
+            self.log.append(1)
+            if len(self.log) > 1:
+                raise UserError("teacher server http://x is unreachable after 4 attempts")
+            return self.real.score(batch, k, **kw)
+
+    def make(cfg, student, tok):
+        real = real_make(cfg, student, tok)
+        return GoesDown(real, "t2", []) if cfg.teacher == str(teacher2) else real
+
+    monkeypatch.setattr(train_mod, "make_teacher", make)
+    with pytest.raises(UserError, match="task 'hard': teacher server http://x is unreachable"):
+        train_mod.train(mt_cfg(tiny_models, tmp_path / "b", two_math(teacher2), task_mode="mix"), show_progress=False)
+    assert (tmp_path / "b" / "checkpoints" / "latest").read_text().strip() == "step_0000000"
+
+
 # ----------------------------------------------------------------------------- runs
 
 
@@ -254,6 +281,26 @@ def test_math_and_a_game_in_one_run_from_a_config_file(tiny_models, teacher2, tm
     assert [g["game"] for g in games] == [f"toy-test-{i}" for i in range(3)]
     assert not (out / "eval.jsonl").exists()
     assert [t["name"] for t in json.loads((out / "config.json").read_text())["tasks"]] == ["math", "toy"]
+    check_report_splits_by_task(out)
+
+
+def check_report_splits_by_task(out) -> None:
+    """The report of a multi-task run: each chart's series split by task, per-task depth heatmaps."""
+    from opd.report import write_report
+    from opd.report.charts import build_charts, summary_rows
+    from opd.report.load import load_runs
+
+    runs = load_runs([out])
+    charts = {c["id"]: c for c in build_charts(runs)}
+    loss = charts["loss"]["series"]
+    assert [s["label"] for s in loss] == ["run", "run · math", "run · toy"]
+    assert len({s["color"] for s in loss}) == 3
+    assert [s["x"] for s in loss[1:]] == [[0, 2], [1]]  # each task's own steps
+    assert {s["label"] for s in charts["eval-accuracy"]["series"]} >= {"run · math greedy", "run · toy avg@k"}
+    assert [s["label"] for s in charts["turns"]["series"]] == ["run", "run · toy"]
+    assert {"depth-reward-math-run", "depth-reward-toy-run", "depth-loss-toy-run"} <= set(charts)
+    assert "math " in summary_rows(runs)[0]["after"] and "toy " in summary_rows(runs)[0]["after"]
+    assert write_report([out], out / "report", show_progress=False).is_file()
 
 
 def test_per_task_metrics_add_up_to_the_overall_ones_in_mix_mode(tiny_models, teacher2, tmp_path):
