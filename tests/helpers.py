@@ -139,10 +139,10 @@ def train_killed_at(cfg, step: int, monkeypatch) -> None:
 
     real_rollout = train_mod.rollout_stage
 
-    def dies(run, s):
+    def dies(run, s, *args):
         if s == step:
             raise KeyboardInterrupt("simulated kill")
-        return real_rollout(run, s)
+        return real_rollout(run, s, *args)
 
     monkeypatch.setattr(train_mod, "rollout_stage", dies)
     try:

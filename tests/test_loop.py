@@ -37,7 +37,7 @@ def test_constant_sum_weighs_a_token_the_same_whatever_the_batch_length(tiny_mod
         mask_NT[0, :longest] = True
         loss_NT = torch.zeros(4, longest)
         loss_NT[1, 0] = 1.0  # the same token, with the same loss, in both batches
-        totals = train_mod.global_totals(run, mask_NT)
+        totals = train_mod.global_totals(run, [mask_NT], [cfg.max_new_tokens])
         weights.append(float(reduce_loss("constant_sum", loss_NT, mask_NT, totals)))
     assert weights[0] == weights[1] == pytest.approx(1.0 / (4 * 16))
 
@@ -163,7 +163,8 @@ def test_updates_per_batch_with_an_analytic_loss(tiny_models, tmp_path, objectiv
     diag = train_mod.diag_index(mask, run.cfg.diag_positions, 0, run.cfg.seed)
     scores, ids = train_mod.score_stage(run, batch, diag)
     before = {n: p.detach().clone() for n, p in run.student.named_parameters()}
-    train_mod.update_stage(run, 0, batch, scores, ids, mask, diag)
+    part = train_mod.StepPart(run.tasks[0], batch, list(range(batch.num_rollouts)), None, mask, diag, scores, ids)
+    train_mod.update_stage(run, 0, [part])
     assert run.scheduler.last_epoch == 2
     shutil.rmtree(twice.out)
     train_mod.train(twice, show_progress=False)

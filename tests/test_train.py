@@ -272,10 +272,10 @@ def test_steps_make_no_tensor_on_the_default_device(tiny_models, tmp_path, monke
 
     real = train_mod.rollout_stage
 
-    def on_meta_from_step_1(run, step):
+    def on_meta_from_step_1(run, step, *args):
         if step >= 1:
             torch.set_default_device("meta")
-        return real(run, step)
+        return real(run, step, *args)
 
     monkeypatch.setattr(train_mod, "rollout_stage", on_meta_from_step_1)
     served = objective.pop("served", None)

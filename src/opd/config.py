@@ -332,6 +332,17 @@ class TrainConfig(EnvSource, TrainingSource):
         "(e.g. q_proj,v_proj); all-linear: every linear layer of the blocks.",
     )
     lora_dropout: float = opt(0.0, "Dropout on the LoRA branch's input.")
+    tasks: list | None = opt(
+        None,
+        "Multi-task OPD: the run's tasks, each with its own teacher, data or environment and settings "
+        "(a list in the --config file, or a YAML/JSON file holding it); see opd.multitask. Unset: one "
+        "task, given by the options above.",
+    )
+    task_mode: str = opt(
+        "alternate",
+        "With tasks: alternate (each step trains on one task, chosen by share, seed and step) or mix "
+        "(every step holds every task's sub-batch, each scored by its own teacher, one optimizer step).",
+    )
 
     def __post_init__(self) -> None:
         self._check_common()
@@ -389,6 +400,15 @@ class TrainConfig(EnvSource, TrainingSource):
         self.report_to = check_report_to(self.report_to)
         if self.mask_special is None:
             self.mask_special = self.objective == "lsm"
+        _require(
+            self.task_mode in ("alternate", "mix"),
+            f"task_mode={self.task_mode!r}: alternate (one task per step) or mix (every task at every step)",
+        )
+        if self.tasks is not None:
+            from opd.multitask import read_task_list, resolve_tasks  # it builds TrainConfigs
+
+            self.tasks = read_task_list(self.tasks)
+            resolve_tasks(self)  # every task's settings are checked here, before any work
 
 
 CROSS_TOKENIZER = ("auto", "on", "off")
@@ -535,11 +555,16 @@ def build_config(
                 raise ConfigError(f"unknown option {key!r} in the {source} for {cls.__name__}{hint}")
             if value is not None:
                 merged[key] = value
+    return cls(**coerce_numbers(cls, merged))
+
+
+def coerce_numbers(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with whole numbers given for float fields made floats (YAML reads ``lr: 1`` as an int)."""
     hints = get_type_hints(cls)
-    for key, value in merged.items():
-        if hints[key] is float and isinstance(value, int) and not isinstance(value, bool):
-            merged[key] = float(value)
-    return cls(**merged)
+    return {
+        k: float(v) if hints.get(k) is float and isinstance(v, int) and not isinstance(v, bool) else v
+        for k, v in values.items()
+    }
 
 
 def dump_config(cfg: Any, path: str | Path) -> None:

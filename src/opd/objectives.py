@@ -80,6 +80,8 @@ class LossTotals:
     In data-parallel training the counts are those of the global batch (summed over ranks) and
     ``ranks`` is the number of ranks. ``horizon`` is the configured ``max_new_tokens``, never a
     length measured on the batch: ``constant_sum`` then weighs every token the same at every step.
+    ``budget`` is what ``constant_sum`` divides by: rollouts x horizon, or in a multi-task mixed
+    batch the sum over its tasks of rollouts x that task's horizon (0: rollouts x horizon).
     """
 
     tokens: int
@@ -87,6 +89,7 @@ class LossTotals:
     rollouts: int
     horizon: int
     ranks: int = 1
+    budget: int = 0
 
 
 def reduce_loss(kind: str, loss_NT: torch.Tensor, mask_NT: torch.Tensor, totals: LossTotals) -> torch.Tensor:
@@ -103,7 +106,7 @@ def reduce_loss(kind: str, loss_NT: torch.Tensor, mask_NT: torch.Tensor, totals:
         seqs = int((mask_NT.sum(-1) > 0).sum())
         loss = L.sequence_mean(loss_NT, mask_NT) * seqs / max(totals.sequences, 1)
     else:
-        loss = L.constant_sum(loss_NT, mask_NT, totals.rollouts * totals.horizon)
+        loss = L.constant_sum(loss_NT, mask_NT, totals.budget or totals.rollouts * totals.horizon)
     return loss * totals.ranks if totals.ranks != 1 else loss
 
 

@@ -117,6 +117,7 @@ class RunDir:
 
     def write_jsonl(self, name: str, records: Iterable[dict]) -> None:
         if self.enabled:
+            (self.path / name).parent.mkdir(parents=True, exist_ok=True)  # a task's own files: tasks/<name>/
             _atomic_write_text(self.path / name, "".join(json.dumps(r) + "\n" for r in records))
 
     def truncate_logs_after(self, step: int) -> None:

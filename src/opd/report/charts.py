@@ -7,6 +7,10 @@ top when a run has many steps; ``marks`` flag steps such as clipped gradients; `
 reference levels), ``heatmap`` (a value by position bucket over steps), ``scatter`` (student vs
 teacher probability of sampled tokens, split by the sign of the reward).
 
+A multi-task run (``tasks`` in its config) logs each task's metrics under the task's name
+(``math/train/loss``, ``eval/math/accuracy``): its line charts get one more series per task
+("run · task", a colour of its own) beside the overall one, and its depth heatmaps one per task.
+
 Usage::
 
     from opd.report.charts import build_charts
@@ -153,16 +157,35 @@ def _series(run: RunData, color: int, key: str, suffix: str, dashed: bool, recor
     return s
 
 
+def task_names(run: RunData) -> list[str]:
+    """A multi-task run's task names, from its config (empty for a single-task run)."""
+    tasks = run.config.get("tasks")
+    if not isinstance(tasks, list):
+        return []
+    return [t["name"] for t in tasks if isinstance(t, dict) and isinstance(t.get("name"), str)]
+
+
+def task_keys(runs: list[RunData], run_index: int, key: str) -> list[tuple[str, str, int]]:
+    """(metric key, label suffix, colour) of a run's overall series and of each of its tasks' series;
+    a task's colour comes after every run's own, so no two series of the page share one."""
+    out = [(key, "", run_index)]
+    for j, name in enumerate(task_names(runs[run_index])):
+        scoped = f"eval/{name}/{key[5:]}" if key.startswith("eval/") else f"{name}/{key}"
+        out.append((scoped, f" · {name}", run_index + len(runs) * (j + 1)))
+    return out
+
+
 def line_chart(runs: list[RunData], cid: str, title: str, keys, ylabel: str, note: str, group: str) -> dict:
     series = []
-    for color, run in enumerate(runs):
+    for i, run in enumerate(runs):
         for key, suffix, dashed in keys:
-            s = _series(run, color, key, suffix, dashed, run.steps)
-            if s is None:
-                continue
-            if cid == "grad-norm":
-                s["marks"] = [r["step"] for r in run.steps if r.get("train/clipped") is True]
-            series.append(s)
+            for scoped, task, color in task_keys(runs, i, key):
+                s = _series(run, color, scoped, task + suffix, dashed, run.steps)
+                if s is None:
+                    continue
+                if cid == "grad-norm":
+                    s["marks"] = [r["step"] for r in run.steps if r.get("train/clipped") is True]
+                series.append(s)
     hlines = []
     if cid == "grad-norm":
         limits = sorted({r.config["max_grad_norm"] for r in runs if r.config.get("max_grad_norm")})
@@ -181,9 +204,19 @@ def line_chart(runs: list[RunData], cid: str, title: str, keys, ylabel: str, not
     }
 
 
+def _plays_games(run: RunData) -> set[bool]:
+    """Whether the run's tasks are environments (one answer per task of a multi-task run)."""
+    tasks = run.config.get("tasks")
+    if isinstance(tasks, list) and tasks:
+        return {
+            bool(t.get("env", run.config.get("env") if "task" not in t else "")) for t in tasks if isinstance(t, dict)
+        }
+    return {bool(run.config.get("env"))}
+
+
 def rate_word(runs: list[RunData]) -> str:
     """What "correct" is called: an agentic run's episode is won, so its accuracy is a success rate."""
-    agentic = {bool(r.config.get("env")) for r in runs}
+    agentic = set().union(*(_plays_games(r) for r in runs))
     return {frozenset({True}): "success rate", frozenset({True, False}): "accuracy / success rate"}.get(
         frozenset(agentic), "accuracy"
     )
@@ -207,14 +240,16 @@ def eval_chart(runs: list[RunData]) -> dict:
     """Eval accuracy (an agentic run's success rate) over steps (greedy solid, avg@k dashed), with the
     teacher and the start as references."""
     series, greedy_keys = [], set()
-    for color, run in enumerate(runs):
-        greedy = "eval/success_rate" if run.config.get("env") else "eval/accuracy"
+    for i, run in enumerate(runs):
+        # a game's accuracy is its success rate; a multi-task run's overall is the mean over its tasks
+        greedy = "eval/success_rate" if run.config.get("env") and not task_names(run) else "eval/accuracy"
         greedy_keys.add(greedy)
         for key, suffix, dashed in ((greedy, " greedy", False), ("eval/avg_at_k", " avg@k", True)):
-            s = _series(run, color, key, suffix, dashed, run.evals)
-            if s:
-                s.pop("smooth", None)  # few points, each an evaluation over many prompts
-                series.append(s)
+            for scoped, task, color in task_keys(runs, i, key):
+                s = _series(run, color, scoped, task + suffix, dashed, run.evals)
+                if s:
+                    s.pop("smooth", None)  # few points, each an evaluation over many prompts
+                    series.append(s)
     hlines, seen = [], set()
     for run in runs:
         for key, label in (("teacher_acc", "teacher"), ("student_init_acc", "student before")):
@@ -239,13 +274,18 @@ def eval_chart(runs: list[RunData]) -> dict:
     }
 
 
-def depth_heatmap(run: RunData, color: int, key: str, title: str, zlabel: str, sign: int) -> dict | None:
-    rows = [(r["step"], r[key]) for r in run.steps if isinstance(r.get(key), list)]
+def depth_heatmap(
+    run: RunData, color: int, key: str, title: str, zlabel: str, sign: int, task: str = ""
+) -> dict | None:
+    """A run's depth buckets over steps; with ``task``, that task's (its own steps and horizon)."""
+    scoped = f"{task}/{key}" if task else key
+    rows = [(r["step"], r[scoped]) for r in run.steps if isinstance(r.get(scoped), list)]
     if not rows:
         return None
     width = max(len(z) for _, z in rows)
     rows = [(s, z) for s, z in rows if len(z) == width]  # a record with another bucket count cannot share the grid
-    slug = key.split("/")[1]
+    slug = key.split("/")[1] + (f"-{task}" if task else "")
+    name = f"{run.name} · {task}" if task else run.name
     flat = sorted(abs(float(v)) for _, z in rows for v in z)
     # The colour scale ends at the 98th percentile of |value|, so one wild step does not wash out the rest.
     bound = flat[min(len(flat) - 1, int(0.98 * len(flat)))] or (flat[-1] or 1.0)
@@ -255,8 +295,8 @@ def depth_heatmap(run: RunData, color: int, key: str, title: str, zlabel: str, s
         "group": "depth",
         "run": run.name,
         "color": color,
-        "key": key,
-        "title": f"{title}: {run.name}",
+        "key": scoped,
+        "title": f"{title}: {name}",
         "xlabel": "step",
         "ylabel": "depth bucket (0 = start of response)",
         "zlabel": zlabel,
@@ -309,7 +349,8 @@ def build_charts(runs: list[RunData]) -> list[dict]:
     charts.insert(2, eval_chart(runs))
     charts += [line_chart(runs, *spec, group="diagnostics") for spec in DIAGNOSTICS]
     for spec in DEPTH:
-        charts += [h for color, run in enumerate(runs) if (h := depth_heatmap(run, color, *spec))]
+        for color, run in enumerate(runs):
+            charts += [h for task in ["", *task_names(run)] if (h := depth_heatmap(run, color, *spec, task=task))]
     charts += [s for color, run in enumerate(runs) if (s := scatter_chart(run, color))]
     return [c for c in charts if c["kind"] != "line" or c["series"]]
 
@@ -360,6 +401,11 @@ def summary_rows(runs: list[RunData]) -> list[dict]:
             f"{len(run.steps)}" + (f" / {planned}" if planned else "") + (" (in progress)" if run.in_progress else "")
         )
         k = last_eval.get("eval/k", run.summary.get("k"))
+        per_task = [
+            f"{n} {_fmt_pct(last_eval[f'eval/{n}/accuracy'])}"
+            for n in task_names(run)
+            if f"eval/{n}/accuracy" in last_eval
+        ]
         rows.append(
             {
                 "run": run.name,
@@ -369,7 +415,9 @@ def summary_rows(runs: list[RunData]) -> list[dict]:
                 "wall": _fmt_duration(wall),
                 "teacher": _fmt_pct(teacher),
                 "before": _fmt_pct(before),
-                "after": _fmt_pct(after) + (f" (step {last_eval['step']})" if last_eval else ""),
+                "after": _fmt_pct(after)
+                + (f" (step {last_eval['step']})" if last_eval else "")
+                + (f"; {', '.join(per_task)}" if per_task else ""),
                 "avg_at_k": _fmt_pct(last_eval.get("eval/avg_at_k")) + (f" (k={k})" if last_eval and k else ""),
                 "gap_recovery": "–" if recovery is None or math.isnan(recovery) else f"{100 * recovery:.0f}%",
             }
