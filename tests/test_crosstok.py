@@ -312,6 +312,74 @@ def test_byte_mismatch_from_a_normalizer_is_flagged_after_the_agreeing_prefix(st
     assert al.student_special == (len(s_ids) - 1,) and all(g.byte_end <= 4 for g in al.groups)
 
 
+def test_resync_after_an_invalid_byte_by_hand():
+    # The student wrote a lone continuation byte 0x80 (not UTF-8); the teacher read U+FFFD (ef bf bd) there.
+    student = _spans([b"ab", b"\x80", b"cd", b"e", None])  # bytes 0-2, 2-3, 3-5, 5-6; EOS at 6
+    teacher = _spans([None, b"a", b"b", b"\xef", b"\xbf", b"\xbd", b"c", b"de", None])  # BOS; 0-1 ... 6-8; EOS at 8
+    pairs = {104: 108}  # the two EOS
+    al = crosstok.align_spans(student, teacher, on_mismatch="resync", special_pairs=pairs)
+    got = [(g.student, g.teacher, g.byte_start, g.byte_end, g.teacher_shift) for g in al.groups]
+    assert got == [
+        ((0,), (1, 2), 0, 2, 0),  # "ab"
+        ((2, 3), (6, 7), 3, 6, 2),  # "cde", after the stretch: student bytes 3-6 are teacher bytes 5-8
+        ((4,), (8,), 6, 6, 2),  # the EOS pair, at corresponding bytes
+    ]
+    assert al.mismatch_at == 2 and al.student_unaligned == (1,) and al.teacher_unaligned == (3, 4, 5)
+    assert al.student_special == () and al.teacher_special == (0,)
+    # "flag" keeps the old rule: everything from the first differing byte on is left out
+    flagged = crosstok.align_spans(student, teacher, on_mismatch="flag", special_pairs=pairs)
+    assert [g.student for g in flagged.groups] == [(0,)] and flagged.student_unaligned == (1, 2, 3)
+    assert flagged.student_special == (4,)
+    with pytest.raises(ValueError, match="raise, flag, resync"):
+        crosstok.align_spans(student, teacher, on_mismatch="skip")
+
+
+def test_resync_needs_a_boundary_on_both_sides_and_never_spans_a_difference():
+    # student "x" "\x80y" "z" "w" vs teacher "x" U+FFFD "y" "zw": the two texts agree again from "y" on,
+    # but the student token "\x80y" straddles the difference, so the next group starts after it, at "z"
+    student = _spans([b"x", b"\x80y", b"z", b"w"])  # 0-1, 1-3, 3-4, 4-5
+    teacher = _spans([b"x", b"\xef\xbf\xbd", b"y", b"zw"])  # 0-1, 1-4, 4-5, 5-7
+    al = crosstok.align_spans(student, teacher, on_mismatch="resync")
+    got = [(g.student, g.teacher, g.byte_start, g.byte_end, g.teacher_shift) for g in al.groups]
+    # "z" is student byte 3 and teacher byte 5 (one byte became three); the teacher's "y" is left out too
+    assert got == [((0,), (0,), 0, 1, 0), ((2, 3), (3,), 3, 5, 2)]
+    assert al.student_unaligned == (1,) and al.teacher_unaligned == (1, 2)
+    # a difference at the very start: the first group is not at the teacher's text start
+    idx = crosstok.alignment_tensors(
+        [crosstok.align_spans(_spans([b"\x80", b"ab"]), _spans([b"\xef\xbf\xbd", b"ab"]), on_mismatch="resync")],
+        T=2,
+        U=2,
+    )
+    assert idx.teacher_pos_BT.tolist() == [[-1, 1]] and not idx.text_start_BT.any()
+
+
+def test_resync_on_real_tokenizers_keeps_the_rest_of_the_response(student_tok, teacher_tok, vbs):
+    s_vb, t_vb = vbs
+    pairs = crosstok.build_vocab_map(s_vb, t_vb, special_pairs={"</s>": "<|im_end|>"}).special_pairs
+    head = student_tok.encode("hello", add_special_tokens=False)
+    bad = student_tok.convert_tokens_to_ids("ĠðŁĻ")  # " " + 3 bytes of a 4-byte emoji: not UTF-8 on its own
+    tail = student_tok.encode(" the lazy dog", add_special_tokens=False)
+    s_ids = head + [bad] + tail + [student_tok.eos_token_id]
+    text = s_vb.text(s_ids)
+    assert text == "hello \ufffd the lazy dog"
+    t_ids = teacher_tok(text)["input_ids"] + [teacher_tok.eos_token_id]
+    al = crosstok.align_ids(s_ids, t_ids, s_vb, t_vb, on_mismatch="resync", special_pairs=pairs)
+    assert al.mismatch_at == len(b"hello ")
+    assert al.student_unaligned == (len(head),)  # only the byte token; the rest of the response stays
+    # the tail's groups are those of the tail aligned on its own (shifted by the tokens before it)
+    t_tail = teacher_tok(" the lazy dog", add_special_tokens=False)["input_ids"]
+    alone = crosstok.align_ids(tail, t_tail, s_vb, t_vb, at_text_start=False)
+    first_t = t_ids.index(t_tail[0], 1)
+    want = [(tuple(len(head) + 1 + i for i in g.student), tuple(first_t + j for j in g.teacher)) for g in alone.groups]
+    tail_groups = [(g.student, g.teacher) for g in al.groups if g.student[0] > len(head) and g.byte_end > g.byte_start]
+    assert tail_groups == want and want
+    # the 3 bytes f0 9f 99 became one U+FFFD, also 3 bytes: the texts keep their lengths
+    assert all(g.teacher_shift == 0 for g in al.groups)
+    assert al.groups[-1].student == (len(s_ids) - 1,) and al.groups[-1].teacher == (len(t_ids) - 1,)  # EOS pair
+    flagged = crosstok.align_ids(s_ids, t_ids, s_vb, t_vb, on_mismatch="flag", special_pairs=pairs)
+    assert len(flagged.student_unaligned) == len(tail) + 1
+
+
 def test_alignment_tensors_pairings_and_offsets():
     a = crosstok.Alignment(
         groups=(

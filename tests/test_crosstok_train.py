@@ -143,9 +143,11 @@ class _FixedTeacher:
         return TeacherScores(self.ids_K.expand(N, U, -1), self.logprobs_K.expand(N, U, -1), sampled.clone())
 
 
-def _student_batch(tok, prompt: str, responses: list[str]) -> RolloutBatch:
+def _student_batch(tok, prompt: str, responses: list[str | list[int]]) -> RolloutBatch:
+    """A rollout batch of the given responses (texts, or token ids as sampled), each ended by EOS."""
     p = tok(format_prompt(tok, prompt), add_special_tokens=False)["input_ids"]
-    rows = [tok.encode(r, add_special_tokens=False) + [tok.eos_token_id] for r in responses]
+    ids = [tok.encode(r, add_special_tokens=False) if isinstance(r, str) else r for r in responses]
+    rows = [r + [tok.eos_token_id] for r in ids]
     T = max(map(len, rows))
     resp = torch.full((len(rows), T), tok.pad_token_id)
     mask = torch.zeros(len(rows), T, dtype=torch.bool)
@@ -213,6 +215,28 @@ def test_scorer_by_hand(cross_models, objective, pairing):
             assert bool(scores.position_mask_NT[n, i]) == (lsm_kept if objective == "lsm" else True)
     assert scores.metrics["cross/mapped_mass"] < 1.0  # the unmapped token's mass is lost
     assert 0.0 < scores.metrics["cross/one_to_one"] < 1.0
+
+
+@pytest.mark.parametrize("objective", ["lsm", "sampled"])
+def test_scorer_keeps_the_response_after_an_invalid_byte_token(cross_models, objective):
+    student, _, teacher_dir = cross_models
+    s_tok, t_tok = load_tokenizer(student, "student"), load_tokenizer(teacher_dir, "teacher")
+    enc = lambda text: s_tok.encode(text, add_special_tokens=False)
+    bad = [i for i in range(len(s_tok)) if s_tok.convert_ids_to_tokens(i) == "ð"]  # byte 0xF0 alone: not UTF-8
+    assert bad
+    response = enc("<think>3 + 4 = 7.") + bad + enc("</think> The answer is \\boxed{7}")
+    top = [t_tok.convert_tokens_to_ids(t) for t in ("▁The", "9")]
+    scorer = CrossTokenizerTeacher(_FixedTeacher(top, [-0.5, -1.5]), s_tok, t_tok, objective=objective)
+    batch = _student_batch(s_tok, "Compute 3 + 4.", [response, "The answer is 7"])
+    with pytest.warns(UserWarning, match="1 of 2 responses read differently"):
+        scores = scorer.score(batch, 2)
+    kept = scores.position_mask_NT[0, : len(response) + 1].tolist()
+    at = len(enc("<think>3 + 4 = 7."))
+    assert kept[at] is False  # the byte token itself has no teacher counterpart
+    after = kept[at + 1 :]  # before the fix, every one of these was dropped
+    # sampled: every aligned position keeps its reward; lsm: the group starts with a mapped top-K token
+    assert (all(after) if objective == "sampled" else sum(after) >= len(after) // 2) and after[-1]  # the EOS pair
+    assert sum(kept[:at]) > 0
 
 
 # ---------------------------------------------------------------- refusals and bad input

@@ -199,7 +199,8 @@ def _make_demo_models(
 @app.command("experiment")
 def _experiment(
     name: str = typer.Argument(
-        ..., help="Experiment: variance, objectives, tokenizer-mismatch, teacher-choice, depth or agentic."
+        ...,
+        help="Experiment: variance, objectives, tokenizer-mismatch, teacher-choice, depth, agentic or cross-tokenizer.",
     ),
     seeds: int = typer.Option(3, help="Seeds per setting (3 or more for 95% intervals)."),
     out: Path = typer.Option(Path("runs/experiments"), help="Output root; the experiment writes OUT/NAME/."),

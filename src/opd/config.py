@@ -508,6 +508,11 @@ class EvalConfig(EnvSource, ModelSource):
     batch_size: int = opt(128, "Prompts per generation batch.")
     acc_before: float = opt(-1.0, "Student accuracy before OPD (for gap recovery; -1: not given).")
     acc_teacher: float = opt(-1.0, "Teacher accuracy (for gap recovery; -1: not given).")
+    tokenizer: str = opt(
+        "",
+        "Tokenizer directory (default: the --student directory), for a model whose tokenizer is saved apart "
+        "(a SentencePiece-style tokenizer cannot live next to a Qwen2 config in transformers 5).",
+    )
 
     def __post_init__(self) -> None:
         self._check_common()

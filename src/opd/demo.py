@@ -58,26 +58,10 @@ def make_demo_models(out: Path, quick: bool = False, seed: int = 0, only: str = 
         train = get_task("arithmetic", level=TASK_LEVEL, seed=seed).examples("train")
         tok = train_tokenizer([e.prompt for e in train] + [e.solution for e in train], VOCAB_SIZE)
         tok.save_pretrained(out / "tokenizer")
-    common = dict(
-        task="arithmetic",
-        task_level=TASK_LEVEL,
-        seed=seed,
-        tokenizer=str(out / "tokenizer"),
-        max_new_tokens=MAX_NEW_TOKENS,
-        batch_size=8 if quick else 64,
-        eval_size=16 if quick else 300,
-    )
     # --quick only checks that the recipe runs (tests): a few steps, small batches.
+    common = _sft_common(str(out / "tokenizer"), quick, seed)
     plans = {
-        "teacher": SFTConfig(
-            arch=TEACHER_ARCH,
-            out=str(out / "runs" / "teacher"),
-            lr=1e-3,
-            steps=10 if quick else 1200,
-            warmup_steps=2 if quick else 100,
-            eval_every=10 if quick else 200,
-            **common,
-        ),
+        "teacher": teacher_sft_config(out / "runs" / "teacher", str(out / "tokenizer"), quick, seed),
         # The student learns from a small labelled set (the first STUDENT_TRAIN_SIZE solutions) at a
         # constant rate until its test accuracy stops improving: more of the same supervised
         # training cannot raise it, while OPD brings the teacher's knowledge on every task prompt.
@@ -95,6 +79,33 @@ def make_demo_models(out: Path, quick: bool = False, seed: int = 0, only: str = 
         ),
     }
     return train_models(out, plans, only)
+
+
+def _sft_common(tokenizer: str, quick: bool, seed: int) -> dict:
+    return dict(
+        task="arithmetic",
+        task_level=TASK_LEVEL,
+        seed=seed,
+        tokenizer=tokenizer,
+        max_new_tokens=MAX_NEW_TOKENS,
+        batch_size=8 if quick else 64,
+        eval_size=16 if quick else 300,
+    )
+
+
+def teacher_sft_config(out: Path, tokenizer: str, quick: bool = False, seed: int = 0) -> SFTConfig:
+    """The demo teacher's recipe: a new TEACHER_ARCH model (``tokenizer``: its tokenizer directory)
+    trained on every training solution of the task; ``quick``: a few steps that only show it runs.
+    The cross-tokenizer experiment trains its teacher with this recipe and another tokenizer."""
+    return SFTConfig(
+        arch=TEACHER_ARCH,
+        out=str(out),
+        lr=1e-3,
+        steps=10 if quick else 1200,
+        warmup_steps=2 if quick else 100,
+        eval_every=10 if quick else 200,
+        **_sft_common(tokenizer, quick, seed),
+    )
 
 
 def train_models(out: Path, plans: dict[str, SFTConfig], only: str = "") -> dict:

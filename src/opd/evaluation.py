@@ -145,7 +145,7 @@ def run_eval(cfg: EvalConfig) -> dict:
     if not cfg.env:  # before the model: a data problem shows at once
         options = data_options(cfg)
         task = load_task(cfg.task, cfg.task_level, cfg.seed, split=cfg.split, evaluation=not cfg.split, **options)
-    tok = load_tokenizer(cfg.student)
+    tok = load_tokenizer(cfg.tokenizer or cfg.student)
     model = load_model(cfg.student, dtype=cfg.dtype, device=resolve_device(cfg.device))
     common = dict(
         samples=cfg.samples,

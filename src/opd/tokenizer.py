@@ -20,6 +20,7 @@ Qwen3), so ``decode(..., skip_special_tokens=True)`` keeps the reasoning markers
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Iterator
 
@@ -38,6 +39,7 @@ __all__ = [
     "CHAT_TEMPLATE",
     "QWEN2_PRETOKENIZE_REGEX",
     "train_tokenizer",
+    "train_sentencepiece_tokenizer",
     "format_prompt",
     "format_chat",
     "special_token_ids",
@@ -127,6 +129,62 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> PreTrainedT
         extra_special_tokens=[IM_START],  # so it is in all_special_ids, as in Qwen's tokenizers
         padding_side="left",  # generation batches are left-padded
         chat_template=CHAT_TEMPLATE,
+    )
+
+
+# A Llama-2-style template: the BOS as text, [INST] ... [/INST], no system role.
+SENTENCEPIECE_CHAT_TEMPLATE = (
+    "{{ bos_token }}{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}{{ raise_exception('System role not supported') }}{%- endif %}"
+    "{%- if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{%- else %}{{ message['content'] + eos_token }}{%- endif %}"
+    "{%- endfor %}"
+)
+
+
+def train_sentencepiece_tokenizer(texts: Iterable[str], vocab_size: int = 1024) -> PreTrainedTokenizerFast:
+    """A SentencePiece-style BPE, unlike :func:`train_tokenizer` in every way cross-tokenizer OPD
+    must handle: ``▁`` for spaces (Metaspace), digits split one by one and ``<0xNN>`` byte fallback
+    (as Llama-2), Llama-2's decoder, ``<s>``/``</s>``/``<unk>``/``<pad>``, no ``<think>`` token
+    (it is spelled in pieces) and a ``[INST] ... [/INST]`` chat template without a system role.
+
+    Save it in a directory of its own (``--teacher-tokenizer``): saved next to a Qwen2 model,
+    transformers 5 would rebuild it as a byte-level Qwen2 tokenizer on reload.
+    """
+    special = ["<unk>", "<s>", "</s>", "<pad>"]
+    pre = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first"),
+            pre_tokenizers.Digits(individual_digits=True),
+        ]
+    )
+    learner = Tokenizer(models.BPE(unk_token="<unk>"))
+    learner.pre_tokenizer = pre
+    n_bytes = 256
+    if vocab_size < len(special) + n_bytes + 64:
+        raise UserError(f"vocab_size={vocab_size} leaves too few merges beside 256 byte tokens: use at least 512")
+    trainer = BpeTrainer(vocab_size=vocab_size - n_bytes, special_tokens=special, show_progress=False)
+    learner.train_from_iterator(texts, trainer=trainer)
+    spec = json.loads(learner.to_str())["model"]
+    vocab = dict(spec["vocab"])
+    for b in range(256):  # byte fallback: any byte stays encodable
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    tok = Tokenizer(
+        models.BPE(vocab=vocab, merges=[tuple(m) for m in spec["merges"]], unk_token="<unk>", byte_fallback=True)
+    )
+    tok.add_special_tokens(special)
+    tok.pre_tokenizer = pre
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        padding_side="left",
+        chat_template=SENTENCEPIECE_CHAT_TEMPLATE,
     )
 
 

@@ -10,7 +10,7 @@ here, since it depends on the trainer's teacher module):
   span in a decoded text, even for a token holding half of a multi-byte character.
 * :mod:`~opd.crosstok.align` -- :func:`align_ids`: groups of student and teacher tokens that
   close where both end at the same byte; special tokens reported (or paired, EOS with EOS); a
-  byte mismatch raised or flagged. :func:`alignment_tensors` turns a batch of alignments into the
+  byte mismatch raised, flagged, or re-synchronised past. :func:`alignment_tensors` turns a batch of alignments into the
   index tensors the losses take.
 * :mod:`~opd.crosstok.vocab_map` -- :func:`build_vocab_map`: the teacher -> student id map by
   bytes, as an index tensor (and one for the first token of a text, where SentencePiece drops the

@@ -23,7 +23,10 @@ loop and the losses are those of ordinary OPD:
 * ``position_mask_NT``: the positions with a teacher signal for the objective (lsm: paired and
   with a mapped top-K token; sampled: inside an aligned group). The trainer takes the others out
   of the loss and logs their share (``cross/dropped``); they are tokens inside a many-to-many
-  group, special tokens without a partner, and text after a byte mismatch.
+  group, special tokens without a partner, and the tokens that overlap bytes the teacher reads
+  differently (a byte token that is not UTF-8 reaches the teacher as U+FFFD): the alignment
+  re-synchronises after such a stretch (``on_mismatch="resync"``), so the rest of the response
+  keeps its signal.
 * ``metrics``: ``cross/one_to_one`` (share of response positions aligned one-to-one) and
   ``cross/mapped_mass`` (share of the teacher's top-K mass that maps into the student vocabulary).
 
@@ -159,7 +162,7 @@ class CrossTokenizerTeacher:
         )
 
     def _check_alignments(self, alignments: list[Alignment]) -> None:
-        """Warn once when a response's bytes differ for the teacher (the rest of it is left out)."""
+        """Warn once when a response's bytes differ for the teacher (the tokens where they differ are left out)."""
         bad = sum(al.mismatch_at is not None for al in alignments)
         if bad and not self._warned_mismatch:
             self._warned_mismatch = True
@@ -167,8 +170,9 @@ class CrossTokenizerTeacher:
                 f"{bad} of {len(alignments)} responses read differently after the teacher's tokenizer "
                 f"({self.t_vb.name}) encoded them: bytes that are not UTF-8 (an untrained model's byte tokens, a "
                 "response cut inside a character), a normalizer, or text without a teacher token (unknown-token "
-                "fallback). Their positions from the first differing byte on are left out of the loss "
-                "(cross/dropped); a teacher tokenizer with byte fallback and no normalizer avoids the last two",
+                "fallback). The positions whose bytes differ are left out of the loss (cross/dropped) and the "
+                "alignment resumes after them; a teacher tokenizer with byte fallback and no normalizer avoids the "
+                "last two",
                 stacklevel=2,
             )
 
@@ -187,7 +191,7 @@ class CrossTokenizerTeacher:
         t_batch = self._teacher_batch(rows, device)
         teacher = self.inner.score(t_batch, k)
         alignments = [
-            align_ids(s, t, self.s_vb, self.t_vb, on_mismatch="flag", special_pairs=self.vmap.special_pairs)
+            align_ids(s, t, self.s_vb, self.t_vb, on_mismatch="resync", special_pairs=self.vmap.special_pairs)
             for _, t, s in rows
         ]
         self._check_alignments(alignments)

@@ -19,6 +19,7 @@ _MODULES = {
     "teacher-choice": "opd.experiments.teacher_choice",
     "depth": "opd.experiments.depth",
     "agentic": "opd.experiments.agentic",
+    "cross-tokenizer": "opd.experiments.cross_tokenizer",
 }
 NAMES = tuple(_MODULES)
 

@@ -87,11 +87,13 @@ def sft_config(
 
 
 def final_eval_spec(
-    s: Settings, run_name: str, seed: int, model: str = "", max_new_tokens: int = MAX_NEW_TOKENS
+    s: Settings, run_name: str, seed: int, model: str = "", max_new_tokens: int = MAX_NEW_TOKENS, tokenizer: str = ""
 ) -> RunSpec:
-    """``opd eval`` of ``model`` (default ``run_name/final``): greedy and avg@k at top-p 0.9 on the test prompts."""
+    """``opd eval`` of ``model`` (default ``run_name/final``; ``tokenizer``: its tokenizer directory when
+    not beside it): greedy and avg@k at top-p 0.9 on the test prompts."""
     cfg = EvalConfig(
         student=model or str(s.run_dir(run_name) / "final"),
+        tokenizer=tokenizer,
         task="arithmetic",
         task_level=TASK_LEVEL,
         seed=seed,
