@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from helpers import SMALL as MULTI_PROCESS_SMALL
 from helpers import read_metrics, step_records
 from test_crosstok import make_teacher_tok
 from typer.testing import CliRunner
@@ -29,20 +30,7 @@ from opd.rollout import RolloutBatch
 from opd.teacher import HFTeacher, TeacherScores, make_teacher
 from opd.tokenizer import format_prompt
 
-SMALL = dict(
-    device="cpu",
-    steps=2,
-    batch_size=4,
-    max_new_tokens=8,
-    eval_size=4,
-    eval_samples=0,
-    k=8,
-    warmup_steps=1,
-    log_rollouts=2,
-    diag_positions=16,
-    eval_every=0,
-    ckpt_every=0,
-)
+SMALL = {**MULTI_PROCESS_SMALL, "steps": 2, "batch_size": 4, "ckpt_every": 0}
 CROSS_KEYS = ("cross/one_to_one", "cross/mapped_mass", "cross/dropped")
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import yaml
 from conftest import make_tiny_model
-from helpers import assert_close_weights, final_weights, launch, read_metrics, step_records, train_killed_at
+from helpers import SMALL, assert_close_weights, final_weights, launch, read_metrics, step_records, train_killed_at
 from typer.testing import CliRunner
 
 from opd import train as train_mod
@@ -19,21 +19,7 @@ from opd.errors import UserError
 from opd.multitask import resolve_tasks, split_by_task, task_for_step, task_schedule
 from opd.stepstats import FULL_VOCAB_KEYS
 
-BASE = dict(
-    device="cpu",
-    steps=4,
-    batch_size=4,
-    max_new_tokens=8,
-    eval_size=4,
-    eval_samples=0,
-    k=8,
-    warmup_steps=1,
-    log_rollouts=2,
-    diag_positions=16,
-    eval_every=0,
-    ckpt_every=1,
-    lr=3e-3,
-)
+BASE = {**SMALL, "steps": 4, "batch_size": 4}
 TOY = dict(env="toy", env_level=1, max_new_tokens=96, max_action_tokens=8, max_turns=4, eval_size=3)
 
 
