@@ -18,9 +18,26 @@ if importlib.util.find_spec("alfworld") is None:
     pytest.skip("the multi-task demo needs the agent extra: pip install 'opd[agent]'", allow_module_level=True)
 
 
-def test_missing_models_name_the_recipe(tmp_path):
-    with pytest.raises(UserError, match=r"missing; run `opd make-demo-models --multitask --out .*nowhere`"):
+def test_missing_models_name_the_recipe(tmp_path, monkeypatch):
+    import opd.demo_agentic
+    import opd.demo_multitask
+
+    with pytest.raises(
+        UserError, match=r"missing in .*nowhere \(math_teacher, student\); run `opd make-demo-models --multitask"
+    ):
         run_multitask_demo(tmp_path / "demo", assets=tmp_path / "nowhere")
+    for name in ("math_teacher", "student"):  # made, but the game teacher was not copied beside them
+        (tmp_path / "mt" / name).mkdir(parents=True)
+        (tmp_path / "mt" / name / "config.json").write_text("{}")
+    with pytest.raises(UserError, match=r"\(game_teacher\); run `opd make-demo-models --multitask --out .*mt`"):
+        run_multitask_demo(tmp_path / "demo", assets=tmp_path / "mt")
+    # the packaged models refer to the packaged agentic demo's game teacher: its own recipe makes it
+    monkeypatch.setattr(opd.demo_multitask, "ASSETS", tmp_path / "mt")
+    monkeypatch.setattr(opd.demo_agentic, "ASSETS", tmp_path / "agentic")
+    with pytest.raises(
+        UserError, match=r"game teacher .*agentic/teacher is missing; run `opd make-demo-models --agentic"
+    ):
+        run_multitask_demo(tmp_path / "demo")
     with pytest.raises(UserError, match=r"agentic demo's tokenizer.*`opd make-demo-models --agentic --out"):
         make_multitask_models(tmp_path / "mt", quick=True, agentic=tmp_path / "no-agentic")
     with pytest.raises(UserError, match="--only"):

@@ -16,8 +16,23 @@ competitive on one task but collapsing math in multi-task training. It writes ``
 a table of math accuracy and game success before and after, and the report (its charts split by
 task). ``opd make-demo-models --multitask --out DIR`` makes the models (:func:`make_multitask_models`).
 
-Sizes, from steps measured on this 2-core machine (one thread, another training on the other core;
-see the CHANGELOG): see ``MEASURED`` below.
+Cost, from steps measured on a 2-core machine (one thread, while another training used the other
+core), with stand-in models of the final sizes on the shared tokenizer:
+
+* the demo: an OPD math step of 64 prompts about 2.1 s, a game step of 16 episodes about 6.8 s
+  (either objective), the end-of-run evaluation of both tasks about 70 s, the three models'
+  evaluations before training about 2.5 minutes. 96 steps (64 math, 32 game) per objective: about
+  7 minutes a run, about 24 minutes in all with the report. A student that learns writes shorter
+  math answers and wins games in fewer turns, so this is an upper estimate;
+* the recipe: the math teacher's 1,200 SFT steps of 64 solutions about 2.4 s each (48 minutes on
+  one thread with the other core busy; the arithmetic demo's teacher, the same recipe on a 2,048
+  token vocabulary, took 32 minutes on two cores); the student's mixed steps (32 solutions and 16
+  episodes) about 1.1 s (300 steps: 379 s with three evaluations), evaluations (300 prompts, 50
+  games) about 20 s every 100 steps, until four in a row bring no gain or 1,500 steps: 15 to 30
+  minutes (after 300 steps it had 6% math accuracy and no game won, still rising). About 50 minutes
+  on two idle cores one after the other; the two models do not depend on each other, so ``--only
+  teacher`` and ``--only student`` may run side by side (one thread each: about 50 minutes, the
+  teacher's).
 """
 
 from __future__ import annotations
@@ -105,7 +120,7 @@ def student_sft_config(out: Path, tokenizer: str, quick: bool = False, seed: int
         seed=seed,
         lr=1e-3,
         schedule="constant",
-        steps=6 if quick else 2000,
+        steps=6 if quick else 1500,
         warmup_steps=2 if quick else 50,
         patience=0 if quick else 4,
         eval_every=6 if quick else 100,
@@ -234,16 +249,20 @@ def find_models(assets: Path | None, out: Path, quick: bool) -> Path:
     """The demo's models: ``assets`` or the packaged ones; with ``quick`` and none there, the
     shortened recipe's, made in ``out/quick-models``."""
     assets = Path(assets) if assets else ASSETS
-    missing = [str(assets / n) for n in MODELS if not (assets / n / "config.json").is_file()]
-    if not (game_teacher(assets) / "config.json").is_file():
-        missing.append(str(game_teacher(assets)))
-    if not missing:
+    missing = [n for n in MODELS if not (assets / n / "config.json").is_file()]
+    teacher = game_teacher(assets)
+    if not missing and (teacher / "config.json").is_file():
         return assets
-    if not quick:
+    if quick:
+        return make_quick_models(out / "quick-models")
+    if missing or teacher.parent == assets:  # the recipe makes the first two and copies the third
+        what = ", ".join(missing) or "game_teacher"
         raise UserError(
-            f"multi-task demo model {', '.join(missing)} is missing; run `opd make-demo-models --multitask --out {assets}`"
+            f"multi-task demo models missing in {assets} ({what}); run `opd make-demo-models --multitask --out {assets}`"
         )
-    return make_quick_models(out / "quick-models")
+    raise UserError(
+        f"the multi-task demo's game teacher {teacher} is missing; run `opd make-demo-models --agentic --out {teacher.parent}`"
+    )
 
 
 def make_quick_models(root: Path) -> Path:
