@@ -46,12 +46,11 @@ from rich.console import Console
 from rich.table import Table
 
 from opd import demo, demo_agentic
-from opd.agentic import GameSet, evaluate_agent, make_env
+from opd.agentic import GameSet, make_env
 from opd.config import SFTConfig, TrainConfig
 from opd.data import PromptSet, load_task
 from opd.demo import run_objectives, teacher_sft_config, train_models
 from opd.errors import UserError
-from opd.evaluation import evaluate_model
 from opd.models import load_model, load_tokenizer, resolve_device
 from opd.multitask import resolve_tasks, task_schedule
 from opd.report import PNG_DIR, write_report
@@ -231,16 +230,15 @@ def held_out_sets(base: TrainConfig, tok) -> dict:
 
 
 def evaluate(model_dir: Path, tok, sets: dict, names: tuple[str, ...], seed: int) -> dict:
-    """Greedy accuracy (a game: success rate) and avg@k of one model on each task of ``names``."""
+    """Greedy accuracy (a game: success rate) and avg@k of one model on each task of ``names``,
+    as training's own evaluation measures them."""
+    from opd.train import evaluate_set
+
     model = load_model(model_dir, "model", device=resolve_device("auto"))
     out = {}
     for name in names:
         test, c, task = sets[name]
-        common = dict(samples=c.eval_samples, top_p=c.top_p, seed=seed, show_progress=True)
-        if task is None:
-            res = evaluate_agent(model, tok, test, **c.episode_limits(), **common)
-        else:
-            res = evaluate_model(model, tok, test, task, max_new_tokens=c.max_new_tokens, **common)
+        res = evaluate_set(model, tok, c, test, task, seed, show_progress=True)
         out[name] = {"final_acc": res["accuracy"], "avg_at_k": res.get("avg_at_k")}
     return out
 

@@ -471,12 +471,18 @@ def log_stage(run: Run, step: int, parts: list[StepPart], upds: list[StepUpdate]
 
 def evaluate_task(student, tok, task: TaskRun, seed: int) -> dict:
     """One task's evaluation on its held-out prompts (accuracy, avg@k) or games (success rate)."""
-    c = task.cfg
+    return evaluate_set(student, tok, task.cfg, task.test, task.eval_task or task.task, seed)
+
+
+def evaluate_set(student, tok, c: TrainConfig, test, grader: Task | None, seed: int, show_progress=False) -> dict:
+    """A model on held-out prompts graded by ``grader``, or games, with a (task's) config's sampling
+    and lengths: what training's evaluation reports (the demos evaluate their models before it so)."""
     common = dict(samples=c.eval_samples, temperature=c.temperature, top_p=c.top_p, seed=seed)
-    if isinstance(task.test, GameSet):
-        return evaluate_agent(student, tok, task.test, **c.episode_limits(), **common)
-    grader = task.eval_task or task.task
-    return evaluate_model(student, tok, task.test, grader, max_new_tokens=c.max_new_tokens, **common)
+    if isinstance(test, GameSet):
+        return evaluate_agent(student, tok, test, **c.episode_limits(), **common, show_progress=show_progress)
+    return evaluate_model(
+        student, tok, test, grader, max_new_tokens=c.max_new_tokens, **common, show_progress=show_progress
+    )
 
 
 def eval_stage(run: Run, step: int) -> dict:
