@@ -219,6 +219,26 @@ def test_command_line_parses_back_to_the_same_config(tmp_path):
     assert build_config(TrainConfig, {}, typed) == dataclasses.replace(cfg, out=str(tmp_path / "x"))
 
 
+def test_a_multi_task_runs_command_line_runs_the_same_config(tmp_path, monkeypatch):
+    """A task list has no flags of its own: each entry is written as one JSON mapping per --tasks."""
+    from typer.testing import CliRunner
+
+    import opd.train
+    from opd.cli import app
+
+    tasks = [
+        {"name": "math", "share": 2, "teacher": "t dir", "task_level": 1, "batch_size": 8},
+        {"name": "game", "teacher": "g", "env": "toy", "env_args": ["n_train=4"], "max_new_tokens": 96},
+    ]
+    cfg = TrainConfig(student="s", tasks=tasks, task_mode="alternate", objective="sampled", steps=5)
+    line = command_line(RunSpec("x", "train", cfg), tmp_path / "x")
+    got = []
+    monkeypatch.setattr(opd.train, "train", lambda c: got.append(c))
+    result = CliRunner().invoke(app, shlex.split(line)[1:])
+    assert result.exit_code == 0, result.output
+    assert got == [dataclasses.replace(cfg, out=str(tmp_path / "x"))]
+
+
 # ----------------------------------------------------------------------------- variance estimator
 
 
@@ -301,7 +321,9 @@ def test_depth_buckets_and_reformatted_solutions():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in NAMES if n != "variance"])
+@pytest.mark.parametrize(
+    "name", [n for n in NAMES if n not in ("variance", "multitask")]
+)  # multitask: test_demo_multitask.py
 def test_model_experiment_quick(name, tmp_path):
     res = run(name, tmp_path, seeds=1, quick=True, show_progress=False)
     assert res["quick"] and res["tables"] and res["claims"]

@@ -62,3 +62,53 @@ def test_data_file_and_its_errors(tiny_models, tmp_path, monkeypatch):
         sft_mod.sft(SFTConfig(init=str(student), data=str(data), out=str(tmp_path / "c"), **SMALL))
     with pytest.raises(ConfigError, match="train_size"):
         SFTConfig(init=str(student), train_size=-1)
+
+
+TOY_GAME = dict(env="toy", env_level=1, env_args=["n_train=4", "n_test=2"], max_new_tokens=96, max_action_tokens=8)
+
+
+def test_one_model_learns_math_solutions_and_expert_episodes_together(tiny_models, tmp_path, monkeypatch):
+    """Mixed behaviour cloning (the multi-task demo's student): every step holds both tasks' batches,
+    the loss is the token mean over both tasks' label tokens, each task is evaluated on its own."""
+    student, _ = tiny_models
+    seen = record_targets(monkeypatch)
+    parts = []
+    real_loss = sft_mod.parts_loss
+    monkeypatch.setattr(sft_mod, "parts_loss", lambda m, p, s: parts.append([i for i, _ in p]) or real_loss(m, p, s))
+    tasks = [
+        {"name": "math", "train_size": 2, "batch_size": 3},
+        {"name": "game", **TOY_GAME, "train_size": 3, "batch_size": 2, "eval_size": 2},
+    ]
+    cfg = SFTConfig(init=str(student), out=str(tmp_path / "run"), tasks=tasks, **SMALL)
+    summary = sft_mod.sft(cfg, show_progress=False)
+    assert parts == [[0, 1]] * 3 and len(seen) == 3 * 3  # mix: both tasks at every step, math 3 a step
+    first = load_task(cfg.task, cfg.task_level, cfg.seed).examples("train")[:2]
+    assert {p for p, _ in seen} == {e.prompt for e in first}
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "train/loss" in r]
+    assert all({"math/train/loss", "game/train/loss"} <= set(r) for r in steps)
+    assert all(min(r["math/train/loss"], r["game/train/loss"]) <= r["train/loss"] for r in steps)
+    assert all(r["train/loss"] <= max(r["math/train/loss"], r["game/train/loss"]) for r in steps)
+    last = [r for r in records if "eval/accuracy" in r][-1]
+    assert last["eval/accuracy"] == (last["eval/math/accuracy"] + last["eval/game/accuracy"]) / 2
+    assert set(summary["best_by_task"]) == {"math", "game"}
+
+    parts.clear()
+    alt = SFTConfig(init=str(student), out=str(tmp_path / "alt"), tasks=tasks, task_mode="alternate", **SMALL)
+    sft_mod.sft(alt, show_progress=False)
+    assert parts == [[0], [1], [0]]  # one task a step, by the schedule
+
+
+@pytest.mark.parametrize(
+    ("tasks", "match"),
+    [
+        ([{"name": "math", "lr": 0.1}], "'lr' is a global setting"),
+        ([{"name": "math", "teacher_url": "http://x"}], "a task may set"),
+        ([{"name": "a"}, {"name": "a"}], "listed twice"),
+        ([{"name": "game", "env": "toy", "data": "x.jsonl"}], "task 'game': --env trains on the environment's"),
+    ],
+)
+def test_multi_task_sft_errors_name_the_task(tiny_models, tmp_path, tasks, match):
+    student, _ = tiny_models
+    with pytest.raises(UserError, match=match):
+        sft_mod.sft(SFTConfig(init=str(student), out=str(tmp_path / "r"), tasks=tasks, **SMALL), show_progress=False)

@@ -99,15 +99,29 @@ def _eval(cfg: EvalConfig) -> None:
 @app.command("demo")
 def _demo(
     out: Path = typer.Option(Path("runs/demo"), help="Directory for the demo's run directories and summary.json."),
-    steps: Optional[int] = typer.Option(None, help="OPD steps per objective (default 200; --agentic 100)."),
+    steps: Optional[int] = typer.Option(
+        None, help="OPD steps per objective (default 200; --agentic 100; --multitask 96, two math steps per game step)."
+    ),
     quick: bool = typer.Option(False, help="A much shorter run (smoke test, a minute or two)."),
     assets: Path | None = typer.Option(None, help="Directory of demo models (default: the packaged ones)."),
     agentic: bool = typer.Option(
         False,
         help="The agentic demo: ALFWorld household games, multi-turn, with a game teacher (needs the agent extra).",
     ),
+    multitask: bool = typer.Option(
+        False,
+        help="The multi-task demo: one student, math and ALFWorld games alternating, a teacher for each; "
+        "sampled-token OPD vs LSM vs LSM with student top-K support (needs the agent extra).",
+    ),
 ) -> None:
     """The embedded default: sampled-token OPD vs LSM from the same tiny student, on this CPU."""
+    if agentic and multitask:
+        raise UserError("--agentic and --multitask are two demos; choose one")
+    if multitask:
+        from opd.demo_multitask import run_multitask_demo
+
+        run_multitask_demo(out=out, steps=steps or 0, quick=quick, assets=assets)
+        return
     if agentic:
         from opd.demo_agentic import run_agentic_demo
 
@@ -184,8 +198,20 @@ def _make_demo_models(
     agentic: bool = typer.Option(
         False, help="The agentic demo's models: the game teacher and student (needs the agent extra)."
     ),
+    multitask: bool = typer.Option(
+        False,
+        help="The multi-task demo's models: a math teacher on the agentic demo's tokenizer and a student of "
+        "math and games (uses the packaged agentic models; --only teacher makes the math teacher).",
+    ),
 ) -> None:
     """Reproduce the packaged demo models: train the tokenizer, the teacher and the student."""
+    if agentic and multitask:
+        raise UserError("--agentic and --multitask make different models; choose one")
+    if multitask:
+        from opd.demo_multitask import make_multitask_models
+
+        make_multitask_models(out=out, quick=quick, seed=seed, only=only)
+        return
     if agentic:
         from opd.demo_agentic import make_agentic_models
 
@@ -200,7 +226,8 @@ def _make_demo_models(
 def _experiment(
     name: str = typer.Argument(
         ...,
-        help="Experiment: variance, objectives, tokenizer-mismatch, teacher-choice, depth, agentic or cross-tokenizer.",
+        help="Experiment: variance, objectives, tokenizer-mismatch, teacher-choice, depth, agentic, cross-tokenizer "
+        "or multitask.",
     ),
     seeds: int = typer.Option(3, help="Seeds per setting (3 or more for 95% intervals)."),
     out: Path = typer.Option(Path("runs/experiments"), help="Output root; the experiment writes OUT/NAME/."),

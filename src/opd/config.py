@@ -400,15 +400,21 @@ class TrainConfig(EnvSource, TrainingSource):
         self.report_to = check_report_to(self.report_to)
         if self.mask_special is None:
             self.mask_special = self.objective == "lsm"
-        _require(
-            self.task_mode in ("alternate", "mix"),
-            f"task_mode={self.task_mode!r}: alternate (one task per step) or mix (every task at every step)",
-        )
-        if self.tasks is not None:
-            from opd.multitask import read_task_list, resolve_tasks  # it builds TrainConfigs
+        _check_tasks(self)
 
-            self.tasks = read_task_list(self.tasks)
-            resolve_tasks(self)  # every task's settings are checked here, before any work
+
+def _check_tasks(cfg: TrainConfig | SFTConfig) -> None:
+    """A multi-task run's task list, read from its file if given one, and every task's settings,
+    checked here before any work."""
+    _require(
+        cfg.task_mode in ("alternate", "mix"),
+        f"task_mode={cfg.task_mode!r}: alternate (one task per step) or mix (every task at every step)",
+    )
+    if cfg.tasks is not None:
+        from opd.multitask import read_task_list, resolve_tasks  # it builds configs of this module
+
+        cfg.tasks = read_task_list(cfg.tasks)
+        resolve_tasks(cfg)
 
 
 CROSS_TOKENIZER = ("auto", "on", "off")
@@ -481,6 +487,17 @@ class SFTConfig(EnvSource, TrainingSource):
     patience: int = opt(0, "Stop after this many evaluations without improvement (0: never).")
     max_grad_norm: float = opt(1.0, "Gradient clipping norm.")
     report_to: list = opt(["none"], REPORT_TO_HELP)
+    tasks: list | None = opt(
+        None,
+        "Several tasks in one SFT run (e.g. math solutions and a game's expert episodes), each with its own "
+        "data or environment, train_size and batch_size (a list in the --config file, or a YAML/JSON file "
+        "holding it; see opd.multitask). The kept model is the one with the best mean accuracy over tasks.",
+    )
+    task_mode: str = opt(
+        "mix",
+        "With tasks: mix (every step holds every task's batch, one token-mean loss over all) or alternate "
+        "(each step trains on one task, chosen by share, seed and step).",
+    )
 
     def __post_init__(self) -> None:
         self._check_common()
@@ -495,6 +512,7 @@ class SFTConfig(EnvSource, TrainingSource):
         _require(
             self.schedule in ("constant", "linear", "cosine"), f"schedule={self.schedule!r}: constant, linear or cosine"
         )
+        _check_tasks(self)
 
 
 @dataclass

@@ -31,6 +31,7 @@ from opd.data import PromptSet, load_task
 from opd.errors import UserError
 from opd.evaluation import evaluate_model
 from opd.models import load_model, load_tokenizer, resolve_device
+from opd.multitask import split_by_task
 from opd.report import PNG_DIR, write_report
 from opd.tasks import Task, get_task
 from opd.tokenizer import train_tokenizer
@@ -200,7 +201,8 @@ def run_demo(out: Path, steps: int = 200, quick: bool = False, assets: Path | No
 
 def run_objectives(base: TrainConfig, objectives, out: Path, console: Console) -> dict:
     """``opd train`` from the same student, seeds and settings once per objective (each name in
-    ``objectives``, or name -> config changes), into ``out/<name>``; the final evaluation of each."""
+    ``objectives``, or name -> config changes), into ``out/<name>``; the final evaluation of each
+    (a multi-task run: the mean over its tasks, and each task's under ``tasks``)."""
     from opd.train import train
 
     changes = objectives if isinstance(objectives, dict) else {name: {"objective": name} for name in objectives}
@@ -217,6 +219,12 @@ def run_objectives(base: TrainConfig, objectives, out: Path, console: Console) -
             "steps": cfg.steps,
             "wall_s": round(time.time() - t0, 1),
         }
+        if cfg.tasks is not None:
+            names = [t["name"] for t in cfg.tasks]
+            results[name]["tasks"] = {
+                n: {"final_acc": r.get("eval/accuracy"), "avg_at_k": r.get("eval/avg_at_k")}
+                for n, r in split_by_task(final, names).items()
+            }
     return results
 
 

@@ -40,6 +40,9 @@ How steps use the tasks (``task_mode``):
   sequences, and ``constant_sum`` divides by the sum over tasks of rollouts x that task's
   ``max_new_tokens``.
 
+``opd sft`` reads the same list (:data:`SFT_PER_TASK`: a task's data or environment, its
+``train_size``, ``batch_size`` and lengths) to train one model on several tasks: see :mod:`opd.sft`.
+
 Metric names (``metrics.jsonl``): the usual keys are the whole step batch (all its tasks); each
 task trained at a step also logs its own, prefixed by its name: ``<name>/train/loss`` (the token
 mean of its per-token loss), ``<name>/train/loss_tokens``, ``<name>/rollout/...``,
@@ -64,19 +67,14 @@ from typing import Any
 
 import yaml
 
-from opd.config import ConfigError, TrainConfig, coerce_numbers
+from opd.config import ConfigError, SFTConfig, TrainConfig, coerce_numbers
+from opd.errors import UserError
 
 TASK_MODES = ("alternate", "mix")
 
-# What a task may set for itself: its data or environment, its teacher, its sampling, lengths and evaluation.
-PER_TASK = (
-    "teacher",
-    "teacher_url",
-    "teacher_dtype",
-    "teacher_tokenizer",
-    "cross_tokenizer",
-    "cross_pairing",
-    "teacher_special_map",
+# What a task may set for itself: its data or environment, its lengths and evaluation size, and
+# (OPD) its teacher and sampling, or (SFT) its targets and how many of its examples it learns from.
+_SOURCE = (
     "task",
     "split",
     "prompt_field",
@@ -98,12 +96,23 @@ PER_TASK = (
     "max_action_tokens",
     "max_new_tokens",
     "max_prompt_tokens",
-    "temperature",
-    "top_p",
     "eval_size",
-    "eval_samples",
     "batch_size",
 )
+PER_TASK = (
+    "teacher",
+    "teacher_url",
+    "teacher_dtype",
+    "teacher_tokenizer",
+    "cross_tokenizer",
+    "cross_pairing",
+    "teacher_special_map",
+    *_SOURCE,
+    "temperature",
+    "top_p",
+    "eval_samples",
+)
+SFT_PER_TASK = (*_SOURCE, "data", "teacher", "train_size")  # teacher: where its targets are sampled from
 # Metric namespaces a task name would collide with.
 RESERVED = ("train", "rollout", "diag", "depth", "time", "eval", "step", "tasks")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -116,12 +125,19 @@ class TaskSpec:
 
     name: str
     share: float
-    cfg: TrainConfig
+    cfg: TrainConfig | SFTConfig
 
 
 def read_task_list(value: Any) -> list:
     """The ``tasks`` value as a list of entries: given inline, or a YAML/JSON file holding the list
-    (``--tasks FILE``: the command line passes it as a one-item list)."""
+    (``--tasks FILE``: the command line passes it as a one-item list), or one YAML/JSON mapping per
+    ``--tasks`` option (``--tasks '{"name": "math", ...}' --tasks '{...}'``: how the experiments
+    write a multi-task run's command line)."""
+    if isinstance(value, list) and value and all(isinstance(v, str) and v.lstrip().startswith("{") for v in value):
+        try:
+            return [yaml.safe_load(v) for v in value]
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"a --tasks mapping is not valid YAML/JSON: {exc}") from exc
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
         value = value[0]
     if not isinstance(value, str):
@@ -167,16 +183,21 @@ def check_task_list(tasks: Any, mode: str) -> list[dict]:
     return tasks
 
 
-def _overrides(entry: dict, cfg: TrainConfig, mode: str, share: float) -> dict:
-    """The entry's settings as TrainConfig fields, with the implied ones (see the module docstring)."""
-    name = entry["name"]
+def per_task_keys(cfg: TrainConfig | SFTConfig) -> tuple[str, ...]:
+    """The settings a task of this kind of run may set for itself."""
+    return SFT_PER_TASK if isinstance(cfg, SFTConfig) else PER_TASK
+
+
+def _overrides(entry: dict, cfg: TrainConfig | SFTConfig, mode: str, share: float) -> dict:
+    """The entry's settings as config fields, with the implied ones (see the module docstring)."""
+    name, allowed = entry["name"], per_task_keys(cfg)
     given = {k: v for k, v in entry.items() if k not in ("name", "share")}
     for key in given:
-        if key not in PER_TASK:
+        if key not in allowed:
             where = "is a global setting: set it at the top level" if hasattr(cfg, key) else "is not a setting"
-            raise ConfigError(f"task {name!r}: {key!r} {where}; a task may set {', '.join(PER_TASK)}")
-    out = coerce_numbers(TrainConfig, dict(given))
-    if "teacher" in given or "teacher_url" in given:
+            raise ConfigError(f"task {name!r}: {key!r} {where}; a task may set {', '.join(allowed)}")
+    out = coerce_numbers(type(cfg), dict(given))
+    if isinstance(cfg, TrainConfig) and ("teacher" in given or "teacher_url" in given):
         out.setdefault("teacher", "")
         out.setdefault("teacher_url", "")
         out.setdefault("teacher_tokenizer", "")  # the global teacher's tokenizer is not this teacher's
@@ -194,8 +215,10 @@ def _overrides(entry: dict, cfg: TrainConfig, mode: str, share: float) -> dict:
     return out
 
 
-def resolve_tasks(cfg: TrainConfig) -> list[TaskSpec]:
-    """Every task of ``cfg`` as a validated config; a single-task run is one task named ""."""
+def resolve_tasks(cfg: TrainConfig | SFTConfig) -> list[TaskSpec]:
+    """Every task of ``cfg`` as a validated config; a single-task run is one task named "".
+
+    An OPD run's task needs a teacher; an SFT run's may name one (its targets are then sampled)."""
     if cfg.tasks is None:
         return [TaskSpec("", 1.0, cfg)]
     entries = check_task_list(cfg.tasks, cfg.task_mode)
@@ -207,12 +230,22 @@ def resolve_tasks(cfg: TrainConfig) -> list[TaskSpec]:
             view = dataclasses.replace(cfg, tasks=None, **_overrides(entry, cfg, cfg.task_mode, share))
         except (ConfigError, TypeError) as exc:
             raise ConfigError(f"task {name!r}: {exc}") from None
-        if not (view.teacher or view.teacher_url):
+        if isinstance(view, TrainConfig) and not (view.teacher or view.teacher_url):
             raise ConfigError(
                 f"task {name!r} has no teacher; give it teacher: DIR or teacher_url: URL, or set a global --teacher"
             )
         specs.append(TaskSpec(name, share, view))
     return specs
+
+
+def for_task(name: str, fn, *args, **kw):
+    """``fn(*args, **kw)``; a user error of a multi-task run's task names the task."""
+    try:
+        return fn(*args, **kw)
+    except UserError as exc:
+        if not name:
+            raise
+        raise UserError(f"task {name!r}: {exc}") from exc
 
 
 # ----------------------------------------------------------------------------- schedule

@@ -10,6 +10,15 @@ model with the best greedy test accuracy is kept in ``OUT/final`` (early stoppin
 With ``--env NAME`` the targets are the environment's expert episodes (behaviour cloning), in the
 episode format the student later plays (:func:`opd.agentic.expert_sequences`): the loss is on the
 action tokens only, and "accuracy" is the greedy success rate on the held-out games.
+
+With ``tasks:`` (:mod:`opd.multitask`'s task list, resolved the same way: each entry sets its own
+data or environment, ``train_size``, ``batch_size``, lengths) one model learns several tasks at
+once, e.g. a few math solutions and a few expert episodes (the multi-task demo's student). In
+``mix`` mode (the default) every step holds every task's batch, each forwarded on its own (no
+padding of short solutions to an episode's length) and the loss is the token mean over all their
+label tokens together; ``alternate`` trains one task per step, as ``opd train`` does. Each task is
+evaluated on its own test set (``eval/<name>/accuracy``); ``eval/accuracy``, which picks the kept
+model, is their unweighted mean.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from opd.data import PromptSet, batch_indices, load_tasks, sample_seed
 from opd.errors import UserError
 from opd.evaluation import decode_responses, evaluate_model
 from opd.models import load_model, load_tokenizer, model_device, parse_arch, resolve_device, tiny_qwen2
+from opd.multitask import TaskSpec, for_task, resolve_tasks, task_schedule
 from opd.optim import make_optimizer, make_scheduler
 from opd.progress import progress_bar
 from opd.rollout import HFRollout
@@ -178,49 +188,96 @@ def episode_source(cfg: SFTConfig, tok, model) -> tuple[Callable[[int], tuple], 
     return batch, accuracy
 
 
+def task_sources(specs: list[TaskSpec], data: list, tok, model) -> list[tuple[str, Callable, Callable]]:
+    """Each task's (name, batch of its k-th step, greedy test accuracy): one task named "" unless
+    the config lists several (each resolved into its own checked SFTConfig by opd.multitask).
+    ``data``: each prompt task's (training task, evaluation task), None for an environment."""
+    out = []
+    for spec, tasks in zip(specs, data, strict=True):
+        if spec.cfg.env:
+            out.append((spec.name, *for_task(spec.name, episode_source, spec.cfg, tok, model)))
+        else:
+            out.append((spec.name, *for_task(spec.name, prompt_source, spec.cfg, tok, model, *tasks)))
+    return out
+
+
+def step_parts(sources: list, schedule: list, step: int) -> list[tuple[int, tuple]]:
+    """(task, batch) of every part of ``step``: the one task; every task's next batch (mix); the
+    scheduled task's next batch (alternate: each task walks its own example order)."""
+    if schedule:
+        i, visit = schedule[step]
+        return [(i, sources[i][1](visit))]
+    return [(i, src[1](step)) for i, src in enumerate(sources)]
+
+
+def parts_loss(model, parts: list[tuple[int, tuple]], step: int) -> tuple[float, dict[int, float]]:
+    """Backpropagate the token mean of the cross-entropy over every part's label tokens together
+    (each part's own mean weighted by its share of them); the total and each part's own loss."""
+    device = model_device(model)
+    batches = [tuple(t.to(device) for t in batch) for _, batch in parts]
+    counts = [int((lab[:, 1:] != -100).sum()) for _, _, lab in batches]  # what the causal-LM loss averages over
+    total, own = 0.0, {}
+    for (i, _), (ids, att, lab), n in zip(parts, batches, counts, strict=True):
+        loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
+        if not torch.isfinite(loss):
+            raise UserError(f"SFT loss became {float(loss)} at step {step}; lower --lr")
+        (loss * (n / sum(counts))).backward()  # one part: weight 1.0 exactly
+        own[i] = loss.item()
+        total += own[i] * (n / sum(counts))
+    return total, own
+
+
 def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
     rundir = RunDir(cfg.out, report_to=cfg.report_to)
     rundir.require_fresh()
     rundir.write_config(cfg)
-    tasks = None if cfg.env else load_tasks(cfg)  # before the model: a data problem shows at once
+    specs = resolve_tasks(cfg)
+    # before the model: a data problem shows at once
+    data = [None if spec.cfg.env else for_task(spec.name, load_tasks, spec.cfg) for spec in specs]
     model, tok = build_model(cfg)
-    next_batch, accuracy = episode_source(cfg, tok, model) if cfg.env else prompt_source(cfg, tok, model, *tasks)
+    sources = task_sources(specs, data, tok, model)
+    names = [spec.name for spec in specs]
+    multi = cfg.tasks is not None
+    alternate = multi and cfg.task_mode == "alternate"
+    schedule = task_schedule(cfg.steps, [s.share for s in specs], cfg.seed) if alternate else []
     opt = make_optimizer(model, cfg.lr)
     sched = make_scheduler(opt, cfg.warmup_steps, cfg.steps, cfg.schedule)
-    best, stale, t0 = -1.0, 0, time.time()
+    best, best_by_task, stale, t0 = -1.0, {}, 0, time.time()
     model.train()
     with rundir, progress_bar("SFT", total=cfg.steps, enabled=show_progress) as bar:
         for step in range(cfg.steps):
-            ids, att, lab = (t.to(model_device(model)) for t in next_batch(step))
-            loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
-            if not torch.isfinite(loss):
-                raise UserError(f"SFT loss became {float(loss)} at step {step}; lower --lr")
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            loss, own = parts_loss(model, step_parts(sources, schedule, step), step)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             opt.step()
             sched.step()
-            rundir.log_metrics(
-                {
-                    "step": step,
-                    "train/loss": loss.item(),
-                    "train/grad_norm": float(norm),
-                    "train/lr": sched.get_last_lr()[0],
-                }
-            )
+            record = {
+                "step": step,
+                "train/loss": loss,
+                "train/grad_norm": float(norm),
+                "train/lr": sched.get_last_lr()[0],
+            }
+            record.update({f"{names[i]}/train/loss": v for i, v in own.items() if names[i]})
+            rundir.log_metrics(record)
             bar.advance(1)
-            bar.describe(f"loss {loss.item():.3f}  best acc {max(best, 0):.3f}")
+            bar.describe(f"loss {loss:.3f}  best acc {max(best, 0):.3f}")
             if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step == cfg.steps - 1:
-                acc = accuracy(model)
+                # several tasks: the model is chosen by the unweighted mean of their accuracies
+                accs = {name: accuracy(model) for name, _, accuracy in sources}
+                acc = sum(accs.values()) / len(accs)
                 model.train()
-                rundir.log_metrics({"step": step, "eval/accuracy": acc})
+                rundir.log_metrics(
+                    {"step": step, "eval/accuracy": acc, **{f"eval/{n}/accuracy": a for n, a in accs.items() if n}}
+                )
                 if acc > best:
-                    best, stale = acc, 0
+                    best, best_by_task, stale = acc, accs, 0
                     save_final_model(rundir.path / "final", model, tok)
                 else:
                     stale += 1
                 if cfg.patience and stale >= cfg.patience:
                     break
     summary = {"best_accuracy": best, "steps": step + 1, "wall_s": round(time.time() - t0, 1)}
+    if multi:
+        summary["best_by_task"] = best_by_task
     rundir.write_json("summary.json", summary)
     return summary

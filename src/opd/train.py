@@ -58,7 +58,7 @@ from opd.errors import UserError
 from opd.evaluation import evaluate_model
 from opd.lora import apply_lora, load_weights
 from opd.models import disable_dropout, head_weight, load_model, load_tokenizer, resolve_device
-from opd.multitask import TaskSpec, prefixed, resolve_tasks, task_schedule
+from opd.multitask import TaskSpec, for_task, prefixed, resolve_tasks, task_schedule
 from opd.objectives import (
     NEEDS_STUDENT_TOPK,
     LossTotals,
@@ -156,7 +156,7 @@ def setup(cfg: TrainConfig) -> Run:
     rundir.require_fresh(cfg.resume)
     specs = resolve_tasks(cfg)
     # before the models: a data problem shows at once
-    data = [(None, None) if s.cfg.env else _for_task(s.name, load_tasks, s.cfg) for s in specs]
+    data = [(None, None) if s.cfg.env else for_task(s.name, load_tasks, s.cfg) for s in specs]
     tok = load_tokenizer(cfg.student, "student")
     student = load_model(cfg.student, "student", cfg.dtype, device)
     tasks = build_tasks(specs, data, student, tok)
@@ -188,16 +188,6 @@ def setup(cfg: TrainConfig) -> Run:
     return run
 
 
-def _for_task(name: str, fn, *args, **kw):
-    """``fn(*args, **kw)``; a user error of a multi-task run's task names the task."""
-    try:
-        return fn(*args, **kw)
-    except UserError as exc:
-        if not name:
-            raise
-        raise UserError(f"task {name!r}: {exc}") from exc
-
-
 def build_tasks(specs: list[TaskSpec], data: list[tuple], student, tok) -> list[TaskRun]:
     """Each task's teacher, engine and prompts or games. A teacher that several tasks name (the
     same directory or URL, with the same dtype and tokenizer settings) is loaded once and shared."""
@@ -210,10 +200,10 @@ def build_tasks(specs: list[TaskSpec], data: list[tuple], student, tok) -> list[
         key = (*where, c.teacher_dtype or c.dtype, c.teacher_tokenizer, c.cross_tokenizer, c.cross_pairing)
         key += tuple(c.teacher_special_map)
         if key not in teachers:  # every teacher's vocabulary is checked against the student's here
-            teachers[key] = _for_task(spec.name, make_teacher, c, student, tok)
+            teachers[key] = for_task(spec.name, make_teacher, c, student, tok)
         if c.env:
-            _for_task(spec.name, check_episode_context, student, c.max_prompt_tokens, c.max_new_tokens)
-        prompts, test = _for_task(spec.name, prompt_sets, c, tok, task, eval_task)
+            for_task(spec.name, check_episode_context, student, c.max_prompt_tokens, c.max_new_tokens)
+        prompts, test = for_task(spec.name, prompt_sets, c, tok, task, eval_task)
         engine = EpisodeRollout(student, tok) if c.env else HFRollout(student, tok.eos_token_id, tok.pad_token_id)
         out.append(TaskRun(spec.name, c, spec.share, teachers[key], engine, task, prompts, test, eval_task))
     return out
@@ -327,7 +317,7 @@ def score_stage(run: Run, batch: RolloutBatch, diag_M: torch.Tensor, task: TaskR
     needs_student = cfg.objective == "lsm" and cfg.support in NEEDS_STUDENT_TOPK
     student_ids = run.dist.full_call(lambda s: student_topk_ids(s, batch, cfg.k)) if needs_student else None
     # a served teacher that stays down stops the run here, naming its task; the last checkpoint stays
-    scores = _for_task(task.name, task.teacher.score, batch, cfg.k, query_ids_NTQ=student_ids, diag_index_M=diag_M)
+    scores = for_task(task.name, task.teacher.score, batch, cfg.k, query_ids_NTQ=student_ids, diag_index_M=diag_M)
     return scores, student_ids
 
 
@@ -481,12 +471,18 @@ def log_stage(run: Run, step: int, parts: list[StepPart], upds: list[StepUpdate]
 
 def evaluate_task(student, tok, task: TaskRun, seed: int) -> dict:
     """One task's evaluation on its held-out prompts (accuracy, avg@k) or games (success rate)."""
-    c = task.cfg
+    return evaluate_set(student, tok, task.cfg, task.test, task.eval_task or task.task, seed)
+
+
+def evaluate_set(student, tok, c: TrainConfig, test, grader: Task | None, seed: int, show_progress=False) -> dict:
+    """A model on held-out prompts graded by ``grader``, or games, with a (task's) config's sampling
+    and lengths: what training's evaluation reports (the demos evaluate their models before it so)."""
     common = dict(samples=c.eval_samples, temperature=c.temperature, top_p=c.top_p, seed=seed)
-    if isinstance(task.test, GameSet):
-        return evaluate_agent(student, tok, task.test, **c.episode_limits(), **common)
-    grader = task.eval_task or task.task
-    return evaluate_model(student, tok, task.test, grader, max_new_tokens=c.max_new_tokens, **common)
+    if isinstance(test, GameSet):
+        return evaluate_agent(student, tok, test, **c.episode_limits(), **common, show_progress=show_progress)
+    return evaluate_model(
+        student, tok, test, grader, max_new_tokens=c.max_new_tokens, **common, show_progress=show_progress
+    )
 
 
 def eval_stage(run: Run, step: int) -> dict:

@@ -20,6 +20,7 @@ _MODULES = {
     "depth": "opd.experiments.depth",
     "agentic": "opd.experiments.agentic",
     "cross-tokenizer": "opd.experiments.cross_tokenizer",
+    "multitask": "opd.experiments.multitask",
 }
 NAMES = tuple(_MODULES)
 

@@ -195,8 +195,8 @@ def _flag_values(cfg: Any) -> list[str]:
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
             parts.append(flag if value else "--no-" + flag[2:])
-        elif isinstance(value, list):
-            parts.extend(f"{flag} {json.dumps(str(v))}" for v in value)
+        elif isinstance(value, list):  # a task list's entries as JSON mappings, one --tasks each
+            parts.extend(f"{flag} {json.dumps(json.dumps(v) if isinstance(v, dict) else str(v))}" for v in value)
         else:
             text = str(value)
             parts.append(f"{flag} {text if text and ' ' not in text else json.dumps(text)}")
