@@ -20,8 +20,15 @@ from pathlib import Path
 
 from opd.config import EvalConfig, TrainConfig
 from opd.demo_agentic import ASSETS, ENV, EVAL_SAMPLES, LEVEL, LIMITS, TOP_P, env_args
-from opd.errors import UserError
-from opd.experiments.common import avg_at_k_claim, diagnostics_plots, final_scores, read_metrics, series, stability
+from opd.experiments.common import (
+    avg_at_k_claim,
+    demo_models,
+    diagnostics_plots,
+    final_scores,
+    read_metrics,
+    series,
+    stability,
+)
 from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
 from opd.experiments.stats import mean_ci, verdict
 
@@ -37,14 +44,7 @@ COVERAGE = 0.08  # the paper's authors: ">92% coverage" of the student's tokens 
 
 def models(s: Settings) -> Path:
     """The packaged agentic models; with ``--quick`` and none packaged, the shortened recipe's."""
-    if (ASSETS / "teacher" / "config.json").is_file():
-        return ASSETS
-    if not s.quick:
-        raise UserError(
-            f"the agentic experiment starts from the agentic demo's models, missing in {ASSETS}; "
-            f"make them with `opd make-demo-models --agentic --out {ASSETS}`"
-        )
-    return s.out / "quick-models"
+    return demo_models(s, ASSETS, "teacher", "agentic demo", "--agentic")
 
 
 def make_quick_models(p: dict, run_dir: Path) -> dict:

@@ -10,9 +10,11 @@ seeds), so objectives that roll out without top-p are still compared on equal te
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from opd.config import EvalConfig, SFTConfig, TrainConfig
 from opd.demo import ASSETS, EVAL_SAMPLES, MAX_NEW_TOKENS, TASK_LEVEL, TOP_P
+from opd.errors import UserError
 from opd.experiments.core import Analysis, Claim, RunSpec, Settings, read_done, read_metrics
 from opd.experiments.plots import line_plot
 from opd.experiments.stats import mean_ci, verdict
@@ -184,3 +186,17 @@ def avg_at_k_claim(
     a.claims.append(
         Claim(source, claim, f"CI of paired avg@k difference ({hi} - {lo}) above 0", v, f"{ci.fmt(1, 100)} points")
     )
+
+
+def demo_models(s: Settings, assets: Path, probe: str, demo: str, flag: str) -> Path:
+    """An experiment's starting models: the packaged ones in ``assets`` (``probe`` present), else,
+    with ``--quick``, ``OUT/quick-models`` (which the experiment's plan makes with the shortened
+    recipe); a full run without them is an error naming the command that makes them."""
+    if (assets / probe / "config.json").is_file():
+        return assets
+    if not s.quick:
+        raise UserError(
+            f"the {s.out.name} experiment starts from the {demo}'s models, "
+            f"missing in {assets}; make them with `opd make-demo-models {flag} --out {assets}`"
+        )
+    return s.out / "quick-models"

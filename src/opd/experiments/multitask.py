@@ -34,8 +34,7 @@ import math
 from pathlib import Path
 
 from opd.demo_multitask import ASSETS, GAME, MATH, STEPS, make_quick_models, opd_config, task_steps
-from opd.errors import UserError
-from opd.experiments.common import diagnostics_plots
+from opd.experiments.common import demo_models, diagnostics_plots
 from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_done
 from opd.experiments.stats import equivalence, mean_ci, verdict
 
@@ -58,14 +57,7 @@ QUICK_STEPS = 4
 
 def models(s: Settings) -> Path:
     """The packaged multi-task models; with ``--quick`` and none packaged, the shortened recipe's."""
-    if (ASSETS / "student" / "config.json").is_file():
-        return ASSETS
-    if not s.quick:
-        raise UserError(
-            f"the multitask experiment starts from the multi-task demo's models, missing in {ASSETS}; "
-            f"make them with `opd make-demo-models --multitask --out {ASSETS}`"
-        )
-    return s.out / "quick-models"
+    return demo_models(s, ASSETS, "student", "multi-task demo", "--multitask")
 
 
 def _make_quick_models(p: dict, run_dir: Path) -> dict:
