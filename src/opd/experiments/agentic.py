@@ -42,11 +42,6 @@ STEPS, BATCH = 100, 32
 COVERAGE = 0.08  # the paper's authors: ">92% coverage" of the student's tokens by the teacher's top-K
 
 
-def models(s: Settings) -> Path:
-    """The packaged agentic models; with ``--quick`` and none packaged, the shortened recipe's."""
-    return demo_models(s, ASSETS, "teacher", "agentic demo", "--agentic")
-
-
 def make_quick_models(p: dict, run_dir: Path) -> dict:
     from opd.demo_agentic import make_agentic_models
 
@@ -58,10 +53,7 @@ def run_name(variant: str, seed: int) -> str:
 
 
 def plan(s: Settings) -> list[RunSpec]:
-    root = models(s)
-    specs = []
-    if root != ASSETS:
-        specs.append(RunSpec("quick-models", "python", {"out": str(root)}, make_quick_models, "opd make-demo-models"))
+    root, specs = demo_models(s, ASSETS, "teacher", "agentic demo", "--agentic", make_quick_models)
     for seed in range(s.seeds):
         for variant, change in VARIANTS.items():
             name = run_name(variant, seed)

@@ -188,15 +188,16 @@ def avg_at_k_claim(
     )
 
 
-def demo_models(s: Settings, assets: Path, probe: str, demo: str, flag: str) -> Path:
-    """An experiment's starting models: the packaged ones in ``assets`` (``probe`` present), else,
-    with ``--quick``, ``OUT/quick-models`` (which the experiment's plan makes with the shortened
-    recipe); a full run without them is an error naming the command that makes them."""
+def demo_models(s: Settings, assets: Path, probe: str, demo: str, flag: str, make) -> tuple[Path, list[RunSpec]]:
+    """An experiment's starting models and the runs that make them: the packaged ones in ``assets``
+    (``probe`` present), else, with ``--quick``, ``OUT/quick-models`` made first by ``make`` (the
+    shortened recipe, a python RunSpec); a full run without them is an error naming the command."""
     if (assets / probe / "config.json").is_file():
-        return assets
+        return assets, []
     if not s.quick:
         raise UserError(
             f"the {s.out.name} experiment starts from the {demo}'s models, "
             f"missing in {assets}; make them with `opd make-demo-models {flag} --out {assets}`"
         )
-    return s.out / "quick-models"
+    root = s.out / "quick-models"
+    return root, [RunSpec("quick-models", "python", {"out": str(root)}, make, f"opd make-demo-models {flag} --quick")]

@@ -55,11 +55,6 @@ MARGIN = 0.05  # "close" / "competitive": the paired avg@k difference within 5 p
 QUICK_STEPS = 4
 
 
-def models(s: Settings) -> Path:
-    """The packaged multi-task models; with ``--quick`` and none packaged, the shortened recipe's."""
-    return demo_models(s, ASSETS, "student", "multi-task demo", "--multitask")
-
-
 def _make_quick_models(p: dict, run_dir: Path) -> dict:
     make_quick_models(Path(p["out"]))
     return {"models": p["out"]}
@@ -70,10 +65,7 @@ def run_name(variant: str, seed: int) -> str:
 
 
 def plan(s: Settings) -> list[RunSpec]:
-    root = models(s)
-    specs = []
-    if root != ASSETS:
-        specs.append(RunSpec("quick-models", "python", {"out": str(root)}, _make_quick_models, "opd make-demo-models"))
+    root, specs = demo_models(s, ASSETS, "student", "multi-task demo", "--multitask", _make_quick_models)
     steps = QUICK_STEPS if s.quick else STEPS
     for seed in range(s.seeds):
         for variant, change in VARIANTS.items():
