@@ -7,6 +7,7 @@ re-encoding, batch invariance) are in test_episodes.py; these tests check the lo
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
@@ -22,7 +23,15 @@ from helpers import (
 from typer.testing import CliRunner
 
 from opd import train as train_mod
-from opd.agentic import GameSet, evaluate_agent, make_env, parse_env_args, write_eval_games
+from opd.agentic import (
+    GameSet,
+    evaluate_agent,
+    expert_sequences,
+    make_env,
+    mistake_command,
+    parse_env_args,
+    write_eval_games,
+)
 from opd.cli import app
 from opd.config import TrainConfig
 from opd.envs import Game, StepResult, register_env
@@ -254,3 +263,70 @@ def test_an_episode_whose_prompt_is_too_long_ends_counted_and_the_context_is_che
     check_episode_context(model, 400, 112)  # 512 positions: fits exactly
     with pytest.raises(UserError, match="exceed the model's context of 512 positions"):
         check_episode_context(model, 400, 113)
+
+
+# ------------------------------------------------------------------- expert episodes with mistakes
+
+
+class _Recorder:
+    """A toy session that records each command played, whether the game listed it, and the reply."""
+
+    def __init__(self, session, log: list):
+        self.session, self.log = session, log
+
+    def step(self, action):
+        listed = action in self.session.admissible_commands()
+        result = self.session.step(action)
+        self.log.append((action, listed, result.observation))
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+
+def _recorded_toy(log: list):
+    env = make_env("toy", 2, ["n_train=12", "max_turns=40"])
+    opened = env.open
+    env.open = lambda game: _Recorder(opened(game), log)
+    return env
+
+
+def test_expert_episodes_with_mistakes_train_only_the_experts_commands(student):
+    _, tok = student
+    clean_log, noisy_log = [], []
+    clean_env, noisy_env = _recorded_toy(clean_log), _recorded_toy(noisy_log)
+    games = clean_env.games("train")
+    clean = expert_sequences(clean_env, games, tok, 100_000)
+    noisy = expert_sequences(noisy_env, games, tok, 100_000, mistakes=0.5, seed=3)
+    assert clean[2] == noisy[2] == 0 and len(noisy[0]) == len(games)
+    # The expert's commands are played in the same order; every other command is one the game did not list
+    # and answered "Nothing happens." (so the state, and the expert's next command, stay right).
+    extra = [(a, listed, obs) for a, listed, obs in noisy_log if (a, listed, obs) not in clean_log]
+    assert extra and all(not listed and obs == "Nothing happens." for _, listed, obs in extra)
+    assert [x for x in noisy_log if x not in extra] == clean_log
+    assert len(extra) > len(clean_log) // 5  # about half the expert's commands get a mistake before them
+    # What is trained: exactly the expert's command tokens, as without mistakes; the mistakes are context.
+    for ids_c, lab_c, ids_n, lab_n in zip(*clean[:2], *noisy[:2], strict=True):
+        assert [t for t in lab_n if t != -100] == [t for t in lab_c if t != -100]
+        assert ids_n == ids_c or len(ids_n) > len(ids_c)  # the same, or longer by its mistakes
+    again = expert_sequences(_recorded_toy([]), games, tok, 100_000, mistakes=0.5, seed=3)
+    other = expert_sequences(_recorded_toy([]), games, tok, 100_000, mistakes=0.5, seed=4)
+    assert again[0] == noisy[0] and other[0] != noisy[0]  # seeded per (seed, game)
+    assert expert_sequences(_recorded_toy([]), games, tok, 100_000, mistakes=0.0, seed=3)[0] == clean[0]
+
+
+def test_mistake_command_is_a_rejected_variant_of_a_listed_command():
+    rng = random.Random(0)
+    listed = ["go to shelf 1", "take apple 1 from shelf 1", "look", "inventory"]
+    seen = set()
+    for _ in range(200):
+        wrong = mistake_command(listed, "take apple 1 from shelf 1", rng)
+        assert wrong is not None and wrong not in listed
+        words = wrong.split()
+        # One verb, name or number replaced by another of the listed commands': "take shelf 1 from shelf 1",
+        # "go to apple 1", "take apple 1 from apple 1"; never a word in a preposition's place.
+        assert words[0] in ("go", "take") and len(words) in (4, 6) and set(words) <= {*" ".join(listed).split()}
+        seen.add(wrong)
+    assert len(seen) >= 4
+    assert mistake_command(None, "go to shelf 1", rng) is None  # the game does not say what it accepts
+    assert mistake_command(["look"], "look", rng) is None  # nothing to get wrong

@@ -26,6 +26,8 @@ from opd.crosstok.scorer import CrossTokenizerTeacher
 from opd.errors import UserError
 from opd.models import load_model, load_tokenizer, tiny_qwen2
 from opd.objectives import objective_loss, scored_loss_mask
+from opd.report.charts import build_charts
+from opd.report.load import load_runs
 from opd.rollout import RolloutBatch
 from opd.teacher import HFTeacher, TeacherScores, make_teacher
 from opd.tokenizer import format_prompt
@@ -112,6 +114,10 @@ def test_different_tokenizer_trains_through_the_cli(cross_models, tmp_path, obje
         assert "diag/overlap" not in r  # the full-vocabulary diagnostics need the teacher's logits in our vocabulary
     assert sum(r["train/loss_tokens"] for r in records) > 0
     assert (out / "final").is_dir() and any(r.get("eval/accuracy") is not None for r in read_metrics(out))
+    # The report charts the alignment from the run directory, one series per logged key.
+    charts = {c["id"]: c for c in build_charts(load_runs([out]))}
+    for cid, keys in (("cross-alignment", CROSS_KEYS[::2]), ("cross-mapped-mass", CROSS_KEYS[1:2])):
+        assert [s["y"] for s in charts[cid]["series"]] == [[r[k] for r in records] for k in keys]
 
 
 # ---------------------------------------------------------------- the scorer against a hand computation
@@ -203,6 +209,18 @@ def test_scorer_by_hand(cross_models, objective, pairing):
             assert bool(scores.position_mask_NT[n, i]) == (lsm_kept if objective == "lsm" else True)
     assert scores.metrics["cross/mapped_mass"] < 1.0  # the unmapped token's mass is lost
     assert 0.0 < scores.metrics["cross/one_to_one"] < 1.0
+
+
+def test_a_sequence_longer_than_the_teachers_context_in_its_own_tokens_is_refused(cross_models):
+    student, _, teacher_dir = cross_models
+    s_tok, t_tok = load_tokenizer(student, "student"), load_tokenizer(teacher_dir, "teacher")
+    batch = _student_batch(s_tok, "Compute 3 + 4.", ["3 + 4 = 7. The answer is 7"])
+    fixed = _FixedTeacher([0, 1], [-0.5, -1.5])
+    CrossTokenizerTeacher(fixed, s_tok, t_tok, teacher_context=None).score(batch, 2)
+    t_len = fixed.seen.input_ids_NL.shape[1]  # one row: its prompt and response in the teacher's tokens
+    CrossTokenizerTeacher(fixed, s_tok, t_tok, teacher_context=t_len).score(batch, 2)
+    with pytest.raises(UserError, match=f"{t_len} tokens long, more than the teacher model's context of {t_len - 1}"):
+        CrossTokenizerTeacher(fixed, s_tok, t_tok, teacher_context=t_len - 1).score(batch, 2)
 
 
 @pytest.mark.parametrize("objective", ["lsm", "sampled"])

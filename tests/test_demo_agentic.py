@@ -21,7 +21,12 @@ if importlib.util.find_spec("alfworld") is None:
 def test_make_agentic_models_and_quick_agentic_demo(tmp_path):
     assets = tmp_path / "assets"
     made = make_agentic_models(assets, quick=True)
-    assert set(made) == {"teacher", "student"} and all(m["steps"] == 6 for m in made.values())
+    assert set(made) == {"teacher", "student"} and made["student"]["steps"] == 6
+    # The teacher in two stages: cloning, then the same games with mistakes, from the first stage's model
+    # (whose weights are not kept apart).
+    assert [s["steps"] for s in made["teacher"]["stages"]] == [6, 4] and made["teacher"]["steps"] == 4
+    assert json.loads((assets / "runs" / "teacher-recovery" / "config.json").read_text())["expert_mistakes"] > 0
+    assert not (assets / "runs" / "teacher" / "final").exists()
     tok = AutoTokenizer.from_pretrained(assets / "student")
     for name, layers in (("teacher", 4), ("student", 2)):
         model = AutoModelForCausalLM.from_pretrained(assets / name)

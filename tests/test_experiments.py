@@ -295,6 +295,26 @@ def test_variance_quick_end_to_end(tmp_path):
     text = doc.read_text()
     assert "quick (smoke test)" in text and "Not run yet: `opd experiment depth`" in text
     assert (tmp_path / "docs/results/variance/variance_vs_horizon.png").is_file()
+    # Rebuilt from other output roots, the document keeps the variance result: from the results.json kept
+    # beside it, or, where that is gone (documents older than the copies), its own section and summary rows.
+    section = text[text.index("## variance: ") :]
+    empty = tmp_path / "elsewhere"
+    empty.mkdir()
+    (tmp_path / "variance" / "results.json").unlink()
+    with pytest.raises(UserError, match="no experiment results"):
+        build_results_md([empty], tmp_path / "other" / "RESULTS.md")
+    assert (
+        build_results_md([empty], doc).read_text().split("Summary of verdicts")[1]
+        == text.split("Summary of verdicts")[1]
+    )
+    (tmp_path / "docs/results/variance/results.json").unlink()
+    kept = build_results_md([empty], doc).read_text()
+    assert kept[kept.index("## variance: ") :].split("\n## ")[0] == section.split("\n## ")[0]
+    assert [r for r in kept.splitlines() if r.startswith("| variance |")] == [
+        r for r in text.splitlines() if r.startswith("| variance |")
+    ]
+    runs_line = lambda doc_text: next(line for line in doc_text.splitlines() if line.startswith("Runs behind"))
+    assert runs_line(kept) == runs_line(text)  # its wall time and machine read back from the section
 
 
 def test_depth_buckets_and_reformatted_solutions():

@@ -14,11 +14,11 @@ import pytest
 from helpers import read_metrics, step_records
 
 from opd.config import TrainConfig
+from opd.records import MODEL_FIELDS
 from opd.report import write_report
 from opd.report.charts import build_charts, rate_word
 from opd.report.inspector import inspector_data
 from opd.report.load import RunData, load_run
-from opd.stepstats import MODEL_FIELDS
 
 BATCH, MAX_TURNS = 4, 4
 

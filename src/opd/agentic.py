@@ -23,6 +23,7 @@ key for prompt tasks and environments alike.
 
 from __future__ import annotations
 
+import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from typing import Any
 import yaml
 
 from opd.data import batch_indices
-from opd.envs import Environment, Game, get_env
+from opd.envs import Environment, Game, get_env, normal_command
 from opd.episodes import ChatFormat, EpisodeRecord, EpisodeRollout
 from opd.errors import UserError
 from opd.evaluation import avg_at_k, mean_pass_at_k
@@ -47,6 +48,7 @@ __all__ = [
     "evaluate_agent",
     "write_eval_games",
     "expert_sequences",
+    "mistake_command",
     "check_episode_context",
 ]
 
@@ -216,9 +218,17 @@ def _safe(game_id: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in game_id)
 
 
-def expert_sequences(env: Environment, games: list[Game], tokenizer, max_len: int) -> tuple[list, list, int]:
+def expert_sequences(
+    env: Environment, games: list[Game], tokenizer, max_len: int, mistakes: float = 0.0, seed: int = 0
+) -> tuple[list, list, int]:
     """The expert's episodes as token sequences in the episode format of :mod:`opd.episodes` and
     their labels (the action tokens and their EOS; -100 on the prompt and the game's replies).
+
+    ``mistakes``: before each expert action, with this probability, a command the game rejects is
+    played first (see :func:`mistake_command`), unlabelled, with the game's reply: the clone learns
+    to go on correctly after a mistake (DART-style noise injection). A clone of flawless episodes
+    has never read a rejection, and as a teacher it then has no useful advice in exactly the
+    states an on-policy student's mistakes reach. Seeded per game (``seed`` and the game's id).
 
     A game whose expert does not win, has no expert, fails (EnvError), or whose episode is longer
     than ``max_len`` tokens is left out and counted. Returns (sequences, labels, left out).
@@ -228,10 +238,11 @@ def expert_sequences(env: Environment, games: list[Game], tokenizer, max_len: in
     fmt, eos = ChatFormat(tokenizer, tokenizer.eos_token_id), tokenizer.eos_token_id
     seqs, labels, skipped = [], [], 0
     for game in games:
+        rng = random.Random(f"{seed}:{game.id}")
         try:
             session = env.open(game)
             try:
-                ids, lab = _expert_episode(fmt, eos, env.system_prompt, session)
+                ids, lab = _expert_episode(fmt, eos, env.system_prompt, session, mistakes, rng)
             finally:
                 session.close()
         except EnvError:
@@ -244,23 +255,74 @@ def expert_sequences(env: Environment, games: list[Game], tokenizer, max_len: in
     return seqs, labels, skipped
 
 
-def _expert_episode(fmt: ChatFormat, eos: int, system: str, session) -> tuple[list[int], list[int]] | tuple[None, None]:
+def _expert_episode(
+    fmt: ChatFormat, eos: int, system: str, session, mistakes: float, rng: random.Random
+) -> tuple[list[int], list[int]] | tuple[None, None]:
     prompt = fmt.encode(fmt.prompt(system, session.reset()))
     actions = session.expert_actions()
     if not actions:
         return None, None
     ids, lab = list(prompt), [-100] * len(prompt)
-    for i, action in enumerate(actions):
+
+    def play(action: str, trained: bool):
         turn = fmt.encode(action) + [eos]
-        ids += turn
-        lab += turn
-        result = session.step(action)
+        ids.extend(turn)
+        lab.extend(turn if trained else [-100] * len(turn))
+        return session.step(action)
+
+    def reply(result) -> None:
+        text = fmt.encode(fmt.reply(result.observation, after_eos=True))
+        ids.extend(text)
+        lab.extend([-100] * len(text))
+
+    for i, action in enumerate(actions):
+        if mistakes and rng.random() < mistakes:
+            wrong = mistake_command(session.admissible_commands(), action, rng)
+            if wrong is not None:
+                result = play(wrong, trained=False)
+                if result.done:  # the game's turn limit: this episode cannot be the expert's any more
+                    return None, None
+                reply(result)
+        result = play(action, trained=True)
         if result.done or i == len(actions) - 1:
             return (ids, lab) if result.won else (None, None)
-        reply = fmt.encode(fmt.reply(result.observation, after_eos=True))
-        ids += reply
-        lab += [-100] * len(reply)
+        reply(result)
     return None, None
+
+
+def mistake_command(admissible: list[str] | None, expert: str, rng: random.Random, tries: int = 20) -> str | None:
+    """A plausible command the game rejects in this state: an admissible command (or the expert's
+    next one) with its verb, one name or one number replaced by another verb, name ("pen" in "pen
+    1") or number of the admissible commands: "take pen 1 from shelf 1" where the shelf holds no
+    pen, "move apple 1 to ..." before the apple is held, what an imperfect player writes. None when
+    the game does not list its admissible commands (a rejection could not be told from a move that
+    changes the state) or no such command turns up."""
+    if not admissible:
+        return None
+    valid = {normal_command(c) for c in admissible}
+    bases = sorted(c.split() for c in {*valid, normal_command(expert)} if " " in c)  # "look": nothing to get wrong
+    pools: dict[str, set[str]] = {"verb": set(), "name": set(), "number": set()}
+    for words in bases:
+        for i, w in enumerate(words):
+            if _role(words, i):
+                pools[_role(words, i)].add(w)
+    for _ in range(tries if bases else 0):
+        words = list(rng.choice(bases))
+        i = rng.choice([j for j in range(len(words)) if _role(words, j)])
+        words[i] = rng.choice(sorted(pools[_role(words, i)]))
+        candidate = " ".join(words)
+        if candidate not in valid:
+            return candidate
+    return None
+
+
+def _role(words: list[str], i: int) -> str:
+    """What a command's i-th word is: its verb, a name (followed by a number), a number, or ""."""
+    if i == 0:
+        return "verb"
+    if words[i].isdigit():
+        return "number"
+    return "name" if i + 1 < len(words) and words[i + 1].isdigit() else ""
 
 
 def check_episode_context(model, max_prompt_tokens: int, max_new_tokens: int) -> None:

@@ -100,7 +100,7 @@ def _eval(cfg: EvalConfig) -> None:
 def _demo(
     out: Path = typer.Option(Path("runs/demo"), help="Directory for the demo's run directories and summary.json."),
     steps: Optional[int] = typer.Option(
-        None, help="OPD steps per objective (default 200; --agentic 100; --multitask 96, two math steps per game step)."
+        None, help="OPD steps per objective (default 200; --agentic 60; --multitask 96, two math steps per game step)."
     ),
     quick: bool = typer.Option(False, help="A much shorter run (smoke test, a minute or two)."),
     assets: Path | None = typer.Option(None, help="Directory of demo models (default: the packaged ones)."),
@@ -125,7 +125,7 @@ def _demo(
     if agentic:
         from opd.demo_agentic import run_agentic_demo
 
-        run_agentic_demo(out=out, steps=steps or 100, quick=quick, assets=assets)
+        run_agentic_demo(out=out, steps=steps or 0, quick=quick, assets=assets)
         return
     from opd.demo import run_demo
 

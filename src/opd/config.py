@@ -477,6 +477,11 @@ class SFTConfig(EnvSource, TrainingSource):
     train_size: int = opt(
         0, "Train on only the first N examples (0: all); a small labelled set, as the demo's student."
     )
+    expert_mistakes: float = opt(
+        0.0,
+        "With --env: before each expert action, with this probability, play a command the game rejects first "
+        "(not trained on), so the model learns to go on after a mistake (a game teacher for on-policy students).",
+    )
     steps: int = opt(2000, "Optimizer steps.")
     batch_size: int = opt(64, "Examples per step.")
     lr: float = opt(1e-3, "Peak learning rate (AdamW).")
@@ -505,6 +510,11 @@ class SFTConfig(EnvSource, TrainingSource):
         self.report_to = check_report_to(self.report_to)
         _require(self.steps >= 1 and self.batch_size >= 1, "steps and batch_size must be >= 1")
         _require(self.train_size >= 0, f"train_size={self.train_size} must be >= 0 (0 uses every example)")
+        _require(0.0 <= self.expert_mistakes < 1.0, f"expert_mistakes={self.expert_mistakes} must be in [0, 1)")
+        _require(
+            not self.expert_mistakes or bool(self.env) or bool(self.tasks),
+            "expert_mistakes needs --env (it plays the environment's expert episodes with mistakes)",
+        )
         _require(
             bool(self.init) != bool(self.arch),
             "give exactly one of --init (a model directory) or --arch (qwen2:LAYERS:WIDTH)",

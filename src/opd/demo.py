@@ -109,22 +109,30 @@ def teacher_sft_config(out: Path, tokenizer: str, quick: bool = False, seed: int
     )
 
 
-def train_models(out: Path, plans: dict[str, SFTConfig], only: str = "") -> dict:
+def train_models(out: Path, plans: dict[str, SFTConfig | list[SFTConfig]], only: str = "") -> dict:
     """Run each plan's ``opd sft`` (``only``: just that one), move its best model to ``out/<name>``
-    and record its summary in ``out/make_summary.json``."""
+    and record its summary in ``out/make_summary.json``. A plan may be a list of stages, each
+    starting from the one before (its ``init``); only the last stage's model is kept, and the
+    summary lists every stage's."""
     from opd.sft import sft
 
     summary_path = out / "make_summary.json"
-    for name, cfg in plans.items():
+    for name, stages in plans.items():
         if only and name != only:
             continue
-        shutil.rmtree(cfg.out, ignore_errors=True)  # remade from scratch, its old logs included
-        result = sft(cfg)
+        stages = stages if isinstance(stages, list) else [stages]
+        results = []
+        for cfg in stages:
+            shutil.rmtree(cfg.out, ignore_errors=True)  # remade from scratch, its old logs included
+            results.append(sft(cfg))
+        for cfg in stages[:-1]:  # their weights live on in the next stage's
+            shutil.rmtree(Path(cfg.out) / "final")
+        result = {**results[-1], "stages": results} if len(stages) > 1 else results[0]
         # Read just before writing: `--only teacher` and `--only student` may run side by side.
         summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
         summary[name] = result
         summary_path.write_text(json.dumps(summary, indent=2) + "\n")
-        final = Path(cfg.out) / "final"
+        final = Path(stages[-1].out) / "final"
         target = out / name
         if target.exists():
             shutil.rmtree(target)

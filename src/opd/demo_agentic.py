@@ -41,9 +41,13 @@ ENV_ARGS = ["num_train=400", "num_test=50"]
 QUICK_ENV_ARGS = ["num_train=24", "num_test=8"]  # the shortened recipe and demo (tests)
 VOCAB_SIZE = 4096
 TEACHER_ARCH, STUDENT_ARCH = "qwen2:4:256", "qwen2:2:128"
-STUDENT_GAMES = 40  # expert episodes the student clones, of the 400 the teacher learns from
+STUDENT_GAMES = 70  # expert episodes the student clones, of the 400 the teacher learns from
+TEACHER_MISTAKES, RECOVERY_STEPS = 0.25, 200  # the teacher's second stage: expert episodes with mistakes
 MAX_PROMPT_TOKENS, MAX_NEW_TOKENS, MAX_ACTION_TOKENS = 180, 320, 16
 EVAL_SAMPLES = 2
+# OPD in the demo: sized to its 20 minutes (a step of 16 episodes is about 6 s on two cores, half of
+# it the engine).
+DEMO_STEPS, DEMO_BATCH, DEMO_LR, DEMO_EVAL_EVERY = 60, 16, 5e-4, 30
 TOP_P = 0.9
 LIMITS = dict(max_prompt_tokens=MAX_PROMPT_TOKENS, max_new_tokens=MAX_NEW_TOKENS, max_action_tokens=MAX_ACTION_TOKENS)
 
@@ -99,15 +103,30 @@ def make_agentic_models(out: Path, quick: bool = False, seed: int = 0, only: str
         **LIMITS,
     )
     plans = {
-        "teacher": SFTConfig(
-            arch=TEACHER_ARCH,
-            out=str(out / "runs" / "teacher"),
-            lr=1e-3,
-            steps=6 if quick else 600,
-            warmup_steps=2 if quick else 50,
-            eval_every=6 if quick else 100,
-            **common,
-        ),
+        "teacher": [
+            SFTConfig(
+                arch=TEACHER_ARCH,
+                out=str(out / "runs" / "teacher"),
+                lr=1e-3,
+                steps=6 if quick else 600,
+                warmup_steps=2 if quick else 50,
+                eval_every=6 if quick else 100,
+                **common,
+            ),
+            # Then the same episodes with rejected commands played before some expert actions: a
+            # clone of flawless play, reading "Nothing happens.", repeated the mistake's objects,
+            # which made it no guide in the states a student's mistakes reach.
+            SFTConfig(
+                init=str(out / "runs" / "teacher" / "final"),
+                out=str(out / "runs" / "teacher-recovery"),
+                expert_mistakes=TEACHER_MISTAKES,
+                lr=3e-4,
+                steps=4 if quick else RECOVERY_STEPS,
+                warmup_steps=1 if quick else 20,
+                eval_every=4 if quick else 50,
+                **common,
+            ),
+        ],
         # Few expert episodes at a constant rate until the held-out success stops improving: more
         # cloning of the same episodes cannot raise it.
         "student": SFTConfig(
@@ -131,9 +150,7 @@ def _eval(model_dir: Path, games: GameSet, tok, seed: int) -> dict:
     return evaluate_agent(model, tok, games, samples=EVAL_SAMPLES, top_p=TOP_P, seed=seed, show_progress=True, **LIMITS)
 
 
-def run_agentic_demo(
-    out: Path, steps: int = 100, quick: bool = False, assets: Path | None = None, seed: int = 0
-) -> dict:
+def run_agentic_demo(out: Path, steps: int = 0, quick: bool = False, assets: Path | None = None, seed: int = 0) -> dict:
     """Evaluate the game teacher and the student, run sampled-token OPD and LSM, compare."""
     assets = Path(assets) if assets else ASSETS
     for name in ("teacher", "student"):
@@ -157,11 +174,11 @@ def run_agentic_demo(
         env_level=LEVEL,
         env_args=env_args(quick),
         seed=seed,
-        steps=3 if quick else steps,
-        batch_size=8 if quick else 32,
-        lr=5e-4,
+        steps=3 if quick else steps or DEMO_STEPS,
+        batch_size=8 if quick else DEMO_BATCH,
+        lr=DEMO_LR,
         warmup_steps=5,
-        eval_every=0 if quick else 50,
+        eval_every=0 if quick else DEMO_EVAL_EVERY,
         eval_size=len(games),
         eval_samples=EVAL_SAMPLES,
         ckpt_every=50,

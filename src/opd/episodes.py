@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from opd.envs.base import EnvError, Environment, Game, GameSession
+from opd.envs.base import EnvError, Environment, Game, GameSession, normal_command
 from opd.errors import UserError
 from opd.models import model_device
 from opd.rollout import (
@@ -433,8 +433,7 @@ class EpisodeRollout:
             ep.finish("error", str(err))
             return None
         if admissible is not None:
-            valid = {" ".join(c.lower().split()) for c in admissible}
-            invalid = " ".join(text.lower().split()) not in valid
+            invalid = normal_command(text) not in {normal_command(c) for c in admissible}
             ep.record.invalid_actions = (ep.record.invalid_actions or 0) + invalid
         ep.record.observations.append(result.observation)
         ep.record.rewards.append(float(result.reward))

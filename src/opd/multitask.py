@@ -112,7 +112,8 @@ PER_TASK = (
     "top_p",
     "eval_samples",
 )
-SFT_PER_TASK = (*_SOURCE, "data", "teacher", "train_size")  # teacher: where its targets are sampled from
+# teacher: where its targets are sampled from
+SFT_PER_TASK = (*_SOURCE, "data", "teacher", "train_size", "expert_mistakes")
 # Metric namespaces a task name would collide with.
 RESERVED = ("train", "rollout", "diag", "depth", "time", "eval", "step", "tasks")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")

@@ -168,7 +168,9 @@ def episode_source(cfg: SFTConfig, tok, model) -> tuple[Callable[[int], tuple], 
     check_episode_context(model, cfg.max_prompt_tokens, cfg.max_new_tokens)
     env = make_env(cfg.env, cfg.env_level, cfg.env_args)
     games = GameSet.build(env, "train").games[: cfg.train_size or None]
-    seqs, labels, skipped = expert_sequences(env, games, tok, cfg.max_new_tokens + cfg.max_prompt_tokens)
+    seqs, labels, skipped = expert_sequences(
+        env, games, tok, cfg.max_new_tokens + cfg.max_prompt_tokens, mistakes=cfg.expert_mistakes, seed=cfg.seed
+    )
     if not seqs:
         raise UserError(
             f"none of the {len(games)} training games of {env.name!r} gave an expert episode that wins within "

@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from opd import metrics as M
 from opd.evaluation import decode_responses
+from opd.records import MODEL_FIELDS
 from opd.rollout import RolloutBatch
 from opd.tasks import Example, Task
 from opd.teacher import TeacherScores
@@ -172,17 +173,6 @@ def _model_fields(
         # Each distinct top-K id once, so the report can label the inspector's bars without a tokenizer.
         "topk_tokens": dict(zip(map(str, uniq), tok.convert_ids_to_tokens(uniq))),
     }
-
-
-# Fields that exist only where the model wrote the token; an environment token has null there.
-MODEL_FIELDS = (
-    "student_logprobs",
-    "teacher_logprobs",
-    "token_loss",
-    "teacher_topk_ids",
-    "teacher_topk_logprobs",
-    "student_topk_logprobs",
-)
 
 
 def _episode_fields(fields: dict, tok, batch: RolloutBatch, r: int, episode) -> dict:

@@ -212,7 +212,10 @@ def cross_tokenizer_teacher(cfg, inner: TeacherScorer, student_tok, teacher_tok)
     from opd.crosstok.scorer import CrossTokenizerTeacher  # it imports this module
 
     check_cross_tokenizer(cfg)
-    rows = head_weight(inner.model).shape[0] if isinstance(inner, HFTeacher) else inner.vocab_rows
+    if isinstance(inner, HFTeacher):
+        rows, context = head_weight(inner.model).shape[0], getattr(inner.model.config, "max_position_embeddings", None)
+    else:  # a served teacher checks its own context
+        rows, context = inner.vocab_rows, None
     if cfg.k > rows:
         raise UserError(f"k={cfg.k} is larger than the teacher's vocabulary ({rows} tokens); choose --k <= {rows}")
     teacher = CrossTokenizerTeacher(
@@ -223,6 +226,7 @@ def cross_tokenizer_teacher(cfg, inner: TeacherScorer, student_tok, teacher_tok)
         pairing=cfg.cross_pairing,
         special_map=parse_special_map(cfg.teacher_special_map),
         teacher_rows=rows,
+        teacher_context=context,
     )
     if os.environ.get("RANK", "0") == "0":  # one line per run, not one per rank (torchrun/accelerate set RANK)
         print(f"opd train: {teacher.notice}", file=sys.stderr, flush=True)

@@ -69,6 +69,8 @@ class CrossTokenizerTeacher:
     ``HTTPTeacher`` built with the teacher's tokenizer). ``special_map``: student special token
     name -> teacher special token name; the student's EOS defaults to the teacher's EOS.
     ``teacher_rows``: the teacher head's size when it exceeds its tokenizer (padded embeddings).
+    ``teacher_context``: the teacher model's positions, checked against each sequence in its own
+    tokenization (a served teacher checks its own).
     """
 
     def __init__(
@@ -81,11 +83,12 @@ class CrossTokenizerTeacher:
         pairing: str = "group_start",
         special_map: dict[str, str] | None = None,
         teacher_rows: int | None = None,
+        teacher_context: int | None = None,
     ):
         if objective not in ("lsm", "sampled"):
             raise UserError(f"a cross-tokenizer teacher trains --objective lsm or sampled, not {objective}")
         self.inner, self.student_tok, self.teacher_tok = inner, student_tok, teacher_tok
-        self.objective, self.pairing = objective, pairing
+        self.objective, self.pairing, self.teacher_context = objective, pairing, teacher_context
         self.s_vb = VocabBytes.from_tokenizer(student_tok, f"student {_name(student_tok)}")
         self.t_vb = VocabBytes.from_tokenizer(teacher_tok, f"teacher {_name(teacher_tok)}")
         self.vmap = build_vocab_map(
@@ -161,6 +164,16 @@ class CrossTokenizerTeacher:
             torch.zeros(len(rows), dtype=torch.bool, device=device),
         )
 
+    def _check_context(self, rows) -> None:
+        """The teacher reads each sequence in its own tokens, which may be more than the student's."""
+        longest = max(len(p) + len(r) for p, r, _ in rows)
+        if self.teacher_context and longest > self.teacher_context:
+            raise UserError(
+                f"the teacher's tokenizer ({self.t_vb.name}) makes a prompt and response {longest} tokens long, more "
+                f"than the teacher model's context of {self.teacher_context} positions; lower --max-new-tokens or "
+                "--max-prompt-tokens (the teacher may need more tokens than the student for the same text)"
+            )
+
     def _check_alignments(self, alignments: list[Alignment]) -> None:
         """Warn once when a response's bytes differ for the teacher (the tokens where they differ are left out)."""
         bad = sum(al.mismatch_at is not None for al in alignments)
@@ -188,6 +201,7 @@ class CrossTokenizerTeacher:
             )
         device = batch.response_ids_NT.device
         rows = [self._teacher_row(batch, n) for n in range(batch.num_rollouts)]
+        self._check_context(rows)
         t_batch = self._teacher_batch(rows, device)
         teacher = self.inner.score(t_batch, k)
         alignments = [

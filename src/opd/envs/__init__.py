@@ -17,6 +17,7 @@ from opd.envs.base import (
     StepResult,
     env_names,
     get_env,
+    normal_command,
     register_env,
 )
 
@@ -53,5 +54,6 @@ __all__ = [
     "StepResult",
     "env_names",
     "get_env",
+    "normal_command",
     "register_env",
 ]

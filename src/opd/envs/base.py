@@ -61,6 +61,11 @@ __all__ = [
 ENV_SPLITS = ("train", "test")
 
 
+def normal_command(text: str) -> str:
+    """A command as games compare them: lower case, single spaces."""
+    return " ".join(text.lower().split())
+
+
 class EnvError(RuntimeError):
     """A game that cannot go on (failed to load, engine crashed): the episode ends and is counted,
     the run goes on. Not for actions the game rejects: those are answered with an observation."""

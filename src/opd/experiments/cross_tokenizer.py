@@ -25,6 +25,7 @@ from opd.experiments.common import (
     STUDENT,
     TEACHER,
     avg_at_k_claim,
+    diagnostics_plots,
     final_eval_spec,
     final_scores,
     opd_config,
@@ -199,6 +200,19 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
         "differently for the teacher). GOLD has no such diagnostics.",
     )
     _claims(a, s)
+    groups = {v: [f"{v}/seed{k}" for k in seeds] for v in OPD_VARIANTS}  # GOLD logs no opd metrics
+    diagnostics_plots(
+        a,
+        s,
+        groups,
+        {
+            "eval/accuracy": "greedy accuracy",
+            "rollout/response_len": "response length (tokens)",
+            "rollout/eos_rate": "share of rollouts ending with EOS",
+            "cross/one_to_one": "one-to-one share",
+        },
+        "cross",
+    )
     probe = read_done(s, "gold/extended-probe")["result"]["error"]
     a.notes.append(
         "GOLD's default extended (byte-offset) alignment with this teacher tokenizer: "

@@ -1,14 +1,19 @@
 """``opd results``: build ``docs/RESULTS.md`` from the experiments' outputs (never written by hand).
 
-For each experiment it takes ``DIR/NAME/results.json`` from the given output directories,
-preferring a full-size result over a ``--quick`` one (a quick result is labelled as such), copies
-the plots to ``docs/results/NAME/`` and writes one document: a summary of every claim's verdict,
-then each experiment's tables, plots, wall time, machine and the command that made it.
+For each experiment it takes ``DIR/NAME/results.json`` from the given output directories, then
+from the copy kept beside the document (``docs/results/NAME/results.json``), preferring a
+full-size result over a ``--quick`` one (a quick result is labelled as such); copies the plots and
+the results.json to ``docs/results/NAME/`` and writes one document: a summary of every claim's
+verdict, then each experiment's tables, plots, wall time, machine and the command that made it.
+An experiment with no results.json anywhere keeps its summary rows and section from the document
+as it was (documents written before the copies were kept), so a rerun of one experiment never
+drops the others.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 from pathlib import Path
@@ -37,24 +42,60 @@ def _pick(dirs: list[Path], name: str) -> dict | None:
     return (full or found or [None])[0]
 
 
+def _kept(doc: Path) -> dict[str, tuple[list[str], str]]:
+    """Each experiment's (summary rows, section) in the document as it is now."""
+    if not doc.is_file():
+        return {}
+    text = doc.read_text()
+    kept = {}
+    for name in NAMES:
+        rows = [line for line in text.splitlines() if line.startswith(f"| {name} |")]
+        match = re.search(rf"^## {re.escape(name)}: .*?(?=^## |\Z)", text, re.MULTILINE | re.DOTALL)
+        if rows and match:
+            kept[name] = rows, match.group(0).rstrip("\n") + "\n"
+    return kept
+
+
+def _section_wall_and_machine(section: str) -> tuple[float, str]:
+    wall = re.search(r"wall time ([0-9.]+) min of runs", section)
+    machine = re.search(r"machine: (\d+ CPU cores, torch [^,]+)", section)
+    return (float(wall.group(1)) if wall else 0.0), (machine.group(1) if machine else "")
+
+
+def _store(res: dict, target: Path) -> None:
+    """The plots and results.json beside the document, so the next ``opd results`` finds them."""
+    target.mkdir(parents=True, exist_ok=True)
+    source = Path(res["_dir"])
+    for png in res["plots"]:
+        if (source / png).resolve() != (target / png).resolve():
+            shutil.copy(source / png, target / png)
+    (target / "results.json").write_text(json.dumps({k: v for k, v in res.items() if k != "_dir"}, indent=1) + "\n")
+
+
 def build_results_md(dirs: list[Path], doc: Path) -> Path:
     """Write ``doc`` (and its plots beside it under ``results/``) from the results found in ``dirs``."""
     doc = Path(doc)
-    picked = {n: _pick(dirs, n) for n in NAMES}
-    if not any(picked.values()):
-        raise UserError(f"no experiment results under {', '.join(map(str, dirs))}; run `opd experiment NAME` first")
     plots_root = doc.parent / "results"
+    picked = {n: _pick([*dirs, plots_root], n) for n in NAMES}
+    kept = {n: v for n, v in _kept(doc).items() if picked[n] is None}
+    if not any(picked.values()) and not kept:
+        raise UserError(f"no experiment results under {', '.join(map(str, dirs))}; run `opd experiment NAME` first")
     summary = ["| experiment | size | seeds | source | claim | verdict | numbers |", "|---|---|---|---|---|---|---|"]
-    sections = []
+    sections, wall, machines = [], 0.0, set()
     for name, res in picked.items():
+        if res is None and name in kept:
+            rows, section = kept[name]
+            summary += rows
+            sections.append(section)
+            minutes, machine = _section_wall_and_machine(section)
+            wall += minutes
+            machines |= {machine} if machine else set()
+            continue
         if res is None:
             sections.append(f"## {name}\n\nNot run yet: `opd experiment {name}`.\n")
             continue
         size = "quick (smoke test)" if res["quick"] else "full"
-        target = plots_root / name
-        target.mkdir(parents=True, exist_ok=True)
-        for png in res["plots"]:
-            shutil.copy(Path(res["_dir"]) / png, target / png)
+        _store(res, plots_root / name)
         for c in res["claims"]:
             summary.append(
                 f"| {name} | {size} | {res['seeds']} | {c['source']} | {c['claim']} | "
@@ -64,14 +105,12 @@ def build_results_md(dirs: list[Path], doc: Path) -> Path:
             f"## {res['title']}\n\nMade with `{res['command']}`.\n\n"
             + render_markdown(res, plot_prefix=f"results/{name}/")
         )
-    wall = sum(r["wall_s"] for r in picked.values() if r) / 60
-    machines = sorted(
-        {f"{r['machine']['cpu_cores']} CPU cores, torch {r['machine']['torch']}" for r in picked.values() if r}
-    )
+        wall += res["wall_s"] / 60
+        machines.add(f"{res['machine']['cpu_cores']} CPU cores, torch {res['machine']['torch']}")
     head = [
         "# Results: the papers' claims at small scale",
         "",
-        f"Runs behind this document: {wall:.1f} min of wall time in all, on {'; '.join(machines)}.",
+        f"Runs behind this document: {wall:.1f} min of wall time in all, on {'; '.join(sorted(machines))}.",
         "",
         f"Generated by `opd results` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} from the experiments' "
         "`results.json` files; do not edit by hand (rerun the experiments and `opd results`). Every verdict follows a "

@@ -120,6 +120,26 @@ DIAGNOSTICS = [
         "Share of sampled tokens with log q - log p < 0: the student likes them more than the teacher.",
     ),
 ]
+# Cross-tokenizer runs (a teacher with its own tokenizer): how well the two tokenizations align.
+CROSS_TOKENIZER = [
+    (
+        "cross-alignment",
+        "Cross-tokenizer alignment",
+        [("cross/one_to_one", " one-to-one", False), ("cross/dropped", " dropped", True)],
+        "share of response positions",
+        "Solid: positions whose bytes are one teacher token exactly (LSM compares the two there); dashed: "
+        "positions left out of the loss (inside a many-to-many group, an unpaired special token, bytes read "
+        "differently).",
+    ),
+    (
+        "cross-mapped-mass",
+        "Teacher top-K mass that maps to student tokens",
+        [("cross/mapped_mass", "", False)],
+        "mass",
+        "Share of the teacher's top-K probability on tokens with the same bytes in the student's vocabulary: "
+        "the part of the teacher's advice LSM can use.",
+    ),
+]
 # (key, title, colour-bar label, sign): sign -1 flips the colours so that red always means bad for the
 # student (a negative reward, a high loss).
 DEPTH = [
@@ -347,7 +367,7 @@ def build_charts(runs: list[RunData]) -> list[dict]:
     charts[2] = rollout_rate_chart(runs)
     charts[3:3] = [line_chart(runs, *spec, group="training") for spec in EPISODES]
     charts.insert(2, eval_chart(runs))
-    charts += [line_chart(runs, *spec, group="diagnostics") for spec in DIAGNOSTICS]
+    charts += [line_chart(runs, *spec, group="diagnostics") for spec in DIAGNOSTICS + CROSS_TOKENIZER]
     for spec in DEPTH:
         for color, run in enumerate(runs):
             charts += [h for task in ["", *task_names(run)] if (h := depth_heatmap(run, color, *spec, task=task))]

@@ -23,20 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from opd.errors import UserError
-
-# Per-rollout fields the inspector needs; a rollout record missing one is skipped as a whole.
-ROLLOUT_FIELDS = (
-    "step",
-    "tokens",
-    "token_ids",
-    "loss_mask",
-    "student_logprobs",
-    "teacher_logprobs",
-    "token_loss",
-    "teacher_topk_ids",
-    "teacher_topk_logprobs",
-    "student_topk_logprobs",
-)
+from opd.records import ROLLOUT_FIELDS
 
 
 @dataclass
