@@ -41,7 +41,7 @@ ENV_ARGS = ["num_train=400", "num_test=50"]
 QUICK_ENV_ARGS = ["num_train=24", "num_test=8"]  # the shortened recipe and demo (tests)
 VOCAB_SIZE = 4096
 TEACHER_ARCH, STUDENT_ARCH = "qwen2:4:256", "qwen2:2:128"
-STUDENT_GAMES = 70  # expert episodes the student clones, of the 400 the teacher learns from
+STUDENT_GAMES = 40  # expert episodes the student clones, of the 400 the teacher learns from
 TEACHER_MISTAKES, RECOVERY_STEPS = 0.25, 200  # the teacher's second stage: expert episodes with mistakes
 MAX_PROMPT_TOKENS, MAX_NEW_TOKENS, MAX_ACTION_TOKENS = 180, 320, 16
 EVAL_SAMPLES = 2

@@ -11,4 +11,5 @@ MODEL_FIELDS = (
     "student_topk_logprobs",
 )
 # What the report's inspector needs of every record; a record missing one is skipped as a whole.
-ROLLOUT_FIELDS = ("step", "tokens", "token_ids", "loss_mask", *MODEL_FIELDS)
+PER_TOKEN_FIELDS = ("tokens", "token_ids", "loss_mask", *MODEL_FIELDS)  # one entry per token
+ROLLOUT_FIELDS = ("step", *PER_TOKEN_FIELDS)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from opd.errors import UserError
-from opd.records import ROLLOUT_FIELDS
+from opd.records import PER_TOKEN_FIELDS, ROLLOUT_FIELDS
 
 
 @dataclass
@@ -127,19 +127,9 @@ def _valid_rollout(r: dict) -> bool:
     if any(k not in r for k in ROLLOUT_FIELDS):
         return False
     n = len(r["tokens"]) if isinstance(r["tokens"], list) else -1
-    per_token = (
-        "token_ids",
-        "loss_mask",
-        "student_logprobs",
-        "teacher_logprobs",
-        "token_loss",
-        "teacher_topk_ids",
-        "teacher_topk_logprobs",
-        "student_topk_logprobs",
-    )
     # An episode's record (``action`` flags) holds the environment's tokens too, null in the model's fields.
     episode = ("action",) if "action" in r else ()
-    return n > 0 and all(isinstance(r[k], list) and len(r[k]) == n for k in per_token + episode)
+    return n > 0 and all(isinstance(r[k], list) and len(r[k]) == n for k in PER_TOKEN_FIELDS + episode)
 
 
 def _summary_for(run_dir: Path, skipped: list[str]) -> dict:
