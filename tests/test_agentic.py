@@ -330,3 +330,13 @@ def test_mistake_command_is_a_rejected_variant_of_a_listed_command():
     assert len(seen) >= 4
     assert mistake_command(None, "go to shelf 1", rng) is None  # the game does not say what it accepts
     assert mistake_command(["look"], "look", rng) is None  # nothing to get wrong
+
+
+def test_expert_mistakes_option_is_checked():
+    from opd.config import ConfigError, SFTConfig
+
+    with pytest.raises(ConfigError, match=r"expert_mistakes=1.0 must be in \[0, 1\)"):
+        SFTConfig(arch="qwen2:1:8", env="toy", expert_mistakes=1.0)
+    with pytest.raises(ConfigError, match="expert_mistakes needs --env"):
+        SFTConfig(arch="qwen2:1:8", expert_mistakes=0.25)
+    assert SFTConfig(arch="qwen2:1:8", env="toy", expert_mistakes=0.25).expert_mistakes == 0.25
