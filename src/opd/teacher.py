@@ -214,7 +214,7 @@ def cross_tokenizer_teacher(cfg, inner: TeacherScorer, student_tok, teacher_tok)
     check_cross_tokenizer(cfg)
     if isinstance(inner, HFTeacher):
         rows, context = head_weight(inner.model).shape[0], getattr(inner.model.config, "max_position_embeddings", None)
-    else:  # a served teacher checks its own context
+    else:  # a served teacher's server bounds what it reads (vLLM: max_model_len; opd: --max-prompt-tokens)
         rows, context = inner.vocab_rows, None
     if cfg.k > rows:
         raise UserError(f"k={cfg.k} is larger than the teacher's vocabulary ({rows} tokens); choose --k <= {rows}")

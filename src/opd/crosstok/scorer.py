@@ -70,7 +70,7 @@ class CrossTokenizerTeacher:
     name -> teacher special token name; the student's EOS defaults to the teacher's EOS.
     ``teacher_rows``: the teacher head's size when it exceeds its tokenizer (padded embeddings).
     ``teacher_context``: the teacher model's positions, checked against each sequence in its own
-    tokenization (a served teacher checks its own).
+    tokenization (None for a served teacher, whose server bounds what it reads).
     """
 
     def __init__(
