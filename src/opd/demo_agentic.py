@@ -78,6 +78,19 @@ def game_texts(env: Environment, n_games: int) -> list[str]:
     return texts
 
 
+def to_plateau(quick: bool) -> dict:
+    """The students' schedule: a constant rate until the held-out score stops improving (more
+    cloning of the same few examples cannot raise it)."""
+    return dict(
+        lr=1e-3,
+        schedule="constant",
+        steps=6 if quick else 1500,
+        warmup_steps=2 if quick else 50,
+        patience=0 if quick else 4,
+        eval_every=6 if quick else 100,
+    )
+
+
 def make_agentic_models(out: Path, quick: bool = False, seed: int = 0, only: str = "") -> dict:
     """Train the shared tokenizer, the game teacher and the student of the agentic demo into ``out``."""
     if only not in ("", "teacher", "student"):
@@ -127,18 +140,11 @@ def make_agentic_models(out: Path, quick: bool = False, seed: int = 0, only: str
                 **common,
             ),
         ],
-        # Few expert episodes at a constant rate until the held-out success stops improving: more
-        # cloning of the same episodes cannot raise it.
         "student": SFTConfig(
             arch=STUDENT_ARCH,
             out=str(out / "runs" / "student"),
-            lr=1e-3,
-            schedule="constant",
-            steps=6 if quick else 1500,
-            warmup_steps=2 if quick else 50,
-            patience=0 if quick else 4,
-            eval_every=6 if quick else 100,
             train_size=8 if quick else STUDENT_GAMES,
+            **to_plateau(quick),
             **common,
         ),
     }

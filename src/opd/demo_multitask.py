@@ -117,12 +117,7 @@ def student_sft_config(out: Path, tokenizer: str, quick: bool = False, seed: int
         out=str(out),
         tokenizer=tokenizer,
         seed=seed,
-        lr=1e-3,
-        schedule="constant",
-        steps=6 if quick else 1500,
-        warmup_steps=2 if quick else 50,
-        patience=0 if quick else 4,
-        eval_every=6 if quick else 100,
+        **demo_agentic.to_plateau(quick),
         task_mode="mix",
         tasks=[
             _math_task(quick, train_size=8 if quick else STUDENT_MATH, batch_size=8 if quick else 32),
