@@ -315,6 +315,19 @@ def test_variance_quick_end_to_end(tmp_path):
     ]
     runs_line = lambda doc_text: next(line for line in doc_text.splitlines() if line.startswith("Runs behind"))
     assert runs_line(kept) == runs_line(text)  # its wall time and machine read back from the section
+    # A quick results.json does not replace a full result the document already holds; it does replace a quick one.
+    run("variance", tmp_path, seeds=2, quick=True, show_progress=False)  # writes variance/results.json again
+    size_line = next(line for line in kept.splitlines() if line.startswith("Size: "))
+    as_full = kept.replace(size_line, "Size: full size" + size_line[size_line.index(";") :], 1)
+    doc.write_text(as_full)
+    variance_part = lambda doc_text: doc_text[doc_text.index("## variance: ") :].split("\n## ")[0]
+    rebuilt = build_results_md([tmp_path], doc).read_text()
+    assert variance_part(rebuilt) == variance_part(as_full)
+    assert not (tmp_path / "docs/results/variance/results.json").exists()  # the quick result was not taken
+    doc.write_text(kept)
+    rebuilt = build_results_md([tmp_path], doc).read_text()
+    assert (tmp_path / "docs/results/variance/results.json").is_file()  # the quick result replaced a quick section
+    assert "Size: full size" not in variance_part(rebuilt)
 
 
 def test_depth_buckets_and_reformatted_solutions():

@@ -304,8 +304,8 @@ def mistake_command(admissible: list[str] | None, expert: str, rng: random.Rando
     pools: dict[str, set[str]] = {"verb": set(), "name": set(), "number": set()}
     for words in bases:
         for i, w in enumerate(words):
-            if _role(words, i):
-                pools[_role(words, i)].add(w)
+            if role := _role(words, i):
+                pools[role].add(w)
     for _ in range(tries if bases else 0):
         words = list(rng.choice(bases))
         i = rng.choice([j for j in range(len(words)) if _role(words, j)])

@@ -5,9 +5,9 @@ from the copy kept beside the document (``docs/results/NAME/results.json``), pre
 full-size result over a ``--quick`` one (a quick result is labelled as such); copies the plots and
 the results.json to ``docs/results/NAME/`` and writes one document: a summary of every claim's
 verdict, then each experiment's tables, plots, wall time, machine and the command that made it.
-An experiment with no results.json anywhere keeps its summary rows and section from the document
-as it was (documents written before the copies were kept), so a rerun of one experiment never
-drops the others.
+An experiment with no results.json anywhere (or only a quick one, where the document holds a full
+result) keeps its summary rows and section from the document as it was (documents written before
+the copies were kept), so a rerun of one experiment never drops the others.
 """
 
 from __future__ import annotations
@@ -77,13 +77,16 @@ def build_results_md(dirs: list[Path], doc: Path) -> Path:
     doc = Path(doc)
     plots_root = doc.parent / "results"
     picked = {n: _pick([*dirs, plots_root], n) for n in NAMES}
-    kept = {n: v for n, v in _kept(doc).items() if picked[n] is None}
+    # A section kept from the document gives way to a results.json, unless that one is quick and the section full.
+    kept = {
+        n: v for n, v in _kept(doc).items() if picked[n] is None or (picked[n]["quick"] and "Size: full size" in v[1])
+    }
     if not any(picked.values()) and not kept:
         raise UserError(f"no experiment results under {', '.join(map(str, dirs))}; run `opd experiment NAME` first")
     summary = ["| experiment | size | seeds | source | claim | verdict | numbers |", "|---|---|---|---|---|---|---|"]
     sections, wall, machines = [], 0.0, set()
     for name, res in picked.items():
-        if res is None and name in kept:
+        if name in kept:
             rows, section = kept[name]
             summary += rows
             sections.append(section)
