@@ -2,9 +2,11 @@
 
 Two measurements per teacher, printed as a table and written as JSON:
 
-* the student plays training games (temperature 1, the demo's top-p) and, before each of its
-  turns after the first, the teacher's greedy next command is checked against the game's
-  admissible commands: after a command the game rejected ("Nothing happens.") and after one it
+* the student plays games (temperature 1, the demo's top-p; held-out games by default, as a
+  teacher trained on the student's states (``--dagger-from``) has seen its training games) and,
+  before each of its turns after the first, the teacher's greedy next command is checked against
+  the game's admissible commands and against the search expert's command from that state
+  (``expert_next()``): after a command the game rejected ("Nothing happens.") and after one it
   accepted;
 * on held-out games the expert plays, with one rejected command (``opd.agentic.mistake_command``)
   injected before its middle command; the teacher's greedy command is compared with the expert's,
@@ -43,12 +45,12 @@ def greedy_command(model, tok, ids: list[int]) -> str:
     return tok.decode(out[0, x.shape[1] :], skip_special_tokens=True).strip()
 
 
-def on_student_states(env, tok, student, teachers: dict, n_games: int) -> dict:
-    """Per teacher: [valid, asked] after the student's rejected and after its accepted commands."""
-    games = env.games("train")[:n_games]
+def on_student_states(env, tok, student, teachers: dict, n_games: int, split: str) -> dict:
+    """Per teacher: [valid, the expert's, asked] after the student's rejected and accepted commands."""
+    games = env.games(split)[:n_games]
     eps = EpisodeRollout(student, tok).play(env, games, list(range(n_games)), top_p=TOP_P, **LIMITS)
     b = eps.batch
-    counts = {t: {"after_rejected": [0, 0], "after_accepted": [0, 0]} for t in teachers}
+    counts = {t: {"after_rejected": [0, 0, 0], "after_accepted": [0, 0, 0]} for t in teachers}
     for n, (game, rec) in enumerate(zip(games, eps.records, strict=True)):
         prompt = b.input_ids_NL[n, : b.prompt_len][b.attention_mask_NL[n, : b.prompt_len].bool()].tolist()
         session = env.open(game)
@@ -57,10 +59,13 @@ def on_student_states(env, tok, student, teachers: dict, n_games: int) -> dict:
             if j > 0:
                 kind = "after_rejected" if rec.observations[j] == "Nothing happens." else "after_accepted"
                 valid = {normal_command(c) for c in session.admissible_commands()}
+                expert = normal_command(session.expert_next() or "")
                 ids = prompt + b.response_ids_NT[n, : rec.spans[j][0]].tolist()
                 for name, model in teachers.items():
-                    counts[name][kind][0] += normal_command(greedy_command(model, tok, ids)) in valid
-                    counts[name][kind][1] += 1
+                    command = normal_command(greedy_command(model, tok, ids))
+                    counts[name][kind][0] += command in valid
+                    counts[name][kind][1] += command == expert
+                    counts[name][kind][2] += 1
             session.step(action)
         session.close()
     rejected = sum(r.invalid_actions or 0 for r in eps.records)
@@ -97,24 +102,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--teachers", nargs="+", default=[str(ASSETS / "teacher")])
     ap.add_argument("--student", default=str(ASSETS / "student"))
-    ap.add_argument("--games", type=int, default=48, help="Training games the student plays.")
+    ap.add_argument("--games", type=int, default=48, help="Games the student plays.")
+    ap.add_argument("--split", default="test", choices=("train", "test"), help="Which games the student plays.")
     ap.add_argument("--test-games", type=int, default=40, help="Held-out games the expert plays with a mistake.")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/teacher_recovery.json"))
     args = ap.parse_args()
     torch.manual_seed(0)
     env, tok = environment(), load_tokenizer(ASSETS / "tokenizer")
     teachers = {t: load_model(t, "teacher").eval() for t in args.teachers}
-    student = on_student_states(env, tok, load_model(args.student, "student").eval(), teachers, args.games)
+    student_model = load_model(args.student, "student").eval()
+    student = on_student_states(env, tok, student_model, teachers, args.games, args.split)
     expert = after_one_mistake(env, tok, teachers, args.test_games)
-    pct = lambda c: f"{c[0]}/{c[1]} ({100 * c[0] / max(1, c[1]):.0f}%)"
+    pct = lambda hit, n: f"{hit}/{n} ({100 * hit / max(1, n):.0f}%)"
     print(f"student {args.student}: {100 * student['student_rejected_share']:.0f}% of its commands rejected")
     print(
-        "| teacher | valid after a rejected command | after an accepted one | expert's after one mistake | elsewhere |"
+        "| teacher | after the student's rejected command: valid | the expert's | after an accepted one: valid "
+        "| the expert's | expert's after one injected mistake | elsewhere |"
     )
-    print("|---|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for t in teachers:
         s, e = student["teachers"][t], expert[t]
-        row = [pct(s["after_rejected"]), pct(s["after_accepted"]), pct(e["after_mistake"]), pct(e["elsewhere"])]
+        rej, acc = s["after_rejected"], s["after_accepted"]
+        row = [pct(rej[0], rej[2]), pct(rej[1], rej[2]), pct(acc[0], acc[2]), pct(acc[1], acc[2])]
+        row += [pct(*e["after_mistake"]), pct(*e["elsewhere"])]
         print(f"| {t} | " + " | ".join(row) + " |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(

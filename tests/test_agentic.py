@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 from opd import train as train_mod
 from opd.agentic import (
     GameSet,
+    dagger_sequences,
     evaluate_agent,
     expert_sequences,
     make_env,
@@ -35,6 +36,7 @@ from opd.agentic import (
 from opd.cli import app
 from opd.config import TrainConfig
 from opd.envs import Game, StepResult, register_env
+from opd.episodes import EpisodeRecord
 from opd.errors import UserError
 from opd.models import load_model, load_tokenizer
 
@@ -340,3 +342,107 @@ def test_expert_mistakes_option_is_checked():
     with pytest.raises(ConfigError, match="expert_mistakes needs --env"):
         SFTConfig(arch="qwen2:1:8", expert_mistakes=0.25)
     assert SFTConfig(arch="qwen2:1:8", env="toy", expert_mistakes=0.25).expert_mistakes == 0.25
+
+
+# ------------------------------------------------------------------- DAgger: another player's states
+
+
+def _played(env, game, commands: list[str]) -> EpisodeRecord:
+    """The record of an episode in which ``commands`` were played (what a rollout would log)."""
+    session = env.open(game)
+    record = EpisodeRecord(game_id=game.id, seed=0, observations=[session.reset()])
+    for command in commands:
+        result = session.step(command)
+        record.actions.append(command)
+        record.observations.append(result.observation)
+        if result.done:
+            break
+    return record
+
+
+def _trained_commands(tok, labels: list[int], ids: list[int]) -> list[str]:
+    """The texts of the labelled runs of a sequence (its trained commands), without their EOS."""
+    runs, run = [], []
+    for i, label in zip(ids, labels, strict=True):
+        if label != -100:
+            run.append(i)
+            if i == tok.eos_token_id:
+                runs.append(tok.decode(run[:-1]).strip())
+                run = []
+    assert not run  # every trained command ends with its EOS
+    return runs
+
+
+def test_dagger_sequences_train_the_experts_command_in_the_players_states(student):
+    _, tok = student
+    env = make_env("toy", 3, ["n_train=6", "max_turns=30"])
+    played, expected = [], []
+    for n, game in enumerate(env.games("train")):
+        rng = random.Random(n)
+        session = env.open(game)
+        session.reset()
+        commands, turns = [], []  # turns: (the expert's command there, did the player play it)
+        for _ in range(8):
+            expert = session.expert_next()
+            if expert is None:
+                break
+            command = expert if rng.random() < 0.5 else rng.choice(["dance", *session.admissible_commands()])
+            turns.append((expert, command == expert))
+            commands.append(command)
+            if session.step(command).done:
+                break
+        played.append((game, _played(env, game, commands)))
+        expected.append(turns)
+    seqs, labels, skipped = dagger_sequences(env, played, tok, 100_000, branches=2, seed=1)
+    # Each sequence: the player's commands up to a turn where it left the expert's path, those the
+    # expert agrees with trained on, then the expert's command there, trained on.
+    allowed = []
+    for turns in expected:
+        for t, (expert, agrees) in enumerate(turns):
+            if not agrees:
+                allowed.append([e for e, ok in turns[:t] if ok] + [expert])
+    got = [_trained_commands(tok, lab, ids) for ids, lab in zip(seqs, labels, strict=True)]
+    assert got and all(g in allowed for g in got)
+    per_episode = [min(2, sum(not ok for _, ok in turns)) for turns in expected]
+    assert len(seqs) == sum(per_episode) and skipped == per_episode.count(0)
+    again = dagger_sequences(env, played, tok, 100_000, branches=2, seed=1)
+    assert again[0] == seqs  # seeded
+    assert len(dagger_sequences(env, played, tok, 100_000, branches=1, seed=1)[0]) == sum(
+        min(1, k) for k in per_episode
+    )
+
+
+def test_dagger_needs_an_expert_that_takes_over(student):
+    _, tok = student
+    env = make_env("toy", 1, ["n_train=1"])
+    game = env.games("train")[0]
+    record = _played(env, game, ["dance"])
+    opened = env.open
+    env.open = lambda g: _NoNext(opened(g))
+    with pytest.raises(UserError, match=r"--dagger-from needs an environment whose sessions have expert_next\(\)"):
+        dagger_sequences(env, [(game, record)], tok, 100_000)
+
+
+class _NoNext:
+    """A session without expert_next() (the protocol's optional method)."""
+
+    def __init__(self, session):
+        self._s = session
+
+    def reset(self):
+        return self._s.reset()
+
+    def step(self, action):
+        return self._s.step(action)
+
+    def close(self):
+        pass
+
+
+def test_dagger_options_are_checked():
+    from opd.config import ConfigError, SFTConfig
+
+    with pytest.raises(ConfigError, match="dagger_from needs --env"):
+        SFTConfig(arch="qwen2:1:8", dagger_from=["m"])
+    with pytest.raises(ConfigError, match="dagger_branches=0 must be >= 1"):
+        SFTConfig(arch="qwen2:1:8", env="toy", dagger_from=["m"], dagger_branches=0)

@@ -481,3 +481,79 @@ def test_cooking_corrupted_file(cooking, tmp_path):
         (folder / "game.z8").write_bytes(damaged)
         with pytest.raises(EnvError, match="bad/game.z8.*story file"):
             env.open(Game(id="bad", path=str(folder / "game.z8")))
+
+
+# -- the search expert as a policy: its next command from any state (DAgger's labels)
+
+
+def follow_expert(session, limit: int = 60) -> list:
+    """Play ``expert_next()`` until it has nothing more to say (or ``limit`` commands)."""
+    results = []
+    while len(results) < limit and (command := session.expert_next()) is not None:
+        results.append((command, session.step(command)))
+        if results[-1][1].done:
+            break
+    return results
+
+
+def test_expert_next_from_the_start_is_the_expert_episode(alf_env, alf_games):
+    for game in alf_games:
+        session = alf_env.open(game)
+        session.reset()
+        commands = [c for c, _ in follow_expert(session)]
+        assert commands == session.expert_actions(), game.id
+        session.close()
+
+
+def test_expert_next_takes_over_after_detours_and_names_only_what_was_seen(alf_dir, alf_games):
+    """Another player's commands first (admissible ones, rejected ones, held objects put elsewhere),
+    then the expert from wherever that left the game: it still wins, and names no object before an
+    observation showed it."""
+    import random
+
+    env = get_env("alfworld", level=2, num_train=6, games_dir=alf_dir, generated=True, max_turns=200)
+    for game in alf_games:
+        for trial in range(3):
+            rng = random.Random(f"{game.id}:{trial}")
+            session = env.open(game)
+            text = session.reset()
+            receptacles = set(re.findall(r"[a-z]+ \d+", text.split("Your task")[0]))
+            for _ in range(rng.randrange(3, 12)):
+                command = rng.choice([*session.admissible_commands(), *WRONG])
+                result = session.step(command)
+                text += "\n" + result.observation
+                assert not result.done, (game.id, command)  # a detour this short never ends a level-2 game
+            tail = follow_expert(session)
+            for command, result in tail:
+                unseen = named_objects(command, receptacles) - set(re.findall(r"[a-z]+ \d+", text))
+                assert not unseen, (game.id, trial, command)
+                text += "\n" + result.observation
+            assert tail and tail[-1][1].won, (game.id, trial, [c for c, _ in tail])
+            assert session.expert_next() is None  # nothing more to do
+            session.close()
+
+
+def test_expert_next_after_a_rejected_command_is_unchanged(alf_env, alf_games):
+    session = alf_env.open(alf_games[0])
+    session.reset()
+    first = session.expert_next()
+    assert session.step("take apple 1 from nowhere").observation == "Nothing happens."
+    assert session.expert_next() == first == session.expert_actions()[0]
+    session.close()
+
+
+def test_toy_expert_next_takes_over_from_any_state():
+    import random
+
+    env = get_env("toy", level=3, n_train=8, max_turns=100)
+    for game in env.games("train"):
+        rng = random.Random(game.id)
+        session = env.open(game)
+        session.reset()
+        assert session.expert_next() == session.expert_actions()[0]
+        for _ in range(rng.randrange(0, 6)):
+            session.step(rng.choice([*session.admissible_commands(), "dance"]))
+        if session.won:
+            continue
+        tail = follow_expert(session)
+        assert tail[-1][1].won and session.expert_next() is None

@@ -112,3 +112,20 @@ def test_multi_task_sft_errors_name_the_task(tiny_models, tmp_path, tasks, match
     student, _ = tiny_models
     with pytest.raises(UserError, match=match):
         sft_mod.sft(SFTConfig(init=str(student), out=str(tmp_path / "r"), tasks=tasks, **SMALL), show_progress=False)
+
+
+def test_dagger_from_adds_the_players_states_to_the_expert_episodes(tiny_models, tmp_path, monkeypatch, capsys):
+    """``--dagger-from``: the player plays every training game, the expert labels where it went; those
+    sequences join the expert's episodes in the batches."""
+    student, _ = tiny_models
+    made, trained = [], []
+    real_dagger, real_pad = sft_mod.dagger_data, sft_mod.pad_right
+    monkeypatch.setattr(sft_mod, "dagger_data", lambda *a: made.append(real_dagger(*a)) or made[-1])
+    monkeypatch.setattr(sft_mod, "pad_right", lambda s, lab, pad: trained.extend(s) or real_pad(s, lab, pad))
+    small = {**SMALL, "max_new_tokens": TOY_GAME["max_new_tokens"], "steps": 4}
+    cfg = SFTConfig(init=str(student), out=str(tmp_path / "run"), dagger_from=[str(student)], **{**TOY_GAME, **small})
+    sft_mod.sft(cfg, show_progress=False)
+    seqs, _ = made[0]
+    # The random tiny student never plays the expert's command: one or two branches per game.
+    assert 4 <= len(seqs) <= 8 and any(s in trained for s in seqs)
+    assert f"{student} won 0 of 4 training games; {len(seqs)} sequences from the states" in capsys.readouterr().out

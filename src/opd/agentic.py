@@ -15,7 +15,8 @@ replies are context). The rest of the loop is the single-turn one. This module h
   the run directory, so the figures can be checked by replaying them;
 * :func:`expert_sequences`: the environment's expert episodes in the same episode format, with
   labels on the action tokens only, for ``opd sft --env`` (behaviour cloning: the game teacher and
-  the student start there).
+  the student start there), and :func:`dagger_sequences`: another player's episodes labelled by the
+  expert from the states that player reached (``opd sft --dagger-from``).
 
 Evaluation reports ``accuracy`` equal to ``success_rate`` so that reports and experiments read one
 key for prompt tasks and environments alike.
@@ -48,6 +49,7 @@ __all__ = [
     "evaluate_agent",
     "write_eval_games",
     "expert_sequences",
+    "dagger_sequences",
     "mistake_command",
     "check_episode_context",
 ]
@@ -255,39 +257,123 @@ def expert_sequences(
     return seqs, labels, skipped
 
 
+class _Transcript:
+    """An episode's tokens as it is written, and its labels: the trained commands' tokens (with
+    their EOS), -100 on the prompt, the game's replies and commands not trained on."""
+
+    def __init__(self, fmt: ChatFormat, eos: int, ids: list[int], labels: list[int]):
+        self.fmt, self.eos, self.ids, self.labels = fmt, eos, ids, labels
+
+    @classmethod
+    def start(cls, fmt: ChatFormat, eos: int, system: str, first: str) -> _Transcript:
+        ids = fmt.encode(fmt.prompt(system, first))
+        return cls(fmt, eos, ids, [-100] * len(ids))
+
+    def fork(self) -> _Transcript:
+        return _Transcript(self.fmt, self.eos, list(self.ids), list(self.labels))
+
+    def command(self, text: str, trained: bool) -> None:
+        turn = self.fmt.encode(text) + [self.eos]
+        self.ids.extend(turn)
+        self.labels.extend(turn if trained else [-100] * len(turn))
+
+    def reply(self, observation: str) -> None:
+        text = self.fmt.encode(self.fmt.reply(observation, after_eos=True))
+        self.ids.extend(text)
+        self.labels.extend([-100] * len(text))
+
+
 def _expert_episode(
     fmt: ChatFormat, eos: int, system: str, session, mistakes: float, rng: random.Random
 ) -> tuple[list[int], list[int]] | tuple[None, None]:
-    prompt = fmt.encode(fmt.prompt(system, session.reset()))
+    out = _Transcript.start(fmt, eos, system, session.reset())
     actions = session.expert_actions()
     if not actions:
         return None, None
-    ids, lab = list(prompt), [-100] * len(prompt)
-
-    def play(action: str, trained: bool):
-        turn = fmt.encode(action) + [eos]
-        ids.extend(turn)
-        lab.extend(turn if trained else [-100] * len(turn))
-        return session.step(action)
-
-    def reply(result) -> None:
-        text = fmt.encode(fmt.reply(result.observation, after_eos=True))
-        ids.extend(text)
-        lab.extend([-100] * len(text))
-
     for i, action in enumerate(actions):
         if mistakes and rng.random() < mistakes:
             wrong = mistake_command(session.admissible_commands(), action, rng)
             if wrong is not None:
-                result = play(wrong, trained=False)
+                out.command(wrong, trained=False)
+                result = session.step(wrong)
                 if result.done:  # the game's turn limit: this episode cannot be the expert's any more
                     return None, None
-                reply(result)
-        result = play(action, trained=True)
+                out.reply(result.observation)
+        out.command(action, trained=True)
+        result = session.step(action)
         if result.done or i == len(actions) - 1:
-            return (ids, lab) if result.won else (None, None)
-        reply(result)
+            return (out.ids, out.labels) if result.won else (None, None)
+        out.reply(result.observation)
     return None, None
+
+
+def dagger_sequences(
+    env: Environment,
+    played: list[tuple[Game, EpisodeRecord]],
+    tokenizer,
+    max_len: int,
+    branches: int = 2,
+    seed: int = 0,
+) -> tuple[list, list, int]:
+    """Training sequences from episodes another player played (a student's own), labelled by the
+    expert from the states that player reached (DAgger's data, one round).
+
+    Each episode is replayed with its own commands: those the expert would have played there are
+    trained on, the others are context with the game's replies. At up to ``branches`` of the turns
+    where the player went astray (chosen at random, seeded by ``seed`` and the game), a sequence
+    ends with the expert's command from that state, trained on: what to do after this player's
+    kind of mistakes, which expert episodes never show. Needs the sessions' ``expert_next()``.
+
+    Returns (sequences, labels, episodes left out: no expert, a game error, or nothing to fix).
+    """
+    from opd.envs import EnvError
+
+    fmt, eos = ChatFormat(tokenizer, tokenizer.eos_token_id), tokenizer.eos_token_id
+    seqs, labels, skipped = [], [], 0
+    for n, (game, record) in enumerate(played):
+        rng = random.Random(f"{seed}:{game.id}:{n}")
+        try:
+            session = env.open(game)
+            try:
+                found = _dagger_branches(fmt, eos, env.system_prompt, session, record, branches, rng)
+            finally:
+                session.close()
+        except EnvError:
+            found = []
+        kept = [(ids, lab) for ids, lab in found if len(ids) <= max_len]
+        skipped += not kept
+        for ids, lab in kept:
+            seqs.append(ids)
+            labels.append(lab)
+    return seqs, labels, skipped
+
+
+def _dagger_branches(
+    fmt: ChatFormat, eos: int, system: str, session, record: EpisodeRecord, branches: int, rng: random.Random
+) -> list[tuple[list[int], list[int]]]:
+    expert_next = getattr(session, "expert_next", None)
+    if expert_next is None:
+        raise UserError("--dagger-from needs an environment whose sessions have expert_next() (see opd.envs.base)")
+    out = _Transcript.start(fmt, eos, system, session.reset())
+    points = []  # (the transcript so far, the expert's command there)
+    # The turns the game answered: a last command cut by the budget was never played.
+    for action in record.actions[: max(len(record.observations) - 1, 0)]:
+        expert = expert_next()
+        if expert is None:
+            break
+        agrees = normal_command(action) == normal_command(expert)
+        if not agrees:
+            points.append((out.fork(), expert))
+        out.command(action, trained=agrees)
+        result = session.step(action)
+        if result.done:
+            break
+        out.reply(result.observation)
+    found = []
+    for branch, expert in rng.sample(points, min(branches, len(points))):
+        branch.command(expert, trained=True)
+        found.append((branch.ids, branch.labels))
+    return found
 
 
 def mistake_command(admissible: list[str] | None, expert: str, rng: random.Random, tries: int = 20) -> str | None:

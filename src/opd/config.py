@@ -482,6 +482,17 @@ class SFTConfig(EnvSource, TrainingSource):
         "With --env: before each expert action, with this probability, play a command the game rejects first "
         "(not trained on), so the model learns to go on after a mistake (a game teacher for on-policy students).",
     )
+    dagger_from: list = opt(
+        [],
+        "With --env: models that each play every training game once (sampling, top-p 0.9); the environment's "
+        "expert labels the states they reached, and those sequences join the expert's episodes (DAgger's data, "
+        "one round): a game teacher learns what to do after a student's own mistakes. Repeat for several.",
+    )
+    dagger_branches: int = opt(
+        2,
+        "With --dagger-from: sequences per played episode, each ending, at a turn where the player left the "
+        "expert's path, with the expert's command from there.",
+    )
     steps: int = opt(2000, "Optimizer steps.")
     batch_size: int = opt(64, "Examples per step.")
     lr: float = opt(1e-3, "Peak learning rate (AdamW).")
@@ -515,6 +526,11 @@ class SFTConfig(EnvSource, TrainingSource):
             not self.expert_mistakes or bool(self.env) or bool(self.tasks),
             "expert_mistakes needs --env (it plays the environment's expert episodes with mistakes)",
         )
+        _require(
+            not self.dagger_from or bool(self.env) or bool(self.tasks),
+            "dagger_from needs --env (its models play the environment's training games)",
+        )
+        _require(self.dagger_branches >= 1, f"dagger_branches={self.dagger_branches} must be >= 1")
         _require(
             bool(self.init) != bool(self.arch),
             "give exactly one of --init (a model directory) or --arch (qwen2:LAYERS:WIDTH)",

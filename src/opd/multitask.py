@@ -113,7 +113,7 @@ PER_TASK = (
     "eval_samples",
 )
 # teacher: where its targets are sampled from
-SFT_PER_TASK = (*_SOURCE, "data", "teacher", "train_size", "expert_mistakes")
+SFT_PER_TASK = (*_SOURCE, "data", "teacher", "train_size", "expert_mistakes", "dagger_from", "dagger_branches")
 # Metric namespaces a task name would collide with.
 RESERVED = ("train", "rollout", "diag", "depth", "time", "eval", "step", "tasks")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")

@@ -179,6 +179,9 @@ def episode_source(cfg: SFTConfig, tok, model) -> tuple[Callable[[int], tuple], 
     test = GameSet.build(env, "test", cfg.eval_size)
     if skipped:
         print(f"opd sft: {skipped} of {len(games)} training games left out (no winning expert episode that fits)")
+    for player in cfg.dagger_from:
+        more, more_labels = dagger_data(cfg, env, games, tok, player, model_device(model))
+        seqs, labels = seqs + more, labels + more_labels
 
     def batch(step: int) -> tuple:
         idx = batch_indices(len(seqs), step, cfg.batch_size, cfg.seed)
@@ -188,6 +191,32 @@ def episode_source(cfg: SFTConfig, tok, model) -> tuple[Callable[[int], tuple], 
         return evaluate_agent(m, tok, test, seed=cfg.seed, **cfg.episode_limits())["success_rate"]
 
     return batch, accuracy
+
+
+def dagger_data(cfg: SFTConfig, env, games: list, tok, player: str, device) -> tuple[list, list]:
+    """``player`` plays every training game once (sampling at temperature 1, top-p 0.9: how an
+    on-policy student explores); the expert labels the states it reached (opd.agentic.dagger_sequences)."""
+    from opd.agentic import dagger_sequences
+    from opd.episodes import EpisodeRollout
+
+    model, player_tok = load_model(player, "--dagger-from model", cfg.dtype, device), load_tokenizer(player)
+    engine, played = EpisodeRollout(model, player_tok), []
+    with progress_bar(f"{Path(player).name} plays the training games", total=len(games)) as bar:
+        for start in range(0, len(games), 64):
+            chunk = games[start : start + 64]
+            seeds = [sample_seed(cfg.seed, -1, start + j) for j in range(len(chunk))]
+            records = engine.play(env, chunk, seeds, top_p=0.9, **cfg.episode_limits()).records
+            played += list(zip(chunk, records, strict=True))
+            bar.advance(len(chunk))
+    del model
+    limit = cfg.max_new_tokens + cfg.max_prompt_tokens
+    seqs, labels, skipped = dagger_sequences(env, played, tok, limit, cfg.dagger_branches, cfg.seed)
+    won = sum(r.won for _, r in played)
+    print(
+        f"opd sft: {player} won {won} of {len(played)} training games; {len(seqs)} sequences from the states it "
+        f"reached ({skipped} episodes gave none: on the expert's path throughout, or no expert there)"
+    )
+    return seqs, labels
 
 
 def task_sources(specs: list[TaskSpec], data: list, tok, model) -> list[tuple[str, Callable, Callable]]:

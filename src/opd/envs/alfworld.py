@@ -40,9 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from opd.envs._textworld import PLAYERS, TextWorldSession, alfworld_modules, check_int, planner_plan, squeeze
-from opd.envs.alfworld_expert import search_expert
+from opd.envs.alfworld_expert import SearchPolicy, search_expert
 from opd.envs.alfworld_gen import LEVELS, TASK_TYPES, draw, generate_game, level_spec
-from opd.envs.base import EnvError, Game
+from opd.envs.base import EnvError, Game, StepResult
 from opd.errors import UserError
 
 SYSTEM_PROMPT = (
@@ -64,6 +64,28 @@ class AlfworldSession(TextWorldSession):
     def __init__(self, path: str, max_turns: int, expert: Any):
         super().__init__(path, max_turns)
         self._expert_of = expert
+        self._history: list[tuple[str, str]] = []  # the first observation, then (command, reply)
+
+    def reset(self) -> str:
+        text = super().reset()
+        self._history = [("", text)]
+        return text
+
+    def step(self, action: str) -> StepResult:
+        result = super().step(action)
+        self._history.append((action, result.observation))
+        return result
+
+    def expert_next(self) -> str | None:
+        """The search expert's next command from here, whatever was played so far (it reads the
+        episode's transcript, see :class:`~opd.envs.alfworld_expert.SearchPolicy`); None once the
+        task is done or before ``reset()``."""
+        if not self._history:
+            return None
+        policy = SearchPolicy.for_game(self.path, self._history[0][1])
+        for command, reply in self._history[1:]:
+            policy.observe(command, reply)
+        return policy.next_action()
 
     def _make_engine(self) -> Any:
         env = PLAYERS.take()

@@ -9,6 +9,11 @@ the task needs, then takes it, cleans / heats / cools it (or carries it to a lam
 and puts it in the first listed receptacle of the goal's kind. Every object an action names has
 been shown by an earlier observation; receptacles and appliances are all in the first one.
 
+The expert is a policy (:class:`SearchPolicy`): it reads each command played and the game's reply,
+whoever played it, and says the next command from what it knows. So it can take over from any
+state, a student's mistakes included (what :func:`opd.agentic.dagger_sequences` labels), and
+:func:`search_expert` is that policy playing a game from its start.
+
 The task (object, goal receptacle, lamp) comes from the game's ``traj_data.json``
 (``pddl_params``), which both generated and real ALFWorld games have.
 """
@@ -34,6 +39,9 @@ _ITEM = re.compile(r"\ban? ([a-z]+ \d+)")
 _SEEN = re.compile(r"you see (.*?)(?:\.\s*$|\.\s*\n)", re.IGNORECASE | re.DOTALL)
 # Far above any game's search (visiting and opening every receptacle twice): a loop guard.
 _MAX_ACTIONS = 200
+_REJECTED = "Nothing happens."
+_VERB_OBJ_AT = re.compile(r"^(take|move|clean|heat|cool) ([a-z]+ \d+) (?:from|to|with) ([a-z]+ \d+)$")
+_VERB_AT = re.compile(r"^(go to|open|close|use) ([a-z]+ \d+)$")
 
 
 def task_of(game_path: str) -> tuple[str, dict[str, Any]]:
@@ -58,12 +66,21 @@ def kind(name: str) -> str:
 
 def search_expert(game_path: str) -> list[str]:
     """The search expert's winning commands for a game, found by playing it (deterministic)."""
-    task_type, params = task_of(game_path)
     env = PLAYERS.take()
     try:
         env.load(game_path)
-        player = _Searcher(env, env.reset()["feedback"], game_path)
-        player.solve(task_type, params)
+        policy = SearchPolicy.for_game(game_path, env.reset()["feedback"])
+        actions, won = [], False
+        while not won:
+            if len(actions) >= _MAX_ACTIONS:
+                raise EnvError(f"search expert: no win within {_MAX_ACTIONS} actions on {game_path}")
+            command = policy.next_action()
+            if command is None:
+                break
+            state, _, _ = env.step(command)
+            actions.append(command)
+            won = bool(state["won"])
+            policy.observe(command, state["feedback"])
     except EnvError:
         PLAYERS.give_back(env)
         raise
@@ -71,98 +88,136 @@ def search_expert(game_path: str) -> list[str]:
         env.close()  # it may be half-built: not back into the pool
         raise EnvError(f"search expert failed on {game_path}: {type(e).__name__}: {e}") from e
     PLAYERS.give_back(env)
-    if not player.won:
-        raise EnvError(f"search expert did not win {game_path} (played {player.actions})")
-    return player.actions
+    if not won:
+        raise EnvError(f"search expert did not win {game_path} (played {actions})")
+    return actions
 
 
-class _Searcher:
-    """One play-through: what has been seen where, where the player is, what it did."""
+class SearchPolicy:
+    """The search expert as a policy: what it has read (receptacles, what was seen where, which are
+    closed, where the player is, what it holds, what it cleaned / heated / cooled, placed or lit)
+    and the next command that follows from it.
 
-    def __init__(self, env: Any, first: str, game_path: str):
-        self.env = env
+    ``observe`` takes any command and the game's reply: a rejected command ("Nothing happens.")
+    changes nothing, an accepted one what it says. ``next_action`` is None when the task is done.
+    """
+
+    def __init__(self, first: str, task_type: str, params: dict[str, Any], game_path: str = "?"):
         self.path = game_path
-        room = first.split("Your task is to:")[0]
-        self.receptacles = items(room)
+        if task_type != "look_at_obj_in_light" and task_type not in _PLACING:
+            raise EnvError(f"search expert: unknown task type {task_type!r} in {game_path}")
+        self.task_type = task_type
+        self.what = str(params["object_target"]).lower()
+        self.lamp = str(params.get("toggle_target") or "").lower()
+        # The goal receptacle's kind, searched last: an object already in one would mean the task
+        # was (half) done before it started, which a game does not ask for.
+        self.goal_kind = "" if task_type == "look_at_obj_in_light" else str(params["parent_target"]).lower()
+        self.receptacles = items(first.split("Your task is to:")[0])
         if not self.receptacles:
             raise EnvError(f"search expert: no receptacles in the first observation of {game_path}")
         self.seen: dict[str, list[str]] = {}  # receptacle -> objects last seen in or on it
         self.closed: set[str] = set()  # receptacles the game said are closed, not opened since
         self.here: str | None = None
-        self.actions: list[str] = []
-        self.won = False
-        self.goal_kind = ""  # the goal receptacle's kind, searched last
+        self.holding: str | None = None
+        self.changed: set[str] = set()  # objects cleaned, heated or cooled
+        self.placed: set[str] = set()  # objects of the task put in the goal receptacle
+        self.lit = False
 
-    def act(self, command: str) -> str:
-        if len(self.actions) >= _MAX_ACTIONS:
-            raise EnvError(f"search expert: no win within {_MAX_ACTIONS} actions on {self.path}")
-        state, _, _ = self.env.step(command)
-        self.actions.append(command)
-        self.won = bool(state["won"])
-        return state["feedback"]
+    @classmethod
+    def for_game(cls, game_path: str, first: str) -> SearchPolicy:
+        return cls(first, *task_of(game_path), game_path)
 
-    def go(self, receptacle: str, open_it: bool) -> None:
-        """Go to a receptacle (and open it, when asked and the game said it is closed)."""
-        if self.here != receptacle:
-            text = self.act(f"go to {receptacle}")
-            self.here = receptacle
-            self.seen[receptacle] = items(text)
-            if f"The {receptacle} is closed" in text:
-                self.closed.add(receptacle)
-        if open_it and receptacle in self.closed:
-            text = self.act(f"open {receptacle}")
-            self.closed.discard(receptacle)
-            self.seen[receptacle] = items(text)
+    def observe(self, command: str, reply: str) -> None:
+        if reply.strip().startswith(_REJECTED):
+            return
+        command = " ".join(command.lower().split())
+        if m := _VERB_AT.match(command):
+            verb, where = m.groups()
+            if verb == "go to":
+                self.here = where
+                self.seen[where] = items(reply)
+                if f"The {where} is closed" in reply:
+                    self.closed.add(where)
+            elif verb == "open":
+                self.closed.discard(where)
+                self.seen[where] = items(reply)
+            elif verb == "close":
+                self.closed.add(where)
+            else:  # a lamp lit without the object in hand does not do the task
+                self.lit = self.holding is not None and kind(self.holding) == self.what
+        elif m := _VERB_OBJ_AT.match(command):
+            verb, obj, where = m.groups()
+            if verb == "take":
+                self.holding = obj
+                if obj in self.seen.get(where, []):
+                    self.seen[where].remove(obj)
+            elif verb == "move":
+                self.holding = None
+                self.seen.setdefault(where, []).append(obj)
+                if kind(where) == self.goal_kind and self._ready(obj):
+                    self.placed.add(obj)
+            else:
+                self.changed.add(obj)
 
-    def find(self, what: str, skip: set[str]) -> tuple[str, str]:
-        """(object, receptacle) for the first object of kind ``what`` not in ``skip``: where it
-        was already seen, else by visiting unvisited receptacles in the listed order.
+    def next_action(self) -> str | None:
+        if self.task_type == "look_at_obj_in_light":
+            if self.lit:
+                return None
+            if self.holding is None or kind(self.holding) != self.what:
+                return self._fetch()
+            lamp, stand = self._find(self.lamp)
+            if stand is None:
+                return lamp  # the command that searches on
+            return self._to(stand, open_it=False) or f"use {lamp}"
+        if len(self.placed) >= (2 if self.task_type == "pick_two_obj_and_place" else 1):
+            return None
+        obj = self.holding
+        if obj is None or kind(obj) != self.what or obj in self.placed:
+            return self._fetch()
+        if self.task_type in _APPLIANCE and obj not in self.changed:
+            appliance, verb = _APPLIANCE[self.task_type]
+            where = self._first(appliance)
+            return self._to(where, open_it=False) or f"{verb} {obj} with {where}"
+        target = self._first(self.goal_kind)
+        return self._to(target, open_it=True) or f"move {obj} to {target}"
 
-        Receptacles of the goal's kind come last: an object already in one would mean the task
-        was (half) done before it started, which a game does not ask for."""
+    def _ready(self, obj: str) -> bool:
+        return kind(obj) == self.what and (self.task_type not in _APPLIANCE or obj in self.changed)
+
+    def _fetch(self) -> str:
+        """Towards taking an object of the task's kind (first putting down anything else held)."""
+        if self.holding is not None:
+            return f"move {self.holding} to {self.here}"
+        obj, where = self._find(self.what, self.placed)
+        if where is None:
+            return obj  # a command that goes on searching
+        return self._to(where, open_it=True) or f"take {obj} from {where}"
+
+    def _find(self, what: str, skip: set[str] = frozenset()) -> tuple[str, str | None]:
+        """(object, receptacle) for the first object of kind ``what`` not in ``skip`` where one
+        was seen; else (the command that searches on, None): the next receptacle in the listed
+        order (goal kind last) not yet seen open."""
+        for receptacle, objects in self.seen.items():
+            if receptacle not in self.closed:
+                for obj in objects:
+                    if kind(obj) == what and obj not in skip:
+                        return obj, receptacle
         later = [r for r in self.receptacles if kind(r) == self.goal_kind]
-        order = [r for r in self.receptacles if r not in later] + later
-        for receptacle in [*self.seen, *order]:
-            if receptacle not in self.seen:
-                self.go(receptacle, open_it=True)
-            for obj in self.seen[receptacle]:
-                if kind(obj) == what and obj not in skip:
-                    return obj, receptacle
+        for receptacle in [r for r in self.receptacles if r not in later] + later:
+            if receptacle not in self.seen or receptacle in self.closed:
+                return self._to(receptacle, open_it=True) or "look", None
         raise EnvError(f"search expert: no {what} anywhere in {self.path}")
 
-    def first(self, what: str) -> str:
+    def _to(self, receptacle: str, open_it: bool) -> str | None:
+        """The command that gets there (and opens it, when asked and it is closed), or None: there."""
+        if self.here != receptacle:
+            return f"go to {receptacle}"
+        if open_it and receptacle in self.closed:
+            return f"open {receptacle}"
+        return None
+
+    def _first(self, what: str) -> str:
         for receptacle in self.receptacles:
             if kind(receptacle) == what:
                 return receptacle
         raise EnvError(f"search expert: the room of {self.path} has no {what}")
-
-    def take(self, what: str, skip: set[str]) -> str:
-        obj, receptacle = self.find(what, skip)
-        self.go(receptacle, open_it=False)
-        self.act(f"take {obj} from {receptacle}")
-        self.seen[receptacle].remove(obj)
-        return obj
-
-    def solve(self, task_type: str, params: dict[str, Any]) -> None:
-        what = str(params["object_target"]).lower()
-        if task_type == "look_at_obj_in_light":
-            self.take(what, set())
-            lamp, stand = self.find(str(params["toggle_target"]).lower(), set())
-            self.go(stand, open_it=False)
-            self.act(f"use {lamp}")
-            return
-        if task_type not in _PLACING:
-            raise EnvError(f"search expert: unknown task type {task_type!r} in {self.path}")
-        self.goal_kind = str(params["parent_target"]).lower()
-        target = self.first(self.goal_kind)
-        placed: set[str] = set()
-        for _ in range(2 if task_type == "pick_two_obj_and_place" else 1):
-            obj = self.take(what, placed)
-            if task_type in _APPLIANCE:
-                appliance, verb = _APPLIANCE[task_type]
-                where = self.first(appliance)
-                self.go(where, open_it=False)
-                self.act(f"{verb} {obj} with {where}")
-            self.go(target, open_it=True)
-            self.act(f"move {obj} to {target}")
-            placed.add(obj)

@@ -7,7 +7,9 @@ An environment is two small objects, Gymnasium-like:
   session;
 * a :class:`GameSession` (one per episode): ``reset()`` returns the first observation;
   ``step(action)`` returns the environment's reply, the reward, and whether the episode is over
-  and won; ``admissible_commands()`` and ``expert_actions()`` where the game provides them.
+  and won; ``admissible_commands()`` and ``expert_actions()`` where the game provides them, and
+  optionally ``expert_next()``: the expert's next command from the current state, whatever was
+  played before (it labels the states another player reached: ``opd sft --dagger-from``).
 
 Actions and observations are plain text: the environment never sees tokens, and the trainer
 never sees game internals. An action the game does not understand is the game's business (it

@@ -87,9 +87,17 @@ class ToySession:
 
     def expert_actions(self) -> list[str]:
         """Walk to the goal key, take it, walk to the goal box, open it (from the start of the episode)."""
+        return self._plan(self.start, set())
+
+    def expert_next(self) -> str | None:
+        """The expert's next command from the current state (None once won)."""
+        return None if self.won else self._plan(self.here, self.held)[0]
+
+    def _plan(self, here: str, held: set[str]) -> list[str]:
         key, box = f"{self.goal} key", f"{self.goal} box"
-        route, here = [], self.start
-        for target, last in ((self.place[key], f"take {key}"), (self.place[box], f"open {box}")):
+        legs = [] if key in held else [(self.place[key], f"take {key}")]
+        route = []
+        for target, last in [*legs, (self.place[box], f"open {box}")]:
             step = 1 if self.names.index(target) > self.names.index(here) else -1
             for j in range(self.names.index(here) + step, self.names.index(target) + step, step):
                 route.append(f"go to {self.names[j]}")
