@@ -419,8 +419,17 @@ def test_dagger_needs_an_expert_that_takes_over(student):
     record = _played(env, game, ["dance"])
     opened = env.open
     env.open = lambda g: _NoNext(opened(g))
-    with pytest.raises(UserError, match=r"--dagger-from needs an environment whose sessions have expert_next\(\)"):
+    with pytest.raises(
+        UserError, match=r"--dagger-from needs an environment whose sessions have expert_next\(\) \(_NoNext has none\)"
+    ):
         dagger_sequences(env, [(game, record)], tok, 100_000)
+    # opd sft asks before any model plays: the player here does not even exist.
+    from opd.config import SFTConfig
+    from opd.sft import dagger_data
+
+    cfg = SFTConfig(arch="qwen2:1:8", env="toy", dagger_from=["/no/such/player"])
+    with pytest.raises(UserError, match=r"sessions have expert_next\(\) \(_NoNext has none\)"):
+        dagger_data(cfg, env, [game], tok, "/no/such/player", "cpu")
 
 
 class _NoNext:

@@ -50,6 +50,7 @@ __all__ = [
     "write_eval_games",
     "expert_sequences",
     "dagger_sequences",
+    "require_expert_next",
     "mistake_command",
     "check_episode_context",
 ]
@@ -324,7 +325,8 @@ def dagger_sequences(
     ends with the expert's command from that state, trained on: what to do after this player's
     kind of mistakes, which expert episodes never show. Needs the sessions' ``expert_next()``.
 
-    Returns (sequences, labels, episodes left out: no expert, a game error, or nothing to fix).
+    Returns (sequences, labels, episodes that gave none: no expert, a game error, nothing to fix, or
+    every branch longer than ``max_len``).
     """
     from opd.envs import EnvError
 
@@ -348,12 +350,21 @@ def dagger_sequences(
     return seqs, labels, skipped
 
 
+def require_expert_next(session):
+    """The session's ``expert_next`` (the optional method DAgger's labels need), or a UserError."""
+    expert_next = getattr(session, "expert_next", None)
+    if expert_next is None:
+        raise UserError(
+            f"--dagger-from needs an environment whose sessions have expert_next() ({type(session).__name__} has "
+            "none): add it (see opd.envs.base) or drop --dagger-from"
+        )
+    return expert_next
+
+
 def _dagger_branches(
     fmt: ChatFormat, eos: int, system: str, session, record: EpisodeRecord, branches: int, rng: random.Random
 ) -> list[tuple[list[int], list[int]]]:
-    expert_next = getattr(session, "expert_next", None)
-    if expert_next is None:
-        raise UserError("--dagger-from needs an environment whose sessions have expert_next() (see opd.envs.base)")
+    expert_next = require_expert_next(session)
     out = _Transcript.start(fmt, eos, system, session.reset())
     points = []  # (the transcript so far, the expert's command there)
     # The turns the game answered: a last command cut by the budget was never played.

@@ -196,19 +196,23 @@ def episode_source(cfg: SFTConfig, tok, model) -> tuple[Callable[[int], tuple], 
 def dagger_data(cfg: SFTConfig, env, games: list, tok, player: str, device) -> tuple[list, list]:
     """``player`` plays every training game once (sampling at temperature 1, top-p 0.9: how an
     on-policy student explores); the expert labels the states it reached (opd.agentic.dagger_sequences)."""
-    from opd.agentic import dagger_sequences
+    from opd.agentic import dagger_sequences, require_expert_next
     from opd.episodes import EpisodeRollout
 
+    session = env.open(games[0])  # before any play: can the expert label another player's states?
+    try:
+        require_expert_next(session)
+    finally:
+        session.close()
     model, player_tok = load_model(player, "--dagger-from model", cfg.dtype, device), load_tokenizer(player)
     engine, played = EpisodeRollout(model, player_tok), []
-    with progress_bar(f"{Path(player).name} plays the training games", total=len(games)) as bar:
+    with progress_bar(f"{player} plays the training games", total=len(games)) as bar:
         for start in range(0, len(games), 64):
             chunk = games[start : start + 64]
             seeds = [sample_seed(cfg.seed, -1, start + j) for j in range(len(chunk))]
             records = engine.play(env, chunk, seeds, top_p=0.9, **cfg.episode_limits()).records
             played += list(zip(chunk, records, strict=True))
             bar.advance(len(chunk))
-    del model
     limit = cfg.max_new_tokens + cfg.max_prompt_tokens
     seqs, labels, skipped = dagger_sequences(env, played, tok, limit, cfg.dagger_branches, cfg.seed)
     won = sum(r.won for _, r in played)

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from opd.envs._textworld import PLAYERS, TextWorldSession, alfworld_modules, check_int, planner_plan, squeeze
-from opd.envs.alfworld_expert import SearchPolicy, search_expert
+from opd.envs.alfworld_expert import SearchPolicy, search_expert, task_of
 from opd.envs.alfworld_gen import LEVELS, TASK_TYPES, draw, generate_game, level_spec
 from opd.envs.base import EnvError, Game, StepResult
 from opd.errors import UserError
@@ -65,6 +65,7 @@ class AlfworldSession(TextWorldSession):
         super().__init__(path, max_turns)
         self._expert_of = expert
         self._history: list[tuple[str, str]] = []  # the first observation, then (command, reply)
+        self._task: tuple[str, dict] | None = None  # read from traj_data.json when first needed
 
     def reset(self) -> str:
         text = super().reset()
@@ -82,7 +83,9 @@ class AlfworldSession(TextWorldSession):
         task is done or before ``reset()``."""
         if not self._history:
             return None
-        policy = SearchPolicy.for_game(self.path, self._history[0][1])
+        if self._task is None:
+            self._task = task_of(self.path)
+        policy = SearchPolicy(self._history[0][1], *self._task, self.path)
         for command, reply in self._history[1:]:
             policy.observe(command, reply)
         return policy.next_action()

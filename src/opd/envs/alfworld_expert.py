@@ -204,8 +204,8 @@ class SearchPolicy:
                         return obj, receptacle
         later = [r for r in self.receptacles if kind(r) == self.goal_kind]
         for receptacle in [r for r in self.receptacles if r not in later] + later:
-            if receptacle not in self.seen or receptacle in self.closed:
-                return self._to(receptacle, open_it=True) or "look", None
+            if receptacle not in self.seen or receptacle in self.closed:  # unvisited, or closed since
+                return (f"open {receptacle}" if self.here == receptacle else f"go to {receptacle}"), None
         raise EnvError(f"search expert: no {what} anywhere in {self.path}")
 
     def _to(self, receptacle: str, open_it: bool) -> str | None:
