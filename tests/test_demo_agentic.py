@@ -22,11 +22,20 @@ def test_make_agentic_models_and_quick_agentic_demo(tmp_path):
     assets = tmp_path / "assets"
     made = make_agentic_models(assets, quick=True)
     assert set(made) == {"teacher", "student"} and made["student"]["steps"] == 6
-    # The teacher in two stages: cloning, then the same games with mistakes, from the first stage's model
-    # (whose weights are not kept apart).
-    assert [s["steps"] for s in made["teacher"]["stages"]] == [6, 4] and made["teacher"]["steps"] == 4
-    assert json.loads((assets / "runs" / "teacher-recovery" / "config.json").read_text())["expert_mistakes"] > 0
-    assert not (assets / "runs" / "teacher" / "final").exists()
+    # The teacher in three stages, each from the one before (whose weights are not kept apart):
+    # cloning, then the same games with mistakes, then the states the student's and its own play reach.
+    assert [s["steps"] for s in made["teacher"]["stages"]] == [6, 4, 4] and made["teacher"]["steps"] == 4
+    runs = assets / "runs"
+    assert json.loads((runs / "teacher-recovery" / "config.json").read_text())["expert_mistakes"] > 0
+    dagger = json.loads((runs / "teacher-dagger" / "config.json").read_text())
+    assert dagger["init"] == str(runs / "teacher-recovery" / "final")
+    assert dagger["dagger_from"] == [str(assets / "student"), str(runs / "teacher-recovery" / "final")]
+    assert not (runs / "teacher" / "final").exists() and not (runs / "teacher-recovery" / "final").exists()
+    # The student before the teacher: the last stage plays it. Alone, the teacher needs it made.
+    assert list(json.loads((assets / "make_summary.json").read_text())) == ["student", "teacher"]
+    with pytest.raises(UserError, match="--only student"):
+        make_agentic_models(tmp_path / "elsewhere", quick=True, only="teacher")
+    assert not (tmp_path / "elsewhere").exists()
     tok = AutoTokenizer.from_pretrained(assets / "student")
     for name, layers in (("teacher", 4), ("student", 2)):
         model = AutoModelForCausalLM.from_pretrained(assets / name)

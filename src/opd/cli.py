@@ -196,7 +196,9 @@ def _make_demo_models(
     seed: int = typer.Option(0, help="Seed."),
     only: str = typer.Option("", help="Make only 'teacher' or 'student' (reuses OUT/tokenizer)."),
     agentic: bool = typer.Option(
-        False, help="The agentic demo's models: the game teacher and student (needs the agent extra)."
+        False,
+        help="The agentic demo's models: the student, then the game teacher, whose last stage learns from the "
+        "student's play (--only teacher needs OUT/student; needs the agent extra).",
     ),
     multitask: bool = typer.Option(
         False,
