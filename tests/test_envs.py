@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -227,6 +228,47 @@ def test_wrong_actions_get_the_engines_reply(alf_env, alf_games):
     # The engine still plays on: the expert wins from here (wrong commands change nothing).
     assert play(session, session.expert_actions())[-1].won
     session.close()
+
+
+def _random_play(env, games, seed):
+    """Each game played 10 turns by a seeded mix of admissible and rejected commands: every
+    observation, reward, end and admissible list."""
+    rng = random.Random(seed)
+    out = []
+    for game in games:
+        session = env.open(game)
+        trace = [session.reset()]
+        for _ in range(10):
+            admissible = session.admissible_commands()
+            action = rng.choice(admissible) if rng.random() < 0.7 else rng.choice(WRONG)
+            r = session.step(action)
+            trace.append((action, r.observation, r.reward, r.done, r.won, admissible))
+            if r.done:
+                break
+        session.close()
+        out.append(trace)
+    return out
+
+
+def test_engine_caches_play_exactly_as_textworld(alf_env, alf_games):
+    from opd.envs import _pddl_cache
+
+    cached = [_random_play(alf_env, alf_games, seed) for seed in (0, 1)]  # the second pass hits the caches
+    assert not textgen_parse_is_textworlds()  # opening games installed the caches
+    _pddl_cache.uninstall()
+    try:
+        assert textgen_parse_is_textworlds()
+        plain = [_random_play(alf_env, alf_games, seed) for seed in (0, 1)]
+    finally:
+        _pddl_cache.install()
+    assert cached == plain
+    assert sum(len(t) for t in plain[0]) > 6 * 5  # the games were played, not just reset
+
+
+def textgen_parse_is_textworlds() -> bool:
+    import textworld.envs.pddl.textgen as textgen
+
+    return textgen._parse_and_convert.__module__ == "textworld.envs.pddl.textgen"
 
 
 def test_observations_are_clean(alf_env, alf_games):

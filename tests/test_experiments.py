@@ -10,6 +10,7 @@ import json
 import math
 import random
 import shlex
+import time
 
 import pytest
 import torch
@@ -120,6 +121,45 @@ def test_finished_runs_are_skipped(tmp_path):
     third = run_specs(specs, s, show_progress=False)
     assert [r["status"] for r in third] == ["skipped (finished earlier)", "ran"] and calls == [1, 2, 1, 3]
     assert (tmp_path / "runs/b/c/out.txt").read_text() == "3"
+
+
+def meet(params, run_dir):
+    """A run that says it started, then waits (up to a minute) for its partner to start: both
+    return met=True only if they ran at the same time."""
+    (run_dir.parent / f"{params['me']}.started").write_text("")
+    partner = run_dir.parent / f"{params['partner']}.started"
+    deadline = time.time() + 60
+    while not partner.exists() and time.time() < deadline:
+        time.sleep(0.1)
+    return {"met": partner.exists(), "end": time.time()}
+
+
+def after(params, run_dir):
+    """A run that reads what the runs it needs wrote: their DONE.json must already be there."""
+    done = [json.loads((run_dir.parent / n / DONE).read_text())["result"]["end"] for n in params["reads"]]
+    return {"start": time.time(), "last_needed_end": max(done), "end": time.time()}
+
+
+def test_runs_side_by_side_respect_needs(tmp_path):
+    s = Settings(tmp_path, seeds=1, quick=True)
+    specs = [
+        RunSpec("a", "python", {"me": "a", "partner": "b"}, meet),
+        RunSpec("b", "python", {"me": "b", "partner": "a"}, meet, needs=()),  # free to start beside a
+        RunSpec("c", "python", {"reads": ["a"]}, after, needs=("a",)),
+        RunSpec("d", "python", {"reads": ["a", "b", "c"]}, after),  # needs=None: every run before it
+    ]
+    log = run_specs(specs, s, show_progress=False, workers=2)
+    assert [r["run"] for r in log] == ["a", "b", "c", "d"] and all(r["status"] == "ran" for r in log)
+    result = {n: json.loads((tmp_path / "runs" / n / DONE).read_text())["result"] for n in "abcd"}
+    assert result["a"]["met"] and result["b"]["met"]  # a and b ran at the same time
+    for n in "cd":
+        assert result[n]["start"] >= result[n]["last_needed_end"]
+    # Rerun: everything is finished, so nothing starts.
+    assert {r["status"] for r in run_specs(specs, s, show_progress=False, workers=2)} == {"skipped (finished earlier)"}
+    with pytest.raises(ValueError, match="not earlier in the plan"):
+        run_specs([RunSpec("x", "python", {}, after, needs=("y",)), RunSpec("y", "python", {}, after)], s, workers=2)
+    with pytest.raises(UserError, match="--workers 0"):
+        run_specs(specs, s, workers=0)
 
 
 def _train_cfg(student, teacher, out, **kw):

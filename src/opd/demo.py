@@ -18,12 +18,16 @@ table, then the report of both runs (``report.html``, :mod:`opd.report`). Each r
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import shutil
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from opd.config import SFTConfig, TrainConfig
@@ -207,25 +211,35 @@ def run_demo(out: Path, steps: int = 200, quick: bool = False, assets: Path | No
     return summary
 
 
-def run_objectives(base: TrainConfig, objectives, out: Path, console: Console) -> dict:
+def run_objectives(base: TrainConfig, objectives, out: Path, console: Console, workers: int = 1) -> dict:
     """``opd train`` from the same student, seeds and settings once per objective (each name in
     ``objectives``, or name -> config changes), into ``out/<name>``; the final evaluation of each
-    (a multi-task run: the mean over its tasks, and each task's under ``tasks``)."""
-    from opd.train import train
+    (a multi-task run: the mean over its tasks, and each task's under ``tasks``).
 
+    ``workers`` > 1 trains that many objectives at once, each in its own process with its share of
+    the CPU threads: for small models, where one process cannot keep several cores busy (the
+    agentic demo's steps are mostly the game engine, which is single-threaded Python)."""
     changes = objectives if isinstance(objectives, dict) else {name: {"objective": name} for name in objectives}
-    results = {}
-    for name, change in changes.items():
-        cfg = replace(base, **{"mask_special": None, **change}, out=str(out / name))
+    cfgs = {
+        name: replace(base, **{"mask_special": None, **change}, out=str(out / name)) for name, change in changes.items()
+    }
+    for cfg in cfgs.values():
         shutil.rmtree(cfg.out, ignore_errors=True)  # a demo run always starts from the packaged student
-        console.print(f"[bold]OPD: {name}[/bold] ({cfg.steps} steps) -> {cfg.out}")
-        t0 = time.time()
-        final = train(cfg)
+    if workers > 1 and len(cfgs) > 1:
+        finals = _train_side_by_side(cfgs, workers, console)
+    else:
+        finals = {}
+        for name, cfg in cfgs.items():
+            console.print(f"[bold]OPD: {name}[/bold] ({cfg.steps} steps) -> {cfg.out}")
+            finals[name] = _train_timed(cfg, show_progress=True)
+    results = {}
+    for name, (final, wall_s) in finals.items():
+        cfg = cfgs[name]
         results[name] = {
             "final_acc": final.get("eval/accuracy"),
             "avg_at_k": final.get("eval/avg_at_k"),
             "steps": cfg.steps,
-            "wall_s": round(time.time() - t0, 1),
+            "wall_s": wall_s,
         }
         if cfg.tasks is not None:
             names = [t["name"] for t in cfg.tasks]
@@ -234,6 +248,50 @@ def run_objectives(base: TrainConfig, objectives, out: Path, console: Console) -
                 for n, r in split_by_task(final, names).items()
             }
     return results
+
+
+def _train_timed(cfg: TrainConfig, show_progress: bool = False, threads: int = 0) -> tuple[dict, float]:
+    from opd.train import train
+
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    t0 = time.time()
+    final = train(cfg, show_progress=show_progress)
+    return final, round(time.time() - t0, 1)
+
+
+def _train_side_by_side(cfgs: dict[str, TrainConfig], workers: int, console: Console) -> dict:
+    """Train the configs in ``workers`` processes at once; one progress bar per run, read from
+    its metrics.jsonl (the runs themselves are silent)."""
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    console.print(f"[bold]OPD: {', '.join(cfgs)}[/bold] side by side ({workers} processes, {threads} thread(s) each)")
+    spawn = multiprocessing.get_context("spawn")  # no forked torch state
+    with (
+        ProcessPoolExecutor(max_workers=workers, mp_context=spawn) as pool,
+        Progress(
+            TextColumn("[bold]OPD {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
+        ) as bars,
+    ):
+        jobs = {name: pool.submit(_train_timed, cfg, False, threads) for name, cfg in cfgs.items()}
+        ids = {name: bars.add_task(name, total=cfg.steps) for name, cfg in cfgs.items()}
+        while not all(job.done() for job in jobs.values()):
+            for name, cfg in cfgs.items():
+                bars.update(ids[name], completed=_steps_done(Path(cfg.out)))
+            time.sleep(2)
+        finals = {name: job.result() for name, job in jobs.items()}  # a run's error is raised here
+        for name, cfg in cfgs.items():
+            bars.update(ids[name], completed=cfg.steps)
+    return finals
+
+
+def _steps_done(run_dir: Path) -> int:
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return 0
+    return sum('"time/step"' in line for line in lines)
 
 
 def summary_table(summary: dict, title: str = "", metric: str = "greedy acc", labels: dict | None = None) -> Table:

@@ -17,6 +17,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from opd.envs import _pddl_cache
 from opd.envs.base import EnvError, StepResult
 from opd.errors import UserError
 
@@ -81,6 +82,7 @@ def pddl_env(**infos: bool) -> Any:
     from alfworld.agents.environment.alfred_tw_env import AlfredDemangler
 
     request = textworld.EnvInfos(admissible_commands=True, won=True, **infos)
+    _pddl_cache.install()  # the engine re-parses the same text at every load, reset and step
     try:
         env = pddl.PddlEnv(request)
     except ImportError as e:  # textworld without its [pddl] extra (fast-downward)

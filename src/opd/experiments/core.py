@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import os
 import platform
 import shutil
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +59,9 @@ class RunSpec:
     config: Any  # TrainConfig | SFTConfig | EvalConfig | dict of parameters (python)
     fn: Callable[[dict, Path], dict] | None = None
     label: str = ""  # what a python step does, for commands.txt
+    # The runs whose outputs this one reads (--workers > 1 may start it once they are finished);
+    # None: every run before it in the plan.
+    needs: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("train", "sft", "eval", "python"):
@@ -138,31 +143,73 @@ def _execute(spec: RunSpec, run_dir: Path, show_progress: bool, command: str) ->
     return spec.fn(dict(spec.config), run_dir)
 
 
-def run_specs(specs: list[RunSpec], settings: Settings, show_progress: bool = True) -> list[dict]:
-    """Run each spec in order (later specs may use earlier ones' outputs); skip finished ones."""
+def run_specs(specs: list[RunSpec], settings: Settings, show_progress: bool = True, workers: int = 1) -> list[dict]:
+    """Run each spec in order (later specs may use earlier ones' outputs); skip finished ones.
+    ``workers`` > 1: that many at once, each in its own process, a spec starting once the runs it
+    ``needs`` have finished."""
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError("run names within an experiment must be unique")
-    log = []
-    for i, spec in enumerate(specs, 1):
-        run_dir = settings.run_dir(spec.name)
-        command = command_line(spec, run_dir)
-        if _finished(run_dir):
-            if json.loads((run_dir / DONE).read_text()).get("command", command) == command:
-                log.append({"run": spec.name, "status": "skipped (finished earlier)"})
-                continue
-            # Finished with other settings (the experiment's definition changed): its results would
-            # not be the ones asked for, so it is made again from scratch.
-            print(f"{spec.name}: finished with other settings; running it again", flush=True)
-            shutil.rmtree(run_dir)
-        print(f"[{i}/{len(specs)}] {spec.kind} {spec.name}", flush=True)
-        t0 = time.time()
-        result = _execute(spec, run_dir, show_progress, command)
-        wall = round(time.time() - t0, 2)
-        record = {"run": spec.name, "kind": spec.kind, "wall_s": wall, "command": command, "result": result}
-        (run_dir / DONE).write_text(json.dumps(record, indent=2, default=str) + "\n")
-        log.append({"run": spec.name, "status": "ran", "wall_s": wall})
-    return log
+    if workers < 1:
+        raise UserError(f"--workers {workers} must be >= 1")
+    if workers == 1:
+        return [_run_one(spec, settings, show_progress, f"[{i}/{len(specs)}]") for i, spec in enumerate(specs, 1)]
+    return _run_side_by_side(specs, settings, workers)
+
+
+def _run_one(spec: RunSpec, settings: Settings, show_progress: bool, counter: str) -> dict:
+    run_dir = settings.run_dir(spec.name)
+    command = command_line(spec, run_dir)
+    if _finished(run_dir):
+        if json.loads((run_dir / DONE).read_text()).get("command", command) == command:
+            return {"run": spec.name, "status": "skipped (finished earlier)"}
+        # Finished with other settings (the experiment's definition changed): its results would
+        # not be the ones asked for, so it is made again from scratch.
+        print(f"{spec.name}: finished with other settings; running it again", flush=True)
+        shutil.rmtree(run_dir)
+    print(f"{counter} {spec.kind} {spec.name}", flush=True)
+    t0 = time.time()
+    result = _execute(spec, run_dir, show_progress, command)
+    wall = round(time.time() - t0, 2)
+    record = {"run": spec.name, "kind": spec.kind, "wall_s": wall, "command": command, "result": result}
+    (run_dir / DONE).write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return {"run": spec.name, "status": "ran", "wall_s": wall}
+
+
+def _run_in_child(spec: RunSpec, settings: Settings, threads: int, counter: str) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    return _run_one(spec, settings, False, counter)
+
+
+def _run_side_by_side(specs: list[RunSpec], settings: Settings, workers: int) -> list[dict]:
+    """The scheduler of ``run_specs(workers > 1)``: a run's error stops the experiment once the
+    runs already going have ended (finished runs keep their DONE.json; a rerun resumes)."""
+    names = [s.name for s in specs]
+    needs = {}
+    for i, spec in enumerate(specs):
+        needs[spec.name] = set(names[:i] if spec.needs is None else spec.needs)
+        if not needs[spec.name] <= set(names[:i]):
+            raise ValueError(
+                f"run {spec.name} needs {sorted(needs[spec.name] - set(names[:i]))}: not earlier in the plan"
+            )
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    print(f"{len(specs)} runs, {workers} at once ({threads} CPU thread(s) each)", flush=True)
+    pending, running, done, log = list(specs), {}, set(), {}
+    spawn = multiprocessing.get_context("spawn")  # no forked torch state
+    with ProcessPoolExecutor(max_workers=workers, mp_context=spawn) as pool:
+        while pending or running:
+            for spec in [s for s in pending if needs[s.name] <= done][: workers - len(running)]:
+                pending.remove(spec)
+                counter = f"[{names.index(spec.name) + 1}/{len(specs)}]"
+                running[pool.submit(_run_in_child, spec, settings, threads, counter)] = spec
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for job in finished:
+                spec = running.pop(job)
+                log[spec.name] = job.result()
+                done.add(spec.name)
+    return [log[n] for n in names]
 
 
 def read_done(settings: Settings, name: str) -> dict:
@@ -273,7 +320,9 @@ def render_markdown(res: dict, plot_prefix: str = "") -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def run_experiment(exp: Experiment, out: Path, seeds: int, quick: bool, show_progress: bool = True) -> dict:
+def run_experiment(
+    exp: Experiment, out: Path, seeds: int, quick: bool, show_progress: bool = True, workers: int = 1
+) -> dict:
     """Run (or resume) every run of ``exp``, analyse, and write its outputs under ``out/exp.name``."""
     if seeds < 1:
         raise UserError(f"--seeds {seeds} must be >= 1 (3 or more for intervals)")
@@ -281,7 +330,7 @@ def run_experiment(exp: Experiment, out: Path, seeds: int, quick: bool, show_pro
     settings.runs.mkdir(parents=True, exist_ok=True)
     specs = exp.plan(settings)
     t0 = time.time()
-    log = run_specs(specs, settings, show_progress)
+    log = run_specs(specs, settings, show_progress, workers)
     analysis = exp.analyze(settings, specs)
     wall_runs = sum(read_done(settings, s.name)["wall_s"] for s in specs)
     res = {
