@@ -265,6 +265,23 @@ def test_engine_caches_play_exactly_as_textworld(alf_env, alf_games):
     assert sum(len(t) for t in plain[0]) > 6 * 5  # the games were played, not just reset
 
 
+def test_engine_caches_step_aside_when_textworld_moves(monkeypatch):
+    """A textworld whose internals were renamed plays as it ships, without the caches."""
+    import textworld.envs.pddl.textgen as textgen
+
+    from opd.envs import _pddl_cache
+
+    _pddl_cache.uninstall()
+    try:
+        monkeypatch.delattr(textgen, "_parse_and_convert")
+        _pddl_cache.install()
+        assert not _pddl_cache._originals  # nothing patched
+    finally:
+        monkeypatch.undo()
+        _pddl_cache.install()
+    assert _pddl_cache._originals and not textgen_parse_is_textworlds()
+
+
 def textgen_parse_is_textworlds() -> bool:
     import textworld.envs.pddl.textgen as textgen
 

@@ -56,20 +56,25 @@ class _Module:
 
 def install() -> None:
     """Put the caches in place (once per process; idempotent and thread-safe)."""
-    import textworld.envs.pddl.logic as pddl_logic
-    import textworld.envs.pddl.pddl as pddl_env
-    import textworld.envs.pddl.textgen as textgen
-    from textworld.logic import Rule
-
     with _lock:
         if _originals:
             return
-        _originals.update(
-            textgen=textgen._parse_and_convert,
-            rule_query=Rule.__dict__["parse_conjunctive_query"],
-            fast_downward=pddl_logic.fast_downward,
-            pddl_logic=pddl_env.pddl_logic,
-        )
+        try:
+            import textworld.envs.pddl.logic as pddl_logic
+            import textworld.envs.pddl.pddl as pddl_env
+            import textworld.envs.pddl.textgen as textgen
+            from textworld.logic import Rule
+
+            found = dict(
+                textgen=textgen._parse_and_convert,
+                rule_query=Rule.__dict__["parse_conjunctive_query"],
+                fast_downward=pddl_logic.fast_downward,
+                pddl_logic=pddl_env.pddl_logic,
+            )
+            pddl_logic.GameLogic, pddl_logic.fast_downward.pddl2sas  # noqa: B018 (present, or no caches)
+        except (ImportError, AttributeError, KeyError):
+            return  # a textworld whose internals moved: it plays as it ships (slower, the same games)
+        _originals.update(found)
         parse = _originals["textgen"]
         parsed = functools.lru_cache(maxsize=_FRAGMENTS)(lambda text, rule: parse(text, rule_name=rule))
 
