@@ -18,11 +18,8 @@ table, then the report of both runs (``report.html``, :mod:`opd.report`). Each r
 from __future__ import annotations
 
 import json
-import multiprocessing
-import os
 import shutil
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -36,6 +33,7 @@ from opd.errors import UserError
 from opd.evaluation import evaluate_model
 from opd.models import load_model, load_tokenizer, resolve_device
 from opd.multitask import split_by_task
+from opd.parallel import process_pool, threads_per_worker, with_threads
 from opd.report import PNG_DIR, write_report
 from opd.tasks import Task, get_task
 from opd.tokenizer import train_tokenizer
@@ -250,13 +248,9 @@ def run_objectives(base: TrainConfig, objectives, out: Path, console: Console, w
     return results
 
 
-def _train_timed(cfg: TrainConfig, show_progress: bool = False, threads: int = 0) -> tuple[dict, float]:
+def _train_timed(cfg: TrainConfig, show_progress: bool = False) -> tuple[dict, float]:
     from opd.train import train
 
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
     t0 = time.time()
     final = train(cfg, show_progress=show_progress)
     return final, round(time.time() - t0, 1)
@@ -265,16 +259,15 @@ def _train_timed(cfg: TrainConfig, show_progress: bool = False, threads: int = 0
 def _train_side_by_side(cfgs: dict[str, TrainConfig], workers: int, console: Console) -> dict:
     """Train the configs in ``workers`` processes at once; one progress bar per run, read from
     its metrics.jsonl (the runs themselves are silent)."""
-    threads = max(1, (os.cpu_count() or 1) // workers)
+    threads = threads_per_worker(workers)
     console.print(f"[bold]OPD: {', '.join(cfgs)}[/bold] side by side ({workers} processes, {threads} thread(s) each)")
-    spawn = multiprocessing.get_context("spawn")  # no forked torch state
     with (
-        ProcessPoolExecutor(max_workers=workers, mp_context=spawn) as pool,
+        process_pool(workers) as pool,
         Progress(
             TextColumn("[bold]OPD {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
         ) as bars,
     ):
-        jobs = {name: pool.submit(_train_timed, cfg, False, threads) for name, cfg in cfgs.items()}
+        jobs = {name: pool.submit(with_threads, threads, _train_timed, cfg) for name, cfg in cfgs.items()}
         ids = {name: bars.add_task(name, total=cfg.steps) for name, cfg in cfgs.items()}
         while not all(job.done() for job in jobs.values()):
             for name, cfg in cfgs.items():

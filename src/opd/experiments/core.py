@@ -16,19 +16,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing
 import os
 import platform
 import shutil
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from opd.errors import UserError
+from opd.parallel import process_pool, threads_per_worker, with_threads
 
 DONE = "DONE.json"
 STARTED = "STARTED.json"  # the command a train run was begun with: resume only that one
@@ -157,12 +157,22 @@ def run_specs(specs: list[RunSpec], settings: Settings, show_progress: bool = Tr
     return _run_side_by_side(specs, settings, workers)
 
 
+def _up_to_date(spec: RunSpec, settings: Settings) -> bool:
+    """Finished earlier with the settings asked for now."""
+    run_dir = settings.run_dir(spec.name)
+    command = command_line(spec, run_dir)
+    return _finished(run_dir) and json.loads((run_dir / DONE).read_text()).get("command", command) == command
+
+
+SKIPPED = "skipped (finished earlier)"
+
+
 def _run_one(spec: RunSpec, settings: Settings, show_progress: bool, counter: str) -> dict:
     run_dir = settings.run_dir(spec.name)
     command = command_line(spec, run_dir)
+    if _up_to_date(spec, settings):
+        return {"run": spec.name, "status": SKIPPED}
     if _finished(run_dir):
-        if json.loads((run_dir / DONE).read_text()).get("command", command) == command:
-            return {"run": spec.name, "status": "skipped (finished earlier)"}
         # Finished with other settings (the experiment's definition changed): its results would
         # not be the ones asked for, so it is made again from scratch.
         print(f"{spec.name}: finished with other settings; running it again", flush=True)
@@ -176,13 +186,6 @@ def _run_one(spec: RunSpec, settings: Settings, show_progress: bool, counter: st
     return {"run": spec.name, "status": "ran", "wall_s": wall}
 
 
-def _run_in_child(spec: RunSpec, settings: Settings, threads: int, counter: str) -> dict:
-    import torch
-
-    torch.set_num_threads(threads)
-    return _run_one(spec, settings, False, counter)
-
-
 def _run_side_by_side(specs: list[RunSpec], settings: Settings, workers: int) -> list[dict]:
     """The scheduler of ``run_specs(workers > 1)``: a run's error stops the experiment once the
     runs already going have ended (finished runs keep their DONE.json; a rerun resumes)."""
@@ -194,16 +197,17 @@ def _run_side_by_side(specs: list[RunSpec], settings: Settings, workers: int) ->
             raise ValueError(
                 f"run {spec.name} needs {sorted(needs[spec.name] - set(names[:i]))}: not earlier in the plan"
             )
-    threads = max(1, (os.cpu_count() or 1) // workers)
+    threads = threads_per_worker(workers)
     print(f"{len(specs)} runs, {workers} at once ({threads} CPU thread(s) each)", flush=True)
-    pending, running, done, log = list(specs), {}, set(), {}
-    spawn = multiprocessing.get_context("spawn")  # no forked torch state
-    with ProcessPoolExecutor(max_workers=workers, mp_context=spawn) as pool:
+    # Runs finished earlier are skipped here, without starting a process for each.
+    log = {s.name: {"run": s.name, "status": SKIPPED} for s in specs if _up_to_date(s, settings)}
+    pending, running, done = [s for s in specs if s.name not in log], {}, set(log)
+    with process_pool(workers) as pool:
         while pending or running:
             for spec in [s for s in pending if needs[s.name] <= done][: workers - len(running)]:
                 pending.remove(spec)
                 counter = f"[{names.index(spec.name) + 1}/{len(specs)}]"
-                running[pool.submit(_run_in_child, spec, settings, threads, counter)] = spec
+                running[pool.submit(with_threads, threads, _run_one, spec, settings, False, counter)] = spec
             finished, _ = wait(running, return_when=FIRST_COMPLETED)
             for job in finished:
                 spec = running.pop(job)
