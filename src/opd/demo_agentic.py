@@ -22,7 +22,6 @@ packaged models (``opd/assets/agentic``).
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from opd.demo import run_objectives, summary_table, train_models
 from opd.envs import Environment
 from opd.errors import UserError
 from opd.models import load_model, load_tokenizer, resolve_device
+from opd.parallel import demo_workers
 from opd.report import PNG_DIR, write_report
 from opd.tasks import get_task
 from opd.tokenizer import train_tokenizer
@@ -220,8 +220,7 @@ def run_agentic_demo(out: Path, steps: int = 0, quick: bool = False, assets: Pat
         **LIMITS,
     )
     t0 = time.time()
-    workers = 2 if resolve_device("auto").type == "cpu" and (os.cpu_count() or 1) >= 2 else 1
-    results = run_objectives(base, ("sampled", "lsm"), out, console, workers=workers)
+    results = run_objectives(base, ("sampled", "lsm"), out, console, workers=demo_workers())
     summary = {
         "env": ENV,
         "level": LEVEL,

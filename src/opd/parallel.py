@@ -13,6 +13,14 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 
+def demo_workers() -> int:
+    """How many objectives a demo trains at once: two on a CPU with two cores or more (its small
+    models leave a core idle), one on an accelerator (one process keeps it busy)."""
+    from opd.models import resolve_device
+
+    return 2 if resolve_device("auto").type == "cpu" and (os.cpu_count() or 1) >= 2 else 1
+
+
 def threads_per_worker(workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // workers)
 

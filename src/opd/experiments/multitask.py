@@ -67,14 +67,19 @@ def run_name(variant: str, seed: int) -> str:
 def plan(s: Settings) -> list[RunSpec]:
     root, specs = demo_models(s, ASSETS, "student", "multi-task demo", "--multitask", _make_quick_models)
     steps = QUICK_STEPS if s.quick else STEPS
+    models = tuple(
+        spec.name for spec in specs
+    )  # the runs need only their starting models: --workers runs them side by side
     for seed in range(s.seeds):
         for variant, change in VARIANTS.items():
             name = run_name(variant, seed)
-            specs.append(RunSpec(name, "train", opd_config(root, s.run_dir(name), steps, s.quick, seed, **change)))
+            specs.append(
+                RunSpec(name, "train", opd_config(root, s.run_dir(name), steps, s.quick, seed, **change), needs=models)
+            )
         for variant, (task, change) in SINGLE.items():
             name = run_name(variant, seed)
             cfg = opd_config(root, s.run_dir(name), task_steps(steps, task), s.quick, seed, only=(task,), **change)
-            specs.append(RunSpec(name, "train", cfg))
+            specs.append(RunSpec(name, "train", cfg, needs=models))
     return specs
 
 
