@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -42,6 +43,25 @@ def test_missing_models_name_the_recipe(tmp_path, monkeypatch):
         make_multitask_models(tmp_path / "mt", quick=True, agentic=tmp_path / "no-agentic")
     with pytest.raises(UserError, match="--only"):
         make_multitask_models(tmp_path / "mt", quick=True, only="teachers")
+
+
+def test_packaged_models_come_from_the_recipe_as_written():
+    """The packaged student and math teacher were made by today's recipe: the configs their runs
+    logged equal the recipe's (all but where it wrote), and their scores are the summary's."""
+    import dataclasses
+
+    from opd.demo import teacher_sft_config
+    from opd.demo_multitask import ASSETS, student_sft_config
+
+    made = json.loads((ASSETS / "make_summary.json").read_text())
+    assert set(made) == {"math_teacher", "student"}
+    for name, recipe in (("student", student_sft_config), ("math_teacher", teacher_sft_config)):
+        logged = json.loads((ASSETS / "runs" / name / "config.json").read_text())
+        expected = dataclasses.asdict(recipe(Path(logged["out"]), logged["tokenizer"]))
+        assert logged == json.loads(json.dumps(expected)), name
+        assert Path(logged["tokenizer"]).parts[-2:] == ("agentic", "tokenizer")  # the shared tokenizer
+        assert json.loads((ASSETS / "runs" / name / "summary.json").read_text()) == made[name]
+        assert (ASSETS / name / "model.safetensors").is_file()
 
 
 @pytest.fixture(scope="module")

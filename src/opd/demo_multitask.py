@@ -6,8 +6,9 @@ The math teacher is the arithmetic demo's recipe (:func:`opd.demo.teacher_sft_co
 Qwen2 on every training solution) made on the agentic demo's tokenizer, which was trained on both
 kinds of text; the game teacher is the agentic demo's (:mod:`opd.demo_agentic`). Each teacher is
 a specialist that never saw the other task. The student (2 layers, 128 wide) knows a little of
-both: one mixed behaviour-cloning run (``opd sft`` with two tasks, :mod:`opd.sft`) on a few
-math solutions and a few games' expert episodes, to its plateau.
+both: one mixed behaviour-cloning run (``opd sft`` with two tasks, :mod:`opd.sft`) on the
+arithmetic demo student's 1,000 math solutions and the agentic demo student's 100 games' expert
+episodes, to its plateau.
 
 The demo evaluates each teacher on its task and the student on both, then runs, from the same
 student and seeds, one two-task config per objective: sampled-token OPD, LSM (teacher top-K) and
@@ -16,23 +17,19 @@ competitive on one task but collapsing math in multi-task training. It writes ``
 a table of math accuracy and game success before and after, and the report (its charts split by
 task). ``opd make-demo-models --multitask --out DIR`` makes the models (:func:`make_multitask_models`).
 
-Cost, from steps measured on a 2-core machine (one thread, while another training used the other
-core), with stand-in models of the final sizes on the shared tokenizer:
+Cost, measured on a 2-core machine:
 
-* the demo: an OPD math step of 64 prompts about 2.1 s, a game step of 16 episodes about 6.8 s
-  (either objective), the end-of-run evaluation of both tasks about 70 s, the three models'
-  evaluations before training about 2.5 minutes. 96 steps (64 math, 32 game) per objective: about
-  7 minutes a run, about 24 minutes in all with the report. A student that learns writes shorter
-  math answers and wins games in fewer turns, so this is an upper estimate;
-* the recipe: the math teacher's 1,200 SFT steps of 64 solutions about 2.4 s each (48 minutes on
+* the demo: 8.4 minutes in all on an otherwise idle machine (the three models' evaluations before
+  training, then the objectives two at a time, one process and one thread each: a run of 96 steps,
+  64 math steps of 64 prompts and 32 game steps of 16 episodes, with its final evaluation of both
+  tasks, 3.5 to 4 minutes; then the report);
+* the recipe: the math teacher's 1,200 SFT steps of 64 solutions about 2.4 s each (51 minutes on
   one thread with the other core busy; the arithmetic demo's teacher, the same recipe on a 2,048
   token vocabulary, took 32 minutes on two cores); the student's mixed steps (32 solutions and 16
-  episodes) about 1.1 s (300 steps: 379 s with three evaluations), evaluations (300 prompts, 50
-  games) about 20 s every 100 steps, until four in a row bring no gain or 1,500 steps: 15 to 30
-  minutes (after 300 steps it had 6% math accuracy and no game won, still rising). About 50 minutes
-  on two idle cores one after the other; the two models do not depend on each other, so ``--only
-  teacher`` and ``--only student`` may run side by side (one thread each: about 50 minutes, the
-  teacher's).
+  episodes) about 1.1 s, evaluated (300 prompts, 50 games) every 100 steps until four in a row
+  bring no gain: 1,100 steps, 21 minutes on one thread (best at step 699: 21% math accuracy, 24%
+  game success). The two models do not depend on each other, so ``--only teacher`` and ``--only
+  student`` may run side by side (one thread each: about 50 minutes, the teacher's).
 """
 
 from __future__ import annotations
