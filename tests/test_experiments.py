@@ -94,6 +94,22 @@ def test_verdict_rules():
 # ----------------------------------------------------------------------------- runner
 
 
+def test_rate_bands_stay_between_0_and_1(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    from opd.experiments.plots import line_plot
+
+    drawn = []
+    monkeypatch.setattr(matplotlib.axes.Axes, "fill_between", lambda ax, xs, lo, hi, **kw: drawn.append((lo, hi)))
+    # three seeds at 0.9, 1.0, 1.0 and 0.0, 0.1, 0.0: t-intervals reach past both ends
+    series = {"run": ([1, 2], [0.9667, 0.0333], [0.82, -0.11], [1.11, 0.18])}
+    line_plot(tmp_path / "a.png", series, "step", "rate", "t", bounds=(0.0, 1.0))
+    line_plot(tmp_path / "b.png", series, "step", "loss", "t")
+    assert drawn[0] == ([0.82, 0.0], [1.0, 0.18])
+    assert drawn[1] == ([0.82, -0.11], [1.11, 0.18])  # an unbounded quantity keeps its interval
+    assert (tmp_path / "a.png").is_file() and (tmp_path / "b.png").is_file()
+
+
 def test_unknown_experiment_lists_the_valid_names(tmp_path):
     with pytest.raises(UserError, match="variance, objectives"):
         get_experiment("nope")

@@ -141,6 +141,7 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
             "train/grad_norm": "gradient norm",
         },
         "agentic",
+        rates=("rollout/accuracy", "diag/out_of_support", "rollout/invalid_action_rate"),
     )
     _claims(a, s)
     return a

@@ -154,16 +154,23 @@ def mean_curve(s: Settings, names: list[str], key: str) -> tuple[list[int], list
 
 
 def diagnostics_plots(
-    a: Analysis, s: Settings, groups: dict[str, list[str]], keys: dict[str, str], prefix: str
+    a: Analysis,
+    s: Settings,
+    groups: dict[str, list[str]],
+    keys: dict[str, str],
+    prefix: str,
+    rates: tuple[str, ...] = (),
 ) -> None:
-    """One PNG per diagnostic: a curve (mean and CI over seeds) per group of runs."""
+    """One PNG per diagnostic: a curve (mean and CI over seeds) per group of runs; the bands of
+    ``rates`` (keys whose values are shares) are kept within 0 and 1."""
     for key, label in keys.items():
         curves = {g: mean_curve(s, names, key) for g, names in groups.items()}
         curves = {g: c for g, c in curves.items() if c[0]}
         if not curves:
             continue
         fname = f"{prefix}_{key.replace('/', '_')}.png"
-        line_plot(s.out / fname, curves, "OPD step", label, f"{label} over training")
+        bounds = (0.0, 1.0) if key in rates else None
+        line_plot(s.out / fname, curves, "OPD step", label, f"{label} over training", bounds=bounds)
         a.plots.append(fname)
 
 

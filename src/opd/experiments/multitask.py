@@ -125,6 +125,7 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
             f"{MATH}/diag/out_of_support": "math out-of-support share",
         },
         "multitask",
+        rates=(f"{MATH}/rollout/accuracy", f"{GAME}/rollout/accuracy", f"{MATH}/diag/out_of_support"),
     )
     _claims(a, s)
     a.notes.append(
