@@ -20,12 +20,12 @@ checkpoint as game teacher): math average 34.8 (sampled) -> 41.7 (LSM), ALFWorld
 though it is competitive in a single task; (d) multi-task training keeps each task close to its
 single-task result. Claims compare final avg@k, paired over seeds.
 
-Cost at full size, from steps measured on 2 CPU cores (one thread, another training on the other
-core): a math step of 64 prompts about 2.1 s, a game step of 16 episodes about 6.8 s, the final
-evaluation of both tasks about 70 s. A two-task run of 96 steps about 7 minutes, a math-only run
-(64 steps) about 2.6, a game-only run (32 steps) about 4.5; 12 two-task and 9 single-task runs:
-about 2 hours. ``--quick`` plays a handful of steps; where the packaged multi-task models are
-missing it first makes the shortened recipe's (its numbers decide nothing).
+Cost at full size, measured on 2 CPU cores with ``--workers 2`` (one thread a run): a two-task
+run of 96 steps about 3.2 minutes, a math-only run of 64 steps about 1.4, a game-only run of 32
+steps about 1.7; 65.5 minutes of runs, 34 minutes of wall time (the first seed's runs shared the
+machine with a test suite for about ten minutes). ``--quick`` plays a handful of steps; where the
+packaged multi-task models are missing it first makes the shortened recipe's (its numbers decide
+nothing).
 """
 
 from __future__ import annotations
