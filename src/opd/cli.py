@@ -112,7 +112,7 @@ def _demo(
     multitask: bool = typer.Option(
         False,
         help="The multi-task demo: one student, math and ALFWorld games alternating, a teacher for each; "
-        "sampled-token OPD vs LSM vs LSM with student top-K support (needs the agent extra).",
+        "sampled-token OPD vs LSM vs LSM with student top-K support (about 9 minutes on 2 CPU cores; needs the agent extra).",
     ),
 ) -> None:
     """The embedded default: sampled-token OPD vs LSM from the same tiny student, on this CPU."""
