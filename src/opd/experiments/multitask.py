@@ -67,9 +67,8 @@ def run_name(variant: str, seed: int) -> str:
 def plan(s: Settings) -> list[RunSpec]:
     root, specs = demo_models(s, ASSETS, "student", "multi-task demo", "--multitask", _make_quick_models)
     steps = QUICK_STEPS if s.quick else STEPS
-    models = tuple(
-        spec.name for spec in specs
-    )  # the runs need only their starting models: --workers runs them side by side
+    # The runs need only their starting models: --workers runs them side by side.
+    models = tuple(spec.name for spec in specs)
     for seed in range(s.seeds):
         for variant, change in VARIANTS.items():
             name = run_name(variant, seed)
