@@ -139,6 +139,8 @@ def test_quick_multitask_experiment(models, tmp_path):
     rows = {r[0]: r for r in res["tables"][0]["rows"]}
     assert set(rows) == set(VARIANTS) | set(SINGLE)
     assert rows["game-only/lsm"][2:4] == ["-", "-"] and rows["math-only/lsm"][4:6] == ["-", "-"]
+    formats = next(t for t in res["tables"] if "math task's format" in t["title"])
+    assert [r[0] for r in formats["rows"]] == [*VARIANTS, "game-only/lsm"]
     for variant, (task, _) in SINGLE.items():  # the same budget: the steps that task gets in a two-task run
         config = json.loads((tmp_path / "multitask" / "runs" / variant / "seed0" / "config.json").read_text())
         assert config["steps"] == task_steps(4, task) and [t["name"] for t in config["tasks"]] == [task]

@@ -432,3 +432,30 @@ def test_results_md_names_a_corrupt_results_file(tmp_path):
         UserError, match=r"variance/results.json is not a results.json.*rerun `opd experiment variance`"
     ):
         build_results_md([tmp_path], tmp_path / "RESULTS.md")
+
+
+def test_multitask_format_shares_count_game_actions_in_the_math_format(tmp_path):
+    from opd.experiments.core import Settings
+    from opd.experiments.multitask import WINDOW, _format_shares
+
+    s = Settings(tmp_path, seeds=1, quick=False)
+    run = s.run_dir("lsm/seed0")
+    run.mkdir(parents=True)
+
+    def episode(step: int, actions: list[str]) -> dict:
+        return {"task": "alfworld", "step": step, "turns": [{"action": a} for a in actions]}
+
+    game_steps = [1, 4, 7, 10, 13, 16, 19]
+    rollouts = [episode(t, ["go to desk 1", "take pen 1 from desk 1"]) for t in game_steps[:WINDOW]]
+    rollouts[0]["turns"].append({"action": "<think>go to desk 1"})  # 1 of the first 7 actions
+    rollouts += [episode(t, ["<think>go to desk 1", "go to bed 1"]) for t in game_steps[-WINDOW:]]  # 3 of 6
+    rollouts += [{"task": "math", "step": 0, "turns": [{"action": "<think>"}]}]  # not a game action
+    rollouts += [episode(game_steps[WINDOW], ["<think>"])]  # between the windows: read by neither
+    (run / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rollouts))
+    shares = [0.5, 0.01, 0.02, 0.03, 0.04, 0.05, 0.09]
+    metrics = [{"step": t, "alfworld/diag/out_of_support": x} for t, x in zip(game_steps, shares)]
+    metrics.insert(2, {"step": 5, "math/diag/out_of_support": 0.9})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    start, end, out_of_support = _format_shares(s, "lsm/seed0")
+    assert start == pytest.approx(1 / 7) and end == pytest.approx(3 / 6)
+    assert out_of_support == pytest.approx((0.04 + 0.05 + 0.09) / 3)

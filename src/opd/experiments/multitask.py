@@ -35,8 +35,9 @@ from pathlib import Path
 
 from opd.demo_multitask import ASSETS, GAME, MATH, STEPS, make_quick_models, opd_config, task_steps
 from opd.experiments.common import demo_models, diagnostics_plots
-from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_done
+from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_done, read_metrics
 from opd.experiments.stats import equivalence, mean_ci, verdict
+from opd.report.load import read_jsonl
 
 # two-task runs: name -> config changes
 VARIANTS = {
@@ -52,6 +53,8 @@ SINGLE = {
     "game-only/lsm": (GAME, VARIANTS["lsm"]),
 }
 MARGIN = 0.05  # "close" / "competitive": the paired avg@k difference within 5 points
+MATH_FORMAT = "<think>"  # the math task's opening token: in a game action, the other task's format
+WINDOW = 3  # logged game steps at each end of training that the format table reads
 QUICK_STEPS = 4
 
 
@@ -122,16 +125,57 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
             f"{GAME}/rollout/accuracy": "training game success rate",
             f"{MATH}/diag/student_entropy": "student entropy on math",
             f"{MATH}/diag/out_of_support": "math out-of-support share",
+            f"{GAME}/diag/out_of_support": "game out-of-support share",
         },
         "multitask",
-        rates=(f"{MATH}/rollout/accuracy", f"{GAME}/rollout/accuracy", f"{MATH}/diag/out_of_support"),
+        rates=(
+            f"{MATH}/rollout/accuracy",
+            f"{GAME}/rollout/accuracy",
+            f"{MATH}/diag/out_of_support",
+            f"{GAME}/diag/out_of_support",
+        ),
     )
+    _format_table(a, s)
     _claims(a, s)
     a.notes.append(
         "Both tasks' figures come from each run's own final evaluation (the training loop's, on the "
         "same held-out prompts and games and seeds for every run), not from a separate `opd eval` step."
     )
     return a
+
+
+def _format_shares(s: Settings, name: str) -> tuple[float, float, float]:
+    """Of one run: the share of its logged game actions that hold MATH_FORMAT in its first and last
+    WINDOW logged game steps, and its game out-of-support share (the student's sampled action tokens
+    outside the teacher's top-K) over its last WINDOW game steps."""
+    rows = [r for r in read_jsonl(s.run_dir(name) / "rollouts.jsonl", [], need_step=True) if r.get("task") == GAME]
+    steps = sorted({r["step"] for r in rows})
+
+    def share(window: list[int]) -> float:
+        actions = [t["action"] for r in rows if r["step"] in window for t in r["turns"]]
+        return sum(MATH_FORMAT in x for x in actions) / len(actions) if actions else math.nan
+
+    key = f"{GAME}/diag/out_of_support"
+    late = [r[key] for r in read_metrics(s, name) if r.get(key) is not None][-WINDOW:]
+    return share(steps[:WINDOW]), share(steps[-WINDOW:]), sum(late) / len(late) if late else math.nan
+
+
+def _format_table(a: Analysis, s: Settings) -> None:
+    """Whether the math task's format leaks into game actions, and whether the objective's support
+    sees it: a token outside the teacher's top-K carries no loss under teacher top-K LSM (the student
+    is renormalised over the support), so nothing pushes it back down."""
+    rows = []
+    for variant in [*VARIANTS, "game-only/lsm"]:
+        per_seed = [_format_shares(s, run_name(variant, k)) for k in range(s.seeds)]
+        rows.append([variant, *(mean_ci([x[i] for x in per_seed]).fmt(1, 100) for i in range(3))])
+    a.table(
+        f"Game actions written in the math task's format (holding `{MATH_FORMAT}`), % of the logged game "
+        f"actions in the first and last {WINDOW} logged game steps, and the game out-of-support share (% of "
+        f"the student's sampled action tokens outside the teacher's top-K, last {WINDOW} game steps); mean "
+        "[95% CI] over seeds",
+        ["run", f"`{MATH_FORMAT}` in actions, start", f"`{MATH_FORMAT}` in actions, end", "out of support, end"],
+        rows,
+    )
 
 
 def _better(a: Analysis, s: Settings, source: str, claim: str, task: str, hi: str, lo: str) -> None:
