@@ -198,7 +198,7 @@ def opd_config(
         seed=seed,
         out=str(out),
         steps=steps,
-        lr=demo_agentic.DEMO_LR,  # at 5e-4 every objective lost the game student's wins within 15 steps
+        lr=demo_agentic.DEMO_LR,  # at 5e-4 (first student) every objective lost its game wins in 15 steps
         warmup_steps=2 if quick else 10,
         eval_every=0,  # at the end only: an evaluation of both tasks costs about as much as 8 game steps
         ckpt_every=2 if quick else max(steps // 2, 1),
