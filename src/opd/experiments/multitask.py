@@ -165,7 +165,7 @@ def _format_table(a: Analysis, s: Settings) -> None:
     sees it: a token outside the teacher's top-K carries no loss under teacher top-K LSM (the student
     is renormalised over the support), so nothing pushes it back down."""
     rows = []
-    for variant in [*VARIANTS, "game-only/lsm"]:
+    for variant in [*VARIANTS, *(v for v, (task, _) in SINGLE.items() if task == GAME)]:
         per_seed = [_format_shares(s, run_name(variant, k)) for k in range(s.seeds)]
         rows.append([variant, *(mean_ci([x[i] for x in per_seed]).fmt(1, 100) for i in range(3))])
     a.table(
