@@ -18,27 +18,40 @@ opd's own trainer gets the same numbers as arrays instead of JSON: ``/opd/vocab`
 binary media type in ``answer_media_types``, and a request with ``Accept: application/x-opd-scores-v1``
 is answered in that format (:mod:`opd.wire`). Any other request, and every error, gets JSON.
 
-Concurrent requests are batched: handler threads queue their prompts, and one worker thread
-collects what arrives within ``batch_wait_ms`` (up to ``max_batch_tokens`` padded tokens) into
+HTTP is a Starlette app on uvicorn (vLLM's stack): one event loop holds every connection (backlog
+2048; the standard library's server had 5 and reset 1.3% of 64 clients' connections), and a request
+waiting for its forward pass holds no thread. Concurrent requests are batched: one worker thread
+merges what arrives within ``batch_wait_ms`` (up to ``max_batch_tokens`` padded tokens) into
 forward passes over chunks of sequences of similar length. The scores come from the same code as
 the in-process teacher (:func:`opd.losses.topk_and_gather_from_hidden` on
-:func:`opd.models.final_hidden`), so they match it to float rounding. Bad requests get a 4xx
-with an OpenAI-style JSON error; the server keeps serving.
+:func:`opd.models.final_hidden`), so they match it to float rounding. Bad requests get a 4xx with an
+OpenAI-style JSON error, a bug a 500; the server keeps serving.
 
-Run: ``opd serve-teacher runs/teacher --port 8000`` (``--port 0`` picks a free port and prints it).
+Run: ``opd serve-teacher runs/teacher --port 8000`` (``--port 0`` picks a free port and prints it);
+Ctrl-C or SIGTERM stops it after answering the requests in flight. In Python: :func:`start_server`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import queue
+import signal
+import socket
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from opd import wire
 from opd.errors import UserError
@@ -54,6 +67,9 @@ class RequestError(Exception):
     def __init__(self, status: int, message: str, kind: str = "BadRequestError"):
         super().__init__(message)
         self.status, self.message, self.kind = status, message, kind
+
+    def payload(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.status}}
 
 
 @dataclass
@@ -152,10 +168,8 @@ class _Job:
     k: int
     starts: list[int]
     ranks: bool = True  # a JSON answer reports the given tokens' ranks; a binary one does not
-    done: threading.Event = field(default_factory=threading.Event)
+    future: Future = field(default_factory=Future)  # cancelled: its client got a 503, skip the forward pass
     result: list[SeqScores] | None = None
-    error: str | None = None
-    abandoned: bool = False  # its client got a 503 already: not worth a forward pass
 
 
 class BatchScorer:
@@ -168,21 +182,19 @@ class BatchScorer:
         self.thread = threading.Thread(target=self._loop, name="opd-teacher-scorer", daemon=True)
         self.thread.start()
 
-    def submit(
+    async def score(
         self, seqs: list[list[int]], k: int, starts: list[int] | None = None, ranks: bool = True
     ) -> list[SeqScores]:
+        """Score, once the worker has run the forward pass. It completes the job's future through the event
+        loop (``call_soon_threadsafe``): a waiting request holds no thread, whose number would cap waiters."""
         job = _Job(seqs, k, starts or [1] * len(seqs), ranks)
         self.queue.put(job)
-        if not job.done.wait(self.limits.request_timeout):
-            job.abandoned = True
-            raise RequestError(
-                503,
-                f"scoring took longer than {self.limits.request_timeout:.0f} s; retry later",
-                "ServiceUnavailableError",
-            )
-        if job.error is not None:
-            raise RequestError(500, f"scoring failed: {job.error}", "InternalServerError")
-        return job.result
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(job.future), self.limits.request_timeout)
+        except TimeoutError:
+            job.future.cancel()  # if still queued, not worth a forward pass any more
+            late = f"scoring took longer than {self.limits.request_timeout:.0f} s; retry later"
+            raise RequestError(503, late, "ServiceUnavailableError") from None
 
     def close(self) -> None:
         self.queue.put(None)
@@ -209,7 +221,7 @@ class BatchScorer:
             if first is None:
                 break
             jobs, stop = self._collect(first)
-            jobs = [j for j in jobs if not j.abandoned]
+            jobs = [j for j in jobs if j.future.set_running_or_notify_cancel()]  # from here on, not cancellable
             try:
                 if jobs:
                     self._run(jobs)
@@ -218,9 +230,11 @@ class BatchScorer:
                     try:
                         self._run([job])
                     except Exception as exc:
-                        job.error = f"{type(exc).__name__}: {exc}"
+                        failed = f"scoring failed: {type(exc).__name__}: {exc}"
+                        job.future.set_exception(RequestError(500, failed, "InternalServerError"))
             for job in jobs:
-                job.done.set()
+                if not job.future.done():
+                    job.future.set_result(job.result)
 
     def _run(self, jobs: list[_Job]) -> None:
         k, ranks = max(j.k for j in jobs), any(j.ranks for j in jobs)
@@ -403,14 +417,18 @@ class TeacherApp:
         self.decoded = tokenizer.batch_decode([[i] for i in range(n)]) + [""] * max(self.vocab_rows - n, 0)
         self.scorer = BatchScorer(self.model, self.limits)
 
-    def complete(self, body: bytes, binary: bool = False) -> dict | bytes:
-        """The answer to a completions request: vLLM's JSON, or opd's binary format (:mod:`opd.wire`)
-        when the client asked for it."""
-        seqs, k, starts = parse_completion_request(body, self.tokenizer, self.vocab_rows, self.model_name, self.limits)
-        scores = self.scorer.submit(seqs, k, starts, ranks=not binary)
+    async def complete(self, body: bytes, binary: bool = False) -> bytes:
+        """The encoded answer: vLLM's JSON, or opd's binary format (:mod:`opd.wire`) if the client asked.
+        Parsing and encoding hold the GIL (seconds for the largest requests): they run in the loop's few
+        default threads, not on it; more would not run faster, and waiting for the forward pass takes none."""
+        args = (self.tokenizer, self.vocab_rows, self.model_name, self.limits)
+        seqs, k, starts = await asyncio.to_thread(parse_completion_request, body, *args)
+        scores = await self.scorer.score(seqs, k, starts, ranks=not binary)
         if binary:
-            return binary_response(scores, k)
-        return completion_response(seqs, scores, k, self.decoded, self.model_name)
+            return await asyncio.to_thread(binary_response, scores, k)
+        return await asyncio.to_thread(
+            lambda: _dumps(completion_response(seqs, scores, k, self.decoded, self.model_name))
+        )
 
     def models(self) -> dict:
         max_len = getattr(self.model.config, "max_position_embeddings", None)
@@ -420,78 +438,133 @@ class TeacherApp:
         }
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive: a client may reuse its connection
-    server_version = "opd-serve-teacher"
-    timeout = 120  # seconds a client may take to send its request; a stalled one frees its thread
+# ----------------------------------------------------------------------------- the HTTP layer
 
-    def log_message(self, format, *args):  # noqa: A002 (the base class's name)
-        if getattr(self.server, "verbose", False):
-            super().log_message(format, *args)
-
-    def _send(self, status: int, payload: dict | bytes | None) -> None:
-        binary = isinstance(payload, bytes)
-        if binary:
-            body = payload
-        else:
-            body = b"" if payload is None else json.dumps(payload, separators=(",", ":")).encode()  # ~10% fewer bytes
-        self.send_response(status)
-        self.send_header("Content-Type", wire.MEDIA_TYPE if binary else "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _error(self, err: RequestError) -> None:
-        # The request's body may be unread (or unreadable): close rather than parse it as the next request.
-        self.close_connection = True
-        self._send(err.status, {"error": {"message": err.message, "type": err.kind, "param": None, "code": err.status}})
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        app: TeacherApp = self.server.app
-        routes = {"/health": lambda: None, "/v1/models": app.models, "/opd/vocab": lambda: app.vocab}
-        if self.path not in routes:
-            return self._error(RequestError(404, f"no route GET {self.path}", "NotFoundError"))
-        self._send(200, routes[self.path]())
-
-    def do_POST(self) -> None:  # noqa: N802
-        app: TeacherApp = self.server.app
-        try:
-            if self.path != "/v1/completions":
-                raise RequestError(404, f"no route POST {self.path}; use POST /v1/completions", "NotFoundError")
-            length = self.headers.get("Content-Length", "0").strip()
-            if not length.isdigit():
-                raise RequestError(400, f"Content-Length {length!r} is not a byte count; send the JSON body with one")
-            size = int(length)
-            if size > app.limits.max_body_bytes:
-                raise RequestError(
-                    413,
-                    f"request body of {size} bytes exceeds {app.limits.max_body_bytes}; "
-                    "send fewer or shorter prompts per request",
-                )
-            self._send(200, app.complete(self.rfile.read(size), binary=wire.accepts(self.headers.get("Accept"))))
-        except RequestError as err:
-            self._error(err)
-        except Exception as exc:  # a bug must cost one request, not the server
-            self._error(RequestError(500, f"internal error: {type(exc).__name__}: {exc}", "InternalServerError"))
+JSON = "application/json"
+BACKLOG = 2048  # uvicorn's default: connections queue while the loop is busy, instead of being reset
+GRACE_S = 10  # on shutdown, how long the requests in flight have to be answered before they are cancelled
 
 
-def start_server(app: TeacherApp, host: str = "127.0.0.1", port: int = 0, verbose: bool = False) -> ThreadingHTTPServer:
-    """Bind and serve in a background thread; ``server.server_address`` has the chosen port."""
+def _dumps(payload: dict) -> bytes:
+    return json.dumps(payload, separators=(",", ":")).encode()  # compact: ~10% fewer bytes
+
+
+async def _error(request: Request, err: RequestError) -> Response:
+    # The request's body may be unread (a 413 from its Content-Length): close rather than read it as the next request.
+    return Response(_dumps(err.payload()), err.status, {"Connection": "close"}, media_type=JSON)
+
+
+async def _bug(request: Request, exc: Exception) -> Response:
+    # A bug costs one request, not the server; Starlette then re-raises it for uvicorn to log.
+    err = RequestError(500, f"internal error: {type(exc).__name__}: {exc}", "InternalServerError")
+    return await _error(request, err)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 past ``limit`` bytes: from Content-Length before reading, or while reading a chunked one."""
+    size, fix = int(request.headers.get("content-length", 0)), "send fewer or shorter prompts per request"
+    if size > limit:
+        raise RequestError(413, f"request body of {size} bytes exceeds {limit}; {fix}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise RequestError(413, f"request body exceeds {limit} bytes; {fix}")
+    return bytes(body)
+
+
+async def _no_route(request: Request, exc: HTTPException) -> Response:  # Starlette's 404 and 405
+    method, path = request.method, request.url.path
+    hint = "; use POST /v1/completions" if method == "POST" or path == "/v1/completions" else ""
+    kind = "NotFoundError" if exc.status_code == 404 else "MethodNotAllowedError"
+    return await _error(request, RequestError(exc.status_code, f"no route {method} {path}{hint}", kind))
+
+
+def build_asgi_app(app: TeacherApp) -> Starlette:
+    """vLLM's routes (completions, health, models) and opd's ``/opd/vocab`` over ``app``."""
+    gets = {"/health": lambda: None, "/v1/models": app.models, "/opd/vocab": lambda: app.vocab}
+
+    async def get(request: Request) -> Response:
+        payload = gets[request.url.path]()
+        return Response(b"" if payload is None else _dumps(payload), media_type=JSON)
+
+    async def completions(request: Request) -> Response:
+        body = await _read_body(request, app.limits.max_body_bytes)
+        binary = wire.accepts(request.headers.get("accept"))
+        return Response(await app.complete(body, binary), media_type=wire.MEDIA_TYPE if binary else JSON)
+
+    routes = [Route(path, get, methods=["GET"]) for path in gets]
+    routes.append(Route("/v1/completions", completions, methods=["POST"]))
+    handlers = {RequestError: _error, HTTPException: _no_route, Exception: _bug}
+    return Starlette(routes=routes, exception_handlers=handlers)
+
+
+class _JSONErrorsProtocol(AutoHTTPProtocol):
+    """uvicorn's HTTP/1.1 protocol (httptools, else h11) answering a request it cannot parse in JSON."""
+
+    def send_400_response(self, msg: str) -> None:
+        message = f"the request is not valid HTTP/1.1 ({msg.rstrip('.')}); Content-Length must be a byte count"
+        body = _dumps(RequestError(400, message).payload())
+        head = f"HTTP/1.1 400 Bad Request\r\ncontent-type: {JSON}\r\ncontent-length: {len(body)}\r\nconnection: close"
+        self.transport.write(head.encode() + b"\r\n\r\n" + body)
+        self.transport.close()
+
+
+class TeacherServer(uvicorn.Server):
+    """uvicorn's server, with its ``app``, ``thread`` and ``server_address`` (the real port for port 0)."""
+
+    app: TeacherApp
+    server_address: tuple[str, int]
+    thread: threading.Thread
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    # Bound here, not by uvicorn: port 0's real port is known before serving, and a port that
+    # cannot be bound is the user's error to fix, not a log line and an exit in uvicorn's thread.
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
-        server = ThreadingHTTPServer((host, port), _Handler)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted server need not wait out TIME_WAIT
+        sock.bind((host, port))
+        sock.listen(BACKLOG)  # clients queue from now on, even before the loop serves
     except (OSError, OverflowError) as exc:  # OverflowError: a port outside 0-65535
+        sock.close()
         raise UserError(f"cannot listen on {host}:{port} ({exc}); pick another --port (0 picks a free one)") from exc
-    server.daemon_threads = True
-    server.app, server.verbose = app, verbose
-    threading.Thread(target=server.serve_forever, name="opd-teacher-http", daemon=True).start()
+    return sock
+
+
+def _server(app: TeacherApp, sock: socket.socket, verbose: bool) -> TeacherServer:
+    config = uvicorn.Config(
+        build_asgi_app(app),
+        http=_JSONErrorsProtocol,
+        backlog=BACKLOG,
+        timeout_graceful_shutdown=GRACE_S,
+        log_level="info" if verbose else "warning",  # uvicorn's start-up lines only with --verbose
+        access_log=verbose,
+    )
+    server = TeacherServer(config)
+    server.app, server.server_address = app, sock.getsockname()[:2]
     return server
 
 
-def stop_server(server: ThreadingHTTPServer) -> None:
-    server.shutdown()
-    server.server_close()
+def start_server(app: TeacherApp, host: str = "127.0.0.1", port: int = 0, verbose: bool = False) -> TeacherServer:
+    """Bind and serve in a background thread; returns once the server accepts requests."""
+    sock = _listen(host, port)
+    server = _server(app, sock, verbose)
+    # Off the main thread uvicorn installs no signal handlers: the caller (a test, a benchmark) owns them.
+    server.thread = threading.Thread(target=server.run, args=([sock],), name="opd-teacher-http", daemon=True)
+    server.thread.start()
+    while not server.started and server.thread.is_alive():
+        time.sleep(0.005)
+    if not server.started:
+        sock.close()
+        raise RuntimeError("the teacher server's HTTP thread did not start; see uvicorn's log above")
+    return server
+
+
+def stop_server(server: TeacherServer) -> None:
+    """Stop accepting connections, answer the requests in flight (up to ``GRACE_S``), stop the scorer."""
+    server.should_exit = True
+    server.thread.join(timeout=GRACE_S + 5)
     server.app.scorer.close()
 
 
@@ -505,20 +578,22 @@ def serve(
     verbose: bool = False,
     device: str = "auto",
 ) -> None:
-    """``opd serve-teacher``: load the model, serve until interrupted (Ctrl-C)."""
+    """``opd serve-teacher``: load the model, serve until interrupted (Ctrl-C or SIGTERM)."""
     model = load_model(model_dir, "teacher", dtype, resolve_device(device))
     app = TeacherApp(model, load_tokenizer(model_dir, "teacher"), served_model_name or str(model_dir), limits)
-    server = start_server(app, host, port, verbose)
-    host, port = server.server_address[:2]
-    print(
-        f"opd teacher server: http://{host}:{port} (model {app.model_name}, vocabulary {app.vocab_rows}); "
-        f"train with --teacher-url http://{host}:{port}",
-        flush=True,
-    )
+    sock = _listen(host, port)
+    server = _server(app, sock, verbose)
+    url = "http://{}:{}".format(*server.server_address)
+    # On the main thread uvicorn handles SIGINT and SIGTERM: it answers the requests in flight (a second
+    # Ctrl-C cuts that short), then raises the signal again, which this handler makes a KeyboardInterrupt.
+    # Not a thread and join(): before Python 3.13 a signal interrupting join() marks the thread stopped.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        while True:
-            time.sleep(3600)
+        about = f"model {app.model_name}, vocabulary {app.vocab_rows}"
+        print(f"opd teacher server: {url} ({about}); train with --teacher-url {url}", flush=True)
+        server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass
     finally:
-        stop_server(server)
+        signal.signal(signal.SIGTERM, previous)
+        app.scorer.close()
