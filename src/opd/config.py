@@ -320,7 +320,10 @@ class TrainConfig(EnvSource, TrainingSource):
         "with support teacher_topk or teacher_topk_plus_sampled.",
     )
     teacher_timeout: float = opt(120.0, "Seconds to wait for one served-teacher request before retrying.")
-    teacher_retries: int = opt(3, "Retries (exponential backoff) of a failed served-teacher request.")
+    teacher_wait: float = opt(
+        600.0, "Seconds to wait for a served teacher that stops answering (at startup too), then checkpoint and stop."
+    )
+    teacher_retries: int | None = opt(None, "At most N retries of a failed served-teacher request (unset: no cap).")
     fsdp: bool = opt(
         False, "Shard the student with FSDP across the launched processes (torchrun/accelerate) instead of DDP."
     )
@@ -377,8 +380,8 @@ class TrainConfig(EnvSource, TrainingSource):
             "(--teacher DIR); a served teacher keeps the dtype it was started with (opd serve-teacher --dtype)",
         )
         _require(
-            self.teacher_timeout > 0 and self.teacher_retries >= 0,
-            "teacher_timeout must be > 0 and teacher_retries >= 0",
+            self.teacher_timeout > 0 and self.teacher_wait >= 0 and (self.teacher_retries or 0) >= 0,
+            "teacher_timeout must be > 0, teacher_wait >= 0 and teacher_retries >= 0 (or unset)",
         )
         _require(self.lora_r >= 0, f"lora_r={self.lora_r} must be >= 0 (0 trains every weight)")
         _require(
@@ -566,10 +569,6 @@ class EvalConfig(EnvSource, ModelSource):
         _require(
             self.temperature > 0, f"temperature={self.temperature} must be > 0 (greedy accuracy is always reported)"
         )
-
-
-def field_help(cls: type) -> dict[str, str]:
-    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

@@ -60,6 +60,11 @@ class TeacherScores:
         )
 
 
+class TeacherUnavailable(UserError):
+    """A served teacher stayed unreachable for all of ``--teacher-wait``: the trainer checkpoints the
+    last completed step and stops (an answer the server refuses is a plain :class:`UserError`)."""
+
+
 class TeacherScorer(Protocol):
     """What the trainer needs from a teacher backend."""
 
@@ -189,7 +194,7 @@ def make_teacher(cfg, student, tokenizer):
             f"vLLM-format server does not return; with --teacher-url use {SERVED_OBJECTIVES}, "
             "or use --teacher DIR"
         )
-    client = dict(timeout=cfg.teacher_timeout, retries=cfg.teacher_retries)
+    client = dict(timeout=cfg.teacher_timeout, wait=cfg.teacher_wait, retries=cfg.teacher_retries)
     if cfg.teacher_tokenizer:
         teacher_tok = load_tokenizer(cfg.teacher_tokenizer, "teacher")
         if uses_cross_tokenizer(cfg, tokenizer, teacher_tok):

@@ -5,11 +5,16 @@ completions endpoint with ``prompt_logprobs`` (``opd serve-teacher``, ``vllm ser
 server answering in that format): each rollout is sent as its prompt (without left padding)
 followed by its response, and the answer's entry at position ``p + t`` (p = that prompt's
 length) gives response token t's teacher top-K and the teacher's log-prob of the sampled token.
-Rollouts go in several requests at once, so the server can batch them; connection errors,
-timeouts, answers cut short and 5xx answers are retried with exponential backoff. To opd's own
-server the client also sends ``opd_logprobs_from``, so only response positions are scored and
-sent back, and asks for them as arrays (:mod:`opd.wire`) when the server offers that (vLLM's
-JSON spends a dict per returned token, built and parsed token by token in Python on both ends).
+Rollouts go in several requests at once, so the server can batch them. A server that stops
+answering (refused or reset connections, timeouts, answers cut short, 5xx) is waited for, with
+capped exponential backoff, for up to ``--teacher-wait`` seconds (:class:`Patience`): a restart
+is waited out, at startup too (a trainer launched before its server), and a server that stays
+down raises :class:`~opd.teacher.TeacherUnavailable`, on which the trainer checkpoints the last
+completed step before it stops. A 4xx answer (408 and 429 aside) is the request's fault: an
+error at once. To opd's own server the client also sends ``opd_logprobs_from``, so only response
+positions are scored and sent back, and asks for them as arrays (:mod:`opd.wire`) when the
+server offers that (vLLM's JSON spends a dict per returned token, built and parsed token by
+token in Python on both ends).
 
 What a vLLM-format server cannot give: log-probs of arbitrary query tokens (student-side
 supports), full-vocabulary logits (``full_kl``) and the full-logit diagnostics (skipped: their
@@ -24,11 +29,16 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import itertools
 import json
+import os
+import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -36,7 +46,7 @@ import torch
 from opd import wire
 from opd.errors import UserError
 from opd.rollout import RolloutBatch
-from opd.teacher import TeacherScores, filler_scores
+from opd.teacher import TeacherScores, TeacherUnavailable, filler_scores
 
 SERVED_OBJECTIVES = "--objective sampled, or --objective lsm with --support teacher_topk or teacher_topk_plus_sampled"
 
@@ -48,13 +58,86 @@ def vocab_info(tokenizer, head_rows: int) -> dict:
     return {"tokens": len(items), "head_rows": int(head_rows), "sha256": digest}
 
 
+def _stderr(line: str) -> None:
+    # every rank of a torchrun/accelerate launch waits on its own: say which one speaks
+    rank = f"rank {os.environ.get('RANK')}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    print(rank + line, file=sys.stderr, flush=True)
+
+
+class Patience:
+    """How the client waits for a server that stopped answering.
+
+    A failed request is tried again after ``backoff`` seconds, doubling up to ``max_backoff``, until
+    ``wait`` seconds have passed since its first failure (or after ``retries`` retries, when given);
+    the last try lands on the deadline. One line goes to ``log`` when the server goes down, one every
+    ``log_every`` seconds while it stays down, one when it is back: the client's request threads
+    share them, so an outage reads as one story, not one per thread. ``clock`` and ``sleep`` are
+    injectable so that tests need not wait.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        wait: float = 600.0,
+        retries: int | None = None,
+        *,
+        backoff: float = 0.5,
+        max_backoff: float = 15.0,
+        log_every: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        log: Callable[[str], None] = _stderr,
+    ):
+        self.url, self.wait, self.retries = url, wait, retries
+        self.backoff, self.max_backoff, self.log_every = backoff, max_backoff, log_every
+        self.clock, self.sleep, self.log = clock, sleep, log
+        self._lock = threading.Lock()
+        self._down_since: float | None = None
+        self._next_log = 0.0
+
+    def retry(self, attempt: int, first_failure: float, reason: str) -> bool:
+        """After failed try ``attempt`` (0: the first) of a request that first failed at ``first_failure``
+        (a ``clock()`` time): sleep and say True to try again, or say False once patience is spent."""
+        now = self.clock()
+        left = self.wait - (now - first_failure)
+        if left <= 0 or (self.retries is not None and attempt >= self.retries):
+            return False
+        with self._lock:
+            if self._down_since is None:
+                self._down_since, self._next_log = now, now + self.log_every
+                self.log(
+                    f"teacher server {self.url} unreachable ({reason}); waiting up to {self.wait:g} s (--teacher-wait)"
+                )
+            elif now >= self._next_log:
+                self._next_log = now + self.log_every
+                self.log(
+                    f"teacher server {self.url} unreachable ({reason}); waiting, "
+                    f"{now - self._down_since:.0f} s of {self.wait:g} s"
+                )
+        self.sleep(min(self.backoff * 2**attempt, self.max_backoff, left))
+        return True
+
+    def answered(self) -> None:
+        """The server answered a request: back, if it was down."""
+        with self._lock:
+            if self._down_since is not None:
+                self.log(f"teacher server {self.url} is back after {self.clock() - self._down_since:.0f} s")
+                self._down_since = None
+
+    def spent(self, attempts: int) -> str:
+        """The option that ran out after ``attempts`` tries, to name in the error."""
+        capped = self.retries is not None and attempts > self.retries
+        return f"--teacher-retries {self.retries}" if capped else f"--teacher-wait {self.wait:g}"
+
+
 class HTTPTeacher:
     """A served teacher behind :class:`~opd.teacher.TeacherScorer` (top-K and sampled log-probs).
 
     ``tokenizer`` is the one whose ids are sent (the student's; a cross-tokenizer teacher's own).
     ``vocab_rows``: the output rows the ids must fall in; None takes the head size an opd server
     reports (the tokenizer's size from a foreign server). ``binary=False`` keeps vLLM's JSON answers
-    even from an opd server that offers the binary ones."""
+    even from an opd server that offers the binary ones. ``patience``: how long an unreachable
+    server is waited for, :class:`Patience`'s options (``wait``, ``retries``, ``backoff``, ...)."""
 
     def __init__(
         self,
@@ -63,17 +146,16 @@ class HTTPTeacher:
         vocab_rows: int | None,
         *,
         timeout: float = 120.0,
-        retries: int = 3,
-        backoff: float = 0.5,
         prompts_per_request: int = 16,
         concurrency: int = 4,
         binary: bool = True,
+        **patience,
     ):
         if not url.startswith(("http://", "https://")):
             raise UserError(f"--teacher-url {url!r} must start with http:// or https:// (e.g. http://127.0.0.1:8000)")
         self.url = url.rstrip("/").removesuffix("/v1")
         self.vocab_rows = vocab_rows
-        self.timeout, self.retries, self.backoff = timeout, retries, backoff
+        self.timeout, self.patience = timeout, Patience(self.url, **patience)
         self.prompts_per_request, self.concurrency = prompts_per_request, concurrency
         models = self._request("GET", "/v1/models")
         try:
@@ -93,31 +175,46 @@ class HTTPTeacher:
     def _fetch(
         self, method: str, path: str, data: bytes | None = None, accept: str | None = None, missing_ok: bool = False
     ) -> tuple[str, bytes] | None:
-        """One request with retries: the answer's media type and body; ``None`` for a 404 when ``missing_ok``."""
-        fix = f"start it (opd serve-teacher TEACHER_DIR --port PORT) or fix --teacher-url {self.url}"
+        """One request, tried again while the server does not answer (:class:`Patience`): the answer's
+        media type and body; ``None`` for a 404 when ``missing_ok``."""
         headers = {"Content-Type": "application/json", **({"Accept": accept} if accept else {})}
-        for attempt in range(self.retries + 1):
+        first_failure = None
+        for attempt in itertools.count():
             req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                    return resp.headers.get_content_type(), resp.read()
+                    got = resp.headers.get_content_type(), resp.read()
+                self.patience.answered()
+                return got
             except urllib.error.HTTPError as err:
-                if err.code == 404 and missing_ok:
-                    return None
-                if err.code < 500 or attempt == self.retries:
+                # the request's fault, so asking again gets the same answer; 408 and 429 ask for later
+                if err.code < 500 and err.code not in (408, 429):
+                    self.patience.answered()
+                    if err.code == 404 and missing_ok:
+                        return None
                     raise UserError(
                         f"teacher server {self.url}{path} answered HTTP {err.code}: {_error_message(err)}"
                     ) from None
-                reason = f"HTTP {err.code}"
-            # refused, reset, timed out, or a body cut short (IncompleteRead): worth another try
+                reason = f"HTTP {err.code}: {_error_message(err)}"
+            # refused, reset, timed out, or a body cut short: the server may be restarting
             except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
-                reason = str(getattr(err, "reason", err)) or type(err).__name__
-                if attempt == self.retries:
-                    raise UserError(
-                        f"teacher server {self.url} is unreachable after {attempt + 1} attempts ({reason}); {fix}"
-                    ) from None
-            time.sleep(self.backoff * 2**attempt)
-        raise AssertionError("unreachable: the last attempt returns or raises")
+                reason = _reason(err)
+            first_failure = self.patience.clock() if first_failure is None else first_failure
+            if not self.patience.retry(attempt, first_failure, reason):
+                raise self._gave_up(path, attempt + 1, self.patience.clock() - first_failure, reason)
+        raise AssertionError("unreachable: the loop returns or raises")
+
+    def _gave_up(self, path: str, attempts: int, seconds: float, reason: str) -> TeacherUnavailable:
+        spent = self.patience.spent(attempts)
+        if reason.startswith("HTTP "):  # the server runs but fails: its own log says why
+            return TeacherUnavailable(
+                f"teacher server {self.url}{path} answered {reason}; still failing after {attempts} attempts "
+                f"over {seconds:.0f} s ({spent}); check the server's log, or raise {spent.split()[0]}"
+            )
+        return TeacherUnavailable(
+            f"teacher server {self.url} is unreachable after {attempts} attempts over {seconds:.0f} s ({reason}, "
+            f"{spent}); start it (opd serve-teacher TEACHER_DIR --port PORT) or fix --teacher-url {self.url}"
+        )
 
     def _request(self, method: str, path: str, payload: dict | None = None, missing_ok: bool = False):
         """One JSON request with retries; ``None`` for a 404 when ``missing_ok``."""
@@ -181,7 +278,14 @@ class HTTPTeacher:
             self._complete(seqs, k, [len(p) for p in prompts], ids[rows], lps[rows], sampled[rows], answered_NT[rows])
 
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            list(pool.map(one, range(0, N, step)))
+            futures = [pool.submit(one, s) for s in range(0, N, step)]
+            try:
+                for f in futures:
+                    f.result()
+            except BaseException:
+                # requests still queued would each wait out --teacher-wait again before the error shows
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
         dev = batch.response_ids_NT.device
         return TeacherScores(
             topk_ids_NTK=ids.to(dev), topk_logprobs_NTK=lps.to(dev), sampled_logprobs_NT=sampled.to(dev)
@@ -257,6 +361,21 @@ class HTTPTeacher:
             f"teacher server {self.url} sent a malformed prompt_logprobs answer ({what}); "
             "--teacher-url must be a vLLM-compatible completions server"
         )
+
+
+def _reason(err: BaseException) -> str:
+    """Why a request got no answer, in words (urllib wraps the socket's error in a URLError)."""
+    cause = getattr(err, "reason", err)
+    for kind, words in (
+        (ConnectionRefusedError, "connection refused"),
+        (http.client.RemoteDisconnected, "connection closed without an answer"),
+        (ConnectionResetError, "connection reset"),
+        (TimeoutError, "no answer within --teacher-timeout"),
+        (http.client.IncompleteRead, "answer cut short"),
+    ):
+        if isinstance(cause, kind):
+            return words
+    return str(cause) or type(cause).__name__
 
 
 def _error_message(err: urllib.error.HTTPError) -> str:

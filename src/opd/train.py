@@ -26,6 +26,9 @@ into one optimizer step, with the loss normalised by the counts of all parts tog
 mean over all tasks' loss tokens; see :func:`global_totals`). Metrics are logged for the whole
 step and, prefixed with the task's name, for each part.
 
+A served teacher that stays down past ``--teacher-wait`` stops the run at a step's scoring, after
+checkpointing the last completed step: ``--resume`` redoes the step cut short and loses nothing.
+
 Run: ``opd train --student DIR --teacher DIR --objective lsm --k 32 --out runs/x``.
 """
 
@@ -34,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,7 +78,7 @@ from opd.rollout import HFRollout, RolloutBatch
 from opd.rundir import RunDir, save_final_model
 from opd.stepstats import StepUpdate, grade_rollouts, metric_weights, rollout_records, step_metrics
 from opd.tasks import Task
-from opd.teacher import TeacherScorer, TeacherScores, make_teacher
+from opd.teacher import TeacherScorer, TeacherScores, TeacherUnavailable, make_teacher
 
 
 @dataclass
@@ -316,9 +320,35 @@ def score_stage(run: Run, batch: RolloutBatch, diag_M: torch.Tensor, task: TaskR
     cfg, task = run.cfg, task or run.tasks[0]
     needs_student = cfg.objective == "lsm" and cfg.support in NEEDS_STUDENT_TOPK
     student_ids = run.dist.full_call(lambda s: student_topk_ids(s, batch, cfg.k)) if needs_student else None
-    # a served teacher that stays down stops the run here, naming its task; the last checkpoint stays
+    # a served teacher that stays down stops the run here, naming its task (see stop_if_teacher_down)
     scores = for_task(task.name, task.teacher.score, batch, cfg.k, query_ids_NTQ=student_ids, diag_index_M=diag_M)
     return scores, student_ids
+
+
+@contextmanager
+def stop_if_teacher_down(run: Run, step: int, rng: dict):
+    """Around a step's scoring: a served teacher that stayed unreachable past --teacher-wait stops the
+    run, every rank together (the checkpoint is collective), once step - 1 is checkpointed. Nothing of
+    this step has reached the weights, so --resume redoes it from its rollouts on and loses nothing.
+    ``rng``: the generators' state as the step began, which is the one a checkpoint of step - 1 holds."""
+    down = None
+    try:
+        yield
+    except UserError as exc:  # a multi-task run's teacher error names its task, caused by the client's
+        if not (isinstance(exc, TeacherUnavailable) or isinstance(exc.__cause__, TeacherUnavailable)):
+            raise
+        down = exc
+    if not run.dist.all_sum([float(down is not None)])[0]:
+        return
+    why = down or "the served teacher of another rank stayed unreachable past --teacher-wait"
+    if step > run.start_step and not (run.cfg.ckpt_every and step % run.cfg.ckpt_every == 0):
+        checkpoint_stage(run, step - 1, rng)  # else the loop wrote it, or the run resumed from it (or none ran)
+    then = (
+        f"checkpoint of step {step - 1} written in {run.rundir.ckpt_root}; resume with --resume"
+        if step
+        else "no step had finished, so nothing was checkpointed; run the same command"
+    )
+    raise TeacherUnavailable(f"{why}; {then} once the teacher is up") from None
 
 
 def global_totals(run: Run, masks: list[torch.Tensor], horizons: list[int]) -> LossTotals:
@@ -509,9 +539,10 @@ def eval_stage(run: Run, step: int) -> dict:
     return record
 
 
-def checkpoint_stage(run: Run, step: int) -> None:
-    """Rank 0 writes; every rank takes part in gathering sharded weights and per-rank RNG states."""
-    rng = run.dist.gather(rng_state(run.dist.device))
+def checkpoint_stage(run: Run, step: int, rng: dict | None = None) -> None:
+    """Rank 0 writes; every rank takes part in gathering sharded weights and per-rank RNG states
+    (``rng``: this rank's, when not the generators' state now)."""
+    rng = run.dist.gather(rng_state(run.dist.device) if rng is None else rng)
     state = {
         "step": step,
         "optimizer": run.dist.optimizer_state(run.optimizer),
@@ -534,13 +565,14 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
     with run.rundir, progress_bar(f"OPD {cfg.objective}", total=cfg.steps, enabled=show_progress) as bar:
         bar.advance(run.start_step)
         for step in range(run.start_step, cfg.steps):
-            t0 = time.perf_counter()
+            t0, rng = time.perf_counter(), rng_state(run.dist.device)
             parts = [StepPart(at.task, *rollout_stage(run, step, at)) for at in step_tasks(run, step)]
             t1 = time.perf_counter()
             for p in parts:
                 p.mask_NT = loss_mask(p.batch, run.special_ids, cfg.mask_special)
                 p.diag_M = diag_index(p.mask_NT, cfg.diag_positions, step, cfg.seed)
-                p.scores, p.student_ids = score_stage(run, p.batch, p.diag_M, p.task)
+                with stop_if_teacher_down(run, step, rng):  # checkpoints step - 1 first: --resume loses nothing
+                    p.scores, p.student_ids = score_stage(run, p.batch, p.diag_M, p.task)
                 # a cross-tokenizer teacher leaves unaligned positions out
                 p.mask_NT = scored_loss_mask(p.mask_NT, p.scores)
             t2 = time.perf_counter()
