@@ -210,7 +210,7 @@ def trl_worker(spec: dict, out: Path) -> None:
         seed=SEED,
         disable_tqdm=True,
         # DistillationConfig defaults to both; opd runs float32 without recomputation, so the same work means off
-        gradient_checkpointing=False,
+        activation_checkpointing=False,
         bf16=False,
     )
     trainer = DistillationTrainer(

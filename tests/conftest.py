@@ -10,6 +10,9 @@ import os
 import pytest
 import torch
 
+# opd_warnings: a deprecation warning that opd's own code causes fails the test.
+pytest_plugins = ["opd_warnings", "pytester"]
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 

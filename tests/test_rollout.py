@@ -282,7 +282,7 @@ def test_rows_are_dropped_only_from_caches_whose_every_layer_can_select_rows(tin
     tok, model = load_tokenizer(student), load_model(student, "student")
     ids = torch.tensor(some_prompts(tok, 1))
     with torch.no_grad():
-        cache = model(input_ids=ids, use_cache=True).past_key_values
+        cache = model(input_ids=ids, use_cache=True).cache
     assert _can_drop_rows(cache)
     assert not _can_drop_rows((torch.zeros(1),))  # a legacy tuple cache
 

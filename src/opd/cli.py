@@ -265,9 +265,6 @@ def _results(
 
 def main() -> None:
     """Entry point: friendly one-line errors for problems the user can fix."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # our own progress bars say more than "Writing model shards"
     try:
         app()
     except (UserError, OSError) as exc:  # OSError: an output path that cannot be written, a port out of range

@@ -327,9 +327,9 @@ class EpisodeRollout:
             torch.arange(len(episodes), device=dev),
             attn,
             positions[:, -1] + 1,
-            out.past_key_values,
+            out.cache,
             out.logits[:, -1],
-            _can_drop_rows(out.past_key_values),
+            _can_drop_rows(out.cache),
         )
         self._keep(state, episodes)
         for _ in range(max_turns):
@@ -393,12 +393,12 @@ class EpisodeRollout:
             input_ids=ids_RC,
             attention_mask=state.attn_RL,
             position_ids=positions,
-            past_key_values=state.cache,
+            cache=state.cache,
             use_cache=True,
             logits_to_keep=1,
         )
         state.next_pos_R = state.next_pos_R + mask_RC.sum(-1)
-        state.cache = out.past_key_values
+        state.cache = out.cache
         # rows that added nothing keep their logits: they were computed at their last real token
         state.logits_RV = torch.where(mask_RC.any(-1, keepdim=True), out.logits[:, -1], state.logits_RV)
 

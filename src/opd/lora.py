@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from opd.errors import UserError
+from opd.quiet import quiet_transformers
 
 ALL_LINEAR = "all-linear"
 
@@ -120,7 +121,8 @@ def merge_lora(adapter: str | Path, out: str | Path, base: str | Path | None = N
         raise UserError(f"{cfg_path} names no base model (base_model_name_or_path); pass --base DIR")
     base = Path(base)
     model = load_model(base, "base")
-    merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    with quiet_transformers():
+        merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     tok_dir = adapter if (adapter / "tokenizer_config.json").is_file() else base
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from opd.config import check_device
 from opd.errors import UserError
+from opd.quiet import quiet_transformers
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -79,7 +80,8 @@ def _not_a_model(p: Path, role: str, wants_weights: bool) -> str | None:
 
 def load_tokenizer(path: str | Path, role: str = "student") -> PreTrainedTokenizerBase:
     p = _check_model_dir(path, role, "tokenizer_config.json")
-    tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    with quiet_transformers():
+        tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
     if tok.eos_token_id is None:
         raise UserError(f"the tokenizer in {p} has no EOS token; set eos_token in its tokenizer_config.json")
     if tok.pad_token_id is None:
@@ -92,7 +94,8 @@ def load_model(
     path: str | Path, role: str = "student", dtype: str = "float32", device: torch.device | str = "cpu"
 ) -> PreTrainedModel:
     p = _check_model_dir(path, role)
-    model = AutoModelForCausalLM.from_pretrained(p, dtype=_DTYPES[dtype], local_files_only=True)
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(p, dtype=_DTYPES[dtype], local_files_only=True)
     check_plain_head(model, p)
     return model.to(device)
 

@@ -248,7 +248,7 @@ class HFRollout:
         self.model.eval()
         u = prompt_uniforms(seeds, max_new_tokens).to(dev)
         out, positions = prefill(self.model, ids, attn)
-        cache = out.past_key_values
+        cache = out.cache
         compact = _can_drop_rows(cache)
         resp = torch.full((N, max_new_tokens), self.pad_id, dtype=torch.long, device=dev)
         logp = torch.zeros(N, max_new_tokens, device=dev)
@@ -277,7 +277,7 @@ class HFRollout:
                 input_ids=tok.unsqueeze(-1),
                 attention_mask=live_attn,
                 position_ids=live_pos.unsqueeze(-1),
-                past_key_values=cache,
+                cache=cache,
                 use_cache=True,
             )
             live_pos = live_pos + 1

@@ -25,6 +25,7 @@ import torch
 
 from opd.config import check_report_to, dump_config
 from opd.errors import UserError
+from opd.quiet import quiet_transformers
 from opd.tracking import Tracking, check_installed
 
 CKPT_DIR = "checkpoints"
@@ -159,7 +160,8 @@ class RunDir:
         root.mkdir(parents=True, exist_ok=True)
         final = root / f"step_{step:07d}"
         tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
-        model.save_pretrained(tmp / "model", safe_serialization=True, state_dict=model_state)
+        with quiet_transformers():
+            model.save_pretrained(tmp / "model", safe_serialization=True, state_dict=model_state)
         torch.save(state, tmp / "state.pt")
         (tmp / "COMPLETE").write_text(str(step))
         _usual_modes(tmp)
@@ -201,8 +203,9 @@ def save_final_model(path: Path, model, tokenizer, enabled: bool = True, model_s
     if not enabled:
         return
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
-    model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
-    tokenizer.save_pretrained(tmp)
+    with quiet_transformers():
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
+        tokenizer.save_pretrained(tmp)
     _usual_modes(tmp)
     if path.exists():
         shutil.rmtree(path)
