@@ -1,0 +1,136 @@
+"""The README and docs/ pages: every relative link and image resolves, the README stays a README.
+
+Links are checked as GitHub renders them: a relative path must name an existing file (or folder),
+and a ``#anchor`` must name a heading of the target Markdown page, slugified as GitHub does
+(lowercase, punctuation other than '-' and '_' dropped, spaces to '-', repeats suffixed -1, -2).
+External http(s) links are not fetched. Code blocks and inline code are not read for links.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+README_MAX_LINES = 300
+
+# The lines .ci/run (the test command) and a newcomer (the main job) copy from the README, verbatim.
+TEST_COMMAND = (
+    "pip install torch==2.13.0 && pip install -e '.[dev]' && ruff check . && ruff format --check . "
+    "&& python -m pytest -q -n 2"
+)
+MAIN_JOB = "pip install torch==2.13.0 && pip install -e . && opd demo"
+
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+INLINE_CODE = re.compile(r"(`+).*?\1")
+HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
+EXTERNAL = ("http://", "https://", "mailto:")
+
+
+def prose_lines(text: str) -> list[str]:
+    """The lines outside fenced code blocks, inline code removed."""
+    out, fence = [], None
+    for line in text.splitlines():
+        m = re.match(r"^ {0,3}(`{3,}|~{3,})", line)
+        if m:
+            if fence is None:
+                fence = m.group(1)
+            elif m.group(1).startswith(fence):
+                fence = None
+            continue
+        if fence is None:
+            out.append(INLINE_CODE.sub("", line))
+    return out
+
+
+def slugify(heading: str) -> str:
+    """GitHub's anchor for a heading's text: links reduced to their text, then its slug rule."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading).strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    """Every heading anchor of a Markdown page; a repeated slug gets -1, -2, ... as on GitHub."""
+    seen: Counter[str] = Counter()
+    out = set()
+    fence = None
+    for line in page.read_text(encoding="utf-8").splitlines():
+        m = re.match(r"^ {0,3}(`{3,}|~{3,})", line)
+        if m:
+            if fence is None:
+                fence = m.group(1)
+            elif m.group(1).startswith(fence):
+                fence = None
+            continue
+        h = HEADING.match(line) if fence is None else None
+        if h:
+            slug = slugify(h.group(2))
+            out.add(f"{slug}-{seen[slug]}" if seen[slug] else slug)
+            seen[slug] += 1
+    return out
+
+
+def broken_links(page: Path, root: Path = ROOT) -> list[str]:
+    """What is wrong with each relative link or image of ``page``, one line each."""
+    problems = []
+    # Whole prose text, not line by line: a link's text may wrap onto the next line.
+    for target in LINK.findall("\n".join(prose_lines(page.read_text(encoding="utf-8")))):
+        if target.startswith(EXTERNAL):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        where = f"{page.relative_to(root)}: {target}"
+        if not dest.exists():
+            problems.append(f"{where}: no file {dest.relative_to(root) if dest.is_relative_to(root) else dest}")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            problems.append(f"{where}: no heading #{anchor} in {dest.relative_to(root)}")
+    return problems
+
+
+def test_slugify_follows_github():
+    assert slugify("Multi-turn episodes (agentic OPD)") == "multi-turn-episodes-agentic-opd"
+    assert slugify("Experiments: the papers' claims at small scale") == "experiments-the-papers-claims-at-small-scale"
+    assert slugify("The `opd.losses` API, in [brief](x.md)") == "the-opdlosses-api-in-brief"
+    assert slugify("snake_case and--dashes") == "snake_case-and--dashes"
+
+
+def test_repeated_headings_get_numbered_anchors(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("# Notes\n\n## Setup\n\n```bash\n# Setup (a comment, not a heading)\n```\n\n## Setup\n\n## Setup\n")
+    assert anchors(page) == {"notes", "setup", "setup-1", "setup-2"}
+
+
+def test_a_broken_link_is_reported(tmp_path):
+    (tmp_path / "a.md").write_text("# A\n\n## Here\n")
+    page = tmp_path / "b.md"
+    page.write_text(
+        "[ok](a.md#here) [gone](nope.md) [bad\nanchor](a.md#there) `[code](nope.md)` [web](https://x.y/z)\n"
+    )
+    assert broken_links(page, root=tmp_path) == [
+        "b.md: nope.md: no file nope.md",
+        "b.md: a.md#there: no heading #there in a.md",
+    ]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_and_images_resolve(page):
+    assert broken_links(page) == []
+
+
+def test_readme_is_short():
+    n = len(README.read_text(encoding="utf-8").splitlines())
+    assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES}): move detail into docs/"
+
+
+@pytest.mark.parametrize("command", [TEST_COMMAND, MAIN_JOB], ids=["test-command", "main-job"])
+def test_readme_commands_are_verbatim_in_a_bash_block(command):
+    """.ci/run greps README.md for the test command's line and runs it; the main job is copied by hand."""
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert command in lines, f"README.md lost the line {command!r}"
+    i = lines.index(command)
+    assert lines[i - 1] == "```bash" and lines[i + 1] == "```", f"{command!r} is not alone in a ```bash block"
