@@ -29,7 +29,8 @@ from opd.objectives import objective_loss, scored_loss_mask
 from opd.report.charts import build_charts
 from opd.report.load import load_runs
 from opd.rollout import RolloutBatch
-from opd.teacher import HFTeacher, TeacherScores, make_teacher
+from opd.teacher import HFTeacher, TeacherScores
+from opd.teacher_factory import make_teacher
 from opd.tokenizer import format_prompt
 
 SMALL = {**MULTI_PROCESS_SMALL, "steps": 2, "batch_size": 4, "ckpt_every": 0}

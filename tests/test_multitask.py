@@ -13,10 +13,10 @@ from typer.testing import CliRunner
 
 from opd import train as train_mod
 from opd.cli import app
-from opd.config import ConfigError, TrainConfig
+from opd.config import ConfigError, TrainConfig, resolve_tasks
 from opd.data import batch_indices
 from opd.errors import UserError
-from opd.multitask import resolve_tasks, split_by_task, task_for_step, task_schedule
+from opd.multitask import split_by_task, task_for_step, task_schedule
 from opd.stepstats import FULL_VOCAB_KEYS
 
 BASE = {**SMALL, "steps": 4, "batch_size": 4}

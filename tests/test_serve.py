@@ -31,7 +31,8 @@ from opd.errors import UserError
 from opd.models import head_weight, load_model, load_tokenizer
 from opd.rollout import HFRollout
 from opd.serve import BatchScorer, Limits, RequestError, TeacherApp, start_server, stop_server
-from opd.teacher import HFTeacher, make_teacher
+from opd.teacher import HFTeacher
+from opd.teacher_factory import make_teacher
 from opd.teacher_http import HTTPTeacher
 
 real_encode = wire.encode_scores

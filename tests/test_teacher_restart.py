@@ -27,7 +27,8 @@ from opd.config import ConfigError, TrainConfig, build_config
 from opd.errors import UserError
 from opd.models import head_weight, load_model, load_tokenizer
 from opd.rollout import HFRollout
-from opd.teacher import TeacherUnavailable, make_teacher
+from opd.teacher import TeacherUnavailable
+from opd.teacher_factory import make_teacher
 from opd.teacher_http import HTTPTeacher, Patience, vocab_info
 
 

@@ -36,7 +36,7 @@ from opd.data import batch_indices
 from opd.envs import Environment, Game, get_env, normal_command
 from opd.episodes import ChatFormat, EpisodeRecord, EpisodeRollout
 from opd.errors import UserError
-from opd.evaluation import avg_at_k, mean_pass_at_k
+from opd.estimators import avg_at_k, mean_pass_at_k
 from opd.progress import progress_bar
 from opd.tasks import Example
 

@@ -44,12 +44,12 @@ from rich.table import Table
 
 from opd import demo, demo_agentic
 from opd.agentic import GameSet, make_env
-from opd.config import SFTConfig, TrainConfig
+from opd.config import SFTConfig, TrainConfig, resolve_tasks
 from opd.data import PromptSet, load_task
 from opd.demo import run_objectives, teacher_sft_config, train_models
 from opd.errors import UserError
 from opd.models import load_model, load_tokenizer, resolve_device
-from opd.multitask import resolve_tasks, task_schedule
+from opd.multitask import task_schedule
 from opd.parallel import demo_workers
 from opd.report import PNG_DIR, write_report
 

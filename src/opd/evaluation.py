@@ -1,14 +1,7 @@
-"""Evaluation: running a model on a task (``opd eval``) and the estimators behind its figures.
+"""Evaluation: running a model on a task or on an environment's held-out games (``opd eval``).
 
-Usage::
-
-    from opd.evaluation import pass_at_k, avg_at_k, gap_recovery
-    pass_at_k(n=16, c=4, k=8)                     # P(at least one of 8 draws is correct)
-    avg_at_k([[True, False], [True, True]])       # 0.75
-    gap_recovery(acc_before=0.2, acc_after=0.5, acc_teacher=0.8)   # 0.5
-
-``pass_at_k`` is the unbiased estimator of Chen et al. (2021): with ``n`` samples of which
-``c`` are correct, the chance that ``k`` drawn without replacement include a correct one.
+The estimators behind its figures (``pass_at_k``, ``avg_at_k``, ``gap_recovery``) live in
+:mod:`opd.estimators` and are importable from here too.
 
 :func:`evaluate_model` generates through the same rollout engine as training
 (:class:`opd.rollout.HFRollout`) and grades with the task's own reward, as training does. Seeds
@@ -18,66 +11,19 @@ are per prompt and sample, so a figure is reproducible.
 from __future__ import annotations
 
 import json
-import math
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
+from opd.agentic import GameSet, check_episode_context, evaluate_agent, make_env
 from opd.config import EvalConfig
 from opd.data import PromptSet, data_options, load_task
+from opd.estimators import avg_at_k, gap_recovery, mean_pass_at_k, pass_at_k
 from opd.models import load_model, load_tokenizer, resolve_device
 from opd.progress import progress_bar
 from opd.rollout import HFRollout
 from opd.tasks import Task
 
 __all__ = ["pass_at_k", "mean_pass_at_k", "avg_at_k", "gap_recovery", "decode_responses", "evaluate_model", "run_eval"]
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k: ``1 - C(n-c, k) / C(n, k)`` for n samples, c correct, 1 <= k <= n."""
-    if not 0 <= c <= n:
-        raise ValueError(f"pass_at_k needs 0 <= c <= n, got n={n}, c={c}")
-    if not 1 <= k <= n:
-        raise ValueError(f"pass_at_k needs 1 <= k <= n, got n={n}, k={k}: draw more samples")
-    # Exact integer binomials: the float product form drifts for large n.
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def mean_pass_at_k(correct_matrix: Sequence[Sequence[bool]], k: int) -> float:
-    """pass@k averaged over prompts; row i holds the correctness of prompt i's samples."""
-    _check_matrix(correct_matrix)
-    return sum(pass_at_k(len(row), sum(map(bool, row)), k) for row in correct_matrix) / len(correct_matrix)
-
-
-def avg_at_k(correct_matrix: Sequence[Sequence[bool]]) -> float:
-    """Mean accuracy over the k samples of each prompt, then over prompts.
-
-    Rows may have different lengths; each prompt weighs the same whatever its sample count.
-    """
-    _check_matrix(correct_matrix)
-    return sum(sum(map(bool, row)) / len(row) for row in correct_matrix) / len(correct_matrix)
-
-
-def gap_recovery(acc_before: float, acc_after: float, acc_teacher: float) -> float:
-    """Fraction of the student-teacher gap closed: ``(after - before) / (teacher - before)``.
-
-    1.0 means the student reached the teacher, 0.0 no change, negative a regression, and
-    values above 1.0 a student that passed its teacher. When the teacher is no better than the
-    starting student (``teacher == before``) there is no gap to recover and the ratio is
-    undefined: returns ``float('nan')`` instead of raising, so a sweep keeps running.
-    """
-    gap = acc_teacher - acc_before
-    if gap == 0:
-        return float("nan")
-    return (acc_after - acc_before) / gap
-
-
-def _check_matrix(correct_matrix: Sequence[Sequence[bool]]) -> None:
-    if len(correct_matrix) == 0:
-        raise ValueError("need at least one prompt's results, got an empty list")
-    for i, row in enumerate(correct_matrix):
-        if len(row) == 0:
-            raise ValueError(f"prompt {i} has no samples: every prompt needs k >= 1 results")
 
 
 # ----------------------------------------------------------------------------- running a model
@@ -157,8 +103,6 @@ def run_eval(cfg: EvalConfig) -> dict:
     )
     t0 = time.time()
     if cfg.env:  # the held-out games of an environment: success rate (opd.agentic)
-        from opd.agentic import GameSet, check_episode_context, evaluate_agent, make_env
-
         check_episode_context(model, cfg.max_prompt_tokens, cfg.max_new_tokens)
         games = GameSet.build(make_env(cfg.env, cfg.env_level, cfg.env_args), "test", cfg.eval_size)
         result = evaluate_agent(model, tok, games, **cfg.episode_limits(), **common)

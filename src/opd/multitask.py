@@ -17,14 +17,15 @@ mapping::
         max_new_tokens: 320
         max_turns: 12
 
-An entry may set the keys of :data:`PER_TASK` (the task's data or environment, its teacher, its
+An entry may set the keys of :data:`opd.config.tasks.PER_TASK` (the task's data or environment, its teacher, its
 sampling, lengths and evaluation); every other setting (objective, K, support, optimizer, steps,
 seed, student, ...) is global and stays at the top level. A key a task leaves out takes the
 global value, with two exceptions: a task that names ``teacher`` or ``teacher_url`` replaces the
 global teacher (both keys, and the global ``teacher_tokenizer``), and one that names ``task`` but no ``env`` trains on prompts even where
 the global config names an environment. Each task resolves into its own validated
 :class:`~opd.config.TrainConfig` (``dataclasses.replace`` of the run's config with its overrides),
-so data loading, teachers and every check are those of a single-task run.
+so data loading, teachers and every check are those of a single-task run (the list is read and
+resolved with the configs, by :mod:`opd.config.tasks`; this module holds how steps use the tasks).
 
 How steps use the tasks (``task_mode``):
 
@@ -40,7 +41,7 @@ How steps use the tasks (``task_mode``):
   sequences, and ``constant_sum`` divides by the sum over tasks of rollouts x that task's
   ``max_new_tokens``.
 
-``opd sft`` reads the same list (:data:`SFT_PER_TASK`: a task's data or environment, its
+``opd sft`` reads the same list (:data:`opd.config.tasks.SFT_PER_TASK`: a task's data or environment, its
 ``train_size``, ``batch_size`` and lengths) to train one model on several tasks: see :mod:`opd.sft`.
 
 Metric names (``metrics.jsonl``): the usual keys are the whole step batch (all its tasks); each
@@ -55,188 +56,11 @@ the unweighted mean over tasks. Each task's evaluation set is listed in ``RUN/ta
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
-import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from fractions import Fraction
-from pathlib import Path
-from typing import Any
 
-import yaml
-
-from opd.config import ConfigError, SFTConfig, TrainConfig, coerce_numbers
 from opd.errors import UserError
-
-TASK_MODES = ("alternate", "mix")
-
-# What a task may set for itself: its data or environment, its lengths and evaluation size, and
-# (OPD) its teacher and sampling, or (SFT) its targets and how many of its examples it learns from.
-_SOURCE = (
-    "task",
-    "split",
-    "prompt_field",
-    "answer_field",
-    "solution_field",
-    "system_prompt",
-    "answer_format",
-    "task_level",
-    "eval_task",
-    "eval_split",
-    "eval_prompt_field",
-    "eval_answer_field",
-    "eval_solution_field",
-    "eval_answer_format",
-    "env",
-    "env_level",
-    "env_args",
-    "max_turns",
-    "max_action_tokens",
-    "max_new_tokens",
-    "max_prompt_tokens",
-    "eval_size",
-    "batch_size",
-)
-PER_TASK = (
-    "teacher",
-    "teacher_url",
-    "teacher_dtype",
-    "teacher_tokenizer",
-    "cross_tokenizer",
-    "cross_pairing",
-    "teacher_special_map",
-    *_SOURCE,
-    "temperature",
-    "top_p",
-    "eval_samples",
-)
-# teacher: where its targets are sampled from
-SFT_PER_TASK = (*_SOURCE, "data", "teacher", "train_size", "expert_mistakes", "dagger_from", "dagger_branches")
-# Metric namespaces a task name would collide with.
-RESERVED = ("train", "rollout", "diag", "depth", "time", "eval", "step", "tasks")
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-
-
-@dataclass
-class TaskSpec:
-    """One task of a run: its name ("" in a single-task run: no prefix anywhere), its share of the
-    steps (normalised) and its config (the run's, with its overrides)."""
-
-    name: str
-    share: float
-    cfg: TrainConfig | SFTConfig
-
-
-def read_task_list(value: Any) -> list:
-    """The ``tasks`` value as a list of entries: given inline, or a YAML/JSON file holding the list
-    (``--tasks FILE``: the command line passes it as a one-item list), or one YAML/JSON mapping per
-    ``--tasks`` option (``--tasks '{"name": "math", ...}' --tasks '{...}'``: how the experiments
-    write a multi-task run's command line)."""
-    if isinstance(value, list) and value and all(isinstance(v, str) and v.lstrip().startswith("{") for v in value):
-        try:
-            return [yaml.safe_load(v) for v in value]
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"a --tasks mapping is not valid YAML/JSON: {exc}") from exc
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-        value = value[0]
-    if not isinstance(value, str):
-        return value
-    p = Path(value)
-    if not p.is_file():
-        raise ConfigError(f"tasks={value!r}: no such file; give a YAML or JSON file holding the list of tasks")
-    try:
-        data = json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"tasks file {p} is not valid YAML/JSON: {exc}") from exc
-    if isinstance(data, dict) and "tasks" in data:  # a config-style file with a tasks: key
-        data = data["tasks"]
-    return data
-
-
-def check_task_list(tasks: Any, mode: str) -> list[dict]:
-    """The entries' shape: a non-empty list of mappings with distinct, usable names and positive shares."""
-    if mode not in TASK_MODES:
-        raise ConfigError(f"task_mode={mode!r}: choose alternate (one task per step) or mix (every task each step)")
-    if not isinstance(tasks, list):
-        raise ConfigError(f"tasks must be a list of task mappings (or a file holding one), not {type(tasks).__name__}")
-    if not tasks:
-        raise ConfigError("tasks is empty; list at least one task (name, teacher, task or env), or drop tasks")
-    seen: set[str] = set()
-    for i, entry in enumerate(tasks):
-        if not isinstance(entry, dict):
-            raise ConfigError(f"tasks[{i}] is a {type(entry).__name__}; each task is a mapping with a name")
-        name = entry.get("name")
-        if not isinstance(name, str) or not NAME.fullmatch(name) or name in RESERVED:
-            raise ConfigError(
-                f"tasks[{i}] has name={name!r}; give each task a name of letters, digits, '_', '-' or '.' "
-                f"(not {', '.join(RESERVED)}): it prefixes the task's metrics"
-            )
-        if name in seen:
-            raise ConfigError(f"task {name!r} is listed twice; give each task its own name")
-        seen.add(name)
-        share = entry.get("share", 1)
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not share > 0:
-            raise ConfigError(
-                f"task {name!r}: share={share!r} must be a positive number (shares are relative weights, normalised)"
-            )
-    return tasks
-
-
-def per_task_keys(cfg: TrainConfig | SFTConfig) -> tuple[str, ...]:
-    """The settings a task of this kind of run may set for itself."""
-    return SFT_PER_TASK if isinstance(cfg, SFTConfig) else PER_TASK
-
-
-def _overrides(entry: dict, cfg: TrainConfig | SFTConfig, mode: str, share: float) -> dict:
-    """The entry's settings as config fields, with the implied ones (see the module docstring)."""
-    name, allowed = entry["name"], per_task_keys(cfg)
-    given = {k: v for k, v in entry.items() if k not in ("name", "share")}
-    for key in given:
-        if key not in allowed:
-            where = "is a global setting: set it at the top level" if hasattr(cfg, key) else "is not a setting"
-            raise ConfigError(f"task {name!r}: {key!r} {where}; a task may set {', '.join(allowed)}")
-    out = coerce_numbers(type(cfg), dict(given))
-    if isinstance(cfg, TrainConfig) and ("teacher" in given or "teacher_url" in given):
-        out.setdefault("teacher", "")
-        out.setdefault("teacher_url", "")
-        out.setdefault("teacher_tokenizer", "")  # the global teacher's tokenizer is not this teacher's
-        if out["teacher_url"]:
-            out.setdefault("teacher_dtype", "")
-    if "task" in given:
-        out.setdefault("env", "")
-    if mode == "mix" and "batch_size" not in given:
-        out["batch_size"] = round(share * cfg.batch_size)
-        if out["batch_size"] < 1:
-            raise ConfigError(
-                f"task {name!r} gets no prompts in mix mode (share {share:.3g} of batch_size {cfg.batch_size} "
-                "rounds to 0); raise its share or batch_size, or give the task its own batch_size"
-            )
-    return out
-
-
-def resolve_tasks(cfg: TrainConfig | SFTConfig) -> list[TaskSpec]:
-    """Every task of ``cfg`` as a validated config; a single-task run is one task named "".
-
-    An OPD run's task needs a teacher; an SFT run's may name one (its targets are then sampled)."""
-    if cfg.tasks is None:
-        return [TaskSpec("", 1.0, cfg)]
-    entries = check_task_list(cfg.tasks, cfg.task_mode)
-    total = sum(float(e.get("share", 1)) for e in entries)
-    specs = []
-    for entry in entries:
-        name, share = entry["name"], float(entry.get("share", 1)) / total
-        try:
-            view = dataclasses.replace(cfg, tasks=None, **_overrides(entry, cfg, cfg.task_mode, share))
-        except (ConfigError, TypeError) as exc:
-            raise ConfigError(f"task {name!r}: {exc}") from None
-        if isinstance(view, TrainConfig) and not (view.teacher or view.teacher_url):
-            raise ConfigError(
-                f"task {name!r} has no teacher; give it teacher: DIR or teacher_url: URL, or set a global --teacher"
-            )
-        specs.append(TaskSpec(name, share, view))
-    return specs
 
 
 def for_task(name: str, fn, *args, **kw):

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from opd.rundir import is_main_process
+
+def is_main_process() -> bool:
+    """Rank 0 of a torchrun/accelerate launch (``RANK`` unset means a single process)."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 class _Bar:

@@ -102,7 +102,7 @@ COMPACT_BELOW = 0.75
 # Candidates nucleus_sample takes with topk, in rounds, before it falls back to sorting the whole
 # vocabulary. A top-p 0.9 nucleus of a trained model is mostly one token and rarely more than a
 # few dozen, topk's cost grows with k, and a full sort of every row at every step dominates
-# generation at small widths (measurements in the README, "Where opd's step goes"). Rows the
+# generation at small widths (measurements in docs/benchmarks.md, "Where opd's step goes"). Rows the
 # first round cannot settle go to the next.
 NUCLEUS_CANDIDATES = (16, 256)
 

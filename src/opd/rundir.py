@@ -25,6 +25,7 @@ import torch
 
 from opd.config import check_report_to, dump_config
 from opd.errors import UserError
+from opd.progress import is_main_process
 from opd.quiet import quiet_transformers
 from opd.tracking import Tracking, check_installed
 
@@ -52,11 +53,6 @@ def _atomic_write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     _usual_modes(Path(tmp))
     os.replace(tmp, path)
-
-
-def is_main_process() -> bool:
-    """Rank 0 of a torchrun/accelerate launch (``RANK`` unset means a single process)."""
-    return int(os.environ.get("RANK", "0")) == 0
 
 
 class RunDir:

@@ -31,12 +31,12 @@ from pathlib import Path
 
 import torch
 
-from opd.config import SFTConfig
+from opd.config import SFTConfig, TaskSpec, resolve_tasks
 from opd.data import PromptSet, batch_indices, load_tasks, sample_seed
 from opd.errors import UserError
 from opd.evaluation import decode_responses, evaluate_model
 from opd.models import load_model, load_tokenizer, model_device, parse_arch, resolve_device, tiny_qwen2
-from opd.multitask import TaskSpec, for_task, resolve_tasks, task_schedule
+from opd.multitask import for_task, task_schedule
 from opd.optim import make_optimizer, make_scheduler
 from opd.progress import progress_bar
 from opd.rollout import HFRollout
@@ -225,7 +225,7 @@ def dagger_data(cfg: SFTConfig, env, games: list, tok, player: str, device) -> t
 
 def task_sources(specs: list[TaskSpec], data: list, tok, model) -> list[tuple[str, Callable, Callable]]:
     """Each task's (name, batch of its k-th step, greedy test accuracy): one task named "" unless
-    the config lists several (each resolved into its own checked SFTConfig by opd.multitask).
+    the config lists several (each resolved into its own checked SFTConfig by opd.config.tasks).
     ``data``: each prompt task's (training task, evaluation task), None for an environment."""
     out = []
     for spec, tasks in zip(specs, data, strict=True):

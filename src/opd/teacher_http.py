@@ -18,7 +18,7 @@ token in Python on both ends).
 
 What a vLLM-format server cannot give: log-probs of arbitrary query tokens (student-side
 supports), full-vocabulary logits (``full_kl``) and the full-logit diagnostics (skipped: their
-metrics are absent from ``metrics.jsonl``). :func:`opd.teacher.make_teacher` refuses the options that need them.
+metrics are absent from ``metrics.jsonl``). :func:`opd.teacher_factory.make_teacher` refuses the options that need them.
 
 Vocabulary: opd's server answers ``GET /opd/vocab`` with a hash of its tokenizer's vocabulary,
 which must equal the student's; a foreign server cannot say, so a warning is given and every

@@ -54,7 +54,7 @@ from opd.agentic import (
     make_env,
     write_eval_games,
 )
-from opd.config import TrainConfig
+from opd.config import TaskSpec, TrainConfig, resolve_tasks
 from opd.data import PromptSet, load_tasks, sample_seed
 from opd.distributed import Dist, init_distributed, merge_metrics, shutdown
 from opd.episodes import EpisodeRecord, EpisodeRollout
@@ -62,7 +62,7 @@ from opd.errors import UserError
 from opd.evaluation import evaluate_model
 from opd.lora import apply_lora, load_weights
 from opd.models import disable_dropout, head_weight, load_model, load_tokenizer, resolve_device
-from opd.multitask import TaskSpec, for_task, prefixed, resolve_tasks, task_schedule
+from opd.multitask import for_task, prefixed, task_schedule
 from opd.objectives import (
     NEEDS_STUDENT_TOPK,
     LossTotals,
@@ -78,7 +78,8 @@ from opd.rollout import HFRollout, RolloutBatch
 from opd.rundir import RunDir, save_final_model
 from opd.stepstats import StepUpdate, grade_rollouts, metric_weights, rollout_records, step_metrics
 from opd.tasks import Task
-from opd.teacher import TeacherScorer, TeacherScores, TeacherUnavailable, make_teacher
+from opd.teacher import TeacherScorer, TeacherScores, TeacherUnavailable
+from opd.teacher_factory import make_teacher
 
 
 @dataclass

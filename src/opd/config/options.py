@@ -9,76 +9,18 @@ The resolved configuration is written to ``config.json`` in every run directory.
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, TypeVar, get_type_hints
+from dataclasses import dataclass
 
-import yaml
-
+from opd.config.fields import DTYPES, REPORT_TO_HELP, ConfigError, check_device, check_report_to, opt, require
+from opd.config.tasks import read_task_list, resolve_tasks
 from opd.crosstok.align import PAIRINGS
-from opd.errors import UserError
 from opd.grading import check_answer_format
 from opd.losses import SUPPORT_KINDS
 from opd.tasks.arithmetic import LEVELS
 from opd.tasks.dataset import parse_split
 
-C = TypeVar("C")
-
 OBJECTIVES = ("lsm", "sampled", "full_kl")
 DEFAULT_SPECIAL_TOKENS = ("<|im_end|>", "<think>", "</think>")
-
-
-def opt(default: Any, help: str, **kw: Any) -> Any:
-    """A dataclass field with help text (mutable defaults go through a factory)."""
-    if isinstance(default, (list, dict, tuple)):
-        value = default
-        return field(default_factory=lambda: type(value)(value), metadata={"help": help, **kw})
-    return field(default=default, metadata={"help": help, **kw})
-
-
-class ConfigError(UserError):
-    """A configuration value is invalid; the message names the field and the fix."""
-
-
-DTYPES = ("float32", "bfloat16", "float16")
-DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
-
-
-def check_device(spec: str) -> None:
-    """``--device`` must be auto, cpu, cuda or cuda:N (what :func:`opd.models.resolve_device` reads)."""
-    _require(bool(re.fullmatch(DEVICE_PATTERN, spec)), f"device={spec!r}: use auto, cpu, cuda or cuda:N")
-
-
-REPORT_TO = ("none", "tensorboard", "wandb", "trackio")
-REPORT_TO_HELP = (
-    "Experiment trackers that also get the metrics of metrics.jsonl, per step, and the config: none, "
-    "tensorboard (RUN/tensorboard), wandb (RUN/wandb; offline without an API key), trackio; "
-    "several comma-separated or repeated."
-)
-
-
-def check_report_to(names: list | str) -> list[str]:
-    """``--report-to``: tracker names, comma-separated or repeated, normalised; ``none`` stands alone."""
-    given = [names] if isinstance(names, str) else list(names)
-    items = list(dict.fromkeys(n.strip().lower() for v in given for n in str(v).split(",") if n.strip()))
-    unknown = [n for n in items if n not in REPORT_TO]
-    _require(
-        not unknown,
-        f"report_to={','.join(unknown)}: unknown tracker; choose from {', '.join(REPORT_TO)} (several comma-separated)",
-    )
-    _require(bool(items), f"report_to is empty; use none or name trackers: {', '.join(REPORT_TO[1:])}")
-    _require(
-        items == ["none"] or "none" not in items,
-        f"report_to={','.join(items)}: none turns tracking off, so it cannot be combined with a tracker",
-    )
-    return items
 
 
 @dataclass
@@ -148,10 +90,10 @@ class ModelSource:
 
     def _check_common(self) -> None:
         self._check_data()
-        _require(self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens} must be >= 1")
-        _require(self.max_prompt_tokens >= 1, f"max_prompt_tokens={self.max_prompt_tokens} must be >= 1")
-        _require(self.task_level in LEVELS, f"task_level={self.task_level} must be one of {sorted(LEVELS)}")
-        _require(self.dtype in DTYPES, f"dtype={self.dtype!r}: use {', '.join(DTYPES)}")
+        require(self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        require(self.max_prompt_tokens >= 1, f"max_prompt_tokens={self.max_prompt_tokens} must be >= 1")
+        require(self.task_level in LEVELS, f"task_level={self.task_level} must be one of {sorted(LEVELS)}")
+        require(self.dtype in DTYPES, f"dtype={self.dtype!r}: use {', '.join(DTYPES)}")
         check_device(self.device)
 
 
@@ -183,9 +125,9 @@ class EnvSource:
         )
 
     def _check_env(self) -> None:
-        _require(self.env_level >= 1, f"env_level={self.env_level} must be >= 1")
-        _require(self.max_turns >= 0, f"max_turns={self.max_turns} must be >= 0 (0: the environment's limit)")
-        _require(self.max_action_tokens >= 1, f"max_action_tokens={self.max_action_tokens} must be >= 1")
+        require(self.env_level >= 1, f"env_level={self.env_level} must be >= 1")
+        require(self.max_turns >= 0, f"max_turns={self.max_turns} must be >= 0 (0: the environment's limit)")
+        require(self.max_action_tokens >= 1, f"max_action_tokens={self.max_action_tokens} must be >= 1")
 
 
 @dataclass
@@ -213,11 +155,11 @@ class TrainingSource(ModelSource):
             f.name for f in dataclasses.fields(TrainingSource) if f.name.startswith("eval_") and f.name != "eval_task"
         ]
         given = [n for n in given if getattr(self, n)]
-        _require(
+        require(
             bool(self.eval_task) or not given,
             f"{', '.join(given)} set without eval_task; give --eval-task DATA, or drop the eval options",
         )
-        _require("," not in self.eval_split, f"eval_split={self.eval_split!r}: name one split, e.g. test")
+        require("," not in self.eval_split, f"eval_split={self.eval_split!r}: name one split, e.g. test")
 
 
 @dataclass
@@ -350,51 +292,51 @@ class TrainConfig(EnvSource, TrainingSource):
     def __post_init__(self) -> None:
         self._check_common()
         self._check_env()
-        _require(self.objective in OBJECTIVES, f"objective={self.objective!r}: choose one of {', '.join(OBJECTIVES)}")
-        _require(self.support in SUPPORT_KINDS, f"support={self.support!r}: choose one of {', '.join(SUPPORT_KINDS)}")
-        _require(self.k >= 1, f"k={self.k} must be >= 1")
-        _require(0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must lie in (0, 1] (0.9 is the paper's setting)")
-        _require(self.temperature > 0, f"temperature={self.temperature} must be > 0")
-        _require(0.0 <= self.gamma <= 1.0, f"gamma={self.gamma} must lie in [0, 1]")
-        _require(self.kl_direction in ("reverse", "forward"), f"kl_direction={self.kl_direction!r}: reverse or forward")
-        _require(self.steps >= 1 and self.batch_size >= 1, "steps and batch_size must be >= 1")
-        _require(self.samples_per_prompt >= 1, "samples_per_prompt must be >= 1")
-        _require(
+        require(self.objective in OBJECTIVES, f"objective={self.objective!r}: choose one of {', '.join(OBJECTIVES)}")
+        require(self.support in SUPPORT_KINDS, f"support={self.support!r}: choose one of {', '.join(SUPPORT_KINDS)}")
+        require(self.k >= 1, f"k={self.k} must be >= 1")
+        require(0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must lie in (0, 1] (0.9 is the paper's setting)")
+        require(self.temperature > 0, f"temperature={self.temperature} must be > 0")
+        require(0.0 <= self.gamma <= 1.0, f"gamma={self.gamma} must lie in [0, 1]")
+        require(self.kl_direction in ("reverse", "forward"), f"kl_direction={self.kl_direction!r}: reverse or forward")
+        require(self.steps >= 1 and self.batch_size >= 1, "steps and batch_size must be >= 1")
+        require(self.samples_per_prompt >= 1, "samples_per_prompt must be >= 1")
+        require(
             self.grad_accum >= 1 and (self.batch_size * self.samples_per_prompt) % self.grad_accum == 0,
             f"grad_accum={self.grad_accum} must divide batch_size*samples_per_prompt={self.batch_size * self.samples_per_prompt}",
         )
-        _require(self.updates_per_batch >= 1, "updates_per_batch must be >= 1")
-        _require(self.lr > 0, f"lr={self.lr} must be > 0")
-        _require(
+        require(self.updates_per_batch >= 1, "updates_per_batch must be >= 1")
+        require(self.lr > 0, f"lr={self.lr} must be > 0")
+        require(
             self.schedule in ("constant", "linear", "cosine"), f"schedule={self.schedule!r}: constant, linear or cosine"
         )
-        _require(
+        require(
             self.reduction in ("token_mean", "sequence_mean", "constant_sum"),
             f"reduction={self.reduction!r}: token_mean, sequence_mean or constant_sum",
         )
-        _require(self.max_grad_norm >= 0, "max_grad_norm must be >= 0")
-        _require(self.teacher_dtype in ("", *DTYPES), f"teacher_dtype={self.teacher_dtype!r}: use {', '.join(DTYPES)}")
-        _require(
+        require(self.max_grad_norm >= 0, "max_grad_norm must be >= 0")
+        require(self.teacher_dtype in ("", *DTYPES), f"teacher_dtype={self.teacher_dtype!r}: use {', '.join(DTYPES)}")
+        require(
             not (self.teacher_dtype and self.teacher_url),
             "teacher_dtype applies to an in-process teacher "
             "(--teacher DIR); a served teacher keeps the dtype it was started with (opd serve-teacher --dtype)",
         )
-        _require(
+        require(
             self.teacher_timeout > 0 and self.teacher_wait >= 0 and (self.teacher_retries or 0) >= 0,
             "teacher_timeout must be > 0, teacher_wait >= 0 and teacher_retries >= 0 (or unset)",
         )
-        _require(self.lora_r >= 0, f"lora_r={self.lora_r} must be >= 0 (0 trains every weight)")
-        _require(
+        require(self.lora_r >= 0, f"lora_r={self.lora_r} must be >= 0 (0 trains every weight)")
+        require(
             self.lora_alpha > 0 and 0.0 <= self.lora_dropout < 1.0, "lora_alpha must be > 0 and lora_dropout in [0, 1)"
         )
-        _require(
+        require(
             bool(self.lora_targets), "lora_targets is empty; name linear layers (e.g. q_proj v_proj) or use all-linear"
         )
-        _require(
+        require(
             self.cross_tokenizer in CROSS_TOKENIZER,
             f"cross_tokenizer={self.cross_tokenizer!r}: choose one of {', '.join(CROSS_TOKENIZER)}",
         )
-        _require(
+        require(
             self.cross_pairing in PAIRINGS, f"cross_pairing={self.cross_pairing!r}: choose one of {', '.join(PAIRINGS)}"
         )
         parse_special_map(self.teacher_special_map)
@@ -409,13 +351,11 @@ class TrainConfig(EnvSource, TrainingSource):
 def _check_tasks(cfg: TrainConfig | SFTConfig) -> None:
     """A multi-task run's task list, read from its file if given one, and every task's settings,
     checked here before any work."""
-    _require(
+    require(
         cfg.task_mode in ("alternate", "mix"),
         f"task_mode={cfg.task_mode!r}: alternate (one task per step) or mix (every task at every step)",
     )
     if cfg.tasks is not None:
-        from opd.multitask import read_task_list, resolve_tasks  # it builds configs of this module
-
         cfg.tasks = read_task_list(cfg.tasks)
         resolve_tasks(cfg)
 
@@ -449,17 +389,17 @@ def check_cross_tokenizer(cfg: TrainConfig) -> None:
     fix = (
         "use --objective lsm --support teacher_topk, or --objective sampled, or a teacher with the student's tokenizer"
     )
-    _require(
+    require(
         cfg.objective != "full_kl",
         f"objective=full_kl needs the teacher's distribution over the student's vocabulary, which a teacher with "
         f"another tokenizer (cross_tokenizer) does not give; {fix}",
     )
-    _require(
+    require(
         cfg.objective != "lsm" or cfg.support == "teacher_topk",
         f"support={cfg.support} needs teacher log-probs of student-chosen tokens, which a teacher with another "
         f"tokenizer (cross_tokenizer) does not give; {fix}",
     )
-    _require(
+    require(
         not cfg.env,
         "env: multi-turn episodes with a teacher of another tokenizer (cross_tokenizer) are not supported yet; "
         "use a teacher with the student's tokenizer",
@@ -522,23 +462,23 @@ class SFTConfig(EnvSource, TrainingSource):
         self._check_common()
         self._check_env()
         self.report_to = check_report_to(self.report_to)
-        _require(self.steps >= 1 and self.batch_size >= 1, "steps and batch_size must be >= 1")
-        _require(self.train_size >= 0, f"train_size={self.train_size} must be >= 0 (0 uses every example)")
-        _require(0.0 <= self.expert_mistakes < 1.0, f"expert_mistakes={self.expert_mistakes} must be in [0, 1)")
-        _require(
+        require(self.steps >= 1 and self.batch_size >= 1, "steps and batch_size must be >= 1")
+        require(self.train_size >= 0, f"train_size={self.train_size} must be >= 0 (0 uses every example)")
+        require(0.0 <= self.expert_mistakes < 1.0, f"expert_mistakes={self.expert_mistakes} must be in [0, 1)")
+        require(
             not self.expert_mistakes or bool(self.env) or bool(self.tasks),
             "expert_mistakes needs --env (it plays the environment's expert episodes with mistakes)",
         )
-        _require(
+        require(
             not self.dagger_from or bool(self.env) or bool(self.tasks),
             "dagger_from needs --env (its models play the environment's training games)",
         )
-        _require(self.dagger_branches >= 1, f"dagger_branches={self.dagger_branches} must be >= 1")
-        _require(
+        require(self.dagger_branches >= 1, f"dagger_branches={self.dagger_branches} must be >= 1")
+        require(
             bool(self.init) != bool(self.arch),
             "give exactly one of --init (a model directory) or --arch (qwen2:LAYERS:WIDTH)",
         )
-        _require(
+        require(
             self.schedule in ("constant", "linear", "cosine"), f"schedule={self.schedule!r}: constant, linear or cosine"
         )
         _check_tasks(self)
@@ -564,56 +504,8 @@ class EvalConfig(EnvSource, ModelSource):
     def __post_init__(self) -> None:
         self._check_common()
         self._check_env()
-        _require(0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must lie in (0, 1]")
-        _require(self.samples >= 0, "samples must be >= 0")
-        _require(
+        require(0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must lie in (0, 1]")
+        require(self.samples >= 0, "samples must be >= 0")
+        require(
             self.temperature > 0, f"temperature={self.temperature} must be > 0 (greedy accuracy is always reported)"
         )
-
-
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a YAML or JSON mapping of field names to values."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {p} does not exist; pass a YAML or JSON file with --config")
-    text = p.read_text()
-    try:
-        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"config file {p} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {exc}") from exc
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {p} must hold a mapping of option names to values, not {type(data).__name__}")
-    return data
-
-
-def build_config(
-    cls: type[C], file_values: dict[str, Any] | None = None, cli_values: dict[str, Any] | None = None
-) -> C:
-    """Merge defaults < file < CLI into a validated ``cls`` instance; unknown keys are errors."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    merged: dict[str, Any] = {}
-    for source, values in (("config file", file_values or {}), ("command line", cli_values or {})):
-        for key, value in values.items():
-            key = key.replace("-", "_")
-            if key not in names:
-                close = [n for n in names if n.startswith(key[:3])]
-                hint = f" (did you mean {', '.join(sorted(close))}?)" if close else ""
-                raise ConfigError(f"unknown option {key!r} in the {source} for {cls.__name__}{hint}")
-            if value is not None:
-                merged[key] = value
-    return cls(**coerce_numbers(cls, merged))
-
-
-def coerce_numbers(cls: type, values: dict[str, Any]) -> dict[str, Any]:
-    """``values`` with whole numbers given for float fields made floats (YAML reads ``lr: 1`` as an int)."""
-    hints = get_type_hints(cls)
-    return {
-        k: float(v) if hints.get(k) is float and isinstance(v, int) and not isinstance(v, bool) else v
-        for k, v in values.items()
-    }
-
-
-def dump_config(cfg: Any, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(dataclasses.asdict(cfg), indent=2, sort_keys=True) + "\n")

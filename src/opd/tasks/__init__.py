@@ -6,8 +6,9 @@ set on disk that Hugging Face ``datasets`` reads (``opd.tasks.dataset``).
 """
 
 from opd.tasks.arithmetic import ArithmeticTask
-from opd.tasks.base import SPLITS, TASK_NAMES, Example, Task, get_task
+from opd.tasks.base import SPLITS, Example, Task
 from opd.tasks.dataset import DatasetTask
 from opd.tasks.jsonl import JsonlTask
+from opd.tasks.registry import TASK_NAMES, get_task
 
 __all__ = ["Example", "Task", "get_task", "SPLITS", "TASK_NAMES", "ArithmeticTask", "DatasetTask", "JsonlTask"]

@@ -2,7 +2,7 @@
 
 Usage::
 
-    from opd.tasks import get_task
+    from opd.tasks import get_task  # opd.tasks.registry
     task = get_task("arithmetic", level=2)
     ex = task.examples("train")[0]          # Example(prompt=..., answer=..., solution=...)
     task.reward(completion_text, ex)        # 1.0 if the last \\boxed{} matches ex.answer
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 from opd.errors import UserError
 
-__all__ = ["Example", "Task", "SPLITS", "check_split", "get_task", "hold_out", "TASK_NAMES"]
+__all__ = ["Example", "Task", "SPLITS", "check_split", "hold_out"]
 
 SPLITS = ("train", "test")
 T = TypeVar("T")
@@ -71,38 +71,3 @@ def hold_out(items: list[T], test_fraction: float, seed: int) -> tuple[list[T], 
         n_test = min(max(n_test, 1), len(items) - 1)
     test_idx = set(order[:n_test])
     return [e for i, e in enumerate(items) if i not in test_idx], [e for i, e in enumerate(items) if i in test_idx]
-
-
-def _make_arithmetic(**kwargs: Any) -> Task:
-    from opd.tasks.arithmetic import ArithmeticTask
-
-    if "level" in kwargs:
-        return ArithmeticTask.from_level(**kwargs)
-    return ArithmeticTask(**kwargs)
-
-
-def _make_jsonl(**kwargs: Any) -> Task:
-    from opd.tasks.jsonl import JsonlTask
-
-    return JsonlTask(**kwargs)
-
-
-def _make_dataset(**kwargs: Any) -> Task:
-    from opd.tasks.dataset import DatasetTask
-
-    return DatasetTask(**kwargs)
-
-
-# Imports inside the factories: the task modules import this one.
-_REGISTRY = {"arithmetic": _make_arithmetic, "jsonl": _make_jsonl, "dataset": _make_dataset}
-TASK_NAMES = tuple(_REGISTRY)
-
-
-def get_task(name: str, **kwargs: Any) -> Task:
-    """Build a task by name: ``get_task("arithmetic", level=3)``, ``get_task("jsonl", path=p)``,
-    ``get_task("dataset", source="gsm8k.parquet", prompt_field="question", answer_format="gsm8k")``."""
-    try:
-        factory = _REGISTRY[name]
-    except KeyError:
-        raise UserError(f"unknown task {name!r}: use one of {', '.join(TASK_NAMES)}") from None
-    return factory(**kwargs)

@@ -42,7 +42,7 @@ from typing import Any
 from opd.errors import UserError
 from opd.grading import check_answer_format, extract_answer, grade, reference_answer
 from opd.tasks.base import Example, check_split, hold_out
-from opd.tasks.rows import convert_rows
+from opd.tasks.rows import check_not_empty, convert_rows, find_bad_line
 
 __all__ = ["DatasetTask", "BUILDERS", "DEFAULT_TEST_FRACTION", "parse_split", "read_splits"]
 
@@ -167,16 +167,12 @@ def _read_files(source: str, files: list[Path]) -> tuple[dict[str, Any], list[Pa
     builder = kinds.pop()
     json_files = files if builder == "json" else []
     if json_files:
-        from opd.tasks.jsonl import check_not_empty
-
         for f in json_files:
             check_not_empty(f)
     try:
         loaded = datasets.load_dataset(builder, data_files=[str(f) for f in files])
     except Exception as e:  # noqa: BLE001 - datasets raises many types; the user needs one line
         if json_files:
-            from opd.tasks.jsonl import find_bad_line
-
             for f in json_files:
                 find_bad_line(f)
         _raise_if_empty(e, source)

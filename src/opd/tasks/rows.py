@@ -4,11 +4,12 @@
 Usage: ``convert_rows(ds, "data.parquet", task, json_files=[])`` (``task`` gives ``fields``,
 ``name``, ``system_prompt``, ``answer_format`` and ``reference``). Each kind of problem is counted
 over the whole split and reported once, with its first row and the option that fixes it; for
-JSON files the first bad line is named instead (:func:`opd.tasks.jsonl.find_bad_line`).
+JSON files the first bad line is named instead (:func:`find_bad_line`, also used when a JSON file fails to load).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 from opd.errors import UserError
 from opd.tasks.base import Example
 
-__all__ = ["convert_rows", "from_messages"]
+__all__ = ["check_not_empty", "convert_rows", "find_bad_line", "from_messages"]
 
 MESSAGES = "messages"
 LABEL = "task"
@@ -154,10 +155,66 @@ def _raise_first(problems: dict[str, _Problems], where: str, n: int, json_files:
     if json_files and any(p is not problems["format"] for p in found):
         # datasets merges JSON columns of mixed types (reading the string "1" as the number 1)
         # and rows lose their line numbers; the line reader names the exact line instead.
-        from opd.tasks.jsonl import find_bad_line
-
         for f in json_files:
             find_bad_line(f, columns[:2], optional=columns[2:])
     p = found[0]
     row, detail = p.rows[0]
     raise UserError(f"{len(p.rows)} of {n} {p.what} in {where}, e.g. row {row}: {detail}; {p.fix}")
+
+
+# ----------------------------------------------------------------------------- JSON Lines files
+
+
+def check_not_empty(path: Path) -> None:
+    with path.open(encoding="utf-8") as f:
+        if any(line.strip() for line in f):
+            return
+    raise UserError(f'JSONL file {path} is empty: add one {{"prompt": "...", "answer": "..."}} object per line')
+
+
+def _check_value(key: str, value, where: str, chat: bool = False) -> None:
+    if isinstance(value, str):
+        return
+    if chat and isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
+        try:
+            from_messages(value)
+        except ValueError as e:
+            raise UserError(
+                f'field "{key}" in {where} {e}; give every chat a user turn, with string "role" and "content"'
+            ) from None
+        return
+    fix = f'quote it: "{key}": "{value}"' if isinstance(value, (int, float)) else "write it as one JSON string"
+    raise UserError(f'field "{key}" in {where} is a {type(value).__name__}, not a string: {fix}')
+
+
+def find_bad_line(path: Path, required: tuple = (), optional: tuple = ()) -> None:
+    """Raise UserError naming the first line of ``path`` that is not a JSON object whose
+    ``required`` fields are strings (or chat messages) and whose ``optional`` fields are strings
+    or null. Returns when every line is fine. None entries of ``required``/``optional`` are skipped."""
+    required = tuple(k for k in required if k)
+    optional = tuple(k for k in optional if k)
+    needs = " and ".join(f'"{k}"' for k in required)
+    with path.open(encoding="utf-8") as f:
+        if f.read(4096).lstrip().startswith("["):  # one JSON array, not JSON Lines: rows are named instead
+            return
+        f.seek(0)
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            where = f"{path}, line {lineno}"
+            try:
+                record = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise UserError(
+                    f"invalid JSON in {where}: {e.msg} (column {e.colno}); each line must be one complete JSON object"
+                ) from None
+            if not isinstance(record, dict):
+                example = ", ".join(f'"{k}": "..."' for k in required or ("prompt", "answer"))
+                raise UserError(f"{where} is a JSON {type(record).__name__}, not an object: write {{{example}}}")
+            for key in required:
+                if key not in record or record[key] is None:
+                    raise UserError(f'{where} has no "{key}" field: every line needs {needs}')
+                _check_value(key, record[key], where, chat=key == required[0])  # the prompt may be a chat
+            for key in optional:
+                if record.get(key) is not None:
+                    _check_value(key, record[key], where)

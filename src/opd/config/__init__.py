@@ -1,0 +1,59 @@
+"""Typed run configurations (``opd.config``): one dataclass per command, validated on construction,
+settable from the CLI and a YAML/JSON file, dumped into every run directory.
+
+* :mod:`~opd.config.fields` -- the machinery: fields with help texts, :class:`ConfigError`, shared
+  checks, reading and merging configs (defaults < file < command line) and writing them.
+* :mod:`~opd.config.tasks` -- a multi-task run's task list, resolved into one config per task.
+* :mod:`~opd.config.options` -- :class:`TrainConfig`, :class:`SFTConfig`, :class:`EvalConfig`.
+"""
+
+from opd.config.fields import (
+    DTYPES,
+    REPORT_TO,
+    ConfigError,
+    build_config,
+    check_device,
+    check_report_to,
+    coerce_numbers,
+    dump_config,
+    opt,
+    read_config_file,
+)
+from opd.config.options import (
+    CROSS_TOKENIZER,
+    DEFAULT_SPECIAL_TOKENS,
+    OBJECTIVES,
+    EvalConfig,
+    SFTConfig,
+    TrainConfig,
+    check_cross_tokenizer,
+    parse_special_map,
+)
+from opd.config.tasks import PER_TASK, SFT_PER_TASK, TASK_MODES, TaskSpec, read_task_list, resolve_tasks
+
+__all__ = [
+    "CROSS_TOKENIZER",
+    "DEFAULT_SPECIAL_TOKENS",
+    "DTYPES",
+    "OBJECTIVES",
+    "PER_TASK",
+    "REPORT_TO",
+    "SFT_PER_TASK",
+    "TASK_MODES",
+    "ConfigError",
+    "EvalConfig",
+    "SFTConfig",
+    "TaskSpec",
+    "TrainConfig",
+    "build_config",
+    "check_cross_tokenizer",
+    "check_device",
+    "check_report_to",
+    "coerce_numbers",
+    "dump_config",
+    "opt",
+    "parse_special_map",
+    "read_config_file",
+    "read_task_list",
+    "resolve_tasks",
+]
