@@ -73,7 +73,7 @@ SEED = 0
 
 
 def plan(args) -> dict:
-    from opd import demo
+    from opd.recipes import demo
 
     return {
         "student": str(demo.ASSETS / "student"),
@@ -97,8 +97,8 @@ def opd_worker(spec: dict, out: Path) -> None:
     """One opd training run; rank 0 writes per-step end times, response tokens and opd's timings."""
     import torch
 
-    from opd import train as train_mod
     from opd.config import TrainConfig
+    from opd.training import loop as train_mod
 
     torch.set_num_threads(spec["threads"])
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -130,7 +130,8 @@ def opd_worker(spec: dict, out: Path) -> None:
     stamps, records, answers = [], [], []
     real_log = train_mod.log_stage
     if spec.get("teacher_url"):
-        from opd import teacher_http
+        from opd.teachers import client as teacher_http
+        from opd.teachers import factory as teacher_factory
 
         real_client = teacher_http.HTTPTeacher
 
@@ -139,7 +140,7 @@ def opd_worker(spec: dict, out: Path) -> None:
             answers.append("binary" if made.binary else "json")
             return made
 
-        teacher_http.HTTPTeacher = client
+        teacher_factory.HTTPTeacher = client
 
     def timed_log(*a, **kw):
         record = real_log(*a, **kw)
@@ -171,8 +172,8 @@ def trl_worker(spec: dict, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import DistillationConfig, DistillationTrainer
 
-    from opd.data import PromptSet, load_task
-    from opd.models import load_tokenizer
+    from opd.models.loading import load_tokenizer
+    from opd.rollout.prompts import PromptSet, load_task
 
     torch.set_num_threads(spec["threads"])
     tok = load_tokenizer(spec["student"])
@@ -344,7 +345,7 @@ def padded_models(base: dict, vocab: int, root: Path) -> dict:
     trained model takes."""
     import torch
 
-    from opd.models import load_model, load_tokenizer
+    from opd.models.loading import load_model, load_tokenizer
 
     out = {}
     for role in ("student", "teacher"):

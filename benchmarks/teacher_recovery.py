@@ -8,7 +8,7 @@ Two measurements per teacher, printed as a table and written as JSON:
   the game's admissible commands and against the search expert's command from that state
   (``expert_next()``): after a command the game rejected ("Nothing happens.") and after one it
   accepted;
-* on held-out games the expert plays, with one rejected command (``opd.agentic.mistake_command``)
+* on held-out games the expert plays, with one rejected command (``opd.training.cloning.mistake_command``)
   injected before its middle command; the teacher's greedy command is compared with the expert's,
   right after the mistake and at every other turn.
 
@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from opd.agentic import mistake_command
-from opd.demo_agentic import ASSETS, LIMITS, TOP_P, environment
 from opd.envs import normal_command
-from opd.episodes import ChatFormat, EpisodeRollout
-from opd.models import load_model, load_tokenizer
+from opd.models.loading import load_model, load_tokenizer
+from opd.recipes.agentic import ASSETS, LIMITS, TOP_P, environment
+from opd.rollout.episodes import ChatFormat, EpisodeRollout
+from opd.training.cloning import mistake_command
 
 
 def greedy_command(model, tok, ids: list[int]) -> str:

@@ -19,8 +19,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tmp_path_factory):
+    from opd.models.tokenizer import train_tokenizer
     from opd.tasks import ArithmeticTask
-    from opd.tokenizer import train_tokenizer
 
     examples = ArithmeticTask(n_train=1500, n_test=50).examples("train")
     tok = train_tokenizer([e.prompt for e in examples] + [e.solution for e in examples], vocab_size=1024)
@@ -30,7 +30,7 @@ def tiny_tokenizer(tmp_path_factory):
 
 
 def make_tiny_model(tok_dir, out_dir, layers=1, width=32, seed=0):
-    from opd.models import load_tokenizer, tiny_qwen2
+    from opd.models.loading import load_tokenizer, tiny_qwen2
 
     tok = load_tokenizer(tok_dir, "tokenizer")
     torch.manual_seed(seed)

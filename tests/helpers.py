@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from opd.stepstats import FULL_VOCAB_KEYS
+from opd.training.stepstats import FULL_VOCAB_KEYS
 
 
 def read_metrics(run_dir) -> list[dict]:
@@ -135,7 +135,7 @@ def assert_close_weights(a: dict, b: dict) -> None:
 def train_killed_at(cfg, step: int, monkeypatch) -> None:
     """Run ``opd train`` with ``cfg`` and kill it (KeyboardInterrupt) as ``step`` starts, as a
     user's Ctrl-C or a lost machine would: what it wrote before stays, nothing after."""
-    import opd.train as train_mod
+    import opd.training.loop as train_mod
 
     real_rollout = train_mod.rollout_stage
 

@@ -22,23 +22,16 @@ from helpers import (
 )
 from typer.testing import CliRunner
 
-from opd import train as train_mod
-from opd.agentic import (
-    GameSet,
-    dagger_sequences,
-    evaluate_agent,
-    expert_sequences,
-    make_env,
-    mistake_command,
-    parse_env_args,
-    write_eval_games,
-)
 from opd.cli import app
 from opd.config import TrainConfig
 from opd.envs import Game, StepResult, register_env
-from opd.episodes import EpisodeRecord
 from opd.errors import UserError
-from opd.models import load_model, load_tokenizer
+from opd.evaluation.games import evaluate_agent, write_eval_games
+from opd.models.loading import load_model, load_tokenizer
+from opd.rollout.episodes import EpisodeRecord
+from opd.rollout.games import GameSet, make_env, parse_env_args
+from opd.training import loop as train_mod
+from opd.training.cloning import dagger_sequences, expert_sequences, mistake_command
 
 AGENTIC = dict(
     env="toy",
@@ -254,7 +247,7 @@ def test_cli_eval_plays_the_environments_held_out_games(tiny_models, tmp_path):
 
 
 def test_an_episode_whose_prompt_is_too_long_ends_counted_and_the_context_is_checked_first(student):
-    from opd.agentic import check_episode_context
+    from opd.rollout.games import check_episode_context
 
     model, tok = student
     games = GameSet.build(make_env("wins-on-turn", 1, ["n=1"]), "test")
@@ -425,7 +418,7 @@ def test_dagger_needs_an_expert_that_takes_over(student):
         dagger_sequences(env, [(game, record)], tok, 100_000)
     # opd sft asks before any model plays: the player here does not even exist.
     from opd.config import SFTConfig
-    from opd.sft import dagger_data
+    from opd.training.sft import dagger_data
 
     cfg = SFTConfig(arch="qwen2:1:8", env="toy", dagger_from=["/no/such/player"])
     with pytest.raises(UserError, match=r"sessions have expert_next\(\) \(_NoNext has none\)"):

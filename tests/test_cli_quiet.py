@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from opd.models import load_model
-from opd.quiet import quiet_transformers
+from opd.models.loading import load_model
+from opd.runs.quiet import quiet_transformers
 
 NOISE = ("Loading weights", "Writing model shards", "it/s]", "FutureWarning", "DeprecationWarning")
 

@@ -23,7 +23,7 @@ from opd import crosstok
 from opd import losses as L
 from opd.errors import UserError
 from opd.losses import cross as X
-from opd.tokenizer import train_tokenizer
+from opd.models.tokenizer import train_tokenizer
 
 INF = math.inf
 TEXT = "héllo 東京 🙂"

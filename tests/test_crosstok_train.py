@@ -19,19 +19,19 @@ from test_crosstok import make_teacher_tok
 from typer.testing import CliRunner
 
 from opd import crosstok
-from opd import train as train_mod
 from opd.cli import app
 from opd.config import ConfigError, TrainConfig
-from opd.crosstok.scorer import CrossTokenizerTeacher
 from opd.errors import UserError
-from opd.models import load_model, load_tokenizer, tiny_qwen2
-from opd.objectives import objective_loss, scored_loss_mask
+from opd.models.loading import load_model, load_tokenizer, tiny_qwen2
+from opd.models.tokenizer import format_prompt
 from opd.report.charts import build_charts
 from opd.report.load import load_runs
-from opd.rollout import RolloutBatch
-from opd.teacher import HFTeacher, TeacherScores
-from opd.teacher_factory import make_teacher
-from opd.tokenizer import format_prompt
+from opd.rollout.sampling import RolloutBatch
+from opd.teachers.base import HFTeacher, TeacherScores
+from opd.teachers.crosstok import CrossTokenizerTeacher
+from opd.teachers.factory import make_teacher
+from opd.training import loop as train_mod
+from opd.training.objectives import objective_loss, scored_loss_mask
 
 SMALL = {**MULTI_PROCESS_SMALL, "steps": 2, "batch_size": 4, "ckpt_every": 0}
 CROSS_KEYS = ("cross/one_to_one", "cross/mapped_mass", "cross/dropped")
@@ -320,7 +320,7 @@ def test_messages_from_prompt_inverts_the_students_template(cross_models):
 
 
 def test_served_teacher_with_its_own_tokenizer(cross_models, tmp_path):
-    from opd.serve import Limits, TeacherApp, start_server, stop_server
+    from opd.teachers.server import Limits, TeacherApp, start_server, stop_server
 
     student, teacher, teacher_dir = cross_models
     model, t_tok = load_model(teacher, "teacher"), load_tokenizer(teacher_dir, "teacher")

@@ -19,15 +19,15 @@ from datasets import Dataset, DatasetDict
 from helpers import assert_same_trajectory, read_metrics, step_records
 from typer.testing import CliRunner
 
-from opd import train as train_mod
 from opd.cli import app
 from opd.config import ConfigError, EvalConfig, SFTConfig, TrainConfig
-from opd.data import PromptSet, load_task, load_tasks
-from opd.demo import ASSETS
 from opd.errors import UserError
-from opd.models import load_tokenizer
+from opd.models.loading import load_tokenizer
+from opd.models.tokenizer import format_prompt
+from opd.recipes.demo import ASSETS
+from opd.rollout.prompts import PromptSet, load_task, load_tasks
 from opd.tasks import ArithmeticTask, DatasetTask, Example, JsonlTask
-from opd.tokenizer import format_prompt
+from opd.training import loop as train_mod
 
 LEVEL = 2  # the demo models' arithmetic level
 
@@ -127,8 +127,8 @@ def test_train_on_a_chat_save_to_disk_directory(byo_data, arithmetic_run, arithm
 
 
 def test_opd_eval_and_sft_take_the_data_options(byo_data, arithmetic, tmp_path):
-    from opd.evaluation import run_eval
-    from opd.sft import sft
+    from opd.evaluation.prompts import run_eval
+    from opd.training.sft import sft
 
     common = dict(student=RUN["student"], device="cpu", max_new_tokens=40, eval_size=16, samples=0)
     builtin = run_eval(EvalConfig(out=str(tmp_path / "a"), **common))

@@ -7,8 +7,8 @@ import json
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from opd.demo import make_demo_models, run_demo
 from opd.errors import UserError
+from opd.recipes.demo import make_demo_models, run_demo
 
 
 def test_make_demo_models_and_quick_demo(tmp_path):

@@ -9,8 +9,8 @@ import json
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from opd.demo_agentic import MAX_PROMPT_TOKENS, environment, make_agentic_models, run_agentic_demo
 from opd.errors import UserError
+from opd.recipes.agentic import MAX_PROMPT_TOKENS, environment, make_agentic_models, run_agentic_demo
 
 # Looked up, not imported: importing alfworld sets ALFWORLD_DATA for the whole process.
 if importlib.util.find_spec("alfworld") is None:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from opd.demo_multitask import GAME, MATH, make_multitask_models, run_multitask_demo, task_steps
 from opd.errors import UserError
+from opd.recipes.multitask import GAME, MATH, make_multitask_models, run_multitask_demo, task_steps
 
 # Looked up, not imported: importing alfworld sets ALFWORLD_DATA for the whole process.
 if importlib.util.find_spec("alfworld") is None:
@@ -20,8 +20,8 @@ if importlib.util.find_spec("alfworld") is None:
 
 
 def test_missing_models_name_the_recipe(tmp_path, monkeypatch):
-    import opd.demo_agentic
-    import opd.demo_multitask
+    import opd.recipes.agentic
+    import opd.recipes.multitask
 
     with pytest.raises(
         UserError, match=r"missing in .*nowhere \(math_teacher, student\); run `opd make-demo-models --multitask"
@@ -33,8 +33,8 @@ def test_missing_models_name_the_recipe(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"\(game_teacher\); run `opd make-demo-models --multitask --out .*mt`"):
         run_multitask_demo(tmp_path / "demo", assets=tmp_path / "mt")
     # the packaged models refer to the packaged agentic demo's game teacher: its own recipe makes it
-    monkeypatch.setattr(opd.demo_multitask, "ASSETS", tmp_path / "mt")
-    monkeypatch.setattr(opd.demo_agentic, "ASSETS", tmp_path / "agentic")
+    monkeypatch.setattr(opd.recipes.multitask, "ASSETS", tmp_path / "mt")
+    monkeypatch.setattr(opd.recipes.agentic, "ASSETS", tmp_path / "agentic")
     with pytest.raises(
         UserError, match=r"game teacher .*agentic/teacher is missing; run `opd make-demo-models --agentic"
     ):
@@ -50,8 +50,8 @@ def test_packaged_models_come_from_the_recipe_as_written():
     logged equal the recipe's (all but where it wrote), and their scores are the summary's."""
     import dataclasses
 
-    from opd.demo import teacher_sft_config
-    from opd.demo_multitask import ASSETS, student_sft_config
+    from opd.recipes.demo import teacher_sft_config
+    from opd.recipes.multitask import ASSETS, student_sft_config
 
     made = json.loads((ASSETS / "make_summary.json").read_text())
     assert set(made) == {"math_teacher", "student"}
@@ -67,7 +67,7 @@ def test_packaged_models_come_from_the_recipe_as_written():
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """The shortened recipe's models, on quick agentic models: (agentic dir, multi-task dir, what was made)."""
-    from opd.demo_agentic import make_agentic_models
+    from opd.recipes.agentic import make_agentic_models
 
     root = tmp_path_factory.mktemp("models")
     make_agentic_models(root / "agentic", quick=True)

@@ -37,9 +37,9 @@ from helpers import (
     step_records,
 )
 
-from opd import train as train_mod
 from opd.config import TrainConfig
-from opd.distributed import merge_metrics
+from opd.training import loop as train_mod
+from opd.training.distributed import merge_metrics
 
 SAMPLED_STEPS = {"lsm": {}, "sampled": {"steps": 3}}  # see the module docstring
 

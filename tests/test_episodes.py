@@ -18,10 +18,10 @@ import torch
 import opd
 from opd.envs import EnvError, Environment, GameSession, StepResult, get_env
 from opd.envs.toy import TEST_SEED_OFFSET, ToyEnv
-from opd.episodes import ChatFormat, EpisodeRollout
 from opd.errors import UserError
-from opd.models import load_model, load_tokenizer
-from opd.rollout import RolloutBatch
+from opd.models.loading import load_model, load_tokenizer
+from opd.rollout.episodes import ChatFormat, EpisodeRollout
+from opd.rollout.sampling import RolloutBatch
 
 DEMO = pathlib.Path(opd.__file__).parent / "assets" / "demo"
 PLAY = dict(max_new_tokens=360, max_action_tokens=24, temperature=1.0, top_p=1.0)
@@ -157,11 +157,11 @@ def test_an_episode_plays_the_same_alone_as_in_any_batch(student, played):
 
 def test_a_cache_that_keeps_ended_rows_plays_the_same(student, played, monkeypatch):
     """Hybrid models' caches cannot drop rows: ended episodes then stay in the batch, masked."""
-    import opd.episodes
+    import opd.rollout.episodes
 
     model, tok = student
     env, eps = played
-    monkeypatch.setattr(opd.episodes, "_can_drop_rows", lambda cache: False)
+    monkeypatch.setattr(opd.rollout.episodes, "_can_drop_rows", lambda cache: False)
     kept = EpisodeRollout(model, tok).play(env, env.games("train")[:6], list(range(6)), **PLAY)
     assert torch.equal(kept.batch.response_ids_NT, eps.batch.response_ids_NT)
     assert torch.equal(kept.batch.action_mask_NT, eps.batch.action_mask_NT)
@@ -306,7 +306,7 @@ def teacher():
 
 
 def test_in_process_teacher_scores_each_episode_as_alone(teacher, played):
-    from opd.teacher import HFTeacher
+    from opd.teachers.base import HFTeacher
 
     b = played[1].batch
     scores = HFTeacher(teacher).score(b, 8)
@@ -322,10 +322,10 @@ def test_in_process_teacher_scores_each_episode_as_alone(teacher, played):
 
 
 def test_served_teacher_scores_a_multi_turn_batch_like_the_in_process_one(teacher, student, played):
-    from opd.models import head_weight
-    from opd.serve import Limits, TeacherApp, start_server, stop_server
-    from opd.teacher import HFTeacher
-    from opd.teacher_http import HTTPTeacher
+    from opd.models.loading import head_weight
+    from opd.teachers.base import HFTeacher
+    from opd.teachers.client import HTTPTeacher
+    from opd.teachers.server import Limits, TeacherApp, start_server, stop_server
 
     _, tok = student
     b = played[1].batch
@@ -348,8 +348,8 @@ def test_served_teacher_scores_a_multi_turn_batch_like_the_in_process_one(teache
 @pytest.mark.parametrize("mask_special", [True, False])
 def test_losses_are_zero_with_zero_gradient_at_environment_positions(teacher, student, played, objective, mask_special):
     from opd.config import TrainConfig
-    from opd.objectives import loss_mask, objective_loss
-    from opd.teacher import HFTeacher
+    from opd.teachers.base import HFTeacher
+    from opd.training.objectives import loss_mask, objective_loss
 
     model, tok = student
     b = played[1].batch
@@ -403,9 +403,9 @@ def test_chat_format_follows_other_templates_and_refuses_unstable_ones(student):
 def test_step_metrics_and_records_count_action_tokens_only(teacher, student, played):
     from types import SimpleNamespace
 
-    from opd.models import head_weight
-    from opd.stepstats import StepUpdate, metric_weights, rollout_records, step_metrics
-    from opd.teacher import HFTeacher, response_hidden
+    from opd.models.loading import head_weight
+    from opd.teachers.base import HFTeacher, response_hidden
+    from opd.training.stepstats import StepUpdate, metric_weights, rollout_records, step_metrics
 
     model, tok = student
     b = played[1].batch
@@ -428,7 +428,7 @@ def test_step_metrics_and_records_count_action_tokens_only(teacher, student, pla
 
 
 def test_single_turn_rollouts_have_equal_masks(student):
-    from opd.rollout import HFRollout
+    from opd.rollout.sampling import HFRollout
 
     model, tok = student
     prompts = [tok("<|im_start|>user\nAdd 3 and 4.<|im_end|>\n<|im_start|>assistant\n")["input_ids"]] * 3

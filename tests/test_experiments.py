@@ -203,7 +203,7 @@ def _steps(path):
 
 @pytest.mark.slow
 def test_interrupted_train_run_resumes_from_its_checkpoint(tiny_models, tmp_path):
-    from opd.train import train
+    from opd.training.loop import train
 
     student, teacher = tiny_models
     s = Settings(tmp_path, seeds=1, quick=True)
@@ -279,7 +279,7 @@ def test_a_multi_task_runs_command_line_runs_the_same_config(tmp_path, monkeypat
     """A task list has no flags of its own: each entry is written as one JSON mapping per --tasks."""
     from typer.testing import CliRunner
 
-    import opd.train
+    import opd.training.loop
     from opd.cli import app
 
     tasks = [
@@ -289,7 +289,7 @@ def test_a_multi_task_runs_command_line_runs_the_same_config(tmp_path, monkeypat
     cfg = TrainConfig(student="s", tasks=tasks, task_mode="alternate", objective="sampled", steps=5)
     line = command_line(RunSpec("x", "train", cfg), tmp_path / "x")
     got = []
-    monkeypatch.setattr(opd.train, "train", lambda c: got.append(c))
+    monkeypatch.setattr(opd.training.loop, "train", lambda c: got.append(c))
     result = CliRunner().invoke(app, shlex.split(line)[1:])
     assert result.exit_code == 0, result.output
     assert got == [dataclasses.replace(cfg, out=str(tmp_path / "x"))]

@@ -10,7 +10,7 @@ import pytest
 from opd.experiments import run
 from opd.experiments.cross_tokenizer import VARIANTS
 from opd.experiments.stats import INCONCLUSIVE
-from opd.models import load_tokenizer
+from opd.models.loading import load_tokenizer
 
 
 @pytest.mark.slow

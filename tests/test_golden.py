@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from opd import train as train_mod
 from opd.config import TrainConfig
-from opd.demo import ASSETS
+from opd.recipes.demo import ASSETS
+from opd.training import loop as train_mod
 
 GOLDEN = Path(__file__).parent / "golden" / "lsm_demo_steps.json"
 KEYS = ("train/loss", "train/grad_norm", "rollout/response_len", "train/loss_tokens")
@@ -78,9 +78,9 @@ def test_lsm_steps_match_the_recorded_trajectory(tmp_path):
 
 @pytest.mark.slow
 def test_a_short_lsm_run_raises_the_students_accuracy(tmp_path):
-    from opd.data import PromptSet, load_task
-    from opd.evaluation import evaluate_model
-    from opd.models import load_model, load_tokenizer
+    from opd.evaluation.prompts import evaluate_model
+    from opd.models.loading import load_model, load_tokenizer
+    from opd.rollout.prompts import PromptSet, load_task
 
     cfg = golden_config(tmp_path / "run", steps=40, batch_size=32, max_new_tokens=48, warmup_steps=2, eval_size=100)
     tok = load_tokenizer(cfg.student)

@@ -14,13 +14,13 @@ import torch
 from helpers import step_records, train_killed_at
 from test_train import cfg_for
 
-from opd import train as train_mod
-from opd.distributed import Dist
 from opd.errors import UserError
-from opd.evaluation import evaluate_model
-from opd.models import disable_dropout, load_model, load_tokenizer
-from opd.objectives import reduce_loss
+from opd.evaluation.prompts import evaluate_model
+from opd.models.loading import disable_dropout, load_model, load_tokenizer
 from opd.tasks import ArithmeticTask
+from opd.training import loop as train_mod
+from opd.training.distributed import Dist
+from opd.training.objectives import reduce_loss
 
 # ----------------------------------------------------------------------------- constant_sum
 
@@ -198,7 +198,7 @@ class _GenerousTask(ArithmeticTask):
 
 
 def test_evaluation_grades_with_the_tasks_reward(tiny_models):
-    from opd.data import PromptSet
+    from opd.rollout.prompts import PromptSet
 
     student, _ = tiny_models
     tok = load_tokenizer(student)
@@ -218,9 +218,9 @@ def test_evaluation_grades_with_the_tasks_reward(tiny_models):
 def test_full_kl_from_hidden_states_equals_the_dense_loss_on_rollouts(tiny_models, tmp_path, direction):
     """The trainer's full_kl never builds (N, T, V) logits; it must still be the dense KL, value and gradient."""
     from opd import losses as L
-    from opd.models import head_weight
-    from opd.objectives import objective_loss
-    from opd.teacher import response_hidden
+    from opd.models.loading import head_weight
+    from opd.teachers.base import response_hidden
+    from opd.training.objectives import objective_loss
 
     run = train_mod.setup(cfg_for(tiny_models, tmp_path, objective="full_kl", kl_direction=direction))
     batch, _, _ = train_mod.rollout_stage(run, 0)

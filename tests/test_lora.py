@@ -9,10 +9,10 @@ import torch
 from helpers import assert_close_weights, assert_same_trajectory, cli_args, launch, step_records
 from typer.testing import CliRunner
 
-from opd import train as train_mod
 from opd.cli import app
 from opd.config import TrainConfig
 from opd.errors import UserError
+from opd.training import loop as train_mod
 
 SMALL = dict(
     max_new_tokens=8,
@@ -130,8 +130,8 @@ def test_bad_lora_target_is_refused_before_training(tiny_models, tmp_path):
 
 @pytest.mark.parametrize("target", ["lm_head", "embed_tokens"])
 def test_head_and_embedding_cannot_be_lora_targets(tiny_models, target):
-    from opd.lora import apply_lora
-    from opd.models import load_model
+    from opd.models.loading import load_model
+    from opd.models.lora import apply_lora
 
     with pytest.raises(UserError, match="output head or input embedding"):
         apply_lora(load_model(tiny_models[0]), 4, 8.0, [target], 0.0, tiny_models[0])
@@ -143,7 +143,7 @@ def test_merge_lora_refuses_a_plain_model(tiny_models, tmp_path):
 
 
 def test_an_adapter_directory_given_as_a_model_points_to_merge_lora(lora_run):
-    from opd.models import load_model
+    from opd.models.loading import load_model
 
     with pytest.raises(UserError, match="holds a LoRA adapter.*opd merge-lora"):
         load_model(lora_run[0] / "final", "student")

@@ -7,9 +7,9 @@ import shutil
 import pytest
 from test_train import cfg_for
 
-from opd import train as train_mod
 from opd.errors import UserError
-from opd.models import load_model, load_tokenizer
+from opd.models.loading import load_model, load_tokenizer
+from opd.training import loop as train_mod
 
 
 @pytest.fixture(scope="module")

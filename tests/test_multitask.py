@@ -11,13 +11,13 @@ from conftest import make_tiny_model
 from helpers import SMALL, assert_close_weights, final_weights, launch, read_metrics, step_records, train_killed_at
 from typer.testing import CliRunner
 
-from opd import train as train_mod
 from opd.cli import app
 from opd.config import ConfigError, TrainConfig, resolve_tasks
-from opd.data import batch_indices
 from opd.errors import UserError
-from opd.multitask import split_by_task, task_for_step, task_schedule
-from opd.stepstats import FULL_VOCAB_KEYS
+from opd.rollout.prompts import batch_indices
+from opd.training import loop as train_mod
+from opd.training.schedule import split_by_task, task_for_step, task_schedule
+from opd.training.stepstats import FULL_VOCAB_KEYS
 
 BASE = {**SMALL, "steps": 4, "batch_size": 4}
 TOY = dict(env="toy", env_level=1, max_new_tokens=96, max_action_tokens=8, max_turns=4, eval_size=3)
@@ -142,9 +142,9 @@ def test_task_overrides_resolve_into_checked_configs(tmp_path):
 
 
 def test_a_teacher_with_another_vocabulary_names_its_task(tiny_models, tmp_path):
-    from opd.models import tiny_qwen2
+    from opd.models.loading import tiny_qwen2
+    from opd.models.tokenizer import train_tokenizer
     from opd.tasks import ArithmeticTask
-    from opd.tokenizer import train_tokenizer
 
     ex = ArithmeticTask(n_train=300, n_test=10, seed=5).examples("train")
     tok = train_tokenizer([e.prompt for e in ex] + [e.solution for e in ex], vocab_size=600)
@@ -342,10 +342,10 @@ def test_two_ranks_match_one_process_with_two_tasks_and_two_teachers(tiny_models
 def test_a_task_may_have_a_teacher_with_another_tokenizer(tiny_models, tmp_path):
     """Per-task cross-tokenizer settings: with the default (auto) the odd teacher is wrapped for
     cross-tokenizer scoring, and the same-vocabulary task keeps its plain teacher."""
-    from opd.crosstok.scorer import CrossTokenizerTeacher
-    from opd.models import tiny_qwen2
+    from opd.models.loading import tiny_qwen2
+    from opd.models.tokenizer import train_tokenizer
     from opd.tasks import ArithmeticTask
-    from opd.tokenizer import train_tokenizer
+    from opd.teachers.crosstok import CrossTokenizerTeacher
 
     ex = ArithmeticTask(n_train=300, n_test=10, seed=5).examples("train")
     tok = train_tokenizer([e.prompt for e in ex] + [e.solution for e in ex], vocab_size=600)

@@ -37,7 +37,7 @@ SUMMARY = {
 
 def make_report_runs(models, root):
     """demo/sampled and demo/lsm (3 steps, evals after steps 1 and 2) and demo/summary.json under ``root``."""
-    from opd.train import train
+    from opd.training.loop import train
 
     student, teacher = models
     demo = root / "demo"

@@ -14,18 +14,18 @@ import pytest
 from helpers import read_metrics, step_records
 
 from opd.config import TrainConfig
-from opd.records import MODEL_FIELDS
 from opd.report import write_report
 from opd.report.charts import build_charts, rate_word
 from opd.report.inspector import inspector_data
 from opd.report.load import RunData, load_run
+from opd.runs.records import MODEL_FIELDS
 
 BATCH, MAX_TURNS = 4, 4
 
 
 def make_agentic_run(models, root):
     """``root/agent``: 3 steps of the toy game, all rollouts logged, evaluations after steps 1 and 2."""
-    from opd.train import train
+    from opd.training.loop import train
 
     student, teacher = models
     out = root / "agent"

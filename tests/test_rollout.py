@@ -11,11 +11,11 @@ import math
 import pytest
 import torch
 
-from opd.models import load_model, load_tokenizer
-from opd.objectives import loss_mask
-from opd.rollout import HFRollout, RolloutBatch, nucleus_sample
-from opd.sft import encode_pairs
-from opd.tokenizer import format_prompt
+from opd.models.loading import load_model, load_tokenizer
+from opd.models.tokenizer import format_prompt
+from opd.rollout.sampling import HFRollout, RolloutBatch, nucleus_sample
+from opd.training.objectives import loss_mask
+from opd.training.sft import encode_pairs
 
 
 def ref_nucleus(probs: list[float], top_p: float) -> set[int]:
@@ -159,7 +159,7 @@ def test_response_mask_ends_at_the_first_eos(tiny_models):
 
 
 def test_finished_rows_leave_the_decoding_batch_without_changing_any_rollout(tiny_models, monkeypatch):
-    import opd.rollout as R
+    import opd.rollout.sampling as R
 
     student, _ = tiny_models
     tok, model = load_tokenizer(student), sharpened(student, 2.0)
@@ -248,8 +248,8 @@ def hand_batch(pad_id: int, prompts: list[list[int]], responses: list[list[int]]
 
 @pytest.mark.parametrize("rows_per_chunk", [1, 3, 16])
 def test_response_hidden_in_length_chunks_matches_each_row_alone(tiny_models, rows_per_chunk):
-    from opd.models import final_hidden
-    from opd.teacher import response_hidden
+    from opd.models.loading import final_hidden
+    from opd.teachers.base import response_hidden
 
     student, _ = tiny_models
     tok, model = load_tokenizer(student), load_model(student, "student")
@@ -276,7 +276,7 @@ def test_response_hidden_in_length_chunks_matches_each_row_alone(tiny_models, ro
 
 
 def test_rows_are_dropped_only_from_caches_whose_every_layer_can_select_rows(tiny_models):
-    from opd.rollout import _can_drop_rows
+    from opd.rollout.sampling import _can_drop_rows
 
     student, _ = tiny_models
     tok, model = load_tokenizer(student), load_model(student, "student")

@@ -7,8 +7,8 @@ import stat
 
 import pytest
 
-from opd.models import load_model, load_tokenizer
-from opd.rundir import RunDir, save_final_model
+from opd.models.loading import load_model, load_tokenizer
+from opd.runs.rundir import RunDir, save_final_model
 
 
 @pytest.fixture

@@ -23,17 +23,18 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from opd import serve as serve_mod
-from opd import teacher_http, wire
-from opd import train as train_mod
 from opd.config import TrainConfig
 from opd.errors import UserError
-from opd.models import head_weight, load_model, load_tokenizer
-from opd.rollout import HFRollout
-from opd.serve import BatchScorer, Limits, RequestError, TeacherApp, start_server, stop_server
-from opd.teacher import HFTeacher
-from opd.teacher_factory import make_teacher
-from opd.teacher_http import HTTPTeacher
+from opd.models.loading import head_weight, load_model, load_tokenizer
+from opd.rollout.sampling import HFRollout
+from opd.teachers import factory as teacher_factory
+from opd.teachers import server as serve_mod
+from opd.teachers import wire
+from opd.teachers.base import HFTeacher
+from opd.teachers.client import HTTPTeacher
+from opd.teachers.factory import make_teacher
+from opd.teachers.server import BatchScorer, Limits, RequestError, TeacherApp, start_server, stop_server
+from opd.training import loop as train_mod
 
 real_encode = wire.encode_scores
 
@@ -313,7 +314,7 @@ def test_training_with_served_teacher_matches_in_process(served, tiny_models, tm
     ):
         # make_teacher builds the client; the JSON run gets one that declines the binary answer
         client = functools.partial(HTTPTeacher, binary=False) if name == "json" else HTTPTeacher
-        monkeypatch.setattr(teacher_http, "HTTPTeacher", client)
+        monkeypatch.setattr(teacher_factory, "HTTPTeacher", client)
         out, before = tmp_path / name, len(encoded)
         train_mod.train(TrainConfig(out=str(out), **common, **extra), show_progress=False)
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

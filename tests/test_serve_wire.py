@@ -1,4 +1,4 @@
-"""opd's binary answer (``opd.wire``) between its own client and server: the codec's checks, the same
+"""opd's binary answer (``opd.teachers.wire``) between its own client and server: the codec's checks, the same
 numbers as the JSON answer, the negotiation (foreign and older servers keep JSON), and the
 guarantees of the JSON path on the binary one (retries, clear errors, a failing request failing
 alone)."""
@@ -17,12 +17,12 @@ import pytest
 import torch
 from test_serve import rollouts
 
-from opd import wire
 from opd.errors import UserError
-from opd.models import head_weight, load_model, load_tokenizer
-from opd.serve import BatchScorer, Limits, TeacherApp, start_server, stop_server
-from opd.teacher import HFTeacher
-from opd.teacher_http import HTTPTeacher
+from opd.models.loading import head_weight, load_model, load_tokenizer
+from opd.teachers import wire
+from opd.teachers.base import HFTeacher
+from opd.teachers.client import HTTPTeacher
+from opd.teachers.server import BatchScorer, Limits, TeacherApp, start_server, stop_server
 
 
 @pytest.fixture(scope="module")

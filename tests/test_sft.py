@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from opd import sft as sft_mod
 from opd.config import ConfigError, SFTConfig
-from opd.data import load_task
 from opd.errors import UserError
+from opd.rollout.prompts import load_task
+from opd.training import sft as sft_mod
 
 SMALL = dict(steps=3, batch_size=4, max_new_tokens=4, eval_size=2, eval_every=0, warmup_steps=1)
 

@@ -1,6 +1,6 @@
 """A served teacher that goes away: the trainer waits for it, or checkpoints and stops, and loses nothing.
 
-The client's waiting (:class:`opd.teacher_http.Patience`) is tested with an injected clock and sleep,
+The client's waiting (:class:`opd.teachers.client.Patience`) is tested with an injected clock and sleep,
 so no test sleeps through its backoff; the runs kill -9 an ``opd serve-teacher`` process at a
 step's start (a hook, not a timer) and compare what the run wrote with an uninterrupted run's.
 """
@@ -22,14 +22,14 @@ import torch
 from helpers import ENV, free_port, read_metrics
 from typer.testing import CliRunner
 
-from opd import train as train_mod
 from opd.config import ConfigError, TrainConfig, build_config
 from opd.errors import UserError
-from opd.models import head_weight, load_model, load_tokenizer
-from opd.rollout import HFRollout
-from opd.teacher import TeacherUnavailable
-from opd.teacher_factory import make_teacher
-from opd.teacher_http import HTTPTeacher, Patience, vocab_info
+from opd.models.loading import head_weight, load_model, load_tokenizer
+from opd.rollout.sampling import HFRollout
+from opd.teachers.base import TeacherUnavailable
+from opd.teachers.client import HTTPTeacher, Patience, vocab_info
+from opd.teachers.factory import make_teacher
+from opd.training import loop as train_mod
 
 
 class FakeClock:

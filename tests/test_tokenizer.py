@@ -11,8 +11,7 @@ import torch
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from opd.errors import UserError
-from opd.tasks import ArithmeticTask
-from opd.tokenizer import (
+from opd.models.tokenizer import (
     CHAT_TEMPLATE,
     EOS,
     IM_START,
@@ -25,6 +24,7 @@ from opd.tokenizer import (
     special_token_ids,
     train_tokenizer,
 )
+from opd.tasks import ArithmeticTask
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from opd.cli import app
 from opd.config import ConfigError, SFTConfig, TrainConfig, build_config
 from opd.errors import UserError
-from opd.rundir import RunDir
+from opd.runs.rundir import RunDir
 
 NAN = float("nan")
 
@@ -31,7 +31,7 @@ NAN = float("nan")
 
 
 def expected_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
-    """tag -> {step: value} from metrics.jsonl, written independently of opd.tracking.scalars:
+    """tag -> {step: value} from metrics.jsonl, written independently of opd.runs.tracking.scalars:
     numbers and booleans as they are, lists one tag per entry, anything else left out."""
     out: dict[str, dict[int, float]] = {}
     for r in read_metrics(run_dir):
@@ -132,7 +132,7 @@ def test_bad_report_to_is_a_clear_error(value, match):
 
 
 def test_cli_takes_repeated_and_comma_separated_report_to(monkeypatch, tmp_path):
-    import opd.train as train_mod
+    import opd.training.loop as train_mod
 
     seen = []
     monkeypatch.setattr(train_mod, "train", lambda cfg: seen.append(cfg.report_to))
@@ -239,7 +239,7 @@ def test_opd_train_killed_and_resumed_with_tensorboard(tiny_models, tmp_path, mo
     """The real training loop (RunDir given report_to as train.py passes it), killed at step 3 and
     resumed from the step-1 checkpoint: the events hold exactly metrics.jsonl's scalars."""
     pytest.importorskip("tensorboard")
-    import opd.train as train_mod
+    import opd.training.loop as train_mod
 
     monkeypatch.setattr(train_mod, "RunDir", lambda path, **kw: RunDir(path, **{"report_to": ["tensorboard"], **kw}))
     cfg = tiny_train_cfg(tiny_models, tmp_path / "run", report_to=["tensorboard"])
@@ -261,7 +261,7 @@ ATTEMPT = """
 import json, sys
 from pathlib import Path
 from opd.config import TrainConfig
-from opd.rundir import RunDir
+from opd.runs.rundir import RunDir
 a = json.loads(sys.argv[1])
 run = RunDir(a["out"], enabled=True, report_to=a["report_to"])
 if a["resume_after"] is not None:

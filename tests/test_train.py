@@ -10,10 +10,10 @@ import torch
 from helpers import read_metrics, step_records, train_killed_at
 from typer.testing import CliRunner
 
-from opd import train as train_mod
 from opd.cli import app
 from opd.config import ConfigError, TrainConfig
 from opd.errors import UserError
+from opd.training import loop as train_mod
 
 SMALL = dict(
     device="cpu",
@@ -102,7 +102,7 @@ def test_config_file_and_cli_precedence(tiny_models, tmp_path):
 
 
 def test_lsm_loss_decreases_on_a_fixed_batch(tiny_models, tmp_path):
-    from opd.objectives import LossTotals, loss_mask, objective_loss, reduce_loss
+    from opd.training.objectives import LossTotals, loss_mask, objective_loss, reduce_loss
 
     run = train_mod.setup(cfg_for(tiny_models, tmp_path, lr=3e-3, warmup_steps=0, batch_size=8))
     batch, _, _ = train_mod.rollout_stage(run, 0)
@@ -173,9 +173,9 @@ def test_missing_model_path(tiny_models, tmp_path):
 
 
 def test_mismatched_vocabularies(tiny_models, tmp_path):
-    from opd.models import tiny_qwen2
+    from opd.models.loading import tiny_qwen2
+    from opd.models.tokenizer import train_tokenizer
     from opd.tasks import ArithmeticTask
-    from opd.tokenizer import train_tokenizer
 
     ex = ArithmeticTask(n_train=300, n_test=10, seed=5).examples("train")
     tok = train_tokenizer([e.prompt for e in ex] + [e.solution for e in ex], vocab_size=600)
@@ -267,8 +267,8 @@ def test_steps_make_no_tensor_on_the_default_device(tiny_models, tmp_path, monke
     the first operation mixing it with a CPU tensor fails. Step 0 runs as usual, because torch
     itself keeps AdamW's step counters on the default device when it creates them. (A tensor
     made on the CPU on purpose and never moved would pass: here the models are on the CPU too.)"""
-    from opd.models import load_model, load_tokenizer
-    from opd.serve import TeacherApp, start_server, stop_server
+    from opd.models.loading import load_model, load_tokenizer
+    from opd.teachers.server import TeacherApp, start_server, stop_server
 
     real = train_mod.rollout_stage
 
@@ -294,7 +294,7 @@ def test_steps_make_no_tensor_on_the_default_device(tiny_models, tmp_path, monke
 
 
 def test_device_option(tiny_models, tmp_path):
-    from opd.models import resolve_device
+    from opd.models.loading import resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
     with pytest.raises(ConfigError, match="device='gpu'"):

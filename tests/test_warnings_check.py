@@ -15,7 +15,7 @@ import warnings
 import torch
 from transformers.utils.deprecation import deprecate_kwarg
 
-from opd.rollout import prefill
+from opd.rollout.sampling import prefill
 
 
 class Stub(torch.nn.Module):
@@ -64,8 +64,8 @@ def test_a_deprecated_call_from_opd_fails_and_others_pass(pytester, monkeypatch)
     result.assert_outcomes(passed=2, failed=2)
     result.stdout.fnmatch_lines(
         [
-            "*FutureWarning caused by opd/rollout.py:*`use_cache` is deprecated*",
-            "*FutureWarning caused by opd/rollout.py:*this way of calling is deprecated*",
+            "*FutureWarning caused by opd/rollout/sampling.py:*`use_cache` is deprecated*",
+            "*FutureWarning caused by opd/rollout/sampling.py:*this way of calling is deprecated*",
             "FAILED test_inner.py::test_opd_passes_the_deprecated_keyword*",
             "FAILED test_inner.py::test_opd_calls_what_warns_about_its_own_line*",
         ]

@@ -77,21 +77,21 @@ def config_command(name: str, cls: type, help: str) -> Callable[[Callable[[Any],
 
 @config_command("train", TrainConfig, "On-policy distillation of a student toward a teacher (default: LSM).")
 def _train(cfg: TrainConfig) -> None:
-    from opd.train import train
+    from opd.training.loop import train
 
     train(cfg)
 
 
 @config_command("sft", SFTConfig, "Supervised fine-tuning: make teachers and students, or an off-policy cold start.")
 def _sft(cfg: SFTConfig) -> None:
-    from opd.sft import sft
+    from opd.training.sft import sft
 
     sft(cfg)
 
 
 @config_command("eval", EvalConfig, "Evaluate a model: greedy accuracy, avg@k, pass@k, gap recovery.")
 def _eval(cfg: EvalConfig) -> None:
-    from opd.evaluation import run_eval
+    from opd.evaluation.prompts import run_eval
 
     run_eval(cfg)
 
@@ -119,16 +119,16 @@ def _demo(
     if agentic and multitask:
         raise UserError("--agentic and --multitask are two demos; choose one")
     if multitask:
-        from opd.demo_multitask import run_multitask_demo
+        from opd.recipes.multitask import run_multitask_demo
 
         run_multitask_demo(out=out, steps=steps or 0, quick=quick, assets=assets)
         return
     if agentic:
-        from opd.demo_agentic import run_agentic_demo
+        from opd.recipes.agentic import run_agentic_demo
 
         run_agentic_demo(out=out, steps=steps or 0, quick=quick, assets=assets)
         return
-    from opd.demo import run_demo
+    from opd.recipes.demo import run_demo
 
     run_demo(out=out, steps=steps or 200, quick=quick, assets=assets)
 
@@ -149,7 +149,7 @@ def _serve_teacher(
     verbose: bool = typer.Option(False, help="Log every request."),
 ) -> None:
     """Serve a teacher over HTTP in vLLM's completions + prompt_logprobs format (for opd train --teacher-url)."""
-    from opd.serve import Limits, serve
+    from opd.teachers.server import Limits, serve
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: use {', '.join(DTYPES)}")
@@ -185,7 +185,7 @@ def _merge_lora(
     base: Path | None = typer.Option(None, help="Base model directory (default: the path recorded in the adapter)."),
 ) -> None:
     """Fold a LoRA adapter (opd train --lora-r) into its base model and write a plain model directory."""
-    from opd.lora import merge_lora
+    from opd.models.lora import merge_lora
 
     typer.echo(f"merged model: {merge_lora(adapter, out, base)}")
 
@@ -211,16 +211,16 @@ def _make_demo_models(
     if agentic and multitask:
         raise UserError("--agentic and --multitask make different models; choose one")
     if multitask:
-        from opd.demo_multitask import make_multitask_models
+        from opd.recipes.multitask import make_multitask_models
 
         make_multitask_models(out=out, quick=quick, seed=seed, only=only)
         return
     if agentic:
-        from opd.demo_agentic import make_agentic_models
+        from opd.recipes.agentic import make_agentic_models
 
         make_agentic_models(out=out, quick=quick, seed=seed, only=only)
         return
-    from opd.demo import make_demo_models
+    from opd.recipes.demo import make_demo_models
 
     make_demo_models(out=out, quick=quick, seed=seed, only=only)
 

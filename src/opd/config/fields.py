@@ -42,7 +42,7 @@ def require(cond: bool, message: str) -> None:
 
 
 def check_device(spec: str) -> None:
-    """``--device`` must be auto, cpu, cuda or cuda:N (what :func:`opd.models.resolve_device` reads)."""
+    """``--device`` must be auto, cpu, cuda or cuda:N (what :func:`opd.models.loading.resolve_device` reads)."""
     require(bool(re.fullmatch(DEVICE_PATTERN, spec)), f"device={spec!r}: use auto, cpu, cuda or cuda:N")
 
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from opd.config.fields import DTYPES, REPORT_TO_HELP, ConfigError, check_device, check_report_to, opt, require
 from opd.config.tasks import read_task_list, resolve_tasks
 from opd.crosstok.align import PAIRINGS
-from opd.grading import check_answer_format
 from opd.losses import SUPPORT_KINDS
 from opd.tasks.arithmetic import LEVELS
 from opd.tasks.dataset import parse_split
+from opd.tasks.grading import check_answer_format
 
 OBJECTIVES = ("lsm", "sampled", "full_kl")
 DEFAULT_SPECIAL_TOKENS = ("<|im_end|>", "<think>", "</think>")
@@ -280,7 +280,7 @@ class TrainConfig(EnvSource, TrainingSource):
     tasks: list | None = opt(
         None,
         "Multi-task OPD: the run's tasks, each with its own teacher, data or environment and settings "
-        "(a list in the --config file, or a YAML/JSON file holding it); see opd.multitask. Unset: one "
+        "(a list in the --config file, or a YAML/JSON file holding it); see opd.training.schedule. Unset: one "
         "task, given by the options above.",
     )
     task_mode: str = opt(
@@ -450,7 +450,7 @@ class SFTConfig(EnvSource, TrainingSource):
         None,
         "Several tasks in one SFT run (e.g. math solutions and a game's expert episodes), each with its own "
         "data or environment, train_size and batch_size (a list in the --config file, or a YAML/JSON file "
-        "holding it; see opd.multitask). The kept model is the one with the best mean accuracy over tasks.",
+        "holding it; see opd.training.schedule). The kept model is the one with the best mean accuracy over tasks.",
     )
     task_mode: str = opt(
         "mix",

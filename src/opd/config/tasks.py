@@ -1,6 +1,6 @@
 """A run's task list (``tasks:`` in a config, or ``--tasks FILE``) as one validated config per task.
 
-See :mod:`opd.multitask` for what a multi-task run is and how its steps use the tasks. This part
+See :mod:`opd.training.schedule` for what a multi-task run is and how its steps use the tasks. This part
 builds configs, so it lives with them; it knows a config's class only by its fields (an OPD run's
 config has ``teacher_url``), which keeps it below the classes that call it while validating.
 """

@@ -1,7 +1,7 @@
 """Foundations of cross-tokenizer on-policy distillation: a teacher with another vocabulary.
 
 The student samples a response; the teacher reads the same *text* in its own tokenization and
-chat template. These building blocks relate the two; :class:`opd.crosstok.scorer.CrossTokenizerTeacher`
+chat template. These building blocks relate the two; :class:`opd.teachers.crosstok.CrossTokenizerTeacher`
 puts them behind the trainer's teacher protocol (``opd train --cross-tokenizer``; not imported
 here, since it depends on the trainer's teacher module):
 

@@ -11,7 +11,7 @@ been shown by an earlier observation; receptacles and appliances are all in the 
 
 The expert is a policy (:class:`SearchPolicy`): it reads each command played and the game's reply,
 whoever played it, and says the next command from what it knows. So it can take over from any
-state, a student's mistakes included (what :func:`opd.agentic.dagger_sequences` labels), and
+state, a student's mistakes included (what :func:`opd.training.cloning.dagger_sequences` labels), and
 :func:`search_expert` is that policy playing a game from its start.
 
 The task (object, goal receptacle, lamp) comes from the game's ``traj_data.json``

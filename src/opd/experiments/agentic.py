@@ -1,6 +1,6 @@
 """``opd experiment agentic``: OPD objectives on multi-turn ALFWorld games (2603.25562, agentic setting).
 
-From the agentic demo's game teacher and student (:mod:`opd.demo_agentic`: ALFWorld level 1,
+From the agentic demo's game teacher and student (:mod:`opd.recipes.agentic`: ALFWorld level 1,
 generated games), with the same seeds: sampled-token OPD, LSM without special-token masking, LSM
 with it (the paper's ALFWorld column: 90.6 / 95.3 / 97.7 success), and full-vocabulary reverse KL
 as the truncation ablation the reviewers asked for (does restoring the full support help?). Each
@@ -20,7 +20,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from opd.config import EvalConfig, TrainConfig
-from opd.demo_agentic import ASSETS, DEMO_BATCH, DEMO_LR, DEMO_STEPS, ENV, EVAL_SAMPLES, LEVEL, LIMITS, TOP_P, env_args
 from opd.experiments.common import (
     avg_at_k_claim,
     demo_models,
@@ -32,6 +31,18 @@ from opd.experiments.common import (
 )
 from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
 from opd.experiments.stats import mean_ci, verdict
+from opd.recipes.agentic import (
+    ASSETS,
+    DEMO_BATCH,
+    DEMO_LR,
+    DEMO_STEPS,
+    ENV,
+    EVAL_SAMPLES,
+    LEVEL,
+    LIMITS,
+    TOP_P,
+    env_args,
+)
 
 VARIANTS = {
     "sampled": dict(objective="sampled", mask_special=False),
@@ -43,7 +54,7 @@ COVERAGE = 0.08  # the paper's authors: ">92% coverage" of the student's tokens 
 
 
 def make_quick_models(p: dict, run_dir: Path) -> dict:
-    from opd.demo_agentic import make_agentic_models
+    from opd.recipes.agentic import make_agentic_models
 
     return make_agentic_models(Path(p["out"]), quick=True)
 

@@ -7,8 +7,8 @@ whose directory holds ``DONE.json`` and resuming interrupted ``opd train`` runs 
 latest checkpoint, then writes ``results.md``, ``results.json``, the PNG plots and
 ``commands.txt`` (the ``opd`` command equivalent to each run) into ``OUT/NAME/``.
 
-Run kinds: ``train`` (:func:`opd.train.train`), ``sft`` (:func:`opd.sft.sft`), ``eval``
-(:func:`opd.evaluation.run_eval`) and ``python`` (an experiment's own measurement function, e.g.
+Run kinds: ``train`` (:func:`opd.training.loop.train`), ``sft`` (:func:`opd.training.sft.sft`), ``eval``
+(:func:`opd.evaluation.prompts.run_eval`) and ``python`` (an experiment's own measurement function, e.g.
 the synthetic variance study, called as ``fn(params, run_dir) -> dict``).
 """
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from opd.errors import UserError
-from opd.parallel import process_pool, threads_per_worker, with_threads
+from opd.recipes.parallel import process_pool, threads_per_worker, with_threads
 
 DONE = "DONE.json"
 STARTED = "STARTED.json"  # the command a train run was begun with: resume only that one
@@ -119,8 +119,8 @@ def _started_command(run_dir: Path) -> str | None:
 
 def _execute(spec: RunSpec, run_dir: Path, show_progress: bool, command: str) -> dict:
     if spec.kind == "train":
-        from opd.rundir import RunDir
-        from opd.train import train
+        from opd.runs.rundir import RunDir
+        from opd.training.loop import train
 
         started = (run_dir / "metrics.jsonl").exists()
         if started and (_started_command(run_dir) != command or RunDir(run_dir).latest_checkpoint() is None):
@@ -131,12 +131,12 @@ def _execute(spec: RunSpec, run_dir: Path, show_progress: bool, command: str) ->
         cfg = dataclasses.replace(spec.config, out=str(run_dir), resume=started)
         return train(cfg, show_progress=show_progress) or {}
     if spec.kind == "sft":
-        from opd.sft import sft
+        from opd.training.sft import sft
 
         shutil.rmtree(run_dir, ignore_errors=True)  # sft has no resume: an interrupted one starts over
         return sft(dataclasses.replace(spec.config, out=str(run_dir)), show_progress=show_progress)
     if spec.kind == "eval":
-        from opd.evaluation import run_eval
+        from opd.evaluation.prompts import run_eval
 
         return run_eval(dataclasses.replace(spec.config, out=str(run_dir)))
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,10 @@
 """``opd experiment cross-tokenizer``: OPD from a teacher that tokenizes differently, against GOLD.
 
 The experiment makes its own teacher with a clearly different tokenizer
-(:func:`opd.tokenizer.train_sentencepiece_tokenizer`: SentencePiece-style ``▁`` spellings, digits
+(:func:`opd.models.tokenizer.train_sentencepiece_tokenizer`: SentencePiece-style ``▁`` spellings, digits
 split one by one, ``<0xNN>`` byte fallback, half the student's vocabulary, ``<s>``/``</s>``, no
 ``<think>`` token, a ``[INST] ... [/INST]`` template) and trains it with the demo teacher's recipe
-(:func:`opd.demo.teacher_sft_config`) on the task. The tokenizer lives in a directory of its own,
+(:func:`opd.recipes.demo.teacher_sft_config`) on the task. The tokenizer lives in a directory of its own,
 passed as ``--teacher-tokenizer``: saved next to a Qwen2 model, transformers 5 would rebuild it as
 a byte-level tokenizer on reload. From the packaged demo student and the same seeds: LSM with the
 packaged demo teacher (same tokenizer: the upper bound), cross-tokenizer LSM, cross-tokenizer
@@ -20,7 +20,6 @@ import math
 import shutil
 from pathlib import Path
 
-from opd.demo import MAX_NEW_TOKENS, TASK_LEVEL, TOP_P, teacher_sft_config
 from opd.experiments.common import (
     STUDENT,
     TEACHER,
@@ -37,6 +36,7 @@ from opd.experiments.common import (
 from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_done
 from opd.experiments.gold import probe_extended_uld, run_gold
 from opd.experiments.stats import mean_ci, verdict
+from opd.recipes.demo import MAX_NEW_TOKENS, TASK_LEVEL, TOP_P, teacher_sft_config
 
 TEACHER_VOCAB = 1024  # the student's is 2048
 OPD_STEPS, BATCH = 100, 32
@@ -59,9 +59,9 @@ VARIANTS = (*OPD_VARIANTS, *GOLD_VARIANTS)
 def make_tokenizer(p: dict, run_dir: Path) -> dict:
     """The teacher's tokenizer, trained on the task's prompts and solutions, in ``run_dir/tokenizer``."""
     from opd import crosstok
-    from opd.data import load_task
-    from opd.models import load_tokenizer
-    from opd.tokenizer import train_sentencepiece_tokenizer
+    from opd.models.loading import load_tokenizer
+    from opd.models.tokenizer import train_sentencepiece_tokenizer
+    from opd.rollout.prompts import load_task
 
     train = load_task("arithmetic", TASK_LEVEL, 0).examples("train")
     texts = [e.prompt for e in train] + [e.solution for e in train] + ["[INST] [/INST]"] * 100

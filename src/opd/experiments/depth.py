@@ -23,16 +23,16 @@ import json
 import math
 from pathlib import Path
 
-from opd.data import PromptSet, load_task
-from opd.demo import TASK_LEVEL
-from opd.evaluation import decode_responses
+from opd.evaluation.prompts import decode_responses
 from opd.experiments.common import STUDENT, TEACHER, generate_batches
 from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
 from opd.experiments.plots import line_plot
 from opd.experiments.stats import auroc, mean_ci, verdict
-from opd.grading import grade
-from opd.progress import progress_bar
-from opd.teacher import HFTeacher
+from opd.recipes.demo import TASK_LEVEL
+from opd.rollout.prompts import PromptSet, load_task
+from opd.runs.progress import progress_bar
+from opd.tasks.grading import grade
+from opd.teachers.base import HFTeacher
 
 BUCKET = 4  # tokens per depth bucket
 FULL = dict(prompts=160, continuations=4, depths=[0, 4, 8, 12, 16, 20, 24, 28])
@@ -55,8 +55,8 @@ def _continuation_accuracy(engine, tok, jobs, seed: int) -> list[bool]:
 
 
 def measure(p: dict, run_dir: Path) -> dict:
-    from opd.models import load_model, load_tokenizer
-    from opd.rollout import HFRollout
+    from opd.models.loading import load_model, load_tokenizer
+    from opd.rollout.sampling import HFRollout
 
     seed = p["seed"]
     tok = load_tokenizer(STUDENT, "student")

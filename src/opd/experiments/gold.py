@@ -2,10 +2,10 @@
 
 :func:`run_gold` is a python run step (``fn(params, run_dir) -> dict``): it trains the student with
 ``GOLDTrainer`` from local directories on CPU and writes the final model to ``run_dir/final`` with
-opd's :func:`opd.rundir.save_final_model`, so ``opd eval`` scores it exactly as it scores opd's runs.
+opd's :func:`opd.runs.rundir.save_final_model`, so ``opd eval`` scores it exactly as it scores opd's runs.
 The settings follow opd's runs: fully on-policy (``lmbda=1``), the same prompts (the task's
 training split; GOLD draws them in its own shuffled order), steps, batch, opd's own optimizer and
-schedule (:mod:`opd.optim`: AdamW, warm-up then a constant rate), clipping 1.0, temperature 1,
+schedule (:mod:`opd.training.optim`: AdamW, warm-up then a constant rate), clipping 1.0, temperature 1,
 top-p and no top-k, the same maximum response length. GOLD's loss: ULD (sorted-probability L1) or its hybrid
 (JSD on tokens spelled the same in both vocabularies, ULD on the rest), with no cross-entropy term.
 
@@ -40,7 +40,7 @@ def _dataset(p: dict):
     """The task's training prompts as chat messages (the solution only serves GOLD's off-policy path, unused at lmbda=1)."""
     from datasets import Dataset
 
-    from opd.data import load_task
+    from opd.rollout.prompts import load_task
 
     examples = load_task("arithmetic", p["task_level"], 0).examples("train")[: p["prompts"]]
     rows = [
@@ -52,8 +52,8 @@ def _dataset(p: dict):
 
 def _trainer(p: dict, run_dir: Path, extended: bool, steps: int):
     GOLDConfig, GOLDTrainer = _require_trl()
-    from opd.models import load_model, load_tokenizer
-    from opd.optim import make_optimizer, make_scheduler
+    from opd.models.loading import load_model, load_tokenizer
+    from opd.training.optim import make_optimizer, make_scheduler
 
     args = GOLDConfig(
         output_dir=str(run_dir / "trl"),
@@ -97,7 +97,7 @@ def _trainer(p: dict, run_dir: Path, extended: bool, steps: int):
 def run_gold(p: dict, run_dir: Path) -> dict:
     """Train with GOLD (``p``: student, teacher, teacher_tokenizer, hybrid, steps, batch_size, lr,
     warmup_steps, top_p, max_new_tokens, seed, task_level, prompts); the model goes to ``run_dir/final``."""
-    from opd.rundir import save_final_model
+    from opd.runs.rundir import save_final_model
 
     trainer, student_tok = _trainer(p, run_dir, extended=False, steps=p["steps"])
     t0 = time.time()

@@ -25,8 +25,6 @@ from pathlib import Path
 import torch
 
 from opd.config import DEFAULT_SPECIAL_TOKENS
-from opd.data import PromptSet, load_task
-from opd.demo import TASK_LEVEL
 from opd.experiments.common import (
     STUDENT,
     TEACHER,
@@ -43,7 +41,9 @@ from opd.experiments.common import (
 from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
 from opd.experiments.plots import line_plot
 from opd.experiments.stats import mean_ci, verdict
+from opd.recipes.demo import TASK_LEVEL
 from opd.report.load import read_jsonl
+from opd.rollout.prompts import PromptSet, load_task
 
 SPLIT_TOKENS = ("<think>", "</think>")  # re-segmented in the mismatched teacher's fine-tune
 VARIANTS = {
@@ -63,7 +63,7 @@ def make_init(p: dict, run_dir: Path) -> dict:
     tj = json.loads((init / "tokenizer.json").read_text())
     tj["added_tokens"] = [t for t in tj["added_tokens"] if t["content"] not in SPLIT_TOKENS]
     (init / "tokenizer.json").write_text(json.dumps(tj))
-    from opd.models import load_tokenizer
+    from opd.models.loading import load_tokenizer
 
     pieces = load_tokenizer(init).tokenize("<think>1 + 2 = 3.</think>")
     return {"segmentation": pieces}
@@ -81,9 +81,9 @@ def restore_vocab(p: dict, run_dir: Path) -> dict:
 
 def probe(p: dict, run_dir: Path) -> dict:
     """Sampled-token rewards of both teachers on the same student rollouts, by position class."""
-    from opd.models import load_model, load_tokenizer
-    from opd.rollout import HFRollout
-    from opd.teacher import HFTeacher
+    from opd.models.loading import load_model, load_tokenizer
+    from opd.rollout.sampling import HFRollout
+    from opd.teachers.base import HFTeacher
 
     tok = load_tokenizer(STUDENT, "student")
     student = load_model(STUDENT, "student")

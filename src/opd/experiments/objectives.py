@@ -14,7 +14,6 @@ LSM without renormalization, full KL) also at lr 2e-3; two greedy evaluations du
 
 from __future__ import annotations
 
-from opd.demo import STUDENT_TRAIN_SIZE
 from opd.experiments.common import (
     SPIKE,
     TEACHER,
@@ -29,6 +28,7 @@ from opd.experiments.common import (
 )
 from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
 from opd.experiments.stats import equivalence, mean_ci, verdict
+from opd.recipes.demo import STUDENT_TRAIN_SIZE
 
 LRS = (5e-4, 2e-3)
 # name -> TrainConfig overrides (sampled-token OPD's baseline form: no top-p, no mask, as in the paper)

@@ -17,8 +17,6 @@ import json
 import math
 from pathlib import Path
 
-from opd.data import load_task
-from opd.demo import TASK_LEVEL
 from opd.experiments.common import (
     TEACHER,
     avg_at_k_claim,
@@ -33,6 +31,8 @@ from opd.experiments.common import (
 )
 from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
 from opd.experiments.stats import mean_ci, verdict
+from opd.recipes.demo import TASK_LEVEL
+from opd.rollout.prompts import load_task
 from opd.tasks.arithmetic import reformat_solution
 
 ALIGNED_PROMPTS, TEACHER_SFT_STEPS, COLD_START_STEPS, OPD_STEPS = 4000, 400, 50, 100

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 
-from opd.estimators import gap_recovery
+from opd.evaluation.estimators import gap_recovery
 from opd.report.load import RunData
 
 # (id, title, [(metric key, series label suffix, dashed)], y label, what it shows)

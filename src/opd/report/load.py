@@ -1,6 +1,6 @@
 """Read run directories for the report, tolerant of what a live or damaged run leaves behind.
 
-A run directory (written by ``opd train``, see :mod:`opd.rundir`) holds ``config.json``,
+A run directory (written by ``opd train``, see :mod:`opd.runs.rundir`) holds ``config.json``,
 ``metrics.jsonl`` (step records and ``eval/`` records), ``rollouts.jsonl`` (per-token detail of a
 few rollouts per step) and, once finished, ``final/``. The demo writes ``summary.json`` (teacher
 and starting-student accuracy) next to its run directories; a run directory of its own may hold
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from opd.errors import UserError
-from opd.records import PER_TOKEN_FIELDS, ROLLOUT_FIELDS
+from opd.runs.records import PER_TOKEN_FIELDS, ROLLOUT_FIELDS
 
 
 @dataclass

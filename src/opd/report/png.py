@@ -14,8 +14,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 from matplotlib.colors import TwoSlopeNorm  # noqa: E402
 
-from opd.progress import progress_bar  # noqa: E402
 from opd.report.charts import NEGATIVE, PALETTE, POSITIVE  # noqa: E402
+from opd.runs.progress import progress_bar  # noqa: E402
 
 
 def _line(ax, chart: dict) -> None:

@@ -8,7 +8,7 @@ Usage::
     task.reward(completion_text, ex)        # 1.0 if the last \\boxed{} matches ex.answer
 
 Anything with ``name``, ``examples(split)`` and ``reward(completion, example)`` is a Task;
-there is no base class to inherit. Rewards go through ``opd.grading`` so that every task
+there is no base class to inherit. Rewards go through ``opd.tasks.grading`` so that every task
 grades answers the same way.
 """
 

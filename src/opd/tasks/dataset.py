@@ -13,7 +13,7 @@ Columns. ``prompt_field`` holds the question as a string, or as chat messages (a
 ``{"role", "content"}``): then the last user turn is the question, a system turn before it is
 kept, and the assistant turn after it is the solution when there is no solution column. A
 ``messages`` column stands in for a missing ``prompt`` column. ``answer_field`` holds the
-reference, read with ``answer_format`` (:mod:`opd.grading`: the ``#### 42`` of GSM8K with
+reference, read with ``answer_format`` (:mod:`opd.tasks.grading`: the ``#### 42`` of GSM8K with
 ``gsm8k``, the last ``\\boxed{}`` of a MATH solution with ``boxed``, where a reference without any
 box is the bare answer); without an answer column the reference is read from the solution.
 ``solution_field`` (optional) is a worked completion, for ``opd sft``. A ``task`` column labels
@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from opd.errors import UserError
-from opd.grading import check_answer_format, extract_answer, grade, reference_answer
 from opd.tasks.base import Example, check_split, hold_out
+from opd.tasks.grading import check_answer_format, extract_answer, grade, reference_answer
 from opd.tasks.rows import check_not_empty, convert_rows, find_bad_line
 
 __all__ = ["DatasetTask", "BUILDERS", "DEFAULT_TEST_FRACTION", "parse_split", "read_splits"]

@@ -16,7 +16,7 @@ A JSONL file is read like any other data file, by :class:`opd.tasks.dataset.Data
 field names, answer formats and chat messages work the same way); what the ``datasets`` JSON
 reader cannot say, which line of a file is bad, comes from :func:`opd.tasks.rows.find_bad_line`
 (named here too), used whenever a JSON file fails to load or fails the row checks. Completions are graded by their last
-``\\boxed{...}`` against ``answer`` (``opd.grading``). Problems raise ``opd.errors.UserError``
+``\\boxed{...}`` against ``answer`` (``opd.tasks.grading``). Problems raise ``opd.errors.UserError``
 naming the file, the line and the fix.
 """
 

@@ -1,0 +1,7 @@
+"""Evaluation: a model on prompts (:mod:`~opd.evaluation.prompts`, ``opd eval``) or on an
+environment's held-out games (:mod:`~opd.evaluation.games`), and the estimators behind the figures
+(:mod:`~opd.evaluation.estimators`: plain Python, no opd import, importable from here)."""
+
+from opd.evaluation.estimators import avg_at_k, gap_recovery, mean_pass_at_k, pass_at_k
+
+__all__ = ["avg_at_k", "gap_recovery", "mean_pass_at_k", "pass_at_k"]

@@ -1,0 +1,239 @@
+"""Loading and building causal LMs, with the checks OPD needs before any work starts.
+
+Any local Hugging Face causal-LM directory works (``from_pretrained``); hubs are never
+contacted (``local_files_only``). The trainer needs a model's final hidden states and its output
+embedding separately (the LSM fast path gathers K rows of that weight instead of computing all V
+logits); :func:`head_weight` and :func:`final_hidden` provide them and refuse models whose logits
+are not plain ``hidden @ W.T`` (logit scaling or soft-capping), rather than silently diverging.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from opd.config import check_device
+from opd.errors import UserError
+from opd.runs.quiet import quiet_transformers
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _check_model_dir(path: str | Path, role: str, required: str = "config.json") -> Path:
+    if not path:
+        raise UserError(f"no {role} model given; pass --{role} DIR (a local Hugging Face model directory)")
+    p = Path(path)
+    if not p.is_dir():
+        raise UserError(f"{role} model directory {p} does not exist; pass a local directory written by save_pretrained")
+    mistake = _not_a_model(p, role, wants_weights=required == "config.json")
+    if mistake:
+        raise UserError(mistake)
+    if not (p / required).is_file():
+        raise UserError(f"{p} has no {required}, so it is not a Hugging Face {role} directory; check the --{role} path")
+    return p
+
+
+_WEIGHTS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+
+
+def _not_a_model(p: Path, role: str, wants_weights: bool) -> str | None:
+    """What a directory is when it is one of the things users pass by mistake instead of a model.
+
+    An opd run directory has a config.json too (opd's own), so transformers would answer with an
+    "Unrecognized model" traceback; the directories opd writes are recognised by their layout.
+    """
+    if (p / "metrics.jsonl").is_file() or (p / "checkpoints").is_dir():
+        if (p / "final").is_dir():
+            return f"{p} is an opd run directory; its trained model is {p / 'final'}: pass --{role} {p / 'final'}"
+        return (
+            f"{p} is an opd run directory without a final model (the run did not finish); continue it with "
+            f"--resume --out {p}, or pass a checkpoint's model, e.g. {p / 'checkpoints' / 'step_N' / 'model'}"
+        )
+    if (p / "state.pt").is_file() and (p / "model").is_dir():
+        return f"{p} is an opd checkpoint; its model is {p / 'model'}: pass --{role} {p / 'model'}"
+    if (p / "latest").is_file() and any(p.glob("step_*")):
+        latest = p / (p / "latest").read_text().strip() / "model"
+        return f"{p} holds opd checkpoints; the latest one's model is {latest}: pass --{role} {latest}"
+    if not wants_weights:  # a tokenizer directory needs no model beside it (an adapter directory holds one too)
+        return None
+    if not (p / "config.json").is_file() and (p / "adapter_config.json").is_file():
+        return (
+            f"{p} holds a LoRA adapter, not a whole model; write one with opd merge-lora {p} --out DIR "
+            f"and pass that DIR as --{role}"
+        )
+    has_tokenizer = (p / "tokenizer_config.json").is_file() or (p / "tokenizer.json").is_file()
+    if has_tokenizer and not (p / "config.json").is_file():
+        return (
+            f"{p} holds a tokenizer but no model (no config.json); pass the directory that holds the "
+            f"model's config.json and weights as --{role}"
+        )
+    if (p / "config.json").is_file() and not any(any(p.glob(w)) for w in _WEIGHTS):
+        return (
+            f"{p} has a config.json but no weights (*.safetensors or *.bin); save the model with "
+            f"save_pretrained, or pass the directory that holds its weights as --{role}"
+        )
+    return None
+
+
+def load_tokenizer(path: str | Path, role: str = "student") -> PreTrainedTokenizerBase:
+    p = _check_model_dir(path, role, "tokenizer_config.json")
+    with quiet_transformers():
+        tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    if tok.eos_token_id is None:
+        raise UserError(f"the tokenizer in {p} has no EOS token; set eos_token in its tokenizer_config.json")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def load_model(
+    path: str | Path, role: str = "student", dtype: str = "float32", device: torch.device | str = "cpu"
+) -> PreTrainedModel:
+    p = _check_model_dir(path, role)
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(p, dtype=_DTYPES[dtype], local_files_only=True)
+    check_plain_head(model, p)
+    return model.to(device)
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``--device``: ``auto`` is this process's GPU when torch sees one (``LOCAL_RANK`` picks it
+    under torchrun/accelerate), else the CPU; ``cuda`` is this process's GPU; ``cuda:N`` and
+    ``cpu`` are taken as given."""
+    check_device(spec)
+    if spec == "cpu" or (spec == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UserError(
+            f"--device {spec}: torch sees no CUDA GPU here (torch {torch.__version__}, "
+            f"CUDA build: {torch.version.cuda or 'none'}); install a CUDA build of torch or use --device cpu"
+        )
+    if spec in ("auto", "cuda"):
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if local >= torch.cuda.device_count():  # two ranks on one GPU would make nccl fail later, less clearly
+            raise UserError(
+                f"local rank {local} has no GPU of its own: this machine shows {torch.cuda.device_count()} "
+                "GPU(s); launch at most that many processes per machine (--nproc_per_node)"
+            )
+        return torch.device("cuda", local)
+    index = int(spec.split(":")[1])
+    if index >= torch.cuda.device_count():
+        raise UserError(f"--device {spec}: this machine has {torch.cuda.device_count()} GPU(s) (cuda:0 ...)")
+    return torch.device(spec)
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where a model's parameters live (the device its inputs must be on)."""
+    return next(model.parameters()).device
+
+
+def check_plain_head(model: PreTrainedModel, where: str | Path = "model") -> None:
+    """Refuse models whose logits are not ``final_hidden @ W.T`` (the fast path assumes it)."""
+    cfg = model.config
+    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(cfg, attr, None) not in (None, 1.0, 0.0):
+            raise UserError(
+                f"{where}: config sets {attr}={getattr(cfg, attr)}, so logits are not hidden @ W.T; "
+                "opd's LSM fast path does not support logit scaling or soft-capping yet"
+            )
+
+
+def check_same_vocab(
+    student_tok: PreTrainedTokenizerBase,
+    teacher_tok: PreTrainedTokenizerBase,
+    student: PreTrainedModel,
+    teacher: PreTrainedModel,
+) -> None:
+    """Student and teacher must share one vocabulary: the teacher scores the student's token ids."""
+    s_vocab, t_vocab = student_tok.get_vocab(), teacher_tok.get_vocab()
+    if s_vocab != t_vocab:
+        only_s = len(set(s_vocab) - set(t_vocab))
+        only_t = len(set(t_vocab) - set(s_vocab))
+        moved = sum(1 for tok, i in s_vocab.items() if tok in t_vocab and t_vocab[tok] != i)
+        raise UserError(
+            f"student and teacher tokenizers differ ({len(s_vocab)} vs {len(t_vocab)} tokens; {only_s} only in the "
+            f"student, {only_t} only in the teacher, {moved} with different ids) and --cross-tokenizer is off: pick a "
+            "teacher from the student's model family, or train with --cross-tokenizer auto (cross-tokenizer OPD)"
+        )
+    s_rows = head_weight(student).shape[0]
+    t_rows = head_weight(teacher).shape[0]
+    if s_rows != t_rows:
+        raise UserError(
+            f"student and teacher output layers have {s_rows} and {t_rows} rows for the same tokenizer; "
+            "resize one model's embeddings (model.resize_token_embeddings) so both match"
+        )
+
+
+def head_weight(model: PreTrainedModel) -> torch.Tensor:
+    """The output embedding (V, D): tied models share it with the input embedding."""
+    return model.get_output_embeddings().weight
+
+
+def final_hidden(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Hidden states after the final norm, i.e. what the LM head multiplies (B, L, D)."""
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    return out.last_hidden_state
+
+
+def tiny_qwen2(
+    vocab_size: int, layers: int, width: int, *, eos_id: int, pad_id: int, max_len: int = 512
+) -> PreTrainedModel:
+    """A small Qwen2 causal LM built from a config (the embedded default's teacher and student)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    heads = max(2, width // 64)
+    cfg = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=width,
+        intermediate_size=width * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max_len,
+        tie_word_embeddings=True,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        bos_token_id=None,
+    )
+    return Qwen2ForCausalLM(cfg)
+
+
+def parse_arch(arch: str) -> tuple[int, int]:
+    """``qwen2:LAYERS:WIDTH`` -> (layers, width)."""
+    parts = arch.split(":")
+    if len(parts) != 3 or parts[0] != "qwen2" or not parts[1].isdigit() or not parts[2].isdigit():
+        raise UserError(f"--arch {arch!r} is not of the form qwen2:LAYERS:WIDTH (e.g. qwen2:4:256)")
+    layers, width = int(parts[1]), int(parts[2])
+    if width % 32 or layers < 1:
+        raise UserError(f"--arch {arch!r}: width must be a multiple of 32 and layers >= 1")
+    return layers, width
+
+
+# Attributes through which transformers' attention implementations read a dropout probability at
+# call time (``dropout=0.0 if not self.training else self.attention_dropout``): no nn.Dropout
+# module exists for them, so they are set on the modules that hold them.
+_DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout", "dropout_p")
+
+
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Turn off every dropout of ``model`` while it stays in train mode; returns how many were on.
+
+    On-policy training compares the student's log-probs across the rollout, the loss and the
+    diagnostics; with dropout on, each of those sees a different random network. RL and
+    distillation trainers (TRL's ``disable_dropout``, verl) turn it off for the same reason.
+    """
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            module.p, changed = 0.0, changed + 1
+        for name in _DROPOUT_ATTRIBUTES:
+            value = getattr(module, name, None)
+            if isinstance(value, float) and value > 0:
+                setattr(module, name, 0.0)
+                changed += 1
+    return changed

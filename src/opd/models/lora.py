@@ -1,0 +1,130 @@
+"""LoRA: train a peft adapter on the student instead of all its weights (``--lora-r``), and merge it.
+
+The adapter goes on the student's linear layers (``--lora-targets``, default every linear layer
+of the transformer blocks). The output head and the input embedding cannot be targets: the LSM
+fast path multiplies the final hidden states by the head weight directly (never calling the head
+module, where LoRA would act), and the demo models tie that weight to the input embedding, so an
+adapter there would be silently ignored by the loss. Checkpoints and ``final/`` then hold the
+adapter (``adapter_model.safetensors``, ``adapter_config.json``, with the absolute path of the
+base model); ``opd merge-lora`` folds it into the base weights and writes a plain model directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from opd.errors import UserError
+from opd.runs.quiet import quiet_transformers
+
+ALL_LINEAR = "all-linear"
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def _check_targets(student: torch.nn.Module, targets: list[str]) -> None:
+    names = {n.rsplit(".", 1)[-1] for n, m in student.named_modules() if isinstance(m, torch.nn.Linear)}
+    head = student.get_output_embeddings()
+    embed = student.get_input_embeddings()
+    forbidden = {n.rsplit(".", 1)[-1] for n, m in student.named_modules() if m is head or m is embed}
+    for t in targets:
+        if t in forbidden:
+            raise UserError(
+                f"--lora-targets {t!r} is the output head or input embedding, which LoRA cannot adapt here "
+                "(the LSM path reads the head weight directly, and it may be tied to the embedding); "
+                f"choose among the block layers: {', '.join(sorted(names - forbidden))}"
+            )
+        if t not in names:
+            raise UserError(
+                f"--lora-targets {t!r} is not a linear layer of the student; "
+                f"choose among: {', '.join(sorted(names - forbidden))}"
+            )
+
+
+def apply_lora(
+    student: torch.nn.Module, r: int, alpha: float, targets: list[str], dropout: float, base_path: str | Path
+) -> torch.nn.Module:
+    """Freeze the student and add a LoRA adapter (a ``peft.PeftModel``) to ``targets``."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = [name for t in targets for name in t.split(",") if name and name != ALL_LINEAR]
+    _check_targets(student, targets)
+    config = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        bias="none",
+        task_type="CAUSAL_LM",
+        target_modules=targets or ALL_LINEAR,
+    )
+    model = get_peft_model(student, config)
+    # merge-lora finds the base model from this path, so make it independent of the working directory.
+    model.peft_config["default"].base_model_name_or_path = str(Path(base_path).resolve())
+    return model
+
+
+def load_weights(student: torch.nn.Module, model_dir: Path) -> None:
+    """Load a checkpoint's weights (a full model or a LoRA adapter) into ``student``."""
+    from safetensors.torch import load_file
+
+    if is_lora(student):
+        from peft import set_peft_model_state_dict
+
+        path = model_dir / "adapter_model.safetensors"
+        if not path.is_file():
+            raise UserError(
+                f"checkpoint {model_dir.parent} holds no LoRA adapter; resume with the run's own "
+                "settings (it was trained without --lora-r)"
+            )
+        result = set_peft_model_state_dict(student, load_file(str(path)))
+        if result.unexpected_keys:
+            raise UserError(
+                f"the adapter in {model_dir} does not fit this student ({len(result.unexpected_keys)} "
+                "unexpected tensors); resume with the same --student and --lora-* settings"
+            )
+        return
+    path = model_dir / "model.safetensors"
+    if not path.is_file():
+        raise UserError(
+            f"checkpoint {model_dir.parent} holds no full model (a LoRA run?); resume with the run's own --lora-r"
+        )
+    missing, unexpected = student.load_state_dict(load_file(str(path)), strict=False)
+    if unexpected or [m for m in missing if "lm_head" not in m]:
+        raise UserError(
+            f"checkpoint {model_dir.parent} does not match the student model ({len(missing)} missing, "
+            f"{len(unexpected)} unexpected tensors); resume with the same --student"
+        )
+    student.tie_weights()
+
+
+def merge_lora(adapter: str | Path, out: str | Path, base: str | Path | None = None) -> Path:
+    """Fold the adapter in ``adapter`` into its base model and write a plain model directory to ``out``."""
+    import json
+
+    from peft import PeftModel
+
+    from opd.models.loading import load_model, load_tokenizer
+    from opd.runs.rundir import save_final_model
+
+    adapter = Path(adapter)
+    cfg_path = adapter / "adapter_config.json"
+    if not cfg_path.is_file():
+        raise UserError(
+            f"{adapter} has no adapter_config.json, so it is not a LoRA adapter; pass a run's final/ "
+            "or checkpoints/step_*/model directory of a --lora-r run"
+        )
+    base = base or json.loads(cfg_path.read_text()).get("base_model_name_or_path")
+    if not base:
+        raise UserError(f"{cfg_path} names no base model (base_model_name_or_path); pass --base DIR")
+    base = Path(base)
+    model = load_model(base, "base")
+    with quiet_transformers():
+        merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    tok_dir = adapter if (adapter / "tokenizer_config.json").is_file() else base
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_final_model(out, merged, load_tokenizer(tok_dir, "base"))
+    return out

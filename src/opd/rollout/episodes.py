@@ -1,0 +1,477 @@
+"""Multi-turn episodes: the student plays text games turn by turn with its KV cache.
+
+:class:`EpisodeRollout` plays a batch of episodes (one :class:`~opd.envs.GameSession` each) with
+a Hugging Face causal LM and returns an :class:`Episodes`: a :class:`~opd.rollout.sampling.RolloutBatch`
+that teacher scoring (in-process and served), ``response_hidden`` and the losses take unchanged,
+and one :class:`EpisodeRecord` per episode (actions, observations, rewards, how it ended)::
+
+    from opd.envs import get_env
+    env = get_env("toy")
+    engine = EpisodeRollout(model, tokenizer)
+    eps = engine.play(env, env.games("train")[:8], seeds=range(8), max_new_tokens=512, max_action_tokens=32)
+    eps.batch.action_mask_NT        # what trains: the tokens the model sampled
+    eps.records[0].won, eps.records[0].actions
+
+Episode format (replayable with plain transformers: encode each piece with
+``tokenizer(text, add_special_tokens=False)`` and concatenate)
+
+* prompt: ``tokenizer.apply_chat_template([{"role": "system", "content": env.system_prompt},
+  {"role": "user", "content": first_observation}], add_generation_prompt=True, tokenize=False)``;
+* each assistant turn: the tokens the model sampled, ending with the end-of-turn token (EOS,
+  ``<|im_end|>`` in opd's tokenizer) -- or without it when the turn reached
+  ``max_action_tokens``; the action sent to the game is their text decoded with
+  ``skip_special_tokens=True`` and stripped;
+* after each turn but the last, the environment's reply as the chat template renders it, minus
+  the EOS the model already wrote: for opd's template
+  ``"\\n<|im_start|>user\\n{observation}<|im_end|>\\n<|im_start|>assistant\\n"``; after a turn cut
+  at ``max_action_tokens`` the template's whole closing (``"<|im_end|>\\n"`` first) is context too.
+
+The reply is derived from the tokenizer's own chat template (:class:`ChatFormat`: the
+conversation rendered with and without the new user turn, the difference taken), so other
+templates (Qwen's) work the same; one that lacks the roles or re-renders earlier turns when a
+turn is added is refused with a UserError. The response region of the batch holds the turns and
+replies back to back (compacted), so positions and attention are those of the plain text.
+
+Limits: ``max_turns`` actions (the env's by default); ``max_action_tokens`` per turn; and
+``max_new_tokens``, the episode's budget for its whole response region: an episode that cannot
+fit the next reply plus one action token ends (truncated), and an action cut by the budget is not
+played. Each episode draws one uniform per sampled token from a generator seeded by its own seed
+(:func:`opd.rollout.sampling.prompt_uniforms`), so it plays the same whatever batch or rank it lands in.
+
+The KV cache is never re-encoded: a turn's sampled tokens are fed as they are drawn (rows whose
+turn is over wait with attention 0), and the replies of all episodes still playing go in one
+forward, left-padded to the longest with per-row positions. Episodes that end leave the batch
+(their cache rows are dropped) where the cache allows it (:func:`opd.rollout.sampling._can_drop_rows`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from opd.envs.base import EnvError, Environment, Game, GameSession, normal_command
+from opd.errors import UserError
+from opd.models.loading import model_device
+from opd.rollout.sampling import (
+    RolloutBatch,
+    _can_drop_rows,
+    check_context,
+    check_sampling,
+    left_pad,
+    prefill,
+    prompt_uniforms,
+    sample_next,
+)
+
+__all__ = ["ChatFormat", "EpisodeRecord", "Episodes", "EpisodeRollout"]
+
+# Placeholder turns for deriving the template's pieces; any text the template copies verbatim.
+_SYSTEM, _USER, _ASSISTANT, _ASSISTANT2 = "SYSTEM-TEXT", "USER-TEXT", "ASSISTANT-TEXT", "ASSISTANT-TEXT-2"
+
+
+class ChatFormat:
+    """The text pieces of an episode, rendered by ``tokenizer``'s chat template."""
+
+    def __init__(self, tokenizer, eos_id: int):
+        self.tokenizer = tokenizer
+        self.eos_text = tokenizer.decode([eos_id])
+        head = self.prompt(_SYSTEM, _USER)
+        turn = self._render([*self._base(), _msg("assistant", _ASSISTANT)], False)
+        if not turn.startswith(head + _ASSISTANT):
+            raise self._unstable("an assistant turn does not continue the generation prompt")
+        self.closing = turn[len(head + _ASSISTANT) :]  # what the template writes after a turn's text
+        if not self.closing.startswith(self.eos_text):
+            raise UserError(
+                f"the chat template closes an assistant turn with {self.closing!r}, which does not start with "
+                f"the end-of-turn token {self.eos_text!r}; pass the template's end-of-turn token id as eos_id"
+            )
+        # Once, on a whole two-turn conversation: the pieces must add up to the template's own text.
+        history = [*self._base(), _msg("assistant", _ASSISTANT), _msg("user", "OBS-TEXT")]
+        whole = self._render([*history, _msg("assistant", _ASSISTANT2)], False)
+        pieces = head + _ASSISTANT + self.reply("OBS-TEXT", after_eos=False) + _ASSISTANT2 + self.closing
+        if whole != pieces:
+            raise self._unstable("a two-turn conversation is not its turns rendered one after another")
+
+    def _base(self) -> list[dict]:
+        return [_msg("system", _SYSTEM), _msg("user", _USER)]
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        except Exception as err:  # jinja's TemplateError, or no template at all (ValueError)
+            raise UserError(
+                f"the tokenizer's chat template cannot render system/user/assistant turns ({err}); "
+                "episodes need a template with all three roles (set tokenizer.chat_template)"
+            ) from None
+
+    def _unstable(self, what: str) -> UserError:
+        return UserError(
+            f"the tokenizer's chat template is not prefix-stable ({what}); multi-turn episodes append turns "
+            "to a KV cache, so the template must render a conversation as its turns one after another"
+        )
+
+    def prompt(self, system: str, observation: str) -> str:
+        """The episode's prompt: the system turn, the first observation, the generation prompt."""
+        text = self._render([_msg("system", system), _msg("user", observation)], True)
+        if system not in text or observation not in text:
+            raise UserError("the tokenizer's chat template drops the system or user text; episodes need both roles")
+        return text
+
+    def reply(self, observation: str, after_eos: bool = True) -> str:
+        """The text after an assistant turn's last token up to the next turn's first: the turn's
+        closing (less the EOS when the model wrote it), the user turn, the generation prompt."""
+        history = [*self._base(), _msg("assistant", _ASSISTANT)]
+        before = self._render(history, False)
+        after = self._render([*history, _msg("user", observation)], True)
+        if not after.startswith(before):
+            raise self._unstable("adding a user turn re-renders the turns before it")
+        if observation not in after[len(before) :]:
+            raise UserError("the tokenizer's chat template drops the user text; episodes need a user role")
+        closing = self.closing[len(self.eos_text) :] if after_eos else self.closing
+        return closing + after[len(before) :]
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _msg(role: str, content: str) -> dict:
+    return {"role": role, "content": content}
+
+
+@dataclass
+class EpisodeRecord:
+    """What happened in one episode. ``observations[0]`` is the first observation and
+        ``observations[i]`` the reply to ``actions[i - 1]``; ``rewards[i]`` is action i's reward (0, and
+    no observation, for a last action that was not played: cut by the budget, or the game crashed).
+        ``spans`` are the [start, end) of each action's tokens in the batch's response region.
+        ``end`` says why it ended: "won", "lost" (the game ended it), "max_turns", "budget" (limits:
+        ``truncated``), "error" (an EnvError, its message in ``error``). ``invalid_actions`` counts
+        actions outside the game's admissible commands (case and spacing ignored); None when the game
+        does not list them."""
+
+    game_id: str
+    seed: int
+    observations: list[str] = field(default_factory=list)
+    actions: list[str] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    won: bool = False
+    end: str = ""
+    invalid_actions: int | None = None
+    error: str | None = None
+
+    @property
+    def turns(self) -> int:
+        return len(self.actions)
+
+    @property
+    def truncated(self) -> bool:
+        return self.end in ("max_turns", "budget")
+
+    @property
+    def done(self) -> bool:
+        """The game ended the episode (won or lost)."""
+        return self.end in ("won", "lost")
+
+
+@dataclass
+class Episodes:
+    """A played batch: the tokens (row i is episode i) and what happened in each episode."""
+
+    batch: RolloutBatch
+    records: list[EpisodeRecord]
+
+
+@dataclass
+class _Episode:
+    """One episode's running state: its session and its response region so far."""
+
+    record: EpisodeRecord
+    session: GameSession | None
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    action: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    sampled: int = 0  # action tokens drawn so far: the index of its next uniform
+
+    @property
+    def playing(self) -> bool:
+        return not self.record.end
+
+    def add(self, ids: list[int], action: bool, logprobs: list[float] | None = None) -> None:
+        self.tokens += ids
+        self.action += [action] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+    def finish(self, end: str, error: str | None = None) -> None:
+        self.record.end, self.record.error = end, error
+        self.record.won = end == "won"
+
+
+@dataclass
+class _Cache:
+    """The model's batch: which episodes its rows are, their attention mask and next positions.
+
+    Shapes: rows_R, next_pos_R: (R,); attn_RL: (R, L); logits_RV: (R, V) the next-token logits
+    """
+
+    rows_R: torch.Tensor
+    attn_RL: torch.Tensor
+    next_pos_R: torch.Tensor
+    cache: object
+    logits_RV: torch.Tensor
+    can_drop: bool
+
+
+class EpisodeRollout:
+    """Plays batches of episodes with a Hugging Face causal LM and its KV cache."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer,
+        eos_id: int | None = None,
+        pad_id: int | None = None,
+        max_context: int | None = None,
+    ):
+        self.model, self.tokenizer = model, tokenizer
+        self.eos_id = tokenizer.eos_token_id if eos_id is None else eos_id
+        self.pad_id = tokenizer.pad_token_id if pad_id is None else pad_id
+        if self.eos_id is None or self.pad_id is None:
+            raise UserError("the tokenizer has no EOS or pad token; pass eos_id and pad_id")
+        self.max_context = max_context or getattr(model.config, "max_position_embeddings", None)
+        self.format = ChatFormat(tokenizer, self.eos_id)
+
+    @torch.no_grad()
+    def play(
+        self,
+        env: Environment,
+        games: Sequence[Game],
+        seeds: Sequence[int],
+        *,
+        max_new_tokens: int,
+        max_action_tokens: int = 64,
+        max_turns: int | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        greedy: bool = False,
+        max_prompt_tokens: int | None = None,
+    ) -> Episodes:
+        """Play ``games[i]`` with seed ``seeds[i]``, all together, until every episode has ended.
+
+        An episode whose prompt (system turn and first observation) is longer than
+        ``max_prompt_tokens`` is not played: it ends as an error, counted, like a game that fails."""
+        seeds = [int(s) for s in seeds]
+        if len(seeds) != len(games) or not games:
+            raise ValueError(f"one seed per game is required (got {len(games)} games, {len(seeds)} seeds)")
+        check_sampling(max_new_tokens, temperature, greedy)
+        if max_action_tokens < 1:
+            raise UserError(f"max_action_tokens={max_action_tokens} must be >= 1")
+        turns = env.max_turns if max_turns is None else max_turns
+        if turns < 1:
+            raise UserError(f"max_turns={turns} must be >= 1")
+        episodes = [self._start(env, g, s, max_prompt_tokens) for g, s in zip(games, seeds)]
+        try:
+            P = max(len(e.prompt) for e in episodes)
+            check_context(
+                P,
+                max_new_tokens,
+                self.max_context,
+                "lower max_new_tokens (the episode's token budget) or shorten the system prompt and first observation",
+            )
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                self._play(episodes, seeds, max_new_tokens, max_action_tokens, turns, (temperature, top_p, greedy))
+            finally:
+                self.model.train(was_training)
+        finally:
+            for e in episodes:
+                if e.session is not None:
+                    try:
+                        e.session.close()
+                    except EnvError:
+                        pass  # a crashed engine may fail to close too; its episode is already over
+        return Episodes(self._batch(episodes), [e.record for e in episodes])
+
+    def _start(self, env: Environment, game: Game, seed: int, max_prompt_tokens: int | None) -> _Episode:
+        record, session = EpisodeRecord(game.id, seed), None
+        try:
+            session = env.open(game)
+            first = session.reset()
+        except EnvError as err:
+            return self._unplayed(env, record, session, str(err))
+        prompt = self.format.encode(self.format.prompt(env.system_prompt, first))
+        if max_prompt_tokens is not None and len(prompt) > max_prompt_tokens:
+            why = f"its prompt has {len(prompt)} tokens, more than max_prompt_tokens={max_prompt_tokens}"
+            return self._unplayed(env, record, session, why)
+        record.observations.append(first)
+        return _Episode(record, session, prompt)
+
+    def _unplayed(self, env: Environment, record: EpisodeRecord, session, why: str) -> _Episode:
+        """An episode that ends before its first turn, counted as an error, with an empty response
+        region and the shortest prompt (so it cannot push the batch past the model's context)."""
+        ep = _Episode(record, session, self.format.encode(self.format.prompt(env.system_prompt, "")))
+        ep.finish("error", why)
+        return ep
+
+    def _play(self, episodes, seeds, budget, max_action_tokens, max_turns, sampling) -> None:
+        dev = model_device(self.model)
+        u_NB = prompt_uniforms(seeds, budget).to(dev)
+        ids, attn = (t.to(dev) for t in left_pad([e.prompt for e in episodes], self.pad_id))
+        out, positions = prefill(self.model, ids, attn)
+        state = _Cache(
+            torch.arange(len(episodes), device=dev),
+            attn,
+            positions[:, -1] + 1,
+            out.cache,
+            out.logits[:, -1],
+            _can_drop_rows(out.cache),
+        )
+        self._keep(state, episodes)
+        for _ in range(max_turns):
+            if not any(e.playing for e in episodes):
+                return
+            written = self._act(state, episodes, u_NB, budget, max_action_tokens, sampling)
+            replies = {}
+            for i, (ids_i, lps_i, eos) in written.items():
+                reply = self._step(episodes[i], ids_i, lps_i, eos, budget, max_turns)
+                if reply is not None:
+                    replies[i] = reply
+            self._keep(state, episodes)
+            if replies:
+                self._feed_replies(state, replies)
+
+    def _keep(self, state: _Cache, episodes: list[_Episode]) -> None:
+        """Drop the rows of ended episodes from the model's batch, where the cache allows it."""
+        playing = torch.tensor([episodes[i].playing for i in state.rows_R.tolist()], dtype=torch.bool)
+        if state.can_drop and not bool(playing.all()):
+            keep = playing.nonzero().squeeze(-1).to(state.rows_R.device)
+            state.cache.batch_select_indices(keep)
+            state.rows_R, state.attn_RL = state.rows_R[keep], state.attn_RL[keep]
+            state.next_pos_R, state.logits_RV = state.next_pos_R[keep], state.logits_RV[keep]
+
+    def _act(self, state: _Cache, episodes, u_NB, budget: int, max_action_tokens: int, sampling) -> dict:
+        """One turn of every playing episode: sample until each writes EOS or reaches its cap.
+        Returns {episode: (token ids, their log-probs, ended with EOS)}."""
+        temperature, top_p, greedy = sampling
+        dev, rows = state.rows_R.device, state.rows_R.tolist()
+        playing = [episodes[i].playing for i in rows]
+        left = [budget - len(episodes[i].tokens) for i in rows]
+        cap_R = torch.tensor([min(max_action_tokens, x) for x in left], device=dev)
+        sampled_R = torch.tensor([episodes[i].sampled for i in rows], device=dev)
+        writing_R = torch.tensor(playing, dtype=torch.bool, device=dev) & (cap_R > 0)
+        R = len(rows)
+        ids_RA = torch.full((R, max_action_tokens), self.pad_id, dtype=torch.long, device=dev)
+        lps_RA = torch.zeros(R, max_action_tokens, device=dev)
+        eos_R = torch.zeros(R, dtype=torch.bool, device=dev)
+        n_R = torch.zeros(R, dtype=torch.long, device=dev)
+        for t in range(max_action_tokens):
+            if not bool(writing_R.any()):
+                break
+            u_R = u_NB[state.rows_R, (sampled_R + t).clamp(max=budget - 1)]
+            tok, lp = sample_next(state.logits_RV, u_R, temperature, top_p, greedy)
+            tok = torch.where(writing_R, tok, torch.full_like(tok, self.pad_id))
+            ids_RA[:, t], lps_RA[:, t] = tok, torch.where(writing_R, lp, 0.0)
+            n_R += writing_R
+            # The written token joins the cache even when it ends the turn: the reply comes after it.
+            self._feed(state, tok.unsqueeze(-1), writing_R.long().unsqueeze(-1))
+            eos_R |= writing_R & (tok == self.eos_id)
+            writing_R &= (tok != self.eos_id) & (n_R < cap_R)
+        ids, lps, ns, eos = ids_RA.tolist(), lps_RA.tolist(), n_R.tolist(), eos_R.tolist()
+        return {i: (ids[r][: ns[r]], lps[r][: ns[r]], eos[r]) for r, i in enumerate(rows) if playing[r]}
+
+    def _feed(self, state: _Cache, ids_RC: torch.Tensor, mask_RC: torch.Tensor) -> None:
+        """Append tokens to the cache (left-padded, mask 0 where a row has none) and keep the
+        next-token logits of each row's last real token (the last column)."""
+        positions = state.next_pos_R.unsqueeze(-1) + (mask_RC.cumsum(-1) - 1).clamp(min=0)
+        state.attn_RL = torch.cat([state.attn_RL, mask_RC], dim=-1)
+        out = self.model(
+            input_ids=ids_RC,
+            attention_mask=state.attn_RL,
+            position_ids=positions,
+            cache=state.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        state.next_pos_R = state.next_pos_R + mask_RC.sum(-1)
+        state.cache = out.cache
+        # rows that added nothing keep their logits: they were computed at their last real token
+        state.logits_RV = torch.where(mask_RC.any(-1, keepdim=True), out.logits[:, -1], state.logits_RV)
+
+    def _feed_replies(self, state: _Cache, replies: dict[int, list[int]]) -> None:
+        """All playing episodes' replies in one forward, left-padded to the longest."""
+        rows = state.rows_R.tolist()
+        C = max(len(r) for r in replies.values())
+        ids = torch.full((len(rows), C), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), C), dtype=torch.long)
+        for r, i in enumerate(rows):
+            if i in replies:
+                ids[r, C - len(replies[i]) :], mask[r, C - len(replies[i]) :] = torch.tensor(replies[i]), 1
+        self._feed(state, ids.to(state.rows_R.device), mask.to(state.rows_R.device))
+
+    def _step(self, ep: _Episode, ids: list[int], lps: list[float], eos: bool, budget: int, max_turns: int):
+        """Record a written turn, play it, and return the reply's tokens (None once the episode ended)."""
+        start = len(ep.tokens)
+        ep.add(ids, True, lps)
+        ep.sampled += len(ids)
+        ep.record.spans.append((start, len(ep.tokens)))
+        text = self.tokenizer.decode(ids, skip_special_tokens=True).strip()
+        ep.record.actions.append(text)
+        if not eos and len(ep.tokens) >= budget:  # cut by the budget, not by the turn's own cap: never played
+            ep.record.rewards.append(0.0)
+            ep.finish("budget")
+            return None
+        try:
+            admissible = ep.session.admissible_commands()
+            result = ep.session.step(text)
+        except EnvError as err:
+            ep.record.rewards.append(0.0)
+            ep.finish("error", str(err))
+            return None
+        if admissible is not None:
+            invalid = normal_command(text) not in {normal_command(c) for c in admissible}
+            ep.record.invalid_actions = (ep.record.invalid_actions or 0) + invalid
+        ep.record.observations.append(result.observation)
+        ep.record.rewards.append(float(result.reward))
+        if result.done:
+            ep.finish("won" if result.won else "lost")
+            return None
+        if ep.record.turns >= max_turns:
+            ep.finish("max_turns")
+            return None
+        reply = self.format.encode(self.format.reply(result.observation, after_eos=eos))
+        if len(ep.tokens) + len(reply) + 1 > budget:
+            ep.finish("budget")
+            return None
+        ep.add(reply, False)
+        return reply
+
+    def _batch(self, episodes: list[_Episode]) -> RolloutBatch:
+        """Left-padded prompts, then each response region from its start, right-padded."""
+        ids, attn = left_pad([e.prompt for e in episodes], self.pad_id)
+        N, P = ids.shape
+        T = max(1, max(len(e.tokens) for e in episodes))
+        resp = torch.full((N, T), self.pad_id, dtype=torch.long)
+        resp_mask = torch.zeros((N, T), dtype=torch.bool)
+        action = torch.zeros((N, T), dtype=torch.bool)
+        logp = torch.zeros((N, T))
+        for n, e in enumerate(episodes):
+            L = len(e.tokens)
+            resp[n, :L], resp_mask[n, :L] = torch.tensor(e.tokens, dtype=torch.long), True
+            action[n, :L], logp[n, :L] = torch.tensor(e.action, dtype=torch.bool), torch.tensor(e.logprobs)
+        finished = torch.tensor([e.record.done for e in episodes], dtype=torch.bool)
+        dev = model_device(self.model)
+        return RolloutBatch(
+            torch.cat([ids, resp], 1).to(dev),
+            torch.cat([attn, resp_mask.long()], 1).to(dev),
+            P,
+            resp.to(dev),
+            resp_mask.to(dev),
+            logp.to(dev),
+            finished.to(dev),
+            action_mask_NT=action.to(dev),
+        )

@@ -1,0 +1,114 @@
+"""The games a run plays: an environment's games as the rollout source, and what a step logs of them.
+
+``opd train --env NAME`` replaces the prompt set with an environment's games (:mod:`opd.envs`):
+each rollout is a multi-turn episode played by :class:`opd.rollout.episodes.EpisodeRollout`, the teacher
+scores every token of it, and only the student's own action tokens are trained (the environment's
+replies are context). The rest of the loop is the single-turn one. This module holds:
+
+* :func:`make_env` and :class:`GameSet`, the games of a split, visited in the same seeded order as
+  prompts (:func:`opd.rollout.prompts.batch_indices`), with the labels the logs need;
+* :func:`episode_outcomes` and :func:`episode_metrics`: an episode's "correct" is "won", and the
+  step logs turns, invalid actions, truncations and games that failed;
+* :func:`check_episode_context`: an episode's prompt and budget must fit the model.
+
+Evaluation on held-out games is :mod:`opd.evaluation.games`; the expert's episodes for behaviour
+cloning are :mod:`opd.training.cloning`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from opd.envs import Environment, Game, get_env
+from opd.errors import UserError
+from opd.rollout.episodes import EpisodeRecord
+from opd.rollout.prompts import batch_indices
+from opd.tasks import Example
+
+
+def parse_env_args(items: list[str]) -> dict[str, Any]:
+    """``--env-args`` as keyword arguments: ``["n_train=256,max_turns=10"]`` -> {n_train: 256, ...}
+    (items comma-separated or repeated; values read as YAML scalars, so numbers and booleans keep
+    their types)."""
+    out: dict[str, Any] = {}
+    for item in (part for given in items for part in str(given).split(",") if part.strip()):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(
+                f"--env-args item {item!r} is not KEY=VALUE; write e.g. --env-args n_train=256,max_turns=10"
+            )
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def make_env(name: str, level: int, env_args: list[str]) -> Environment:
+    """The environment ``name`` at ``level``, with ``--env-args`` passed through to its constructor."""
+    kwargs = {"level": level, **parse_env_args(env_args)}
+    try:
+        return get_env(name, **kwargs)
+    except TypeError as err:  # an argument the environment's constructor does not take
+        raise UserError(f"environment {name!r} does not accept these arguments ({err}); fix --env-args") from None
+
+
+@dataclass
+class GameSet:
+    """The games of one split of an environment, in the environment's fixed order."""
+
+    env: Environment
+    games: list[Game]
+    examples: list[Example]  # one per game, for logs: the goal as "prompt", no reference answer
+
+    @classmethod
+    def build(cls, env: Environment, split: str, limit: int | None = None) -> GameSet:
+        games = list(env.games(split))[:limit]
+        if not games:
+            raise UserError(
+                f"environment {env.name!r} has no {split} games; check its level and --env-args "
+                "(or its data directory, e.g. ALFWORLD_DATA)"
+            )
+        return cls(env, games, [Example(prompt=g.goal or g.id, answer="", task=env.name) for g in games])
+
+    def __len__(self) -> int:
+        return len(self.games)
+
+    def batch_indices(self, step: int, batch_size: int, seed: int) -> list[int]:
+        return batch_indices(len(self), step, batch_size, seed)
+
+
+def episode_outcomes(records: list[EpisodeRecord]) -> tuple[list[str], list[float]]:
+    """Each episode's transcript of actions (for the logs) and its reward: 1 if won."""
+    return [" | ".join(r.actions) for r in records], [float(r.won) for r in records]
+
+
+def episode_metrics(records: list[EpisodeRecord]) -> dict[str, float]:
+    """Per-rollout averages of a step's episodes (``rollout/`` keys, merged over ranks by rollouts)."""
+    n = len(records)
+    invalid = invalid_action_rate(records)
+    return {
+        "rollout/turns": sum(r.turns for r in records) / n,
+        "rollout/truncated_rate": sum(r.truncated for r in records) / n,
+        "rollout/env_error_rate": sum(r.error is not None for r in records) / n,
+        "rollout/invalid_action_rate": 0.0 if invalid is None else invalid,
+    }
+
+
+def invalid_action_rate(records: list[EpisodeRecord]) -> float | None:
+    """Share of actions outside the game's admissible commands, over the episodes of games that
+    list them; None when none does."""
+    listed = [r for r in records if r.invalid_actions is not None]
+    actions = sum(r.turns for r in listed)
+    return sum(r.invalid_actions for r in listed) / actions if actions else None
+
+
+def check_episode_context(model, max_prompt_tokens: int, max_new_tokens: int) -> None:
+    """Before any work: the longest prompt an episode may have plus its token budget must fit the
+    model's positions (a longer first observation ends its episode, counted, instead)."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context and max_prompt_tokens + max_new_tokens > context:
+        raise UserError(
+            f"--max-prompt-tokens {max_prompt_tokens} plus --max-new-tokens {max_new_tokens} (an episode's prompt "
+            f"and its budget) exceed the model's context of {context} positions; lower one of them"
+        )

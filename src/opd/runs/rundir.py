@@ -1,0 +1,208 @@
+"""The run directory: config.json, metrics.jsonl, rollouts.jsonl, checkpoints, final model.
+
+Everything a run leaves behind is written here, and readers (the report, ``opd eval``) read only
+these files. Checkpoints are written to a temporary directory and renamed into place, and the
+``latest`` pointer is replaced atomically, so a run killed at any moment leaves either the old or
+the new checkpoint, never half of one. Only rank 0 writes (``enabled=False`` elsewhere).
+
+Experiment trackers (``--report-to``, :mod:`opd.runs.tracking`) are fed from here: they start when the
+config is written, get each metrics record as it is logged, and stop at :meth:`RunDir.close`
+(or at the end of a ``with RunDir(...)`` block).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from opd.config import check_report_to, dump_config
+from opd.errors import UserError
+from opd.runs.progress import is_main_process
+from opd.runs.quiet import quiet_transformers
+from opd.runs.tracking import Tracking, check_installed
+
+CKPT_DIR = "checkpoints"
+
+
+def _usual_modes(path: Path) -> None:
+    """Give ``path`` (and a directory's contents) the modes a plain write would have.
+
+    mkstemp/mkdtemp (and safetensors) create private 0600/0700 entries; renamed into place they
+    would keep them, leaving run files and models unreadable to other users of a shared machine.
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    entries = [path, *path.rglob("*")] if path.is_dir() else [path]
+    for p in entries:
+        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    _usual_modes(Path(tmp))
+    os.replace(tmp, path)
+
+
+class RunDir:
+    def __init__(self, path: str | Path, enabled: bool | None = None, report_to: Iterable[str] | str = ()):
+        self.path = Path(path)
+        self.enabled = is_main_process() if enabled is None else enabled
+        trackers = [n for n in check_report_to(report_to) if n != "none"] if report_to else []
+        check_installed(trackers)  # on every rank, so that all of them stop alike, before any work
+        self.tracking = Tracking(self.path, trackers) if self.enabled and trackers else None
+        if self.enabled:
+            self.path.mkdir(parents=True, exist_ok=True)
+
+    def close(self, failed: bool = False) -> None:
+        """Stop the trackers (flushes TensorBoard; ``failed`` marks a wandb run as failed). Idempotent."""
+        if self.tracking is not None:
+            self.tracking.close(failed)
+
+    def __enter__(self) -> RunDir:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(failed=exc_type is not None)
+
+    def require_fresh(self, resume: bool = False) -> None:
+        """Refuse to start a new run over an earlier one: its logs would be appended to, not replaced."""
+        if self.enabled and not resume and (self.path / "metrics.jsonl").exists():
+            raise UserError(
+                f"{self.path} already holds a run (metrics.jsonl); pass --resume to continue it, "
+                "or choose a new --out (or delete that directory) to start over"
+            )
+
+    # ------------------------------------------------------------------ logs
+    def write_config(self, cfg: Any) -> None:
+        if self.enabled:
+            dump_config(cfg, self.path / "config.json")
+            if self.tracking is not None:
+                self.tracking.start(dataclasses.asdict(cfg))
+
+    def _append(self, name: str, records: Iterable[dict]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path / name, "a") as f:
+            for r in records:
+                f.write(json.dumps(r, allow_nan=True) + "\n")
+
+    def log_metrics(self, record: dict) -> None:
+        if self.tracking is not None:
+            self.tracking.start(None)  # no-op once write_config started it; before the append, so no replay of it
+        self._append("metrics.jsonl", [record])
+        if self.tracking is not None:
+            self.tracking.log(record)
+
+    def log_rollouts(self, records: list[dict]) -> None:
+        self._append("rollouts.jsonl", records)
+
+    def write_json(self, name: str, data: Any) -> None:
+        if self.enabled:
+            _atomic_write_text(self.path / name, json.dumps(data, indent=2) + "\n")
+
+    def write_jsonl(self, name: str, records: Iterable[dict]) -> None:
+        if self.enabled:
+            (self.path / name).parent.mkdir(parents=True, exist_ok=True)  # a task's own files: tasks/<name>/
+            _atomic_write_text(self.path / name, "".join(json.dumps(r) + "\n" for r in records))
+
+    def truncate_logs_after(self, step: int) -> None:
+        """Drop log lines of steps after ``step`` (a resumed run rewrites them)."""
+        if not self.enabled:
+            return
+        last_logged = step
+        for name in ("metrics.jsonl", "rollouts.jsonl"):
+            p = self.path / name
+            if not p.exists():
+                continue
+            kept = []
+            for line in p.read_text().splitlines():
+                try:
+                    line_step = json.loads(line).get("step", -1)
+                except json.JSONDecodeError:
+                    continue  # a line cut short by the kill
+                if line_step <= step:
+                    kept.append(line)
+                elif name == "metrics.jsonl":
+                    last_logged = max(last_logged, line_step)
+            _atomic_write_text(p, "".join(line + "\n" for line in kept))
+        if self.tracking is not None:
+            self.tracking.resumed(step, last_logged)
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def ckpt_root(self) -> Path:
+        return self.path / CKPT_DIR
+
+    def save_checkpoint(
+        self, step: int, model, state: dict, keep: int = 2, model_state: dict | None = None
+    ) -> Path | None:
+        """Atomically write ``model`` (save_pretrained; ``model_state`` replaces its own state dict, e.g.
+        the gathered weights of an FSDP-sharded model) and ``state`` (optimizer, RNG, ...)."""
+        if not self.enabled:
+            return None
+        root = self.ckpt_root
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"step_{step:07d}"
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
+        with quiet_transformers():
+            model.save_pretrained(tmp / "model", safe_serialization=True, state_dict=model_state)
+        torch.save(state, tmp / "state.pt")
+        (tmp / "COMPLETE").write_text(str(step))
+        _usual_modes(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _atomic_write_text(root / "latest", final.name)
+        older = sorted(p for p in root.glob("step_*") if p != final)
+        for old in older[: max(len(older) - (keep - 1), 0)]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def latest_checkpoint(self) -> Path | None:
+        pointer = self.ckpt_root / "latest"
+        if not pointer.exists():
+            return None
+        ckpt = self.ckpt_root / pointer.read_text().strip()
+        if not (ckpt / "COMPLETE").exists() or not (ckpt / "state.pt").exists():
+            raise UserError(
+                f"checkpoint {ckpt} is incomplete or missing; delete {pointer} to start over, or point it at an "
+                "earlier step_* directory to resume from there"
+            )
+        return ckpt
+
+    def load_state(self, ckpt: Path) -> dict:
+        try:
+            # on the CPU whatever device wrote it: load_state_dict moves optimizer state to its parameters
+            return torch.load(ckpt / "state.pt", weights_only=False, map_location="cpu")
+        except Exception as exc:  # torch raises several types for a damaged file
+            raise UserError(
+                f"checkpoint {ckpt / 'state.pt'} is corrupted ({type(exc).__name__}: {exc}); delete {ckpt} and "
+                f"update {self.ckpt_root / 'latest'} to an earlier checkpoint, or start a fresh run directory"
+            ) from exc
+
+
+def save_final_model(path: Path, model, tokenizer, enabled: bool = True, model_state: dict | None = None) -> None:
+    """Write a Hugging Face model directory loadable with AutoModelForCausalLM/AutoTokenizer (a LoRA
+    student writes its adapter: see :mod:`opd.models.lora`)."""
+    if not enabled:
+        return
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
+    with quiet_transformers():
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
+        tokenizer.save_pretrained(tmp)
+    _usual_modes(tmp)
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)

@@ -1,0 +1,11 @@
+"""Teachers: what scores every position of the student's rollouts.
+
+* :mod:`~opd.teachers.base` -- the :class:`~opd.teachers.base.TeacherScorer` protocol, its scores,
+  and :class:`~opd.teachers.base.HFTeacher`, the in-process default.
+* :mod:`~opd.teachers.client` -- a served teacher (``--teacher-url``): vLLM's ``prompt_logprobs``
+  format, waiting out a server's restart.
+* :mod:`~opd.teachers.crosstok` -- a teacher with another tokenizer, scored in the student's frame.
+* :mod:`~opd.teachers.server` -- ``opd serve-teacher``; :mod:`~opd.teachers.wire`, opd's binary answer.
+* :mod:`~opd.teachers.factory` -- :func:`~opd.teachers.factory.make_teacher`, the one module that
+  imports every backend (each backend imports only the protocol).
+"""

@@ -1,0 +1,387 @@
+"""The trainer's client for a served teacher (``opd train --teacher-url URL``).
+
+:class:`HTTPTeacher` implements :class:`opd.teachers.base.TeacherScorer` over vLLM's OpenAI-compatible
+completions endpoint with ``prompt_logprobs`` (``opd serve-teacher``, ``vllm serve``, or any
+server answering in that format): each rollout is sent as its prompt (without left padding)
+followed by its response, and the answer's entry at position ``p + t`` (p = that prompt's
+length) gives response token t's teacher top-K and the teacher's log-prob of the sampled token.
+Rollouts go in several requests at once, so the server can batch them. A server that stops
+answering (refused or reset connections, timeouts, answers cut short, 5xx) is waited for, with
+capped exponential backoff, for up to ``--teacher-wait`` seconds (:class:`Patience`): a restart
+is waited out, at startup too (a trainer launched before its server), and a server that stays
+down raises :class:`~opd.teachers.base.TeacherUnavailable`, on which the trainer checkpoints the last
+completed step before it stops. A 4xx answer (408 and 429 aside) is the request's fault: an
+error at once. To opd's own server the client also sends ``opd_logprobs_from``, so only response
+positions are scored and sent back, and asks for them as arrays (:mod:`opd.teachers.wire`) when the
+server offers that (vLLM's JSON spends a dict per returned token, built and parsed token by
+token in Python on both ends).
+
+What a vLLM-format server cannot give: log-probs of arbitrary query tokens (student-side
+supports), full-vocabulary logits (``full_kl``) and the full-logit diagnostics (skipped: their
+metrics are absent from ``metrics.jsonl``). :func:`opd.teachers.factory.make_teacher` refuses the options that need them.
+
+Vocabulary: opd's server answers ``GET /opd/vocab`` with a hash of its tokenizer's vocabulary,
+which must equal the student's; a foreign server cannot say, so a warning is given and every
+returned token id is still checked against the student's vocabulary size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import itertools
+import json
+import os
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from opd.errors import UserError
+from opd.rollout.sampling import RolloutBatch
+from opd.teachers import wire
+from opd.teachers.base import TeacherScores, TeacherUnavailable, filler_scores
+
+SERVED_OBJECTIVES = "--objective sampled, or --objective lsm with --support teacher_topk or teacher_topk_plus_sampled"
+
+
+def vocab_info(tokenizer, head_rows: int) -> dict:
+    """What ``GET /opd/vocab`` answers: the tokenizer's size and a hash of its token -> id map."""
+    items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    digest = hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()
+    return {"tokens": len(items), "head_rows": int(head_rows), "sha256": digest}
+
+
+def _stderr(line: str) -> None:
+    # every rank of a torchrun/accelerate launch waits on its own: say which one speaks
+    rank = f"rank {os.environ.get('RANK')}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    print(rank + line, file=sys.stderr, flush=True)
+
+
+class Patience:
+    """How the client waits for a server that stopped answering.
+
+    A failed request is tried again after ``backoff`` seconds, doubling up to ``max_backoff``, until
+    ``wait`` seconds have passed since its first failure (or after ``retries`` retries, when given);
+    the last try lands on the deadline. One line goes to ``log`` when the server goes down, one every
+    ``log_every`` seconds while it stays down, one when it is back: the client's request threads
+    share them, so an outage reads as one story, not one per thread. ``clock`` and ``sleep`` are
+    injectable so that tests need not wait.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        wait: float = 600.0,
+        retries: int | None = None,
+        *,
+        backoff: float = 0.5,
+        max_backoff: float = 15.0,
+        log_every: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        log: Callable[[str], None] = _stderr,
+    ):
+        self.url, self.wait, self.retries = url, wait, retries
+        self.backoff, self.max_backoff, self.log_every = backoff, max_backoff, log_every
+        self.clock, self.sleep, self.log = clock, sleep, log
+        self._lock = threading.Lock()
+        self._down_since: float | None = None
+        self._next_log = 0.0
+
+    def retry(self, attempt: int, first_failure: float, reason: str) -> bool:
+        """After failed try ``attempt`` (0: the first) of a request that first failed at ``first_failure``
+        (a ``clock()`` time): sleep and say True to try again, or say False once patience is spent."""
+        now = self.clock()
+        left = self.wait - (now - first_failure)
+        if left <= 0 or (self.retries is not None and attempt >= self.retries):
+            return False
+        with self._lock:
+            if self._down_since is None:
+                self._down_since, self._next_log = now, now + self.log_every
+                self.log(
+                    f"teacher server {self.url} unreachable ({reason}); waiting up to {self.wait:g} s (--teacher-wait)"
+                )
+            elif now >= self._next_log:
+                self._next_log = now + self.log_every
+                self.log(
+                    f"teacher server {self.url} unreachable ({reason}); waiting, "
+                    f"{now - self._down_since:.0f} s of {self.wait:g} s"
+                )
+        self.sleep(min(self.backoff * 2**attempt, self.max_backoff, left))
+        return True
+
+    def answered(self) -> None:
+        """The server answered a request: back, if it was down."""
+        with self._lock:
+            if self._down_since is not None:
+                self.log(f"teacher server {self.url} is back after {self.clock() - self._down_since:.0f} s")
+                self._down_since = None
+
+    def spent(self, attempts: int) -> str:
+        """The option that ran out after ``attempts`` tries, to name in the error."""
+        capped = self.retries is not None and attempts > self.retries
+        return f"--teacher-retries {self.retries}" if capped else f"--teacher-wait {self.wait:g}"
+
+
+class HTTPTeacher:
+    """A served teacher behind :class:`~opd.teachers.base.TeacherScorer` (top-K and sampled log-probs).
+
+    ``tokenizer`` is the one whose ids are sent (the student's; a cross-tokenizer teacher's own).
+    ``vocab_rows``: the output rows the ids must fall in; None takes the head size an opd server
+    reports (the tokenizer's size from a foreign server). ``binary=False`` keeps vLLM's JSON answers
+    even from an opd server that offers the binary ones. ``patience``: how long an unreachable
+    server is waited for, :class:`Patience`'s options (``wait``, ``retries``, ``backoff``, ...)."""
+
+    def __init__(
+        self,
+        url: str,
+        tokenizer,
+        vocab_rows: int | None,
+        *,
+        timeout: float = 120.0,
+        prompts_per_request: int = 16,
+        concurrency: int = 4,
+        binary: bool = True,
+        **patience,
+    ):
+        if not url.startswith(("http://", "https://")):
+            raise UserError(f"--teacher-url {url!r} must start with http:// or https:// (e.g. http://127.0.0.1:8000)")
+        self.url = url.rstrip("/").removesuffix("/v1")
+        self.vocab_rows = vocab_rows
+        self.timeout, self.patience = timeout, Patience(self.url, **patience)
+        self.prompts_per_request, self.concurrency = prompts_per_request, concurrency
+        models = self._request("GET", "/v1/models")
+        try:
+            self.model_name = models["data"][0]["id"]
+        except (KeyError, IndexError, TypeError):
+            raise UserError(
+                f"{self.url}/v1/models did not list a model; is --teacher-url an OpenAI-compatible server?"
+            ) from None
+        theirs = self._check_vocab(tokenizer)
+        self.vocab_verified = theirs is not None
+        offered = theirs.get("answer_media_types") if self.vocab_verified else None
+        # opd's binary answers (opd.teachers.wire) only from a server that offers them; vLLM's JSON otherwise
+        self.binary = binary and isinstance(offered, list) and wire.MEDIA_TYPE in offered
+
+    # ------------------------------------------------------------------ HTTP
+
+    def _fetch(
+        self, method: str, path: str, data: bytes | None = None, accept: str | None = None, missing_ok: bool = False
+    ) -> tuple[str, bytes] | None:
+        """One request, tried again while the server does not answer (:class:`Patience`): the answer's
+        media type and body; ``None`` for a 404 when ``missing_ok``."""
+        headers = {"Content-Type": "application/json", **({"Accept": accept} if accept else {})}
+        first_failure = None
+        for attempt in itertools.count():
+            req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                    got = resp.headers.get_content_type(), resp.read()
+                self.patience.answered()
+                return got
+            except urllib.error.HTTPError as err:
+                # the request's fault, so asking again gets the same answer; 408 and 429 ask for later
+                if err.code < 500 and err.code not in (408, 429):
+                    self.patience.answered()
+                    if err.code == 404 and missing_ok:
+                        return None
+                    raise UserError(
+                        f"teacher server {self.url}{path} answered HTTP {err.code}: {_error_message(err)}"
+                    ) from None
+                reason = f"HTTP {err.code}: {_error_message(err)}"
+            # refused, reset, timed out, or a body cut short: the server may be restarting
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
+                reason = _reason(err)
+            first_failure = self.patience.clock() if first_failure is None else first_failure
+            if not self.patience.retry(attempt, first_failure, reason):
+                raise self._gave_up(path, attempt + 1, self.patience.clock() - first_failure, reason)
+        raise AssertionError("unreachable: the loop returns or raises")
+
+    def _gave_up(self, path: str, attempts: int, seconds: float, reason: str) -> TeacherUnavailable:
+        spent = self.patience.spent(attempts)
+        if reason.startswith("HTTP "):  # the server runs but fails: its own log says why
+            return TeacherUnavailable(
+                f"teacher server {self.url}{path} answered {reason}; still failing after {attempts} attempts "
+                f"over {seconds:.0f} s ({spent}); check the server's log, or raise {spent.split()[0]}"
+            )
+        return TeacherUnavailable(
+            f"teacher server {self.url} is unreachable after {attempts} attempts over {seconds:.0f} s ({reason}, "
+            f"{spent}); start it (opd serve-teacher TEACHER_DIR --port PORT) or fix --teacher-url {self.url}"
+        )
+
+    def _request(self, method: str, path: str, payload: dict | None = None, missing_ok: bool = False):
+        """One JSON request with retries; ``None`` for a 404 when ``missing_ok``."""
+        data = None if payload is None else json.dumps(payload).encode()
+        got = self._fetch(method, path, data, missing_ok=missing_ok)
+        return None if got is None else self._json(got[1], path)
+
+    def _json(self, body: bytes, path: str):
+        try:
+            return json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise UserError(
+                f"teacher server {self.url}{path} answered something that is not JSON; "
+                "is --teacher-url a vLLM-compatible server?"
+            ) from None
+
+    def _check_vocab(self, tokenizer) -> dict | None:
+        """opd's server's ``/opd/vocab`` answer once it matches the student's; ``None`` from a foreign server."""
+        theirs = self._request("GET", "/opd/vocab", missing_ok=True)
+        if theirs is None:
+            self.vocab_rows = self.vocab_rows or len(tokenizer)
+            warnings.warn(
+                f"teacher server {self.url} does not report its vocabulary (not an opd server), so it "
+                "could not be verified; make sure it serves a model with the student's tokenizer",
+                stacklevel=3,
+            )
+            return None
+        theirs = theirs if isinstance(theirs, dict) else {}
+        if self.vocab_rows is None and isinstance(theirs.get("head_rows"), int):
+            self.vocab_rows = theirs["head_rows"]
+        ours = vocab_info(tokenizer, self.vocab_rows or len(tokenizer))
+        if theirs.get("sha256") != ours["sha256"] or theirs.get("head_rows") != ours["head_rows"]:
+            raise UserError(
+                f"the served teacher's vocabulary ({theirs.get('tokens')} tokens, {theirs.get('head_rows')} "
+                f"output rows) differs from the student's ({ours['tokens']} tokens, {ours['head_rows']} "
+                "rows); serve a teacher from the student's model family"
+            )
+        return theirs
+
+    # ------------------------------------------------------------------ scoring
+
+    def score(self, batch: RolloutBatch, k: int, query_ids_NTQ=None, diag_index_M=None) -> TeacherScores:
+        """Top-K and sampled-token log-probs at every response position; no diagnostic logits."""
+        if query_ids_NTQ is not None:
+            raise UserError(f"a served teacher cannot score student-side supports; use {SERVED_OBJECTIVES}")
+        N, T = batch.response_ids_NT.shape
+        P, step = batch.prompt_len, self.prompts_per_request
+        input_NL, attn_NL = batch.input_ids_NL.cpu(), batch.attention_mask_NL[:, :P].cpu().bool()
+        response_NT, lens_N = batch.response_ids_NT.cpu(), batch.response_mask_NT.sum(-1).cpu()
+        lens = lens_N.tolist()
+        ids, lps, sampled = filler_scores(N, T, k, 1)  # positions past a rollout's end keep the filler
+        sampled = sampled.squeeze(-1)
+        answered_NT = torch.arange(T, device="cpu") < lens_N[:, None]  # the positions an answer holds, in its order
+
+        def one(s: int) -> None:
+            # A worker thread builds its request while earlier ones are scored, then writes the answer
+            # straight into its rows of the outputs (disjoint rows: the threads never share an element).
+            rows = slice(s, min(s + step, N))
+            prompts = [input_NL[i, :P][attn_NL[i]].tolist() for i in range(rows.start, rows.stop)]
+            seqs = [p + response_NT[i, : lens[i]].tolist() for i, p in zip(range(rows.start, rows.stop), prompts)]
+            self._complete(seqs, k, [len(p) for p in prompts], ids[rows], lps[rows], sampled[rows], answered_NT[rows])
+
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            futures = [pool.submit(one, s) for s in range(0, N, step)]
+            try:
+                for f in futures:
+                    f.result()
+            except BaseException:
+                # requests still queued would each wait out --teacher-wait again before the error shows
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+        dev = batch.response_ids_NT.device
+        return TeacherScores(
+            topk_ids_NTK=ids.to(dev), topk_logprobs_NTK=lps.to(dev), sampled_logprobs_NT=sampled.to(dev)
+        )
+
+    def hidden_and_head(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        raise UserError(f"a served teacher does not return full-vocabulary scores; use {SERVED_OBJECTIVES}")
+
+    def _complete(
+        self, seqs: list[list[int]], k: int, starts: list[int], ids_NTK, lps_NTK, sampled_NT, answered_NT
+    ) -> None:
+        """POST the sequences; write each one's response positions into its row of the outputs."""
+        payload = {"model": self.model_name, "prompt": seqs, "max_tokens": 1, "prompt_logprobs": k, "temperature": 1.0}
+        if self.vocab_verified:  # opd's server: score only the responses (see opd.teachers.server)
+            payload["opd_logprobs_from"] = starts
+        media, body = self._fetch(
+            "POST", "/v1/completions", json.dumps(payload).encode(), accept=wire.MEDIA_TYPE if self.binary else None
+        )
+        if self.binary and media == wire.MEDIA_TYPE:
+            try:
+                top_ids, top_lps, given = wire.decode_scores(
+                    body, [len(s) - p for s, p in zip(seqs, starts)], k, self.vocab_rows
+                )
+            except wire.WireError as exc:
+                raise UserError(
+                    f"teacher server {self.url} sent a malformed binary answer ({exc}); is it an opd "
+                    "server of this version? (--teacher-url)"
+                ) from None
+            ids_NTK[answered_NT], lps_NTK[answered_NT], sampled_NT[answered_NT] = top_ids, top_lps, given
+            return
+        answer = self._json(body, "/v1/completions")
+        try:
+            choices = sorted(answer["choices"], key=lambda c: c["index"])
+            out = [c["prompt_logprobs"] for c in choices]
+        except (KeyError, TypeError):
+            raise self._malformed("no choices[].index / prompt_logprobs in the answer") from None
+        if len(out) != len(seqs) or any(not isinstance(p, list) or len(p) != len(s) for p, s in zip(out, seqs)):
+            raise self._malformed(f"expected {len(seqs)} choices with one prompt_logprobs entry per token")
+        for n, (plp, p, seq) in enumerate(zip(out, starts, seqs)):
+            self._fill(plp, p, seq, k, ids_NTK[n], lps_NTK[n], sampled_NT[n])
+
+    def _fill(self, plp: list, p: int, seq: list[int], k: int, ids_TK, lps_TK, sampled_T) -> None:
+        """Response token t is entry p + t: its top-K (the K largest) and the given token's log-prob."""
+        top_ids, top_lps, given_lps = [], [], []
+        for t in range(len(seq) - p):
+            entry, given = plp[p + t], seq[p + t]
+            try:
+                pairs = sorted(((float(v["logprob"]), int(tid)) for tid, v in entry.items()), key=lambda x: -x[0])
+                given_lps.append(float(entry[str(given)]["logprob"]))
+            except (AttributeError, KeyError, TypeError, ValueError):
+                raise self._malformed(f"position {p + t} lacks the given token {given} or a numeric logprob") from None
+            if len(pairs) < k:
+                raise UserError(
+                    f"teacher server {self.url} returned {len(pairs)} top tokens where --k {k} were asked; "
+                    "raise the server's limit (vllm serve --max-logprobs) or lower --k"
+                )
+            if len(pairs) > k + 1:
+                raise self._malformed(f"position {p + t} has {len(pairs)} entries for prompt_logprobs={k}")
+            # K + 1 entries: the given token is the extra one, outside the top-K.
+            top = [x for x in pairs if x[1] != given] if len(pairs) == k + 1 else pairs
+            if any(not 0 <= tid < self.vocab_rows for _, tid in top) or any(not lp <= 1e-4 for lp, _ in top):
+                raise self._malformed(
+                    f"position {p + t} holds a token id outside the student's vocabulary "
+                    f"[0, {self.vocab_rows}) or a log-prob that is not <= 0"
+                )
+            top_lps.append([lp for lp, _ in top])
+            top_ids.append([tid for _, tid in top])
+        n = len(given_lps)
+        ids_TK[:n], lps_TK[:n], sampled_T[:n] = (torch.tensor(x, device="cpu") for x in (top_ids, top_lps, given_lps))
+
+    def _malformed(self, what: str) -> UserError:
+        return UserError(
+            f"teacher server {self.url} sent a malformed prompt_logprobs answer ({what}); "
+            "--teacher-url must be a vLLM-compatible completions server"
+        )
+
+
+def _reason(err: BaseException) -> str:
+    """Why a request got no answer, in words (urllib wraps the socket's error in a URLError)."""
+    cause = getattr(err, "reason", err)
+    for kind, words in (
+        (ConnectionRefusedError, "connection refused"),
+        (http.client.RemoteDisconnected, "connection closed without an answer"),
+        (ConnectionResetError, "connection reset"),
+        (TimeoutError, "no answer within --teacher-timeout"),
+        (http.client.IncompleteRead, "answer cut short"),
+    ):
+        if isinstance(cause, kind):
+            return words
+    return str(cause) or type(cause).__name__
+
+
+def _error_message(err: urllib.error.HTTPError) -> str:
+    """The server's own message: OpenAI's {"error": {"message"}} or older vLLM's {"message"}."""
+    try:
+        body = json.loads(err.read())
+        return body["error"]["message"] if isinstance(body.get("error"), dict) else body["message"]
+    except Exception:  # a foreign server's error page: report its status line only
+        return str(err.reason)

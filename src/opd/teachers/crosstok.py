@@ -1,0 +1,244 @@
+"""A teacher with its own tokenizer behind :class:`opd.teachers.base.TeacherScorer`: cross-tokenizer OPD in the loop.
+
+For each rollout, the student's prompt ids are decoded and turned back into messages
+(:func:`~opd.crosstok.messages_from_prompt`), which the teacher reads in its own chat template;
+the response's exact bytes (:meth:`VocabBytes.text`) are tokenized by the teacher, with the
+teacher's end token where the student's response ended with its EOS. The teacher scores its own
+sequences, unchanged (:class:`opd.teachers.base.HFTeacher` in-process, or
+:class:`opd.teachers.client.HTTPTeacher` for a served teacher); the two tokenizations are aligned by
+bytes (:func:`~opd.crosstok.align_ids`) and the scores are moved into the student's frame, so the
+loop and the losses are those of ordinary OPD:
+
+* ``topk_ids_NTK`` / ``topk_logprobs_NTK``: at a student position paired with a teacher position
+  (``pairing="group_start"``, the default: the first student token of each aligned group with
+  the group's first teacher token, both predicted from the same text prefix; ``"one_to_one"``:
+  one-to-one groups only), the teacher's top-K mapped into the student vocabulary by bytes
+  (:func:`opd.losses.cross.cross_tokenizer_support`), with the teacher's log-probs. A slot whose
+  token has no student counterpart holds log-prob -inf, which LSM leaves out of the support, so
+  the ordinary LSM loss renormalizes over the mapped part of the teacher's top-K.
+* ``sampled_logprobs_NT``: the student's own log-prob plus the span reward
+  (:func:`opd.losses.cross.span_reward`), so that "teacher minus student" -- what sampled-token
+  OPD and the reward diagnostics read -- is the group's reward on its last student token and 0 on
+  its other tokens. For a one-to-one group it is the teacher's log-prob of the same bytes.
+* ``position_mask_NT``: the positions with a teacher signal for the objective (lsm: paired and
+  with a mapped top-K token; sampled: inside an aligned group). The trainer takes the others out
+  of the loss and logs their share (``cross/dropped``); they are tokens inside a many-to-many
+  group, special tokens without a partner, and the tokens that overlap bytes the teacher reads
+  differently (a byte token that is not UTF-8 reaches the teacher as U+FFFD): the alignment
+  re-synchronises after such a stretch (``on_mismatch="resync"``), so the rest of the response
+  keeps its signal.
+* ``metrics``: ``cross/one_to_one`` (share of response positions aligned one-to-one) and
+  ``cross/mapped_mass`` (share of the teacher's top-K mass that maps into the student vocabulary).
+
+With identical vocabularies (``--cross-tokenizer on`` and the student's own tokenizer) the teacher
+reads the student's response ids as sampled: re-tokenizing would replace a sampled segmentation by
+the canonical one, and ordinary OPD scores the sampled one. Its scores then equal ordinary OPD's.
+
+Not supported (refused by :func:`opd.config.check_cross_tokenizer`): full_kl and the supports that
+need the teacher's log-probs of student-chosen tokens, which have no teacher counterpart in
+general; multi-turn episodes (``--env``), whose environment turns would need re-rendering per turn.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from opd.crosstok.align import Alignment, align_ids, alignment_tensors
+from opd.crosstok.template import messages_from_prompt, render_for_teacher, teacher_prompt_and_response_ids
+from opd.crosstok.token_bytes import VocabBytes
+from opd.crosstok.vocab_map import build_vocab_map
+from opd.errors import UserError
+from opd.losses.cross import cross_tokenizer_support, mapped_topk_mass, one_to_one_share, span_reward
+from opd.rollout.sampling import RolloutBatch, left_pad
+from opd.teachers.base import TeacherScorer, TeacherScores
+
+__all__ = ["CrossTokenizerTeacher"]
+
+
+def _name(tok) -> str:
+    return getattr(tok, "name_or_path", "") or type(tok).__name__
+
+
+class CrossTokenizerTeacher:
+    """Scores rollouts with a teacher that tokenizes differently; see the module docstring.
+
+    ``inner`` scores sequences of teacher token ids (an ``HFTeacher`` of the teacher model, or an
+    ``HTTPTeacher`` built with the teacher's tokenizer). ``special_map``: student special token
+    name -> teacher special token name; the student's EOS defaults to the teacher's EOS.
+    ``teacher_rows``: the teacher head's size when it exceeds its tokenizer (padded embeddings).
+    ``teacher_context``: the teacher model's positions, checked against each sequence in its own
+    tokenization (None for a served teacher, whose server bounds what it reads).
+    """
+
+    def __init__(
+        self,
+        inner: TeacherScorer,
+        student_tok,
+        teacher_tok,
+        *,
+        objective: str = "lsm",
+        pairing: str = "group_start",
+        special_map: dict[str, str] | None = None,
+        teacher_rows: int | None = None,
+        teacher_context: int | None = None,
+    ):
+        if objective not in ("lsm", "sampled"):
+            raise UserError(f"a cross-tokenizer teacher trains --objective lsm or sampled, not {objective}")
+        self.inner, self.student_tok, self.teacher_tok = inner, student_tok, teacher_tok
+        self.objective, self.pairing, self.teacher_context = objective, pairing, teacher_context
+        self.s_vb = VocabBytes.from_tokenizer(student_tok, f"student {_name(student_tok)}")
+        self.t_vb = VocabBytes.from_tokenizer(teacher_tok, f"teacher {_name(teacher_tok)}")
+        self.vmap = build_vocab_map(
+            self.s_vb, self.t_vb, special_pairs=self._special_pairs(special_map or {}), teacher_rows=teacher_rows
+        )
+        self.same_vocab = student_tok.get_vocab() == teacher_tok.get_vocab()
+        self.student_eos = student_tok.eos_token_id
+        self.end_token = teacher_tok.convert_ids_to_tokens(self.vmap.special_pairs[self.student_eos])
+        # A teacher template without a user role fails here, before any model work.
+        render_for_teacher(teacher_tok, [{"role": "user", "content": "1 + 1 = ?"}])
+        self._prompts: dict[tuple[int, ...], list[dict]] = {}  # student prompt ids -> messages
+        self._warned_mismatch = False
+
+    def _special_pairs(self, special_map: dict[str, str]) -> dict[str, str]:
+        """``build_vocab_map``'s special_pairs (teacher name -> student name); EOS pairs with EOS by default."""
+        s_eos, t_eos = self.student_tok.eos_token, self.teacher_tok.eos_token
+        by_name = s_eos in self.t_vb.special_names
+        pairs = {} if by_name or s_eos in special_map else {t_eos: s_eos}
+        pairs.update({t: s for s, t in special_map.items()})
+        return pairs
+
+    @property
+    def notice(self) -> str:
+        """The one line ``opd train`` prints when it detects (or is told of) the teacher's tokenizer."""
+        what = "cross-tokenizer LSM" if self.objective == "lsm" else "cross-tokenizer sampled-token OPD (span reward)"
+        differs = "is the student's (forced on)" if self.same_vocab else "differs from the student's"
+        return (
+            f"teacher tokenizer {differs}: {self.vmap.n_mapped} of {self.vmap.n_teacher_text} teacher tokens map "
+            f"to student tokens; {what}"
+        )
+
+    # ------------------------------------------------------------------ teacher sequences
+
+    def _messages(self, prompt: tuple[int, ...]) -> list[dict]:
+        if prompt not in self._prompts:  # prompts recur across steps and samples
+            text = self.student_tok.decode(list(prompt), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            self._prompts[prompt] = messages_from_prompt(self.student_tok, text)
+        return self._prompts[prompt]
+
+    def _teacher_row(self, batch: RolloutBatch, n: int) -> tuple[list[int], list[int], list[int]]:
+        """Row n's teacher prompt ids, teacher response ids and student response ids."""
+        P = batch.prompt_len
+        prompt = batch.input_ids_NL[n, :P][batch.attention_mask_NL[n, :P].bool()].tolist()
+        response = batch.response_ids_NT[n, : int(batch.response_mask_NT[n].sum())].tolist()
+        ended = bool(response) and response[-1] == self.student_eos
+        t_prompt, t_response = teacher_prompt_and_response_ids(
+            self.teacher_tok,
+            self._messages(tuple(prompt)),
+            self.s_vb.text(response),
+            self.end_token if ended else None,
+        )
+        if self.same_vocab:  # the sampled segmentation, as ordinary OPD scores it (module docstring)
+            t_response = response
+        return t_prompt, t_response, response
+
+    def _teacher_batch(self, rows, device) -> RolloutBatch:
+        """The teacher's sequences as a rollout batch: left-padded prompts, then the responses."""
+        pad = self.teacher_tok.pad_token_id if self.teacher_tok.pad_token_id is not None else 0
+        ids_NP, attn_NP = left_pad([p for p, _, _ in rows], pad)
+        U = max(1, max(len(r) for _, r, _ in rows))
+        resp_NU = torch.full((len(rows), U), pad, dtype=torch.long, device="cpu")
+        mask_NU = torch.zeros(len(rows), U, dtype=torch.bool, device="cpu")
+        for n, (_, r, _) in enumerate(rows):
+            resp_NU[n, : len(r)] = torch.tensor(r, dtype=torch.long, device="cpu")
+            mask_NU[n, : len(r)] = True
+        return RolloutBatch(
+            torch.cat([ids_NP, resp_NU], 1).to(device),
+            torch.cat([attn_NP, mask_NU.long()], 1).to(device),
+            ids_NP.shape[1],
+            resp_NU.to(device),
+            mask_NU.to(device),
+            torch.zeros(len(rows), U, device=device),
+            torch.zeros(len(rows), dtype=torch.bool, device=device),
+        )
+
+    def _check_context(self, rows) -> None:
+        """The teacher reads each sequence in its own tokens, which may be more than the student's."""
+        longest = max(len(p) + len(r) for p, r, _ in rows)
+        if self.teacher_context and longest > self.teacher_context:
+            raise UserError(
+                f"the teacher's tokenizer ({self.t_vb.name}) makes a prompt and response {longest} tokens long, more "
+                f"than the teacher model's context of {self.teacher_context} positions; lower --max-new-tokens or "
+                "--max-prompt-tokens (the teacher may need more tokens than the student for the same text)"
+            )
+
+    def _check_alignments(self, alignments: list[Alignment]) -> None:
+        """Warn once when a response's bytes differ for the teacher (the tokens where they differ are left out)."""
+        bad = sum(al.mismatch_at is not None for al in alignments)
+        if bad and not self._warned_mismatch:
+            self._warned_mismatch = True
+            warnings.warn(
+                f"{bad} of {len(alignments)} responses read differently after the teacher's tokenizer "
+                f"({self.t_vb.name}) encoded them: bytes that are not UTF-8 (an untrained model's byte tokens, a "
+                "response cut inside a character), a normalizer, or text without a teacher token (unknown-token "
+                "fallback). The positions whose bytes differ are left out of the loss (cross/dropped) and the "
+                "alignment resumes after them; a teacher tokenizer with byte fallback and no normalizer avoids the "
+                "last two",
+                stacklevel=2,
+            )
+
+    # ------------------------------------------------------------------ scoring
+
+    @torch.no_grad()
+    def score(self, batch: RolloutBatch, k: int, query_ids_NTQ=None, diag_index_M=None) -> TeacherScores:
+        """The teacher's scores in the student's frame; no full-vocabulary diagnostic logits."""
+        if query_ids_NTQ is not None:
+            raise UserError(
+                "a cross-tokenizer teacher cannot score student-chosen tokens (student-side supports); "
+                "use --support teacher_topk"
+            )
+        device = batch.response_ids_NT.device
+        rows = [self._teacher_row(batch, n) for n in range(batch.num_rollouts)]
+        self._check_context(rows)
+        t_batch = self._teacher_batch(rows, device)
+        teacher = self.inner.score(t_batch, k)
+        alignments = [
+            align_ids(s, t, self.s_vb, self.t_vb, on_mismatch="resync", special_pairs=self.vmap.special_pairs)
+            for _, t, s in rows
+        ]
+        self._check_alignments(alignments)
+        T, U = batch.response_ids_NT.shape[1], t_batch.response_ids_NT.shape[1]
+        idx = alignment_tensors(alignments, T, U, pairing=self.pairing, device=device)
+        return self._student_frame(batch, teacher, idx)
+
+    def _student_frame(self, batch: RolloutBatch, teacher: TeacherScores, idx) -> TeacherScores:
+        """Teacher-frame scores (N, U, K) moved to student positions (N, T, K); see the module docstring."""
+        vmap = self.vmap.to(batch.response_ids_NT.device)
+        mask_NT = batch.action_mask_NT.bool()
+        at = (idx.teacher_pos_BT, vmap.teacher_to_student_V, mask_NT, idx.text_start_BT)
+        ids_NTK, lp_NTK, valid_NTK, lsm_NT, _ = cross_tokenizer_support(
+            teacher.topk_ids_NTK, teacher.topk_logprobs_NTK, *at, vmap.teacher_to_student_start_V
+        )
+        reward_NT = span_reward(
+            batch.logprobs_NT, teacher.sampled_logprobs_NT, idx.student_group_BT, idx.teacher_group_BU, mask_NT
+        )
+        grouped_NT = mask_NT & (idx.student_group_BT >= 0)
+        mapped = mapped_topk_mass(teacher.topk_ids_NTK, teacher.topk_logprobs_NTK, *at, vmap.teacher_to_student_start_V)
+        return TeacherScores(
+            topk_ids_NTK=ids_NTK,
+            topk_logprobs_NTK=lp_NTK.masked_fill(~valid_NTK, -math.inf),
+            sampled_logprobs_NT=(batch.logprobs_NT + reward_NT).to(teacher.sampled_logprobs_NT.dtype),
+            position_mask_NT=lsm_NT if self.objective == "lsm" else grouped_NT,
+            metrics={
+                "cross/one_to_one": float(one_to_one_share(idx.one_to_one_BT, mask_NT)),
+                "cross/mapped_mass": float(mapped),
+            },
+        )
+
+    def hidden_and_head(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        raise UserError(
+            "full_kl needs the teacher's distribution over the student's vocabulary, which a teacher with "
+            "another tokenizer does not have; use --objective lsm or sampled"
+        )

@@ -1,0 +1,80 @@
+"""The trainer's teacher from its config: in-process (``--teacher DIR``), served (``--teacher-url``),
+or either one wrapped for a teacher with another tokenizer (``--cross-tokenizer``).
+
+The one module that imports every teacher backend; the backends import only the protocol
+(:mod:`opd.teachers.base`), so none of them imports this back.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from opd.config import check_cross_tokenizer, parse_special_map
+from opd.errors import UserError
+from opd.models.loading import check_same_vocab, head_weight, load_model, load_tokenizer, model_device
+from opd.teachers.base import HFTeacher, TeacherScorer
+from opd.teachers.client import SERVED_OBJECTIVES, HTTPTeacher
+from opd.teachers.crosstok import CrossTokenizerTeacher
+
+
+def make_teacher(cfg, student, tokenizer):
+    """The trainer's teacher: in-process from ``cfg.teacher``, or served at ``cfg.teacher_url``; wrapped
+    for cross-tokenizer OPD when its tokenizer differs (``cfg.cross_tokenizer``)."""
+    if not cfg.teacher_url:
+        teacher_model = load_model(cfg.teacher, "teacher", cfg.teacher_dtype or cfg.dtype, model_device(student))
+        teacher_tok = load_tokenizer(cfg.teacher_tokenizer or cfg.teacher, "teacher")
+        if not uses_cross_tokenizer(cfg, tokenizer, teacher_tok):
+            check_same_vocab(tokenizer, teacher_tok, student, teacher_model)
+            return HFTeacher(teacher_model)
+        return cross_tokenizer_teacher(cfg, HFTeacher(teacher_model), tokenizer, teacher_tok)
+    if cfg.teacher:
+        raise UserError("both --teacher and --teacher-url are set; give one (a model directory or a served teacher)")
+    needs_more = cfg.objective == "full_kl" or (
+        cfg.objective == "lsm" and cfg.support not in ("teacher_topk", "teacher_topk_plus_sampled")
+    )
+    if needs_more:
+        raise UserError(
+            f"--objective {cfg.objective} --support {cfg.support} needs teacher log-probs a "
+            f"vLLM-format server does not return; with --teacher-url use {SERVED_OBJECTIVES}, "
+            "or use --teacher DIR"
+        )
+    client = dict(timeout=cfg.teacher_timeout, wait=cfg.teacher_wait, retries=cfg.teacher_retries)
+    if cfg.teacher_tokenizer:
+        teacher_tok = load_tokenizer(cfg.teacher_tokenizer, "teacher")
+        if uses_cross_tokenizer(cfg, tokenizer, teacher_tok):
+            # The server scores teacher-token sequences; its head size comes from its /opd/vocab answer.
+            inner = HTTPTeacher(cfg.teacher_url, teacher_tok, None, **client)
+            return cross_tokenizer_teacher(cfg, inner, tokenizer, teacher_tok)
+    return HTTPTeacher(cfg.teacher_url, tokenizer, head_weight(student).shape[0], **client)
+
+
+def uses_cross_tokenizer(cfg, student_tok, teacher_tok) -> bool:
+    """``--cross-tokenizer``: on, off, or auto (on exactly when the two vocabularies differ)."""
+    if cfg.cross_tokenizer == "auto":
+        return student_tok.get_vocab() != teacher_tok.get_vocab()
+    return cfg.cross_tokenizer == "on"
+
+
+def cross_tokenizer_teacher(cfg, inner: TeacherScorer, student_tok, teacher_tok) -> TeacherScorer:
+    """``inner`` wrapped to score in the student's frame, after the options it cannot do are refused."""
+    check_cross_tokenizer(cfg)
+    if isinstance(inner, HFTeacher):
+        rows, context = head_weight(inner.model).shape[0], getattr(inner.model.config, "max_position_embeddings", None)
+    else:  # a served teacher's server bounds what it reads (vLLM: max_model_len; opd: --max-prompt-tokens)
+        rows, context = inner.vocab_rows, None
+    if cfg.k > rows:
+        raise UserError(f"k={cfg.k} is larger than the teacher's vocabulary ({rows} tokens); choose --k <= {rows}")
+    teacher = CrossTokenizerTeacher(
+        inner,
+        student_tok,
+        teacher_tok,
+        objective=cfg.objective,
+        pairing=cfg.cross_pairing,
+        special_map=parse_special_map(cfg.teacher_special_map),
+        teacher_rows=rows,
+        teacher_context=context,
+    )
+    if os.environ.get("RANK", "0") == "0":  # one line per run, not one per rank (torchrun/accelerate set RANK)
+        print(f"opd train: {teacher.notice}", file=sys.stderr, flush=True)
+    return teacher

@@ -1,0 +1,592 @@
+"""On-policy distillation: the training loop (``opd train``).
+
+Each step reads top to bottom:
+
+    prompts -> rollout (student samples, top-p) -> score (teacher top-K and log-probs)
+            -> update (objective loss, AdamW, clipping) -> log (metrics.jsonl, rollouts.jsonl)
+            -> eval / checkpoint
+
+Departures from the paper (arXiv:2603.25562) worth knowing: the loss is reduced as a token mean
+over the whole rollout batch (micro-batches add up to exactly that); the diagnostics that need
+the student's full distribution are computed on a random sample of ``diag_positions`` response
+positions per step, without gradients. Sampling is seeded per prompt, so a resumed run repeats
+the uninterrupted one step for step.
+
+Under ``torchrun``/``accelerate launch`` each rank takes its shard of the step's global batch
+(``--batch-size`` prompts per rank) and the student is wrapped with DDP, or FSDP with ``--fsdp``
+(see :mod:`opd.training.distributed`); the loss is normalised by the global batch's counts, so N ranks of
+batch b follow the trajectory of one process of batch N*b. With ``--lora-r`` only a LoRA adapter
+is trained (:mod:`opd.models.lora`).
+
+Multi-task runs (``tasks:`` in the config, :mod:`opd.training.schedule`) give every task its own teacher,
+prompts or games and settings. A step holds one part per task it trains on: one part in a
+single-task run or an alternating step, every task's part in ``--task-mode mix``. Each part is
+rolled out and scored by its own task's teacher; the update runs the micro-batches of all parts
+into one optimizer step, with the loss normalised by the counts of all parts together (a token
+mean over all tasks' loss tokens; see :func:`global_totals`). Metrics are logged for the whole
+step and, prefixed with the task's name, for each part.
+
+A served teacher that stays down past ``--teacher-wait`` stops the run at a step's scoring, after
+checkpointing the last completed step: ``--resume`` redoes the step cut short and loses nothing.
+
+Run: ``opd train --student DIR --teacher DIR --objective lsm --k 32 --out runs/x``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from opd import metrics as M
+from opd.config import TaskSpec, TrainConfig, resolve_tasks
+from opd.errors import UserError
+from opd.evaluation.games import evaluate_agent, write_eval_games
+from opd.evaluation.prompts import evaluate_model
+from opd.models.loading import disable_dropout, head_weight, load_model, load_tokenizer, resolve_device
+from opd.models.lora import apply_lora, load_weights
+from opd.rollout.episodes import EpisodeRecord, EpisodeRollout
+from opd.rollout.games import GameSet, check_episode_context, episode_metrics, episode_outcomes, make_env
+from opd.rollout.prompts import PromptSet, load_tasks, sample_seed
+from opd.rollout.sampling import HFRollout, RolloutBatch
+from opd.runs.progress import progress_bar
+from opd.runs.rundir import RunDir, save_final_model
+from opd.tasks import Task
+from opd.teachers.base import TeacherScorer, TeacherScores, TeacherUnavailable
+from opd.teachers.factory import make_teacher
+from opd.training.distributed import Dist, init_distributed, merge_metrics, shutdown
+from opd.training.objectives import (
+    NEEDS_STUDENT_TOPK,
+    LossTotals,
+    loss_mask,
+    objective_loss,
+    reduce_loss,
+    scored_loss_mask,
+    student_topk_ids,
+)
+from opd.training.optim import make_optimizer, make_scheduler, rng_state, set_rng_state
+from opd.training.schedule import for_task, prefixed, task_schedule
+from opd.training.stepstats import StepUpdate, grade_rollouts, metric_weights, rollout_records, step_metrics
+
+
+@dataclass
+class TaskRun:
+    """One task of a run: its settings, teacher, rollout engine and data (a single-task run has one, named "")."""
+
+    name: str  # prefixes its metrics and files; "" in a single-task run (no prefix anywhere)
+    cfg: TrainConfig  # the run's config with this task's overrides (a single-task run: the run's own)
+    share: float  # its normalised share of the steps (alternate) or of the batch (mix)
+    teacher: TeacherScorer
+    engine: HFRollout | EpisodeRollout  # single-turn prompts, or an environment's episodes (--env)
+    task: Task | None  # None with --env: an episode's reward is the game's
+    prompts: PromptSet | GameSet
+    test: PromptSet | GameSet
+    eval_task: Task | None = None  # grades the test set (--eval-task); None: the training task
+
+    @property
+    def files(self) -> str:
+        """Where its evaluation set is listed, relative to the run directory."""
+        return f"tasks/{self.name}/" if self.name else ""
+
+
+@dataclass
+class Run:
+    """Everything the loop's stages share; built once by :func:`setup`."""
+
+    cfg: TrainConfig
+    student: torch.nn.Module  # a transformers causal LM, or peft's wrapper of one (--lora-r)
+    tokenizer: PreTrainedTokenizerBase
+    tasks: list[TaskRun]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    rundir: RunDir
+    special_ids: list[int]
+    dist: Dist = field(default_factory=Dist)  # ranks, and the student as DDP/FSDP wrap it (dist.model)
+    start_step: int = 0
+    schedule: list[tuple[int, int]] = field(default_factory=list)  # alternate: (task, its batch number) per step
+
+    # The single task of a single-task run (the first task of a multi-task one).
+    teacher = property(lambda self: self.tasks[0].teacher)
+    engine = property(lambda self: self.tasks[0].engine)
+    task = property(lambda self: self.tasks[0].task)
+    prompts = property(lambda self: self.tasks[0].prompts)
+    test = property(lambda self: self.tasks[0].test)
+    eval_task = property(lambda self: self.tasks[0].eval_task)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A task's place in a step: its batch number among its own steps and its first global slot."""
+
+    task: TaskRun
+    visit: int  # how many earlier steps trained on this task: its data walks its own prompt order
+    slot0: int  # where its rollouts start in the step's global batch (sampling seeds)
+
+
+@dataclass
+class StepPart:
+    """One task's share of a step: its rollouts, masks and teacher scores (the whole step when it has one task)."""
+
+    task: TaskRun
+    batch: RolloutBatch
+    rows: list[int]
+    records: list[EpisodeRecord] | None
+    mask_NT: torch.Tensor | None = None  # set after the rollout: the loss mask, the diagnostic positions
+    diag_M: torch.Tensor | None = None
+    scores: TeacherScores | None = None
+    student_ids: torch.Tensor | None = None
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def setup(cfg: TrainConfig) -> Run:
+    torch.manual_seed(cfg.seed)
+    device = resolve_device(cfg.device)
+    dist = init_distributed(cfg.fsdp, device)
+    rundir = RunDir(cfg.out, report_to=cfg.report_to)
+    rundir.require_fresh(cfg.resume)
+    specs = resolve_tasks(cfg)
+    # before the models: a data problem shows at once
+    data = [(None, None) if s.cfg.env else for_task(s.name, load_tasks, s.cfg) for s in specs]
+    tok = load_tokenizer(cfg.student, "student")
+    student = load_model(cfg.student, "student", cfg.dtype, device)
+    tasks = build_tasks(specs, data, student, tok)
+    V = head_weight(student).shape[0]
+    if cfg.k > V:
+        raise UserError(f"k={cfg.k} is larger than the vocabulary ({V} tokens); choose --k <= {V}")
+    special_ids = special_token_ids(tok, cfg.special_tokens)
+    if not cfg.keep_dropout:  # before LoRA, so --lora-dropout still applies to the adapter
+        disable_dropout(student)
+    if cfg.lora_r:
+        student = apply_lora(student, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout, cfg.student)
+    ckpt = rundir.latest_checkpoint() if cfg.resume else None
+    if ckpt is not None:
+        load_weights(student, ckpt / "model")  # before wrapping: FSDP shards the weights it is given
+    student.train()
+    optimizer = make_optimizer(dist.wrap(student), cfg.lr, cfg.weight_decay)
+    scheduler = make_scheduler(optimizer, cfg.warmup_steps, cfg.steps * cfg.updates_per_batch, cfg.schedule)
+    schedule = task_schedule(cfg.steps, [t.share for t in tasks], cfg.seed) if cfg.task_mode == "alternate" else []
+    run = Run(cfg, student, tok, tasks, optimizer, scheduler, rundir, special_ids, dist, schedule=schedule)
+    if ckpt is not None:
+        resume(run, ckpt)
+    elif cfg.resume:  # killed before its first checkpoint: it starts over, so must its logs
+        rundir.truncate_logs_after(-1)
+    rundir.write_config(cfg)
+    for t in tasks:
+        if not isinstance(t.test, GameSet):  # an environment's games are written once played (eval_stage)
+            rows = [{"prompt": e.prompt, "answer": e.answer} for e in t.test.examples]
+            rundir.write_jsonl(f"{t.files}eval.jsonl", rows)
+    return run
+
+
+def build_tasks(specs: list[TaskSpec], data: list[tuple], student, tok) -> list[TaskRun]:
+    """Each task's teacher, engine and prompts or games. A teacher that several tasks name (the
+    same directory or URL, with the same dtype and tokenizer settings) is loaded once and shared."""
+    teachers: dict[tuple, TeacherScorer] = {}
+    out = []
+    for spec, (task, eval_task) in zip(specs, data, strict=True):
+        c = spec.cfg
+        where = ("url", c.teacher_url) if c.teacher_url else ("dir", str(Path(c.teacher).resolve()))
+        # The same model read with another dtype or tokenizer setting scores differently: not shared.
+        key = (*where, c.teacher_dtype or c.dtype, c.teacher_tokenizer, c.cross_tokenizer, c.cross_pairing)
+        key += tuple(c.teacher_special_map)
+        if key not in teachers:  # every teacher's vocabulary is checked against the student's here
+            teachers[key] = for_task(spec.name, make_teacher, c, student, tok)
+        if c.env:
+            for_task(spec.name, check_episode_context, student, c.max_prompt_tokens, c.max_new_tokens)
+        prompts, test = for_task(spec.name, prompt_sets, c, tok, task, eval_task)
+        engine = EpisodeRollout(student, tok) if c.env else HFRollout(student, tok.eos_token_id, tok.pad_token_id)
+        out.append(TaskRun(spec.name, c, spec.share, teachers[key], engine, task, prompts, test, eval_task))
+    return out
+
+
+def prompt_sets(cfg: TrainConfig, tok, task, eval_task) -> tuple[PromptSet | GameSet, PromptSet | GameSet]:
+    """The training and test prompts, or (with --env) the environment's training and held-out games."""
+    if cfg.env:
+        env = make_env(cfg.env, cfg.env_level, cfg.env_args)
+        return GameSet.build(env, "train"), GameSet.build(env, "test", cfg.eval_size)
+    prompts = PromptSet.build(task.examples("train"), tok, cfg.max_prompt_tokens, "training prompts")
+    test = PromptSet.build(eval_task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
+    return prompts, test
+
+
+def special_token_ids(tok, tokens: list[str]) -> list[int]:
+    ids = []
+    for t in tokens:
+        tid = tok.convert_tokens_to_ids(t)
+        if tid is None or tid == tok.unk_token_id:
+            raise UserError(f"special token {t!r} is not in the student's vocabulary; fix --special-tokens")
+        ids.append(tid)
+    return ids
+
+
+def resume(run: Run, ckpt: Path) -> None:
+    """Optimizer, schedule, RNG and step from ``ckpt`` (the weights were loaded before wrapping)."""
+    state = run.rundir.load_state(ckpt)
+    if state.get("fsdp", False) != run.dist.fsdp:  # the two keep the optimizer state in different layouts
+        was = "with" if state.get("fsdp") else "without"
+        raise UserError(f"checkpoint {ckpt} was written {was} --fsdp; resume {was} --fsdp as well")
+    saved_world = len(state["rng"]) if isinstance(state["rng"], list) else 1
+    if saved_world != run.dist.world:  # the global batch, and so each step's prompts, would change
+        raise UserError(
+            f"checkpoint {ckpt} was written by {saved_world} process(es), this launch has "
+            f"{run.dist.world}; resume with the same number of processes"
+        )
+    run.dist.load_optimizer_state(run.optimizer, state["optimizer"])
+    run.scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"], run.dist.rank, run.dist.world, run.dist.device)
+    run.start_step = state["step"] + 1
+    run.rundir.truncate_logs_after(state["step"])
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+def step_tasks(run: Run, step: int) -> list[Assignment]:
+    """The tasks ``step`` trains on: the single task; the scheduled one (alternate); every task (mix),
+    their rollouts numbered one after the other in the step's global batch."""
+    if run.cfg.task_mode == "alternate":
+        i, visit = run.schedule[step]
+        return [Assignment(run.tasks[i], visit, 0)]
+    out, slot0 = [], 0
+    for t in run.tasks:
+        out.append(Assignment(t, step, slot0))
+        slot0 += t.cfg.batch_size * t.cfg.samples_per_prompt * run.dist.world
+    return out
+
+
+def rollout_stage(
+    run: Run, step: int, at: Assignment | None = None
+) -> tuple[RolloutBatch, list[int], list[EpisodeRecord] | None]:
+    """This rank's rollouts of one task (default: the step's first): its contiguous block of the
+    task's global batch, seeded by global slot; with --env, episodes of the step's games and what
+    happened in each."""
+    at = at or step_tasks(run, step)[0]
+    task, cfg = at.task, at.task.cfg
+    idx = task.prompts.batch_indices(at.visit, cfg.batch_size * run.dist.world, cfg.seed)
+    global_rows = [i for i in idx for _ in range(cfg.samples_per_prompt)]
+    slots = run.dist.shard(list(range(len(global_rows))))
+    rows = [global_rows[s] for s in slots]
+    seeds = [sample_seed(cfg.seed, step, at.slot0 + s) for s in slots]
+    if isinstance(task.prompts, GameSet):
+        played = run.dist.full_call(
+            lambda _: task.engine.play(
+                task.prompts.env,
+                [task.prompts.games[i] for i in rows],
+                seeds,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                **cfg.episode_limits(),
+            )
+        )
+        return played.batch, rows, played.records
+    batch = run.dist.full_call(
+        lambda _: task.engine.generate(
+            [task.prompts.prompt_ids[i] for i in rows],
+            seeds,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+        )
+    )
+    return batch, rows, None
+
+
+def diag_index(mask_NT: torch.Tensor, n: int, step: int, seed: int) -> torch.Tensor:
+    """A seeded sample of flat response positions for the full-vocabulary diagnostics."""
+    flat = mask_NT.reshape(-1).nonzero().squeeze(-1)
+    if flat.numel() <= n:
+        return flat
+    g = torch.Generator().manual_seed(seed * 31 + step)
+    pick = torch.randperm(flat.numel(), generator=g, device="cpu")[:n].to(flat.device)
+    return flat[pick].sort().values
+
+
+def score_stage(run: Run, batch: RolloutBatch, diag_M: torch.Tensor, task: TaskRun | None = None):
+    """The teacher's scores of one task's rollouts (default: the first task's), by that task's teacher."""
+    cfg, task = run.cfg, task or run.tasks[0]
+    needs_student = cfg.objective == "lsm" and cfg.support in NEEDS_STUDENT_TOPK
+    student_ids = run.dist.full_call(lambda s: student_topk_ids(s, batch, cfg.k)) if needs_student else None
+    # a served teacher that stays down stops the run here, naming its task (see stop_if_teacher_down)
+    scores = for_task(task.name, task.teacher.score, batch, cfg.k, query_ids_NTQ=student_ids, diag_index_M=diag_M)
+    return scores, student_ids
+
+
+@contextmanager
+def stop_if_teacher_down(run: Run, step: int, rng: dict):
+    """Around a step's scoring: a served teacher that stayed unreachable past --teacher-wait stops the
+    run, every rank together (the checkpoint is collective), once step - 1 is checkpointed. Nothing of
+    this step has reached the weights, so --resume redoes it from its rollouts on and loses nothing.
+    ``rng``: the generators' state as the step began, which is the one a checkpoint of step - 1 holds."""
+    down = None
+    try:
+        yield
+    except UserError as exc:  # a multi-task run's teacher error names its task, caused by the client's
+        if not (isinstance(exc, TeacherUnavailable) or isinstance(exc.__cause__, TeacherUnavailable)):
+            raise
+        down = exc
+    if not run.dist.all_sum([float(down is not None)])[0]:
+        return
+    why = down or "the served teacher of another rank stayed unreachable past --teacher-wait"
+    if step > run.start_step and not (run.cfg.ckpt_every and step % run.cfg.ckpt_every == 0):
+        checkpoint_stage(run, step - 1, rng)  # else the loop wrote it, or the run resumed from it (or none ran)
+    then = (
+        f"checkpoint of step {step - 1} written in {run.rundir.ckpt_root}; resume with --resume"
+        if step
+        else "no step had finished, so nothing was checkpointed; run the same command"
+    )
+    raise TeacherUnavailable(f"{why}; {then} once the teacher is up") from None
+
+
+def global_totals(run: Run, masks: list[torch.Tensor], horizons: list[int]) -> LossTotals:
+    """The loss normalisers of the step's global batch (all ranks, and all tasks' parts in mix mode),
+    so every rank's and every part's share adds up to it. ``horizons``: each part's max_new_tokens
+    (constant_sum divides by the sum over parts of rollouts x horizon)."""
+    tokens, seqs, rollouts, budget = run.dist.all_sum(
+        [
+            sum(float(m.sum()) for m in masks),
+            sum(float((m.sum(-1) > 0).sum()) for m in masks),
+            sum(float(m.shape[0]) for m in masks),
+            sum(float(m.shape[0] * h) for m, h in zip(masks, horizons, strict=True)),
+        ]
+    )
+    return LossTotals(int(tokens), int(seqs), int(rollouts), run.cfg.max_new_tokens, run.dist.world, int(budget))
+
+
+def _objective(student, run: Run, teacher: TeacherScorer, *args):
+    return objective_loss(run.cfg, student, teacher, *args)
+
+
+def _micro_batches(parts: list[StepPart], grad_accum: int) -> list[tuple[int, slice]]:
+    """(part, rows) of every micro-batch of the step: each part split into ``grad_accum`` pieces."""
+    out = []
+    for i, p in enumerate(parts):
+        N = p.mask_NT.shape[0]
+        out += [(i, slice(start, start + N // grad_accum)) for start in range(0, N, N // grad_accum)]
+    return out
+
+
+def update_stage(run: Run, step: int, parts: list[StepPart]) -> list[StepUpdate]:
+    """Objective loss over the micro-batches of every part, clipping, optimizer step(s); each part's
+    by-products of the first update (the loss, gradient norm and lr are the step's, shared).
+
+    With ``--updates-per-batch`` > 1 the later updates reuse the batch: the sampled-token loss
+    corrects with importance ratios, the analytic losses (lsm, full_kl) need none but see states
+    an older policy visited. Only the first update's loss is logged (the on-policy one).
+    """
+    cfg = run.cfg
+    totals = global_totals(run, [p.mask_NT for p in parts], [p.task.cfg.max_new_tokens for p in parts])
+    micro = _micro_batches(parts, cfg.grad_accum)
+    first: list[StepUpdate] | None = None
+    for update in range(cfg.updates_per_batch):
+        run.optimizer.zero_grad(set_to_none=True)
+        loss_value, loss_rows, hidden_rows = 0.0, [[] for _ in parts], [[] for _ in parts]
+        for j, (i, rows) in enumerate(micro):
+            p = parts[i]
+            old = p.batch.logprobs_NT[rows] if cfg.updates_per_batch > 1 else None
+            ids_rows = None if p.student_ids is None else p.student_ids[rows]
+            with run.dist.sync_gradients(j == len(micro) - 1):  # reduce across ranks once, after the last micro-batch
+                args = (p.batch.select(rows), p.scores.select(rows), p.mask_NT[rows], ids_rows, old)
+                loss_NT, h = run.dist.train_call(_objective, run, p.task.teacher, *args)
+                loss = reduce_loss(cfg.reduction, loss_NT, p.mask_NT[rows], totals)
+                loss.backward()
+            loss_value += float(loss.detach())
+            if update == 0:
+                loss_rows[i].append(loss_NT.detach())
+                hidden_rows[i].append(h.detach())
+        loss_value = run.dist.all_sum([loss_value])[0] / run.dist.world  # see reduce_loss
+        norm = torch.nn.utils.clip_grad_norm_(run.dist.model.parameters(), cfg.max_grad_norm or float("inf"))
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
+        check_finite(run, step, loss=loss_value, gradient_norm=norm)
+        run.optimizer.step()
+        run.scheduler.step()
+        if first is None:
+            clipped = bool(cfg.max_grad_norm and norm > cfg.max_grad_norm)
+            first = [
+                _first_update(p, torch.cat(ls), torch.cat(hs), loss_value, norm, clipped, cfg.log_rollouts)
+                for p, ls, hs in zip(parts, loss_rows, hidden_rows, strict=True)
+            ]
+    for u in first:
+        u.lr = run.scheduler.get_last_lr()[0]
+    return first
+
+
+def _first_update(p: StepPart, loss_NT, h_all, loss: float, norm: float, clipped: bool, log_rollouts: int):
+    return StepUpdate(
+        loss=loss,
+        grad_norm=norm,
+        clipped=clipped,
+        lr=0.0,
+        loss_NT=loss_NT,
+        diag_hidden_MD=h_all.reshape(-1, h_all.shape[-1])[p.diag_M],
+        log_hidden_LTD=h_all[:log_rollouts],
+    )
+
+
+def check_finite(run: Run, step: int, **values: float) -> None:
+    """Stop before a non-finite loss or gradient reaches the weights; the last checkpoint stays."""
+    for name, value in values.items():
+        if not math.isfinite(value):
+            raise UserError(
+                f"the {name.replace('_', ' ')} became {value} at step {step}; training stopped before the update "
+                f"and the last good checkpoint in {run.rundir.ckpt_root} is kept. Lower --lr, raise "
+                "--warmup-steps, or check the teacher's outputs"
+            )
+
+
+STEP_KEYS = ("train/loss", "train/grad_norm", "train/clipped", "train/lr")  # the step's, never a part's
+
+
+def part_metrics(run: Run, step: int, p: StepPart, upd: StepUpdate, W: torch.Tensor) -> tuple[dict, dict, list]:
+    """One rank's metrics of one part, what each is a mean over, and (rank 0) its sample rollouts."""
+    cfg, c = run.cfg, p.task.cfg
+    examples = [p.task.prompts.examples[i] for i in p.rows]
+    if p.records is None:
+        texts, correct = grade_rollouts(run.tokenizer, p.task.task, examples, p.batch)
+        episodes = {}
+    else:
+        texts, correct = episode_outcomes(p.records)
+        episodes = episode_metrics(p.records)
+    horizon = c.max_new_tokens
+    metrics = {**step_metrics(p.batch, correct, p.scores, upd, p.mask_NT, W, k=cfg.k, horizon=horizon), **episodes}
+    weights = metric_weights(p.batch, p.mask_NT, upd.diag_hidden_MD.shape[0], horizon)
+    if p.task.name:  # a task's own loss: the token mean of its per-token loss (the step's loss is global)
+        metrics["train/loss"] = M.masked_mean(upd.loss_NT, p.mask_NT)
+        weights["train/loss"] = int(p.mask_NT.sum())
+    if not (cfg.log_rollouts and run.dist.is_main):
+        return metrics, weights, []
+    records = rollout_records(
+        run.tokenizer, W, step, p.batch, examples, texts, correct, p.scores, upd, p.mask_NT, p.records
+    )
+    return metrics, weights, [{"task": p.task.name, **r} if p.task.name else r for r in records]
+
+
+def log_stage(run: Run, step: int, parts: list[StepPart], upds: list[StepUpdate], timings: dict) -> dict:
+    """Metrics of the whole step batch (ranks' and parts' records merged), each task's under its
+    name in a multi-task run, and rank 0's sample rollouts."""
+
+    def local(student):
+        W = head_weight(student).detach()
+        return [part_metrics(run, step, p, u, W) for p, u in zip(parts, upds, strict=True)]
+
+    mine = run.dist.full_call(local)
+    ranks = run.dist.gather([(m, w) for m, w, _ in mine])  # [rank][part] -> (metrics, weights)
+    slowest = {k: max(t[k] for t in run.dist.gather(timings)) for k in timings}
+    every = [mw for rank in ranks for mw in rank]
+    record = {"step": step, **merge_metrics([m for m, _ in every], [w for _, w in every]), **slowest}
+    record.update({k: getattr(upds[0], k.split("/")[1]) for k in STEP_KEYS})
+    for i, p in enumerate(parts):
+        if p.task.name:
+            own = merge_metrics([r[i][0] for r in ranks], [r[i][1] for r in ranks])
+            record.update(prefixed({k: v for k, v in own.items() if k not in STEP_KEYS[1:]}, p.task.name))
+    run.rundir.log_metrics(record)
+    rollouts = [r for _, _, recs in mine for r in recs]
+    if rollouts:
+        run.rundir.log_rollouts(rollouts)
+    return record
+
+
+def evaluate_task(student, tok, task: TaskRun, seed: int) -> dict:
+    """One task's evaluation on its held-out prompts (accuracy, avg@k) or games (success rate)."""
+    return evaluate_set(student, tok, task.cfg, task.test, task.eval_task or task.task, seed)
+
+
+def evaluate_set(student, tok, c: TrainConfig, test, grader: Task | None, seed: int, show_progress=False) -> dict:
+    """A model on held-out prompts graded by ``grader``, or games, with a (task's) config's sampling
+    and lengths: what training's evaluation reports (the demos evaluate their models before it so)."""
+    common = dict(samples=c.eval_samples, temperature=c.temperature, top_p=c.top_p, seed=seed)
+    if isinstance(test, GameSet):
+        return evaluate_agent(student, tok, test, **c.episode_limits(), **common, show_progress=show_progress)
+    return evaluate_model(
+        student, tok, test, grader, max_new_tokens=c.max_new_tokens, **common, show_progress=show_progress
+    )
+
+
+def eval_stage(run: Run, step: int) -> dict:
+    """Rank 0 evaluates every task (with FSDP, on weights all ranks gathered); the others wait for it.
+
+    A multi-task run logs ``eval/<name>/...`` per task and, as ``eval/accuracy`` and
+    ``eval/avg_at_k``, the unweighted mean over its tasks."""
+    evaluate = lambda s: [evaluate_task(s, run.tokenizer, t, run.cfg.seed) for t in run.tasks]
+    results = run.dist.full_call(lambda s: evaluate(s) if run.dist.is_main else None)
+    run.student.train()
+    if results is None:
+        return {}
+    record: dict = {"step": step}
+    for t, res in zip(run.tasks, results, strict=True):
+        # Generated games have their files once opened, so they are kept after the first evaluation (once).
+        if isinstance(t.test, GameSet) and not (run.rundir.path / t.files / "eval.jsonl").is_file():
+            run.rundir.write_jsonl(f"{t.files}eval.jsonl", write_eval_games(run.rundir.path / t.files, t.test))
+        record.update({(f"eval/{t.name}/{k}" if t.name else f"eval/{k}"): v for k, v in res.items()})
+    if run.tasks[0].name:
+        for key in ("accuracy", "avg_at_k"):
+            if all(key in r for r in results):
+                record[f"eval/{key}"] = sum(r[key] for r in results) / len(results)
+    run.rundir.log_metrics(record)
+    return record
+
+
+def checkpoint_stage(run: Run, step: int, rng: dict | None = None) -> None:
+    """Rank 0 writes; every rank takes part in gathering sharded weights and per-rank RNG states
+    (``rng``: this rank's, when not the generators' state now)."""
+    rng = run.dist.gather(rng_state(run.dist.device) if rng is None else rng)
+    state = {
+        "step": step,
+        "optimizer": run.dist.optimizer_state(run.optimizer),
+        "scheduler": run.scheduler.state_dict(),
+        "rng": rng if run.dist.active else rng[0],
+        "fsdp": run.dist.fsdp,
+        "config": dataclasses.asdict(run.cfg),
+    }
+    run.rundir.save_checkpoint(step, run.student, state, model_state=run.dist.full_state_dict(run.student))
+    run.dist.barrier()
+
+
+# ----------------------------------------------------------------------------- loop
+
+
+def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
+    """Train; returns the last evaluation's record (a multi-task run: each task's under eval/<name>/)."""
+    run = setup(cfg)
+    last_eval: dict = {}
+    with run.rundir, progress_bar(f"OPD {cfg.objective}", total=cfg.steps, enabled=show_progress) as bar:
+        bar.advance(run.start_step)
+        for step in range(run.start_step, cfg.steps):
+            t0, rng = time.perf_counter(), rng_state(run.dist.device)
+            parts = [StepPart(at.task, *rollout_stage(run, step, at)) for at in step_tasks(run, step)]
+            t1 = time.perf_counter()
+            for p in parts:
+                p.mask_NT = loss_mask(p.batch, run.special_ids, cfg.mask_special)
+                p.diag_M = diag_index(p.mask_NT, cfg.diag_positions, step, cfg.seed)
+                with stop_if_teacher_down(run, step, rng):  # checkpoints step - 1 first: --resume loses nothing
+                    p.scores, p.student_ids = score_stage(run, p.batch, p.diag_M, p.task)
+                # a cross-tokenizer teacher leaves unaligned positions out
+                p.mask_NT = scored_loss_mask(p.mask_NT, p.scores)
+            t2 = time.perf_counter()
+            upds = update_stage(run, step, parts)
+            t3 = time.perf_counter()
+            timings = {"time/generate": t1 - t0, "time/score": t2 - t1, "time/update": t3 - t2, "time/step": t3 - t0}
+            record = log_stage(run, step, parts, upds, timings)
+            bar.advance(1)
+            bar.describe(f"loss {record['train/loss']:.4f}  acc {record['rollout/accuracy']:.2f}")
+            last = step == cfg.steps - 1
+            if last or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
+                last_eval = eval_stage(run, step)
+            if last or (cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0):
+                checkpoint_stage(run, step)
+    save_final_model(
+        run.rundir.path / "final",
+        run.student,
+        run.tokenizer,
+        run.rundir.enabled,
+        model_state=run.dist.full_state_dict(run.student),
+    )
+    shutdown(run.dist)
+    return last_eval

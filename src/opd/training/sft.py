@@ -1,0 +1,320 @@
+"""Supervised fine-tuning (``opd sft``): makes the demo's teacher and student, and the off-policy cold start.
+
+Targets are, in order of precedence: completions sampled from ``--teacher`` on the task's prompts
+(the off-policy cold start of arXiv:2604.13016: SFT on teacher rollouts before OPD), a JSONL file
+(``--data``, lines with ``prompt`` and ``solution`` or ``completion``), or the task's own worked
+solutions. The loss is cross-entropy on the completion tokens (prompt and padding masked). The
+model with the best greedy test accuracy is kept in ``OUT/final`` (early stopping with
+``--patience``), so "trained until it plateaus" is measured, not assumed.
+
+With ``--env NAME`` the targets are the environment's expert episodes (behaviour cloning), in the
+episode format the student later plays (:func:`opd.training.cloning.expert_sequences`): the loss is on the
+action tokens only, and "accuracy" is the greedy success rate on the held-out games.
+
+With ``tasks:`` (:mod:`opd.training.schedule`'s task list, resolved the same way: each entry sets its own
+data or environment, ``train_size``, ``batch_size``, lengths) one model learns several tasks at
+once, e.g. a few math solutions and a few expert episodes (the multi-task demo's student). In
+``mix`` mode (the default) every step holds every task's batch, each forwarded on its own (no
+padding of short solutions to an episode's length) and the loss is the token mean over all their
+label tokens together; ``alternate`` trains one task per step, as ``opd train`` does. Each task is
+evaluated on its own test set (``eval/<name>/accuracy``); ``eval/accuracy``, which picks the kept
+model, is their unweighted mean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from opd.config import SFTConfig, TaskSpec, resolve_tasks
+from opd.errors import UserError
+from opd.evaluation.prompts import decode_responses, evaluate_model
+from opd.models.loading import load_model, load_tokenizer, model_device, parse_arch, resolve_device, tiny_qwen2
+from opd.models.tokenizer import format_prompt
+from opd.rollout.prompts import PromptSet, batch_indices, load_tasks, sample_seed
+from opd.rollout.sampling import HFRollout
+from opd.runs.progress import progress_bar
+from opd.runs.rundir import RunDir, save_final_model
+from opd.tasks import Example
+from opd.training.optim import make_optimizer, make_scheduler
+from opd.training.schedule import for_task, task_schedule
+
+
+def load_sft_examples(path: str) -> list[Example]:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"SFT data file {p} does not exist; pass a JSONL file with prompt and solution per line")
+    out = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{p}:{n} is not valid JSON ({exc.msg}); fix or remove that line") from exc
+        target = row.get("solution") or row.get("completion")
+        if "prompt" not in row or not target:
+            raise UserError(f"{p}:{n} needs a 'prompt' and a 'solution' (or 'completion') field")
+        out.append(Example(prompt=row["prompt"], answer=str(row.get("answer", "")), solution=target))
+    if not out:
+        raise UserError(f"SFT data file {p} has no examples")
+    return out
+
+
+def build_model(cfg: SFTConfig):
+    if cfg.init:
+        return load_model(cfg.init, "init", cfg.dtype, resolve_device(cfg.device)), load_tokenizer(cfg.init, "init")
+    if not cfg.tokenizer:
+        raise UserError("a new model (--arch) needs --tokenizer DIR (a tokenizer saved with save_pretrained)")
+    tok = load_tokenizer(cfg.tokenizer, "tokenizer")
+    layers, width = parse_arch(cfg.arch)
+    torch.manual_seed(cfg.seed)
+    model = tiny_qwen2(len(tok), layers, width, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    return model.to(resolve_device(cfg.device)), tok
+
+
+def encode_pairs(
+    tok, prompts: list[str], completions: list[str], systems: list[str | None] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded prompt+completion+EOS ids, attention mask, and labels (-100 off the completion);
+    ``systems``: each prompt's system turn (None: none)."""
+    seqs, labels = [], []
+    for prompt, completion, system in zip(prompts, completions, systems or [None] * len(prompts)):
+        p = tok(format_prompt(tok, prompt, system), add_special_tokens=False)["input_ids"]
+        c = tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        seqs.append(p + c)
+        labels.append([-100] * len(p) + c)
+    return pad_right(seqs, labels, tok.pad_token_id)
+
+
+def pad_right(seqs: list[list[int]], labels: list[list[int]], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """Token lists right-padded to one length: (ids, attention mask, labels with -100 on padding)."""
+    L = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long, device="cpu")
+    lab = torch.full((len(seqs), L), -100, dtype=torch.long, device="cpu")
+    att = torch.zeros((len(seqs), L), dtype=torch.long, device="cpu")
+    for i, (s, lab_i) in enumerate(zip(seqs, labels, strict=True)):
+        ids[i, : len(s)], lab[i, : len(s)] = torch.tensor(s, device="cpu"), torch.tensor(lab_i, device="cpu")
+        att[i, : len(s)] = 1
+    return ids, att, lab
+
+
+def teacher_completions(
+    engine: HFRollout, tok, prompts: PromptSet, idx: list[int], step: int, cfg: SFTConfig
+) -> list[str]:
+    batch = engine.generate(
+        [prompts.prompt_ids[i] for i in idx],
+        [sample_seed(cfg.seed, step, j) for j in range(len(idx))],
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+    )
+    return decode_responses(tok, batch.response_ids_NT, batch.response_mask_NT)
+
+
+def prompt_source(
+    cfg: SFTConfig, tok, model, task, eval_task
+) -> tuple[Callable[[int], tuple], Callable[[object], float]]:
+    """The batch of a step (ids, attention mask, labels) and the greedy test accuracy, for prompts."""
+    if cfg.data:  # --system-prompt applies to these prompts too
+        examples = [dataclasses.replace(e, system=cfg.system_prompt or None) for e in load_sft_examples(cfg.data)]
+    else:
+        examples = task.examples("train")
+    if cfg.train_size > len(examples):
+        raise UserError(
+            f"--train-size {cfg.train_size} is more than the {len(examples)} training examples; "
+            "lower it or pass 0 to use them all"
+        )
+    examples = examples[: cfg.train_size or None]
+    if not cfg.teacher and any(not e.solution for e in examples):
+        raise UserError(
+            "some training examples have no solution; give --data with solutions or --teacher to sample them"
+        )
+    train_set = PromptSet.build(examples, tok, cfg.max_prompt_tokens, "SFT prompts")
+    test = PromptSet.build(eval_task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
+    teacher_engine = None
+    if cfg.teacher:
+        teacher = load_model(cfg.teacher, "teacher", cfg.dtype, model_device(model))
+        teacher_engine = HFRollout(teacher, tok.eos_token_id, tok.pad_token_id)
+
+    def batch(step: int) -> tuple:
+        idx = train_set.batch_indices(step, cfg.batch_size, cfg.seed)
+        prompts = [train_set.examples[i].prompt for i in idx]
+        systems = [train_set.examples[i].system for i in idx]
+        targets = (
+            teacher_completions(teacher_engine, tok, train_set, idx, step, cfg)
+            if teacher_engine
+            else [train_set.examples[i].solution for i in idx]
+        )
+        return encode_pairs(tok, prompts, targets, systems)
+
+    def accuracy(m) -> float:
+        return evaluate_model(m, tok, test, eval_task, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)["accuracy"]
+
+    return batch, accuracy
+
+
+def episode_source(cfg: SFTConfig, tok, model) -> tuple[Callable[[int], tuple], Callable[[object], float]]:
+    """The same for an environment: its expert episodes, and the greedy success rate on held-out games."""
+    from opd.evaluation.games import evaluate_agent
+    from opd.rollout.games import GameSet, check_episode_context, make_env
+    from opd.training.cloning import expert_sequences
+
+    if cfg.teacher or cfg.data:
+        raise UserError("--env trains on the environment's expert episodes; --teacher and --data are for prompts")
+    check_episode_context(model, cfg.max_prompt_tokens, cfg.max_new_tokens)
+    env = make_env(cfg.env, cfg.env_level, cfg.env_args)
+    games = GameSet.build(env, "train").games[: cfg.train_size or None]
+    seqs, labels, skipped = expert_sequences(
+        env, games, tok, cfg.max_new_tokens + cfg.max_prompt_tokens, mistakes=cfg.expert_mistakes, seed=cfg.seed
+    )
+    if not seqs:
+        raise UserError(
+            f"none of the {len(games)} training games of {env.name!r} gave an expert episode that wins within "
+            f"{cfg.max_new_tokens + cfg.max_prompt_tokens} tokens; raise --max-new-tokens or check the environment"
+        )
+    test = GameSet.build(env, "test", cfg.eval_size)
+    if skipped:
+        print(f"opd sft: {skipped} of {len(games)} training games left out (no winning expert episode that fits)")
+    for player in cfg.dagger_from:
+        more, more_labels = dagger_data(cfg, env, games, tok, player, model_device(model))
+        seqs, labels = seqs + more, labels + more_labels
+
+    def batch(step: int) -> tuple:
+        idx = batch_indices(len(seqs), step, cfg.batch_size, cfg.seed)
+        return pad_right([seqs[i] for i in idx], [labels[i] for i in idx], tok.pad_token_id)
+
+    def accuracy(m) -> float:
+        return evaluate_agent(m, tok, test, seed=cfg.seed, **cfg.episode_limits())["success_rate"]
+
+    return batch, accuracy
+
+
+def dagger_data(cfg: SFTConfig, env, games: list, tok, player: str, device) -> tuple[list, list]:
+    """``player`` plays every training game once (sampling at temperature 1, top-p 0.9: how an
+    on-policy student explores); the expert labels the states it reached (opd.training.cloning.dagger_sequences)."""
+    from opd.rollout.episodes import EpisodeRollout
+    from opd.training.cloning import dagger_sequences, require_expert_next
+
+    session = env.open(games[0])  # before any play: can the expert label another player's states?
+    try:
+        require_expert_next(session)
+    finally:
+        session.close()
+    model, player_tok = load_model(player, "--dagger-from model", cfg.dtype, device), load_tokenizer(player)
+    engine, played = EpisodeRollout(model, player_tok), []
+    with progress_bar(f"{player} plays the training games", total=len(games)) as bar:
+        for start in range(0, len(games), 64):
+            chunk = games[start : start + 64]
+            seeds = [sample_seed(cfg.seed, -1, start + j) for j in range(len(chunk))]
+            records = engine.play(env, chunk, seeds, top_p=0.9, **cfg.episode_limits()).records
+            played += list(zip(chunk, records, strict=True))
+            bar.advance(len(chunk))
+    limit = cfg.max_new_tokens + cfg.max_prompt_tokens
+    seqs, labels, skipped = dagger_sequences(env, played, tok, limit, cfg.dagger_branches, cfg.seed)
+    won = sum(r.won for _, r in played)
+    print(
+        f"opd sft: {player} won {won} of {len(played)} training games; {len(seqs)} sequences from the states it "
+        f"reached ({skipped} episodes gave none: on the expert's path throughout, or no expert there)"
+    )
+    return seqs, labels
+
+
+def task_sources(specs: list[TaskSpec], data: list, tok, model) -> list[tuple[str, Callable, Callable]]:
+    """Each task's (name, batch of its k-th step, greedy test accuracy): one task named "" unless
+    the config lists several (each resolved into its own checked SFTConfig by opd.config.tasks).
+    ``data``: each prompt task's (training task, evaluation task), None for an environment."""
+    out = []
+    for spec, tasks in zip(specs, data, strict=True):
+        if spec.cfg.env:
+            out.append((spec.name, *for_task(spec.name, episode_source, spec.cfg, tok, model)))
+        else:
+            out.append((spec.name, *for_task(spec.name, prompt_source, spec.cfg, tok, model, *tasks)))
+    return out
+
+
+def step_parts(sources: list, schedule: list, step: int) -> list[tuple[int, tuple]]:
+    """(task, batch) of every part of ``step``: the one task; every task's next batch (mix); the
+    scheduled task's next batch (alternate: each task walks its own example order)."""
+    if schedule:
+        i, visit = schedule[step]
+        return [(i, sources[i][1](visit))]
+    return [(i, src[1](step)) for i, src in enumerate(sources)]
+
+
+def parts_loss(model, parts: list[tuple[int, tuple]], step: int) -> tuple[float, dict[int, float]]:
+    """Backpropagate the token mean of the cross-entropy over every part's label tokens together
+    (each part's own mean weighted by its share of them); the total and each part's own loss."""
+    device = model_device(model)
+    batches = [tuple(t.to(device) for t in batch) for _, batch in parts]
+    counts = [int((lab[:, 1:] != -100).sum()) for _, _, lab in batches]  # what the causal-LM loss averages over
+    total, own = 0.0, {}
+    for (i, _), (ids, att, lab), n in zip(parts, batches, counts, strict=True):
+        loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
+        if not torch.isfinite(loss):
+            raise UserError(f"SFT loss became {float(loss)} at step {step}; lower --lr")
+        (loss * (n / sum(counts))).backward()  # one part: weight 1.0 exactly
+        own[i] = loss.item()
+        total += own[i] * (n / sum(counts))
+    return total, own
+
+
+def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
+    rundir = RunDir(cfg.out, report_to=cfg.report_to)
+    rundir.require_fresh()
+    rundir.write_config(cfg)
+    specs = resolve_tasks(cfg)
+    # before the model: a data problem shows at once
+    data = [None if spec.cfg.env else for_task(spec.name, load_tasks, spec.cfg) for spec in specs]
+    model, tok = build_model(cfg)
+    sources = task_sources(specs, data, tok, model)
+    names = [spec.name for spec in specs]
+    multi = cfg.tasks is not None
+    alternate = multi and cfg.task_mode == "alternate"
+    schedule = task_schedule(cfg.steps, [s.share for s in specs], cfg.seed) if alternate else []
+    opt = make_optimizer(model, cfg.lr)
+    sched = make_scheduler(opt, cfg.warmup_steps, cfg.steps, cfg.schedule)
+    best, best_by_task, stale, t0 = -1.0, {}, 0, time.time()
+    model.train()
+    with rundir, progress_bar("SFT", total=cfg.steps, enabled=show_progress) as bar:
+        for step in range(cfg.steps):
+            opt.zero_grad(set_to_none=True)
+            loss, own = parts_loss(model, step_parts(sources, schedule, step), step)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            opt.step()
+            sched.step()
+            record = {
+                "step": step,
+                "train/loss": loss,
+                "train/grad_norm": float(norm),
+                "train/lr": sched.get_last_lr()[0],
+            }
+            record.update({f"{names[i]}/train/loss": v for i, v in own.items() if names[i]})
+            rundir.log_metrics(record)
+            bar.advance(1)
+            bar.describe(f"loss {loss:.3f}  best acc {max(best, 0):.3f}")
+            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step == cfg.steps - 1:
+                # several tasks: the model is chosen by the unweighted mean of their accuracies
+                accs = {name: accuracy(model) for name, _, accuracy in sources}
+                acc = sum(accs.values()) / len(accs)
+                model.train()
+                rundir.log_metrics(
+                    {"step": step, "eval/accuracy": acc, **{f"eval/{n}/accuracy": a for n, a in accs.items() if n}}
+                )
+                if acc > best:
+                    best, best_by_task, stale = acc, accs, 0
+                    save_final_model(rundir.path / "final", model, tok)
+                else:
+                    stale += 1
+                if cfg.patience and stale >= cfg.patience:
+                    break
+    summary = {"best_accuracy": best, "steps": step + 1, "wall_s": round(time.time() - t0, 1)}
+    if multi:
+        summary["best_by_task"] = best_by_task
+    rundir.write_json("summary.json", summary)
+    return summary

@@ -1,0 +1,258 @@
+"""What a training step logs: metrics (``metrics.jsonl``) and sample rollouts (``rollouts.jsonl``).
+
+Metric keys are namespaced: ``train/`` (loss, grad norm, clipping, lr), ``rollout/`` (length, EOS
+rate, repetition, accuracy), ``diag/`` (the papers' diagnostics), ``depth/`` (per-position values
+in equal-width depth buckets, for drift with depth), ``time/``, and with a cross-tokenizer teacher
+``cross/`` (one-to-one share, mapped top-K mass, dropped loss positions). The full-vocabulary diagnostics
+use the student and teacher logits at the step's sampled diagnostic positions; the cheap ones
+(sampled-token rewards, out-of-support share) use every position of the action mask. Lengths and
+rates count the tokens the model wrote (the action mask), never the environment's tokens between
+the turns of an episode; an episode's rollout record shows those tokens, flagged and unscored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from opd import metrics as M
+from opd.evaluation.prompts import decode_responses
+from opd.rollout.sampling import RolloutBatch
+from opd.runs.records import MODEL_FIELDS
+from opd.tasks import Example, Task
+from opd.teachers.base import TeacherScores
+
+DEPTH_BUCKETS = 8
+
+
+@dataclass
+class StepUpdate:
+    """What the update stage hands to logging: its first update's values, detached.
+
+    Shapes:
+        loss_NT: (N, T) per-position loss; diag_hidden_MD: (M, D) the student's final hidden states
+        at the step's diagnostic positions; log_hidden_LTD: (L, T, D) those of the logged rollouts
+    """
+
+    loss: float
+    grad_norm: float
+    clipped: bool
+    lr: float
+    loss_NT: torch.Tensor
+    diag_hidden_MD: torch.Tensor
+    log_hidden_LTD: torch.Tensor
+
+
+def _full_vocab_diagnostics(s_MV: torch.Tensor, t_MV: torch.Tensor, k: int) -> dict:
+    if s_MV.shape[0] == 0:
+        return {}
+    s, t = s_MV.unsqueeze(0).float(), t_MV.unsqueeze(0).float()
+    ones = torch.ones(s.shape[:2], dtype=torch.bool, device=s.device)
+    t_ids = M.topk_ids(t, k)
+    kl = (torch.softmax(s, -1) * (torch.log_softmax(s, -1) - torch.log_softmax(t, -1))).sum(-1)
+    return {
+        "train/kl_to_teacher": float(kl.mean()),
+        "diag/overlap": M.topk_overlap_ratio(s, t, k, ones),
+        "diag/overlap_advantage": M.overlap_token_advantage(s, t, k, ones),
+        "diag/entropy_gap": M.entropy_gap(s, t, ones),
+        "diag/student_entropy": M.entropy(s, ones),
+        "diag/teacher_entropy": M.entropy(t, ones),
+        "diag/student_support_mass": M.support_mass(s, t_ids, ones),
+        "diag/teacher_support_mass": M.support_mass(t, t_ids, ones),
+    }
+
+
+def grade_rollouts(
+    tokenizer: PreTrainedTokenizerBase, task: Task, examples: list[Example], batch: RolloutBatch
+) -> tuple[list[str], list[float]]:
+    """Decoded responses and their task rewards (1 = correct), graded once per step."""
+    texts = decode_responses(tokenizer, batch.response_ids_NT, batch.response_mask_NT)
+    return texts, [task.reward(t, e) for t, e in zip(texts, examples, strict=True)]
+
+
+def step_metrics(
+    batch: RolloutBatch,
+    correct: list[float],
+    scores: TeacherScores,
+    upd: StepUpdate,
+    mask_NT: torch.Tensor,
+    head_VD: torch.Tensor,
+    k: int,
+    horizon: int,
+) -> dict:
+    """One rank's metrics of a step; ``horizon`` (max new tokens) fixes the depth buckets."""
+    resp = batch.action_mask_NT
+    reward_NT = (scores.sampled_logprobs_NT - batch.logprobs_NT) * resp
+    s_MV = upd.diag_hidden_MD.float() @ head_VD.float().T
+    # A fixed horizon keeps bucket b the same depth range at every step, whatever the batch's length.
+    depth_reward, _ = M.by_position_bucket(reward_NT, resp, DEPTH_BUCKETS, horizon=horizon)
+    depth_loss, _ = M.by_position_bucket(upd.loss_NT, mask_NT, DEPTH_BUCKETS, horizon=horizon)
+    return {
+        "train/loss": upd.loss,
+        "train/grad_norm": upd.grad_norm,
+        "train/clipped": upd.clipped,
+        "train/lr": upd.lr,
+        "train/loss_tokens": int(mask_NT.sum()),
+        "rollout/response_len": float(resp.sum(-1).float().mean()),
+        "rollout/eos_rate": float(batch.finished_N.float().mean()),
+        "rollout/repetition_rate": M.repetition_rate(batch.response_ids_NT, resp),
+        "rollout/accuracy": sum(correct) / len(correct),
+        "diag/reward_mean": M.masked_mean(reward_NT, resp),
+        "diag/negative_reward": M.negative_reward_share(batch.logprobs_NT, scores.sampled_logprobs_NT, resp),
+        "diag/out_of_support": M.out_of_support_share(batch.response_ids_NT, scores.topk_ids_NTK, resp),
+        # A served teacher returns no full logits: those diagnostics are then absent, not faked.
+        **(
+            {}
+            if scores.diag_logits_MV is None
+            else _full_vocab_diagnostics(s_MV, scores.diag_logits_MV, min(k, head_VD.shape[0]))
+        ),
+        "depth/reward": depth_reward.tolist(),
+        "depth/loss": depth_loss.tolist(),
+        **scores.metrics,  # cross/ diagnostics of a cross-tokenizer teacher
+    }
+
+
+FULL_VOCAB_KEYS = (
+    "train/kl_to_teacher",
+    "diag/overlap",
+    "diag/overlap_advantage",
+    "diag/entropy_gap",
+    "diag/student_entropy",
+    "diag/teacher_entropy",
+    "diag/student_support_mass",
+    "diag/teacher_support_mass",
+)
+
+
+def metric_weights(batch, mask_NT: torch.Tensor, n_diag: int, horizon: int) -> dict:
+    """What each of :func:`step_metrics`' values is a mean over, for merging ranks' records
+    (:func:`opd.training.distributed.merge_metrics`): rollouts, response tokens, diagnostic positions, or
+    per depth bucket its positions; loss tokens add up, timings take the slowest rank, and the
+    loss, gradient norm and learning rate are already global."""
+    resp = batch.action_mask_NT
+    return {
+        "rollout/": batch.num_rollouts,
+        "diag/": int(resp.sum()),
+        "cross/": int(resp.sum()),
+        **{k: n_diag for k in FULL_VOCAB_KEYS},
+        "train/loss_tokens": "sum",
+        "time/": "max",
+        "depth/reward": M.by_position_bucket(resp.float(), resp, DEPTH_BUCKETS, horizon=horizon)[1].tolist(),
+        "depth/loss": M.by_position_bucket(mask_NT.float(), mask_NT, DEPTH_BUCKETS, horizon=horizon)[1].tolist(),
+    }
+
+
+def _model_fields(
+    tok: PreTrainedTokenizerBase,
+    student_lp: torch.Tensor,
+    batch: RolloutBatch,
+    scores: TeacherScores,
+    upd: StepUpdate,
+    mask_NT: torch.Tensor,
+    r: int,
+    at: torch.Tensor,
+) -> dict:
+    """Row ``r``'s per-token fields at response positions ``at``, one list entry per position."""
+    ids = batch.response_ids_NT[r, at]
+    topk = scores.topk_ids_NTK[r, at]
+    uniq = topk.unique().tolist()
+    return {
+        "tokens": tok.convert_ids_to_tokens(ids.tolist()),
+        "token_ids": ids.tolist(),
+        "loss_mask": mask_NT[r, at].tolist(),
+        "student_logprobs": [round(x, 5) for x in batch.logprobs_NT[r, at].tolist()],
+        "teacher_logprobs": [round(x, 5) for x in scores.sampled_logprobs_NT[r, at].float().tolist()],
+        "token_loss": [round(x, 6) for x in upd.loss_NT[r, at].float().tolist()],
+        "teacher_topk_ids": topk.tolist(),
+        "teacher_topk_logprobs": [
+            [round(x, 4) for x in row] for row in scores.topk_logprobs_NTK[r, at].float().tolist()
+        ],
+        "student_topk_logprobs": [[round(x, 4) for x in row] for row in student_lp[r, at].gather(-1, topk).tolist()],
+        # Each distinct top-K id once, so the report can label the inspector's bars without a tokenizer.
+        "topk_tokens": dict(zip(map(str, uniq), tok.convert_ids_to_tokens(uniq))),
+    }
+
+
+def _episode_fields(fields: dict, tok, batch: RolloutBatch, r: int, episode) -> dict:
+    """Widen an episode's action-token fields to its whole response region (replies as context,
+    flagged ``action`` 0) and add what happened at each turn."""
+    everything = batch.response_mask_NT[r].nonzero().squeeze(-1)
+    action = batch.action_mask_NT[r, everything].tolist()
+    ids = batch.response_ids_NT[r, everything].tolist()
+    widened = {}
+    for key in MODEL_FIELDS:
+        values = iter(fields[key])
+        widened[key] = [next(values) if a else None for a in action]
+    loss = iter(fields["loss_mask"])
+    # The observation after turn i is the game's reply to it; a turn that ended the episode by the
+    # budget or an engine error has none.
+    after = episode.observations[1:]
+    turns = [
+        {
+            "start": start,
+            "end": end,
+            "action": act,
+            "reward": reward,
+            "observation": after[i] if i < len(after) else None,
+        }
+        for i, ((start, end), act, reward) in enumerate(
+            zip(episode.spans, episode.actions, episode.rewards, strict=True)
+        )
+    ]
+    return {
+        **fields,
+        **widened,
+        "tokens": tok.convert_ids_to_tokens(ids),
+        "token_ids": ids,
+        "action": [int(a) for a in action],
+        "loss_mask": [bool(next(loss)) if a else False for a in action],
+        "game": episode.game_id,
+        "end": episode.end,
+        "won": episode.won,
+        "invalid_actions": episode.invalid_actions,
+        "turns": turns,
+    }
+
+
+def rollout_records(
+    tok: PreTrainedTokenizerBase,
+    head_VD: torch.Tensor,
+    step: int,
+    batch: RolloutBatch,
+    examples: list[Example],
+    texts: list[str],
+    correct: list[float],
+    scores: TeacherScores,
+    upd: StepUpdate,
+    mask_NT: torch.Tensor,
+    episodes: list | None = None,
+) -> list[dict]:
+    """Per-token detail of the first few rollouts, for the report's token inspector.
+
+    A single-turn rollout's record holds the tokens the model wrote (its response up to its end).
+    An episode's (``episodes``: its :class:`~opd.rollout.episodes.EpisodeRecord` per row) holds its whole
+    response region, so the inspector can show the turns in their context: ``action`` flags the
+    model's tokens, the per-token model fields are null at the environment's, and ``turns`` gives
+    each turn's span, action, reward and the observation that answered it."""
+    h = upd.log_hidden_LTD
+    student_lp = torch.log_softmax(h.float() @ head_VD.float().T, dim=-1)
+    records = []
+    for r in range(h.shape[0]):
+        at = batch.action_mask_NT[r].nonzero().squeeze(-1)  # a prefix in single-turn rollouts
+        fields = _model_fields(tok, student_lp, batch, scores, upd, mask_NT, r, at)
+        if episodes is not None:
+            fields = _episode_fields(fields, tok, batch, r, episodes[r])
+        example = examples[r]
+        records.append(
+            {
+                "step": step,
+                "prompt": example.prompt,
+                "answer": example.answer,
+                "response": texts[r],
+                "correct": bool(correct[r]),
+                **fields,
+            }
+        )
+    return records
