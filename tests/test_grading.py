@@ -11,7 +11,7 @@ from itertools import combinations
 import pytest
 
 from opd.errors import UserError
-from opd.evaluation.prompts import avg_at_k, gap_recovery, mean_pass_at_k, pass_at_k
+from opd.evaluation import avg_at_k, gap_recovery, mean_pass_at_k, pass_at_k
 from opd.tasks.grading import (
     MAX_SYMBOLIC_CHARS,
     answers_match,

@@ -19,6 +19,7 @@ from opd.evaluation.prompts import evaluate_model
 from opd.models.loading import disable_dropout, load_model, load_tokenizer
 from opd.tasks import ArithmeticTask
 from opd.training import loop as train_mod
+from opd.training import sources as sources_mod
 from opd.training.distributed import Dist
 from opd.training.objectives import reduce_loss
 
@@ -184,7 +185,7 @@ def test_periodic_eval_follows_the_configured_temperature(tiny_models, tmp_path,
         seen.append(kw["temperature"])
         return {"accuracy": 0.0, "n": 1}
 
-    monkeypatch.setattr(train_mod, "evaluate_model", fake_eval)
+    monkeypatch.setattr(sources_mod, "evaluate_model", fake_eval)
     train_mod.train(cfg_for(tiny_models, tmp_path, temperature=0.7, steps=1), show_progress=False)
     assert seen == [0.7]
 

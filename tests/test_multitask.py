@@ -80,13 +80,13 @@ def test_each_task_walks_its_own_prompt_order(tiny_models, teacher2, tmp_path):
     run = train_mod.setup(mt_cfg(tiny_models, tmp_path / "run", two_math(teacher2), batch_size=2))
     easy, hard = run.tasks
     assert easy.share == pytest.approx(2 / 3) and hard.share == pytest.approx(1 / 3)
-    assert easy.prompts.examples[0].prompt != hard.prompts.examples[0].prompt
+    assert easy.source.examples[0].prompt != hard.source.examples[0].prompt
     seen = {"easy": 0, "hard": 0}
     for step in range(4):
         (at,) = train_mod.step_tasks(run, step)
         assert at.visit == seen[at.task.name] and at.slot0 == 0
         _, rows, _ = train_mod.rollout_stage(run, step, at)
-        assert rows == batch_indices(len(at.task.prompts), at.visit, 2, run.cfg.seed)
+        assert rows == batch_indices(len(at.task.source), at.visit, 2, run.cfg.seed)
         seen[at.task.name] += 1
     assert seen == {"easy": 3, "hard": 1}  # A, B, A, A
 

@@ -2,7 +2,7 @@
 
 Usage::
 
-    from opd.evaluation.estimators import pass_at_k, avg_at_k, gap_recovery   # also from opd.evaluation.prompts
+    from opd.evaluation.estimators import pass_at_k, avg_at_k, gap_recovery   # also from opd.evaluation
     pass_at_k(n=16, c=4, k=8)                     # P(at least one of 8 draws is correct)
     avg_at_k([[True, False], [True, True]])       # 0.75
     gap_recovery(acc_before=0.2, acc_after=0.5, acc_teacher=0.8)   # 0.5

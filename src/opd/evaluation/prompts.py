@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from opd.config import EvalConfig
-from opd.evaluation.estimators import avg_at_k, gap_recovery, mean_pass_at_k, pass_at_k
+from opd.evaluation.estimators import avg_at_k, gap_recovery, mean_pass_at_k
 from opd.evaluation.games import evaluate_agent
 from opd.models.loading import load_model, load_tokenizer, resolve_device
 from opd.rollout.games import GameSet, check_episode_context, make_env
@@ -24,7 +24,7 @@ from opd.rollout.sampling import HFRollout
 from opd.runs.progress import progress_bar
 from opd.tasks import Task
 
-__all__ = ["pass_at_k", "mean_pass_at_k", "avg_at_k", "gap_recovery", "decode_responses", "evaluate_model", "run_eval"]
+__all__ = ["decode_responses", "evaluate_model", "run_eval"]
 
 
 # ----------------------------------------------------------------------------- running a model

@@ -50,9 +50,9 @@ from opd.recipes import demo
 from opd.recipes.demo import run_objectives, teacher_sft_config, train_models
 from opd.recipes.parallel import demo_workers
 from opd.report import PNG_DIR, write_report
-from opd.rollout.games import GameSet, make_env
-from opd.rollout.prompts import PromptSet, load_task
+from opd.rollout.prompts import load_task
 from opd.training.schedule import task_schedule
+from opd.training.sources import held_out
 
 ASSETS = Path(__file__).parents[1] / "assets" / "multitask"
 MATH, GAME = "math", "alfworld"  # the task names: metric prefixes (math/train/loss, eval/alfworld/success_rate)
@@ -213,29 +213,23 @@ def opd_config(
 
 
 def held_out_sets(base: TrainConfig, tok) -> dict:
-    """Each task's held-out prompts or games (those training evaluates), its resolved config and grader."""
+    """Each task's held-out prompts or games (those training evaluates) and its resolved config."""
     sets = {}
     for spec in resolve_tasks(base):
         c = spec.cfg
-        if c.env:
-            sets[spec.name] = (GameSet.build(make_env(c.env, c.env_level, c.env_args), "test", c.eval_size), c, None)
-        else:
-            task = load_task("arithmetic", c.task_level, c.seed)
-            examples = task.examples("test")[: c.eval_size]
-            sets[spec.name] = (PromptSet.build(examples, tok, c.max_prompt_tokens, "test prompts"), c, task)
+        grader = None if c.env else load_task("arithmetic", c.task_level, c.seed)
+        sets[spec.name] = (held_out(c, tok, grader), c)
     return sets
 
 
 def evaluate(model_dir: Path, tok, sets: dict, names: tuple[str, ...], seed: int) -> dict:
     """Greedy accuracy (a game: success rate) and avg@k of one model on each task of ``names``,
     as training's own evaluation measures them."""
-    from opd.training.loop import evaluate_set
-
     model = load_model(model_dir, "model", device=resolve_device("auto"))
     out = {}
     for name in names:
-        test, c, task = sets[name]
-        res = evaluate_set(model, tok, c, test, task, seed, show_progress=True)
+        test, c = sets[name]
+        res = test.evaluate(model, tok, c, seed, show_progress=True)
         out[name] = {"final_acc": res["accuracy"], "avg_at_k": res.get("avg_at_k")}
     return out
 
@@ -296,7 +290,7 @@ def run_multitask_demo(
     t0 = time.time()
     results = run_objectives(base, OBJECTIVES, out, console, workers=demo_workers())
     summary = {
-        "tasks": {n: {"eval_size": len(test), "k": c.eval_samples} for n, (test, c, _) in sets.items()},
+        "tasks": {n: {"eval_size": len(test), "k": c.eval_samples} for n, (test, c) in sets.items()},
         "task_mode": base.task_mode,
         "models": models,
         "objectives": results,

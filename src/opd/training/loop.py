@@ -40,6 +40,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -47,17 +48,13 @@ from transformers import PreTrainedTokenizerBase
 from opd import metrics as M
 from opd.config import TaskSpec, TrainConfig, resolve_tasks
 from opd.errors import UserError
-from opd.evaluation.games import evaluate_agent, write_eval_games
-from opd.evaluation.prompts import evaluate_model
 from opd.models.loading import disable_dropout, head_weight, load_model, load_tokenizer, resolve_device
 from opd.models.lora import apply_lora, load_weights
-from opd.rollout.episodes import EpisodeRecord, EpisodeRollout
-from opd.rollout.games import GameSet, check_episode_context, episode_metrics, episode_outcomes, make_env
-from opd.rollout.prompts import PromptSet, load_tasks, sample_seed
-from opd.rollout.sampling import HFRollout, RolloutBatch
+from opd.rollout.episodes import EpisodeRecord
+from opd.rollout.prompts import sample_seed
+from opd.rollout.sampling import RolloutBatch
 from opd.runs.progress import progress_bar
 from opd.runs.rundir import RunDir, save_final_model
-from opd.tasks import Task
 from opd.teachers.base import TeacherScorer, TeacherScores, TeacherUnavailable
 from opd.teachers.factory import make_teacher
 from opd.training.distributed import Dist, init_distributed, merge_metrics, shutdown
@@ -72,7 +69,8 @@ from opd.training.objectives import (
 )
 from opd.training.optim import make_optimizer, make_scheduler, rng_state, set_rng_state
 from opd.training.schedule import for_task, prefixed, task_schedule
-from opd.training.stepstats import StepUpdate, grade_rollouts, metric_weights, rollout_records, step_metrics
+from opd.training.sources import Source, make_sources, task_data
+from opd.training.stepstats import StepUpdate, metric_weights, rollout_records, step_metrics
 
 
 @dataclass
@@ -83,11 +81,9 @@ class TaskRun:
     cfg: TrainConfig  # the run's config with this task's overrides (a single-task run: the run's own)
     share: float  # its normalised share of the steps (alternate) or of the batch (mix)
     teacher: TeacherScorer
-    engine: HFRollout | EpisodeRollout  # single-turn prompts, or an environment's episodes (--env)
-    task: Task | None  # None with --env: an episode's reward is the game's
-    prompts: PromptSet | GameSet
-    test: PromptSet | GameSet
-    eval_task: Task | None = None  # grades the test set (--eval-task); None: the training task
+    source: Source  # its training prompts, or an environment's games (--env)
+    test: Source  # held out: what evaluation measures (--eval-task's test prompts, or held-out games)
+    engine: Any  # the source's engine on the student: single-turn sampling, or episodes
 
     @property
     def files(self) -> str:
@@ -114,10 +110,8 @@ class Run:
     # The single task of a single-task run (the first task of a multi-task one).
     teacher = property(lambda self: self.tasks[0].teacher)
     engine = property(lambda self: self.tasks[0].engine)
-    task = property(lambda self: self.tasks[0].task)
-    prompts = property(lambda self: self.tasks[0].prompts)
+    source = property(lambda self: self.tasks[0].source)
     test = property(lambda self: self.tasks[0].test)
-    eval_task = property(lambda self: self.tasks[0].eval_task)
 
 
 @dataclass(frozen=True)
@@ -154,7 +148,7 @@ def setup(cfg: TrainConfig) -> Run:
     rundir.require_fresh(cfg.resume)
     specs = resolve_tasks(cfg)
     # before the models: a data problem shows at once
-    data = [(None, None) if s.cfg.env else for_task(s.name, load_tasks, s.cfg) for s in specs]
+    data = [for_task(s.name, task_data, s.cfg) for s in specs]
     tok = load_tokenizer(cfg.student, "student")
     student = load_model(cfg.student, "student", cfg.dtype, device)
     tasks = build_tasks(specs, data, student, tok)
@@ -179,15 +173,15 @@ def setup(cfg: TrainConfig) -> Run:
     elif cfg.resume:  # killed before its first checkpoint: it starts over, so must its logs
         rundir.truncate_logs_after(-1)
     rundir.write_config(cfg)
-    for t in tasks:
-        if not isinstance(t.test, GameSet):  # an environment's games are written once played (eval_stage)
-            rows = [{"prompt": e.prompt, "answer": e.answer} for e in t.test.examples]
-            rundir.write_jsonl(f"{t.files}eval.jsonl", rows)
+    for t in tasks:  # an environment's games are listed once played (eval_stage)
+        listed = t.test.listing(rundir.path / t.files, played=False)
+        if listed is not None:
+            rundir.write_jsonl(f"{t.files}eval.jsonl", listed)
     return run
 
 
 def build_tasks(specs: list[TaskSpec], data: list[tuple], student, tok) -> list[TaskRun]:
-    """Each task's teacher, engine and prompts or games. A teacher that several tasks name (the
+    """Each task's teacher, sources and engine. A teacher that several tasks name (the
     same directory or URL, with the same dtype and tokenizer settings) is loaded once and shared."""
     teachers: dict[tuple, TeacherScorer] = {}
     out = []
@@ -199,22 +193,10 @@ def build_tasks(specs: list[TaskSpec], data: list[tuple], student, tok) -> list[
         key += tuple(c.teacher_special_map)
         if key not in teachers:  # every teacher's vocabulary is checked against the student's here
             teachers[key] = for_task(spec.name, make_teacher, c, student, tok)
-        if c.env:
-            for_task(spec.name, check_episode_context, student, c.max_prompt_tokens, c.max_new_tokens)
-        prompts, test = for_task(spec.name, prompt_sets, c, tok, task, eval_task)
-        engine = EpisodeRollout(student, tok) if c.env else HFRollout(student, tok.eos_token_id, tok.pad_token_id)
-        out.append(TaskRun(spec.name, c, spec.share, teachers[key], engine, task, prompts, test, eval_task))
+        source, test = for_task(spec.name, make_sources, c, tok, task, eval_task)
+        for_task(spec.name, source.check_model, student, c)
+        out.append(TaskRun(spec.name, c, spec.share, teachers[key], source, test, source.engine(student, tok)))
     return out
-
-
-def prompt_sets(cfg: TrainConfig, tok, task, eval_task) -> tuple[PromptSet | GameSet, PromptSet | GameSet]:
-    """The training and test prompts, or (with --env) the environment's training and held-out games."""
-    if cfg.env:
-        env = make_env(cfg.env, cfg.env_level, cfg.env_args)
-        return GameSet.build(env, "train"), GameSet.build(env, "test", cfg.eval_size)
-    prompts = PromptSet.build(task.examples("train"), tok, cfg.max_prompt_tokens, "training prompts")
-    test = PromptSet.build(eval_task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
-    return prompts, test
 
 
 def special_token_ids(tok, tokens: list[str]) -> list[int]:
@@ -267,36 +249,16 @@ def rollout_stage(
 ) -> tuple[RolloutBatch, list[int], list[EpisodeRecord] | None]:
     """This rank's rollouts of one task (default: the step's first): its contiguous block of the
     task's global batch, seeded by global slot; with --env, episodes of the step's games and what
-    happened in each."""
+    happened in each (the source's records; None for prompts)."""
     at = at or step_tasks(run, step)[0]
     task, cfg = at.task, at.task.cfg
-    idx = task.prompts.batch_indices(at.visit, cfg.batch_size * run.dist.world, cfg.seed)
+    idx = task.source.batch_indices(at.visit, cfg.batch_size * run.dist.world, cfg.seed)
     global_rows = [i for i in idx for _ in range(cfg.samples_per_prompt)]
     slots = run.dist.shard(list(range(len(global_rows))))
     rows = [global_rows[s] for s in slots]
     seeds = [sample_seed(cfg.seed, step, at.slot0 + s) for s in slots]
-    if isinstance(task.prompts, GameSet):
-        played = run.dist.full_call(
-            lambda _: task.engine.play(
-                task.prompts.env,
-                [task.prompts.games[i] for i in rows],
-                seeds,
-                temperature=cfg.temperature,
-                top_p=cfg.top_p,
-                **cfg.episode_limits(),
-            )
-        )
-        return played.batch, rows, played.records
-    batch = run.dist.full_call(
-        lambda _: task.engine.generate(
-            [task.prompts.prompt_ids[i] for i in rows],
-            seeds,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-        )
-    )
-    return batch, rows, None
+    batch, records = run.dist.full_call(lambda _: task.source.rollout(task.engine, rows, seeds, cfg))
+    return batch, rows, records
 
 
 def diag_index(mask_NT: torch.Tensor, n: int, step: int, seed: int) -> torch.Tensor:
@@ -447,13 +409,8 @@ STEP_KEYS = ("train/loss", "train/grad_norm", "train/clipped", "train/lr")  # th
 def part_metrics(run: Run, step: int, p: StepPart, upd: StepUpdate, W: torch.Tensor) -> tuple[dict, dict, list]:
     """One rank's metrics of one part, what each is a mean over, and (rank 0) its sample rollouts."""
     cfg, c = run.cfg, p.task.cfg
-    examples = [p.task.prompts.examples[i] for i in p.rows]
-    if p.records is None:
-        texts, correct = grade_rollouts(run.tokenizer, p.task.task, examples, p.batch)
-        episodes = {}
-    else:
-        texts, correct = episode_outcomes(p.records)
-        episodes = episode_metrics(p.records)
+    examples = [p.task.source.examples[i] for i in p.rows]
+    texts, correct, episodes = p.task.source.grade(run.tokenizer, examples, p.batch, p.records)
     horizon = c.max_new_tokens
     metrics = {**step_metrics(p.batch, correct, p.scores, upd, p.mask_NT, W, k=cfg.k, horizon=horizon), **episodes}
     weights = metric_weights(p.batch, p.mask_NT, upd.diag_hidden_MD.shape[0], horizon)
@@ -495,18 +452,7 @@ def log_stage(run: Run, step: int, parts: list[StepPart], upds: list[StepUpdate]
 
 def evaluate_task(student, tok, task: TaskRun, seed: int) -> dict:
     """One task's evaluation on its held-out prompts (accuracy, avg@k) or games (success rate)."""
-    return evaluate_set(student, tok, task.cfg, task.test, task.eval_task or task.task, seed)
-
-
-def evaluate_set(student, tok, c: TrainConfig, test, grader: Task | None, seed: int, show_progress=False) -> dict:
-    """A model on held-out prompts graded by ``grader``, or games, with a (task's) config's sampling
-    and lengths: what training's evaluation reports (the demos evaluate their models before it so)."""
-    common = dict(samples=c.eval_samples, temperature=c.temperature, top_p=c.top_p, seed=seed)
-    if isinstance(test, GameSet):
-        return evaluate_agent(student, tok, test, **c.episode_limits(), **common, show_progress=show_progress)
-    return evaluate_model(
-        student, tok, test, grader, max_new_tokens=c.max_new_tokens, **common, show_progress=show_progress
-    )
+    return task.test.evaluate(student, tok, task.cfg, seed)
 
 
 def eval_stage(run: Run, step: int) -> dict:
@@ -521,9 +467,8 @@ def eval_stage(run: Run, step: int) -> dict:
         return {}
     record: dict = {"step": step}
     for t, res in zip(run.tasks, results, strict=True):
-        # Generated games have their files once opened, so they are kept after the first evaluation (once).
-        if isinstance(t.test, GameSet) and not (run.rundir.path / t.files / "eval.jsonl").is_file():
-            run.rundir.write_jsonl(f"{t.files}eval.jsonl", write_eval_games(run.rundir.path / t.files, t.test))
+        if not (run.rundir.path / t.files / "eval.jsonl").is_file():  # listed once played (once)
+            run.rundir.write_jsonl(f"{t.files}eval.jsonl", t.test.listing(run.rundir.path / t.files, played=True))
         record.update({(f"eval/{t.name}/{k}" if t.name else f"eval/{k}"): v for k, v in res.items()})
     if run.tasks[0].name:
         for key in ("accuracy", "avg_at_k"):

@@ -1,0 +1,164 @@
+"""Where a task's rollouts come from: one protocol for prompts and games, so the loop never asks which.
+
+A :class:`Source` is one split of a task: single-turn prompts graded by the task's reward
+(:class:`PromptSource`), or an environment's games played as multi-turn episodes whose reward is
+the game's (:class:`GameSource`). It knows what differs between the two: the engine that rolls a
+batch out, how the rollouts are graded and what a step logs of them, how a model is evaluated on
+it, and how it is listed in the run directory. As in tinker-cookbook, a single-turn problem is an
+environment of one turn; :func:`make_sources` is the one place that looks at ``--env``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from opd.config import TrainConfig
+from opd.evaluation.games import evaluate_agent, write_eval_games
+from opd.evaluation.prompts import evaluate_model
+from opd.rollout.episodes import EpisodeRecord, EpisodeRollout
+from opd.rollout.games import GameSet, check_episode_context, episode_metrics, episode_outcomes, make_env
+from opd.rollout.prompts import PromptSet, load_tasks
+from opd.rollout.sampling import HFRollout, RolloutBatch
+from opd.tasks import Example, Task
+from opd.training.stepstats import grade_rollouts
+
+
+class Source(Protocol):
+    """One split of a task, as the loop uses it."""
+
+    examples: list[Example]  # one per item, for the logs (a game's goal as its prompt)
+
+    def __len__(self) -> int: ...
+
+    def batch_indices(self, step: int, batch_size: int, seed: int) -> list[int]:
+        """The items of batch ``step``: a seeded order that depends only on the step."""
+
+    def engine(self, model, tok) -> Any:
+        """What rolls this source's items out with ``model`` (built once per run)."""
+
+    def check_model(self, model, cfg: TrainConfig) -> None:
+        """Before any work: a model that cannot hold this source's rollouts is refused."""
+
+    def rollout(self, engine, rows: list[int], seeds: list[int], cfg) -> tuple[RolloutBatch, list | None]:
+        """The rollouts of items ``rows`` with per-rollout seeds, and each episode's record (None for prompts)."""
+
+    def grade(self, tok, examples, batch: RolloutBatch, records) -> tuple[list[str], list[float], dict]:
+        """Each rollout's text (for the logs) and reward, and what a step logs beyond the common metrics."""
+
+    def evaluate(self, model, tok, cfg, seed: int, show_progress: bool = False) -> dict:
+        """A model on this (held-out) split with a config's sampling and lengths: ``accuracy`` and avg@k."""
+
+    def listing(self, run_dir: Path, played: bool) -> list[dict] | None:
+        """The lines of its ``eval.jsonl``; None until it can be listed (a game's files exist once played)."""
+
+
+@dataclass
+class PromptSource:
+    """Single-turn prompts, rewarded by ``task`` (the grader of a held-out split: --eval-task)."""
+
+    prompts: PromptSet
+    task: Task
+
+    examples = property(lambda self: self.prompts.examples)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def batch_indices(self, step: int, batch_size: int, seed: int) -> list[int]:
+        return self.prompts.batch_indices(step, batch_size, seed)
+
+    def engine(self, model, tok) -> HFRollout:
+        return HFRollout(model, tok.eos_token_id, tok.pad_token_id)
+
+    def check_model(self, model, cfg: TrainConfig) -> None:
+        return None  # a prompt longer than the context is refused when the prompt set is built
+
+    def rollout(self, engine: HFRollout, rows, seeds, cfg) -> tuple[RolloutBatch, None]:
+        ids = [self.prompts.prompt_ids[i] for i in rows]
+        batch = engine.generate(
+            ids, seeds, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p
+        )
+        return batch, None
+
+    def grade(self, tok, examples, batch, records) -> tuple[list[str], list[float], dict]:
+        return (*grade_rollouts(tok, self.task, examples, batch), {})
+
+    def evaluate(self, model, tok, cfg, seed: int, show_progress: bool = False) -> dict:
+        common = dict(samples=cfg.eval_samples, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
+        return evaluate_model(
+            model,
+            tok,
+            self.prompts,
+            self.task,
+            max_new_tokens=cfg.max_new_tokens,
+            **common,
+            show_progress=show_progress,
+        )
+
+    def listing(self, run_dir: Path, played: bool) -> list[dict]:
+        return [{"prompt": e.prompt, "answer": e.answer} for e in self.prompts.examples]
+
+
+@dataclass
+class GameSource:
+    """An environment's games, played as multi-turn episodes; an episode's reward is 1 if won."""
+
+    games: GameSet
+
+    examples = property(lambda self: self.games.examples)
+
+    def __len__(self) -> int:
+        return len(self.games)
+
+    def batch_indices(self, step: int, batch_size: int, seed: int) -> list[int]:
+        return self.games.batch_indices(step, batch_size, seed)
+
+    def engine(self, model, tok) -> EpisodeRollout:
+        return EpisodeRollout(model, tok)
+
+    def check_model(self, model, cfg: TrainConfig) -> None:
+        check_episode_context(model, cfg.max_prompt_tokens, cfg.max_new_tokens)
+
+    def rollout(self, engine: EpisodeRollout, rows, seeds, cfg) -> tuple[RolloutBatch, list[EpisodeRecord]]:
+        games = [self.games.games[i] for i in rows]
+        limits = cfg.episode_limits()
+        played = engine.play(self.games.env, games, seeds, temperature=cfg.temperature, top_p=cfg.top_p, **limits)
+        return played.batch, played.records
+
+    def grade(self, tok, examples, batch, records) -> tuple[list[str], list[float], dict]:
+        return (*episode_outcomes(records), episode_metrics(records))
+
+    def evaluate(self, model, tok, cfg, seed: int, show_progress: bool = False) -> dict:
+        common = dict(samples=cfg.eval_samples, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
+        return evaluate_agent(model, tok, self.games, **cfg.episode_limits(), **common, show_progress=show_progress)
+
+    def listing(self, run_dir: Path, played: bool) -> list[dict] | None:
+        # Generated games have their files once opened: copied into the run directory after they are played.
+        return write_eval_games(run_dir, self.games) if played else None
+
+
+def task_data(cfg: TrainConfig) -> tuple[Task | None, Task | None]:
+    """The task and the held-out grader of a prompt run (read before any model: a data problem shows at
+    once); none for an environment, whose games are their own reward."""
+    return (None, None) if cfg.env else load_tasks(cfg)
+
+
+def make_sources(cfg: TrainConfig, tok, task: Task | None, eval_task: Task | None) -> tuple[Source, Source]:
+    """The training source and the held-out one: the task's prompts (--eval-task's test prompts
+    held out), or the environment's training and held-out games (--env)."""
+    if cfg.env:
+        env = make_env(cfg.env, cfg.env_level, cfg.env_args)
+        return GameSource(GameSet.build(env, "train")), held_out(cfg, tok, eval_task, env)
+    train = PromptSet.build(task.examples("train"), tok, cfg.max_prompt_tokens, "training prompts")
+    return PromptSource(train, task), held_out(cfg, tok, eval_task)
+
+
+def held_out(cfg: TrainConfig, tok, grader: Task | None, env=None) -> Source:
+    """The held-out split alone (what training evaluates; the demos evaluate their models on it)."""
+    if cfg.env:
+        env = env or make_env(cfg.env, cfg.env_level, cfg.env_args)
+        return GameSource(GameSet.build(env, "test", cfg.eval_size))
+    examples = grader.examples("test")[: cfg.eval_size]
+    return PromptSource(PromptSet.build(examples, tok, cfg.max_prompt_tokens, "test prompts"), grader)
