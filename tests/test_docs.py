@@ -32,8 +32,8 @@ HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
 EXTERNAL = ("http://", "https://", "mailto:")
 
 
-def prose_lines(text: str) -> list[str]:
-    """The lines outside fenced code blocks, inline code removed."""
+def outside_fences(text: str) -> list[str]:
+    """The lines outside fenced code blocks (``` or ~~~, closed by a fence at least as long)."""
     out, fence = [], None
     for line in text.splitlines():
         m = re.match(r"^ {0,3}(`{3,}|~{3,})", line)
@@ -44,8 +44,13 @@ def prose_lines(text: str) -> list[str]:
                 fence = None
             continue
         if fence is None:
-            out.append(INLINE_CODE.sub("", line))
+            out.append(line)
     return out
+
+
+def prose_lines(text: str) -> list[str]:
+    """The lines outside fenced code blocks, inline code removed."""
+    return [INLINE_CODE.sub("", line) for line in outside_fences(text)]
 
 
 def slugify(heading: str) -> str:
@@ -58,16 +63,8 @@ def anchors(page: Path) -> set[str]:
     """Every heading anchor of a Markdown page; a repeated slug gets -1, -2, ... as on GitHub."""
     seen: Counter[str] = Counter()
     out = set()
-    fence = None
-    for line in page.read_text(encoding="utf-8").splitlines():
-        m = re.match(r"^ {0,3}(`{3,}|~{3,})", line)
-        if m:
-            if fence is None:
-                fence = m.group(1)
-            elif m.group(1).startswith(fence):
-                fence = None
-            continue
-        h = HEADING.match(line) if fence is None else None
+    for line in outside_fences(page.read_text(encoding="utf-8")):
+        h = HEADING.match(line)
         if h:
             slug = slugify(h.group(2))
             out.add(f"{slug}-{seen[slug]}" if seen[slug] else slug)
