@@ -5,6 +5,9 @@ What it measures, per variant and sequence length T (one sequence, every positio
 for a head of V=151936 tokens, width d=1536 and a support of K=32 tokens:
 
   (a) lsm_hidden  LSM from hidden states: ``local_support_kl_from_hidden`` (grads to hidden and W)
+  (a2) lsm_tail_hidden  LSM with a tail bucket from hidden states:
+                  ``local_support_kl_tail_from_hidden(chunk_size=...)``; the student's full
+                  log-normalizer, a chunk of (chunk, V) logits at a time (recomputed in the backward)
   (b) lsm_logits  LSM from full logits: ``hidden @ W.T`` then ``local_support_kl`` (same grads)
   (c) sampled     sampled-token OPD: ``token_logprobs_from_hidden`` + ``sampled_token_advantages``
                   + ``sampled_token_pg_loss``
@@ -14,7 +17,7 @@ for a head of V=151936 tokens, width d=1536 and a support of K=32 tokens:
   (e) trl         TRL's ``_chunked_divergence_loss`` (beta=1, reverse KL), when TRL is installed
   (f) opd_signal  opd's whole training signal: ``topk_from_hidden`` on the teacher (no grad) then (a)
 
-Teacher quantities: (a), (b) get a precomputed teacher top-K (synthetic: K distinct ids per
+Teacher quantities: (a), (a2), (b) get a precomputed teacher top-K (synthetic: K distinct ids per
 position, sorted log-probs); (c) a precomputed teacher log-prob of the sampled token; (d) the
 teacher's (1, T, V) logits precomputed (an input, so in the baseline, not in the peak); (d2) the
 teacher's final hidden states and head, its logits computed (and recomputed in the backward)
@@ -67,6 +70,7 @@ from opd import losses as L
 HERE = Path(__file__).resolve().parent
 VARIANTS = {
     "lsm_hidden": "(a) LSM from hidden",
+    "lsm_tail_hidden": "(a2) LSM + tail bucket from hidden",
     "lsm_logits": "(b) LSM from full logits",
     "sampled": "(c) sampled-token PG",
     "full_kl": "(d) full-vocab reverse KL",
@@ -76,6 +80,8 @@ VARIANTS = {
 }
 FORMULAS = {
     "lsm_hidden": "flops 6TKd; bytes 4TKd*4 (row dots fwd, weighted rows bwd, dW contributions w+r) + Vd*4 (dense dW)",
+    "lsm_tail_hidden": "flops 8TVd (fwd, recompute, 2 bwd GEMMs); bytes 5Vd*4c + 16TV*4, c = ceil(T/chunk) "
+    "(W read x3 and dW read+write per chunk; about 16 passes over each (chunk, V) block in fwd+bwd)",
     "lsm_logits": "flops 6TVd; bytes 4Vd*4 (W read x3, dW write) + 4TV*4 (logits, dlogits w, 2 reads)",
     "sampled": "flops 8TVd (fwd, recompute, 2 bwd GEMMs); bytes (4*ceil(T/256)+1)Vd*4 + 7TV*4",
     "full_kl": "flops 6TVd; bytes 4Vd*4 + 8TV*4 (logits, 2x2 chunk reads, dlogits, 2 GEMM reads)",
@@ -153,7 +159,7 @@ def make_inputs(variant: str, T: int, V: int, d: int, dt: int, K: int) -> dict:
         "h": torch.randn(1, T, d, generator=g).requires_grad_(),
         "mask": torch.ones(1, T, dtype=torch.bool),
     }
-    if variant in ("lsm_hidden", "lsm_logits"):
+    if variant in ("lsm_hidden", "lsm_tail_hidden", "lsm_logits"):
         # K distinct ids per position, spread over the vocabulary (random rows to gather).
         base = torch.randint(0, V, (1, T, 1), generator=g)
         x["ids"] = (base + torch.arange(K) * (V // K)) % V
@@ -170,11 +176,13 @@ def make_inputs(variant: str, T: int, V: int, d: int, dt: int, K: int) -> dict:
     return x
 
 
-def build_step(variant: str, x: dict, K: int, kl_chunk: int, kl_hidden_chunk: int):
+def build_step(variant: str, x: dict, K: int, kl_chunk: int, kl_hidden_chunk: int, tail_chunk: int):
     """A closure running one forward+backward of ``variant`` on ``x``."""
     h, W, mask = x["h"], x["W"], x["mask"]
     if variant == "lsm_hidden":
         loss = lambda: L.local_support_kl_from_hidden(h, W, x["ids"], x["lp"], mask)
+    elif variant == "lsm_tail_hidden":
+        loss = lambda: L.local_support_kl_tail_from_hidden(h, W, x["ids"], x["lp"], mask, chunk_size=tail_chunk)
     elif variant == "lsm_logits":
         loss = lambda: L.local_support_kl(h @ W.T, x["ids"], x["lp"], mask)
     elif variant == "sampled":
@@ -208,7 +216,7 @@ def worker(a: argparse.Namespace) -> dict:
     """Run one (variant, T) in this process and return its timings and memory."""
     torch.set_num_threads(a.threads)
     x = make_inputs(a.worker, a.T, a.V, a.d, a.teacher_d, a.K)
-    step = build_step(a.worker, x, a.K, a.kl_chunk, a.kl_hidden_chunk)
+    step = build_step(a.worker, x, a.K, a.kl_chunk, a.kl_hidden_chunk, a.tail_chunk)
     params = [x["W"], x["h"]]
     buf = [torch.ones_like(p) for p in params]  # a touched, parameter-sized gradient buffer
     base = rss_bytes()
@@ -244,12 +252,16 @@ def worker(a: argparse.Namespace) -> dict:
 # --------------------------------------------------------------------------- analytic model
 
 
-def analytic(variant: str, T: int, V: int, d: int, dt: int, K: int, chunk: int = 128) -> tuple[float, float]:
+def analytic(
+    variant: str, T: int, V: int, d: int, dt: int, K: int, chunk: int = 128, tail_chunk: int = 128
+) -> tuple[float, float]:
     """(matmul FLOPs, dominant bytes moved) of one forward+backward, per ``FORMULAS``."""
     b = 4
     lsm = (6 * T * K * d, 4 * T * K * d * b + V * d * b)
     if variant == "lsm_hidden":
         return lsm
+    if variant == "lsm_tail_hidden":
+        return 8 * T * V * d, 5 * V * d * b * math.ceil(T / tail_chunk) + 16 * T * V * b
     if variant == "lsm_logits":
         return 6 * T * V * d, 4 * V * d * b + 4 * T * V * b
     if variant == "sampled":
@@ -265,11 +277,12 @@ def analytic(variant: str, T: int, V: int, d: int, dt: int, K: int, chunk: int =
     return 2 * T * V * dt + lsm[0], math.ceil(T / 256) * V * dt * b + 3 * T * V * b + lsm[1]
 
 
-def memory_estimate(variant: str, T: int, V: int, d: int, dt: int, chunk: int = 128) -> float:
+def memory_estimate(variant: str, T: int, V: int, d: int, dt: int, chunk: int = 128, tail_chunk: int = 128) -> float:
     """Rough bytes a (variant, T) subprocess needs, to shrink T before the kernel kills it."""
     head, tv = V * d * 4, T * V * 4
     extra = {
         "lsm_hidden": 0.5e9,
+        "lsm_tail_hidden": 2 * min(T, tail_chunk) * V * 4 + 0.5e9,
         "lsm_logits": 3 * tv,
         "sampled": 2 * head + 1e9,
         "full_kl": 5 * tv,
@@ -283,9 +296,9 @@ def memory_estimate(variant: str, T: int, V: int, d: int, dt: int, chunk: int = 
 def fit_T(variant: str, T: int, a: argparse.Namespace) -> tuple[int, str]:
     """T itself, or T halved until the estimate fits in 85% of the available memory."""
     avail, t = 0.85 * available_bytes(), T
-    while t > 128 and memory_estimate(variant, t, a.V, a.d, a.teacher_d, a.kl_hidden_chunk) > avail:
+    while t > 128 and memory_estimate(variant, t, a.V, a.d, a.teacher_d, a.kl_hidden_chunk, a.tail_chunk) > avail:
         t //= 2
-    need = memory_estimate(variant, T, a.V, a.d, a.teacher_d, a.kl_hidden_chunk) / 1e9
+    need = memory_estimate(variant, T, a.V, a.d, a.teacher_d, a.kl_hidden_chunk, a.tail_chunk) / 1e9
     return t, "" if t == T else f"shrunk from T={T} to T={t}: ~{need:.1f} GB needed, {avail / 1e9:.1f} GB usable"
 
 
@@ -311,7 +324,7 @@ def run_one(variant: str, T: int, a: argparse.Namespace) -> dict:
         print("FAILED", file=sys.stderr)
         return row
     row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
-    flops, nbytes = analytic(variant, T_run, a.V, a.d, a.teacher_d, a.K, a.kl_hidden_chunk)
+    flops, nbytes = analytic(variant, T_run, a.V, a.d, a.teacher_d, a.K, a.kl_hidden_chunk, a.tail_chunk)
     row.update(flops=flops, bytes=nbytes, formula=FORMULAS[variant])
     if not row["peak_reset"]:
         row["note"] = (row["note"] + "; " if row["note"] else "") + "VmHWM not reset: peak includes setup"
@@ -331,8 +344,8 @@ def add_fractions(rows: list[dict], machine: dict) -> None:
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Per T: full-logits vs LSM-from-hidden, full KL from logits vs from hidden, and TRL vs opd's
-    whole signal (time, memory)."""
+    """Per T: full-logits vs LSM-from-hidden, full KL from logits vs from hidden, the tail bucket vs
+    LSM and full KL from hidden, and TRL vs opd's whole signal (time, memory)."""
     by = {(r["variant"], r["T_requested"]): r for r in rows if "median_s" in r}
     out = []
     for T in sorted({r["T_requested"] for r in rows}):
@@ -340,6 +353,8 @@ def ratios(rows: list[dict]) -> list[dict]:
         for name, slow, fast in (
             ("logits_vs_lsm", "lsm_logits", "lsm_hidden"),
             ("full_kl_vs_hidden", "full_kl", "full_kl_hidden"),
+            ("tail_vs_lsm", "lsm_tail_hidden", "lsm_hidden"),
+            ("full_kl_hidden_vs_tail", "full_kl_hidden", "lsm_tail_hidden"),
             ("trl_vs_opd", "trl", "opd_signal"),
         ):
             s, f = by.get((slow, T)), by.get((fast, T))
@@ -401,13 +416,17 @@ def render(report: dict) -> str:
     lines += [
         "",
         "| T | full logits / LSM time | full logits / LSM memory | full KL (d) / (d2) time "
-        "| full KL (d) / (d2) memory | TRL / opd signal time | TRL / opd signal memory |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| full KL (d) / (d2) memory | tail (a2) / LSM (a) time | tail (a2) / LSM (a) memory "
+        "| full KL (d2) / tail (a2) time | full KL (d2) / tail (a2) memory "
+        "| TRL / opd signal time | TRL / opd signal memory |",
+        "|---:|" + "---:|" * 10,
     ]
     for e in report["ratios"]:
         lines.append(
             f"| {e['T']} | {_f(e.get('logits_vs_lsm_time'))} | {_f(e.get('logits_vs_lsm_mem'))} "
             f"| {_f(e.get('full_kl_vs_hidden_time'))} | {_f(e.get('full_kl_vs_hidden_mem'))} "
+            f"| {_f(e.get('tail_vs_lsm_time'))} | {_f(e.get('tail_vs_lsm_mem'))} "
+            f"| {_f(e.get('full_kl_hidden_vs_tail_time'))} | {_f(e.get('full_kl_hidden_vs_tail_mem'))} "
             f"| {_f(e.get('trl_vs_opd_time'))} | {_f(e.get('trl_vs_opd_mem'))} |"
         )
     lines += ["", "| target | measured | threshold | result | where |", "|---|---:|---|---|---|"]
@@ -436,6 +455,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--kl-hidden-chunk", type=int, default=128, help="chunk_size (positions) of full_vocab_kl_from_hidden in (d2)"
     )
+    p.add_argument(
+        "--tail-chunk",
+        type=int,
+        default=128,
+        help="chunk_size (positions) of local_support_kl_tail_from_hidden in (a2)",
+    )
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/losses[_quick].json)")
     p.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
@@ -455,6 +480,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             "K",
             "kl-chunk",
             "kl-hidden-chunk",
+            "tail-chunk",
             "repeats",
             "warmup",
             "long-step",
@@ -495,6 +521,7 @@ def main(argv=None) -> None:
                 "T",
                 "kl_chunk",
                 "kl_hidden_chunk",
+                "tail_chunk",
                 "repeats",
                 "warmup",
                 "long_step",
@@ -517,7 +544,7 @@ def main(argv=None) -> None:
             "peak beyond inputs, parameters and their gradients",
             "flops": "analytic matmul FLOPs (2mnk); elementwise work not counted",
             "bytes": "analytic dominant tensor traffic, fp32; see each row's formula",
-            "teacher": "(a),(b) precomputed top-K; (c) precomputed teacher log-prob of the sampled token; "
+            "teacher": "(a),(a2),(b) precomputed top-K; (c) precomputed teacher log-prob of the sampled token; "
             "(d) precomputed (1,T,V) teacher logits (an input, outside the peak); (d2) teacher hidden "
             "states and head, its logits computed and recomputed chunk by chunk inside the timing and "
             "the peak; (e) TRL projects the teacher head itself; (f) topk_from_hidden on the teacher, "

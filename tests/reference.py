@@ -3,11 +3,13 @@
 Independent of src/opd/losses/ on purpose: every function loops over batch, positions and
 support slots with plain Python floats and `math`, and derives gradients by hand (the softmax
 Jacobian: d/dz_j F(softmax(z)) = p_j (g_j - sum_i p_i g_i) with g = dF/dp). The hand gradients
-are checked against central finite differences in tests/test_losses.py.
+are checked against central finite differences in tests/test_losses.py (the tail bucket's in
+tests/test_losses_tail.py).
 
 Formulas: LSM is lsm_blog_explainer.txt section 04 (renormalized reverse KL over the teacher's
 top-K); full-vocab and sampled-token OPD are rethinking_opd_summary.txt eq. 3-4; generalized JSD
-follows the TRL convention (beta=0 forward KL, beta=1 reverse KL). Zero-probability tokens in
+follows the TRL convention (beta=0 forward KL, beta=1 reverse KL); LSM's tail bucket is TRL's
+``add_tail_bucket`` (K support tokens plus the mass outside them). Zero-probability tokens in
 a KL: 0 log 0 = 0, and an infinite term (mass where the other distribution has none) is left
 out of the sum (opd's documented rule, see ``_counted``).
 
@@ -409,3 +411,85 @@ def finite_diff(fn, x, gout, eps=1e-6):
         flat[n] = old
         grad[n] = (fp - fm) / (2 * eps)
     return grad.view_as(x)
+
+
+# --------------------------------------------------------------------------- LSM with a tail bucket
+
+# opd's documented clamp (opd.losses.tail): the support's log-mass is at most -1e-7, so every tail
+# holds at least 1 - e^-1e-7 (about 1e-7), and where that floor acts the tail is a constant.
+TAIL_LOG_MASS_CAP = -1e-7
+
+
+def _tail_row(z, ids, tlp, smask, direction):
+    """K + 1 category KL of one position and its gradient wrt the student logits ``z``.
+
+    The categories: each token v of S (valid slot, finite teacher log-prob) with the full-vocabulary
+    probabilities p_v, q_v, and the tail: the student's mass on every token outside S (summed over
+    those tokens here) and the teacher's 1 - sum_S q. dF/dp is written per token (a token outside S
+    moves F through p_tail only), then the softmax Jacobian.
+    """
+    V = len(z)
+    lp = log_softmax_row(z)
+    teacher = {ids[j]: tlp[j] for j in range(len(ids)) if smask[j] and tlp[j] > -INF}
+    if lp is None or not teacher:
+        return 0.0, [0.0] * V
+    floor = -math.expm1(TAIL_LOG_MASS_CAP)
+    p_out = math.fsum(math.exp(lp[v]) for v in range(V) if v not in teacher)
+    q_out = 1.0 - math.fsum(math.exp(c) for c in teacher.values())
+    p_free = p_out > floor  # below the floor the student's tail is a constant
+    p_tail, q_tail = max(p_out, floor), max(q_out, floor)
+    g = [0.0] * V
+    kl = 0.0
+    for v, c in teacher.items():
+        if lp[v] == -INF:  # reverse: 0 log 0 = 0; forward: an infinite term, left out
+            continue
+        if direction == "reverse":
+            kl += math.exp(lp[v]) * (lp[v] - c)
+            g[v] = lp[v] - c + 1.0
+        else:
+            kl += math.exp(c) * (c - lp[v])
+            g[v] = -math.exp(c - lp[v])  # d(-q log p)/dp = -q/p
+    if direction == "reverse":
+        kl += p_tail * (math.log(p_tail) - math.log(q_tail))
+        g_out = math.log(p_tail) - math.log(q_tail) + 1.0 if p_free else 0.0
+    else:
+        kl += q_tail * (math.log(q_tail) - math.log(p_tail))
+        g_out = -q_tail / p_tail if p_free else 0.0
+    for v in range(V):
+        if v not in teacher:
+            g[v] = g_out
+    return kl, _softmax_vjp(lp, g)
+
+
+def ref_local_support_kl_tail(
+    student_BTV, ids_BTK, tlp_BTK, mask_BT, support_mask_BTK=None, direction="reverse", gout_BT=None
+):
+    """Tail-bucket KL per position; returns (kl_BT, grad wrt student logits)."""
+    z, ids, tlp, mask = _f(student_BTV), _i(ids_BTK), _f(tlp_BTK), _b(mask_BT)
+    sm = _b(support_mask_BTK) if support_mask_BTK is not None else None
+    gout = _f(gout_BT) if gout_BT is not None else _ones_like_mask(mask)
+    out, grads = [], []
+    for b in range(len(z)):
+        out.append([])
+        grads.append([])
+        for t in range(len(z[b])):
+            V, K = len(z[b][t]), len(ids[b][t])
+            if not mask[b][t]:
+                out[b].append(0.0)
+                grads[b].append([0.0] * V)
+                continue
+            s = sm[b][t] if sm is not None else [True] * K
+            kl, g = _tail_row(z[b][t], ids[b][t], tlp[b][t], s, direction)
+            out[b].append(kl)
+            grads[b].append([gout[b][t] * x for x in g])
+    return _t(out), _t(grads)
+
+
+def ref_local_support_kl_tail_from_hidden(
+    hidden_BTD, weight_VD, ids_BTK, tlp_BTK, mask_BT, support_mask_BTK=None, direction="reverse", gout_BT=None
+):
+    """ref_local_support_kl_tail of logits = hidden @ W.T; returns (kl_BT, grad hidden, grad weight)."""
+    kl, g_logits = ref_local_support_kl_tail(
+        ref_logits(hidden_BTD, weight_VD), ids_BTK, tlp_BTK, mask_BT, support_mask_BTK, direction, gout_BT
+    )
+    return (kl, *ref_hidden_grads(hidden_BTD, weight_VD, g_logits))

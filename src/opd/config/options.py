@@ -208,6 +208,14 @@ class TrainConfig(EnvSource, TrainingSource):
     renormalize: bool = opt(
         True, "Renormalize student and teacher over the support (lsm). Off is the collapsing ablation."
     )
+    tail: bool = opt(
+        False,
+        "lsm with a tail bucket: KL over the support's tokens (full-vocabulary probabilities, not "
+        "renormalized) plus one category for each model's mass outside the support, so the student's "
+        "mass outside it is no longer free (TRL's loss_add_tail). Works with every --support and a "
+        "served teacher (it needs only the teacher's top-K log-probs); replaces renormalization, so "
+        "not with --no-renormalize. Costs a pass over the student's head per step.",
+    )
     gamma: float = opt(0.0, "Discount of the sampled-token reward-to-go: 0 token level, 1 sequence level.")
     kl_direction: str = opt("reverse", "Direction of full_kl: reverse (KL(student||teacher)) or forward.")
     mask_special: bool | None = opt(None, "Mask special tokens from the loss (default: on for lsm, off otherwise).")
@@ -299,6 +307,15 @@ class TrainConfig(EnvSource, TrainingSource):
         require(self.temperature > 0, f"temperature={self.temperature} must be > 0")
         require(0.0 <= self.gamma <= 1.0, f"gamma={self.gamma} must lie in [0, 1]")
         require(self.kl_direction in ("reverse", "forward"), f"kl_direction={self.kl_direction!r}: reverse or forward")
+        require(
+            not self.tail or self.objective == "lsm",
+            f"tail is a variant of --objective lsm, not of {self.objective}; drop --tail or use --objective lsm",
+        )
+        require(
+            not self.tail or self.renormalize,
+            "tail compares full-vocabulary masses plus the mass outside the support, in place of renormalizing; "
+            "--no-renormalize (the truncated ablation) cannot go with it: drop --no-renormalize or --tail",
+        )
         require(self.steps >= 1 and self.batch_size >= 1, "steps and batch_size must be >= 1")
         require(self.samples_per_prompt >= 1, "samples_per_prompt must be >= 1")
         require(

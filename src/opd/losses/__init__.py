@@ -15,6 +15,11 @@ The package, by concern (everything is importable from ``opd.losses`` itself):
   ``h_t . W[v]`` (v in S), since renormalization cancels the full-vocabulary normalizer.
   Its row-dot kernel (a private ATen op, probed once, with a public fallback) is in
   ``_row_kernels``.
+* :mod:`~opd.losses.tail` -- :func:`local_support_kl_tail` and
+  :func:`local_support_kl_tail_from_hidden`: LSM's support without renormalizing, plus one tail
+  bucket per model for its mass outside S (TRL's ``loss_add_tail``), so that mass is not free.
+  The student's tail needs its full log-normalizer: from hidden states it takes a chunked pass
+  over the head (no (B, T, V) tensor), about the cost of sampled-token log-probs.
 * :mod:`~opd.losses.sampled` -- the sampled-token OPD reward r_t = log q(y_t) - log p(y_t), its
   discounted reward-to-go (gamma=0 token level, gamma=1 sequence level) and a policy-gradient
   surrogate; :func:`token_logprobs_from_hidden`.
@@ -48,6 +53,7 @@ from opd.losses.support import (
     topk_and_gather_from_hidden,
     topk_from_hidden,
 )
+from opd.losses.tail import local_support_kl_tail, local_support_kl_tail_from_hidden
 
 __all__ = [
     "SUPPORT_KINDS",
@@ -59,6 +65,8 @@ __all__ = [
     "generalized_jsd",
     "local_support_kl",
     "local_support_kl_from_hidden",
+    "local_support_kl_tail",
+    "local_support_kl_tail_from_hidden",
     "sampled_token_advantages",
     "sampled_token_pg_loss",
     "sequence_mean",

@@ -392,7 +392,9 @@ def _settings(cfg: dict) -> str:
     parts = []
     if cfg.get("objective") == "lsm":
         parts.append(
-            f"K={cfg.get('k')} {cfg.get('support', '')}" + ("" if cfg.get("renormalize", True) else " no-renorm")
+            f"K={cfg.get('k')} {cfg.get('support', '')}"
+            + ("" if cfg.get("renormalize", True) else " no-renorm")
+            + (" tail" if cfg.get("tail") else "")
         )
     elif cfg.get("objective") == "sampled":
         parts.append(f"γ={cfg.get('gamma')}")

@@ -5,7 +5,8 @@ This is the glue between the models and the pure losses of :mod:`opd.losses`:
 * ``lsm``: support (teacher top-K by default, or any kind of :func:`opd.losses.build_support`),
   then :func:`~opd.losses.local_support_kl_from_hidden` -- the student's (N, T, V) logits are never
   built. ``renormalize=False`` (the ablation) needs full-vocabulary student probabilities and so
-  builds them.
+  builds them. ``tail`` adds a bucket for the mass outside the support
+  (:func:`~opd.losses.local_support_kl_tail_from_hidden`, the student's head a chunk at a time).
 * ``sampled``: sampled-token OPD, r_t = log q(y_t) - log p(y_t) with the discounted reward-to-go
   and a policy-gradient surrogate (importance-ratio clipping when a batch is reused).
 * ``full_kl``: dense reverse or forward KL over the whole vocabulary, from both models' hidden
@@ -126,6 +127,8 @@ def objective_loss(
     W = head_weight(student)
     if cfg.objective == "lsm":
         ids, smask, t_lp = support_with_teacher_logprobs(cfg, batch, scores, student_ids_NTK)
+        if cfg.tail:
+            return L.local_support_kl_tail_from_hidden(h, W, ids, t_lp, mask_NT, support_mask=smask), h
         if cfg.renormalize:
             return L.local_support_kl_from_hidden(h, W, ids, t_lp, mask_NT, support_mask=smask), h
         return L.local_support_kl(h @ W.T, ids, t_lp, mask_NT, renormalize=False, support_mask=smask), h
