@@ -24,6 +24,18 @@ def check_k(k: int, vocab: int) -> None:
         )
 
 
+def head_for_grad_h(w: torch.Tensor) -> torch.Tensor:
+    """The head to back-propagate into the hidden states with: ``w``, its -inf entries zeroed if it has any.
+
+    A -inf head entry gives a token a -inf logit (no mass, dz = 0): its true share of grad_h is 0,
+    where the matmul would give 0 * inf = NaN. aminmax checks the head in one pass with no
+    temporary; isfinite(w) would allocate head-sized tensors (about 1.2 GB at a Qwen-sized head).
+    """
+    if bool(torch.isfinite(torch.stack(torch.aminmax(w))).all()):
+        return w
+    return torch.where(torch.isfinite(w), w, torch.zeros_like(w))
+
+
 def position_chunks(n: int, chunk_size: int | None):
     """Slices covering range(n), ``chunk_size`` at a time (all of it when None or <= 0)."""
     step = n if not chunk_size or chunk_size <= 0 else chunk_size

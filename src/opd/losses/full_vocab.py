@@ -22,7 +22,7 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
-from opd.losses._common import NEG_INF, as_bool, compute_dtype, position_chunks
+from opd.losses._common import NEG_INF, as_bool, compute_dtype, head_for_grad_h, position_chunks
 
 DIRECTIONS = ("reverse", "forward")
 
@@ -223,11 +223,7 @@ class _FullKLFromHidden(torch.autograd.Function):
         grad_w = torch.zeros(ws.shape, dtype=dtype, device=ws.device) if need_w else None
         grad_A = grad_A.to(dtype)
         keep = grad_A.nonzero().squeeze(-1)
-        ws_h = ws
-        if need_h and not torch.isfinite(ws).all():
-            # A -inf head entry gives a token a -inf logit (no mass, dz = 0): its true share of
-            # grad_h is 0, where the matmul would give 0 * inf = NaN.
-            ws_h = torch.where(torch.isfinite(ws), ws, torch.zeros_like(ws))
+        ws_h = head_for_grad_h(ws) if need_h else ws
         bufs = _buffers(keep.numel(), ctx.chunk_size, ws.shape[0], dtype, hs_ND.device) if keep.numel() else None
         for sl in position_chunks(keep.numel(), ctx.chunk_size):
             a = keep[sl]

@@ -28,7 +28,7 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from opd.losses._common import NEG_INF, as_bool, compute_dtype, position_chunks
+from opd.losses._common import NEG_INF, as_bool, compute_dtype, head_for_grad_h, position_chunks
 from opd.losses.full_vocab import _check_direction
 
 LOG_MASS_CAP = -1e-7
@@ -177,12 +177,7 @@ class _SupportLogitsAndNormalizer(torch.autograd.Function):
         g_z = torch.zeros_like(ids_AK, dtype=dtype) if grad_z_AK is None else grad_z_AK.to(dtype)
         g_lse = torch.zeros_like(lse_A) if grad_lse_A is None else grad_lse_A.to(dtype)
         keep = ((g_lse != 0) | (g_z != 0).any(-1)).nonzero().squeeze(-1)
-        w_h = w
-        if need_h and not bool(torch.isfinite(torch.stack(torch.aminmax(w))).all()):
-            # A -inf head entry gives a token no mass (dz = 0): its share of grad_h is 0, where the
-            # matmul would give 0 * inf = NaN. aminmax checks the head in one pass with no
-            # temporary; isfinite(w) would allocate about 1.5 head-sized tensors (1.4 GB at Qwen's).
-            w_h = torch.where(torch.isfinite(w), w, torch.zeros_like(w))
+        w_h = head_for_grad_h(w) if need_h else w
         buf = _buffer(keep.numel(), ctx.chunk_size, w.shape[0], dtype, hidden_ND.device)
         for sl in position_chunks(keep.numel(), ctx.chunk_size):
             a = keep[sl]
