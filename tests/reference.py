@@ -137,8 +137,9 @@ def _lsm_row(z, ids, tlp, smask, renormalize):
     return kl, _softmax_vjp(lpf, g)
 
 
-def ref_local_support_kl(student_BTV, ids_BTK, tlp_BTK, mask_BT, renormalize=True, support_mask_BTK=None, gout_BT=None):
-    """Local support KL per position; returns (kl_BT, grad wrt student logits)."""
+def _per_support_row(row, student_BTV, ids_BTK, tlp_BTK, mask_BT, support_mask_BTK, gout_BT):
+    """A support loss position by position: ``row(logits, ids, teacher log-probs, valid slots)`` gives
+    (value, d value / d logits) of one unmasked position; masked ones are 0 with zero gradient."""
     z, ids, tlp, mask = _f(student_BTV), _i(ids_BTK), _f(tlp_BTK), _b(mask_BT)
     sm = _b(support_mask_BTK) if support_mask_BTK is not None else None
     gout = _f(gout_BT) if gout_BT is not None else _ones_like_mask(mask)
@@ -153,10 +154,16 @@ def ref_local_support_kl(student_BTV, ids_BTK, tlp_BTK, mask_BT, renormalize=Tru
                 grads[b].append([0.0] * V)
                 continue
             s = sm[b][t] if sm is not None else [True] * K
-            kl, g = _lsm_row(z[b][t], ids[b][t], tlp[b][t], s, renormalize)
+            kl, g = row(z[b][t], ids[b][t], tlp[b][t], s)
             out[b].append(kl)
             grads[b].append([gout[b][t] * x for x in g])
     return _t(out), _t(grads)
+
+
+def ref_local_support_kl(student_BTV, ids_BTK, tlp_BTK, mask_BT, renormalize=True, support_mask_BTK=None, gout_BT=None):
+    """Local support KL per position; returns (kl_BT, grad wrt student logits)."""
+    row = lambda z, ids, tlp, s: _lsm_row(z, ids, tlp, s, renormalize)
+    return _per_support_row(row, student_BTV, ids_BTK, tlp_BTK, mask_BT, support_mask_BTK, gout_BT)
 
 
 def ref_build_support(kind, teacher_ids_BTK, student_ids_BTK=None, sampled_ids_BT=None):
@@ -465,24 +472,8 @@ def ref_local_support_kl_tail(
     student_BTV, ids_BTK, tlp_BTK, mask_BT, support_mask_BTK=None, direction="reverse", gout_BT=None
 ):
     """Tail-bucket KL per position; returns (kl_BT, grad wrt student logits)."""
-    z, ids, tlp, mask = _f(student_BTV), _i(ids_BTK), _f(tlp_BTK), _b(mask_BT)
-    sm = _b(support_mask_BTK) if support_mask_BTK is not None else None
-    gout = _f(gout_BT) if gout_BT is not None else _ones_like_mask(mask)
-    out, grads = [], []
-    for b in range(len(z)):
-        out.append([])
-        grads.append([])
-        for t in range(len(z[b])):
-            V, K = len(z[b][t]), len(ids[b][t])
-            if not mask[b][t]:
-                out[b].append(0.0)
-                grads[b].append([0.0] * V)
-                continue
-            s = sm[b][t] if sm is not None else [True] * K
-            kl, g = _tail_row(z[b][t], ids[b][t], tlp[b][t], s, direction)
-            out[b].append(kl)
-            grads[b].append([gout[b][t] * x for x in g])
-    return _t(out), _t(grads)
+    row = lambda z, ids, tlp, s: _tail_row(z, ids, tlp, s, direction)
+    return _per_support_row(row, student_BTV, ids_BTK, tlp_BTK, mask_BT, support_mask_BTK, gout_BT)
 
 
 def ref_local_support_kl_tail_from_hidden(
