@@ -60,6 +60,16 @@ def post(url: str, body, raw: bool = False) -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
+def run_threads(threads: list[threading.Thread], timeout: float = 60) -> float:
+    """Start every client thread, wait for each (bounded), and return the seconds they took."""
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    return time.monotonic() - t0
+
+
 def rollouts(tok, student_dir, n=6, new_tokens=10):
     student = load_model(student_dir, "student")
     prompts = [tok(f"Compute {i} + {3 * i + 1} * {i % 4 + 2}." + " x" * i)["input_ids"] for i in range(n)]
@@ -174,12 +184,7 @@ def test_load_many_concurrent_clients(served):
                 errors.append(repr(exc))
 
     threads = [threading.Thread(target=client) for _ in range(8)]
-    t0 = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    elapsed = time.monotonic() - t0
+    elapsed = run_threads(threads)
     batches = app.scorer.batches - batches_before
     print(
         f"\nload test: {len(done)} requests in {elapsed:.1f} s = {len(done) / elapsed:.1f} requests/s "
@@ -229,12 +234,7 @@ def test_64_clients_are_all_answered(served):
                 errors.append(repr(exc))
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(64)]
-    t0 = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    elapsed = time.monotonic() - t0
+    elapsed = run_threads(threads)
     print(f"\n64 clients: {sum(answers)} answers in {elapsed:.1f} s, {len(errors)} errors {sorted(set(errors))[:3]}")
     assert errors == [] and min(answers) >= 1  # every client answered, every answer right
     assert not any(t.is_alive() for t in threads)
