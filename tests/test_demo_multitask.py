@@ -108,12 +108,13 @@ def test_quick_multitask_demo(models, tmp_path):
     assert set(summary["models"]) == {"math_teacher", "game_teacher", "student"}
     assert set(summary["models"]["student"]) == {MATH, GAME}
     assert (tmp_path / "demo" / "report" / "report.html").is_file()
-    assert set(summary["objectives"]) == {"sampled", "lsm", "lsm-student-topk"}
+    assert set(summary["objectives"]) == {"sampled", "lsm", "lsm-tail", "lsm-student-topk"}
     for name, r in summary["objectives"].items():
         run = tmp_path / "demo" / name
         config = json.loads((run / "config.json").read_text())
         assert config["task_mode"] == "alternate" and config["objective"] == name.split("-")[0]
         assert config["support"] == ("student_topk" if name == "lsm-student-topk" else "teacher_topk")
+        assert config["tail"] == (name == "lsm-tail")
         teachers = {t["name"]: t["teacher"] for t in config["tasks"]}
         assert teachers == {MATH: str(assets / "math_teacher"), GAME: str(assets / "game_teacher")}
         records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -128,19 +129,21 @@ def test_quick_multitask_demo(models, tmp_path):
 @pytest.mark.slow
 def test_quick_multitask_experiment(models, tmp_path):
     from opd.experiments import run
-    from opd.experiments.multitask import SINGLE, VARIANTS
+    from opd.experiments.multitask import SINGLE, STUDENT, VARIANTS
     from opd.experiments.stats import INCONCLUSIVE
 
     _, assets, _ = models
     shutil.copytree(assets, tmp_path / "multitask" / "quick-models")  # made once for the module
     res = run("multitask", tmp_path, seeds=1, quick=True, show_progress=False)
-    assert res["quick"] and len(res["claims"]) == 8  # (a), (b) x2, (c) x3, (d) x2
+    assert res["quick"] and len(res["claims"]) == 11  # (a), (b) x2, (c) x3, (d) x2, (e), (f), (g)
     assert all(c["verdict"] == INCONCLUSIVE for c in res["claims"])  # one seed decides nothing
     rows = {r[0]: r for r in res["tables"][0]["rows"]}
-    assert set(rows) == set(VARIANTS) | set(SINGLE)
+    assert set(rows) == {STUDENT} | set(VARIANTS) | set(SINGLE)
+    assert all(cell != "-" for cell in rows[STUDENT][2:])  # the student before OPD, on both tasks
     assert rows["game-only/lsm"][2:4] == ["-", "-"] and rows["math-only/lsm"][4:6] == ["-", "-"]
-    formats = next(t for t in res["tables"] if "math task's format" in t["title"])
-    assert [r[0] for r in formats["rows"]] == [*VARIANTS, "game-only/lsm"]
+    formats = next(t for t in res["tables"] if "holding a format token" in t["title"])
+    assert [r[0] for r in formats["rows"]] == [*VARIANTS, "game-only/lsm", "game-only/lsm-tail"]
+    assert all(cell != "-" for r in formats["rows"] for cell in r[1:])  # read from every run's logged metrics
     for variant, (task, _) in SINGLE.items():  # the same budget: the steps that task gets in a two-task run
         config = json.loads((tmp_path / "multitask" / "runs" / variant / "seed0" / "config.json").read_text())
         assert config["steps"] == task_steps(4, task) and [t["name"] for t in config["tasks"]] == [task]

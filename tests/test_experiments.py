@@ -27,6 +27,7 @@ from opd.experiments.stats import (
     equivalence,
     fit_power_law,
     mean_ci,
+    noninferior,
     t975,
     verdict,
 )
@@ -89,6 +90,11 @@ def test_verdict_rules():
     assert equivalence([0.001, -0.002, 0.0], 0.03)[0] == REPRODUCED
     assert equivalence([0.2, 0.21, 0.19], 0.03)[0] == NOT_REPRODUCED
     assert equivalence([0.0, 0.05, -0.04], 0.03)[0] == INCONCLUSIVE
+    # "A at least as good as B" within a margin: a small loss is allowed, a sure one beyond it is not
+    assert noninferior([-0.01, 0.0, -0.02], 0.05)[0] == REPRODUCED
+    assert noninferior([-0.2, -0.21, -0.19], 0.05)[0] == NOT_REPRODUCED
+    assert noninferior([-0.2, 0.1, 0.0], 0.05)[0] == INCONCLUSIVE
+    assert noninferior([0.3], 0.05)[0] == INCONCLUSIVE  # one seed decides nothing
 
 
 # ----------------------------------------------------------------------------- runner
@@ -434,28 +440,24 @@ def test_results_md_names_a_corrupt_results_file(tmp_path):
         build_results_md([tmp_path], tmp_path / "RESULTS.md")
 
 
-def test_multitask_format_shares_count_game_actions_in_the_math_format(tmp_path):
+def test_multitask_format_shares_read_the_game_steps_logged_format_rate(tmp_path):
     from opd.experiments.core import Settings
     from opd.experiments.multitask import WINDOW, _format_shares
 
     s = Settings(tmp_path, seeds=1, quick=False)
     run = s.run_dir("lsm/seed0")
     run.mkdir(parents=True)
-
-    def episode(step: int, actions: list[str]) -> dict:
-        return {"task": "alfworld", "step": step, "turns": [{"action": a} for a in actions]}
-
     game_steps = [1, 4, 7, 10, 13, 16, 19]
-    rollouts = [episode(t, ["go to desk 1", "take pen 1 from desk 1"]) for t in game_steps[:WINDOW]]
-    rollouts[0]["turns"].append({"action": "<think>go to desk 1"})  # 1 of the first 7 actions
-    rollouts += [episode(t, ["<think>go to desk 1", "go to bed 1"]) for t in game_steps[-WINDOW:]]  # 3 of 6
-    rollouts += [{"task": "math", "step": 0, "turns": [{"action": "<think>"}]}]  # not a game action
-    rollouts += [episode(game_steps[WINDOW], ["<think>"])]  # between the windows: read by neither
-    (run / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rollouts))
+    rates = [0.1, 0.0, 0.05, 0.9, 0.3, 0.2, 0.4]  # step 10: between the windows, read by neither
     shares = [0.5, 0.01, 0.02, 0.03, 0.04, 0.05, 0.09]
-    metrics = [{"step": t, "alfworld/diag/out_of_support": x} for t, x in zip(game_steps, shares)]
-    metrics.insert(2, {"step": 5, "math/diag/out_of_support": 0.9})
+    metrics = [
+        {"step": t, "alfworld/rollout/format_token_rate": r, "alfworld/diag/out_of_support": x}
+        for t, r, x in zip(game_steps, rates, shares)
+    ]
+    metrics.insert(2, {"step": 5, "math/rollout/format_token_rate": 1.0, "math/diag/out_of_support": 0.9})
+    metrics.append({"step": 19, "eval/alfworld/accuracy": 0.2})  # an eval record holds neither
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     start, end, out_of_support = _format_shares(s, "lsm/seed0")
-    assert start == pytest.approx(1 / 7) and end == pytest.approx(3 / 6)
+    assert WINDOW == 3
+    assert start == pytest.approx((0.1 + 0.0 + 0.05) / 3) and end == pytest.approx((0.3 + 0.2 + 0.4) / 3)
     assert out_of_support == pytest.approx((0.04 + 0.05 + 0.09) / 3)

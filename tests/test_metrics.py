@@ -467,3 +467,69 @@ def test_repetition_matches_brute_force():
         assert M.has_repetition_loop_B(ids, mask, n, m).tolist() == expected
         assert 0 < sum(expected) < 40 or (n, m) == (4, 3)
         assert M.repetition_rate(ids, mask, n, m) == pytest.approx(sum(expected) / 40)
+
+
+# --------------------------------------------------------------------------- tail mass, format tokens
+
+
+def ref_tail_mass(row_logits, k):
+    """1 - the mass of the top-k (ties to the lower id), from a full row: the reference the top-K
+    log-probs alone must reproduce."""
+    lp = ref_log_softmax(row_logits)
+    return 1.0 - sum(math.exp(lp[v]) for v in ref_topk_set(row_logits, k))
+
+
+@pytest.mark.parametrize("shape,k", [((2, 3, 7), 3), ((1, 5, 4), 4), ((3, 1, 9), 1)])
+def test_tail_mass_from_topk_logprobs_matches_full_row_reference(shape, k):
+    g = torch.Generator().manual_seed(sum(shape) + k)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64) * 3
+    x[0, 0, 0] = NEG  # a token of probability 0
+    x[..., 1] = x[..., 2]  # ties
+    topk_lp = torch.log_softmax(x, -1).topk(k, dim=-1).values
+    mask = torch.rand(shape[:2], generator=g) > 0.3
+    mask[0, 0] = True
+    expected = [[ref_tail_mass(x[b, t].tolist(), k) for t in range(shape[1])] for b in range(shape[0])]
+    got = M.tail_mass_BT(topk_lp, mask)
+    want = torch.tensor(expected, dtype=torch.float64) * mask
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    mean = sum(e for row, mrow in zip(expected, mask.tolist()) for e, m in zip(row, mrow) if m) / int(mask.sum())
+    assert M.tail_mass(topk_lp, mask) == pytest.approx(mean, rel=1e-9)
+
+
+def test_tail_mass_edge_cases():
+    # the whole vocabulary as the top-K: no tail, even where rounding sums past 1; -inf padding adds nothing
+    full = torch.log_softmax(torch.tensor([[[0.3, 0.3, -1.0]]], dtype=torch.float64), -1)
+    assert M.tail_mass_BT(full).item() == pytest.approx(0.0, abs=1e-15)
+    assert M.tail_mass_BT(full + 1e-12).item() == 0.0
+    padded = torch.tensor([[[math.log(0.5), NEG, NEG]]])
+    assert M.tail_mass_BT(padded).item() == pytest.approx(0.5)
+    assert M.tail_mass(padded, torch.zeros(1, 1, dtype=torch.bool)) == 0.0  # all masked
+
+
+def ref_format_share(ids, mask, fmt):
+    """Segments = maximal runs of unmasked positions within a row, found by walking each row."""
+    hits = segments = 0
+    for row, mrow in zip(ids, mask):
+        inside, has = False, False
+        for tok, m in zip([*row, None], [*mrow, False]):
+            if m and not inside:
+                inside, has = True, False
+            if m:
+                has |= tok in fmt
+            if not m and inside:
+                segments, hits, inside = segments + 1, hits + has, False
+    return hits, segments
+
+
+def test_format_token_share_counts_segments_like_a_walk():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 6, (4, 11), generator=g)
+    mask = torch.rand(4, 11, generator=g) > 0.4
+    mask[1] = True  # one segment spanning the row
+    mask[2] = False  # no segment
+    for fmt in ([4], [0, 5], [], [9]):
+        assert M.format_token_share(ids, mask, fmt) == ref_format_share(ids.tolist(), mask.tolist(), set(fmt))
+    # a format token in the masked gap between two actions counts for neither
+    ids = torch.tensor([[1, 2, 7, 3, 7]])
+    mask = torch.tensor([[True, True, False, True, True]])
+    assert M.format_token_share(ids, mask, [7]) == (1, 2)

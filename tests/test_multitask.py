@@ -256,6 +256,8 @@ def test_math_and_a_game_in_one_run_from_a_config_file(tiny_models, teacher2, tm
     assert toy_step["toy/rollout/accuracy"] == toy_step["rollout/accuracy"]
     assert toy_step["toy/train/loss"] == pytest.approx(toy_step["train/loss"], rel=1e-5)
     assert "math/train/grad_norm" not in steps[0]  # the step's, not a task's
+    for key in ("rollout/format_token_rate", "diag/teacher_tail_mass", "diag/student_tail_mass"):
+        assert 0.0 <= toy_step[f"toy/{key}"] <= 1.0 and 0.0 <= steps[0][f"math/{key}"] <= 1.0, key
     (ev,) = [r for r in read_metrics(out) if "eval/accuracy" in r]
     assert ev["eval/math/n"] == 4 and ev["eval/toy/n"] == 3 and ev["eval/toy/k"] == 2
     assert ev["eval/toy/success_rate"] == ev["eval/toy/accuracy"]
@@ -284,6 +286,8 @@ def check_report_splits_by_task(out) -> None:
     assert [s["x"] for s in loss[1:]] == [[0, 2], [1]]  # each task's own steps
     assert {s["label"] for s in charts["eval-accuracy"]["series"]} >= {"run · math greedy", "run · toy avg@k"}
     assert [s["label"] for s in charts["turns"]["series"]] == ["run", "run · toy"]
+    tail = [s["label"] for s in charts["tail-mass"]["series"]]
+    assert {"run · math student", "run · toy teacher"} <= set(tail)
     assert {"depth-reward-math-run", "depth-reward-toy-run", "depth-loss-toy-run"} <= set(charts)
     assert "math " in summary_rows(runs)[0]["after"] and "toy " in summary_rows(runs)[0]["after"]
     assert write_report([out], out / "report", show_progress=False).is_file()
@@ -302,7 +306,7 @@ def test_per_task_metrics_add_up_to_the_overall_ones_in_mix_mode(tiny_models, te
         assert r["train/loss"] == pytest.approx(sum(tokens[t] * r[f"{t}/train/loss"] for t in n) / sum(tokens.values()))
         for key in ("rollout/accuracy", "rollout/eos_rate", "rollout/response_len"):
             assert r[key] == pytest.approx(sum(n[t] * r[f"{t}/{key}"] for t in n) / sum(n.values())), key
-        for key in ("diag/reward_mean", "diag/out_of_support", "diag/negative_reward"):
+        for key in ("diag/reward_mean", "diag/out_of_support", "diag/negative_reward", "diag/teacher_tail_mass"):
             assert r[key] == pytest.approx(sum(resp[t] * r[f"{t}/{key}"] for t in n) / sum(resp.values())), key
         assert "a/train/lr" not in r and r["train/lr"] > 0
 

@@ -172,7 +172,7 @@ def test_line_charts_are_fed_the_logged_metrics(runs):
             logged = [r for r in jsonl(run_dir / "metrics.jsonl") if "train/loss" in r]
             assert s["x"] == [r["step"] for r in logged] and s["y"] == [r[key] for r in logged]
             assert "smooth" not in s  # three points: no moving average drawn over them
-    mass = charts["support-mass"]["series"]
+    mass = charts["tail-mass"]["series"]
     assert [(s["label"], s["dashed"]) for s in mass] == [
         ("sampled student", False),
         ("sampled teacher", True),
@@ -272,7 +272,7 @@ def test_write_report_is_self_contained_with_pngs(runs, tmp_path):
     data = page_data(text)
     assert [r["name"] for r in data["runs"]] == ["sampled", "lsm"]
     ids = [c["id"] for c in data["charts"]]
-    assert len(ids) == len(set(ids)) == 14 + 2 * 2 + 2  # line charts, two heatmaps and a scatter per run
+    assert len(ids) == len(set(ids)) == 15 + 2 * 2 + 2  # line charts, two heatmaps and a scatter per run
     for cid in ids:
         png = tmp_path / "rep" / "charts" / f"{cid}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000

@@ -15,10 +15,13 @@ rises, entropy gap narrows, overlap-token advantage rises towards 0):
 * eq. 8 :func:`entropy_gap`              |H(q_t) - H(p_t)|
 
 For teacher top-K local support matching (LSM, arXiv:2603.25562) and sampled-token OPD's failure
-modes: :func:`support_mass` (mass inside a support before renormalization),
+modes: :func:`support_mass` (mass inside a support before renormalization), :func:`tail_mass` (mass
+outside a top-K, from its log-probs alone: what the tail bucket of ``opd.losses`` weighs),
 :func:`out_of_support_share` (sampled tokens LSM gives no gradient), :func:`negative_reward_share`
-(failure mode 1), :func:`repetition_rate` (failure mode 2: loops the teacher still rewards) and
-:func:`by_position_bucket` (any per-position value by depth: reward quality degrades with depth).
+(failure mode 1), :func:`repetition_rate` (failure mode 2: loops the teacher still rewards),
+:func:`format_token_share` (segments holding a format token: another task's ``<think>`` leaking into
+a game's actions) and :func:`by_position_bucket` (any per-position value by depth: reward quality
+degrades with depth).
 
 Conventions: computed in float32, or float64 if an input is float64; masks are bool or 0/1.
 Top-k sets break ties towards the lower token id, and a token whose logit is -inf (probability 0)
@@ -45,6 +48,7 @@ __all__ = [
     "entropy_BT",
     "entropy_gap",
     "entropy_gap_BT",
+    "format_token_share",
     "has_repetition_loop_B",
     "masked_mean",
     "negative_reward_BT",
@@ -56,6 +60,8 @@ __all__ = [
     "repetition_rate",
     "support_mass",
     "support_mass_BT",
+    "tail_mass",
+    "tail_mass_BT",
     "topk_ids",
     "topk_overlap_BT",
     "topk_overlap_ratio",
@@ -284,6 +290,26 @@ def support_mass(logits_BTV, support_ids_BTK, mask_BT, support_mask_BTK=None) ->
 
 
 @torch.no_grad()
+def tail_mass_BT(topk_logprobs_BTK, mask_BT=None) -> torch.Tensor:
+    """Probability mass outside a top-K set, 1 - sum_k exp(logp_k), from the set's own full-vocabulary
+    (not renormalized) log-probs: all a served teacher returns, so it needs no logits. -inf slots
+    (padding, tokens of probability 0) add nothing; rounding that pushes the sum past 1 gives 0.
+
+    Shapes: topk_logprobs_BTK (B, T, K); mask_BT optional (B, T). Returns (B, T) in [0, 1], 0 where masked.
+    """
+    dtype = _dtype(topk_logprobs_BTK)
+    inside_BT = topk_logprobs_BTK.to(dtype).exp().sum(-1)
+    return _masked((1.0 - inside_BT).clamp(0.0, 1.0), mask_BT)
+
+
+@torch.no_grad()
+def tail_mass(topk_logprobs_BTK, mask_BT) -> float:
+    """Masked mean of :func:`tail_mass_BT`.
+    Shapes: topk_logprobs_BTK (B, T, K); mask_BT (B, T) required. Returns a float."""
+    return masked_mean(tail_mass_BT(topk_logprobs_BTK, mask_BT), mask_BT)
+
+
+@torch.no_grad()
 def out_of_support_BT(sampled_ids_BT, support_ids_BTK, support_mask_BTK=None, mask_BT=None):
     """1.0 where the sampled token is not on a valid slot of the support (LSM ignores it), else 0.
 
@@ -393,3 +419,26 @@ def repetition_rate(token_ids_BT, mask_BT, ngram: int = 4, min_repeats: int = 3)
     nonempty_B = _bool(mask_BT, token_ids_BT.shape).any(1)
     n = int(nonempty_B.sum())
     return 0.0 if n == 0 else float((loop_B & nonempty_B).sum()) / n
+
+
+@torch.no_grad()
+def format_token_share(token_ids_BT, mask_BT, format_ids) -> tuple[int, int]:
+    """How many of the model's segments hold at least one of ``format_ids``, and how many segments.
+
+    A segment is a maximal run of unmasked positions in a row: a prompt task's response, or each
+    action of a multi-turn episode (the environment's tokens between them are masked). With
+    ``format_ids`` the format tokens other than end-of-turn (``<think>``, ``</think>``), the share
+    in a game task is how often another task's format leaks into its actions.
+
+    Shapes: token_ids_BT (B, T) int; mask_BT (B, T) bool or 0/1. Returns (with format token, segments).
+    """
+    mask_BT = _bool(mask_BT, token_ids_BT.shape)
+    start_BT = mask_BT.clone()
+    start_BT[:, 1:] &= ~mask_BT[:, :-1]
+    segments = int(start_BT.sum())
+    if segments == 0 or len(format_ids) == 0:
+        return 0, segments
+    segment_BT = start_BT.flatten().long().cumsum(0).view_as(token_ids_BT) - 1  # a position's segment
+    ids = torch.as_tensor(list(format_ids), dtype=token_ids_BT.dtype, device=token_ids_BT.device)
+    hit_BT = torch.isin(token_ids_BT, ids) & mask_BT
+    return int(torch.unique(segment_BT[hit_BT]).numel()), segments

@@ -157,3 +157,17 @@ def equivalence(diffs: Sequence[float], margin: float) -> tuple[str, Interval]:
     if ci.lo >= margin or ci.hi <= -margin:
         return NOT_REPRODUCED, ci
     return INCONCLUSIVE, ci
+
+
+def noninferior(diffs: Sequence[float], margin: float) -> tuple[str, Interval]:
+    """Verdict on "A is at least as good as B" within ``margin`` (from paired differences A - B):
+    reproduced when the 95% interval lies above -margin, not reproduced when it lies entirely below
+    it, inconclusive otherwise."""
+    ci = mean_ci(diffs)
+    if ci.n < 2:
+        return INCONCLUSIVE, ci
+    if ci.lo > -margin:
+        return REPRODUCED, ci
+    if ci.hi < -margin:
+        return NOT_REPRODUCED, ci
+    return INCONCLUSIVE, ci

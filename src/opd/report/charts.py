@@ -57,6 +57,14 @@ TRAINING = [
     ),
     ("eos-rate", "EOS rate", [("rollout/eos_rate", "", False)], "share", "Share of rollouts that ended with EOS."),
     (
+        "format-tokens",
+        "Format tokens in responses and actions",
+        [("rollout/format_token_rate", "", False)],
+        "share",
+        "Share of responses (in a game, of actions) holding a special token other than the end of turn "
+        "(<think>, </think>): expected in a task that thinks, another task's format leaking into a game.",
+    ),
+    (
         "repetition",
         "Repetition rate",
         [("rollout/repetition_rate", "", False)],
@@ -99,11 +107,13 @@ DIAGNOSTICS = [
     ),
     ("entropy-gap", "Entropy gap", [("diag/entropy_gap", "", False)], "nats", "Student entropy minus teacher entropy."),
     (
-        "support-mass",
-        "Mass inside the teacher's top-K",
-        [("diag/student_support_mass", " student", False), ("diag/teacher_support_mass", " teacher", True)],
+        "tail-mass",
+        "Mass outside the teacher's top-K (the tail)",
+        [("diag/student_tail_mass", " student", False), ("diag/teacher_tail_mass", " teacher", True)],
         "mass",
-        "Probability mass each model puts on the teacher's top-K (solid: student, dashed: teacher).",
+        "Probability mass each model puts outside the teacher's top-K (solid: student, at the diagnostic "
+        "positions; dashed: teacher, at every position). Teacher top-K LSM gives the student's tail no "
+        "loss; --tail does.",
     ),
     (
         "out-of-support",

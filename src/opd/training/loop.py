@@ -412,7 +412,9 @@ def part_metrics(run: Run, step: int, p: StepPart, upd: StepUpdate, W: torch.Ten
     examples = [p.task.source.examples[i] for i in p.rows]
     texts, correct, episodes = p.task.source.grade(run.tokenizer, examples, p.batch, p.records)
     horizon = c.max_new_tokens
-    metrics = {**step_metrics(p.batch, correct, p.scores, upd, p.mask_NT, W, k=cfg.k, horizon=horizon), **episodes}
+    format_ids = [i for i in run.special_ids if i != run.tokenizer.eos_token_id]
+    stats = step_metrics(p.batch, correct, p.scores, upd, p.mask_NT, W, k=cfg.k, horizon=horizon, format_ids=format_ids)
+    metrics = {**stats, **episodes}
     weights = metric_weights(p.batch, p.mask_NT, upd.diag_hidden_MD.shape[0], horizon)
     if p.task.name:  # a task's own loss: the token mean of its per-token loss (the step's loss is global)
         metrics["train/loss"] = M.masked_mean(upd.loss_NT, p.mask_NT)

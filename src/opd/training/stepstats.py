@@ -61,6 +61,7 @@ def _full_vocab_diagnostics(s_MV: torch.Tensor, t_MV: torch.Tensor, k: int) -> d
         "diag/teacher_entropy": M.entropy(t, ones),
         "diag/student_support_mass": M.support_mass(s, t_ids, ones),
         "diag/teacher_support_mass": M.support_mass(t, t_ids, ones),
+        "diag/student_tail_mass": 1.0 - M.support_mass(s, t_ids, ones),
     }
 
 
@@ -81,8 +82,10 @@ def step_metrics(
     head_VD: torch.Tensor,
     k: int,
     horizon: int,
+    format_ids: list[int],
 ) -> dict:
-    """One rank's metrics of a step; ``horizon`` (max new tokens) fixes the depth buckets."""
+    """One rank's metrics of a step; ``horizon`` (max new tokens) fixes the depth buckets;
+    ``format_ids``: the special tokens whose share of responses or actions is logged (not EOS)."""
     resp = batch.action_mask_NT
     reward_NT = (scores.sampled_logprobs_NT - batch.logprobs_NT) * resp
     s_MV = upd.diag_hidden_MD.float() @ head_VD.float().T
@@ -99,9 +102,12 @@ def step_metrics(
         "rollout/eos_rate": float(batch.finished_N.float().mean()),
         "rollout/repetition_rate": M.repetition_rate(batch.response_ids_NT, resp),
         "rollout/accuracy": sum(correct) / len(correct),
+        "rollout/format_token_rate": _share(*M.format_token_share(batch.response_ids_NT, resp, format_ids)),
         "diag/reward_mean": M.masked_mean(reward_NT, resp),
         "diag/negative_reward": M.negative_reward_share(batch.logprobs_NT, scores.sampled_logprobs_NT, resp),
         "diag/out_of_support": M.out_of_support_share(batch.response_ids_NT, scores.topk_ids_NTK, resp),
+        # From the teacher's top-K log-probs at every position: a served teacher's too.
+        "diag/teacher_tail_mass": M.tail_mass(scores.topk_logprobs_NTK, resp),
         # A served teacher returns no full logits: those diagnostics are then absent, not faked.
         **(
             {}
@@ -114,6 +120,10 @@ def step_metrics(
     }
 
 
+def _share(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
+
+
 FULL_VOCAB_KEYS = (
     "train/kl_to_teacher",
     "diag/overlap",
@@ -123,6 +133,7 @@ FULL_VOCAB_KEYS = (
     "diag/teacher_entropy",
     "diag/student_support_mass",
     "diag/teacher_support_mass",
+    "diag/student_tail_mass",
 )
 
 
@@ -137,6 +148,7 @@ def metric_weights(batch, mask_NT: torch.Tensor, n_diag: int, horizon: int) -> d
         "diag/": int(resp.sum()),
         "cross/": int(resp.sum()),
         **{k: n_diag for k in FULL_VOCAB_KEYS},
+        "rollout/format_token_rate": M.format_token_share(batch.response_ids_NT, resp, [])[1],  # segments
         "train/loss_tokens": "sum",
         "time/": "max",
         "depth/reward": M.by_position_bucket(resp.float(), resp, DEPTH_BUCKETS, horizon=horizon)[1].tolist(),
