@@ -21,6 +21,7 @@ _MODULES = {
     "agentic": "opd.experiments.agentic",
     "cross-tokenizer": "opd.experiments.cross_tokenizer",
     "multitask": "opd.experiments.multitask",
+    "multitask-tail": "opd.experiments.tail",
 }
 NAMES = tuple(_MODULES)
 

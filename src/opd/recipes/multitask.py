@@ -194,7 +194,14 @@ def task_steps(steps: int, name: str, seed: int = 0) -> int:
 
 
 def opd_config(
-    assets: Path, out: Path, steps: int, quick: bool, seed: int = 0, only: tuple[str, ...] = (MATH, GAME), **change
+    assets: Path,
+    out: Path,
+    steps: int,
+    quick: bool,
+    seed: int = 0,
+    only: tuple[str, ...] = (MATH, GAME),
+    lr: float = LR,
+    **change,
 ) -> TrainConfig:
     """One OPD run from the demo's student on its two tasks (``only``: a subset), math and game steps
     alternating (MATH_SHARE math steps per game step), each task scored by its own teacher and
@@ -205,7 +212,7 @@ def opd_config(
         seed=seed,
         out=str(out),
         steps=steps,
-        lr=LR,
+        lr=lr,
         warmup_steps=2 if quick else 10,
         eval_every=0,  # at the end only: an evaluation of both tasks costs about as much as 8 game steps
         ckpt_every=2 if quick else max(steps // 2, 1),
