@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from opd.cli import app
 from opd.config import ConfigError, TrainConfig, resolve_tasks
 from opd.errors import UserError
+from opd.models.loading import load_tokenizer
 from opd.rollout.prompts import batch_indices
 from opd.training import loop as train_mod
 from opd.training.schedule import split_by_task, task_for_step, task_schedule
@@ -361,3 +362,23 @@ def test_a_task_may_have_a_teacher_with_another_tokenizer(tiny_models, tmp_path)
     kinds = {t.name: type(t.teacher) for t in run.tasks}
     assert kinds["odd"] is CrossTokenizerTeacher
     assert kinds["good"] is not CrossTokenizerTeacher
+
+
+def test_special_token_masking_is_set_per_task(tiny_models, tiny_tokenizer, tmp_path):
+    """Two tasks alike but for --mask-special: the masked one's loss skips exactly the positions
+    whose token is special, the other's keeps every position the model wrote."""
+    tasks = [{"name": "masked", "mask_special": True}, {"name": "kept", "mask_special": False}]
+    cfg = mt_cfg(tiny_models, tmp_path / "run", tasks, objective="lsm", steps=2, ckpt_every=0, eval_every=0)
+    # many ordinary tokens made "special", so that both tasks' rollouts hold some: the test is not vacuous
+    vocab = load_tokenizer(tiny_tokenizer).convert_ids_to_tokens(list(range(40, 140)))
+    cfg.special_tokens = sorted(set(vocab))
+    train_mod.train(cfg, show_progress=False)
+    records = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    seen = {"masked": 0, "kept": 0}
+    for r in records:
+        wrote = [i for i, lp in enumerate(r["student_logprobs"]) if lp is not None]
+        special = [i for i in wrote if r["tokens"][i] in cfg.special_tokens]
+        seen[r["task"]] += len(special)
+        want = set(wrote) - set(special) if r["task"] == "masked" else set(wrote)
+        assert {i for i, m in enumerate(r["loss_mask"]) if m} == want, r["task"]
+    assert seen["masked"] > 0 and seen["kept"] > 0

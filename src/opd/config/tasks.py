@@ -55,6 +55,7 @@ PER_TASK = (
     "cross_tokenizer",
     "cross_pairing",
     "teacher_special_map",
+    "mask_special",  # per task: a teacher's special-token conventions belong to it
     *_SOURCE,
     "temperature",
     "top_p",

@@ -510,7 +510,7 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
             parts = [StepPart(at.task, *rollout_stage(run, step, at)) for at in step_tasks(run, step)]
             t1 = time.perf_counter()
             for p in parts:
-                p.mask_NT = loss_mask(p.batch, run.special_ids, cfg.mask_special)
+                p.mask_NT = loss_mask(p.batch, run.special_ids, p.task.cfg.mask_special)
                 p.diag_M = diag_index(p.mask_NT, cfg.diag_positions, step, cfg.seed)
                 with stop_if_teacher_down(run, step, rng):  # checkpoints step - 1 first: --resume loses nothing
                     p.scores, p.student_ids = score_stage(run, p.batch, p.diag_M, p.task)
