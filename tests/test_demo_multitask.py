@@ -150,3 +150,29 @@ def test_quick_multitask_experiment(models, tmp_path):
     for p in res["plots"]:
         assert (tmp_path / "multitask" / p).is_file()
     assert "--tasks" in (tmp_path / "multitask" / "commands.txt").read_text()
+
+
+@pytest.mark.slow
+def test_quick_multitask_tail_experiment(models, tmp_path):
+    from opd.experiments import run
+    from opd.experiments.stats import INCONCLUSIVE
+    from opd.experiments.tail import SINGLE_TASK, STUDENT, VARIANTS
+    from opd.recipes.multitask import GAME_LR, LR
+
+    _, assets, _ = models
+    shutil.copytree(assets, tmp_path / "multitask-tail" / "quick-models")
+    res = run("multitask-tail", tmp_path, seeds=1, quick=True, show_progress=False, workers=2)
+    assert len(res["claims"]) == 8  # (e) x2, (f) x2, (g), masking x2, (h)
+    assert all(c["verdict"] == INCONCLUSIVE for c in res["claims"])  # one seed decides nothing
+    two, single, formats = res["tables"][:3]
+    assert [r[0] for r in two["rows"]] == [STUDENT, *VARIANTS]
+    assert all(cell != "-" for r in two["rows"] for cell in r[1:])  # every run on both tasks, the student too
+    assert [r[0] for r in single["rows"]] == list(SINGLE_TASK)
+    assert [r[0] for r in formats["rows"]] == list(VARIANTS)
+    for variant in VARIANTS:
+        config = json.loads((tmp_path / "multitask-tail" / "runs" / variant / "seed0" / "config.json").read_text())
+        assert config["tail"] == ("tail" in variant) and config["lr"] == LR
+        assert {t["name"]: t.get("lr") for t in config["tasks"]} == {MATH: None, GAME: GAME_LR}  # the game's own
+        assert config["mask_special"] == (variant in ("lsm", "lsm-tail"))
+    for p in res["plots"]:
+        assert (tmp_path / "multitask-tail" / p).is_file()

@@ -3,6 +3,7 @@ metrics and evaluation, resume and 2 ranks, and the config's errors. Tiny random
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -382,3 +383,24 @@ def test_special_token_masking_is_set_per_task(tiny_models, tiny_tokenizer, tmp_
         want = set(wrote) - set(special) if r["task"] == "masked" else set(wrote)
         assert {i for i, m in enumerate(r["loss_mask"]) if m} == want, r["task"]
     assert seen["masked"] > 0 and seen["kept"] > 0
+
+
+def test_a_task_may_set_its_own_lr_in_alternate_mode(tiny_models, teacher2, tmp_path):
+    """Each step takes its task's lr (times the schedule); the step's gradient is the same, so the
+    weights move by the task's share of the update; mix mode refuses a task's lr."""
+    tasks = [{"name": "a"}, {"name": "b", "task_level": 3, "teacher": str(teacher2), "lr": 2.5e-3}]
+    cfg = mt_cfg(tiny_models, tmp_path / "run", tasks, lr=1e-3, warmup_steps=0, steps=4, ckpt_every=0, eval_every=0)
+    train_mod.train(cfg, show_progress=False)
+    lrs = {("a" if "a/train/loss" in r else "b"): r["train/lr"] for r in step_records(tmp_path / "run")}
+    assert lrs == {"a": pytest.approx(1e-3), "b": pytest.approx(2.5e-3)}
+    # the same run with the global lr: the first step (task a's) is identical, the second (b's) is not
+    cfg2 = mt_cfg(
+        tiny_models, tmp_path / "same", [tasks[0], {**tasks[1], "lr": 1e-3}], lr=1e-3, warmup_steps=0, steps=4
+    )
+    train_mod.train(dataclasses.replace(cfg2, ckpt_every=0, eval_every=0), show_progress=False)
+    got, want = step_records(tmp_path / "run"), step_records(tmp_path / "same")
+    assert got[0]["train/loss"] == pytest.approx(want[0]["train/loss"], rel=1e-6)
+    assert got[1]["train/loss"] == pytest.approx(want[1]["train/loss"], rel=1e-6)  # b's first loss: before its update
+    assert got[2]["train/loss"] != pytest.approx(want[2]["train/loss"], rel=1e-6)  # after b's larger step
+    with pytest.raises(ConfigError, match=r"task 'b': its own lr needs --task-mode alternate"):
+        resolve_tasks(mt_cfg(tiny_models, tmp_path / "mix", tasks, task_mode="mix"))

@@ -218,7 +218,12 @@ class TrainConfig(EnvSource, TrainingSource):
     )
     gamma: float = opt(0.0, "Discount of the sampled-token reward-to-go: 0 token level, 1 sequence level.")
     kl_direction: str = opt("reverse", "Direction of full_kl: reverse (KL(student||teacher)) or forward.")
-    mask_special: bool | None = opt(None, "Mask special tokens from the loss (default: on for lsm, off otherwise).")
+    mask_special: bool | None = opt(
+        None,
+        "Leave positions whose sampled token is special (--special-tokens) out of the loss (default: on for "
+        "lsm, off otherwise; settable per task). With teacher top-K LSM this also leaves a format token the "
+        "teacher never ranks uncorrected; --tail corrects it at the positions before it is written.",
+    )
     special_tokens: list = opt(list(DEFAULT_SPECIAL_TOKENS), "Tokens masked when mask_special is on.")
     steps: int = opt(200, "Number of rollout batches (training steps).")
     batch_size: int = opt(

@@ -56,6 +56,7 @@ PER_TASK = (
     "cross_pairing",
     "teacher_special_map",
     "mask_special",  # per task: a teacher's special-token conventions belong to it
+    "lr",  # per task in alternate mode: tasks differ in how large a step they take without breaking
     *_SOURCE,
     "temperature",
     "top_p",
@@ -151,6 +152,11 @@ def _overrides(entry: dict, cfg, mode: str, share: float) -> dict:
         if key not in allowed:
             where = "is a global setting: set it at the top level" if hasattr(cfg, key) else "is not a setting"
             raise ConfigError(f"task {name!r}: {key!r} {where}; a task may set {', '.join(allowed)}")
+    if "lr" in given and mode == "mix" and _is_opd(cfg):
+        raise ConfigError(
+            f"task {name!r}: its own lr needs --task-mode alternate (a mix step is one optimizer step over "
+            "every task); set lr at the top level, or use alternate"
+        )
     out = coerce_numbers(type(cfg), dict(given))
     if _is_opd(cfg) and ("teacher" in given or "teacher_url" in given):
         out.setdefault("teacher", "")

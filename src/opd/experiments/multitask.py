@@ -3,8 +3,8 @@
 From the multi-task demo's models (:mod:`opd.recipes.multitask`: a math teacher and the agentic
 demo's game teacher on one shared tokenizer, and a student that knows a little of both), with
 the same seeds, the demo's two-task runs (math and game steps alternating, two math steps per
-game step) at lr 3e-4 (the demo's rate when these results were measured; it is 1e-4 since
-``opd experiment multitask-tail``) with four objectives: sampled-token OPD, LSM without
+game step) with both tasks at lr 3e-4 (the demo's rate when these results were measured; its game
+steps take 1e-4 since ``opd experiment multitask-tail``) with four objectives: sampled-token OPD, LSM without
 special-token masking, LSM with it, and LSM with the student's top-K as the support. Beside them,
 single-task runs of the same
 budget from the same student: the number of steps and the batch that task gets in a two-task run,
@@ -76,12 +76,13 @@ def plan(s: Settings) -> list[RunSpec]:
     for seed in range(s.seeds):
         for variant, change in VARIANTS.items():
             name = run_name(variant, seed)
-            cfg = opd_config(root, s.run_dir(name), steps, s.quick, seed, lr=MEASURED_LR, **change)
+            cfg = opd_config(root, s.run_dir(name), steps, s.quick, seed, lr=MEASURED_LR, game_lr=MEASURED_LR, **change)
             specs.append(RunSpec(name, "train", cfg, needs=models))
         for variant, (task, change) in SINGLE.items():
             name = run_name(variant, seed)
             budget = task_steps(steps, task)
-            cfg = opd_config(root, s.run_dir(name), budget, s.quick, seed, only=(task,), lr=MEASURED_LR, **change)
+            lrs = dict(lr=MEASURED_LR, game_lr=MEASURED_LR)
+            cfg = opd_config(root, s.run_dir(name), budget, s.quick, seed, only=(task,), **lrs, **change)
             specs.append(RunSpec(name, "train", cfg, needs=models))
     return specs
 

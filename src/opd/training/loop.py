@@ -367,6 +367,9 @@ def update_stage(run: Run, step: int, parts: list[StepPart]) -> list[StepUpdate]
         norm = torch.nn.utils.clip_grad_norm_(run.dist.model.parameters(), cfg.max_grad_norm or float("inf"))
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
         check_finite(run, step, loss=loss_value, gradient_norm=norm)
+        scale = task_lr_scale(run, parts)
+        for group in run.optimizer.param_groups:  # the scheduler's next step resets it from the base lr
+            group["lr"] *= scale
         run.optimizer.step()
         run.scheduler.step()
         if first is None:
@@ -376,8 +379,13 @@ def update_stage(run: Run, step: int, parts: list[StepPart]) -> list[StepUpdate]
                 for p, ls, hs in zip(parts, loss_rows, hidden_rows, strict=True)
             ]
     for u in first:
-        u.lr = run.scheduler.get_last_lr()[0]
+        u.lr = run.scheduler.get_last_lr()[0] * scale
     return first
+
+
+def task_lr_scale(run: Run, parts: list[StepPart]) -> float:
+    """The step's task lr over the run's (1 but for an alternate-mode step whose task sets its own lr)."""
+    return parts[0].task.cfg.lr / run.cfg.lr if len(parts) == 1 else 1.0
 
 
 def _first_update(p: StepPart, loss_NT, h_all, loss: float, norm: float, clipped: bool, log_rollouts: int):
