@@ -442,7 +442,7 @@ def test_results_md_names_a_corrupt_results_file(tmp_path):
 
 def test_multitask_format_shares_read_the_game_steps_logged_format_rate(tmp_path):
     from opd.experiments.core import Settings
-    from opd.experiments.multitask import WINDOW, _format_shares
+    from opd.experiments.multitask import WINDOW, format_shares
 
     s = Settings(tmp_path, seeds=1, quick=False)
     run = s.run_dir("lsm/seed0")
@@ -457,7 +457,7 @@ def test_multitask_format_shares_read_the_game_steps_logged_format_rate(tmp_path
     metrics.insert(2, {"step": 5, "math/rollout/format_token_rate": 1.0, "math/diag/out_of_support": 0.9})
     metrics.append({"step": 19, "eval/alfworld/accuracy": 0.2})  # an eval record holds neither
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
-    start, end, out_of_support = _format_shares(s, "lsm/seed0")
+    start, end, out_of_support = format_shares(s, "lsm/seed0")
     assert WINDOW == 3
     assert start == pytest.approx((0.1 + 0.0 + 0.05) / 3) and end == pytest.approx((0.3 + 0.2 + 0.4) / 3)
     assert out_of_support == pytest.approx((0.04 + 0.05 + 0.09) / 3)

@@ -103,7 +103,7 @@ def test_each_task_walks_its_own_prompt_order(tiny_models, teacher2, tmp_path):
         ([{"name": "a"}, {"name": "a"}], {}, "task 'a' is listed twice"),
         ([{"name": "a", "share": 0}], {}, "task 'a': share=0 must be a positive"),
         ([{"name": "a", "share": -1}], {}, "share=-1"),
-        ([{"name": "a", "lr": 0.1}], {}, "task 'a': 'lr' is a global setting"),
+        ([{"name": "a", "k": 4}], {}, "task 'a': 'k' is a global setting"),
         ([{"name": "a", "objective": "sampled"}], {}, "task 'a': 'objective' is a global setting"),
         ([{"name": "a", "colour": 1}], {}, "task 'a': 'colour' is not a setting"),
         ([{"name": "a", "top_p": 2.0}], {}, "task 'a': top_p=2.0"),
