@@ -17,12 +17,16 @@ cloning are :mod:`opd.training.cloning`.
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import yaml
 
 from opd.envs import Environment, Game, get_env
+from opd.envs.workers import AUTO_WORKERS, EnvWorkers
 from opd.errors import UserError
 from opd.rollout.episodes import EpisodeRecord
 from opd.rollout.prompts import batch_indices
@@ -44,13 +48,47 @@ def parse_env_args(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def make_env(name: str, level: int, env_args: list[str]) -> Environment:
-    """The environment ``name`` at ``level``, with ``--env-args`` passed through to its constructor."""
+def make_env(
+    name: str, level: int, env_args: list[str], workers: int | None = 0, step_timeout: float = 60.0
+) -> Environment:
+    """The environment ``name`` at ``level``, with ``--env-args`` passed through to its constructor;
+    its episodes' games in ``workers`` processes (:class:`opd.envs.workers.EnvWorkers`; 0: in this
+    process; None: :func:`auto_workers`, and in this process if the environment cannot go to one)."""
     kwargs = {"level": level, **parse_env_args(env_args)}
     try:
-        return get_env(name, **kwargs)
+        env = get_env(name, **kwargs)
     except TypeError as err:  # an argument the environment's constructor does not take
         raise UserError(f"environment {name!r} does not accept these arguments ({err}); fix --env-args") from None
+    return in_workers(env, workers, step_timeout)
+
+
+def play_env(cfg) -> Environment:
+    """The environment of a config's ``--env`` options (an EnvSource), its games where ``--env-workers`` says."""
+    return make_env(cfg.env, cfg.env_level, cfg.env_args, cfg.env_workers, cfg.env_step_timeout)
+
+
+def in_workers(env: Environment, workers: int | None, step_timeout: float = 60.0) -> Environment:
+    """``env`` with its games in ``workers`` processes (0: ``env`` itself; None: :func:`auto_workers`)."""
+    n = auto_workers() if workers is None else workers
+    if n == 0:
+        return env
+    try:
+        return EnvWorkers(env, n, step_timeout)
+    except UserError as err:
+        if workers is not None:
+            raise
+        # an unset --env-workers never stops a run: the games play here, as they always could
+        print(f"opd: playing {env.name}'s games in this process: {err}", file=sys.stderr)
+        return env
+
+
+def auto_workers() -> int:
+    """What an unset ``--env-workers`` starts: one per CPU thread this process has (torch's count,
+    which torchrun sets to one per rank and opd's side-by-side runs share out), at most
+    ``AUTO_WORKERS``; none on a one-core machine, where a worker could only take turns with the trainer."""
+    if (os.cpu_count() or 1) < 2:
+        return 0
+    return max(1, min(AUTO_WORKERS, torch.get_num_threads()))
 
 
 @dataclass
