@@ -71,13 +71,16 @@ START_METHOD = "spawn"
 class Sessions(Protocol):
     """The game sessions of one batch of episodes, keyed by the episode's index in the batch.
 
-    ``open`` and ``step`` start a call; :meth:`results` waits for every call started since the
-    last and returns each episode's answer: the first observation (open), the admissible commands
-    and the :class:`~opd.envs.base.StepResult` (step), or the ``EnvError`` that ended it."""
+    ``open`` and ``step`` ask for a call, :meth:`send` starts those asked for so far (one message
+    per worker, not one per game), and :meth:`results` waits for every call since the last and
+    returns each episode's answer: the first observation (open), the admissible commands and the
+    :class:`~opd.envs.base.StepResult` (step), or the ``EnvError`` that ended it."""
 
     def open(self, i: int, game: Game) -> None: ...
 
     def step(self, i: int, action: str) -> None: ...
+
+    def send(self) -> None: ...
 
     def results(self) -> dict[int, Any]: ...
 
@@ -111,6 +114,9 @@ class InProcess:
         except EnvError as err:
             self.answers[i] = err
 
+    def send(self) -> None:
+        return None  # every call ran when it was asked for
+
     def results(self) -> dict[int, Any]:
         out, self.answers = self.answers, {}
         return out
@@ -137,24 +143,42 @@ def _load(blob: bytes) -> int:
     return os.getpid()
 
 
-def _open(game: Game) -> tuple[int, str]:
-    session = _ENV.open(game)
+def _opened(game: Game) -> tuple[int, str] | EnvError:
+    try:
+        session = _ENV.open(game)
+    except EnvError as err:
+        return err
     try:
         first = session.reset()
-    except BaseException:
+    except BaseException as err:
         try:
             session.close()
         except EnvError:
             pass
+        if isinstance(err, EnvError):
+            return err
         raise
     sid = next(_IDS)
     _SESSIONS[sid] = session
     return sid, first
 
 
-def _step(sid: int, action: str) -> tuple[list[str] | None, Any]:
+def _stepped(sid: int, action: str) -> tuple[list[str] | None, Any] | EnvError:
     session = _SESSIONS[sid]
-    return session.admissible_commands(), session.step(action)
+    try:
+        return session.admissible_commands(), session.step(action)
+    except EnvError as err:
+        return err
+
+
+def _open_all(games: list[Game]) -> list:
+    """Each game's (session id, first observation), or the EnvError that stopped it: one game's
+    failure is its own episode's, not the others' in the same message."""
+    return [_opened(g) for g in games]
+
+
+def _step_all(steps: list[tuple[int, str]]) -> list:
+    return [_stepped(sid, action) for sid, action in steps]
 
 
 def _close(sids: list[int]) -> None:
@@ -226,7 +250,11 @@ class _Worker:
 
 @dataclass
 class _Call:
+    """One message to a worker: the calls of ``episodes`` (opens or steps), answered together."""
+
     worker: _Worker
+    kind: str
+    episodes: list[int]
     future: Future
     sent: float
     answered: float = 0.0
@@ -302,89 +330,93 @@ class _WorkerSessions:
     def __init__(self, pool: EnvWorkers):
         self.pool = pool
         self.held: dict[int, tuple[_Worker, int, int]] = {}  # episode -> (worker, its generation, session id)
-        self.calls: dict[int, tuple[str, _Call]] = {}
+        self.asked: dict[tuple[_Worker, str], list[tuple[int, Any]]] = {}  # not sent yet: (episode, argument)
+        self.calls: list[_Call] = []
         self.answers: dict[int, Any] = {}
-
-    def _send(self, i: int, kind: str, worker: _Worker, fn: Callable, *args: Any) -> None:
-        call = _Call(worker, worker.submit(fn, *args), time.monotonic())
-        call.future.add_done_callback(lambda _f, c=call: setattr(c, "answered", time.monotonic()))
-        self.calls[i] = (kind, call)
 
     def open(self, i: int, game: Game) -> None:
         worker = self.pool.workers[i % len(self.pool.workers)]
-        self._send(i, "open", worker, _open, game)
+        self.asked.setdefault((worker, "open"), []).append((i, game))
 
     def step(self, i: int, action: str) -> None:
         worker, generation, sid = self.held[i]
         if worker.generation != generation or worker.dead:
             self.answers[i] = EnvError(f"env worker {worker.index} died; this episode's game was in it")
             return
-        self._send(i, "step", worker, _step, sid, action)
+        self.asked.setdefault((worker, "step"), []).append((i, (sid, action)))
+
+    def send(self) -> None:
+        for (worker, kind), asked in self.asked.items():
+            fn = _open_all if kind == "open" else _step_all
+            call = _Call(
+                worker, kind, [i for i, _ in asked], worker.submit(fn, [x for _, x in asked]), time.monotonic()
+            )
+            call.future.add_done_callback(lambda _f, c=call: setattr(c, "answered", time.monotonic()))
+            self.calls.append(call)
+        self.asked = {}
 
     def results(self) -> dict[int, Any]:
+        self.send()
         hung = self._wait()
-        for i, (kind, call) in self.calls.items():
-            self.answers[i] = self._answer(i, kind, call, i in hung)
-        self.calls = {}
+        for call in self.calls:
+            self._answer(call, call in hung)
+        self.calls = []
         out, self.answers = self.answers, {}
         return out
 
-    def _wait(self) -> set[int]:
-        """Wait for every call; kill the worker of a call that runs past the limit. Returns the
-        episodes whose call hung. A worker runs its calls in order: a call's time starts when it
-        was sent or when the worker answered the call before it, whichever is later."""
-        limit = self.pool.step_timeout
-        hung: set[int] = set()
+    def _wait(self) -> list[_Call]:
+        """Wait for every call; kill the worker of a call that runs past the limit (per game in
+        it). Returns the calls that hung. A worker answers its calls in order: a call's time starts
+        when it was sent or when the worker answered the call before it, whichever is later."""
+        limit, hung = self.pool.step_timeout, []
         while True:
-            pending = [c.future for _, c in self.calls.values() if not c.future.done()]
+            pending = [c.future for c in self.calls if not c.future.done()]
             if not pending:
                 return hung
             if not limit:
                 wait(pending)
                 continue
             now, next_deadline = time.monotonic(), float("inf")
-            for worker in self.pool.workers:
-                if worker.dead:  # killed: its calls fail as the executor notices
+            before: dict[_Worker, float] = {}
+            for call in self.calls:  # in the order they were sent
+                if call.worker.dead or call.worker in before and before[call.worker] < 0:
+                    continue  # killed (its calls fail as the executor notices), or behind an unanswered call
+                if call.future.done():
+                    before[call.worker] = call.answered
                     continue
-                mine = [(i, c) for i, (_, c) in self.calls.items() if c.worker is worker]
-                before = 0.0
-                for i, call in mine:  # in the order they were sent
-                    if call.future.done():
-                        before = call.answered
-                        continue
-                    deadline = max(call.sent, before) + limit
-                    if deadline <= now:
-                        hung.add(i)
-                        worker.kill(hung=True)
-                    else:
-                        next_deadline = min(next_deadline, deadline)
-                    break
+                deadline = max(call.sent, before.get(call.worker, 0.0)) + limit * len(call.episodes)
+                before[call.worker] = -1.0
+                if deadline <= now:
+                    hung.append(call)
+                    call.worker.kill(hung=True)
+                else:
+                    next_deadline = min(next_deadline, deadline)
             timeout = None if next_deadline == float("inf") else max(0.0, next_deadline - time.monotonic())
             wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
 
-    def _answer(self, i: int, kind: str, call: _Call, hung: bool) -> Any:
+    def _answer(self, call: _Call, hung: bool) -> None:
         err = call.future.exception()
-        if isinstance(err, BrokenProcessPool):
-            call.worker.dead = True
-            if hung:
-                return EnvError(
-                    f"the game did not answer within env_step_timeout={self.pool.step_timeout:g} s; its worker "
-                    f"({call.worker.index}) was stopped and is replaced"
-                )
-            if call.worker.hung:
-                return EnvError(
-                    f"env worker {call.worker.index} was stopped: another game on it did not answer in time"
-                )
-            return EnvError(f"env worker {call.worker.index} died (killed, or crashed in the game's engine)")
-        if err is not None and not isinstance(err, EnvError):
+        if err is not None and not isinstance(err, BrokenProcessPool):
             raise err  # a bug in the game's code stops the run, as it does in-process
+        worker = call.worker
         if err is not None:
-            return err
-        if kind == "open":
-            sid, first = call.future.result()
-            self.held[i] = (call.worker, call.worker.generation, sid)
-            return first
-        return call.future.result()
+            worker.dead = True
+            if hung:
+                why = (
+                    f"no answer within env_step_timeout={self.pool.step_timeout:g} s (from this game or another sent "
+                    f"to env worker {worker.index} with it); the worker was stopped and is replaced"
+                )
+            elif worker.hung:
+                why = f"env worker {worker.index} was stopped: another game on it did not answer in time"
+            else:
+                why = f"env worker {worker.index} died (killed, or crashed in the game's engine)"
+            self.answers.update({i: EnvError(why) for i in call.episodes})
+            return
+        for i, answer in zip(call.episodes, call.future.result(), strict=True):
+            if call.kind == "open" and not isinstance(answer, EnvError):
+                sid, answer = answer
+                self.held[i] = (worker, worker.generation, sid)
+            self.answers[i] = answer
 
     def close(self) -> None:
         by_worker: dict[_Worker, list[int]] = {}

@@ -338,11 +338,13 @@ class EpisodeRollout:
         self._keep(state, episodes)
         sent: dict[int, bool] = {}  # this turn's episodes whose action went to their game: {episode: ended with EOS}
 
-        def turn_written(i: int, ids_i: list[int], lps_i: list[float], eos: bool) -> None:
-            # sent to the game at once: it steps while the other rows are still writing
-            if self._played(episodes[i], ids_i, lps_i, eos, budget):
-                games_of.step(i, episodes[i].record.actions[-1])
-                sent[i] = eos
+        def turn_written(done: list[tuple[int, list[int], list[float], bool]]) -> None:
+            # sent to the games at once: they step while the other rows are still writing
+            for i, ids_i, lps_i, eos in done:
+                if self._played(episodes[i], ids_i, lps_i, eos, budget):
+                    games_of.step(i, episodes[i].record.actions[-1])
+                    sent[i] = eos
+            games_of.send()
 
         for _ in range(max_turns):
             if not any(e.playing for e in episodes):
@@ -370,8 +372,8 @@ class EpisodeRollout:
 
     def _act(self, state: _Cache, episodes, u_NB, budget: int, max_action_tokens: int, sampling, written) -> None:
         """One turn of every playing episode: sample until each writes EOS or reaches its cap.
-        ``written(episode, token ids, their log-probs, ended with EOS)`` is called for each row as
-        soon as its turn is over, while the others may still be writing."""
+        ``written([(episode, token ids, their log-probs, ended with EOS), ...])`` is called with the
+        rows whose turn is over as soon as it is, while the others may still be writing."""
         temperature, top_p, greedy = sampling
         dev, rows = state.rows_R.device, state.rows_R.tolist()
         playing = [episodes[i].playing for i in rows]
@@ -391,9 +393,8 @@ class EpisodeRollout:
                 return
             ns, eos = n_R[rows_done].tolist(), eos_R[rows_done].tolist()
             ids, lps = ids_RA[rows_done].tolist(), lps_RA[rows_done].tolist()
-            for j, r in enumerate(rows_done):
-                written(rows[r], ids[j][: ns[j]], lps[j][: ns[j]], eos[j])
-                unreported.discard(r)
+            written([(rows[r], ids[j][: ns[j]], lps[j][: ns[j]], eos[j]) for j, r in enumerate(rows_done)])
+            unreported.difference_update(rows_done)
 
         report([r for r in sorted(unreported) if not bool(writing_R[r])])  # no room left to write
         for t in range(max_action_tokens):
