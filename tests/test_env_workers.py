@@ -9,6 +9,7 @@ process imports quickly. The reference is always the same batch played in this p
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 import time
 
@@ -23,11 +24,11 @@ from opd.config import TrainConfig
 from opd.config.fields import ConfigError
 from opd.envs import EnvError
 from opd.envs.toy import ToyEnv, ToySession
-from opd.envs.workers import EnvWorkers, InProcess, sessions
+from opd.envs.workers import AUTO_WORKERS, EnvWorkers, InProcess, sessions
 from opd.errors import UserError
 from opd.models.loading import load_model, load_tokenizer
 from opd.rollout.episodes import EpisodeRollout
-from opd.rollout.games import episode_metrics, in_workers, make_env
+from opd.rollout.games import auto_workers, episode_metrics, in_workers, make_env
 
 DEMO = pathlib.Path(opd.__file__).parent / "assets" / "demo"
 PLAY = dict(max_new_tokens=360, max_action_tokens=24, temperature=1.0, top_p=1.0)
@@ -150,9 +151,23 @@ def test_an_environment_that_cannot_go_to_a_worker_is_refused_or_kept_here():
     env.open = lambda game: ToySession(0)  # a lambda does not pickle
     with pytest.raises(UserError, match="cannot be sent to worker processes.*--env-workers 0"):
         EnvWorkers(env, 1)
-    assert in_workers(env, None) is env  # unset --env-workers: the games stay in this process
+    assert in_workers(env, 2, required=False) is env  # unset --env-workers: the games stay in this process
     with pytest.raises(
         UserError, match="env worker 0 could not start .*opd_engine_that_is_not_installed.*--env-workers 0"
     ):
         EnvWorkers(NoEngine(), 1)
-    assert isinstance(make_env("toy", 1, [], workers=0), ToyEnv)
+    assert isinstance(in_workers(make_env("toy", 1, []), 0), ToyEnv)
+
+
+def test_unset_env_workers_use_the_cores_the_trainer_leaves_free(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert auto_workers(torch.device("cpu")) == 12  # the model's 4 threads keep their cores
+    assert auto_workers(torch.device("cuda")) == 15  # the trainer drives the GPU from one core
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert auto_workers(torch.device("cuda")) == 1  # 2 cores a rank
+    assert auto_workers(torch.device("cpu")) == 0  # the model's threads already hold them
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert auto_workers(torch.device("cuda")) == AUTO_WORKERS

@@ -118,8 +118,9 @@ class EnvSource:
     env_workers: int | None = opt(
         None,
         "Processes that run the games of --env: episodes' games step there, several at once, while this "
-        "process generates (results do not depend on it). 0: in this process. Unset: one per CPU thread this "
-        f"process has (torch's; torchrun gives each rank one), at most {AUTO_WORKERS}, none on a one-core machine.",
+        "process generates (results do not depend on it). 0: in this process. Unset: one per CPU core the "
+        "trainer leaves free (its torch threads when the model is on the CPU, one core on a GPU; the cores "
+        f"shared among torchrun's ranks on the machine), at most {AUTO_WORKERS}.",
     )
     env_step_timeout: float = opt(
         60.0,
@@ -143,7 +144,7 @@ class EnvSource:
         require(
             self.env_workers is None or 0 <= self.env_workers <= MAX_WORKERS,
             f"env_workers={self.env_workers}: use 0 (games in this process) to {MAX_WORKERS} worker processes, "
-            "or leave it unset for one per CPU thread",
+            "or leave it unset for one per free CPU core",
         )
         require(self.env_step_timeout >= 0, f"env_step_timeout={self.env_step_timeout} must be >= 0 (0: no limit)")
 
