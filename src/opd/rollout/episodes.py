@@ -42,6 +42,12 @@ The KV cache is never re-encoded: a turn's sampled tokens are fed as they are dr
 turn is over wait with attention 0), and the replies of all episodes still playing go in one
 forward, left-padded to the longest with per-row positions. Episodes that end leave the batch
 (their cache rows are dropped) where the cache allows it (:func:`opd.rollout.sampling._can_drop_rows`).
+
+The games run where the environment says (:func:`opd.envs.workers.sessions`): in this process,
+or in worker processes for an :class:`opd.envs.workers.EnvWorkers` (``--env-workers``). Either
+way an action goes to its game as soon as its row's turn ends, so the games step while the other
+rows still write; the turn's replies are fed together once every game has answered, which keeps
+each forward pass's rows, and so the results, the same whatever the games' timing.
 """
 
 from __future__ import annotations
