@@ -22,7 +22,7 @@ import opd
 from opd.cli import app
 from opd.config import TrainConfig
 from opd.config.fields import ConfigError
-from opd.envs import EnvError
+from opd.envs import EnvError, get_env
 from opd.envs.toy import ToyEnv, ToySession
 from opd.envs.workers import AUTO_WORKERS, EnvWorkers, InProcess, sessions
 from opd.errors import UserError
@@ -171,3 +171,30 @@ def test_unset_env_workers_use_the_cores_the_trainer_leaves_free(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     assert auto_workers(torch.device("cuda")) == AUTO_WORKERS
+
+
+def test_alfworld_games_answer_alike_in_a_worker(tmp_path):
+    """ALFWorld's environment goes to a worker (it pickles without its lock), and the worker's
+    sessions answer the batch's opens and steps as this process's do, rejected commands included."""
+    env = get_env("alfworld", level=1, num_train=3, games_dir=tmp_path, generated=True)
+    games = env.games("train")
+    commands = ["look", "go to nowhere 7", "inventory", "examine sidetable 1"]
+
+    def transcript(where) -> list:
+        batch, out = sessions(where), []
+        for i, game in enumerate(games):
+            batch.open(i, game)
+        batch.send()
+        out.append(batch.results())
+        for command in commands:
+            for i in range(len(games)):
+                batch.step(i, command)
+            batch.send()
+            out.append(batch.results())
+        batch.close()
+        return out
+
+    want = transcript(env)
+    with EnvWorkers(env, 2) as pool:
+        assert transcript(pool) == want
+    assert len(want[0]) == 3 and all(isinstance(a, str) and "Your task is to" in a for a in want[0].values())
