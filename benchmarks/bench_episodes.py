@@ -22,7 +22,9 @@ timed (engines import, games load and opd's ALFWorld caches warm in every proces
 in a training run after its first steps; a worker's start is reported apart). The model gets
 ``--threads`` torch threads (default 1: OpenMP threads collapse when the cores are also running
 games). "game s" is the time the kv row spent inside the game's calls (open, reset, step,
-admissible commands), measured in this process; "model s" the rest of its wall time.
+admissible commands), measured in this process; "model s" the rest of its wall time. "trainer
+CPU s" is the CPU time of the trainer's process (all its threads, not the workers'): what the
+games leave on its critical path, whatever the load.
 
 From those per-step costs the script projects the games' share of one OPD step of 128 episodes
 on a 16-core GPU host (in this process vs 16 workers), written down as a projection, not a
@@ -114,11 +116,12 @@ class _TimedSession:
         return timed
 
 
-def play(engine, env, games, record: bool = False) -> tuple[float, list]:
-    t = time.perf_counter()
+def play(engine, env, games, record: bool = False) -> tuple[float, float, list]:
+    """Wall time, this process's CPU time (all its threads, not the workers') and the records."""
+    t, cpu = time.perf_counter(), time.process_time()
     eps = engine.play(env, games, list(range(len(games))), top_p=TOP_P, **LIMITS)
-    wall = time.perf_counter() - t
-    return wall, [dataclasses.asdict(r) for r in eps.records] if record else eps.records
+    wall, cpu = time.perf_counter() - t, time.process_time() - cpu
+    return wall, cpu, [dataclasses.asdict(r) for r in eps.records] if record else eps.records
 
 
 def run_batch(model, tok, env, batch: int, workers: list[int], rounds: int) -> dict:
@@ -135,19 +138,20 @@ def run_batch(model, tok, env, batch: int, workers: list[int], rounds: int) -> d
         started[w] = time.perf_counter() - t
     rows = {"kv": (kv, timed), "re-encode": (reencode, env)}
     rows.update({f"kv, {w} worker{'s' if w > 1 else ''}": (kv, pools[w]) for w in workers})
-    walls = {name: [] for name in rows}
+    walls, cpus = {name: [] for name in rows}, {name: [] for name in rows}
     loads, game_s, steps = {name: [] for name in rows}, [], 0
-    reference = play(kv, env, games, record=True)[1]
+    reference = play(kv, env, games, record=True)[2]
     same = {}
     for r in range(rounds + 1):
         for name, (engine, where) in rows.items():
             before = os.getloadavg()
             timed.seconds, timed.steps = 0.0, 0
-            wall, records = play(engine, where, games, record=True)
+            wall, cpu, records = play(engine, where, games, record=True)
             if r == 0:
                 same[name] = sum(a == b for a, b in zip(records, reference, strict=True))
                 continue
             walls[name].append(wall)
+            cpus[name].append(cpu)
             loads[name].append([before, os.getloadavg()])
             if name == "kv":
                 game_s.append(timed.seconds)
@@ -172,6 +176,7 @@ def run_batch(model, tok, env, batch: int, workers: list[int], rounds: int) -> d
             "wall_s": wall,
             "walls": walls[name],
             "episodes_per_s": batch / wall,
+            "trainer_cpu_s": statistics.median(cpus[name]),
             "vs_kv_in_process": base / wall,
             "same_transcripts": f"{same[name]}/{batch}",
             "loadavg_before_after": loads[name],
@@ -204,8 +209,8 @@ def projection(result: dict) -> dict:
 
 def markdown(result: dict) -> str:
     lines = [
-        "| batch | row | s per batch (median) | episodes/s | vs kv in-process | same transcripts | load1 before-after |",
-        "|---:|---|---:|---:|---:|---:|---|",
+        "| batch | row | s per batch (median) | episodes/s | vs kv in-process | trainer CPU s | same transcripts | load1 before-after |",
+        "|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     for b in result["batches"]:
         for name, row in b["rows"].items():
@@ -213,7 +218,7 @@ def markdown(result: dict) -> str:
             span = f"{min(x[0][0] for x in load):.1f}-{max(x[1][0] for x in load):.1f}"
             lines.append(
                 f"| {b['batch']} | {name} | {row['wall_s']:.2f} | {row['episodes_per_s']:.2f} | "
-                f"{row['vs_kv_in_process']:.2f}x | {row['same_transcripts']} | {span} |"
+                f"{row['vs_kv_in_process']:.2f}x | {row['trainer_cpu_s']:.2f} | {row['same_transcripts']} | {span} |"
             )
     lines += [
         "",
