@@ -28,7 +28,7 @@ from opd.envs.workers import AUTO_WORKERS, EnvWorkers, InProcess, sessions
 from opd.errors import UserError
 from opd.models.loading import load_model, load_tokenizer
 from opd.rollout.episodes import EpisodeRollout
-from opd.rollout.games import auto_workers, episode_metrics, in_workers, make_env
+from opd.rollout.games import CPU_SHARE_ENV, auto_workers, episode_metrics, in_workers, make_env
 
 DEMO = pathlib.Path(opd.__file__).parent / "assets" / "demo"
 PLAY = dict(max_new_tokens=360, max_action_tokens=24, temperature=1.0, top_p=1.0)
@@ -163,6 +163,7 @@ def test_unset_env_workers_use_the_cores_the_trainer_leaves_free(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv(CPU_SHARE_ENV, raising=False)
     assert auto_workers(torch.device("cpu")) == 12  # the model's 4 threads keep their cores
     assert auto_workers(torch.device("cuda")) == 15  # the trainer drives the GPU from one core
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
@@ -171,6 +172,23 @@ def test_unset_env_workers_use_the_cores_the_trainer_leaves_free(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     assert auto_workers(torch.device("cuda")) == AUTO_WORKERS
+    # one of several runs side by side: only its share of the cores counts
+    monkeypatch.setenv(CPU_SHARE_ENV, "4")
+    assert auto_workers(torch.device("cpu")) == 0 and auto_workers(torch.device("cuda")) == 3
+    monkeypatch.setenv(CPU_SHARE_ENV, "")  # unset: the whole machine again
+    assert auto_workers(torch.device("cuda")) == AUTO_WORKERS
+
+
+def test_side_by_side_runs_count_only_their_share_of_the_cores(monkeypatch):
+    from opd.recipes.parallel import with_threads
+
+    monkeypatch.delenv(CPU_SHARE_ENV, raising=False)
+    threads = torch.get_num_threads()
+    try:
+        assert with_threads(1, lambda: (os.environ[CPU_SHARE_ENV], torch.get_num_threads())) == ("1", 1)
+    finally:
+        torch.set_num_threads(threads)
+        os.environ.pop(CPU_SHARE_ENV, None)
 
 
 def test_alfworld_games_answer_alike_in_a_worker(tmp_path):

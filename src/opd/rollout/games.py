@@ -79,6 +79,12 @@ def in_workers(env: Environment, workers: int, step_timeout: float = 60.0, requi
         return env
 
 
+# Set by opd's side-by-side runs (the demos' objectives, `opd experiment --workers`) in each run's
+# process: the cores that run may count as its own, so that two runs do not each start workers on
+# the cores the other one fills.
+CPU_SHARE_ENV = "OPD_CPU_SHARE"
+
+
 def auto_workers(device: torch.device) -> int:
     """What an unset ``--env-workers`` starts: a worker per CPU core that the trainer leaves free
     (its torch threads when the model computes on the CPU, one core otherwise), over the ranks
@@ -86,6 +92,8 @@ def auto_workers(device: torch.device) -> int:
     the model's threads use would only slow both: OpenMP threads that wait for a core spin."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     cores //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if os.environ.get(CPU_SHARE_ENV):  # one of several runs side by side: its share of the cores
+        cores = min(cores, int(os.environ[CPU_SHARE_ENV]))
     trainer = torch.get_num_threads() if device.type == "cpu" else 1
     return max(0, min(AUTO_WORKERS, cores - trainer))
 
