@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 from opd.cli import app
 from opd.config import TrainConfig
 from opd.envs import Game, StepResult, register_env
+from opd.envs.workers import EnvWorkers
 from opd.errors import UserError
 from opd.evaluation.games import evaluate_agent, write_eval_games
 from opd.models.loading import load_model, load_tokenizer
@@ -111,10 +112,34 @@ def test_agentic_resume_equals_uninterrupted(tiny_models, tmp_path, monkeypatch)
                 assert g[key] == pytest.approx(e[key], rel=1e-6, abs=1e-9), (e["step"], key)
 
 
+def test_agentic_resume_with_env_workers_equals_uninterrupted_in_process(tiny_models, tmp_path, monkeypatch):
+    """Games in 2 worker processes, killed and resumed: the same steps as one uninterrupted run
+    that plays its games in this process (evaluation included: it plays through the workers)."""
+    train_mod.train(agentic_cfg(tiny_models, tmp_path / "a", env_workers=0), show_progress=False)
+    expected = step_records(tmp_path / "a")
+    killed = agentic_cfg(tiny_models, tmp_path / "b", env_workers=2)
+    batches = []
+    real_batch = EnvWorkers.batch
+    monkeypatch.setattr(EnvWorkers, "batch", lambda pool: batches.append(len(pool.workers)) or real_batch(pool))
+    train_killed_at(killed, 2, monkeypatch)
+    train_mod.train(TrainConfig(**{**killed.__dict__, "resume": True}), show_progress=False)
+    assert len(batches) >= 3 and set(batches) == {2}  # the steps' and evaluation's episodes went to 2 workers
+    got = read_metrics(tmp_path / "b")
+    assert [r["step"] for r in step_records(tmp_path / "b")] == [0, 1, 2]
+    for e, g in zip(read_metrics(tmp_path / "a"), got, strict=True):
+        assert set(e) == set(g)
+        for key in e:
+            if not key.startswith("time/"):
+                assert g[key] == pytest.approx(e[key], rel=1e-6, abs=1e-9), (e.get("step"), key)
+    assert expected[-1]["rollout/env_error_rate"] == 0.0
+
+
 @pytest.mark.slow
 def test_agentic_two_ranks_match_one_process(tiny_models, tmp_path):
-    train_mod.train(agentic_cfg(tiny_models, tmp_path / "one", eval_samples=0), show_progress=False)
-    launch("torchrun", cli_args(tiny_models, tmp_path / "two", **{**AGENTIC, "batch_size": 2, "eval_samples": 0}))
+    """Two ranks, each with its games in a worker process, train as one process that plays them itself."""
+    train_mod.train(agentic_cfg(tiny_models, tmp_path / "one", eval_samples=0, env_workers=0), show_progress=False)
+    two = {**AGENTIC, "batch_size": 2, "eval_samples": 0, "env_workers": 1}
+    launch("torchrun", cli_args(tiny_models, tmp_path / "two", **two))
     want, got = step_records(tmp_path / "one"), step_records(tmp_path / "two")
     assert [r["step"] for r in got] == [0, 1, 2]
     for w, g in zip(want, got, strict=True):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from opd.config.fields import DTYPES, REPORT_TO_HELP, ConfigError, check_device, check_report_to, opt, require
 from opd.config.tasks import read_task_list, resolve_tasks
 from opd.crosstok.align import PAIRINGS
+from opd.envs.workers import AUTO_WORKERS, MAX_WORKERS
 from opd.losses import SUPPORT_KINDS
 from opd.tasks.arithmetic import LEVELS
 from opd.tasks.dataset import parse_split
@@ -114,6 +115,18 @@ class EnvSource:
     max_action_tokens: int = opt(
         32, "Tokens the model may write in one turn (with --env; --max-new-tokens bounds the whole episode)."
     )
+    env_workers: int | None = opt(
+        None,
+        "Processes that run the games of --env: episodes' games step there, several at once, while this "
+        "process generates (results do not depend on it). 0: in this process. Unset: one per CPU core the "
+        "trainer leaves free (its torch threads when the model is on the CPU, one core on a GPU; the cores "
+        f"shared among torchrun's ranks on the machine), at most {AUTO_WORKERS}.",
+    )
+    env_step_timeout: float = opt(
+        60.0,
+        "With env workers: seconds a game may take to answer one action (or to start); a game that takes longer "
+        "ends its episode as an environment error, counted, and its worker is replaced (0: no limit).",
+    )
 
     def episode_limits(self) -> dict:
         """What bounds an episode, as keyword arguments of EpisodeRollout.play and evaluate_agent."""
@@ -128,6 +141,12 @@ class EnvSource:
         require(self.env_level >= 1, f"env_level={self.env_level} must be >= 1")
         require(self.max_turns >= 0, f"max_turns={self.max_turns} must be >= 0 (0: the environment's limit)")
         require(self.max_action_tokens >= 1, f"max_action_tokens={self.max_action_tokens} must be >= 1")
+        require(
+            self.env_workers is None or 0 <= self.env_workers <= MAX_WORKERS,
+            f"env_workers={self.env_workers}: use 0 (games in this process) to {MAX_WORKERS} worker processes, "
+            "or leave it unset for one per free CPU core",
+        )
+        require(self.env_step_timeout >= 0, f"env_step_timeout={self.env_step_timeout} must be >= 0 (0: no limit)")
 
 
 @dataclass

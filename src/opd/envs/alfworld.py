@@ -166,6 +166,15 @@ class AlfworldEnv:
         self._plans: dict[str, list[str]] = {}
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict:
+        # What an env worker process receives (opd.envs.workers): a lock does not pickle, and each
+        # process finds the expert plans it needs.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_plans", "_lock")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._plans, self._lock = {}, threading.Lock()
+
     # -- games
     def games(self, split: str) -> list[Game]:
         if self.data_dir is not None:

@@ -18,7 +18,7 @@ from opd.config import EvalConfig
 from opd.evaluation.estimators import avg_at_k, gap_recovery, mean_pass_at_k
 from opd.evaluation.games import evaluate_agent
 from opd.models.loading import load_model, load_tokenizer, resolve_device
-from opd.rollout.games import GameSet, check_episode_context, make_env
+from opd.rollout.games import GameSet, check_episode_context, play_env
 from opd.rollout.prompts import PromptSet, data_options, load_task
 from opd.rollout.sampling import HFRollout
 from opd.runs.progress import progress_bar
@@ -105,8 +105,13 @@ def run_eval(cfg: EvalConfig) -> dict:
     t0 = time.time()
     if cfg.env:  # the held-out games of an environment: success rate (opd.evaluation.games)
         check_episode_context(model, cfg.max_prompt_tokens, cfg.max_new_tokens)
-        games = GameSet.build(make_env(cfg.env, cfg.env_level, cfg.env_args), "test", cfg.eval_size)
-        result = evaluate_agent(model, tok, games, **cfg.episode_limits(), **common)
+        env = play_env(cfg)
+        try:
+            result = evaluate_agent(
+                model, tok, GameSet.build(env, "test", cfg.eval_size), **cfg.episode_limits(), **common
+            )
+        finally:
+            getattr(env, "close", lambda: None)()
     else:
         prompts = PromptSet.build(task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
         result = evaluate_model(model, tok, prompts, task, max_new_tokens=cfg.max_new_tokens, **common)

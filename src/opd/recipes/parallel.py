@@ -31,8 +31,12 @@ def process_pool(workers: int) -> ProcessPoolExecutor:
 
 
 def with_threads(threads: int, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` with torch limited to ``threads`` CPU threads (what a worker process runs)."""
+    """``fn(*args)`` with torch limited to ``threads`` CPU threads (what a worker process runs), and
+    the run's share of the cores set for an unset ``--env-workers`` (:func:`opd.rollout.games.auto_workers`)."""
     import torch
 
+    from opd.rollout.games import CPU_SHARE_ENV
+
     torch.set_num_threads(threads)
+    os.environ[CPU_SHARE_ENV] = str(threads)
     return fn(*args)

@@ -42,6 +42,12 @@ The KV cache is never re-encoded: a turn's sampled tokens are fed as they are dr
 turn is over wait with attention 0), and the replies of all episodes still playing go in one
 forward, left-padded to the longest with per-row positions. Episodes that end leave the batch
 (their cache rows are dropped) where the cache allows it (:func:`opd.rollout.sampling._can_drop_rows`).
+
+The games run where the environment says (:func:`opd.envs.workers.sessions`): in this process,
+or in worker processes for an :class:`opd.envs.workers.EnvWorkers` (``--env-workers``). Either
+way an action goes to its game as soon as its row's turn ends, so the games step while the other
+rows still write; the turn's replies are fed together once every game has answered, which keeps
+each forward pass's rows, and so the results, the same whatever the games' timing.
 """
 
 from __future__ import annotations
@@ -52,7 +58,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from opd.envs.base import EnvError, Environment, Game, GameSession, normal_command
+from opd.envs.base import EnvError, Environment, Game, normal_command
+from opd.envs.workers import Sessions, sessions
 from opd.errors import UserError
 from opd.models.loading import model_device
 from opd.rollout.sampling import (
@@ -187,10 +194,9 @@ class Episodes:
 
 @dataclass
 class _Episode:
-    """One episode's running state: its session and its response region so far."""
+    """One episode's running state: its response region so far (its game is in a Sessions)."""
 
     record: EpisodeRecord
-    session: GameSession | None
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
     action: list[bool] = field(default_factory=list)
@@ -273,8 +279,9 @@ class EpisodeRollout:
         turns = env.max_turns if max_turns is None else max_turns
         if turns < 1:
             raise UserError(f"max_turns={turns} must be >= 1")
-        episodes = [self._start(env, g, s, max_prompt_tokens) for g, s in zip(games, seeds)]
+        games_of = sessions(env)
         try:
+            episodes = self._start(env, games_of, games, seeds, max_prompt_tokens)
             P = max(len(e.prompt) for e in episodes)
             check_context(
                 P,
@@ -285,40 +292,43 @@ class EpisodeRollout:
             was_training = self.model.training
             self.model.eval()
             try:
-                self._play(episodes, seeds, max_new_tokens, max_action_tokens, turns, (temperature, top_p, greedy))
+                limits = (max_new_tokens, max_action_tokens, turns)
+                self._play(episodes, games_of, seeds, limits, (temperature, top_p, greedy))
             finally:
                 self.model.train(was_training)
         finally:
-            for e in episodes:
-                if e.session is not None:
-                    try:
-                        e.session.close()
-                    except EnvError:
-                        pass  # a crashed engine may fail to close too; its episode is already over
+            games_of.close()
         return Episodes(self._batch(episodes), [e.record for e in episodes])
 
-    def _start(self, env: Environment, game: Game, seed: int, max_prompt_tokens: int | None) -> _Episode:
-        record, session = EpisodeRecord(game.id, seed), None
-        try:
-            session = env.open(game)
-            first = session.reset()
-        except EnvError as err:
-            return self._unplayed(env, record, session, str(err))
+    def _start(
+        self, env: Environment, games_of: Sessions, games, seeds, max_prompt_tokens: int | None
+    ) -> list[_Episode]:
+        """Every episode's session opened and reset (at once, where the games run in workers)."""
+        for i, game in enumerate(games):
+            games_of.open(i, game)
+        firsts = games_of.results()
+        return [self._first(env, g, s, firsts[i], max_prompt_tokens) for i, (g, s) in enumerate(zip(games, seeds))]
+
+    def _first(self, env: Environment, game: Game, seed: int, first, max_prompt_tokens: int | None) -> _Episode:
+        record = EpisodeRecord(game.id, seed)
+        if isinstance(first, EnvError):
+            return self._unplayed(env, record, str(first))
         prompt = self.format.encode(self.format.prompt(env.system_prompt, first))
         if max_prompt_tokens is not None and len(prompt) > max_prompt_tokens:
             why = f"its prompt has {len(prompt)} tokens, more than max_prompt_tokens={max_prompt_tokens}"
-            return self._unplayed(env, record, session, why)
+            return self._unplayed(env, record, why)
         record.observations.append(first)
-        return _Episode(record, session, prompt)
+        return _Episode(record, prompt)
 
-    def _unplayed(self, env: Environment, record: EpisodeRecord, session, why: str) -> _Episode:
+    def _unplayed(self, env: Environment, record: EpisodeRecord, why: str) -> _Episode:
         """An episode that ends before its first turn, counted as an error, with an empty response
         region and the shortest prompt (so it cannot push the batch past the model's context)."""
-        ep = _Episode(record, session, self.format.encode(self.format.prompt(env.system_prompt, "")))
+        ep = _Episode(record, self.format.encode(self.format.prompt(env.system_prompt, "")))
         ep.finish("error", why)
         return ep
 
-    def _play(self, episodes, seeds, budget, max_action_tokens, max_turns, sampling) -> None:
+    def _play(self, episodes, games_of: Sessions, seeds, limits, sampling) -> None:
+        budget, max_action_tokens, max_turns = limits
         dev = model_device(self.model)
         u_NB = prompt_uniforms(seeds, budget).to(dev)
         ids, attn = (t.to(dev) for t in left_pad([e.prompt for e in episodes], self.pad_id))
@@ -332,13 +342,25 @@ class EpisodeRollout:
             _can_drop_rows(out.cache),
         )
         self._keep(state, episodes)
+        sent: dict[int, bool] = {}  # this turn's episodes whose action went to their game: {episode: ended with EOS}
+
+        def turn_written(done: list[tuple[int, list[int], list[float], bool]]) -> None:
+            # sent to the games at once: they step while the other rows are still writing
+            for i, ids_i, lps_i, eos in done:
+                if self._played(episodes[i], ids_i, lps_i, eos, budget):
+                    games_of.step(i, episodes[i].record.actions[-1])
+                    sent[i] = eos
+            games_of.send()
+
         for _ in range(max_turns):
             if not any(e.playing for e in episodes):
                 return
-            written = self._act(state, episodes, u_NB, budget, max_action_tokens, sampling)
+            sent.clear()
+            self._act(state, episodes, u_NB, budget, max_action_tokens, sampling, turn_written)
+            answers = games_of.results()
             replies = {}
-            for i, (ids_i, lps_i, eos) in written.items():
-                reply = self._step(episodes[i], ids_i, lps_i, eos, budget, max_turns)
+            for i, eos in sent.items():
+                reply = self._answered(episodes[i], answers[i], eos, budget, max_turns)
                 if reply is not None:
                     replies[i] = reply
             self._keep(state, episodes)
@@ -354,9 +376,10 @@ class EpisodeRollout:
             state.rows_R, state.attn_RL = state.rows_R[keep], state.attn_RL[keep]
             state.next_pos_R, state.logits_RV = state.next_pos_R[keep], state.logits_RV[keep]
 
-    def _act(self, state: _Cache, episodes, u_NB, budget: int, max_action_tokens: int, sampling) -> dict:
+    def _act(self, state: _Cache, episodes, u_NB, budget: int, max_action_tokens: int, sampling, written) -> None:
         """One turn of every playing episode: sample until each writes EOS or reaches its cap.
-        Returns {episode: (token ids, their log-probs, ended with EOS)}."""
+        ``written([(episode, token ids, their log-probs, ended with EOS), ...])`` is called with the
+        rows whose turn is over as soon as it is, while the others may still be writing."""
         temperature, top_p, greedy = sampling
         dev, rows = state.rows_R.device, state.rows_R.tolist()
         playing = [episodes[i].playing for i in rows]
@@ -369,8 +392,19 @@ class EpisodeRollout:
         lps_RA = torch.zeros(R, max_action_tokens, device=dev)
         eos_R = torch.zeros(R, dtype=torch.bool, device=dev)
         n_R = torch.zeros(R, dtype=torch.long, device=dev)
+        unreported = {r for r in range(R) if playing[r]}
+
+        def report(rows_done: list[int]) -> None:
+            if not rows_done:
+                return
+            ns, eos = n_R[rows_done].tolist(), eos_R[rows_done].tolist()
+            ids, lps = ids_RA[rows_done].tolist(), lps_RA[rows_done].tolist()
+            written([(rows[r], ids[j][: ns[j]], lps[j][: ns[j]], eos[j]) for j, r in enumerate(rows_done)])
+            unreported.difference_update(rows_done)
+
+        report([r for r in sorted(unreported) if not bool(writing_R[r])])  # no room left to write
         for t in range(max_action_tokens):
-            if not bool(writing_R.any()):
+            if not unreported:
                 break
             u_R = u_NB[state.rows_R, (sampled_R + t).clamp(max=budget - 1)]
             tok, lp = sample_next(state.logits_RV, u_R, temperature, top_p, greedy)
@@ -380,9 +414,9 @@ class EpisodeRollout:
             # The written token joins the cache even when it ends the turn: the reply comes after it.
             self._feed(state, tok.unsqueeze(-1), writing_R.long().unsqueeze(-1))
             eos_R |= writing_R & (tok == self.eos_id)
+            was_R = writing_R.clone()
             writing_R &= (tok != self.eos_id) & (n_R < cap_R)
-        ids, lps, ns, eos = ids_RA.tolist(), lps_RA.tolist(), n_R.tolist(), eos_R.tolist()
-        return {i: (ids[r][: ns[r]], lps[r][: ns[r]], eos[r]) for r, i in enumerate(rows) if playing[r]}
+            report((was_R & ~writing_R).nonzero().squeeze(-1).tolist())
 
     def _feed(self, state: _Cache, ids_RC: torch.Tensor, mask_RC: torch.Tensor) -> None:
         """Append tokens to the cache (left-padded, mask 0 where a row has none) and keep the
@@ -413,27 +447,28 @@ class EpisodeRollout:
                 ids[r, C - len(replies[i]) :], mask[r, C - len(replies[i]) :] = torch.tensor(replies[i]), 1
         self._feed(state, ids.to(state.rows_R.device), mask.to(state.rows_R.device))
 
-    def _step(self, ep: _Episode, ids: list[int], lps: list[float], eos: bool, budget: int, max_turns: int):
-        """Record a written turn, play it, and return the reply's tokens (None once the episode ended)."""
+    def _played(self, ep: _Episode, ids: list[int], lps: list[float], eos: bool, budget: int) -> bool:
+        """Record a written turn; whether it goes to the game (a turn cut by the budget is not played)."""
         start = len(ep.tokens)
         ep.add(ids, True, lps)
         ep.sampled += len(ids)
         ep.record.spans.append((start, len(ep.tokens)))
-        text = self.tokenizer.decode(ids, skip_special_tokens=True).strip()
-        ep.record.actions.append(text)
+        ep.record.actions.append(self.tokenizer.decode(ids, skip_special_tokens=True).strip())
         if not eos and len(ep.tokens) >= budget:  # cut by the budget, not by the turn's own cap: never played
             ep.record.rewards.append(0.0)
             ep.finish("budget")
-            return None
-        try:
-            admissible = ep.session.admissible_commands()
-            result = ep.session.step(text)
-        except EnvError as err:
+            return False
+        return True
+
+    def _answered(self, ep: _Episode, answer, eos: bool, budget: int, max_turns: int) -> list[int] | None:
+        """Record the game's answer to the last action; the reply's tokens (None once the episode ended)."""
+        if isinstance(answer, EnvError):
             ep.record.rewards.append(0.0)
-            ep.finish("error", str(err))
+            ep.finish("error", str(answer))
             return None
+        admissible, result = answer
         if admissible is not None:
-            invalid = normal_command(text) not in {normal_command(c) for c in admissible}
+            invalid = normal_command(ep.record.actions[-1]) not in {normal_command(c) for c in admissible}
             ep.record.invalid_actions = (ep.record.invalid_actions or 0) + invalid
         ep.record.observations.append(result.observation)
         ep.record.rewards.append(float(result.reward))

@@ -17,13 +17,18 @@ cloning are :mod:`opd.training.cloning`.
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import yaml
 
 from opd.envs import Environment, Game, get_env
+from opd.envs.workers import AUTO_WORKERS, EnvWorkers
 from opd.errors import UserError
+from opd.models.loading import resolve_device
 from opd.rollout.episodes import EpisodeRecord
 from opd.rollout.prompts import batch_indices
 from opd.tasks import Example
@@ -51,6 +56,46 @@ def make_env(name: str, level: int, env_args: list[str]) -> Environment:
         return get_env(name, **kwargs)
     except TypeError as err:  # an argument the environment's constructor does not take
         raise UserError(f"environment {name!r} does not accept these arguments ({err}); fix --env-args") from None
+
+
+def play_env(cfg) -> Environment:
+    """The environment of a config's ``--env`` options (an EnvSource), its games where ``--env-workers`` says."""
+    workers = auto_workers(resolve_device(cfg.device)) if cfg.env_workers is None else cfg.env_workers
+    env = make_env(cfg.env, cfg.env_level, cfg.env_args)
+    return in_workers(env, workers, cfg.env_step_timeout, required=cfg.env_workers is not None)
+
+
+def in_workers(env: Environment, workers: int, step_timeout: float = 60.0, required: bool = True) -> Environment:
+    """``env`` with its games in ``workers`` processes (0: ``env`` itself). Not ``required`` (an
+    unset ``--env-workers``), an environment that cannot go to a worker stays in this process."""
+    if workers == 0:
+        return env
+    try:
+        return EnvWorkers(env, workers, step_timeout)
+    except UserError as err:
+        if required:
+            raise
+        print(f"opd: playing {env.name}'s games in this process: {err}", file=sys.stderr)
+        return env
+
+
+# Set by opd's side-by-side runs (the demos' objectives, `opd experiment --workers`) in each run's
+# process: the cores that run may count as its own, so that two runs do not each start workers on
+# the cores the other one fills.
+CPU_SHARE_ENV = "OPD_CPU_SHARE"
+
+
+def auto_workers(device: torch.device) -> int:
+    """What an unset ``--env-workers`` starts: a worker per CPU core that the trainer leaves free
+    (its torch threads when the model computes on the CPU, one core otherwise), over the ranks
+    that share the machine (LOCAL_WORLD_SIZE), at most ``AUTO_WORKERS``. Games in workers on cores
+    the model's threads use would only slow both: OpenMP threads that wait for a core spin."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if os.environ.get(CPU_SHARE_ENV):  # one of several runs side by side: its share of the cores
+        cores = min(cores, int(os.environ[CPU_SHARE_ENV]))
+    trainer = torch.get_num_threads() if device.type == "cpu" else 1
+    return max(0, min(AUTO_WORKERS, cores - trainer))
 
 
 @dataclass

@@ -507,9 +507,9 @@ def checkpoint_stage(run: Run, step: int, rng: dict | None = None) -> None:
 # ----------------------------------------------------------------------------- loop
 
 
-def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
-    """Train; returns the last evaluation's record (a multi-task run: each task's under eval/<name>/)."""
-    run = setup(cfg)
+def train_steps(run: Run, show_progress: bool) -> dict:
+    """The steps from ``run.start_step`` on; the last evaluation's record."""
+    cfg = run.cfg
     last_eval: dict = {}
     with run.rundir, progress_bar(f"OPD {cfg.objective}", total=cfg.steps, enabled=show_progress) as bar:
         bar.advance(run.start_step)
@@ -536,6 +536,18 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
                 last_eval = eval_stage(run, step)
             if last or (cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0):
                 checkpoint_stage(run, step)
+    return last_eval
+
+
+def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
+    """Train; returns the last evaluation's record (a multi-task run: each task's under eval/<name>/)."""
+    run = setup(cfg)
+    try:
+        last_eval = train_steps(run, show_progress)
+    finally:
+        for t in run.tasks:  # an environment's worker processes
+            t.source.close()
+            t.test.close()
     save_final_model(
         run.rundir.path / "final",
         run.student,

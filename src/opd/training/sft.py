@@ -162,13 +162,13 @@ def prompt_source(
 def episode_source(cfg: SFTConfig, tok, model) -> tuple[Callable[[int], tuple], Callable[[object], float]]:
     """The same for an environment: its expert episodes, and the greedy success rate on held-out games."""
     from opd.evaluation.games import evaluate_agent
-    from opd.rollout.games import GameSet, check_episode_context, make_env
+    from opd.rollout.games import GameSet, check_episode_context, play_env
     from opd.training.cloning import expert_sequences
 
     if cfg.teacher or cfg.data:
         raise UserError("--env trains on the environment's expert episodes; --teacher and --data are for prompts")
     check_episode_context(model, cfg.max_prompt_tokens, cfg.max_new_tokens)
-    env = make_env(cfg.env, cfg.env_level, cfg.env_args)
+    env = play_env(cfg)  # sessions opened by hand (the expert's) stay here; played episodes go to its workers
     games = GameSet.build(env, "train").games[: cfg.train_size or None]
     seqs, labels, skipped = expert_sequences(
         env, games, tok, cfg.max_new_tokens + cfg.max_prompt_tokens, mistakes=cfg.expert_mistakes, seed=cfg.seed

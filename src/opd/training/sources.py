@@ -18,7 +18,7 @@ from opd.config import TrainConfig
 from opd.evaluation.games import evaluate_agent, write_eval_games
 from opd.evaluation.prompts import evaluate_model
 from opd.rollout.episodes import EpisodeRecord, EpisodeRollout
-from opd.rollout.games import GameSet, check_episode_context, episode_metrics, episode_outcomes, make_env
+from opd.rollout.games import GameSet, check_episode_context, episode_metrics, episode_outcomes, play_env
 from opd.rollout.prompts import PromptSet, load_tasks
 from opd.rollout.sampling import HFRollout, RolloutBatch
 from opd.tasks import Example, Task
@@ -52,6 +52,9 @@ class Source(Protocol):
 
     def listing(self, run_dir: Path, played: bool) -> list[dict] | None:
         """The lines of its ``eval.jsonl``; None until it can be listed (a game's files exist once played)."""
+
+    def close(self) -> None:
+        """Stop what it started (an environment's worker processes); it may be called more than once."""
 
 
 @dataclass
@@ -100,6 +103,9 @@ class PromptSource:
     def listing(self, run_dir: Path, played: bool) -> list[dict]:
         return [{"prompt": e.prompt, "answer": e.answer} for e in self.prompts.examples]
 
+    def close(self) -> None:
+        return None
+
 
 @dataclass
 class GameSource:
@@ -138,6 +144,11 @@ class GameSource:
         # Generated games have their files once opened: copied into the run directory after they are played.
         return write_eval_games(run_dir, self.games) if played else None
 
+    def close(self) -> None:
+        close = getattr(self.games.env, "close", None)  # EnvWorkers (the training and held-out games share it)
+        if close is not None:
+            close()
+
 
 def task_data(cfg: TrainConfig) -> tuple[Task | None, Task | None]:
     """The task and the held-out grader of a prompt run (read before any model: a data problem shows at
@@ -149,7 +160,7 @@ def make_sources(cfg: TrainConfig, tok, task: Task | None, eval_task: Task | Non
     """The training source and the held-out one: the task's prompts (--eval-task's test prompts
     held out), or the environment's training and held-out games (--env)."""
     if cfg.env:
-        env = make_env(cfg.env, cfg.env_level, cfg.env_args)
+        env = play_env(cfg)
         return GameSource(GameSet.build(env, "train")), held_out(cfg, tok, eval_task, env)
     train = PromptSet.build(task.examples("train"), tok, cfg.max_prompt_tokens, "training prompts")
     return PromptSource(train, task), held_out(cfg, tok, eval_task)
@@ -158,7 +169,7 @@ def make_sources(cfg: TrainConfig, tok, task: Task | None, eval_task: Task | Non
 def held_out(cfg: TrainConfig, tok, grader: Task | None, env=None) -> Source:
     """The held-out split alone (what training evaluates; the demos evaluate their models on it)."""
     if cfg.env:
-        env = env or make_env(cfg.env, cfg.env_level, cfg.env_args)
+        env = env or play_env(cfg)
         return GameSource(GameSet.build(env, "test", cfg.eval_size))
     examples = grader.examples("test")[: cfg.eval_size]
     return PromptSource(PromptSet.build(examples, tok, cfg.max_prompt_tokens, "test prompts"), grader)
