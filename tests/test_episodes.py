@@ -415,8 +415,13 @@ def test_step_metrics_and_records_count_action_tokens_only(teacher, student, pla
         h = response_hidden(model, b)
     upd = StepUpdate(0.0, 0.0, False, 1e-3, torch.zeros(b.response_ids_NT.shape), h[a][:4], h[:2])
     W = head_weight(model).detach()
-    m = step_metrics(b, [0.0] * N, scores, upd, a, W, k=8, horizon=PLAY["max_new_tokens"])
+    # the first action's first token as the "format token": the rate counts actions, not episodes
+    first = int(b.response_ids_NT[0][a[0]][0])
+    m = step_metrics(b, [0.0] * N, scores, upd, a, W, k=8, horizon=PLAY["max_new_tokens"], format_ids=[first])
     assert m["rollout/response_len"] == pytest.approx(float(a.sum()) / N)
+    actions = [x for r in played[1].records for x in r.actions]
+    assert metric_weights(b, a, 4, PLAY["max_new_tokens"])["rollout/format_token_rate"] == len(actions)
+    assert 1 / len(actions) <= m["rollout/format_token_rate"] <= 1.0
     reward = [float(scores.sampled_logprobs_NT[n, t] - b.logprobs_NT[n, t]) for n, t in a.nonzero().tolist()]
     assert m["diag/reward_mean"] == pytest.approx(sum(reward) / len(reward), rel=1e-5)
     assert metric_weights(b, a, 4, PLAY["max_new_tokens"])["diag/"] == int(a.sum())

@@ -192,7 +192,7 @@ def test_every_chart_renders_its_data(page):
                 cells: c.querySelectorAll('rect.cell').length, points: c.querySelectorAll('circle.pt').length};
     })""")
     specs = {c["id"]: c for c in browser.js("DATA.charts")}
-    assert [c["id"] for c in charts] == list(specs) and len(charts) == 14 + 3 * 2 + 3
+    assert [c["id"] for c in charts] == list(specs) and len(charts) == 15 + 3 * 2 + 3
     for c in charts:
         spec = specs[c["id"]]
         assert c["w"] > 200 and c["h"] > 150, c
