@@ -79,8 +79,9 @@ LABELS = {
 # Math steps at the run's lr, game steps at their own, lower one. The game is fragile at this size:
 # from this student, game-only OPD at 3e-4 (the agentic demo's rate) lost every game win under LSM
 # with student top-K and under full-vocabulary KL (probe, one seed), and two-task LSM with the tail
-# kept the student's 24% with both tasks at 1e-4 but not at 3e-4; with both at 1e-4, though,
-# sampled-token OPD gained math too (27%, against LSM's 33%), so the math gap the demo shows needs 3e-4.
+# kept the student's 24% with both tasks at 1e-4 but ended at 0% at 3e-4 (seed 0; 28% with seed 1);
+# with both at 1e-4, though, sampled-token OPD gained math too (27%, against LSM's 33%), so the math
+# gap the demo shows needs 3e-4.
 LR, GAME_LR = 3e-4, 1e-4
 STEPS = 96  # OPD steps per objective: 64 math steps of 64 prompts, 32 game steps of 16 games
 MATH_SHARE = 2  # math steps per game step: a math step costs about a third of a game step
