@@ -41,3 +41,11 @@ def position_chunks(n: int, chunk_size: int | None):
     step = n if not chunk_size or chunk_size <= 0 else chunk_size
     for start in range(0, n, max(step, 1)):
         yield slice(start, min(start + step, n))
+
+
+def chunk_buffers(count: int, rows: int, chunk_size: int | None, V: int, dtype, device) -> torch.Tensor:
+    """``count`` (chunk, V) scratch buffers for a loop over ``rows`` positions in chunks of
+    ``chunk_size`` (:func:`position_chunks`): reused across chunks, since fresh (chunk, V) memory per
+    chunk would cost page faults each time."""
+    step = rows if not chunk_size or chunk_size <= 0 else chunk_size  # as position_chunks reads it
+    return torch.empty(count, max(min(rows, step), 1), V, dtype=dtype, device=device)

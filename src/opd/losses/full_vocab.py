@@ -22,7 +22,14 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
-from opd.losses._common import NEG_INF, as_bool, compute_dtype, head_for_grad_h, position_chunks
+from opd.losses._common import (
+    NEG_INF,
+    as_bool,
+    chunk_buffers,
+    compute_dtype,
+    head_for_grad_h,
+    position_chunks,
+)
 
 DIRECTIONS = ("reverse", "forward")
 
@@ -183,11 +190,6 @@ def _kl_grad_chunk(scratch_cV, logp_cV, logq_cV, g_c, reverse: bool) -> torch.Te
     return logp_cV.exp_().mul_(q.sum(-1, keepdim=True)).sub_(q).mul_(g_c.unsqueeze(-1))
 
 
-def _buffers(rows: int, chunk_size: int | None, V: int, dtype, device) -> torch.Tensor:
-    # Reused across chunks: fresh (chunk, V) memory per chunk would cost page faults each time.
-    return torch.empty(3, max(min(rows, chunk_size or rows), 1), V, dtype=dtype, device=device)
-
-
 class _FullKLFromHidden(torch.autograd.Function):
     """Full-vocabulary KL over the active rows ``rows_A``, from both models' hidden states.
 
@@ -203,7 +205,7 @@ class _FullKLFromHidden(torch.autograd.Function):
         ws, wt = ws_VD.to(dtype), wt_VE.to(dtype)
         A = rows_A.numel()
         kl_A = torch.empty(A, dtype=dtype, device=hs_ND.device)
-        bufs = _buffers(A, chunk_size, ws.shape[0], dtype, hs_ND.device) if A else None
+        bufs = chunk_buffers(3, A, chunk_size, ws.shape[0], dtype, hs_ND.device) if A else None
         for sl in position_chunks(A, chunk_size):
             r = rows_A[sl]
             _, logp, logq = _chunk_logprobs(hs_ND[r].to(dtype), ws, ht_NE[r].to(dtype), wt, bufs)
@@ -224,7 +226,9 @@ class _FullKLFromHidden(torch.autograd.Function):
         grad_A = grad_A.to(dtype)
         keep = grad_A.nonzero().squeeze(-1)
         ws_h = head_for_grad_h(ws) if need_h else ws
-        bufs = _buffers(keep.numel(), ctx.chunk_size, ws.shape[0], dtype, hs_ND.device) if keep.numel() else None
+        bufs = (
+            chunk_buffers(3, keep.numel(), ctx.chunk_size, ws.shape[0], dtype, hs_ND.device) if keep.numel() else None
+        )
         for sl in position_chunks(keep.numel(), ctx.chunk_size):
             a = keep[sl]
             r = rows_A[a]

@@ -28,7 +28,14 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from opd.losses._common import NEG_INF, as_bool, compute_dtype, head_for_grad_h, position_chunks
+from opd.losses._common import (
+    NEG_INF,
+    as_bool,
+    chunk_buffers,
+    compute_dtype,
+    head_for_grad_h,
+    position_chunks,
+)
 from opd.losses.full_vocab import _check_direction
 
 LOG_MASS_CAP = -1e-7
@@ -154,7 +161,7 @@ class _SupportLogitsAndNormalizer(torch.autograd.Function):
         A, K = ids_AK.shape
         z_AK = torch.empty(A, K, dtype=dtype, device=hidden_ND.device)
         lse_A = torch.empty(A, dtype=dtype, device=hidden_ND.device)
-        buf = _buffer(A, chunk_size, w.shape[0], dtype, hidden_ND.device)
+        buf = chunk_buffers(1, A, chunk_size, w.shape[0], dtype, hidden_ND.device)[0]
         for sl in position_chunks(A, chunk_size):
             logits = torch.mm(hidden_ND[rows_A[sl]].to(dtype), w.T, out=buf[: sl.stop - sl.start])
             z_AK[sl] = logits.gather(-1, ids_AK[sl])
@@ -178,7 +185,7 @@ class _SupportLogitsAndNormalizer(torch.autograd.Function):
         g_lse = torch.zeros_like(lse_A) if grad_lse_A is None else grad_lse_A.to(dtype)
         keep = ((g_lse != 0) | (g_z != 0).any(-1)).nonzero().squeeze(-1)
         w_h = head_for_grad_h(w) if need_h else w
-        buf = _buffer(keep.numel(), ctx.chunk_size, w.shape[0], dtype, hidden_ND.device)
+        buf = chunk_buffers(1, keep.numel(), ctx.chunk_size, w.shape[0], dtype, hidden_ND.device)[0]
         for sl in position_chunks(keep.numel(), ctx.chunk_size):
             a = keep[sl]
             r = rows_A[a]
@@ -192,12 +199,6 @@ class _SupportLogitsAndNormalizer(torch.autograd.Function):
         grad_h = None if grad_h is None else grad_h.to(hidden_ND.dtype)
         grad_w = None if grad_w is None else grad_w.to(weight_VD.dtype)
         return grad_h, grad_w, None, None, None, None
-
-
-def _buffer(rows: int, chunk_size: int | None, V: int, dtype, device) -> torch.Tensor:
-    # Reused across chunks: fresh (chunk, V) memory per chunk would cost page faults each time.
-    step = chunk_size if chunk_size and chunk_size > 0 else rows
-    return torch.empty(min(rows, step), V, dtype=dtype, device=device)
 
 
 def local_support_kl_tail_from_hidden(
