@@ -87,6 +87,18 @@ def check_masked_exact(out, grad_BTX, mask):
     assert (grad_BTX[~mask] == 0).all()
 
 
+def check_support_loss_from_hidden(out, ref, ref_gh, ref_gw, h, w, tlp, mask, gout, dtype):
+    """A support loss from hidden states against its reference: value, both gradients, none to the
+    teacher's log-probs, and masked positions exactly 0. Returns the two gradients."""
+    close(out, ref, dtype, "value")
+    gh, gw, gt = grads(out, [h, w, tlp], gout)
+    check_grad(gh, ref_gh, h, dtype, "grad hidden")
+    check_grad(gw, ref_gw, w, dtype, "grad weight")
+    check_teacher_constant(gt)
+    check_masked_exact(out, gh, mask)
+    return gh, gw
+
+
 # ---------------------------------------------------------------- reference self-check
 
 
@@ -376,12 +388,7 @@ def test_local_support_kl_from_hidden(shape, mask_kind, dtype, chunk_size, share
     assert out.dtype == OUT_DTYPE[dtype] and out.shape == mask.shape
     ref, ref_gl = R.ref_local_support_kl(R.ref_logits(h, w), ids, tlp, mask, True, sm, gout)
     ref_gh, ref_gw = R.ref_hidden_grads(h, w, ref_gl)
-    close(out, ref, dtype, "value")
-    gh, gw, gt = grads(out, [h, w, tlp], gout)
-    check_grad(gh, ref_gh, h, dtype, "grad hidden")
-    check_grad(gw, ref_gw, w, dtype, "grad weight")
-    check_teacher_constant(gt)
-    check_masked_exact(out, gh, mask)
+    gh, gw = check_support_loss_from_hidden(out, ref, ref_gh, ref_gw, h, w, tlp, mask, gout, dtype)
     if dtype == F64:  # same as building the logits
         h2, w2 = fresh(h, w)
         out2 = L.local_support_kl(h2 @ w2.T, ids, tlp, mask, renormalize=True, support_mask=sm)
