@@ -158,19 +158,25 @@ def test_quick_multitask_experiment(models, tmp_path):
 def test_quick_multitask_tail_experiment(models, tmp_path):
     from opd.experiments import run
     from opd.experiments.stats import INCONCLUSIVE
-    from opd.experiments.tail import SINGLE_TASK, STUDENT, VARIANTS
+    from opd.experiments.tail import AGENTIC, SINGLE_TASK, STUDENT, VARIANTS
     from opd.recipes.multitask import GAME_LR, LR
 
     _, assets, _ = models
     shutil.copytree(assets, tmp_path / "multitask-tail" / "quick-models")
     res = run("multitask-tail", tmp_path, seeds=1, quick=True, show_progress=False, workers=2)
-    assert len(res["claims"]) == 8  # (e) x2, (f) x2, (g), masking x2, (h)
+    assert len(res["claims"]) == 9  # (e) x2, (f) x2, (g), masking x2, (h), (i)
     assert all(c["verdict"] == INCONCLUSIVE for c in res["claims"])  # one seed decides nothing
-    two, single, formats = res["tables"][:3]
+    two, single, game, formats = res["tables"][:4]
     assert [r[0] for r in two["rows"]] == [STUDENT, *VARIANTS]
     assert all(cell != "-" for r in two["rows"] for cell in r[1:])  # every run on both tasks, the student too
     assert [r[0] for r in single["rows"]] == list(SINGLE_TASK)
+    assert [r[0] for r in game["rows"]] == list(AGENTIC)
+    assert all(cell != "-" for r in game["rows"] for cell in r[1:])
     assert [r[0] for r in formats["rows"]] == list(VARIANTS)
+    for variant in AGENTIC:  # the game alone: the agentic demo's models, masked, the tail where named
+        config = json.loads((tmp_path / "multitask-tail" / "runs" / variant / "seed0" / "config.json").read_text())
+        assert config["tail"] == variant.endswith("tail") and config["mask_special"] and config["env"] == "alfworld"
+        assert config["teacher"].endswith("agentic/teacher")
     for variant in VARIANTS:
         config = json.loads((tmp_path / "multitask-tail" / "runs" / variant / "seed0" / "config.json").read_text())
         assert config["tail"] == ("tail" in variant) and config["lr"] == LR

@@ -64,50 +64,57 @@ def run_name(variant: str, seed: int) -> str:
 
 
 def plan(s: Settings) -> list[RunSpec]:
-    root, specs = demo_models(s, ASSETS, "teacher", "agentic demo", "--agentic", make_quick_models)
+    root, specs = models_specs(s)
     models = tuple(spec.name for spec in specs)
     for seed in range(s.seeds):
         for variant, change in VARIANTS.items():
-            name = run_name(variant, seed)
-            cfg = TrainConfig(
-                student=str(root / "student"),
-                teacher=str(root / "teacher"),
-                env=ENV,
-                env_level=LEVEL,
-                env_args=env_args(s.quick),
-                seed=seed,
-                out=str(s.run_dir(name)),
-                steps=3 if s.quick else DEMO_STEPS,
-                batch_size=8 if s.quick else DEMO_BATCH,
-                lr=DEMO_LR,
-                warmup_steps=2 if s.quick else 5,
-                eval_every=0,  # the final model's evaluation is the run after it
-                eval_size=8 if s.quick else 50,
-                eval_samples=0,
-                ckpt_every=2 if s.quick else DEMO_STEPS // 2,
-                log_rollouts=2 if s.quick else 4,
-                top_p=TOP_P,
-                k=32,
-                **LIMITS,
-                **change,
-            )
-            evaluation = EvalConfig(
-                student=str(s.run_dir(name) / "final"),
-                env=ENV,
-                env_level=LEVEL,
-                env_args=env_args(s.quick),
-                seed=seed,
-                out=str(s.run_dir(name + "/eval")),
-                eval_size=cfg.eval_size,
-                samples=EVAL_SAMPLES,
-                top_p=TOP_P,
-                **LIMITS,
-            )
-            specs += [
-                RunSpec(name, "train", cfg, needs=models),
-                RunSpec(name + "/eval", "eval", evaluation, needs=(name,)),
-            ]
+            specs += run_specs(s, root, run_name(variant, seed), seed, change, needs=models)
     return specs
+
+
+def models_specs(s: Settings) -> tuple[Path, list[RunSpec]]:
+    """The agentic demo's models (packaged, or with --quick made first under OUT/agentic-quick-models)."""
+    return demo_models(s, ASSETS, "teacher", "agentic demo", "--agentic", make_quick_models, "agentic-quick-models")
+
+
+def run_specs(s: Settings, root: Path, name: str, seed: int, change: dict, needs: tuple[str, ...]) -> list[RunSpec]:
+    """One OPD run from the agentic demo's models at its settings (``change`` on top), and its final
+    evaluation: greedy success and avg@2 on the held-out games."""
+    cfg = TrainConfig(
+        student=str(root / "student"),
+        teacher=str(root / "teacher"),
+        env=ENV,
+        env_level=LEVEL,
+        env_args=env_args(s.quick),
+        seed=seed,
+        out=str(s.run_dir(name)),
+        steps=3 if s.quick else DEMO_STEPS,
+        batch_size=8 if s.quick else DEMO_BATCH,
+        lr=DEMO_LR,
+        warmup_steps=2 if s.quick else 5,
+        eval_every=0,  # the final model's evaluation is the run after it
+        eval_size=8 if s.quick else 50,
+        eval_samples=0,
+        ckpt_every=2 if s.quick else DEMO_STEPS // 2,
+        log_rollouts=2 if s.quick else 4,
+        top_p=TOP_P,
+        k=32,
+        **LIMITS,
+        **change,
+    )
+    evaluation = EvalConfig(
+        student=str(s.run_dir(name) / "final"),
+        env=ENV,
+        env_level=LEVEL,
+        env_args=env_args(s.quick),
+        seed=seed,
+        out=str(s.run_dir(name + "/eval")),
+        eval_size=cfg.eval_size,
+        samples=EVAL_SAMPLES,
+        top_p=TOP_P,
+        **LIMITS,
+    )
+    return [RunSpec(name, "train", cfg, needs=needs), RunSpec(name + "/eval", "eval", evaluation, needs=(name,))]
 
 
 def _out_of_support(s: Settings, variant: str) -> list[float]:

@@ -195,10 +195,12 @@ def avg_at_k_claim(
     )
 
 
-def demo_models(s: Settings, assets: Path, probe: str, demo: str, flag: str, make) -> tuple[Path, list[RunSpec]]:
+def demo_models(
+    s: Settings, assets: Path, probe: str, demo: str, flag: str, make, name: str = "quick-models"
+) -> tuple[Path, list[RunSpec]]:
     """An experiment's starting models and the runs that make them: the packaged ones in ``assets``
-    (``probe`` present), else, with ``--quick``, ``OUT/quick-models`` made first by ``make`` (the
-    shortened recipe, a python RunSpec); a full run without them is an error naming the command."""
+    (``probe`` present), else, with ``--quick``, ``OUT/name`` made first by ``make`` (the shortened
+    recipe, a python RunSpec); a full run without them is an error naming the command."""
     if (assets / probe / "config.json").is_file():
         return assets, []
     if not s.quick:
@@ -206,5 +208,5 @@ def demo_models(s: Settings, assets: Path, probe: str, demo: str, flag: str, mak
             f"the {s.out.name} experiment starts from the {demo}'s models, "
             f"missing in {assets}; make them with `opd make-demo-models {flag} --out {assets}`"
         )
-    root = s.out / "quick-models"
-    return root, [RunSpec("quick-models", "python", {"out": str(root)}, make, f"opd make-demo-models {flag} --quick")]
+    root = s.out / name
+    return root, [RunSpec(name, "python", {"out": str(root)}, make, f"opd make-demo-models {flag} --quick")]
