@@ -283,9 +283,12 @@ def test_engine_caches_step_aside_when_textworld_moves(monkeypatch):
 
 
 def textgen_parse_is_textworlds() -> bool:
+    """Textworld's own parse and context copy in place (both, or neither, patched by the caches)."""
     import textworld.envs.pddl.textgen as textgen
 
-    return textgen._parse_and_convert.__module__ == "textworld.envs.pddl.textgen"
+    ours = {f.__module__ == "textworld.envs.pddl.textgen" for f in (textgen._parse_and_convert, textgen.copy_context)}
+    assert len(ours) == 1, "the caches patched one of textgen's functions and not the other"
+    return ours.pop()
 
 
 def test_observations_are_clean(alf_env, alf_games):

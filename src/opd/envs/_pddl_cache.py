@@ -1,13 +1,15 @@
-"""Memoised parsing for ALFWorld's engine (textworld's PddlEnv): the same games, three times faster.
+"""Memoised parsing and lighter copies for ALFWorld's engine (textworld's PddlEnv): the same games, 4-35x faster.
 
-Playing an ALFWorld game spends most of its time re-parsing text that never changes. Every load
-parses the game's logic (the domain's actions and grammar) with tatsu, every reset translates the PDDL problem for
-fast-downward twice, and every step re-parses each admissible action's command template and each
-grammar rule's condition. ``python benchmarks/bench_envs.py --caches 40`` (one thread, 40 level-1
-games played twice with random commands, 10 turns): 11.1 s a pass as textworld ships, 4.9 s with
-these caches on games never played before and 2.4 s on games played before (what a training run
-mostly sees), with identical observations, rewards and admissible commands (also a test in
-``tests/test_envs.py``).
+Playing an ALFWorld game spends most of its time re-parsing text that never changes and deep-copying
+what it never changes. Every load parses the game's logic (the domain's actions and grammar) with
+tatsu, every reset translates the PDDL problem for fast-downward twice, every step re-parses each
+admissible action's command template and each grammar rule's condition, and every symbol of every
+text it derives (the feedback and each admissible command) deep-copies its context's entities.
+``python benchmarks/bench_envs.py --caches 40`` (one thread, 40 level-1 games played twice with
+random commands, 10 turns; benchmarks/results/engine_caches.json): 7.7 s a pass as textworld ships,
+2.1 s with these patches on games never played before and 0.2 s on games played before (what a
+training run mostly sees; 2.9 s and 1.1 s with the parse caches alone, measured beside them), with
+identical observations, rewards and admissible commands (also a test in ``tests/test_envs.py``).
 
 What is cached are pure functions of their text arguments:
 
@@ -27,6 +29,9 @@ The last two patch the names the engine's modules look up (``pddl_logic`` in
 they name are untouched. Bounded: about 140 KB per game's logic and 130 KB per translated
 problem of a generated game (two per game), so ~200 MB at most for the entries kept; grammar
 fragments are few and small.
+
+Not a cache: ``textgen.copy_context`` copies a context's two dicts instead of deep-copying the
+entities they hold (see :func:`_copy_context`).
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ def install() -> None:
 
             found = dict(
                 textgen=textgen._parse_and_convert,
+                copy_context=textgen.copy_context,
                 rule_query=Rule.__dict__["parse_conjunctive_query"],
                 fast_downward=pddl_logic.fast_downward,
                 pddl_logic=pddl_env.pddl_logic,
@@ -86,6 +92,7 @@ def install() -> None:
         query = _originals["rule_query"].__func__
         queried = functools.lru_cache(maxsize=_FRAGMENTS)(lambda expr: query(Rule, expr))
         textgen._parse_and_convert = parse_and_convert
+        textgen.copy_context = _copy_context
         Rule.parse_conjunctive_query = classmethod(lambda cls, expr: queried(expr) if cls is Rule else query(cls, expr))
         downward = _originals["fast_downward"]
         translate = lambda domain, problem, verbose=False, optimize=False: downward.pddl2sas(
@@ -96,6 +103,20 @@ def install() -> None:
         pddl_logic.fast_downward = _Module(downward, pddl2sas=translated)
         pddl_env.pddl_logic = _Module(pddl_logic, GameLogic=logic)
         _caches[:] = [parsed, queried, translated, logic]
+
+
+def _copy_context(context: dict) -> dict:
+    """textgen's copy of a derivation context, without deep-copying the entities in it: a derivation
+    only rebinds a context's two dicts or ``update``s its own copies of them, and reads the entity
+    infos and variables they hold, so copies of the dicts are the deep copy's equal at a fraction
+    of its cost (deep copies were most of a game step's time)."""
+    return {
+        "state": context["state"],
+        "facts": context["facts"],
+        "variables": dict(context["variables"]),
+        "mapping": dict(context["mapping"]),
+        "entity_infos": context["entity_infos"],
+    }
 
 
 def clear() -> None:
@@ -116,6 +137,7 @@ def uninstall() -> None:
         if not _originals:
             return
         textgen._parse_and_convert = _originals.pop("textgen")
+        textgen.copy_context = _originals.pop("copy_context")
         Rule.parse_conjunctive_query = _originals.pop("rule_query")
         pddl_logic.fast_downward = _originals.pop("fast_downward")
         pddl_env.pddl_logic = _originals.pop("pddl_logic")
