@@ -107,12 +107,13 @@ def _demo(
     agentic: bool = typer.Option(
         False,
         help="The agentic demo: ALFWorld household games, multi-turn, with a game teacher (needs the agent extra; "
-        "about 13 minutes on 2 CPU cores, the two objectives side by side).",
+        "about 7 minutes on 2 CPU cores, the two objectives side by side).",
     ),
     multitask: bool = typer.Option(
         False,
         help="The multi-task demo: one student, math and ALFWorld games alternating, a teacher for each; "
-        "sampled-token OPD vs LSM vs LSM with student top-K support (about 9 minutes on 2 CPU cores; needs the agent extra).",
+        "sampled-token OPD vs LSM vs LSM with the tail bucket vs LSM on the student's top-K (about 6 minutes on 2 CPU "
+        "cores; needs the agent extra).",
     ),
 ) -> None:
     """The embedded default: sampled-token OPD vs LSM from the same tiny student, on this CPU."""

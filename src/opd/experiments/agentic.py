@@ -10,8 +10,9 @@ at every step as ``diag/out_of_support`` -- is reported per objective: the revie
 paper for it, and its authors answered ">92% coverage at k=20".
 
 Cost at full size: 4 objectives x 3 seeds of the demo's 200 OPD steps of 16 episodes at lr 3e-4
-(about 3.5 s a step on one core), and an evaluation of each (greedy and 2 samples on 50 games,
-under a minute); about 2 h 20 min on 2 CPU cores, about 1 h 15 min with ``--workers 2``. ``--quick`` plays a handful of steps; where the packaged
+(about 1.8 s a step on one core since the engine's lighter copies; 3.5 s when its results were
+measured), and an evaluation of each (greedy and 2 samples on 50 games, under a minute); about
+1 h 15 min with ``--workers 2`` then, about 40 min now (an estimate from the step time). ``--quick`` plays a handful of steps; where the packaged
 agentic models are missing it first makes the shortened recipe's (its numbers decide nothing).
 """
 
