@@ -122,25 +122,21 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
         ["run", "math greedy", "math avg@k", "game greedy", "game avg@k"],
         rows,
     )
-    single = {v: [final_scores(s, run_name(v, k)) for k in range(s.seeds)] for v in SINGLE_TASK}
-    a.table(
+    single = _arm_table(
+        a,
+        s,
+        SINGLE_TASK,
         "One task (the arithmetic demo's student and teacher, 100 steps of 32 prompts, lr 5e-4): held-out "
-        "accuracy (%) after OPD, mean [95% CI] over seeds; avg@k at temperature 1, top-p 0.9",
-        ["run", "greedy", "avg@k"],
-        [
-            [v, *(mean_ci([r[key] for r in got]).fmt(1, 100) for key in ("accuracy", "avg_at_k"))]
-            for v, got in single.items()
-        ],
+        "accuracy (%) after OPD",
+        "avg@k",
     )
-    game = {v: [final_scores(s, run_name(v, k)) for k in range(s.seeds)] for v in AGENTIC}
-    a.table(
+    game = _arm_table(
+        a,
+        s,
+        AGENTIC,
         "The game alone (the agentic demo's teacher and student, 200 steps of 16 episodes, lr 3e-4, masking): "
-        "held-out success (%) after OPD, mean [95% CI] over seeds; avg@2 at temperature 1, top-p 0.9",
-        ["run", "greedy", "avg@2"],
-        [
-            [v, *(mean_ci([r[key] for r in got]).fmt(1, 100) for key in ("accuracy", "avg_at_k"))]
-            for v, got in game.items()
-        ],
+        "held-out success (%) after OPD",
+        "avg@2",
     )
     format_table(a, s, list(VARIANTS))
     groups = {v: [run_name(v, k) for k in range(s.seeds)] for v in VARIANTS}
@@ -169,6 +165,17 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
         "run's own final evaluation on the same held-out prompts and games."
     )
     return a
+
+
+def _arm_table(a: Analysis, s: Settings, arm: dict, title: str, k: str) -> dict[str, list[dict]]:
+    """One arm's table (greedy and avg@k of each run's final model over seeds); each run's scores."""
+    got = {v: [final_scores(s, run_name(v, seed)) for seed in range(s.seeds)] for v in arm}
+    rows = [
+        [v, *(mean_ci([r[key] for r in runs]).fmt(1, 100) for key in ("accuracy", "avg_at_k"))]
+        for v, runs in got.items()
+    ]
+    a.table(f"{title}, mean [95% CI] over seeds; {k} at temperature 1, top-p 0.9", ["run", "greedy", k], rows)
+    return got
 
 
 def _claims(a: Analysis, s: Settings) -> None:
