@@ -21,10 +21,10 @@ task). ``opd make-demo-models --multitask --out DIR`` makes the models (:func:`m
 
 Cost, measured on a 2-core machine:
 
-* the demo: 6.4 minutes in all on an otherwise idle machine (the three models' evaluations before
+* the demo: 6.0 minutes in all on an otherwise idle machine (the three models' evaluations before
   training, then the four objectives two at a time, one process and one thread each: a run of 96
   steps, 64 math steps of 64 prompts and 32 game steps of 16 episodes, with its final evaluation of
-  both tasks, 2.5 to 3 minutes; then the report);
+  both tasks, 2.2 to 2.8 minutes; then the report);
 * the recipe: the math teacher's 1,200 SFT steps of 64 solutions about 2.4 s each (51 minutes on
   one thread with the other core busy; the arithmetic demo's teacher, the same recipe on a 2,048
   token vocabulary, took 32 minutes on two cores); the student's mixed steps (32 solutions and 16
