@@ -8,8 +8,9 @@ reference levels), ``heatmap`` (a value by position bucket over steps), ``scatte
 teacher probability of sampled tokens, split by the sign of the reward).
 
 A multi-task run (``tasks`` in its config) logs each task's metrics under the task's name
-(``math/train/loss``, ``eval/math/accuracy``): its line charts get one more series per task
-("run · task", a colour of its own) beside the overall one, and its depth heatmaps one per task.
+(``math/train/loss``, ``eval/math/accuracy``): its line charts draw one series per task ("run ·
+task", a colour of its own) in place of the overall one where the tasks log their own (the eval
+chart keeps the overall, the mean over tasks, beside them), and its depth heatmaps one per task.
 
 Usage::
 
@@ -205,14 +206,29 @@ def task_keys(runs: list[RunData], run_index: int, key: str) -> list[tuple[str, 
     return out
 
 
+def step_series(runs: list[RunData], i: int, key: str, suffix: str, dashed: bool) -> list[dict]:
+    """Run ``i``'s series of a per-step metric: one per task where its tasks log their own, else the
+    overall one. A multi-task run's overall series jumps between its tasks' steps (a math step, then
+    a game step), which reads as noise; its tasks' series share the run's colours (the first task
+    the run's own), so four runs of two tasks still fit the palette without a repeat."""
+    run = runs[i]
+    tasks = task_keys(runs, i, key)[1:]
+    own = [
+        _series(run, i + len(runs) * j, scoped, task + suffix, dashed, run.steps)
+        for j, (scoped, task, _) in enumerate(tasks)
+    ]
+    own = [s for s in own if s is not None]
+    if own:
+        return own
+    overall = _series(run, i, key, suffix, dashed, run.steps)
+    return [overall] if overall else []
+
+
 def line_chart(runs: list[RunData], cid: str, title: str, keys, ylabel: str, note: str, group: str) -> dict:
     series = []
     for i, run in enumerate(runs):
         for key, suffix, dashed in keys:
-            for scoped, task, color in task_keys(runs, i, key):
-                s = _series(run, color, scoped, task + suffix, dashed, run.steps)
-                if s is None:
-                    continue
+            for s in step_series(runs, i, key, suffix, dashed):
                 if cid == "grad-norm":
                     s["marks"] = [r["step"] for r in run.steps if r.get("train/clipped") is True]
                 series.append(s)
