@@ -287,11 +287,11 @@ def check_report_splits_by_task(out) -> None:
     assert [s["label"] for s in loss] == ["run · math", "run · toy"]
     assert len({s["color"] for s in loss}) == 2
     assert [s["x"] for s in loss] == [[0, 2], [1]]  # each task's own steps
-    assert {s["label"] for s in charts["eval-accuracy"]["series"]} >= {
-        "run greedy",
-        "run · math greedy",
-        "run · toy avg@k",
-    }
+    evals = {s["label"] for s in charts["eval-accuracy"]["series"]}
+    assert evals == {f"run · {t} {k}" for t in ("math", "toy") for k in ("greedy", "avg@k")}
+    for task in loss:  # a task keeps its colour from chart to chart
+        name = task["label"] + " "
+        assert {x["color"] for x in charts["eval-accuracy"]["series"] if x["label"].startswith(name)} == {task["color"]}
     assert [s["label"] for s in charts["turns"]["series"]] == ["run · toy"]
     tail = [s["label"] for s in charts["tail-mass"]["series"]]
     assert {"run · math student", "run · toy teacher"} <= set(tail)

@@ -73,15 +73,15 @@ def plan(s: Settings) -> list[RunSpec]:
     steps = QUICK_STEPS if s.quick else STEPS
     # The runs need only their starting models: --workers runs them side by side.
     models = tuple(spec.name for spec in specs)
+    lrs = dict(lr=MEASURED_LR, game_lr=MEASURED_LR)
     for seed in range(s.seeds):
         for variant, change in VARIANTS.items():
             name = run_name(variant, seed)
-            cfg = opd_config(root, s.run_dir(name), steps, s.quick, seed, lr=MEASURED_LR, game_lr=MEASURED_LR, **change)
+            cfg = opd_config(root, s.run_dir(name), steps, s.quick, seed, **lrs, **change)
             specs.append(RunSpec(name, "train", cfg, needs=models))
         for variant, (task, change) in SINGLE.items():
             name = run_name(variant, seed)
             budget = task_steps(steps, task)
-            lrs = dict(lr=MEASURED_LR, game_lr=MEASURED_LR)
             cfg = opd_config(root, s.run_dir(name), budget, s.quick, seed, only=(task,), **lrs, **change)
             specs.append(RunSpec(name, "train", cfg, needs=models))
     return specs

@@ -9,8 +9,8 @@ teacher probability of sampled tokens, split by the sign of the reward).
 
 A multi-task run (``tasks`` in its config) logs each task's metrics under the task's name
 (``math/train/loss``, ``eval/math/accuracy``): its line charts draw one series per task ("run ·
-task", a colour of its own) in place of the overall one where the tasks log their own (the eval
-chart keeps the overall, the mean over tasks, beside them), and its depth heatmaps one per task.
+task", a colour of its own) in place of the overall one where the tasks log their own, and its
+depth heatmaps one per task.
 
 Usage::
 
@@ -196,31 +196,21 @@ def task_names(run: RunData) -> list[str]:
     return [t["name"] for t in tasks if isinstance(t, dict) and isinstance(t.get("name"), str)]
 
 
-def task_keys(runs: list[RunData], run_index: int, key: str) -> list[tuple[str, str, int]]:
-    """(metric key, label suffix, colour) of a run's overall series and of each of its tasks' series;
-    a task's colour comes after every run's own, so no two series of the page share one."""
-    out = [(key, "", run_index)]
-    for j, name in enumerate(task_names(runs[run_index])):
-        scoped = f"eval/{name}/{key[5:]}" if key.startswith("eval/") else f"{name}/{key}"
-        out.append((scoped, f" · {name}", run_index + len(runs) * (j + 1)))
-    return out
-
-
-def step_series(runs: list[RunData], i: int, key: str, suffix: str, dashed: bool) -> list[dict]:
-    """Run ``i``'s series of a per-step metric: one per task where its tasks log their own, else the
-    overall one. A multi-task run's overall series jumps between its tasks' steps (a math step, then
-    a game step), which reads as noise; its tasks' series share the run's colours (the first task
-    the run's own), so four runs of two tasks still fit the palette without a repeat."""
+def run_series(runs: list[RunData], i: int, key: str, suffix: str, dashed: bool, records: list[dict]) -> list[dict]:
+    """Run ``i``'s series of a metric in ``records``: one per task where its tasks log their own
+    (``math/KEY``, ``eval/math/...``), else the overall one. A multi-task run's overall series jumps
+    between its tasks' steps (a math step, then a game step) or averages tasks unlike each other;
+    its tasks' series take the run's colour (the first task) and then colours after every run's,
+    so four runs of two tasks fit the palette without a repeat."""
     run = runs[i]
-    tasks = task_keys(runs, i, key)[1:]
-    own = [
-        _series(run, i + len(runs) * j, scoped, task + suffix, dashed, run.steps)
-        for j, (scoped, task, _) in enumerate(tasks)
-    ]
+    own = []
+    for j, name in enumerate(task_names(run)):
+        scoped = f"eval/{name}/{key[5:]}" if key.startswith("eval/") else f"{name}/{key}"
+        own.append(_series(run, i + len(runs) * j, scoped, f" · {name}{suffix}", dashed, records))
     own = [s for s in own if s is not None]
     if own:
         return own
-    overall = _series(run, i, key, suffix, dashed, run.steps)
+    overall = _series(run, i, key, suffix, dashed, records)
     return [overall] if overall else []
 
 
@@ -228,7 +218,7 @@ def line_chart(runs: list[RunData], cid: str, title: str, keys, ylabel: str, not
     series = []
     for i, run in enumerate(runs):
         for key, suffix, dashed in keys:
-            for s in step_series(runs, i, key, suffix, dashed):
+            for s in run_series(runs, i, key, suffix, dashed, run.steps):
                 if cid == "grad-norm":
                     s["marks"] = [r["step"] for r in run.steps if r.get("train/clipped") is True]
                 series.append(s)
@@ -291,11 +281,9 @@ def eval_chart(runs: list[RunData]) -> dict:
         greedy = "eval/success_rate" if run.config.get("env") and not task_names(run) else "eval/accuracy"
         greedy_keys.add(greedy)
         for key, suffix, dashed in ((greedy, " greedy", False), ("eval/avg_at_k", " avg@k", True)):
-            for scoped, task, color in task_keys(runs, i, key):
-                s = _series(run, color, scoped, task + suffix, dashed, run.evals)
-                if s:
-                    s.pop("smooth", None)  # few points, each an evaluation over many prompts
-                    series.append(s)
+            for s in run_series(runs, i, key, suffix, dashed, run.evals):
+                s.pop("smooth", None)  # few points, each an evaluation over many prompts
+                series.append(s)
     hlines, seen = [], set()
     for run in runs:
         for key, label in (("teacher_acc", "teacher"), ("student_init_acc", "student before")):

@@ -346,6 +346,7 @@ def update_stage(run: Run, step: int, parts: list[StepPart]) -> list[StepUpdate]
     cfg = run.cfg
     totals = global_totals(run, [p.mask_NT for p in parts], [p.task.cfg.max_new_tokens for p in parts])
     micro = _micro_batches(parts, cfg.grad_accum)
+    scale = task_lr_scale(run, parts)
     first: list[StepUpdate] | None = None
     for update in range(cfg.updates_per_batch):
         run.optimizer.zero_grad(set_to_none=True)
@@ -367,7 +368,6 @@ def update_stage(run: Run, step: int, parts: list[StepPart]) -> list[StepUpdate]
         norm = torch.nn.utils.clip_grad_norm_(run.dist.model.parameters(), cfg.max_grad_norm or float("inf"))
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
         check_finite(run, step, loss=loss_value, gradient_norm=norm)
-        scale = task_lr_scale(run, parts)
         for group in run.optimizer.param_groups:  # the scheduler's next step resets it from the base lr
             group["lr"] *= scale
         run.optimizer.step()

@@ -52,6 +52,7 @@ def _full_vocab_diagnostics(s_MV: torch.Tensor, t_MV: torch.Tensor, k: int) -> d
     ones = torch.ones(s.shape[:2], dtype=torch.bool, device=s.device)
     t_ids = M.topk_ids(t, k)
     kl = (torch.softmax(s, -1) * (torch.log_softmax(s, -1) - torch.log_softmax(t, -1))).sum(-1)
+    student_support = M.support_mass(s, t_ids, ones)
     return {
         "train/kl_to_teacher": float(kl.mean()),
         "diag/overlap": M.topk_overlap_ratio(s, t, k, ones),
@@ -59,9 +60,9 @@ def _full_vocab_diagnostics(s_MV: torch.Tensor, t_MV: torch.Tensor, k: int) -> d
         "diag/entropy_gap": M.entropy_gap(s, t, ones),
         "diag/student_entropy": M.entropy(s, ones),
         "diag/teacher_entropy": M.entropy(t, ones),
-        "diag/student_support_mass": M.support_mass(s, t_ids, ones),
+        "diag/student_support_mass": student_support,
         "diag/teacher_support_mass": M.support_mass(t, t_ids, ones),
-        "diag/student_tail_mass": 1.0 - M.support_mass(s, t_ids, ones),
+        "diag/student_tail_mass": 1.0 - student_support,
     }
 
 
