@@ -751,3 +751,40 @@ def test_diagnostics_by_hand():
     pos = torch.tensor([[0, 1, -1]])
     share = X.mapped_topk_mass(t_ids, t_lp, pos, t2s, torch.tensor([[True, True, True]]))
     assert share.item() == pytest.approx(((0.5 + 0.1) / 0.8 + 1.0) / 2)
+
+
+def test_unmapped_prefix_counts_a_longer_teacher_token_for_the_student_token_it_begins_with():
+    from opd.models.tokenizer import train_bytelevel_tokenizer
+
+    texts = [f"{a} + {b} = {a + b}." for a in range(40) for b in range(40)]
+    student = train_tokenizer(texts, vocab_size=600)  # every digit alone
+    teacher = train_bytelevel_tokenizer(texts, vocab_size=600)  # runs of digits: "41" is one token
+    t_id, s_id = teacher.convert_tokens_to_ids, student.convert_tokens_to_ids
+    assert teacher.tokenize("41") == ["41"] and student.tokenize("41") == ["4", "1"]
+    drop = crosstok.build_vocab_map(student, teacher)
+    prefix = crosstok.build_vocab_map(student, teacher, unmapped="prefix")
+    assert drop.teacher_to_student_V[t_id("41")] == -1 and prefix.teacher_to_student_V[t_id("41")] == s_id("4")
+    assert prefix.teacher_to_student_V[t_id("Ġ=")] == drop.teacher_to_student_V[t_id("Ġ=")] == s_id("Ġ=")
+    # what the bytes map keeps, the prefix map keeps; every other text token gets its longest student prefix
+    kept = drop.teacher_to_student_V >= 0
+    assert torch.equal(prefix.teacher_to_student_V[kept], drop.teacher_to_student_V[kept])
+    s_bytes = crosstok.VocabBytes.from_tokenizer(student).token_bytes
+    t_bytes = crosstok.VocabBytes.from_tokenizer(teacher).token_bytes
+    for v in (~kept).nonzero().squeeze(-1).tolist():
+        got = s_bytes[int(prefix.teacher_to_student_V[v])]
+        assert t_bytes[v].startswith(got) and len(got) < len(t_bytes[v])
+        assert not any(b and t_bytes[v].startswith(b) and len(got) < len(b) < len(t_bytes[v]) for b in s_bytes)
+    assert prefix.n_prefix == int((~kept).sum()) > 0
+    assert prefix.n_mapped == drop.n_mapped  # the diagnostic still counts same-bytes tokens only
+    # at a position where the teacher writes "41" (0.6), "4" (0.1), "5" (0.2): the student's "4" gets 0.7
+    lp = torch.tensor([[[0.6, 0.1, 0.2]]]).log()
+    ids = torch.tensor([[[t_id("41"), t_id("4"), t_id("5")]]])
+    pos, mask = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool)
+    sup, slp, valid, _, _ = X.cross_tokenizer_support(ids, lp, pos, prefix.teacher_to_student_V, mask)
+    assert sup[0, 0][valid[0, 0]].tolist() == [s_id("4"), s_id("5")]
+    torch.testing.assert_close(slp[0, 0][valid[0, 0]].exp(), torch.tensor([0.7, 0.2]))
+    sup, slp, valid, _, _ = X.cross_tokenizer_support(ids, lp, pos, drop.teacher_to_student_V, mask)
+    assert sup[0, 0][valid[0, 0]].tolist() == [s_id("4"), s_id("5")]  # "41" left out
+    torch.testing.assert_close(slp[0, 0][valid[0, 0]].exp(), torch.tensor([0.1, 0.2]))
+    with pytest.raises(ValueError, match="unmapped"):
+        crosstok.build_vocab_map(student, teacher, unmapped="first")

@@ -9,6 +9,7 @@ the teacher has a clearly different tokenizer: a SentencePiece-style BPE trained
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -100,6 +101,8 @@ def test_different_tokenizer_trains_through_the_cli(cross_models, tmp_path, obje
     out = tmp_path / "run"
     args = ["train", "--student", str(student), "--teacher", str(teacher), "--teacher-tokenizer", str(teacher_tok)]
     args += ["--out", str(out), "--objective", objective, "--max-new-tokens", "12", "--steps", "3"]
+    if objective == "lsm":
+        args += ["--cross-unmapped", "prefix"]
     for key, value in SMALL.items():
         if key not in ("steps", "max_new_tokens"):
             args += [f"--{key.replace('_', '-')}", str(value)]
@@ -107,6 +110,9 @@ def test_different_tokenizer_trains_through_the_cli(cross_models, tmp_path, obje
     assert result.exit_code == 0, result.output
     assert "teacher tokenizer differs from the student's:" in result.output
     assert f"cross-tokenizer {'LSM' if objective == 'lsm' else 'sampled-token OPD'}" in result.output
+    if objective == "lsm":  # the teacher's tokens without a same-bytes student token count for their first one
+        assert "more to the student token they begin with" in result.output
+        assert json.loads((out / "config.json").read_text())["cross_unmapped"] == "prefix"
     records = step_records(out)
     assert len(records) == 3
     for r in records:
@@ -280,6 +286,8 @@ def test_bad_options_and_special_map(cross_models, tmp_path):
     student, teacher, teacher_tok = cross_models
     with pytest.raises(ConfigError, match="cross_tokenizer='yes': choose one of auto, on, off"):
         cfg_for(student, teacher, tmp_path, cross_tokenizer="yes")
+    with pytest.raises(ConfigError, match="cross_unmapped='first': choose one of drop, prefix"):
+        cfg_for(student, teacher, tmp_path, cross_unmapped="first")
     with pytest.raises(ConfigError, match="teacher_special_map item '<|im_end|>' is not STUDENT=TEACHER"):
         cfg_for(student, teacher, tmp_path, teacher_special_map=["<|im_end|>"])
     cfg = cfg_for(

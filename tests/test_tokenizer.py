@@ -22,6 +22,7 @@ from opd.models.tokenizer import (
     format_chat,
     format_prompt,
     special_token_ids,
+    train_bytelevel_tokenizer,
     train_tokenizer,
 )
 from opd.tasks import ArithmeticTask
@@ -166,3 +167,31 @@ def test_bad_inputs():
         train_tokenizer(["hello"], vocab_size=100)
     with pytest.raises(UserError, match="no text"):
         train_tokenizer([], vocab_size=512)
+
+
+def test_bytelevel_teacher_tokenizer_is_another_vocabulary_with_the_students_markup(
+    tok, examples, sample_texts, tmp_path
+):
+    from opd.models.loading import load_tokenizer
+
+    texts = [e.prompt for e in examples] + [e.solution for e in examples]
+    teacher = train_bytelevel_tokenizer(texts, vocab_size=1536)
+    teacher.save_pretrained(tmp_path)  # a directory of its own, as --teacher-tokenizer
+    loaded = load_tokenizer(tmp_path, "teacher")
+    assert len(loaded) == len(teacher) == 1536 != len(tok)
+    for text in sample_texts:
+        ids = teacher.encode(text, add_special_tokens=False)
+        assert loaded.encode(text, add_special_tokens=False) == ids, text
+        assert loaded.decode(ids) == unicodedata.normalize("NFC", text)
+    # byte-level (what GOLD's byte-offset alignment requires): every piece is bytes shown as ByteLevel characters
+    assert "ByteLevel" in loaded.backend_tokenizer.pre_tokenizer.__getstate__().decode()
+    # numbers in runs of up to three digits where the student splits every digit: other pieces, other ids
+    pieces = [w for w, _ in loaded.backend_tokenizer.pre_tokenizer.pre_tokenize_str("x 123456 7")]
+    assert pieces == ["x", "Ġ", "123", "456", "Ġ", "7"]
+    assert loaded.tokenize("41") == ["41"] and tok.tokenize("41") == ["4", "1"]
+    # the same chat text, with the markup and <think> as single tokens
+    assert format_chat(loaded, "Compute 1 + 2.", "3") == format_chat(tok, "Compute 1 + 2.", "3")
+    assert special_token_ids(loaded).keys() == special_token_ids(tok).keys()
+    assert (loaded.eos_token, loaded.pad_token, loaded.padding_side) == (EOS, PAD, "left")
+    with pytest.raises(UserError, match="vocab_size"):
+        train_bytelevel_tokenizer(texts, vocab_size=200)

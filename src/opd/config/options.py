@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from opd.config.fields import DTYPES, REPORT_TO_HELP, ConfigError, check_device, check_report_to, opt, require
 from opd.config.tasks import read_task_list, resolve_tasks
 from opd.crosstok.align import PAIRINGS
+from opd.crosstok.vocab_map import UNMAPPED
 from opd.envs.workers import AUTO_WORKERS, MAX_WORKERS
 from opd.losses import SUPPORT_KINDS
 from opd.tasks.arithmetic import LEVELS
@@ -207,6 +208,13 @@ class TrainConfig(EnvSource, TrainingSource):
         "token of every aligned group (both sides then read the same text prefix); one_to_one: only "
         "tokens whose bytes are exactly one teacher token.",
     )
+    cross_unmapped: str = opt(
+        "drop",
+        "Cross-tokenizer LSM: a teacher token with no student token of the same bytes (the teacher's '19' "
+        "where the student writes each digit). drop: left out of the support; prefix: counted for the "
+        "longest student token its bytes begin with ('1'), the teacher's mass for how the text goes on. "
+        "For a teacher whose tokens are longer than the student's (docs/cross-tokenizer.md).",
+    )
     teacher_special_map: list = opt(
         [],
         "Cross-tokenizer: student special tokens and the teacher's that stand for them, STUDENT=TEACHER, "
@@ -379,6 +387,10 @@ class TrainConfig(EnvSource, TrainingSource):
         )
         require(
             self.cross_pairing in PAIRINGS, f"cross_pairing={self.cross_pairing!r}: choose one of {', '.join(PAIRINGS)}"
+        )
+        require(
+            self.cross_unmapped in UNMAPPED,
+            f"cross_unmapped={self.cross_unmapped!r}: choose one of {', '.join(UNMAPPED)}",
         )
         parse_special_map(self.teacher_special_map)
         if self.cross_tokenizer == "on":

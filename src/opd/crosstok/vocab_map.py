@@ -18,6 +18,13 @@ so ``Ġhello`` and ``▁hello`` never match, and it crashes (``max()`` of an emp
 vocabularies share nothing; here the comparison is by bytes and a vocabulary overlap below
 ``min_share`` is a :class:`opd.errors.UserError` that names the fix.
 
+``unmapped="prefix"``: a teacher text token with no student token of the same bytes (``"19"``
+where the student writes each digit alone) maps to the longest student token its bytes begin
+with (``"1"``), so its mass counts as the teacher's for that first student token instead of
+leaving the support. Without it, where the teacher's top-K is mostly such tokens (the first digit
+of a number) the mapped support is only what the teacher gives the short tokens as whole tokens
+(``"1"`` meaning the number 1), a target that teaches the wrong thing.
+
 Usage::
 
     vmap = build_vocab_map(student_tok, teacher_tok, teacher_rows=teacher_head.shape[0])
@@ -34,7 +41,9 @@ import torch
 from opd.crosstok.token_bytes import VocabBytes
 from opd.errors import UserError
 
-__all__ = ["VocabMap", "build_vocab_map"]
+__all__ = ["UNMAPPED", "VocabMap", "build_vocab_map"]
+
+UNMAPPED = ("drop", "prefix")  # a teacher token with no same-bytes student token: left out, or its first student token
 
 
 @dataclass
@@ -56,6 +65,7 @@ class VocabMap:
     n_teacher_text: int  # teacher ids that are text (have bytes)
     special_pairs: dict[int, int] = field(default_factory=dict)  # student special id -> teacher special id
     teacher_to_student_start_V: torch.Tensor | None = None
+    n_prefix: int = 0  # with unmapped="prefix": teacher text tokens mapped to the student token they begin with
 
     def __post_init__(self):
         if self.teacher_to_student_start_V is None:
@@ -76,6 +86,7 @@ class VocabMap:
             self.n_teacher_text,
             dict(self.special_pairs),
             t2s if same else self.teacher_to_student_start_V.to(device),
+            self.n_prefix,
         )
 
 
@@ -102,6 +113,21 @@ def _index_map(keys: list[bytes | None], target: dict[bytes, int], rows: int) ->
         src, dst = zip(*mapped)
         out[list(src)] = torch.tensor(dst, dtype=torch.long)
     return out, len(mapped)
+
+
+def _fill_prefixes(out: torch.Tensor, keys: list[bytes | None], target: dict[bytes, int]) -> int:
+    """Map each unmapped key (``out`` -1) to the target id of the longest proper prefix of its
+    bytes that has one; returns how many were filled."""
+    filled = 0
+    longest = max(map(len, target), default=0)
+    for v, b in enumerate(keys):
+        if b is None or int(out[v]) >= 0:
+            continue
+        for n in range(min(len(b) - 1, longest), 0, -1):
+            if b[:n] in target:
+                out[v], filled = target[b[:n]], filled + 1
+                break
+    return filled
 
 
 def _start_keys(vb: VocabBytes) -> tuple[list[bytes | None], frozenset[int]]:
@@ -136,6 +162,7 @@ def build_vocab_map(
     warn_share: float = 0.3,
     student_rows: int | None = None,
     teacher_rows: int | None = None,
+    unmapped: str = "drop",
 ) -> VocabMap:
     """Map two vocabularies (tokenizers or :class:`VocabBytes`) onto each other by token bytes.
 
@@ -143,24 +170,33 @@ def build_vocab_map(
     (padded embeddings); the extra rows map to -1. A teacher whose text tokens map less than
     ``min_share`` is refused (UserError; a map with no text token in common is refused at any
     ``min_share``), below ``warn_share`` a warning says so: with little overlap the
-    cross-tokenizer LSM support is mostly empty.
+    cross-tokenizer LSM support is mostly empty. ``unmapped``: ``"drop"`` (a teacher token with no
+    student token of the same bytes maps to -1) or ``"prefix"`` (to the longest student token its
+    bytes begin with; see the module docstring).
     """
+    if unmapped not in UNMAPPED:
+        raise ValueError(f"unmapped={unmapped!r}: choose one of {', '.join(UNMAPPED)}")
     s = _as_bytes(student, "student")
     t = _as_bytes(teacher, "teacher")
     s_rows = max(len(s), student_rows or 0)
     t_rows = max(len(t), teacher_rows or 0)
     none: frozenset[int] = frozenset()
-    t2s, n_mapped = _index_map(t.token_bytes, _canonical_ids(s.token_bytes, s.byte_fallback_ids, none), t_rows)
+    s_ids = _canonical_ids(s.token_bytes, s.byte_fallback_ids, none)
+    t2s, n_mapped = _index_map(t.token_bytes, s_ids, t_rows)
     s2t, _ = _index_map(s.token_bytes, _canonical_ids(t.token_bytes, t.byte_fallback_ids, none), s_rows)
+    n_prefix = _fill_prefixes(t2s, t.token_bytes, s_ids) if unmapped == "prefix" else 0
     t2s_start = t2s
     if s.has_start_rule or t.has_start_rule:
         (s_keys, s_prefer), (t_keys, _) = _start_keys(s), _start_keys(t)
-        t2s_start, _ = _index_map(t_keys, _canonical_ids(s_keys, s.byte_fallback_ids, s_prefer), t_rows)
+        s_start_ids = _canonical_ids(s_keys, s.byte_fallback_ids, s_prefer)
+        t2s_start, _ = _index_map(t_keys, s_start_ids, t_rows)
+        if unmapped == "prefix":
+            _fill_prefixes(t2s_start, t_keys, s_start_ids)
     pairs = _special_pairs(s, t, special_pairs or {})
     for s_id, t_id in pairs.items():
         t2s[t_id], t2s_start[t_id], s2t[s_id] = s_id, s_id, t_id
     n_text = sum(b is not None for b in t.token_bytes)
-    vmap = VocabMap(t2s, s2t, n_mapped, n_text, pairs, t2s_start)
+    vmap = VocabMap(t2s, s2t, n_mapped, n_text, pairs, t2s_start, n_prefix)
     _check_overlap(vmap, s, t, min_share, warn_share)
     return vmap
 

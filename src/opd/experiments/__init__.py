@@ -20,6 +20,7 @@ _MODULES = {
     "depth": "opd.experiments.depth",
     "agentic": "opd.experiments.agentic",
     "cross-tokenizer": "opd.experiments.cross_tokenizer",
+    "gold-bytelevel": "opd.experiments.gold_bytelevel",
     "multitask": "opd.experiments.multitask",
     "multitask-tail": "opd.experiments.tail",
 }

@@ -93,13 +93,14 @@ def keep_weights(p: dict, run_dir: Path) -> dict:
     return {"teacher": str(dst)}
 
 
-def _gold_params(s: Settings, seed: int, hybrid: bool, teacher: str, tokenizer: str) -> dict:
+def gold_params(s: Settings, seed: int, teacher: str, tokenizer: str, **knobs) -> dict:
+    """A GOLD run's parameters (:func:`opd.experiments.gold.run_gold`) at opd's sizes and settings;
+    ``knobs`` (hybrid, lr, GOLD's own) on top."""
     size = sizes(s.quick, OPD_STEPS, BATCH)
     return {
         "student": STUDENT,
         "teacher": teacher,
         "teacher_tokenizer": tokenizer,
-        "hybrid": hybrid,
         "steps": size["steps"],
         "batch_size": size["batch_size"],
         "lr": 5e-4,  # opd_config's
@@ -109,15 +110,20 @@ def _gold_params(s: Settings, seed: int, hybrid: bool, teacher: str, tokenizer: 
         "seed": seed,
         "task_level": TASK_LEVEL,
         "prompts": 256 if s.quick else 20000,
+        **knobs,
     }
 
 
-def plan(s: Settings) -> list[RunSpec]:
+def teacher_specs(s: Settings, vocab: int, make) -> tuple[list[RunSpec], str, str]:
+    """A teacher with a tokenizer of its own: ``make`` trains the tokenizer (a python run step), the
+    demo teacher's recipe fine-tunes a new model on it, its weights are kept apart from the
+    tokenizer files ``opd sft`` saves beside them, and it is evaluated. Returns the specs, the
+    tokenizer's directory and the teacher's."""
     tok_dir = str(s.run_dir("teacher/tokenizer") / "tokenizer")
-    x_teacher = str(s.run_dir("teacher/model") / "model")
+    teacher = str(s.run_dir("teacher/model") / "model")
     sft = teacher_sft_config(s.run_dir("teacher/sft"), tok_dir, s.quick)
     specs = [
-        RunSpec("teacher/tokenizer", "python", {"vocab": TEACHER_VOCAB}, make_tokenizer, "train the teacher tokenizer"),
+        RunSpec("teacher/tokenizer", "python", {"vocab": vocab}, make, "train the teacher tokenizer"),
         RunSpec("teacher/sft", "sft", sft),
         RunSpec(
             "teacher/model",
@@ -126,12 +132,19 @@ def plan(s: Settings) -> list[RunSpec]:
             keep_weights,
             "the teacher's weights without the tokenizer files opd sft saved beside them",
         ),
-        final_eval_spec(s, "teacher/model", 0, model=x_teacher, tokenizer=tok_dir),
+        final_eval_spec(s, "teacher/model", 0, model=teacher, tokenizer=tok_dir),
+    ]
+    return specs, tok_dir, teacher
+
+
+def plan(s: Settings) -> list[RunSpec]:
+    specs, tok_dir, x_teacher = teacher_specs(s, TEACHER_VOCAB, make_tokenizer)
+    specs += [
         final_eval_spec(s, "teacher/same", 0, model=TEACHER),
         RunSpec(
             "gold/extended-probe",
             "python",
-            _gold_params(s, 0, False, x_teacher, tok_dir),
+            gold_params(s, 0, x_teacher, tok_dir, hybrid=False),
             probe_extended_uld,
             "one step of GOLD's default byte-offset alignment: records TRL's error, if any",
         ),
@@ -146,7 +159,7 @@ def plan(s: Settings) -> list[RunSpec]:
             specs += with_eval(s, RunSpec(name, "train", cfg), seed)
         for variant, hybrid in GOLD_VARIANTS.items():
             name = f"{variant}/seed{seed}"
-            params = _gold_params(s, seed, hybrid, x_teacher, tok_dir)
+            params = gold_params(s, seed, x_teacher, tok_dir, hybrid=hybrid)
             specs += [
                 RunSpec(name, "python", params, run_gold, f"TRL GOLDTrainer, {'hybrid' if hybrid else 'ULD'} loss"),
                 final_eval_spec(s, name, seed),

@@ -3,7 +3,8 @@
 :func:`run_gold` is a python run step (``fn(params, run_dir) -> dict``): it trains the student with
 ``GOLDTrainer`` from local directories on CPU and writes the final model to ``run_dir/final`` with
 opd's :func:`opd.runs.rundir.save_final_model`, so ``opd eval`` scores it exactly as it scores opd's runs.
-The settings follow opd's runs: fully on-policy (``lmbda=1``), the same prompts (the task's
+The settings follow opd's runs unless a run sets GOLD's own knobs (``lmbda``, ``beta``,
+``temperature``, ``extended``): fully on-policy (``lmbda=1``), the same prompts (the task's
 training split; GOLD draws them in its own shuffled order), steps, batch, opd's own optimizer and
 schedule (:mod:`opd.training.optim`: AdamW, warm-up then a constant rate), clipping 1.0, temperature 1,
 top-p and no top-k, the same maximum response length. GOLD's loss: ULD (sorted-probability L1) or its hybrid
@@ -67,15 +68,16 @@ def _trainer(p: dict, run_dir: Path, extended: bool, steps: int):
         gradient_accumulation_steps=1,
         learning_rate=p["lr"],
         max_grad_norm=1.0,
-        lmbda=1.0,  # every batch sampled by the student: on-policy, as opd
-        temperature=1.0,
+        lmbda=p.get("lmbda", 1.0),  # 1: every batch sampled by the student (on-policy, as opd)
+        beta=p.get("beta", 0.5),
+        temperature=p.get("temperature", 1.0),
         top_p=p["top_p"],
         top_k=0,
         max_completion_length=p["max_new_tokens"],
         max_length=p["max_new_tokens"] + 256,
         teacher_model_name_or_path=p["teacher"],
         teacher_tokenizer_name_or_path=p["teacher_tokenizer"],
-        use_uld_loss=True,
+        use_uld_loss=p.get("uld", True),  # False: GKD's JSD (same tokenizer only)
         uld_use_hybrid_loss=p["hybrid"],
         use_extended_uld=extended,
         dataloader_num_workers=0,
@@ -96,10 +98,13 @@ def _trainer(p: dict, run_dir: Path, extended: bool, steps: int):
 
 def run_gold(p: dict, run_dir: Path) -> dict:
     """Train with GOLD (``p``: student, teacher, teacher_tokenizer, hybrid, steps, batch_size, lr,
-    warmup_steps, top_p, max_new_tokens, seed, task_level, prompts); the model goes to ``run_dir/final``."""
+    warmup_steps, top_p, max_new_tokens, seed, task_level, prompts; optional GOLD knobs ``extended``
+    (its byte-offset alignment; default off), ``lmbda``, ``beta``, ``temperature`` (defaults 1, 0.5,
+    1) and ``uld`` (default on; off: GKD's JSD, for a teacher with the student's tokenizer)); the
+    model goes to ``run_dir/final``."""
     from opd.runs.rundir import save_final_model
 
-    trainer, student_tok = _trainer(p, run_dir, extended=False, steps=p["steps"])
+    trainer, student_tok = _trainer(p, run_dir, extended=p.get("extended", False), steps=p["steps"])
     t0 = time.time()
     trainer.train()
     wall = time.time() - t0

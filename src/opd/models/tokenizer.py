@@ -40,6 +40,7 @@ __all__ = [
     "QWEN2_PRETOKENIZE_REGEX",
     "train_tokenizer",
     "train_sentencepiece_tokenizer",
+    "train_bytelevel_tokenizer",
     "format_prompt",
     "format_chat",
     "special_token_ids",
@@ -70,8 +71,9 @@ CHAT_TEMPLATE = (
 _ADDED_SPLIT = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS + ADDED_TOKENS))
 
 
-def _qwen2_pipeline_tokenizer() -> Tokenizer:
-    """An empty BPE with the pipeline Qwen2Tokenizer rebuilds on load (see module docstring)."""
+def _qwen2_pipeline_tokenizer(split_regex: str = QWEN2_PRETOKENIZE_REGEX) -> Tokenizer:
+    """An empty BPE with the pipeline Qwen2Tokenizer rebuilds on load (see module docstring);
+    ``split_regex``: another pre-tokenization split (then it survives a reload only on its own)."""
     tok = Tokenizer(
         models.BPE(
             unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False
@@ -80,7 +82,7 @@ def _qwen2_pipeline_tokenizer() -> Tokenizer:
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(split_regex), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
@@ -104,10 +106,14 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> PreTrainedT
     A small corpus may stop short of it (no pair left to merge); ``len(tokenizer)`` is the truth
     to give a model config. Train on what the model will read: prompts and worked solutions.
     """
+    return _train_bytelevel(texts, vocab_size, QWEN2_PRETOKENIZE_REGEX)
+
+
+def _train_bytelevel(texts: Iterable[str], vocab_size: int, split_regex: str) -> PreTrainedTokenizerFast:
     n_fixed = 256 + len(SPECIAL_TOKENS) + len(ADDED_TOKENS)
     if vocab_size < n_fixed:
         raise UserError(f"vocab_size={vocab_size} is below the {n_fixed} byte and special tokens: use at least 512")
-    tok = _qwen2_pipeline_tokenizer()
+    tok = _qwen2_pipeline_tokenizer(split_regex)
     trainer = BpeTrainer(
         vocab_size=vocab_size - len(ADDED_TOKENS),
         special_tokens=list(SPECIAL_TOKENS),  # ids 0, 1, 2
@@ -130,6 +136,25 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> PreTrainedT
         padding_side="left",  # generation batches are left-padded
         chat_template=CHAT_TEMPLATE,
     )
+
+
+# Llama-3's split: Qwen2's, but numbers in runs of up to three digits where Qwen2 splits each digit.
+LLAMA3_PRETOKENIZE_REGEX = QWEN2_PRETOKENIZE_REGEX.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+
+
+def train_bytelevel_tokenizer(texts: Iterable[str], vocab_size: int = 1536) -> PreTrainedTokenizerFast:
+    """A byte-level BPE with another vocabulary than :func:`train_tokenizer`'s, the kind of pair
+    (Qwen and Llama 3) that TRL's GOLD aligns by byte offsets: Llama-3's pre-tokenization (numbers
+    in runs of up to three digits, which its merges may join: "41" is one token, not two), its own
+    merges and ids, and
+    ``vocab_size`` counted as in :func:`train_tokenizer`. The chat markup is the student's (the same
+    ``<|im_start|>``/``<|im_end|>`` text and ``<think>`` tokens), because GOLD hands the teacher the
+    student's chat text re-tokenized: a teacher trained on other markup would read text it never saw.
+
+    Save it in a directory of its own (``--teacher-tokenizer``): next to a Qwen2 model, transformers
+    5 would rebuild it with Qwen2's digit split on reload.
+    """
+    return _train_bytelevel(texts, vocab_size, LLAMA3_PRETOKENIZE_REGEX)
 
 
 # A Llama-2-style template: the BOS as text, [INST] ... [/INST], no system role.

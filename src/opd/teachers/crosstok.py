@@ -81,6 +81,7 @@ class CrossTokenizerTeacher:
         *,
         objective: str = "lsm",
         pairing: str = "group_start",
+        unmapped: str = "drop",
         special_map: dict[str, str] | None = None,
         teacher_rows: int | None = None,
         teacher_context: int | None = None,
@@ -92,7 +93,11 @@ class CrossTokenizerTeacher:
         self.s_vb = VocabBytes.from_tokenizer(student_tok, f"student {_name(student_tok)}")
         self.t_vb = VocabBytes.from_tokenizer(teacher_tok, f"teacher {_name(teacher_tok)}")
         self.vmap = build_vocab_map(
-            self.s_vb, self.t_vb, special_pairs=self._special_pairs(special_map or {}), teacher_rows=teacher_rows
+            self.s_vb,
+            self.t_vb,
+            special_pairs=self._special_pairs(special_map or {}),
+            teacher_rows=teacher_rows,
+            unmapped=unmapped,
         )
         self.same_vocab = student_tok.get_vocab() == teacher_tok.get_vocab()
         self.student_eos = student_tok.eos_token_id
@@ -115,9 +120,10 @@ class CrossTokenizerTeacher:
         """The one line ``opd train`` prints when it detects (or is told of) the teacher's tokenizer."""
         what = "cross-tokenizer LSM" if self.objective == "lsm" else "cross-tokenizer sampled-token OPD (span reward)"
         differs = "is the student's (forced on)" if self.same_vocab else "differs from the student's"
+        prefix = f" ({self.vmap.n_prefix} more to the student token they begin with)" if self.vmap.n_prefix else ""
         return (
             f"teacher tokenizer {differs}: {self.vmap.n_mapped} of {self.vmap.n_teacher_text} teacher tokens map "
-            f"to student tokens; {what}"
+            f"to student tokens{prefix}; {what}"
         )
 
     # ------------------------------------------------------------------ teacher sequences

@@ -189,7 +189,14 @@ def build_tasks(specs: list[TaskSpec], data: list[tuple], student, tok) -> list[
         c = spec.cfg
         where = ("url", c.teacher_url) if c.teacher_url else ("dir", str(Path(c.teacher).resolve()))
         # The same model read with another dtype or tokenizer setting scores differently: not shared.
-        key = (*where, c.teacher_dtype or c.dtype, c.teacher_tokenizer, c.cross_tokenizer, c.cross_pairing)
+        key = (
+            *where,
+            c.teacher_dtype or c.dtype,
+            c.teacher_tokenizer,
+            c.cross_tokenizer,
+            c.cross_pairing,
+            c.cross_unmapped,
+        )
         key += tuple(c.teacher_special_map)
         if key not in teachers:  # every teacher's vocabulary is checked against the student's here
             teachers[key] = for_task(spec.name, make_teacher, c, student, tok)
