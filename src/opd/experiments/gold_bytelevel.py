@@ -35,6 +35,7 @@ from opd.experiments.common import (
     STUDENT,
     TEACHER,
     avg_at_k_claim,
+    diagnostics_plots,
     final_eval_spec,
     final_scores,
     opd_config,
@@ -296,6 +297,9 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
         "keeps in its top-K there have about 1e-6 of its mass. Which of these drives the collapse is not "
         "measured yet; the prefix map (the first digit's target counted right) does not prevent it.",
     )
+    keys = {"cross/one_to_one": "one-to-one share", "eval/accuracy": "greedy accuracy"}
+    groups = {v: [f"{v}/seed{k}" for k in seeds] for v in OPD_VARIANTS}  # GOLD logs no opd metrics
+    diagnostics_plots(a, s, groups, keys, "gold", rates=tuple(keys))
     a.notes.append(
         "GOLD's best is chosen on seed 0's test-prompt avg@k and that run is one of its seeds: both favour GOLD. "
         "With lmbda < 1 GOLD also trains on the dataset's worked solutions (its off-policy half), which opd's "
