@@ -347,3 +347,78 @@ def test_served_teacher_with_its_own_tokenizer(cross_models, tmp_path):
         assert torch.equal(a.position_mask_NT, b.position_mask_NT)
     finally:
         stop_server(server)
+
+
+def test_a_teacher_that_joins_digits_scores_every_digit_of_the_students_numbers():
+    """--cross-unmapped prefix, --cross-pairing within_group and --cross-joinable drop, against a
+    computation by hand: a student that writes each digit alone, a teacher that writes "15" as one token."""
+    from opd.models.tokenizer import train_bytelevel_tokenizer, train_tokenizer
+
+    texts = [f"{a} + {b} = {a + b}." for a in range(40) for b in range(40)]
+    s_tok, t_tok = train_tokenizer(texts, vocab_size=600), train_bytelevel_tokenizer(texts, vocab_size=600)
+    s_vb, t_vb = crosstok.VocabBytes.from_tokenizer(s_tok), crosstok.VocabBytes.from_tokenizer(t_tok)
+    s_by_bytes = {b: i for i, b in enumerate(s_vb.token_bytes) if b is not None}
+    teacher_bytes = [b for b in t_vb.token_bytes if b]
+    top = [t_tok.convert_tokens_to_ids(t) for t in ("15", "1", "12", "Ġ+", "Ġ")]
+    probs = [0.4, 0.1, 0.2, 0.15, 0.05]
+    fixed = _FixedTeacher(top, [math.log(p) for p in probs])
+    responses = ["15 + 1 = 16.", "1 + 12 = 13."]
+    batch = _student_batch(s_tok, "Compute 15 + 1.", responses)
+
+    def first_student_token(b: bytes) -> int:  # the longest student token the bytes begin with
+        return s_by_bytes[max((p for p in s_by_bytes if b.startswith(p)), key=len)]
+
+    for pairing, joinable in (("within_group", "drop"), ("group_start", "keep")):
+        joined = 0
+        scorer = CrossTokenizerTeacher(fixed, s_tok, t_tok, pairing=pairing, unmapped="prefix", joinable=joinable)
+        scores = scorer.score(batch, len(top))
+        seen = fixed.seen
+        for n in range(len(responses)):
+            s_ids = batch.response_ids_NT[n, : int(batch.response_mask_NT[n].sum())].tolist()
+            t_ids = seen.response_ids_NT[n, : int(seen.response_mask_NT[n].sum())].tolist()
+            t_prompt = seen.input_ids_NL[n, : seen.prompt_len][seen.attention_mask_NL[n, : seen.prompt_len].bool()]
+            al = crosstok.align_ids(s_ids, t_ids, s_vb, t_vb, special_pairs={s_tok.eos_token_id: t_tok.eos_token_id})
+            assert any(len(g.student) == 2 and len(g.teacher) == 1 for g in al.groups)  # a two-digit number
+            want: dict[int, dict[int, float]] = {}
+            for g in al.groups:
+                if not g.student or not g.teacher or s_vb.bytes_of(s_ids[g.student[0]]) is None:
+                    continue  # the EOS pair: no text
+                u = g.teacher[0]
+                before = t_vb.bytes_of(t_ids[u - 1] if u else int(t_prompt[-1]))
+                start: dict[int, float] = {}
+                for v, p in zip(top, probs):
+                    sid = first_student_token(t_vb.bytes_of(v))
+                    if joinable == "drop" and any(tb.startswith(before + s_vb.bytes_of(sid)) for tb in teacher_bytes):
+                        joined += 1
+                        continue  # the teacher would have joined it to its token before
+                    start[sid] = start.get(sid, 0.0) + p
+                want[g.student[0]] = start
+                done = b""
+                for i, j in zip(g.student, g.student[1:]):
+                    done += s_vb.bytes_of(s_ids[i])
+                    if pairing != "within_group" or len(g.teacher) != 1:
+                        continue
+                    inside: dict[int, float] = {}
+                    for v, p in zip(top, probs):
+                        b = t_vb.bytes_of(v)
+                        if b.startswith(done) and len(b) > len(done):
+                            sid = first_student_token(b[len(done) :])
+                            inside[sid] = inside.get(sid, 0.0) + p
+                    want[j] = inside
+            for i in range(len(s_ids) - 1):  # the EOS is not text
+                valid = torch.isfinite(scores.topk_logprobs_NTK[n, i])
+                got = dict(
+                    zip(scores.topk_ids_NTK[n, i][valid].tolist(), scores.topk_logprobs_NTK[n, i][valid].exp().tolist())
+                )
+                expect = {k: v for k, v in want.get(i, {}).items()}
+                assert got.keys() == expect.keys(), (pairing, n, i, s_tok.convert_ids_to_tokens(s_ids[i]))
+                assert all(abs(got[k] - expect[k]) < 1e-5 for k in got)
+                assert bool(scores.position_mask_NT[n, i]) == bool(expect)
+        assert (joined > 0) == (joinable == "drop")  # "1" after the teacher's "1" of "1 + 12": it writes "11"
+        if pairing == "within_group":  # the second digit of "15" and "12" has a target: the teacher's "15" and "12"
+            five, two = s_tok.convert_tokens_to_ids("5"), s_tok.convert_tokens_to_ids("2")
+            second = 1  # "15 + 1 = 16.": student "1" "5" ...
+            got = dict(zip(scores.topk_ids_NTK[0, second].tolist(), scores.topk_logprobs_NTK[0, second].exp().tolist()))
+            assert abs(got[five] - 0.4) < 1e-6 and abs(got[two] - 0.2) < 1e-6
+    with pytest.raises(UserError, match="cross_joinable='maybe'"):
+        CrossTokenizerTeacher(fixed, s_tok, t_tok, joinable="maybe")

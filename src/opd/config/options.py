@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from opd.config.fields import DTYPES, REPORT_TO_HELP, ConfigError, check_device, check_report_to, opt, require
 from opd.config.tasks import read_task_list, resolve_tasks
 from opd.crosstok.align import PAIRINGS
-from opd.crosstok.vocab_map import UNMAPPED
+from opd.crosstok.vocab_map import JOINABLE, UNMAPPED
 from opd.envs.workers import AUTO_WORKERS, MAX_WORKERS
 from opd.losses import SUPPORT_KINDS
 from opd.tasks.arithmetic import LEVELS
@@ -206,7 +206,9 @@ class TrainConfig(EnvSource, TrainingSource):
         "group_start",
         "Cross-tokenizer LSM: which student positions get the teacher's top-K. group_start: the first "
         "token of every aligned group (both sides then read the same text prefix); one_to_one: only "
-        "tokens whose bytes are exactly one teacher token.",
+        "tokens whose bytes are exactly one teacher token; within_group: group_start, and the later "
+        "tokens of a group with one teacher token (the student's '5' of the teacher's '15') get the "
+        "teacher's distribution at the group's start, kept where it goes on past the group's bytes so far.",
     )
     cross_unmapped: str = opt(
         "drop",
@@ -214,6 +216,12 @@ class TrainConfig(EnvSource, TrainingSource):
         "where the student writes each digit). drop: left out of the support; prefix: counted for the "
         "longest student token its bytes begin with ('1'), the teacher's mass for how the text goes on. "
         "For a teacher whose tokens are longer than the student's (docs/cross-tokenizer.md).",
+    )
+    cross_joinable: str = opt(
+        "keep",
+        "Cross-tokenizer LSM: support tokens the teacher's tokenizer would have joined to its token before the "
+        "position (the student's '5' after the teacher's '1', where the teacher writes '15'). keep, or drop them "
+        "from the support: the teacher's probability for them is that of a token boundary it never makes.",
     )
     teacher_special_map: list = opt(
         [],
@@ -387,6 +395,10 @@ class TrainConfig(EnvSource, TrainingSource):
         )
         require(
             self.cross_pairing in PAIRINGS, f"cross_pairing={self.cross_pairing!r}: choose one of {', '.join(PAIRINGS)}"
+        )
+        require(
+            self.cross_joinable in JOINABLE,
+            f"cross_joinable={self.cross_joinable!r}: choose one of {', '.join(JOINABLE)}",
         )
         require(
             self.cross_unmapped in UNMAPPED,

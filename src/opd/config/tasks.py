@@ -55,6 +55,7 @@ PER_TASK = (
     "cross_tokenizer",
     "cross_pairing",
     "cross_unmapped",
+    "cross_joinable",
     "teacher_special_map",
     "mask_special",  # per task: a teacher's special-token conventions belong to it
     "lr",  # per task in alternate mode: tasks differ in how large a step they take without breaking

@@ -56,7 +56,7 @@ __all__ = [
     "alignment_tensors",
 ]
 
-PAIRINGS = ("group_start", "one_to_one")
+PAIRINGS = ("group_start", "one_to_one", "within_group")
 ON_MISMATCH = ("raise", "flag", "resync")
 
 
@@ -337,6 +337,8 @@ def alignment_tensors(
     byte where both tokenizations end a token), so their next-token distributions are over the
     same continuations; the other tokens of a many-to-many group have no teacher position with
     the same prefix and are left out. ``"one_to_one"``: only one-to-one groups.
+    ``"within_group"``: as ``"group_start"`` here; the cross-tokenizer teacher then also scores the
+    later student tokens of a group with one teacher token (:class:`opd.teachers.crosstok.CrossTokenizerTeacher`).
     """
     if pairing not in PAIRINGS:
         raise ValueError(f"pairing={pairing!r}: choose one of {', '.join(PAIRINGS)}")
@@ -364,7 +366,7 @@ def alignment_tensors(
                 t_group[b][c] = k
             if g.one_to_one:
                 one_to_one[b][s_cols[0]] = True
-            if g.one_to_one or pairing == "group_start":
+            if g.one_to_one or pairing != "one_to_one":
                 teacher_pos[b][s_cols[0]] = t_cols[0]
                 # a group after a differing stretch at the start is not at the teacher's text start
                 text_start[b][s_cols[0]] = al.at_text_start and g.byte_start == 0 < g.byte_end and not g.teacher_shift

@@ -41,9 +41,12 @@ import torch
 from opd.crosstok.token_bytes import VocabBytes
 from opd.errors import UserError
 
-__all__ = ["UNMAPPED", "VocabMap", "build_vocab_map"]
+__all__ = ["JOINABLE", "UNMAPPED", "VocabMap", "build_vocab_map", "longest_prefix_id", "student_ids_by_bytes"]
 
 UNMAPPED = ("drop", "prefix")  # a teacher token with no same-bytes student token: left out, or its first student token
+# A support token the teacher's tokenizer would have joined to its token before the position ("5"
+# after its "1", where it writes "15"): kept, or dropped (opd.teachers.crosstok).
+JOINABLE = ("keep", "drop")
 
 
 @dataclass
@@ -115,19 +118,31 @@ def _index_map(keys: list[bytes | None], target: dict[bytes, int], rows: int) ->
     return out, len(mapped)
 
 
+def longest_prefix_id(b: bytes, target: dict[bytes, int], longest: int, proper: bool = False) -> int:
+    """The id of the longest prefix of ``b`` (shorter than ``b`` if ``proper``) that ``target``
+    holds (``longest``: its longest key), or -1."""
+    for n in range(min(len(b) - proper, longest), 0, -1):
+        if b[:n] in target:
+            return target[b[:n]]
+    return -1
+
+
 def _fill_prefixes(out: torch.Tensor, keys: list[bytes | None], target: dict[bytes, int]) -> int:
     """Map each unmapped key (``out`` -1) to the target id of the longest proper prefix of its
     bytes that has one; returns how many were filled."""
     filled = 0
     longest = max(map(len, target), default=0)
     for v, b in enumerate(keys):
-        if b is None or int(out[v]) >= 0:
-            continue
-        for n in range(min(len(b) - 1, longest), 0, -1):
-            if b[:n] in target:
-                out[v], filled = target[b[:n]], filled + 1
-                break
+        if b is not None and int(out[v]) < 0:
+            out[v] = longest_prefix_id(b, target, longest, proper=True)
+            filled += int(out[v]) >= 0
     return filled
+
+
+def student_ids_by_bytes(student) -> dict[bytes, int]:
+    """bytes -> the student id that stands for them (a regular token before a byte-fallback twin)."""
+    s = _as_bytes(student, "student")
+    return _canonical_ids(s.token_bytes, s.byte_fallback_ids, frozenset())
 
 
 def _start_keys(vb: VocabBytes) -> tuple[list[bytes | None], frozenset[int]]:

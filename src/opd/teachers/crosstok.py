@@ -16,6 +16,12 @@ loop and the losses are those of ordinary OPD:
   (:func:`opd.losses.cross.cross_tokenizer_support`), with the teacher's log-probs. A slot whose
   token has no student counterpart holds log-prob -inf, which LSM leaves out of the support, so
   the ordinary LSM loss renormalizes over the mapped part of the teacher's top-K.
+  For a teacher whose tokens run longer than the student's (its "15" for the student's "1" "5"):
+  ``pairing="within_group"`` also gives the later student tokens of a group with one teacher token
+  the teacher's distribution at the group's start, kept where it goes on past the group's bytes so
+  far; ``joinable="drop"`` leaves out of a position's support the student tokens the teacher's
+  tokenizer would have joined to its token before (after its "1", a "5": it would have written
+  "15", so its near-zero probability there is about a boundary it never makes, not the text).
 * ``sampled_logprobs_NT``: the student's own log-prob plus the span reward
   (:func:`opd.losses.cross.span_reward`), so that "teacher minus student" -- what sampled-token
   OPD and the reward diagnostics read -- is the group's reward on its last student token and 0 on
@@ -49,7 +55,7 @@ import torch
 from opd.crosstok.align import Alignment, align_ids, alignment_tensors
 from opd.crosstok.template import messages_from_prompt, render_for_teacher, teacher_prompt_and_response_ids
 from opd.crosstok.token_bytes import VocabBytes
-from opd.crosstok.vocab_map import build_vocab_map
+from opd.crosstok.vocab_map import JOINABLE, build_vocab_map, longest_prefix_id, student_ids_by_bytes
 from opd.errors import UserError
 from opd.losses.cross import cross_tokenizer_support, mapped_topk_mass, one_to_one_share, span_reward
 from opd.rollout.sampling import RolloutBatch, left_pad
@@ -82,6 +88,7 @@ class CrossTokenizerTeacher:
         objective: str = "lsm",
         pairing: str = "group_start",
         unmapped: str = "drop",
+        joinable: str = "keep",
         special_map: dict[str, str] | None = None,
         teacher_rows: int | None = None,
         teacher_context: int | None = None,
@@ -90,6 +97,11 @@ class CrossTokenizerTeacher:
             raise UserError(f"a cross-tokenizer teacher trains --objective lsm or sampled, not {objective}")
         self.inner, self.student_tok, self.teacher_tok = inner, student_tok, teacher_tok
         self.objective, self.pairing, self.teacher_context = objective, pairing, teacher_context
+        if joinable not in JOINABLE:
+            raise UserError(f"cross_joinable={joinable!r}: choose one of {', '.join(JOINABLE)}")
+        self.joinable, self._join_prefixes = joinable, None
+        self._s_ids: dict[bytes, int] | None = None  # student bytes -> id, for targets inside groups
+        self._s_longest = 0
         self.s_vb = VocabBytes.from_tokenizer(student_tok, f"student {_name(student_tok)}")
         self.t_vb = VocabBytes.from_tokenizer(teacher_tok, f"teacher {_name(teacher_tok)}")
         self.vmap = build_vocab_map(
@@ -217,9 +229,65 @@ class CrossTokenizerTeacher:
         self._check_alignments(alignments)
         T, U = batch.response_ids_NT.shape[1], t_batch.response_ids_NT.shape[1]
         idx = alignment_tensors(alignments, T, U, pairing=self.pairing, device=device)
-        return self._student_frame(batch, teacher, idx)
+        return self._student_frame(batch, teacher, idx, rows, alignments)
 
-    def _student_frame(self, batch: RolloutBatch, teacher: TeacherScores, idx) -> TeacherScores:
+    def _within_groups(self, rows, alignments, teacher: TeacherScores, K: int):
+        """Targets for the later student tokens of each group with one teacher token (the student's
+        "5" of "15", where the teacher wrote "15"): the teacher's top-K at the group's start, kept
+        where a token's bytes go on past the student's bytes so far in the group, each token's mass
+        counted for the student token its remaining bytes begin with (the longest that is a
+        prefix), so the distribution is the teacher's over how the text goes on.
+
+        Returns {(n, t): (student ids, log-masses)}, at most K ids a position."""
+        if self._s_ids is None:
+            self._s_ids = student_ids_by_bytes(self.s_vb)
+            self._s_longest = max(map(len, self._s_ids), default=0)
+        t_ids, t_lp = teacher.topk_ids_NTK.tolist(), teacher.topk_logprobs_NTK.tolist()
+        out = {}
+        for n, ((_, _, response), al) in enumerate(zip(rows, alignments, strict=True)):
+            for g in al.groups:
+                if len(g.teacher) != 1 or len(g.student) < 2 or g.teacher_shift:
+                    continue
+                u, done = g.teacher[0], b""
+                for i, j in zip(g.student[:-1], g.student[1:], strict=True):
+                    done += self.s_vb.bytes_of(response[i]) or b""
+                    mass: dict[int, float] = {}
+                    for tid, lp in zip(t_ids[n][u], t_lp[n][u], strict=True):
+                        tb = self.t_vb.bytes_of(tid)
+                        if lp == -math.inf or not tb or len(tb) <= len(done) or not tb.startswith(done):
+                            continue
+                        sid = longest_prefix_id(tb[len(done) :], self._s_ids, self._s_longest)
+                        if sid >= 0:
+                            mass[sid] = mass.get(sid, 0.0) + math.exp(lp)
+                    if mass:
+                        top = sorted(mass.items(), key=lambda kv: -kv[1])[:K]
+                        out[(n, j)] = ([sid for sid, _ in top], [math.log(m) for _, m in top])
+        return out
+
+    def _joinable(self, rows, teacher_pos_NT: torch.Tensor, ids_NTK: torch.Tensor, valid_NTK: torch.Tensor):
+        """The valid support slots whose student token the teacher's tokenizer would have joined to the
+        teacher token before the position: their bytes after that token's begin a teacher token.
+
+        The teacher predicts from its own tokens: after its "1" it reads the number as ended (its
+        tokenizer writes "15" as one token), so its probability of the student's "5" there is that
+        of a segmentation it never makes, not of the text going on with "5" (near 0 where the text
+        very likely does). Shapes: teacher_pos_NT (N, T); ids_NTK, valid_NTK (N, T, K) -> (N, T, K)."""
+        if self._join_prefixes is None:  # every proper and whole prefix of a teacher token, 2 bytes or more
+            self._join_prefixes = frozenset(b[:i] for b in self.t_vb.token_bytes if b for i in range(2, len(b) + 1))
+        joined = torch.zeros_like(valid_NTK)
+        pos, ids, valid = teacher_pos_NT.tolist(), ids_NTK.tolist(), valid_NTK.tolist()
+        for n, (t_prompt, t_response, _) in enumerate(rows):
+            for t, u in enumerate(pos[n]):
+                if u < 0 or not any(valid[n][t]):
+                    continue
+                before = self.t_vb.bytes_of(t_response[u - 1] if u > 0 else t_prompt[-1])
+                for j, sid in enumerate(ids[n][t]):
+                    tail = self.s_vb.bytes_of(sid) if valid[n][t][j] else None
+                    if before and tail and before + tail in self._join_prefixes:
+                        joined[n, t, j] = True
+        return joined
+
+    def _student_frame(self, batch: RolloutBatch, teacher: TeacherScores, idx, rows, alignments) -> TeacherScores:
         """Teacher-frame scores (N, U, K) moved to student positions (N, T, K); see the module docstring."""
         vmap = self.vmap.to(batch.response_ids_NT.device)
         mask_NT = batch.action_mask_NT.bool()
@@ -227,6 +295,18 @@ class CrossTokenizerTeacher:
         ids_NTK, lp_NTK, valid_NTK, lsm_NT, _ = cross_tokenizer_support(
             teacher.topk_ids_NTK, teacher.topk_logprobs_NTK, *at, vmap.teacher_to_student_start_V
         )
+        if self.pairing == "within_group":
+            K = ids_NTK.shape[-1]
+            for (n, t), (sids, lps) in self._within_groups(rows, alignments, teacher, K).items():
+                if not mask_NT[n, t]:
+                    continue
+                ids_NTK[n, t] = torch.tensor(sids + [0] * (K - len(sids)), dtype=ids_NTK.dtype)
+                lp_NTK[n, t] = torch.tensor(lps + [-math.inf] * (K - len(lps)), dtype=lp_NTK.dtype)
+                valid_NTK[n, t] = torch.arange(K, device=valid_NTK.device) < len(sids)
+                lsm_NT[n, t] = True
+        if self.joinable == "drop":
+            valid_NTK = valid_NTK & ~self._joinable(rows, idx.teacher_pos_BT, ids_NTK, valid_NTK)
+            lsm_NT = lsm_NT & valid_NTK.any(-1)
         reward_NT = span_reward(
             batch.logprobs_NT, teacher.sampled_logprobs_NT, idx.student_group_BT, idx.teacher_group_BU, mask_NT
         )

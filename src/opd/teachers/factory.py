@@ -72,6 +72,7 @@ def cross_tokenizer_teacher(cfg, inner: TeacherScorer, student_tok, teacher_tok)
         objective=cfg.objective,
         pairing=cfg.cross_pairing,
         unmapped=cfg.cross_unmapped,
+        joinable=cfg.cross_joinable,
         special_map=parse_special_map(cfg.teacher_special_map),
         teacher_rows=rows,
         teacher_context=context,
