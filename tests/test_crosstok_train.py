@@ -112,6 +112,7 @@ def test_different_tokenizer_trains_through_the_cli(cross_models, tmp_path, obje
     assert f"cross-tokenizer {'LSM' if objective == 'lsm' else 'sampled-token OPD'}" in result.output
     if objective == "lsm":  # the teacher's tokens without a same-bytes student token count for their first one
         assert "more to the student token they begin with" in result.output
+        assert "use --cross-unmapped prefix --cross-pairing within_group --cross-joinable drop" in result.output
         assert json.loads((out / "config.json").read_text())["cross_unmapped"] == "prefix"
     records = step_records(out)
     assert len(records) == 3

@@ -133,9 +133,18 @@ class CrossTokenizerTeacher:
         what = "cross-tokenizer LSM" if self.objective == "lsm" else "cross-tokenizer sampled-token OPD (span reward)"
         differs = "is the student's (forced on)" if self.same_vocab else "differs from the student's"
         prefix = f" ({self.vmap.n_prefix} more to the student token they begin with)" if self.vmap.n_prefix else ""
+        longer = self.vmap.n_teacher_text - self.vmap.n_mapped
+        all_on = self.vmap.n_prefix and self.pairing == "within_group" and self.joinable == "drop"
+        hint = ""
+        if self.objective == "lsm" and longer and not all_on:  # the collapse of docs/cross-tokenizer.md
+            hint = (
+                f"; {longer} teacher tokens have no student token of the same bytes: if the student's text shrinks "
+                "to what aligns one to one (cross/one_to_one rising to 1), use --cross-unmapped prefix "
+                "--cross-pairing within_group --cross-joinable drop (docs/cross-tokenizer.md)"
+            )
         return (
             f"teacher tokenizer {differs}: {self.vmap.n_mapped} of {self.vmap.n_teacher_text} teacher tokens map "
-            f"to student tokens{prefix}; {what}"
+            f"to student tokens{prefix}; {what}{hint}"
         )
 
     # ------------------------------------------------------------------ teacher sequences
