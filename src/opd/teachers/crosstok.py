@@ -304,7 +304,7 @@ class CrossTokenizerTeacher:
         ids_NTK, lp_NTK, valid_NTK, lsm_NT, _ = cross_tokenizer_support(
             teacher.topk_ids_NTK, teacher.topk_logprobs_NTK, *at, vmap.teacher_to_student_start_V
         )
-        if self.pairing == "within_group":
+        if self.pairing == "within_group" and self.objective == "lsm":  # the span reward has its own groups
             K = ids_NTK.shape[-1]
             for (n, t), (sids, lps) in self._within_groups(rows, alignments, teacher, K).items():
                 if not mask_NT[n, t]:
@@ -313,7 +313,7 @@ class CrossTokenizerTeacher:
                 lp_NTK[n, t] = torch.tensor(lps + [-math.inf] * (K - len(lps)), dtype=lp_NTK.dtype)
                 valid_NTK[n, t] = torch.arange(K, device=valid_NTK.device) < len(sids)
                 lsm_NT[n, t] = True
-        if self.joinable == "drop":
+        if self.joinable == "drop" and self.objective == "lsm":
             valid_NTK = valid_NTK & ~self._joinable(rows, idx.teacher_pos_BT, ids_NTK, valid_NTK)
             lsm_NT = lsm_NT & valid_NTK.any(-1)
         reward_NT = span_reward(
