@@ -363,11 +363,22 @@ def test_a_task_may_have_a_teacher_with_another_tokenizer(tiny_models, tmp_path)
     other = tmp_path / "other"
     tiny_qwen2(len(tok), 1, 32, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id).save_pretrained(other)
     tok.save_pretrained(other)
-    tasks = [{"name": "good"}, {"name": "odd", "teacher": str(other)}]
+    odd = {"teacher": str(other)}
+    tasks = [
+        {"name": "good"},
+        {"name": "odd", **odd},
+        {"name": "odd2", **odd, "task_level": 3},  # the same teacher, read the same way: shared
+        {"name": "joined", **odd, "cross_joinable": "drop"},  # read another way: its own
+        {"name": "prefixed", **odd, "cross_unmapped": "prefix", "cross_pairing": "within_group"},
+    ]
     run = train_mod.setup(mt_cfg(tiny_models, tmp_path / "run", tasks))
-    kinds = {t.name: type(t.teacher) for t in run.tasks}
-    assert kinds["odd"] is CrossTokenizerTeacher
-    assert kinds["good"] is not CrossTokenizerTeacher
+    by_name = {t.name: t.teacher for t in run.tasks}
+    assert type(by_name["odd"]) is CrossTokenizerTeacher
+    assert type(by_name["good"]) is not CrossTokenizerTeacher
+    assert by_name["odd2"] is by_name["odd"]
+    assert len({id(by_name[n]) for n in ("odd", "joined", "prefixed")}) == 3
+    assert (by_name["joined"].joinable, by_name["odd"].joinable) == ("drop", "keep")
+    assert by_name["prefixed"].pairing == "within_group" and by_name["prefixed"].vmap.n_prefix > 0
 
 
 def test_special_token_masking_is_set_per_task(tiny_models, tiny_tokenizer, tmp_path):

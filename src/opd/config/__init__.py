@@ -29,7 +29,15 @@ from opd.config.options import (
     check_cross_tokenizer,
     parse_special_map,
 )
-from opd.config.tasks import PER_TASK, SFT_PER_TASK, TASK_MODES, TaskSpec, read_task_list, resolve_tasks
+from opd.config.tasks import (
+    PER_TASK,
+    SFT_PER_TASK,
+    TASK_MODES,
+    TEACHER_SCORING,
+    TaskSpec,
+    read_task_list,
+    resolve_tasks,
+)
 
 __all__ = [
     "CROSS_TOKENIZER",
@@ -39,6 +47,7 @@ __all__ = [
     "PER_TASK",
     "REPORT_TO",
     "SFT_PER_TASK",
+    "TEACHER_SCORING",
     "TASK_MODES",
     "ConfigError",
     "EvalConfig",

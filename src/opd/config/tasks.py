@@ -47,9 +47,9 @@ _SOURCE = (
     "eval_size",
     "batch_size",
 )
-PER_TASK = (
-    "teacher",
-    "teacher_url",
+# How a task's teacher scores, beyond where it is: tasks that agree on all of these (and name the
+# same teacher) share one loaded teacher (opd.training.loop.build_tasks).
+TEACHER_SCORING = (
     "teacher_dtype",
     "teacher_tokenizer",
     "cross_tokenizer",
@@ -57,6 +57,11 @@ PER_TASK = (
     "cross_unmapped",
     "cross_joinable",
     "teacher_special_map",
+)
+PER_TASK = (
+    "teacher",
+    "teacher_url",
+    *TEACHER_SCORING,
     "mask_special",  # per task: a teacher's special-token conventions belong to it
     "lr",  # per task in alternate mode: tasks differ in how large a step they take without breaking
     *_SOURCE,

@@ -46,7 +46,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from opd import metrics as M
-from opd.config import TaskSpec, TrainConfig, resolve_tasks
+from opd.config import TEACHER_SCORING, TaskSpec, TrainConfig, resolve_tasks
 from opd.errors import UserError
 from opd.models.loading import disable_dropout, head_weight, load_model, load_tokenizer, resolve_device
 from opd.models.lora import apply_lora, load_weights
@@ -180,6 +180,14 @@ def setup(cfg: TrainConfig) -> Run:
     return run
 
 
+def _teacher_key(c: TrainConfig) -> tuple:
+    """Where a task's teacher is and how it scores (:data:`opd.config.tasks.TEACHER_SCORING`): the
+    same model read with another dtype or tokenizer setting scores differently, so is not shared."""
+    where = ("url", c.teacher_url) if c.teacher_url else ("dir", str(Path(c.teacher).resolve()))
+    values = (c.dtype if f == "teacher_dtype" and not c.teacher_dtype else getattr(c, f) for f in TEACHER_SCORING)
+    return (*where, *(tuple(v) if isinstance(v, list) else v for v in values))
+
+
 def build_tasks(specs: list[TaskSpec], data: list[tuple], student, tok) -> list[TaskRun]:
     """Each task's teacher, sources and engine. A teacher that several tasks name (the
     same directory or URL, with the same dtype and tokenizer settings) is loaded once and shared."""
@@ -187,17 +195,7 @@ def build_tasks(specs: list[TaskSpec], data: list[tuple], student, tok) -> list[
     out = []
     for spec, (task, eval_task) in zip(specs, data, strict=True):
         c = spec.cfg
-        where = ("url", c.teacher_url) if c.teacher_url else ("dir", str(Path(c.teacher).resolve()))
-        # The same model read with another dtype or tokenizer setting scores differently: not shared.
-        key = (
-            *where,
-            c.teacher_dtype or c.dtype,
-            c.teacher_tokenizer,
-            c.cross_tokenizer,
-            c.cross_pairing,
-            c.cross_unmapped,
-        )
-        key += tuple(c.teacher_special_map)
+        key = _teacher_key(c)
         if key not in teachers:  # every teacher's vocabulary is checked against the student's here
             teachers[key] = for_task(spec.name, make_teacher, c, student, tok)
         source, test = for_task(spec.name, make_sources, c, tok, task, eval_task)
