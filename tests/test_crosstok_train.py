@@ -411,7 +411,7 @@ def test_a_teacher_that_joins_digits_scores_every_digit_of_the_students_numbers(
                 got = dict(
                     zip(scores.topk_ids_NTK[n, i][valid].tolist(), scores.topk_logprobs_NTK[n, i][valid].exp().tolist())
                 )
-                expect = {k: v for k, v in want.get(i, {}).items()}
+                expect = want.get(i, {})
                 assert got.keys() == expect.keys(), (pairing, n, i, s_tok.convert_ids_to_tokens(s_ids[i]))
                 assert all(abs(got[k] - expect[k]) < 1e-5 for k in got)
                 assert bool(scores.position_mask_NT[n, i]) == bool(expect)
@@ -421,5 +421,7 @@ def test_a_teacher_that_joins_digits_scores_every_digit_of_the_students_numbers(
             second = 1  # "15 + 1 = 16.": student "1" "5" ...
             got = dict(zip(scores.topk_ids_NTK[0, second].tolist(), scores.topk_logprobs_NTK[0, second].exp().tolist()))
             assert abs(got[five] - 0.4) < 1e-6 and abs(got[two] - 0.2) < 1e-6
-    with pytest.raises(UserError, match="cross_joinable='maybe'"):
+    with pytest.raises(UserError, match="cross_joinable='maybe': choose one of keep, drop"):
         CrossTokenizerTeacher(fixed, s_tok, t_tok, joinable="maybe")
+    with pytest.raises(UserError, match="cross_pairing='inside': choose one of group_start, one_to_one, within_group"):
+        CrossTokenizerTeacher(fixed, s_tok, t_tok, pairing="inside")

@@ -17,9 +17,9 @@ tokens both vocabularies spell alike, ULD on the rest); the hybrid with ``beta``
 on-policy (``lmbda`` 1); opd's sampling (temperature 1, top-p 0.9). The configuration with the
 best avg@k on seed 0 (chosen on the test prompts, which favours GOLD) is GOLD's best and runs on
 the other seeds, as do GOLD's defaults. opd's cross-tokenizer LSM runs untuned (the other
-experiments' settings), with its default vocabulary map and with ``--cross-unmapped prefix``
-(a teacher token with no student token of the same bytes, such as a digit run, counted for the
-student token it begins with). Two checks of the harness itself, GOLD's trainer with the demo teacher
+experiments' settings): with its defaults, with ``--cross-unmapped prefix`` alone, and with the
+three options for a teacher whose tokens run longer than the student's (``--cross-unmapped
+prefix --cross-pairing within_group --cross-joinable drop``; docs/cross-tokenizer.md). Two checks of the harness itself, GOLD's trainer with the demo teacher
 (the student's own tokenizer) with GKD's JSD and with ULD, tell GOLD's losses from the way it is
 run here.
 """
@@ -63,14 +63,14 @@ SWEEP = {  # name -> what moves from GOLD's defaults (seed 0)
     "on-policy": dict(lmbda=1.0),
     "opd-sampling": dict(temperature=1.0, top_p=TOP_P),
 }
-# opd's cross-tokenizer LSM: its default map, and teacher tokens with no same-bytes student token
-# counted for the student token they begin with (the teacher's digit runs: "19" for "1").
+# opd's cross-tokenizer LSM: name -> (its options, how a claim or table names them)
 OPD_VARIANTS = {
-    "cross-lsm": {},
-    "cross-lsm-prefix": dict(cross_unmapped="prefix"),
-    # and every position of a group given the teacher's distribution past the bytes so far, and no
-    # support token the teacher would have joined to its token before (docs/cross-tokenizer.md)
-    "cross-lsm-groups": dict(cross_unmapped="prefix", cross_pairing="within_group", cross_joinable="drop"),
+    "cross-lsm": ({}, ""),
+    "cross-lsm-prefix": (dict(cross_unmapped="prefix"), " with --cross-unmapped prefix"),
+    "cross-lsm-groups": (
+        dict(cross_unmapped="prefix", cross_pairing="within_group", cross_joinable="drop"),
+        " with prefix, within_group and joinable drop",
+    ),
 }
 # Checks of the harness, not of GOLD at its best: GOLD's trainer with the demo teacher (the
 # student's own tokenizer) and GKD's JSD (token identities known), and with ULD.
@@ -108,13 +108,17 @@ def make_tokenizer(p: dict, run_dir: Path) -> dict:
     }
 
 
+def _best(scores: dict[str, float]) -> str:
+    """The sweep's configuration with the highest final avg@k on seed 0 (ties: the first in SWEEP's order)."""
+    return max(scores, key=lambda name: (scores[name], -list(SWEEP).index(name)))
+
+
 def run_gold_best(p: dict, run_dir: Path) -> dict:
-    """GOLD with the sweep's best configuration on seed 0 (highest final avg@k; ties: the first in
-    SWEEP's order), read from the sweep's evaluations (``p["sweep"]``: name -> eval result file)."""
+    """GOLD with the sweep's best configuration, read from the sweep's evaluations (``p["sweep"]``:
+    name -> eval result file) on top of ``p["base"]`` (GOLD's defaults for this seed)."""
     scores = {name: json.loads(Path(f).read_text())["result"]["avg_at_k"] for name, f in p["sweep"].items()}
-    best = max(scores, key=lambda name: (scores[name], -list(scores).index(name)))
-    out = run_gold({**p["base"], **GOLD_DEFAULTS, **SWEEP[best]}, run_dir)
-    return {**out, "chosen": best, "sweep_avg_at_k": scores}
+    best = _best(scores)
+    return {**run_gold({**p["base"], **SWEEP[best]}, run_dir), "chosen": best, "sweep_avg_at_k": scores}
 
 
 def plan(s: Settings) -> list[RunSpec]:
@@ -135,7 +139,7 @@ def plan(s: Settings) -> list[RunSpec]:
     sweep = {name: str(s.run_dir(f"gold-{name}/seed0/eval") / DONE) for name in SWEEP}
     for seed in range(s.seeds):
         specs.append(final_eval_spec(s, f"student/seed{seed}", seed, model=STUDENT))
-        for variant, over in OPD_VARIANTS.items():
+        for variant, (over, _) in OPD_VARIANTS.items():
             name = f"{variant}/seed{seed}"
             cfg = opd_config(
                 s,
@@ -173,8 +177,7 @@ def plan(s: Settings) -> list[RunSpec]:
 def _chosen(s: Settings) -> str:
     if s.seeds > 1:
         return read_done(s, "gold-best/seed1")["result"]["chosen"]
-    scores = {n: final_scores(s, f"gold-{n}/seed0")["avg_at_k"] for n in SWEEP}
-    return max(scores, key=lambda n: (scores[n], -list(SWEEP).index(n)))
+    return _best({n: final_scores(s, f"gold-{n}/seed0")["avg_at_k"] for n in SWEEP})
 
 
 def _runs(s: Settings, variant: str, best: str) -> list[str]:
@@ -236,13 +239,9 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
     best = _chosen(s)
     seeds = range(s.seeds)
     rows = []
-    for variant, label in (
-        ("cross-lsm", "opd cross-tokenizer LSM (untuned)"),
-        ("cross-lsm-prefix", "opd cross-tokenizer LSM, --cross-unmapped prefix"),
-        ("cross-lsm-groups", "opd cross-tokenizer LSM, prefix + within_group + joinable drop"),
-        ("gold-default", "GOLD, defaults"),
-        ("gold-best", f"GOLD, best of the sweep ({best})"),
-    ):
+    labels = {v: f"opd cross-tokenizer LSM{how}" for v, (_, how) in OPD_VARIANTS.items()}
+    labels |= {"gold-default": "GOLD, defaults", "gold-best": f"GOLD, best of the sweep ({best})"}
+    for variant, label in labels.items():
         sc = [final_scores(s, r) for r in _runs(s, variant, best)]
         rows.append(
             [label, mean_ci([x["accuracy"] for x in sc]).fmt(1, 100), mean_ci([x["avg_at_k"] for x in sc]).fmt(1, 100)]
@@ -261,11 +260,7 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
         ["run", "greedy acc", "avg@k"],
         rows,
     )
-    for ours, how in (
-        ("cross-lsm", ""),
-        ("cross-lsm-prefix", " with --cross-unmapped prefix"),
-        ("cross-lsm-groups", " with prefix, within_group and joinable drop"),
-    ):
+    for ours, (_, how) in OPD_VARIANTS.items():
         for variant in ("gold-default", "gold-best"):
             avg_at_k_claim(
                 a,

@@ -52,7 +52,7 @@ import warnings
 
 import torch
 
-from opd.crosstok.align import Alignment, align_ids, alignment_tensors
+from opd.crosstok.align import PAIRINGS, Alignment, align_ids, alignment_tensors
 from opd.crosstok.template import messages_from_prompt, render_for_teacher, teacher_prompt_and_response_ids
 from opd.crosstok.token_bytes import VocabBytes
 from opd.crosstok.vocab_map import JOINABLE, build_vocab_map, longest_prefix_id, student_ids_by_bytes
@@ -97,8 +97,9 @@ class CrossTokenizerTeacher:
             raise UserError(f"a cross-tokenizer teacher trains --objective lsm or sampled, not {objective}")
         self.inner, self.student_tok, self.teacher_tok = inner, student_tok, teacher_tok
         self.objective, self.pairing, self.teacher_context = objective, pairing, teacher_context
-        if joinable not in JOINABLE:
-            raise UserError(f"cross_joinable={joinable!r}: choose one of {', '.join(JOINABLE)}")
+        for name, value, choices in (("cross_pairing", pairing, PAIRINGS), ("cross_joinable", joinable, JOINABLE)):
+            if value not in choices:
+                raise UserError(f"{name}={value!r}: choose one of {', '.join(choices)}")
         self.joinable, self._join_prefixes = joinable, None
         self._s_ids: dict[bytes, int] | None = None  # student bytes -> id, for targets inside groups
         self._s_longest = 0
