@@ -19,6 +19,7 @@ import typer
 
 from opd.config import DTYPES, EvalConfig, SFTConfig, TrainConfig, build_config, read_config_file
 from opd.errors import UserError
+from opd.experiments import NAMES as EXPERIMENTS  # light: the modules load when one runs
 
 app = typer.Typer(
     add_completion=False,
@@ -230,8 +231,7 @@ def _make_demo_models(
 def _experiment(
     name: str = typer.Argument(
         ...,
-        help="Experiment: variance, objectives, tokenizer-mismatch, teacher-choice, depth, agentic, cross-tokenizer "
-        "or multitask.",
+        help=f"Experiment: {', '.join(EXPERIMENTS[:-1])} or {EXPERIMENTS[-1]}.",
     ),
     seeds: int = typer.Option(3, help="Seeds per setting (3 or more for 95% intervals)."),
     out: Path = typer.Option(Path("runs/experiments"), help="Output root; the experiment writes OUT/NAME/."),
