@@ -97,9 +97,18 @@ def launch(launcher: str, args: list[str], timeout: int = 300) -> None:
     try:
         _, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        import psutil
+
+        # The ranks may sit in sessions of their own (torchelastic starts them so): kill every
+        # descendant, not only the launcher's group, or one that holds the output pipes keeps the
+        # communicate below waiting for ever.
+        ranks = psutil.Process(proc.pid).children(recursive=True)
         with contextlib.suppress(ProcessLookupError):  # it may have ended at the last moment
             os.killpg(proc.pid, signal.SIGKILL)
-        _, err = proc.communicate()
+        for p in ranks:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        _, err = proc.communicate(timeout=60)
         pytest.fail(f"{launcher} did not finish within {timeout} s; its ranks were killed. stderr: {err[-2000:]}")
     assert proc.returncode == 0, err[-4000:]
 

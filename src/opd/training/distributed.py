@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -201,6 +202,12 @@ def init_distributed(fsdp: bool = False, device: torch.device = torch.device("cp
 def shutdown(d: Dist) -> None:
     if d.active and tdist.is_initialized():
         tdist.barrier()
+        # A rank hung here in CI (py-spy): gloo's worker thread, freeing the barrier's work, waited
+        # for the GIL to drop a Python-made tensor while the main thread, holding the GIL, freed
+        # DDP's reducer and with it the process group, whose destructor joins that thread (torch
+        # issue 56297). Sleeping hands the worker the GIL to finish first: it narrows the race, it
+        # does not close it (a fix that does belongs in the order the reducer and group are freed).
+        time.sleep(0.2)
         tdist.destroy_process_group()
 
 
