@@ -66,3 +66,68 @@ def test_make_agentic_models_and_quick_agentic_demo(tmp_path):
         assert len(games) == 8 and all((run / g["path"]).is_file() for g in games)
         assert (run / "final" / "config.json").is_file()
         assert json.loads((run / "config.json").read_text())["env"] == "alfworld"
+
+
+def test_the_game_teacher_learns_from_the_demos_games_and_more():
+    from opd.recipes.agentic import ENV, LEVEL, TEACHER_GAMES, env_args, teacher_env_args
+    from opd.rollout.games import make_env
+
+    demo, teacher = make_env(ENV, LEVEL, env_args(False)), make_env(ENV, LEVEL, teacher_env_args(False))
+    demo_train, teacher_train = [g.id for g in demo.games("train")], [g.id for g in teacher.games("train")]
+    assert len(teacher_train) == TEACHER_GAMES > len(demo_train)
+    # The student clones the first of the demo's games; the teacher's include them, and the same
+    # held-out games are the demo's and the recipe's evaluation.
+    assert teacher_train[: len(demo_train)] == demo_train
+    assert [g.id for g in teacher.games("test")] == [g.id for g in demo.games("test")]
+    assert not set(teacher_train) & {g.id for g in teacher.games("test")}
+    assert teacher_env_args(True) == env_args(True)  # the shortened recipe stays small
+
+
+def test_packaged_models_come_from_the_recipe_as_written():
+    """The packaged student and game teacher were made by today's recipe: each run's logged config
+    equals the recipe's in everything but where it wrote and read models (they were made as separate
+    `opd sft` runs, see docs/demos.md), each teacher stage starts from the one before, and the
+    scores are the summary's."""
+    import dataclasses
+    from pathlib import Path
+
+    from opd.config import SFTConfig
+    from opd.recipes.agentic import ASSETS, student_sft_config, teacher_sft_configs
+    from opd.rollout.games import parse_env_args
+
+    paths = ("out", "init", "dagger_from", "tokenizer")
+    defaults = {
+        f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+        for f in dataclasses.fields(SFTConfig)
+    }
+
+    def settings(logged: dict, recipe) -> tuple[dict, dict]:
+        expected = json.loads(json.dumps(dataclasses.asdict(recipe)))
+        # An option added after a run was made is missing from its log: the recipe must leave it
+        # at its default (what the run had), e.g. env_workers (the same episodes with any number).
+        for k in set(expected) - set(logged):
+            assert expected[k] == json.loads(json.dumps(defaults[k])), k
+        keep = [k for k in expected if k not in paths and k in logged]
+        got, want = {k: logged[k] for k in keep}, {k: expected[k] for k in keep}
+        # "a=1,b=2" (one CLI value) and ["a=1", "b=2"] are the same games
+        got["env_args"], want["env_args"] = parse_env_args(got["env_args"]), parse_env_args(want["env_args"])
+        return got, want
+
+    made = json.loads((ASSETS / "make_summary.json").read_text())
+    runs = ASSETS / "runs"
+    logged = json.loads((runs / "student" / "config.json").read_text())
+    got, want = settings(logged, student_sft_config(ASSETS))
+    assert got == want
+    stages = [
+        json.loads((runs / name / "config.json").read_text())
+        for name in ("teacher", "teacher-recovery", "teacher-dagger")
+    ]
+    for logged, recipe in zip(stages, teacher_sft_configs(ASSETS), strict=True):
+        got, want = settings(logged, recipe)
+        assert got == want, logged["out"]
+    for before, stage in zip(stages, stages[1:]):
+        assert Path(stage["init"]) == Path(before["out"]) / "final"
+    assert Path(stages[2]["dagger_from"][1]) == Path(stages[1]["out"]) / "final"
+    assert [
+        json.loads((runs / n / "summary.json").read_text()) for n in ("teacher", "teacher-recovery", "teacher-dagger")
+    ] == made["teacher"]["stages"]
