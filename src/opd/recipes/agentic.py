@@ -71,7 +71,9 @@ def env_args(quick: bool) -> list[str]:
 
 def teacher_env_args(quick: bool) -> list[str]:
     """ENV_ARGS' games and more: the first ``num_train`` training games do not depend on how many follow."""
-    return QUICK_ENV_ARGS if quick else [f"num_train={TEACHER_GAMES}", *ENV_ARGS[1:]]
+    if quick:
+        return QUICK_ENV_ARGS
+    return [f"num_train={TEACHER_GAMES}", *(a for a in ENV_ARGS if not a.startswith("num_train="))]
 
 
 def environment(quick: bool = False) -> Environment:
