@@ -461,3 +461,84 @@ def test_multitask_format_shares_read_the_game_steps_logged_format_rate(tmp_path
     assert WINDOW == 3
     assert start == pytest.approx((0.1 + 0.0 + 0.05) / 3) and end == pytest.approx((0.3 + 0.2 + 0.4) / 3)
     assert out_of_support == pytest.approx((0.04 + 0.05 + 0.09) / 3)
+
+
+def test_agentic_first_word_windows_read_the_action_starts(tmp_path):
+    from opd.experiments.agentic import DOUBT, SURE, WORD_WINDOW, first_word_windows
+
+    assert (WORD_WINDOW, SURE, DOUBT) == (10, 0.5, 0.1)
+    ln = math.log
+    names = {"7": "go", "8": "move", "9": "take"}
+
+    def episode(step, starts, wrote, teacher_lp, top, top_lp, student_top_lp):
+        """A 6-token response region; fields at the action starts given, None elsewhere (replies)."""
+        rec = {"step": step, "topk_tokens": names, "turns": [{"start": i} for i in starts]}
+        rec["tokens"] = ["x"] * 6
+        rec["teacher_logprobs"] = [None] * 6
+        rec["teacher_topk_ids"] = [None] * 6
+        rec["teacher_topk_logprobs"] = [None] * 6
+        rec["student_topk_logprobs"] = [None] * 6
+        for j, i in enumerate(starts):
+            rec["tokens"][i] = wrote[j]
+            rec["teacher_logprobs"][i] = ln(teacher_lp[j])
+            rec["teacher_topk_ids"][i] = [top[j], 9]
+            rec["teacher_topk_logprobs"][i] = [ln(top_lp[j]), ln(0.01)]
+            rec["student_topk_logprobs"][i] = [ln(student_top_lp[j]), ln(0.01)]
+        return rec
+
+    rows = [
+        # step 3: the student wrote "move" twice, the teacher doubting one (0.05 < 0.1); the teacher sure
+        # of "move" at the first (0.9 > 0.5: kept), unsure at the second (0.4: not read)
+        episode(3, [0, 3], ["move", "move"], [0.05, 0.3], [8, 8], [0.9, 0.4], [0.2, 0.7]),
+        # step 9: same window; "go" written where the teacher is sure of "move"
+        episode(9, [1], ["go"], [0.02], [8], [0.8], [0.4]),
+        # step 25: window 2; the student gives the teacher's sure "go" 0.6
+        episode(25, [2, 4], ["go", "move"], [0.6, 0.5], [7, 8], [0.7, 0.6], [0.6, 0.01]),
+        {"step": 26, "tokens": ["x"], "topk_tokens": names},  # a math-style record: no turns, nothing read
+    ]
+    path = tmp_path / "rollouts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = first_word_windows(path)
+    assert got["kept"]["move"] == pytest.approx({0: (0.2 + 0.4) / 2, 2: 0.01})
+    assert got["kept"]["go"] == pytest.approx({2: 0.6})
+    assert got["doubted"]["move"] == pytest.approx({0: 1 / 2, 2: 0.0})
+    assert got["doubted"]["go"] == pytest.approx({0: 1.0, 2: 0.0})
+    assert set(got["kept"]) == {"go", "move"} and "x" not in got["doubted"]
+
+
+def test_agentic_first_word_table_counts_the_seeds_that_lost_a_word(tmp_path):
+    from opd.experiments.agentic import VARIANTS, first_word_table
+    from opd.experiments.core import Analysis, Settings
+
+    s = Settings(tmp_path, seeds=2, quick=False)
+    ln = math.log
+
+    def record(step, student_p, doubted):
+        return {
+            "step": step,
+            "topk_tokens": {"8": "move"},
+            "turns": [{"start": 0}],
+            "tokens": ["move"],
+            "teacher_logprobs": [ln(0.05 if doubted else 0.9)],
+            "teacher_topk_ids": [[8]],
+            "teacher_topk_logprobs": [[ln(0.9)]],
+            "student_topk_logprobs": [[ln(student_p)]],
+        }
+
+    # seed 0 loses "move" (0.8 -> 0.01 -> 0.02), seed 1 dips and recovers (0.6 -> 0.1 -> 0.7)
+    seeds = [
+        [record(0, 0.8, True), record(15, 0.01, False), record(25, 0.02, False)],
+        [record(0, 0.6, False), record(15, 0.1, False), record(25, 0.7, False)],
+    ]
+    for variant in VARIANTS:
+        for k, rows in enumerate(seeds):
+            run = s.run_dir(f"{variant}/seed{k}")
+            run.mkdir(parents=True)
+            (run / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    a = Analysis()
+    first_word_table(a, s)
+    (table,) = a.tables
+    assert len(table["rows"]) == len(VARIANTS)
+    # early uses doubted: 1 of 1 (seed 0), 0 of 1 (seed 1) -> 50; first (0.8+0.6)/2, lowest (0.01+0.1)/2,
+    # last (0.02+0.7)/2; one seed of two ends below 5%
+    assert table["rows"][0] == [next(iter(VARIANTS)), "move", "50", "70", "6", "36", "1 of 2"]

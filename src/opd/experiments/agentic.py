@@ -9,15 +9,19 @@ out-of-support share -- the student's action tokens that fall outside the teache
 at every step as ``diag/out_of_support`` -- is reported per objective: the reviewers asked the
 paper for it, and its authors answered ">92% coverage at k=20".
 
-Cost at full size: 4 objectives x 3 seeds of 200 OPD steps (the demo's length then) of 16 episodes at lr 3e-4
-(about 1.8 s a step on one core since the engine's lighter copies; 3.5 s when its results were
-measured), and an evaluation of each (greedy and 2 samples on 50 games, under a minute); about
-1 h 15 min with ``--workers 2`` then, about 40 min now (an estimate from the step time). ``--quick`` plays a handful of steps; where the packaged
+Cost at full size: 4 objectives x 5 seeds of 200 OPD steps (half the demo's 400) of 16 episodes
+at lr 3e-4 (about 1.8 s a step on one core), and an evaluation of each (greedy and 2 samples on 50
+games, under a minute): 126 minutes of runs, about 65 minutes with ``--workers 2`` on 2 cores. A
+table of the game's first words (``go``, ``take``, ``move``) reads the logged episodes for why
+some runs end at 0%. ``--quick`` plays a handful of steps; where the packaged
 agentic models are missing it first makes the shortened recipe's (its numbers decide nothing).
 """
 
 from __future__ import annotations
 
+import json
+import math
+from collections import defaultdict
 from pathlib import Path
 
 from opd.config import EvalConfig, TrainConfig
@@ -53,6 +57,8 @@ VARIANTS = {
 # The demo's length when these results were measured (the demo now runs 400 steps: docs/demos.md)
 STEPS = 200
 COVERAGE = 0.08  # the paper's authors: ">92% coverage" of the student's tokens by the teacher's top-K
+# The first-word table: steps a window; the teacher sure of a word, doubting it; a word the student lost
+WORD_WINDOW, SURE, DOUBT, LOST = 10, 0.5, 0.1, 0.05
 
 
 def make_quick_models(p: dict, run_dir: Path) -> dict:
@@ -163,8 +169,74 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
         "agentic",
         rates=("rollout/accuracy", "diag/out_of_support", "rollout/invalid_action_rate"),
     )
+    first_word_table(a, s)
     _claims(a, s)
     return a
+
+
+def first_word_windows(rollouts: Path) -> dict[str, dict[str, dict[int, float]]]:
+    """From a run's logged episodes, by the first word of an action and WORD_WINDOW-step window:
+    ``kept``, where the teacher gives its top token over SURE, the student's mean probability of it;
+    ``doubted``, where the student wrote the word, the share the teacher gives under DOUBT. A verb
+    the student overuses gets pushed down everywhere, and one it loses shows here before success falls."""
+    kept: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    doubted: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    with open(rollouts) as f:
+        for line in f:
+            r = json.loads(line)
+            window = r["step"] // WORD_WINDOW
+            for turn in r.get("turns", []):
+                i = turn["start"]
+                doubted[r["tokens"][i]][window].append(float(r["teacher_logprobs"][i] < math.log(DOUBT)))
+                if r["teacher_topk_logprobs"][i][0] > math.log(SURE):
+                    word = r["topk_tokens"][str(r["teacher_topk_ids"][i][0])]
+                    kept[word][window].append(math.exp(r["student_topk_logprobs"][i][0]))
+    return {
+        name: {w: {k: sum(v) / len(v) for k, v in by.items()} for w, by in d.items()}
+        for name, d in (("kept", kept), ("doubted", doubted))
+    }
+
+
+def first_word_table(a: Analysis, s: Settings) -> None:
+    """Why a run fails where others of its objective do not: for each of the game's first words, how
+    often the student's early uses were ones the teacher doubts, and whether the student keeps giving
+    the teacher's word its probability (first window, lowest, last)."""
+    rows = []
+    for variant in VARIANTS:
+        per_seed = [first_word_windows(s.run_dir(run_name(variant, k)) / "rollouts.jsonl") for k in range(s.seeds)]
+        for word in sorted({w for seed in per_seed for w in seed["kept"]}):
+            windows = [seed["kept"][word] for seed in per_seed if seed["kept"].get(word)]
+            early = [seed["doubted"][word][0] for seed in per_seed if 0 in seed["doubted"].get(word, {})]
+            first, lowest, last = ([pick(w) for w in windows] for pick in (_first, _lowest, _last))
+            rows.append(
+                [variant, word, _pct(early), *(_pct(x) for x in (first, lowest, last))]
+                + [f"{sum(x < LOST for x in last)} of {len(windows)}"]
+            )
+    a.table(
+        f"The game's first words (the logged episodes, `log_rollouts` a step), mean over the seeds that met the "
+        f"word: of the student's uses of it in the first {WORD_WINDOW} steps, the share (%) the teacher gives "
+        f"under {100 * DOUBT:g}%; where the teacher gives it over {100 * SURE:g}%, the student's probability "
+        f"of it (%) over the first {WORD_WINDOW}-step window, the lowest and the last; the seeds whose last "
+        f"window is below {100 * LOST:g}%",
+        ["objective", "word", "early uses doubted", "first", "lowest", "last", f"seeds ending below {100 * LOST:g}%"],
+        rows,
+    )
+
+
+def _pct(values: list[float]) -> str:
+    return f"{100 * sum(values) / len(values):.0f}" if values else "-"
+
+
+def _first(windows: dict[int, float]) -> float:
+    return windows[min(windows)]
+
+
+def _lowest(windows: dict[int, float]) -> float:
+    return min(windows.values())
+
+
+def _last(windows: dict[int, float]) -> float:
+    return windows[max(windows)]
 
 
 def _better(a: Analysis, s: Settings, claim: str, hi: str, lo: str) -> None:
