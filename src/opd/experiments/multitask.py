@@ -23,9 +23,8 @@ though it is competitive in a single task; (d) multi-task training keeps each ta
 single-task result. Claims compare final avg@k, paired over seeds.
 
 Cost at full size, measured on 2 CPU cores with ``--workers 2`` (one thread a run): a two-task
-run of 96 steps about 3.2 minutes, a math-only run of 64 steps about 1.4, a game-only run of 32
-steps about 1.7; 65.5 minutes of runs, 34 minutes of wall time (the first seed's runs shared the
-machine with a test suite for about ten minutes). ``--quick`` plays a handful of steps; where the
+run of 96 steps about 2.5 minutes, a math-only run of 64 steps about 1.2, a game-only run of 32
+steps about 1.2; for 5 seeds 65.9 minutes of runs (35 runs), 33 minutes of wall time. ``--quick`` plays a handful of steps; where the
 packaged multi-task models are missing it first makes the shortened recipe's (its numbers decide
 nothing).
 """
