@@ -497,13 +497,15 @@ def test_agentic_first_word_windows_read_the_action_starts(tmp_path):
         {"step": 26, "tokens": ["x"], "topk_tokens": names},  # a math-style record: no turns, nothing read
     ]
     path = tmp_path / "rollouts.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # a killed run's last line, cut short: skipped, not an error
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 30, "turns": [{"sta')
     got = first_word_windows(path)
     assert got["kept"]["move"] == pytest.approx({0: (0.2 + 0.4) / 2, 2: 0.01})
     assert got["kept"]["go"] == pytest.approx({2: 0.6})
     assert got["doubted"]["move"] == pytest.approx({0: 1 / 2, 2: 0.0})
     assert got["doubted"]["go"] == pytest.approx({0: 1.0, 2: 0.0})
     assert set(got["kept"]) == {"go", "move"} and "x" not in got["doubted"]
+    assert first_word_windows(tmp_path / "missing.jsonl") == {"kept": {}, "doubted": {}}
 
 
 def test_agentic_first_word_table_counts_the_seeds_that_lost_a_word(tmp_path):

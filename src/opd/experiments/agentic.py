@@ -19,7 +19,6 @@ agentic models are missing it first makes the shortened recipe's (its numbers de
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from pathlib import Path
@@ -47,6 +46,7 @@ from opd.recipes.agentic import (
     TOP_P,
     env_args,
 )
+from opd.report.load import read_jsonl
 
 VARIANTS = {
     "sampled": dict(objective="sampled", mask_special=False),
@@ -181,16 +181,15 @@ def first_word_windows(rollouts: Path) -> dict[str, dict[str, dict[int, float]]]
     the student overuses gets pushed down everywhere, and one it loses shows here before success falls."""
     kept: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     doubted: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
-    with open(rollouts) as f:
-        for line in f:
-            r = json.loads(line)
-            window = r["step"] // WORD_WINDOW
-            for turn in r.get("turns", []):
-                i = turn["start"]
-                doubted[r["tokens"][i]][window].append(float(r["teacher_logprobs"][i] < math.log(DOUBT)))
-                if r["teacher_topk_logprobs"][i][0] > math.log(SURE):
-                    word = r["topk_tokens"][str(r["teacher_topk_ids"][i][0])]
-                    kept[word][window].append(math.exp(r["student_topk_logprobs"][i][0]))
+    # A missing file or a killed run's cut line reads as no episodes there, as in the report.
+    for r in read_jsonl(rollouts, [], need_step=True):
+        window = r["step"] // WORD_WINDOW
+        for turn in r.get("turns", []):
+            i = turn["start"]
+            doubted[r["tokens"][i]][window].append(float(r["teacher_logprobs"][i] < math.log(DOUBT)))
+            if r["teacher_topk_logprobs"][i][0] > math.log(SURE):
+                word = r["topk_tokens"][str(r["teacher_topk_ids"][i][0])]
+                kept[word][window].append(math.exp(r["student_topk_logprobs"][i][0]))
     return {
         name: {w: {k: sum(v) / len(v) for k, v in by.items()} for w, by in d.items()}
         for name, d in (("kept", kept), ("doubted", doubted))

@@ -24,9 +24,9 @@ single-task result. Claims compare final avg@k, paired over seeds.
 
 Cost at full size, measured on 2 CPU cores with ``--workers 2`` (one thread a run): a two-task
 run of 96 steps about 2.5 minutes, a math-only run of 64 steps about 1.2, a game-only run of 32
-steps about 1.2; for 5 seeds 65.9 minutes of runs (35 runs), 33 minutes of wall time. ``--quick`` plays a handful of steps; where the
-packaged multi-task models are missing it first makes the shortened recipe's (its numbers decide
-nothing).
+steps about 1.2; for 5 seeds 65.9 minutes of runs (35 runs), 33 minutes of wall time. ``--quick``
+plays a handful of steps; where the packaged multi-task models are missing it first makes the
+shortened recipe's (its numbers decide nothing).
 """
 
 from __future__ import annotations
