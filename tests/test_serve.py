@@ -374,6 +374,7 @@ class _Foreign(BaseHTTPRequestHandler):
     """A stand-in for a foreign (non-opd) server: no /opd/vocab, and a canned completions answer."""
 
     answer: dict = {}
+    tokenize = None  # None: no /tokenize endpoint (404); else a function of the text, giving its ids
     failures = 0  # answer this many POSTs with a 503 first
     accepts: list = []  # the Accept header of every POST
 
@@ -393,7 +394,11 @@ class _Foreign(BaseHTTPRequestHandler):
         self._send(404, {"detail": "Not Found"})
 
     def do_POST(self):
-        self.rfile.read(int(self.headers["Content-Length"]))
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.path == "/tokenize":  # vLLM's endpoint, outside /v1
+            if type(self).tokenize is None:
+                return self._send(404, {"detail": "Not Found"})
+            return self._send(200, {"tokens": type(self).tokenize(json.loads(body)["prompt"])})
         type(self).accepts.append(self.headers.get("Accept"))
         if type(self).failures > 0:
             type(self).failures -= 1
@@ -401,15 +406,16 @@ class _Foreign(BaseHTTPRequestHandler):
         self._send(200, type(self).answer)
 
 
-def test_foreign_server_warns_and_malformed_answers_are_errors(served, tiny_models):
+def test_foreign_server_warns_and_malformed_answers_are_errors(served, tiny_models, capsys):
     url, app, model, tok = served
     batch = rollouts(tok, tiny_models[0], n=2, new_tokens=4)
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Foreign)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         foreign = f"http://127.0.0.1:{server.server_address[1]}"
-        with pytest.warns(UserWarning, match="could not be verified"):
-            client = HTTPTeacher(foreign, tok, head_weight(model).shape[0], retries=0)
+        client = HTTPTeacher(foreign, tok, head_weight(model).shape[0], retries=0)
+        warned = capsys.readouterr().err.splitlines()
+        assert len(warned) == 1 and "its tokenizer could not be checked" in warned[0]  # one line, no source line
         assert not client.binary  # a foreign server is asked in vLLM's JSON, and never sent opd's Accept
         # A real answer from opd's server, relayed: the client must accept it as a vLLM answer.
         seqs = [batch.input_ids_NL[i][batch.attention_mask_NL[i].bool()].tolist() for i in range(2)]
@@ -418,8 +424,7 @@ def test_foreign_server_warns_and_malformed_answers_are_errors(served, tiny_mode
         relayed, local = client.score(batch, 4), HFTeacher(model).score(batch, 4)
         assert torch.equal(relayed.topk_ids_NTK, local.topk_ids_NTK)
         assert torch.allclose(relayed.sampled_logprobs_NT, local.sampled_logprobs_NT, atol=1e-5)
-        with pytest.warns(UserWarning):
-            patient = HTTPTeacher(foreign, tok, head_weight(model).shape[0], retries=2, backoff=0.01)
+        patient = HTTPTeacher(foreign, tok, head_weight(model).shape[0], retries=2, backoff=0.01)
         _Foreign.failures = 2  # a 5xx is retried with backoff...
         assert torch.equal(patient.score(batch, 4).topk_ids_NTK, local.topk_ids_NTK)
         assert _Foreign.failures == 0  # both 5xx answers were consumed by retries
@@ -427,8 +432,7 @@ def test_foreign_server_warns_and_malformed_answers_are_errors(served, tiny_mode
         with pytest.raises(UserError, match="answered HTTP 503: busy, try later"):
             client.score(batch, 4)
         _Foreign.failures = 0
-        with pytest.warns(UserWarning):
-            small = HTTPTeacher(foreign, tok, 3, retries=0)  # a "student" whose vocabulary has 3 tokens
+        small = HTTPTeacher(foreign, tok, 3, retries=0)  # a "student" whose vocabulary has 3 tokens
         with pytest.raises(UserError, match=r"outside the student's vocabulary \[0, 3\)"):
             small.score(batch, 4)
         _Foreign.answer = post(url, {"prompt": seqs, "max_tokens": 1, "prompt_logprobs": 2})[1]
@@ -514,3 +518,27 @@ def test_a_failing_request_does_not_fail_the_requests_batched_with_it(served):
         assert calls == [2, 1, 1] and scorer.batches == 1
     finally:
         scorer.close()
+
+
+def test_a_server_with_tokenize_is_probed_id_for_id(tiny_models, tiny_tokenizer):
+    """vLLM's ``POST /tokenize``: the probe texts tokenized there must match opd's tokenizer id for id."""
+    tok = load_tokenizer(tiny_models[0])
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Foreign)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        _Foreign.tokenize = lambda text: tok(text, add_special_tokens=False)["input_ids"]
+        assert not HTTPTeacher(url, tok, len(tok), retries=0).vocab_verified  # same tokenizer: accepted, silently
+        # one special token renumbered: only the probe holding it differs
+        eos = tok.eos_token_id
+        _Foreign.tokenize = lambda text: [
+            t + 1 if t == eos else t for t in tok(text, add_special_tokens=False)["input_ids"]
+        ]
+        with pytest.raises(
+            UserError, match=rf"tokenizes differently.*\(id {eos + 1} there, {eos} here\).*--teacher-tokenizer"
+        ):
+            HTTPTeacher(url, tok, len(tok), retries=0)
+    finally:
+        _Foreign.tokenize = None
+        server.shutdown()
+        server.server_close()

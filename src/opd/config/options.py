@@ -22,6 +22,7 @@ from opd.tasks.dataset import parse_split
 from opd.tasks.grading import check_answer_format
 
 OBJECTIVES = ("lsm", "sampled", "full_kl")
+ROLLOUT_ENGINES = ("hf", "vllm")
 DEFAULT_SPECIAL_TOKENS = ("<|im_end|>", "<think>", "</think>")
 
 
@@ -314,6 +315,29 @@ class TrainConfig(EnvSource, TrainingSource):
         600.0, "Seconds to wait for a served teacher that stops answering (at startup too), then checkpoint and stop."
     )
     teacher_retries: int | None = opt(None, "At most N retries of a failed served-teacher request (unset: no cap).")
+    teacher_api_key: str = opt(
+        "",
+        "API key sent to served teachers as 'Authorization: Bearer KEY' (the key of vLLM's or opd "
+        "serve-teacher's --api-key). Better set the environment variable OPD_TEACHER_API_KEY, which keeps it "
+        "out of process lists and shell history. Never written to config.json, checkpoints, logs or trackers.",
+        secret=True,
+    )
+    rollout_engine: str = opt(
+        "hf",
+        "What generates the rollouts: hf (opd's own sampling loop: per-prompt seeded, resumable exactly) or vllm "
+        "(a vLLM server given the student's weights before every batch; opd vllm-setup; docs/scale-out.md).",
+    )
+    vllm_url: str = opt(
+        "",
+        "With --rollout-engine vllm: a vLLM server you started (in dev mode, VLLM_SERVER_DEV_MODE=1, reading "
+        "--out at the same path); unset, opd starts one on the student from opd vllm-setup's environment.",
+    )
+    vllm_max_gap: float = opt(
+        0.0,
+        "The policy check: the most the vLLM engine's log-probs of the sampled tokens may differ from the "
+        "student's, in nats per token on average, before the run stops (0: 1e-3 in float32, 0.05 otherwise).",
+    )
+    vllm_start_timeout: float = opt(600.0, "Seconds to wait for the vLLM server opd starts to become healthy.")
     fsdp: bool = opt(
         False, "Shard the student with FSDP across the launched processes (torchrun/accelerate) instead of DDP."
     )
@@ -408,9 +432,25 @@ class TrainConfig(EnvSource, TrainingSource):
         if self.cross_tokenizer == "on":
             check_cross_tokenizer(self)
         self.report_to = check_report_to(self.report_to)
+        _check_rollout_engine(self)
         if self.mask_special is None:
             self.mask_special = self.objective == "lsm"
         _check_tasks(self)
+
+
+def _check_rollout_engine(cfg: TrainConfig) -> None:
+    require(cfg.rollout_engine in ROLLOUT_ENGINES, f"rollout_engine={cfg.rollout_engine!r}: hf or vllm")
+    require(cfg.vllm_max_gap >= 0 and cfg.vllm_start_timeout > 0, "vllm_max_gap must be >= 0, vllm_start_timeout > 0")
+    if cfg.rollout_engine == "hf":
+        require(not cfg.vllm_url, "vllm_url is set but rollout_engine is hf; add --rollout-engine vllm")
+        return
+    require(
+        not (cfg.env or cfg.tasks or cfg.fsdp),
+        "--rollout-engine vllm runs single-task, single-turn rollouts for now: not with --env, --tasks or --fsdp; "
+        "use --rollout-engine hf there",
+    )
+    if not cfg.vllm_max_gap:
+        cfg.vllm_max_gap = 1e-3 if cfg.dtype == "float32" else 0.05
 
 
 def _check_tasks(cfg: TrainConfig | SFTConfig) -> None:

@@ -12,7 +12,6 @@ config is written, get each metrics record as it is logged, and stop at :meth:`R
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -23,7 +22,7 @@ from typing import Any
 
 import torch
 
-from opd.config import check_report_to, dump_config
+from opd.config import check_report_to, config_record, dump_config
 from opd.errors import UserError
 from opd.runs.progress import is_main_process
 from opd.runs.quiet import quiet_transformers
@@ -89,7 +88,7 @@ class RunDir:
         if self.enabled:
             dump_config(cfg, self.path / "config.json")
             if self.tracking is not None:
-                self.tracking.start(dataclasses.asdict(cfg))
+                self.tracking.start(config_record(cfg))
 
     def _append(self, name: str, records: Iterable[dict]) -> None:
         if not self.enabled:

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
-from opd.errors import UserError
+from opd.errors import ServiceUnavailable
 from opd.losses import topk_and_gather_from_hidden
 from opd.models.loading import final_hidden, head_weight
 from opd.rollout.sampling import RolloutBatch
@@ -60,7 +60,7 @@ class TeacherScores:
         )
 
 
-class TeacherUnavailable(UserError):
+class TeacherUnavailable(ServiceUnavailable):
     """A served teacher stayed unreachable for all of ``--teacher-wait``: the trainer checkpoints the
     last completed step and stops (an answer the server refuses is a plain :class:`UserError`)."""
 

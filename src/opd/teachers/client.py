@@ -21,8 +21,16 @@ supports), full-vocabulary logits (``full_kl``) and the full-logit diagnostics (
 metrics are absent from ``metrics.jsonl``). :func:`opd.teachers.factory.make_teacher` refuses the options that need them.
 
 Vocabulary: opd's server answers ``GET /opd/vocab`` with a hash of its tokenizer's vocabulary,
-which must equal the student's; a foreign server cannot say, so a warning is given and every
-returned token id is still checked against the student's vocabulary size.
+which must equal the student's. A vLLM server is asked to tokenize probe texts instead
+(``POST /tokenize``: the tokenizer's special and added tokens, its chat template, and a spread of
+its vocabulary decoded to text), compared id for id with opd's tokenizer (:func:`probe_texts`): a
+probe cannot prove two tokenizers equal, but it catches a model of another family or a changed
+special token. A server with neither endpoint gets a one-line warning; every returned token id is
+still checked against the student's vocabulary size.
+
+API keys: ``api_key`` (``--teacher-api-key``, better the ``OPD_TEACHER_API_KEY`` environment
+variable) goes in every request as ``Authorization: Bearer KEY``, as vLLM's ``--api-key`` and
+``opd serve-teacher --api-key`` expect; a 401 is an error naming the variable, never the key.
 """
 
 from __future__ import annotations
@@ -37,7 +45,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -49,6 +56,8 @@ from opd.teachers import wire
 from opd.teachers.base import TeacherScores, TeacherUnavailable, filler_scores
 
 SERVED_OBJECTIVES = "--objective sampled, or --objective lsm with --support teacher_topk or teacher_topk_plus_sampled"
+API_KEY_ENV = "OPD_TEACHER_API_KEY"
+KEY_HINT = f"set the server's key in the environment variable {API_KEY_ENV} (or --teacher-api-key)"
 
 
 def vocab_info(tokenizer, head_rows: int) -> dict:
@@ -149,11 +158,13 @@ class HTTPTeacher:
         prompts_per_request: int = 16,
         concurrency: int = 4,
         binary: bool = True,
+        api_key: str = "",
         **patience,
     ):
         if not url.startswith(("http://", "https://")):
             raise UserError(f"--teacher-url {url!r} must start with http:// or https:// (e.g. http://127.0.0.1:8000)")
         self.url = url.rstrip("/").removesuffix("/v1")
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.vocab_rows = vocab_rows
         self.timeout, self.patience = timeout, Patience(self.url, **patience)
         self.prompts_per_request, self.concurrency = prompts_per_request, concurrency
@@ -177,7 +188,7 @@ class HTTPTeacher:
     ) -> tuple[str, bytes] | None:
         """One request, tried again while the server does not answer (:class:`Patience`): the answer's
         media type and body; ``None`` for a 404 when ``missing_ok``."""
-        headers = {"Content-Type": "application/json", **({"Accept": accept} if accept else {})}
+        headers = {"Content-Type": "application/json", **self._auth, **({"Accept": accept} if accept else {})}
         first_failure = None
         for attempt in itertools.count():
             req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
@@ -192,9 +203,7 @@ class HTTPTeacher:
                     self.patience.answered()
                     if err.code == 404 and missing_ok:
                         return None
-                    raise UserError(
-                        f"teacher server {self.url}{path} answered HTTP {err.code}: {_error_message(err)}"
-                    ) from None
+                    raise self._refused(path, err.code, _error_message(err)) from None
                 reason = f"HTTP {err.code}: {_error_message(err)}"
             # refused, reset, timed out, or a body cut short: the server may be restarting
             except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
@@ -203,6 +212,24 @@ class HTTPTeacher:
             if not self.patience.retry(attempt, first_failure, reason):
                 raise self._gave_up(path, attempt + 1, self.patience.clock() - first_failure, reason)
         raise AssertionError("unreachable: the loop returns or raises")
+
+    def _refused(self, path: str, code: int, message: str) -> UserError:
+        """A 4xx answer as an error that says how to fix what is known to cause it."""
+        said = f"teacher server {self.url}{path} answered HTTP {code}: {message}"
+        if code == 401:
+            sent = "the API key sent was refused" if self._auth else "no API key was sent"
+            return UserError(f"{said}; {sent}: {KEY_HINT}")
+        lowered = message.lower()
+        if "logprobs" in lowered and "max" in lowered:  # vLLM: "... greater than max allowed: 20"
+            return UserError(
+                f"{said}; start the server with a larger --max-logprobs (at least --k; vLLM's default is 20) or lower --k"
+            )
+        if "max_model_len" in lowered or "context length" in lowered:
+            return UserError(
+                f"{said}; a prompt and its response must fit the server's context: start it with a larger "
+                "--max-model-len, or lower --max-new-tokens"
+            )
+        return UserError(said)
 
     def _gave_up(self, path: str, attempts: int, seconds: float, reason: str) -> TeacherUnavailable:
         spent = self.patience.spent(attempts)
@@ -232,15 +259,17 @@ class HTTPTeacher:
             ) from None
 
     def _check_vocab(self, tokenizer) -> dict | None:
-        """opd's server's ``/opd/vocab`` answer once it matches the student's; ``None`` from a foreign server."""
+        """opd's server's ``/opd/vocab`` answer once it matches the student's; ``None`` from a foreign server
+        (whose tokenizer is probed through ``/tokenize`` where it has one, as vLLM's has)."""
         theirs = self._request("GET", "/opd/vocab", missing_ok=True)
         if theirs is None:
             self.vocab_rows = self.vocab_rows or len(tokenizer)
-            warnings.warn(
-                f"teacher server {self.url} does not report its vocabulary (not an opd server), so it "
-                "could not be verified; make sure it serves a model with the student's tokenizer",
-                stacklevel=3,
-            )
+            if not self._probe_tokenizer(tokenizer):
+                _stderr(
+                    f"opd train: warning: teacher server {self.url} reports no vocabulary (/opd/vocab) and has no "
+                    "/tokenize endpoint, so its tokenizer could not be checked; make sure it serves a model with "
+                    "the student's tokenizer"
+                )
             return None
         theirs = theirs if isinstance(theirs, dict) else {}
         if self.vocab_rows is None and isinstance(theirs.get("head_rows"), int):
@@ -253,6 +282,33 @@ class HTTPTeacher:
                 "rows); serve a teacher from the student's model family"
             )
         return theirs
+
+    def _probe_tokenizer(self, tokenizer) -> bool:
+        """Tokenize :func:`probe_texts` on the server (vLLM's ``POST /tokenize``) and compare id for id;
+        False when the server has no such endpoint. A difference is an error naming both sides."""
+        for text in probe_texts(tokenizer):
+            payload = {"model": self.model_name, "prompt": text, "add_special_tokens": False}
+            answer = self._request("POST", "/tokenize", payload, missing_ok=True)
+            if answer is None:
+                return False
+            theirs = answer.get("tokens") if isinstance(answer, dict) else None
+            if not isinstance(theirs, list):  # some other endpoint of that name: not one to check against
+                return False
+            ours = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if theirs != ours:
+                raise UserError(self._tokenizes_differently(tokenizer, text, ours, theirs))
+        return True
+
+    def _tokenizes_differently(self, tokenizer, text: str, ours: list[int], theirs: list) -> str:
+        at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        return (
+            f"the served teacher {self.model_name!r} at {self.url} tokenizes differently from opd's tokenizer "
+            f"({name}, {len(tokenizer)} tokens): the probe {text[:40]!r} is {len(theirs)} ids there and "
+            f"{len(ours)} here, first differing at token {at} (id {theirs[at] if at < len(theirs) else 'none'} "
+            f"there, {ours[at] if at < len(ours) else 'none'} here); serve a teacher with the student's tokenizer, "
+            "or give --teacher-tokenizer for cross-tokenizer OPD"
+        )
 
     # ------------------------------------------------------------------ scoring
 
@@ -361,6 +417,24 @@ class HTTPTeacher:
             f"teacher server {self.url} sent a malformed prompt_logprobs answer ({what}); "
             "--teacher-url must be a vLLM-compatible completions server"
         )
+
+
+def probe_texts(tokenizer, spread: int = 256) -> list[str]:
+    """Texts whose tokenization tells tokenizers apart: each special and added token inside text (EOS,
+    ``<think>``, template markers), the chat template applied to a short exchange where there is one, and
+    ``spread`` ids spaced evenly over the vocabulary, decoded to text (another vocabulary splits it apart)."""
+    specials = list(dict.fromkeys([*tokenizer.all_special_tokens, *tokenizer.get_added_vocab()]))
+    texts = ["The answer is 42. Ünïcödé, tabs\tand  spaces; x = 3 * (7 + 5)\n"]
+    texts += [f"a{tok} b {tok}\n" for tok in specials]
+    if getattr(tokenizer, "chat_template", None):
+        chat = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"}]
+        try:
+            texts.append(tokenizer.apply_chat_template(chat, tokenize=False))
+        except Exception:  # a template that needs other roles or fields: the other probes still run
+            pass
+    step = max(len(tokenizer) // spread, 1)
+    texts.append(tokenizer.decode(list(range(0, len(tokenizer), step)), skip_special_tokens=True))
+    return texts
 
 
 def _reason(err: BaseException) -> str:

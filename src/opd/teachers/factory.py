@@ -14,7 +14,7 @@ from opd.config import check_cross_tokenizer, parse_special_map
 from opd.errors import UserError
 from opd.models.loading import check_same_vocab, head_weight, load_model, load_tokenizer, model_device
 from opd.teachers.base import HFTeacher, TeacherScorer
-from opd.teachers.client import SERVED_OBJECTIVES, HTTPTeacher
+from opd.teachers.client import API_KEY_ENV, SERVED_OBJECTIVES, HTTPTeacher
 from opd.teachers.crosstok import CrossTokenizerTeacher
 
 
@@ -39,7 +39,8 @@ def make_teacher(cfg, student, tokenizer):
             f"vLLM-format server does not return; with --teacher-url use {SERVED_OBJECTIVES}, "
             "or use --teacher DIR"
         )
-    client = dict(timeout=cfg.teacher_timeout, wait=cfg.teacher_wait, retries=cfg.teacher_retries)
+    key = cfg.teacher_api_key or os.environ.get(API_KEY_ENV, "")
+    client = dict(timeout=cfg.teacher_timeout, wait=cfg.teacher_wait, retries=cfg.teacher_retries, api_key=key)
     if cfg.teacher_tokenizer:
         teacher_tok = load_tokenizer(cfg.teacher_tokenizer, "teacher")
         if uses_cross_tokenizer(cfg, tokenizer, teacher_tok):

@@ -34,10 +34,14 @@ Ctrl-C or SIGTERM stops it after answering the requests in flight. In Python: :f
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+import ipaddress
 import json
 import queue
 import signal
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -402,8 +406,11 @@ def binary_response(scores: list[SeqScores], k: int) -> bytes:
 class TeacherApp:
     """The served model, its tokenizer and the batching scorer, independent of the HTTP layer."""
 
-    def __init__(self, model, tokenizer, model_name: str, limits: Limits | None = None):
+    def __init__(
+        self, model, tokenizer, model_name: str, limits: Limits | None = None, api_keys: list[str] | tuple = ()
+    ):
         self.model = model.eval()
+        self.keys = KeyCheck(api_keys)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.limits = limits or Limits()
@@ -480,7 +487,51 @@ async def _no_route(request: Request, exc: HTTPException) -> Response:  # Starle
     return await _error(request, RequestError(exc.status_code, f"no route {method} {path}{hint}", kind))
 
 
-def build_asgi_app(app: TeacherApp) -> Starlette:
+class KeyCheck:
+    """The server's API keys (``--api-key``), checked as vLLM checks its own: every request to a path under
+    ``/v1`` (and opd's ``/opd``) needs ``Authorization: Bearer KEY`` with one of them; ``/health`` stays
+    open. Keys are kept as SHA-256 digests and every one is compared in constant time
+    (:func:`hmac.compare_digest`, no early exit), so an answer's timing says nothing of a key."""
+
+    PROTECTED = ("/v1", "/opd")
+
+    def __init__(self, keys: list[str] | tuple = ()):
+        if any(not k or k != k.strip() for k in keys):
+            raise UserError("an --api-key is empty or has spaces around it; give keys without surrounding spaces")
+        self.digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+
+    def __bool__(self) -> bool:
+        return bool(self.digests)
+
+    def allows(self, path: str, authorization: str | None) -> bool:
+        if not self.digests or not path.startswith(self.PROTECTED):
+            return True
+        scheme, _, token = (authorization or "").partition(" ")
+        given = hashlib.sha256(token.encode()).digest()
+        matches = [hmac.compare_digest(given, d) for d in self.digests]  # all of them: no early exit
+        return scheme.lower() == "bearer" and any(matches)
+
+
+class _RequireKey:
+    """ASGI middleware: a request without a right bearer key gets vLLM's 401 answer before any route runs."""
+
+    def __init__(self, inner, keys: KeyCheck):
+        self.inner, self.keys = inner, keys
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS":
+            headers = dict(scope.get("headers") or [])
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            if not self.keys.allows(scope["path"], auth):
+                await Response(_dumps(UNAUTHORIZED), 401, media_type=JSON)(scope, receive, send)
+                return
+        await self.inner(scope, receive, send)
+
+
+UNAUTHORIZED = {"error": "Unauthorized"}  # vLLM's body for a missing or wrong key
+
+
+def build_asgi_app(app: TeacherApp):
     """vLLM's routes (completions, health, models) and opd's ``/opd/vocab`` over ``app``."""
     gets = {"/health": lambda: None, "/v1/models": app.models, "/opd/vocab": lambda: app.vocab}
 
@@ -496,7 +547,8 @@ def build_asgi_app(app: TeacherApp) -> Starlette:
     routes = [Route(path, get, methods=["GET"]) for path in gets]
     routes.append(Route("/v1/completions", completions, methods=["POST"]))
     handlers = {RequestError: _error, HTTPException: _no_route, Exception: _bug}
-    return Starlette(routes=routes, exception_handlers=handlers)
+    asgi = Starlette(routes=routes, exception_handlers=handlers)
+    return _RequireKey(asgi, app.keys) if app.keys else asgi
 
 
 class _JSONErrorsProtocol(AutoHTTPProtocol):
@@ -577,10 +629,19 @@ def serve(
     limits: Limits | None = None,
     verbose: bool = False,
     device: str = "auto",
+    api_keys: list[str] | tuple = (),
 ) -> None:
     """``opd serve-teacher``: load the model, serve until interrupted (Ctrl-C or SIGTERM)."""
+    keys = KeyCheck(api_keys)  # a bad key is refused before the model loads
+    if not keys and not is_loopback(host):
+        print(
+            f"opd serve-teacher: warning: listening on {host} without an API key: anyone who can reach the port "
+            "can use this teacher; set OPD_API_KEY (or --api-key) and give trainers OPD_TEACHER_API_KEY",
+            file=sys.stderr,
+            flush=True,
+        )
     model = load_model(model_dir, "teacher", dtype, resolve_device(device))
-    app = TeacherApp(model, load_tokenizer(model_dir, "teacher"), served_model_name or str(model_dir), limits)
+    app = TeacherApp(model, load_tokenizer(model_dir, "teacher"), served_model_name or str(model_dir), limits, api_keys)
     sock = _listen(host, port)
     server = _server(app, sock, verbose)
     url = "http://{}:{}".format(*server.server_address)
@@ -589,7 +650,8 @@ def serve(
     # Not a thread and join(): before Python 3.13 a signal interrupting join() marks the thread stopped.
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        about = f"model {app.model_name}, vocabulary {app.vocab_rows}"
+        keyed = f", {len(keys.digests)} API key(s)" if keys else ""
+        about = f"model {app.model_name}, vocabulary {app.vocab_rows}{keyed}"
         print(f"opd teacher server: {url} ({about}); train with --teacher-url {url}", flush=True)
         server.run(sockets=[sock])
     except KeyboardInterrupt:
@@ -597,3 +659,13 @@ def serve(
     finally:
         signal.signal(signal.SIGTERM, previous)
         app.scorer.close()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (127.0.0.0/8, ::1, localhost), reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False

