@@ -8,7 +8,9 @@ new tokens, top-p 0.9, T = 1:
 
 * ``hf``: opd's :class:`~opd.rollout.sampling.HFRollout` in float32 (the trainer's dtype);
 * ``vllm-float32`` and ``vllm-bfloat16``: :class:`~opd.rollout.vllm_engine.VLLMRollout` against a vLLM
-  server (``opd vllm-setup``'s environment) started on the model in that dtype, the weights synced
+  server (``opd vllm-setup``'s environment) started on the model in that dtype (``-2cores``: with
+  ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``; by default vLLM's CPU build keeps one core for its front end and
+  computes on the other), the weights synced
   before every batch as in training; the sync is timed on its own too (write + reload + cache reset),
   and the policy check's gap (the engine's log-probs of the sampled tokens against the float32
   student's) is recorded for each dtype.
@@ -19,7 +21,7 @@ Random weights rarely sample EOS, so the 0.36B rows generate the full 64 tokens.
 ``time/step`` and ``time/generate`` over steps 2-6. Every process here shares 2 cores (the engine's
 server, the trainer): on a GPU host the engine has its own device, which this does not measure.
 
-Run (from the repository root, after ``opd vllm-setup``; about 15 minutes):
+Run (from the repository root, after ``opd vllm-setup``; about 25 minutes):
   python benchmarks/bench_vllm.py
   python benchmarks/bench_vllm.py --quick          # the demo student only, batch 4 (a dry run)
 Writes benchmarks/results/vllm_rollouts.json (``--json``) and prints a table.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -90,6 +93,16 @@ def timed_rollouts(engine, ids: list[list[int]], new_tokens: int, repeats: int) 
     return {"seconds": s, "tokens": t, "tokens_per_s": t / s, "rollouts_per_s": len(ids) / s}
 
 
+# vLLM's CPU build keeps one core for its front end unless told otherwise (VLLM_CPU_NUM_OF_RESERVED_CPU):
+# on 2 cores its model then computes on one, where opd's loop uses two.
+VLLM_CONFIGS = (
+    ("vllm-float32", "float32", "1"),
+    ("vllm-float32-2cores", "float32", "0"),
+    ("vllm-bfloat16", "bfloat16", "1"),
+    ("vllm-bfloat16-2cores", "bfloat16", "0"),
+)
+
+
 def bench_model(
     name: str, model_dir: Path, batches: list[int], new_tokens: int, repeats: int, logs: Path
 ) -> list[dict]:
@@ -109,14 +122,18 @@ def bench_model(
             }
         )
         print(rows[-1], flush=True)
-    for dtype in ("float32", "bfloat16"):
+    for label, dtype, reserved in VLLM_CONFIGS:
         t0 = time.perf_counter()
-        server = start_vllm_server(
-            model_dir, logs / f"{name}-{dtype}.log", dtype=dtype, max_model_len=512, dev_mode=True
-        )
+        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = reserved
+        try:
+            server = start_vllm_server(
+                model_dir, logs / f"{name}-{label}.log", dtype=dtype, max_model_len=512, dev_mode=True
+            )
+        finally:
+            del os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"]
         started = time.perf_counter() - t0
         try:
-            engine = VLLMRollout(student, tok, logs / f"weights-{name}-{dtype}", url=server.url, max_gap=float("inf"))
+            engine = VLLMRollout(student, tok, logs / f"weights-{name}-{label}", url=server.url, max_gap=float("inf"))
             engine.generate(ids[:2], [0, 1], max_new_tokens=4)
             syncs = []
             for _ in range(3):
@@ -129,7 +146,7 @@ def bench_model(
                     {
                         "model": name,
                         "params": params,
-                        "engine": f"vllm-{dtype}",
+                        "engine": label,
                         "batch": b,
                         **got,
                         "sync_s": statistics.median(syncs),
