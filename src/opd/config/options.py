@@ -330,7 +330,8 @@ class TrainConfig(EnvSource, TrainingSource):
     vllm_url: str = opt(
         "",
         "With --rollout-engine vllm: a vLLM server you started (in dev mode, VLLM_SERVER_DEV_MODE=1, reading "
-        "--out at the same path); unset, opd starts one on the student from opd vllm-setup's environment.",
+        "--out at the same path; its API key, if any, from OPD_VLLM_API_KEY); unset, opd starts one on the "
+        "student from opd vllm-setup's environment.",
     )
     vllm_max_gap: float = opt(
         0.0,

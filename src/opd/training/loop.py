@@ -153,8 +153,6 @@ def setup(cfg: TrainConfig) -> Run:
     tok = load_tokenizer(cfg.student, "student")
     student = load_model(cfg.student, "student", cfg.dtype, device)
     tasks = build_tasks(specs, data, student, tok)
-    if cfg.rollout_engine == "vllm":
-        tasks[0].engine = vllm_engine(cfg, student, tok, rundir, dist)
     V = head_weight(student).shape[0]
     if cfg.k > V:
         raise UserError(f"k={cfg.k} is larger than the vocabulary ({V} tokens); choose --k <= {V}")
@@ -167,6 +165,8 @@ def setup(cfg: TrainConfig) -> Run:
     if ckpt is not None:
         load_weights(student, ckpt / "model")  # before wrapping: FSDP shards the weights it is given
     student.train()
+    if cfg.rollout_engine == "vllm":  # the student as it trains (LoRA's wrapper included) goes to the engine
+        tasks[0].engine = vllm_engine(cfg, student, tok, rundir, dist)
     optimizer = make_optimizer(dist.wrap(student), cfg.lr, cfg.weight_decay)
     scheduler = make_scheduler(optimizer, cfg.warmup_steps, cfg.steps * cfg.updates_per_batch, cfg.schedule)
     schedule = task_schedule(cfg.steps, [t.share for t in tasks], cfg.seed) if cfg.task_mode == "alternate" else []
