@@ -57,6 +57,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def files_holding(run_dir, secret: str) -> tuple[list, list[str]]:
+    """Every file under ``run_dir``, and those whose bytes hold ``secret`` (an API key must be in none)."""
+    from pathlib import Path
+
+    files = [p for p in Path(run_dir).rglob("*") if p.is_file()]
+    return files, [str(p) for p in files if secret.encode() in p.read_bytes()]
+
+
 def launch_command(launcher: str, args: list[str]) -> list[str]:
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import files_holding, free_port
 
 from opd.config import TrainConfig
 from opd.errors import UserError
@@ -104,9 +105,8 @@ def test_training_against_vllm_equals_the_in_process_teacher(vllm_teacher, tmp_p
         losses[name] = [r["train/loss"] for r in records if "train/loss" in r]
     assert len(losses["vllm"]) == 3
     assert losses["vllm"] == pytest.approx(losses["local"], rel=1e-4, abs=1e-6)
-    files = [p for p in (tmp_path / "vllm").rglob("*") if p.is_file()]
-    assert any("checkpoints" in str(p) for p in files)
-    assert not [str(p) for p in files if KEY.encode() in p.read_bytes()]
+    files, holding = files_holding(tmp_path / "vllm", KEY)
+    assert any("checkpoints" in str(p) for p in files) and not holding
 
 
 def test_vllm_teacher_with_another_tokenizer_is_refused(vllm_teacher):
@@ -211,11 +211,7 @@ def test_vllm_rollouts_of_a_lora_student_carry_the_merged_weights(vllm_student, 
 
 
 def closed_port_url() -> str:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
+    return f"http://127.0.0.1:{free_port()}"  # nobody listens there: connection refused
 
 
 def test_an_engine_that_stops_answering_checkpoints_and_the_run_resumes(vllm_student, tmp_path, monkeypatch):

@@ -1,7 +1,7 @@
 """Rollouts from a vLLM server (``opd train --rollout-engine vllm``), behind :class:`~opd.rollout.sampling.RolloutEngine`.
 
 Before every rollout the student's current weights go to the engine: written as one safetensors
-file into the run's ``vllm/weights/`` folder (atomically; a LoRA adapter merged into them first),
+file into the run's ``vllm/weights/`` folder (atomically; a LoRA adapter's update added to them),
 loaded in place by the server (``POST /collective_rpc`` with ``reload_weights``), and its prefix cache
 reset (``POST /reset_prefix_cache``): both are vLLM's dev-mode endpoints (``VLLM_SERVER_DEV_MODE=1``),
 outside ``/v1`` and so outside ``--api-key``'s reach, which is why the engine must stay on loopback or a
@@ -190,6 +190,12 @@ class VLLMRollout:
                     raise EngineUnavailable(
                         self._failed("", f"{down}; no answer for {now - first_failure:.0f} s")
                     ) from None
+                if attempt == 0:  # a wait of minutes must not look like a hang
+                    print(
+                        f"opd train: the vLLM engine at {self.url} does not answer ({down}); waiting up to {WAIT_S:.0f} s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 time.sleep(min(0.5 * 2**attempt, 15.0, WAIT_S - (now - first_failure)))
         raise AssertionError("unreachable: the loop returns or raises")
 
@@ -232,8 +238,8 @@ class VLLMRollout:
         responses, logps = [], []
         for c in choices:
             ids, lps = list(c["token_ids"]), [float(x) for x in c["logprobs"]["token_logprobs"]]
-            if self.eos_id in ids:
-                ids, lps = ids[: ids.index(self.eos_id) + 1], lps[: ids.index(self.eos_id) + 1]
+            end = ids.index(self.eos_id) + 1 if self.eos_id in ids else len(ids)
+            ids, lps = ids[:end], lps[:end]
             responses.append(ids)
             logps.append(lps)
         T = max(1, max(len(r) for r in responses))
