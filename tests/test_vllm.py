@@ -271,3 +271,71 @@ def test_an_engine_opd_started_that_exited_is_restarted(vllm_student, tmp_path, 
     with pytest.raises(vllm_engine.EngineUnavailable, match=r"(?s)the engine exited \(2 restarts\).*the engine died"):
         engine.generate(ids, [0, 1], max_new_tokens=8)
     placeholder.kill()
+
+
+def test_episodes_and_a_second_task_roll_out_from_one_engine(vllm_student, tmp_path, monkeypatch):
+    """--tasks with math prompts and toy-game episodes (multi-turn, one request a turn) from one engine:
+    every turn's tokens pass the policy check, and the engine is synced once per optimizer step, not per task."""
+    from opd.rollout.vllm_engine import VLLMRollout
+
+    real_sync, syncs = VLLMRollout.sync, []
+
+    def counted(self):
+        syncs.append(1)
+        real_sync(self)
+
+    monkeypatch.setattr(VLLMRollout, "sync", counted)
+    monkeypatch.setenv("OPD_VLLM_API_KEY", KEY)
+    out = tmp_path / "run"
+    toy = dict(env="toy", env_level=1, max_new_tokens=160, max_action_tokens=24, max_turns=4, eval_size=3)
+    run = {k: v for k, v in ROLLOUT_RUN.items() if k not in ("teacher", "max_new_tokens", "eval_size")}
+    cfg = TrainConfig(
+        out=str(out),
+        vllm_url=vllm_student,
+        tasks=[
+            {"name": "math", "teacher": str(DEMO / "teacher")},
+            {"name": "toy", "teacher": str(DEMO / "teacher"), **toy},
+        ],
+        task_mode="mix",
+        **{**run, "steps": 2, "lr": 1e-3},
+    )
+    train_mod.train(cfg, show_progress=False)
+    steps = [
+        r for r in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r
+    ]
+    assert len(steps) == 2 and len(syncs) == 2  # one sync a step for both tasks' rollouts
+    assert all(r["toy/rollout/turns"] >= 1 and "math/train/loss" in r for r in steps)
+    assert all(r["rollout/engine_logprob_gap"] < 1e-4 for r in steps), [r["rollout/engine_logprob_gap"] for r in steps]
+    rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    episodes = [r for r in rollouts if r["task"] == "toy"]
+    assert episodes and all(1 <= len(e["turns"]) <= 4 and e["end"] for e in episodes)  # --max-turns 4
+
+
+def test_two_ranks_roll_out_from_an_engine_each(vllm_teacher, tmp_path):
+    """torchrun with 2 ranks (DDP, gloo): each rank starts its own engine (its own folder and log) and
+    rolls out its share of the batch there; both pass the policy check at every step."""
+    from helpers import launch
+
+    out = tmp_path / "ddp"
+    args = ["train", "--student", str(DEMO / "student"), "--teacher", str(DEMO / "teacher"), "--out", str(out)]
+    args += ["--rollout-engine", "vllm", "--steps", "2", "--batch-size", "2", "--max-new-tokens", "24"]
+    args += ["--eval-every", "0", "--eval-size", "4", "--eval-samples", "0", "--lr", "1e-3", "--device", "cpu"]
+    launch("torchrun", args, timeout=900)
+    steps = [
+        r for r in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r
+    ]
+    assert len(steps) == 2 and all(r["rollout/engine_logprob_gap"] < 1e-4 for r in steps), steps
+    for rank in ("rank0", "rank1"):
+        assert (out / "vllm" / rank / "server.log").is_file(), rank
+        assert (out / "vllm" / rank / "weights" / "model.safetensors").is_file(), rank
+
+
+def test_the_vllm_rollouts_experiment_runs_quick(vllm_teacher, tmp_path):
+    from opd.experiments import run
+    from opd.experiments.stats import INCONCLUSIVE
+
+    res = run("vllm-rollouts", tmp_path, seeds=1, quick=True, show_progress=False)
+    assert [c["verdict"] for c in res["claims"]] == [INCONCLUSIVE]  # one seed decides nothing
+    assert len(res["tables"]) == 3
+    commands = (tmp_path / "vllm-rollouts" / "commands.txt").read_text()
+    assert commands.count("--rollout-engine vllm") == 2 and "opd train" in commands

@@ -446,9 +446,9 @@ def _check_rollout_engine(cfg: TrainConfig) -> None:
         require(not cfg.vllm_url, "vllm_url is set but rollout_engine is hf; add --rollout-engine vllm")
         return
     require(
-        not (cfg.env or cfg.tasks or cfg.fsdp),
-        "--rollout-engine vllm runs single-task, single-turn rollouts for now: not with --env, --tasks or --fsdp; "
-        "use --rollout-engine hf there",
+        not cfg.fsdp,
+        "--rollout-engine vllm does not run with --fsdp yet (the engine needs the whole weights at every sync); "
+        "use DDP (torchrun without --fsdp: one engine per rank) or --rollout-engine hf",
     )
     if not cfg.vllm_max_gap:
         cfg.vllm_max_gap = 1e-3 if cfg.dtype == "float32" else 0.05

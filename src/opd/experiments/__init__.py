@@ -23,6 +23,7 @@ _MODULES = {
     "gold-bytelevel": "opd.experiments.gold_bytelevel",
     "multitask": "opd.experiments.multitask",
     "multitask-tail": "opd.experiments.tail",
+    "vllm-rollouts": "opd.experiments.vllm_rollouts",
 }
 NAMES = tuple(_MODULES)
 

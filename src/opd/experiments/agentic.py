@@ -85,7 +85,9 @@ def models_specs(s: Settings) -> tuple[Path, list[RunSpec]]:
     return demo_models(s, ASSETS, "teacher", "agentic demo", "--agentic", make_quick_models, "agentic-quick-models")
 
 
-def run_specs(s: Settings, root: Path, name: str, seed: int, change: dict, needs: tuple[str, ...]) -> list[RunSpec]:
+def run_specs(
+    s: Settings, root: Path, name: str, seed: int, change: dict, needs: tuple[str, ...], steps: int = STEPS
+) -> list[RunSpec]:
     """One OPD run from the agentic demo's models at its settings (``change`` on top), and its final
     evaluation: greedy success and avg@2 on the held-out games."""
     cfg = TrainConfig(
@@ -96,14 +98,14 @@ def run_specs(s: Settings, root: Path, name: str, seed: int, change: dict, needs
         env_args=env_args(s.quick),
         seed=seed,
         out=str(s.run_dir(name)),
-        steps=3 if s.quick else STEPS,
+        steps=3 if s.quick else steps,
         batch_size=8 if s.quick else DEMO_BATCH,
         lr=DEMO_LR,
         warmup_steps=2 if s.quick else 5,
         eval_every=0,  # the final model's evaluation is the run after it
         eval_size=8 if s.quick else 50,
         eval_samples=0,
-        ckpt_every=2 if s.quick else STEPS // 2,
+        ckpt_every=2 if s.quick else steps // 2,
         log_rollouts=2 if s.quick else 4,
         top_p=TOP_P,
         k=32,

@@ -174,24 +174,7 @@ def run_demo(out: Path, steps: int = 200, quick: bool = False, assets: Path | No
     console.print(f"[bold]opd demo[/bold]: evaluating the teacher and the student on {eval_size} test prompts")
     teacher_res = _eval(assets / "teacher", prompts, task, tok, seed)
     student_res = _eval(assets / "student", prompts, task, tok, seed)
-    base = TrainConfig(
-        student=str(assets / "student"),
-        teacher=str(assets / "teacher"),
-        task="arithmetic",
-        task_level=TASK_LEVEL,
-        seed=seed,
-        steps=10 if quick else steps,
-        batch_size=16 if quick else 64,
-        lr=5e-4,
-        warmup_steps=10,
-        max_new_tokens=MAX_NEW_TOKENS,
-        eval_every=0 if quick else 50,
-        eval_size=eval_size,
-        eval_samples=EVAL_SAMPLES,
-        ckpt_every=50,
-        top_p=TOP_P,
-        k=32,
-    )
+    base = opd_config(assets, seed, steps, quick, eval_size=eval_size)
     results = run_objectives(base, ("sampled", "lsm"), out, console)
     summary = {
         "teacher_acc": teacher_res["accuracy"],
@@ -207,6 +190,29 @@ def run_demo(out: Path, steps: int = 200, quick: bool = False, assets: Path | No
     report = write_report([out / name for name in results], out / "report")
     console.print(f"report: {report}  (open it in a browser; the charts are also PNGs in {report.parent / PNG_DIR})")
     return summary
+
+
+def opd_config(assets: Path, seed: int = 0, steps: int = 200, quick: bool = False, **change) -> TrainConfig:
+    """The demo's OPD run from the models in ``assets`` (``change`` on top: the objective, the output)."""
+    settings = dict(
+        student=str(assets / "student"),
+        teacher=str(assets / "teacher"),
+        task="arithmetic",
+        task_level=TASK_LEVEL,
+        seed=seed,
+        steps=10 if quick else steps,
+        batch_size=16 if quick else 64,
+        lr=5e-4,
+        warmup_steps=10,
+        max_new_tokens=MAX_NEW_TOKENS,
+        eval_every=0 if quick else 50,
+        eval_size=64 if quick else EVAL_SIZE,
+        eval_samples=EVAL_SAMPLES,
+        ckpt_every=50,
+        top_p=TOP_P,
+        k=32,
+    )
+    return TrainConfig(**{**settings, **change})
 
 
 def run_objectives(base: TrainConfig, objectives, out: Path, console: Console, workers: int = 1) -> dict:

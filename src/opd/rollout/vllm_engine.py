@@ -118,6 +118,7 @@ class VLLMRollout:
         }
         self.concurrency, self.timeout = concurrency, timeout
         self.relaunch, self.restarts = relaunch, 0
+        self.stale, self.watched = True, False
         try:
             self.model_name = self._call("GET", "/v1/models")["data"][0]["id"]
         except _Down as down:
@@ -161,6 +162,16 @@ class VLLMRollout:
         self._call("POST", "/collective_rpc", rpc, retry_5xx=False)  # a folder it cannot read stays so
         self._call("POST", "/reset_prefix_cache")
 
+    def weights_changed(self, *_) -> None:
+        """The student's weights changed (an optimizer step): the next rollout syncs them first. Hooked to
+        the optimizer by :meth:`watch`; without one, every rollout syncs."""
+        self.stale = True
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """Sync only after the weights change, so the tasks of a multi-task step share one sync."""
+        optimizer.register_step_post_hook(self.weights_changed)
+        self.watched = True
+
     # ------------------------------------------------------------------ rollouts
     def generate(
         self,
@@ -172,14 +183,48 @@ class VLLMRollout:
         top_p: float = 1.0,
         greedy: bool = False,
     ) -> RolloutBatch:
-        """The rollouts, once the engine has the student's weights. An engine that stops answering is
-        restarted when opd started it (it exited), else waited for up to ``WAIT_S`` seconds; then
-        :class:`EngineUnavailable`."""
-        args = (prompt_ids, seeds, max_new_tokens, temperature, top_p, greedy)
+        """Single-turn rollouts of the student's current weights, checked against it (the policy check)."""
+        self.begin()
+        sampling = self.sampling(temperature, top_p, greedy)
+        payloads = [self.payload(p, s, max_new_tokens, sampling) for p, s in zip(prompt_ids, seeds, strict=True)]
+        batch = self._batch(prompt_ids, self.complete(payloads))
+        self.check_policy(batch)
+        return batch
+
+    def begin(self) -> None:
+        """A rollout starts: without an optimizer watched, the weights may have changed since the last."""
+        if not self.watched:
+            self.stale = True
+
+    @staticmethod
+    def sampling(temperature: float, top_p: float, greedy: bool) -> dict:
+        return {"temperature": 0.0} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": -1}
+
+    def payload(self, prompt: Sequence[int], seed: int, max_tokens: int, sampling: dict) -> dict:
+        """One completions request: raw log-probs of the sampled tokens, the token ids, stopping at EOS."""
+        return {
+            "model": self.model_name,
+            "prompt": list(prompt),
+            "max_tokens": max_tokens,
+            **sampling,
+            "seed": int(seed),
+            "logprobs": 0,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+            "stop_token_ids": [self.eos_id],
+        }
+
+    def complete(self, payloads: list[dict]) -> list[dict]:
+        """Each request's first choice, sent together (vLLM batches them), once the engine has the current
+        weights. An engine that stops answering is restarted when opd started it (it exited), else
+        waited for up to ``WAIT_S`` seconds; then :class:`EngineUnavailable`."""
         first_failure = None
         for attempt in itertools.count():
             try:
-                return self._generate(*args)
+                if self.stale:
+                    self.sync()
+                    self.stale = False
+                return self._complete(payloads)
             except _Down as down:
                 now = time.monotonic()
                 first_failure = first_failure or now
@@ -199,9 +244,16 @@ class VLLMRollout:
                 time.sleep(min(0.5 * 2**attempt, 15.0, WAIT_S - (now - first_failure)))
         raise AssertionError("unreachable: the loop returns or raises")
 
+    def _complete(self, payloads: list[dict]) -> list[dict]:
+        def one(payload: dict) -> dict:
+            return self._call("POST", "/v1/completions", payload)["choices"][0]
+
+        with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(payloads)))) as pool:
+            return list(pool.map(one, payloads))
+
     def _restart(self, why: str) -> None:
-        """opd's own engine exited: start it again (it loads the student's directory; the retried batch
-        syncs the current weights first), at most ``MAX_RESTARTS`` times a run."""
+        """opd's own engine exited: start it again (it loads the student's directory, so the retried
+        request syncs the current weights first), at most ``MAX_RESTARTS`` times a run."""
         if self.relaunch is None or self.restarts >= MAX_RESTARTS:
             raise EngineUnavailable(self._failed("", f"{why}; the engine exited ({self.restarts} restarts)")) from None
         self.restarts += 1
@@ -214,34 +266,21 @@ class VLLMRollout:
             self.server = self.relaunch()
         except UserError as exc:  # it would not start again: stop as for an engine gone for good
             raise EngineUnavailable(str(exc)) from None
-        self.url = self.server.url
+        self.url, self.stale = self.server.url, True
 
-    def _generate(self, prompt_ids, seeds, max_new_tokens, temperature, top_p, greedy) -> RolloutBatch:
-        self.sync()
-        sampling = {"temperature": 0.0} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": -1}
-
-        def one(i: int) -> dict:
-            payload = {"model": self.model_name, "prompt": list(prompt_ids[i]), "max_tokens": max_new_tokens}
-            payload.update(sampling, seed=int(seeds[i]), logprobs=0, return_token_ids=True, skip_special_tokens=False)
-            return self._call("POST", "/v1/completions", payload)["choices"][0]
-
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(prompt_ids))) as pool:
-            choices = list(pool.map(one, range(len(prompt_ids))))
-        batch = self._batch(prompt_ids, choices)
-        self.check_policy(batch)
-        return batch
+    def cut_at_eos(self, choice: dict) -> tuple[list[int], list[float], bool]:
+        """A choice's sampled ids and their log-probs up to and with the first EOS; whether it wrote one."""
+        ids, lps = list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]]
+        if self.eos_id in ids:
+            end = ids.index(self.eos_id) + 1
+            return ids[:end], lps[:end], True
+        return ids, lps, False
 
     def _batch(self, prompt_ids: Sequence[Sequence[int]], choices: list[dict]) -> RolloutBatch:
         """Left-padded prompts and responses cut after their first EOS, as :class:`HFRollout` makes them."""
         dev = model_device(self.model)
         N, P = len(prompt_ids), max(len(p) for p in prompt_ids)
-        responses, logps = [], []
-        for c in choices:
-            ids, lps = list(c["token_ids"]), [float(x) for x in c["logprobs"]["token_logprobs"]]
-            end = ids.index(self.eos_id) + 1 if self.eos_id in ids else len(ids)
-            ids, lps = ids[:end], lps[:end]
-            responses.append(ids)
-            logps.append(lps)
+        responses, logps, _ = zip(*map(self.cut_at_eos, choices), strict=True)
         T = max(1, max(len(r) for r in responses))
         input_NL = torch.full((N, P + T), self.pad_id, dtype=torch.long)
         attn_NL = torch.zeros((N, P + T), dtype=torch.long)
@@ -287,20 +326,23 @@ class VLLMRollout:
             self.server.stop()
 
 
-def start_engine(model, tok, student_dir: str, run_dir: Path, cfg, api_key: str = "") -> VLLMRollout:
+def start_engine(model, tok, student_dir: str, folder: Path, cfg, task_cfgs=(), api_key: str = "") -> VLLMRollout:
     """The engine of ``opd train --rollout-engine vllm``: a server opd starts on the student's directory
-    (``--vllm-url`` unset), or the user's."""
-    server, context = None, cfg.max_prompt_tokens + cfg.max_new_tokens
+    (``--vllm-url`` unset), or the user's; its log and the synced weights in ``folder``. Its context
+    holds the longest prompt plus response of any task (``task_cfgs``: a multi-task run's tasks)."""
+    server = None
+    worst = max((cfg, *task_cfgs), key=lambda c: c.max_prompt_tokens + c.max_new_tokens)
+    context = worst.max_prompt_tokens + worst.max_new_tokens
     limit = getattr(model.config, "max_position_embeddings", None) or context
     if context > limit:
         raise UserError(
-            f"--max-prompt-tokens {cfg.max_prompt_tokens} + --max-new-tokens {cfg.max_new_tokens} = {context} tokens "
-            f"exceed the student's context ({limit}, max_position_embeddings); lower one of them"
+            f"--max-prompt-tokens {worst.max_prompt_tokens} + --max-new-tokens {worst.max_new_tokens} = {context} "
+            f"tokens exceed the student's context ({limit}, max_position_embeddings); lower one of them"
         )
     launch = functools.partial(
         start_vllm_server,
         student_dir,
-        run_dir / "vllm" / "server.log",
+        folder / "server.log",
         dtype=cfg.dtype,
         max_model_len=context,
         dev_mode=True,
@@ -312,7 +354,7 @@ def start_engine(model, tok, student_dir: str, run_dir: Path, cfg, api_key: str 
         return VLLMRollout(
             model,
             tok,
-            run_dir / "vllm" / "weights",
+            folder / "weights",
             url=cfg.vllm_url,
             server=server,
             relaunch=None if cfg.vllm_url else launch,

@@ -165,9 +165,9 @@ def setup(cfg: TrainConfig) -> Run:
     if ckpt is not None:
         load_weights(student, ckpt / "model")  # before wrapping: FSDP shards the weights it is given
     student.train()
-    if cfg.rollout_engine == "vllm":  # the student as it trains (LoRA's wrapper included) goes to the engine
-        tasks[0].engine = vllm_engine(cfg, student, tok, rundir, dist)
     optimizer = make_optimizer(dist.wrap(student), cfg.lr, cfg.weight_decay)
+    if cfg.rollout_engine == "vllm":
+        use_vllm(cfg, tasks, student, tok, rundir, dist, optimizer)
     scheduler = make_scheduler(optimizer, cfg.warmup_steps, cfg.steps * cfg.updates_per_batch, cfg.schedule)
     schedule = task_schedule(cfg.steps, [t.share for t in tasks], cfg.seed) if cfg.task_mode == "alternate" else []
     run = Run(cfg, student, tok, tasks, optimizer, scheduler, rundir, special_ids, dist, schedule=schedule)
@@ -183,13 +183,23 @@ def setup(cfg: TrainConfig) -> Run:
     return run
 
 
-def vllm_engine(cfg: TrainConfig, student, tok, rundir: RunDir, dist: Dist):
-    """``--rollout-engine vllm``: a vLLM server that gets the student's weights before every batch."""
-    if dist.world > 1:
-        raise UserError("--rollout-engine vllm runs in one process for now; launch without torchrun/accelerate")
+def use_vllm(cfg: TrainConfig, tasks: list[TaskRun], student, tok, rundir: RunDir, dist: Dist, optimizer) -> None:
+    """``--rollout-engine vllm``: every task rolls out from one vLLM server that is given the student's
+    weights (LoRA's wrapper included) after each optimizer step; under torchrun/accelerate, one server
+    per rank (its own folder), as each rank rolls out its own share of the batch."""
     from opd.rollout.vllm_engine import start_engine
 
-    return start_engine(student, tok, cfg.student, rundir.path, cfg, api_key=os.environ.get("OPD_VLLM_API_KEY", ""))
+    if dist.world > 1 and cfg.vllm_url:
+        raise UserError(
+            "--vllm-url names one engine, and each of the launch's ranks needs its own: leave --vllm-url out "
+            "and opd starts one per rank, or run in one process"
+        )
+    folder = rundir.path / "vllm" / (f"rank{dist.rank}" if dist.world > 1 else "")
+    key = os.environ.get("OPD_VLLM_API_KEY", "")
+    engine = start_engine(student, tok, cfg.student, folder, cfg, [t.cfg for t in tasks], api_key=key)
+    engine.watch(optimizer)
+    for t in tasks:
+        t.engine = t.source.on_vllm(engine, tok)
 
 
 def _teacher_key(c: TrainConfig) -> tuple:
@@ -467,8 +477,8 @@ def log_stage(run: Run, step: int, parts: list[StepPart], upds: list[StepUpdate]
     every = [mw for rank in ranks for mw in rank]
     record = {"step": step, **merge_metrics([m for m, _ in every], [w for _, w in every]), **slowest}
     record.update({k: getattr(upds[0], k.split("/")[1]) for k in STEP_KEYS})
-    if hasattr(run.engine, "last_gap"):  # the vLLM engine's policy check
-        record["rollout/engine_logprob_gap"] = run.engine.last_gap
+    if hasattr(run.engine, "last_gap"):  # the vLLM engine's policy check: the largest of the ranks'
+        record["rollout/engine_logprob_gap"] = max(run.dist.gather(run.engine.last_gap))
     for i, p in enumerate(parts):
         if p.task.name:
             own = merge_metrics([r[i][0] for r in ranks], [r[i][1] for r in ranks])

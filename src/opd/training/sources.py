@@ -38,6 +38,9 @@ class Source(Protocol):
     def engine(self, model, tok) -> Any:
         """What rolls this source's items out with ``model`` (built once per run)."""
 
+    def on_vllm(self, engine, tok) -> Any:
+        """What rolls this source's items out with a vLLM engine (:class:`~opd.rollout.vllm_engine.VLLMRollout`)."""
+
     def check_model(self, model, cfg: TrainConfig) -> None:
         """Before any work: a model that cannot hold this source's rollouts is refused."""
 
@@ -74,6 +77,9 @@ class PromptSource:
 
     def engine(self, model, tok) -> HFRollout:
         return HFRollout(model, tok.eos_token_id, tok.pad_token_id)
+
+    def on_vllm(self, engine, tok):
+        return engine  # a VLLMRollout generates as HFRollout does
 
     def check_model(self, model, cfg: TrainConfig) -> None:
         return None  # a prompt longer than the context is refused when the prompt set is built
@@ -123,6 +129,11 @@ class GameSource:
 
     def engine(self, model, tok) -> EpisodeRollout:
         return EpisodeRollout(model, tok)
+
+    def on_vllm(self, engine, tok) -> EpisodeRollout:
+        from opd.rollout.vllm_episodes import VLLMEpisodeRollout
+
+        return VLLMEpisodeRollout(engine, tok)
 
     def check_model(self, model, cfg: TrainConfig) -> None:
         check_episode_context(model, cfg.max_prompt_tokens, cfg.max_new_tokens)
