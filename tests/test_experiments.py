@@ -11,6 +11,7 @@ import math
 import random
 import shlex
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from opd.config import TrainConfig, build_config
 from opd.errors import UserError
 from opd.experiments import NAMES, get_experiment, run
 from opd.experiments.core import DONE, STARTED, RunSpec, Settings, command_line, run_specs
+from opd.experiments.keys import Keys
 from opd.experiments.stats import (
     INCONCLUSIVE,
     NOT_REPRODUCED,
@@ -184,6 +186,62 @@ def test_runs_side_by_side_respect_needs(tmp_path):
         run_specs(specs, s, workers=0)
 
 
+def write_text(params, run_dir):
+    (run_dir / "out.txt").write_text(params["text"])
+    return {"wrote": params["text"]}
+
+
+def read_text(params, run_dir):
+    return {"read": Path(params["src"]).read_text() if Path(params["src"]).is_file() else None}
+
+
+def _statuses(specs, s, capsys, workers=1) -> dict:
+    log = run_specs(specs, s, show_progress=False, workers=workers)
+    said = capsys.readouterr().out
+    for r in log:  # a reused run says so; a run made again says why
+        reused = any(line.startswith(f"{r['run']}: reused") for line in said.splitlines())
+        assert reused == (r["status"] != "ran"), said
+    return {r["run"]: r["status"] == "ran" for r in log}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_run_is_reused_only_while_what_it_reads_is_unchanged(tmp_path, capsys, workers):
+    """Runs keyed by their command and the files they read, chained through the runs they read from:
+    a teacher replaced at the same path re-runs its readers (and theirs), nothing else."""
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    (teacher / "model.safetensors").write_bytes(b"weights v1")
+    s = Settings(tmp_path / "exp", seeds=1, quick=True)
+
+    def plan(text="a"):
+        return [
+            RunSpec("make", "python", {"text": text}, write_text),
+            RunSpec("reads-make", "python", {"src": str(s.run_dir("make") / "out.txt")}, read_text),
+            RunSpec("reads-teacher", "python", {"src": str(teacher / "model.safetensors")}, read_text, needs=()),
+            RunSpec("reads-reader", "python", {"src": str(s.run_dir("reads-teacher") / DONE)}, read_text),
+        ]
+
+    ran = lambda *names: {n: n in names for n in ("make", "reads-make", "reads-teacher", "reads-reader")}  # noqa: E731
+    assert _statuses(plan(), s, capsys, workers) == ran("make", "reads-make", "reads-teacher", "reads-reader")
+    assert _statuses(plan(), s, capsys, workers) == ran()
+    (teacher / "model.safetensors").write_bytes(b"weights v2")  # replaced at the same path
+    assert _statuses(plan(), s, capsys, workers) == ran("reads-teacher", "reads-reader")
+    assert json.loads((s.run_dir("reads-teacher") / DONE).read_text())["result"]["read"] == "weights v2"
+    assert _statuses(plan("b"), s, capsys, workers) == ran("make", "reads-make")  # chained: its reader re-runs
+    assert json.loads((s.run_dir("reads-make") / DONE).read_text())["result"]["read"] == "b"
+    # A run finished before runs were keyed is made again, unless adopted (--adopt) with the same command.
+    for name in ("make", "reads-make"):
+        done = json.loads((s.run_dir(name) / DONE).read_text())
+        (s.run_dir(name) / DONE).write_text(json.dumps({k: v for k, v in done.items() if k != "key"}))
+    s.adopt = True
+    log = run_specs(plan("b"), s, show_progress=False, workers=workers)
+    assert [r["status"] for r in log] == ["skipped (finished earlier)"] * 4
+    assert "make: adopted (finished before runs were keyed" in capsys.readouterr().out
+    s.adopt = False
+    (s.run_dir("make") / DONE).write_text(json.dumps({"command": "old", "wall_s": 1}))
+    assert _statuses(plan("b"), s, capsys, workers) == ran("make")  # same outputs: its key is the same
+
+
 def _train_cfg(student, teacher, out, **kw):
     return TrainConfig(
         student=str(student),
@@ -217,7 +275,8 @@ def test_interrupted_train_run_resumes_from_its_checkpoint(tiny_models, tmp_path
     train(cfg, show_progress=False)  # the uninterrupted run, then pretend it died after step 1
     full = _steps(s.run_dir("opd") / "metrics.jsonl")
     (s.run_dir("opd") / "checkpoints" / "latest").write_text("step_0000001")
-    started = {"command": command_line(RunSpec("opd", "train", cfg), s.run_dir("opd"))}
+    spec = RunSpec("opd", "train", cfg)
+    started = {"command": command_line(spec, s.run_dir("opd")), "key": Keys([spec], s.run_dir, command_line)["opd"]}
     (s.run_dir("opd") / STARTED).write_text(json.dumps(started))  # as run_specs would have begun it
     log = run_specs([RunSpec("opd", "train", cfg)], s, show_progress=False)
     assert log[0]["status"] == "ran"

@@ -269,11 +269,18 @@ def _experiment(
         "output waits for it. For small models on CPU (the agentic experiment: about 2x on 2 cores). Floats may "
         "differ from --workers 1 in the last digits (thread count).",
     ),
+    adopt: bool = typer.Option(
+        False,
+        help="Reuse runs finished before opd keyed runs by their inputs (models, data) when their command matches, "
+        "without checking those inputs; by default such runs are made again.",
+    ),
 ) -> None:
-    """Check a claim of the papers: run (or resume) the experiment's runs, then write results.md/json, plots, commands."""
+    """Check a claim of the papers: run (or resume) the experiment's runs, then write results.md/json, plots, commands.
+
+    A finished run is reused only when its command and the models and data it reads are unchanged."""
     from opd.experiments import run
 
-    run(name, out, seeds=seeds, quick=quick, workers=workers)
+    run(name, out, seeds=seeds, quick=quick, workers=workers, adopt=adopt)
 
 
 @app.command("results")

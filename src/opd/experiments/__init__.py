@@ -34,7 +34,15 @@ def get_experiment(name: str):
     return importlib.import_module(_MODULES[name]).EXPERIMENT
 
 
-def run(name: str, out, seeds: int = 3, quick: bool = False, show_progress: bool = True, workers: int = 1) -> dict:
+def run(
+    name: str,
+    out,
+    seeds: int = 3,
+    quick: bool = False,
+    show_progress: bool = True,
+    workers: int = 1,
+    adopt: bool = False,
+) -> dict:
     from opd.experiments.core import run_experiment
 
-    return run_experiment(get_experiment(name), out, seeds, quick, show_progress, workers)
+    return run_experiment(get_experiment(name), out, seeds, quick, show_progress, workers, adopt)

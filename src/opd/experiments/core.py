@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from opd.errors import UserError
+from opd.experiments.keys import Keys
 from opd.recipes.parallel import process_pool, threads_per_worker, with_threads
 
 DONE = "DONE.json"
@@ -41,6 +42,7 @@ class Settings:
     out: Path  # OUT/NAME
     seeds: int
     quick: bool
+    adopt: bool = False  # reuse runs finished before runs were keyed, when their command matches
 
     @property
     def runs(self) -> Path:
@@ -110,24 +112,27 @@ def _finished(run_dir: Path) -> bool:
     return (run_dir / DONE).is_file()
 
 
-def _started_command(run_dir: Path) -> str | None:
+def _started_as(run_dir: Path) -> dict | None:
+    """The command and key a train run was begun with (None: never begun by the runner)."""
     try:
-        return json.loads((run_dir / STARTED).read_text()).get("command")
+        started = json.loads((run_dir / STARTED).read_text())
     except (OSError, ValueError):
         return None
+    return {"command": started.get("command"), "key": started.get("key")}
 
 
-def _execute(spec: RunSpec, run_dir: Path, show_progress: bool, command: str) -> dict:
+def _execute(spec: RunSpec, run_dir: Path, show_progress: bool, command: str, key: str) -> dict:
     if spec.kind == "train":
         from opd.runs.rundir import RunDir
         from opd.training.loop import train
 
         started = (run_dir / "metrics.jsonl").exists()
-        if started and (_started_command(run_dir) != command or RunDir(run_dir).latest_checkpoint() is None):
-            shutil.rmtree(run_dir)  # begun with other settings, or killed before its first checkpoint
+        begun_as = {"command": command, "key": key}
+        if started and (_started_as(run_dir) != begun_as or RunDir(run_dir).latest_checkpoint() is None):
+            shutil.rmtree(run_dir)  # begun with other settings or inputs, or killed before its first checkpoint
             started = False
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / STARTED).write_text(json.dumps({"command": command}) + "\n")
+        (run_dir / STARTED).write_text(json.dumps(begun_as) + "\n")
         cfg = dataclasses.replace(spec.config, out=str(run_dir), resume=started)
         return train(cfg, show_progress=show_progress) or {}
     if spec.kind == "sft":
@@ -152,41 +157,55 @@ def run_specs(specs: list[RunSpec], settings: Settings, show_progress: bool = Tr
         raise ValueError("run names within an experiment must be unique")
     if workers < 1:
         raise UserError(f"--workers {workers} must be >= 1")
+    keys = Keys(specs, settings.run_dir, command_line)  # before any run: a changed input shows at once
     if workers == 1:
-        return [_run_one(spec, settings, show_progress, f"[{i}/{len(specs)}]") for i, spec in enumerate(specs, 1)]
-    return _run_side_by_side(specs, settings, workers)
+        return [
+            _run_one(spec, settings, show_progress, f"[{i}/{len(specs)}]", keys[spec.name])
+            for i, spec in enumerate(specs, 1)
+        ]
+    return _run_side_by_side(specs, settings, workers, keys)
 
 
-def _up_to_date(spec: RunSpec, settings: Settings) -> bool:
-    """Finished earlier with the settings asked for now."""
+def _up_to_date(spec: RunSpec, settings: Settings, key: str) -> bool:
+    """Finished earlier with the settings and inputs asked for now (see :mod:`opd.experiments.keys`);
+    says so when it is, as a reused run's numbers may be older than the code."""
     run_dir = settings.run_dir(spec.name)
-    command = command_line(spec, run_dir)
-    return _finished(run_dir) and json.loads((run_dir / DONE).read_text()).get("command", command) == command
+    if not _finished(run_dir):
+        return False
+    done = json.loads((run_dir / DONE).read_text())
+    if settings.adopt and "key" not in done and done.get("command") == command_line(spec, run_dir):
+        (run_dir / DONE).write_text(json.dumps({**done, "key": key}, indent=2, default=str) + "\n")
+        print(f"{spec.name}: adopted (finished before runs were keyed; its inputs were not checked)", flush=True)
+        return True
+    if done.get("key") != key:
+        return False
+    print(f"{spec.name}: reused (finished earlier with the same command and inputs, key {key[:12]})", flush=True)
+    return True
 
 
 SKIPPED = "skipped (finished earlier)"
 
 
-def _run_one(spec: RunSpec, settings: Settings, show_progress: bool, counter: str) -> dict:
+def _run_one(spec: RunSpec, settings: Settings, show_progress: bool, counter: str, key: str) -> dict:
     run_dir = settings.run_dir(spec.name)
     command = command_line(spec, run_dir)
-    if _up_to_date(spec, settings):
+    if _up_to_date(spec, settings, key):
         return {"run": spec.name, "status": SKIPPED}
     if _finished(run_dir):
-        # Finished with other settings (the experiment's definition changed): its results would
-        # not be the ones asked for, so it is made again from scratch.
-        print(f"{spec.name}: finished with other settings; running it again", flush=True)
+        # Finished with other settings or inputs (the experiment's definition changed, or a model it
+        # reads): its results would not be the ones asked for, so it is made again from scratch.
+        print(f"{spec.name}: finished with other settings or inputs; running it again", flush=True)
         shutil.rmtree(run_dir)
     print(f"{counter} {spec.kind} {spec.name}", flush=True)
     t0 = time.time()
-    result = _execute(spec, run_dir, show_progress, command)
+    result = _execute(spec, run_dir, show_progress, command, key)
     wall = round(time.time() - t0, 2)
-    record = {"run": spec.name, "kind": spec.kind, "wall_s": wall, "command": command, "result": result}
+    record = {"run": spec.name, "kind": spec.kind, "wall_s": wall, "command": command, "key": key, "result": result}
     (run_dir / DONE).write_text(json.dumps(record, indent=2, default=str) + "\n")
     return {"run": spec.name, "status": "ran", "wall_s": wall}
 
 
-def _run_side_by_side(specs: list[RunSpec], settings: Settings, workers: int) -> list[dict]:
+def _run_side_by_side(specs: list[RunSpec], settings: Settings, workers: int, keys: Keys) -> list[dict]:
     """The scheduler of ``run_specs(workers > 1)``: a run's error stops the experiment once the
     runs already going have ended (finished runs keep their DONE.json; a rerun resumes)."""
     names = [s.name for s in specs]
@@ -200,14 +219,15 @@ def _run_side_by_side(specs: list[RunSpec], settings: Settings, workers: int) ->
     threads = threads_per_worker(workers)
     print(f"{len(specs)} runs, {workers} at once ({threads} CPU thread(s) each)", flush=True)
     # Runs finished earlier are skipped here, without starting a process for each.
-    log = {s.name: {"run": s.name, "status": SKIPPED} for s in specs if _up_to_date(s, settings)}
+    log = {s.name: {"run": s.name, "status": SKIPPED} for s in specs if _up_to_date(s, settings, keys[s.name])}
     pending, running, done = [s for s in specs if s.name not in log], {}, set(log)
     with process_pool(workers) as pool:
         while pending or running:
             for spec in [s for s in pending if needs[s.name] <= done][: workers - len(running)]:
                 pending.remove(spec)
                 counter = f"[{names.index(spec.name) + 1}/{len(specs)}]"
-                running[pool.submit(with_threads, threads, _run_one, spec, settings, False, counter)] = spec
+                job = pool.submit(with_threads, threads, _run_one, spec, settings, False, counter, keys[spec.name])
+                running[job] = spec
             finished, _ = wait(running, return_when=FIRST_COMPLETED)
             for job in finished:
                 spec = running.pop(job)
@@ -325,12 +345,18 @@ def render_markdown(res: dict, plot_prefix: str = "") -> str:
 
 
 def run_experiment(
-    exp: Experiment, out: Path, seeds: int, quick: bool, show_progress: bool = True, workers: int = 1
+    exp: Experiment,
+    out: Path,
+    seeds: int,
+    quick: bool,
+    show_progress: bool = True,
+    workers: int = 1,
+    adopt: bool = False,
 ) -> dict:
     """Run (or resume) every run of ``exp``, analyse, and write its outputs under ``out/exp.name``."""
     if seeds < 1:
         raise UserError(f"--seeds {seeds} must be >= 1 (3 or more for intervals)")
-    settings = Settings(Path(out) / exp.name, seeds, quick)
+    settings = Settings(Path(out) / exp.name, seeds, quick, adopt)
     settings.runs.mkdir(parents=True, exist_ok=True)
     specs = exp.plan(settings)
     t0 = time.time()
