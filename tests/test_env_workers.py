@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import sys
 import time
+import types
 
 import pytest
 import torch
@@ -114,6 +116,60 @@ def test_a_hung_game_ends_as_an_error_after_the_step_timeout(student, reference)
             same_episode(got, want, n, same_batch=False)
         again = EpisodeRollout(*student).play(pool, games[:1], [0], **PLAY)
     assert dataclasses.asdict(again.records[0]) == dataclasses.asdict(want.records[0])
+
+
+# Asked of a worker: eval is a builtin, so unpickling it there imports nothing.
+HEAVY_IMPORTS = "sorted(m for m in ('torch', 'transformers') if m in __import__('sys').modules)"
+# The `opd` console script as pip writes it: its first import is the CLI's, torch with it.
+OPD_SCRIPT = """\
+import re
+import sys
+from opd.cli import main
+if __name__ == '__main__':
+    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])
+    sys.exit(main())
+"""
+
+
+def fake_main(monkeypatch, path: pathlib.Path, source: str) -> types.ModuleType:
+    """This process's ``__main__`` as if ``python path`` had run it (its guarded lines aside)."""
+    path.write_text(source)
+    main = types.ModuleType("__main__")
+    main.__file__ = str(path)
+    exec(compile(source.split("if __name__")[0], str(path), "exec"), vars(main))
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    return main
+
+
+def test_workers_start_without_torch_under_the_opd_script(tmp_path, monkeypatch):
+    """Under ``opd train --env-workers N`` a spawned worker would re-run the ``opd`` script, whose
+    first line imports the CLI and torch (~250 MB and seconds a worker): it must not."""
+    main = fake_main(monkeypatch, tmp_path / "opd", OPD_SCRIPT)
+    env = ToyEnv(rooms=3)
+    game = env.games("train")[0]
+    with EnvWorkers(env, 1) as pool:
+        assert sys.modules["__main__"] is main  # put back once the worker started
+        assert pool.workers[0].submit(eval, HEAVY_IMPORTS).result(timeout=60) == []
+        batch = pool.batch()
+        batch.open(0, game)
+        assert batch.results() == {0: env.open(game).reset()}
+        batch.close()
+    assert "torch" in sys.modules  # this process, as the trainer, has it
+
+
+def test_an_environment_class_in_the_main_script_still_reaches_the_workers(tmp_path, monkeypatch):
+    """A script that defines its environment class itself: the workers re-run it to unpickle it."""
+    source = "from opd.envs.toy import ToyEnv\n\n\nclass ScriptToy(ToyEnv):\n    name = 'script-toy'\n"
+    main = fake_main(monkeypatch, tmp_path / "train_script.py", source)
+    env = main.ScriptToy(rooms=4)
+    assert type(env).__module__ == "__main__"
+    game = env.games("train")[2]
+    with EnvWorkers(env, 1) as pool:
+        assert sys.modules["__main__"] is main
+        batch = pool.batch()
+        batch.open(0, game)
+        assert batch.results() == {0: env.open(game).reset()}
+        batch.close()
 
 
 def test_in_process_sessions_are_what_the_engine_always_did():

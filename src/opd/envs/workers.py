@@ -17,7 +17,10 @@ Design, and why:
 
 * **One single-process ``ProcessPoolExecutor`` per worker** (the standard library's futures, no
   RPC of our own), started with ``spawn`` (the trainer holds torch's threads and the engines'
-  state, which a fork would copy half-made). A session's state lives in one process, so episode
+  state, which a fork would copy half-made). A worker imports only what it needs to play: this
+  module (torch-free, as are :mod:`opd`, :mod:`opd.envs` and the engines' modules) and what the
+  environment's pickle names, not the trainer's main module (see :func:`_main_left_behind`), so
+  it never imports torch or transformers. A session's state lives in one process, so episode
   ``i`` of a batch is pinned to worker ``i mod N`` for its whole life; a worker runs its calls in
   the order they were sent. A session pool in one process with threads (``multiprocessing.managers``)
   would give the same pinning but needs a thread in the trainer per call in flight, and the
@@ -44,11 +47,15 @@ import multiprocessing
 import os
 import pickle
 import signal
+import sys
+import threading
 import time
+import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import count
 from typing import Any, Protocol
@@ -63,9 +70,68 @@ AUTO_WORKERS = 16  # the most an unset --env-workers starts
 START_LIMIT = 300.0  # seconds a worker may take to start and load the environment (engine imports)
 _KILL = getattr(signal, "SIGKILL", signal.SIGTERM)
 # Workers start fresh (spawn), never as a fork of the trainer: its torch threads and the engines'
-# state would be copied half-made. A spawned worker imports the main module again (the CLI's
-# imports torch: a second or two each, once per run; every worker starts at the same time).
+# state would be copied half-made. A spawned process would also re-run the trainer's main module
+# (the `opd` script's `from opd.cli import main` imports torch: ~250 MB and seconds per worker,
+# benchmarks/bench_env_workers.py);
+# _WorkerContext leaves it behind when the workers cannot need it.
 START_METHOD = "spawn"
+
+
+_MAIN_SWAP = threading.Lock()
+
+
+@contextmanager
+def _main_left_behind() -> Iterator[None]:
+    """While a worker process is being started: hide the main module's file from ``spawn``, so that
+    the worker keeps a blank ``__main__`` instead of re-running the trainer's script (``opd``'s
+    console script imports the CLI, and with it torch) -- unless the script defines functions or
+    classes of its own, which the environment's pickle may name (an environment class written in
+    the user's script): then it runs again in the worker, as ``spawn`` always does.
+
+    ``python -m opd`` needs nothing of this (``spawn`` never re-runs a package's ``__main__``); for
+    a script, ``sys.modules["__main__"]`` is a copy without ``__file__`` for the few lines that
+    start the process (``multiprocessing`` has no option for it), then the script's module again."""
+    with _MAIN_SWAP:  # two threads starting workers at once: each puts back the real module
+        main = sys.modules.get("__main__")
+        if main is None or _defines_own(main):
+            yield
+            return
+        stand_in = types.ModuleType("__main__")
+        stand_in.__dict__.update({k: v for k, v in vars(main).items() if k not in ("__file__", "__spec__")})
+        stand_in.__spec__ = None  # nor a module name to import again (``python -m`` of a plain module)
+        sys.modules["__main__"] = stand_in
+        try:
+            yield
+        finally:
+            if sys.modules.get("__main__") is stand_in:
+                sys.modules["__main__"] = main
+
+
+def _defines_own(main: types.ModuleType) -> bool:
+    """Whether the main module holds a function or class defined in it (only those can be pickled by
+    reference to ``__main__``); unsure counts as yes."""
+    for value in list(vars(main).values()):
+        try:
+            if not isinstance(value, types.ModuleType) and getattr(value, "__module__", None) == "__main__":
+                return True
+        except Exception:
+            return True
+    return False
+
+
+class _WorkerProcess(multiprocessing.context.SpawnProcess):
+    """A spawned process that does not re-run the trainer's main module (see :func:`_main_left_behind`)."""
+
+    @staticmethod
+    def _Popen(process_obj):
+        with _main_left_behind():
+            return multiprocessing.context.SpawnProcess._Popen(process_obj)
+
+
+class _WorkerContext(multiprocessing.context.SpawnContext):
+    """``spawn``, with :class:`_WorkerProcess` for the executors' processes."""
+
+    Process = _WorkerProcess
 
 
 class Sessions(Protocol):
@@ -282,7 +348,7 @@ class EnvWorkers:
                 "picklable (no lambdas, open files or locks in its attributes), or pass --env-workers 0"
             ) from None
         self.env, self.step_timeout = env, float(step_timeout)
-        context = multiprocessing.get_context(START_METHOD)
+        context = _WorkerContext()
         self.workers = [_Worker(k, blob, context) for k in range(workers)]
         self._closer = weakref.finalize(self, _stop_all, self.workers)
         self._start([w for w in self.workers])
