@@ -91,7 +91,8 @@ def launch_command(launcher: str, args: list[str]) -> list[str]:
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "_TYPER_STANDARD_TRACEBACK": "1"}
 
 
-def launch(launcher: str, args: list[str], timeout: int = 300) -> None:
+def launch(launcher: str, args: list[str], timeout: int = 300) -> str:
+    """Run a 2-rank launch of ``opd ARGS`` to its end; its stderr."""
     # its own process group, so a launch that hangs is killed with its ranks (killing only the
     # launcher would leave the ranks running into the next tests)
     proc = subprocess.Popen(
@@ -119,6 +120,7 @@ def launch(launcher: str, args: list[str], timeout: int = 300) -> None:
         _, err = proc.communicate(timeout=60)
         pytest.fail(f"{launcher} did not finish within {timeout} s; its ranks were killed. stderr: {err[-2000:]}")
     assert proc.returncode == 0, err[-4000:]
+    return err
 
 
 def assert_same_trajectory(got: list[dict], want: list[dict], rel: float = REL, abs_other: float = 1e-5) -> None:

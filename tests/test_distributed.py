@@ -39,7 +39,7 @@ from helpers import (
 
 from opd.config import TrainConfig
 from opd.training import loop as train_mod
-from opd.training.distributed import merge_metrics
+from opd.training.distributed import OUTLIVED, merge_metrics
 
 SAMPLED_STEPS = {"lsm": {}, "sampled": {"steps": 3}}  # see the module docstring
 
@@ -65,7 +65,8 @@ def single(tiny_models, tmp_path_factory):
 def ddp_lsm(tiny_models, tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp") / "lsm"
     # Micro-batches of one rollout: gradients accumulate locally (no_sync) and are reduced once.
-    launch("torchrun", cli_args(tiny_models, out, batch_size=2, grad_accum=2, objective="lsm"))
+    err = launch("torchrun", cli_args(tiny_models, out, batch_size=2, grad_accum=2, objective="lsm"))
+    assert OUTLIVED not in err  # the wrapper (DDP's reducer) is freed before the process group
     return out
 
 

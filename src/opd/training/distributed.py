@@ -24,8 +24,10 @@ How the loop uses it:
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
-import time
+import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -199,16 +201,33 @@ def init_distributed(fsdp: bool = False, device: torch.device = torch.device("cp
     return Dist(rank=tdist.get_rank(), world=tdist.get_world_size(), fsdp=fsdp, device=device)
 
 
+OUTLIVED = "opd: the wrapped student outlives shutdown; the exit may deadlock (opd.training.distributed.shutdown)"
+
+
 def shutdown(d: Dist) -> None:
-    if d.active and tdist.is_initialized():
-        tdist.barrier()
-        # A rank hung here in CI (py-spy): gloo's worker thread, freeing the barrier's work, waited
-        # for the GIL to drop a Python-made tensor while the main thread, holding the GIL, freed
-        # DDP's reducer and with it the process group, whose destructor joins that thread (torch
-        # issue 56297). Sleeping hands the worker the GIL to finish first: it narrows the race, it
-        # does not close it (a fix that does belongs in the order the reducer and group are freed).
-        time.sleep(0.2)
-        tdist.destroy_process_group()
+    """End this rank's part: free the wrapper while the process group is still registered, then destroy the group.
+
+    The order closes a deadlock seen at exit (1 in 5 CI runs before a sleep narrowed it; py-spy): gloo's
+    destructor (``~ProcessGroupGloo``) waits for its worker threads, and a worker freeing its last work's
+    tensor needs the GIL. Python drops a process group without the GIL (torch binds it so, PR 154976),
+    but DDP's reducer is C++ and held it too: when the reducer, freed with the wrapper after
+    ``destroy_process_group``, dropped the last reference, the destructor ran with the GIL held, and a
+    worker waiting for the GIL never finished. Freed first, the reducer drops a reference the group
+    registry still shares; the last one goes with ``destroy_process_group``, GIL released, so the
+    workers can finish. ``benchmarks/stress_shutdown.py`` counts hangs over launches.
+    """
+    if not (d.active and tdist.is_initialized()):
+        return
+    tdist.barrier()
+    wrapper, d.model = d.model, None
+    # FSDP holds the group through Python objects only (its meshes), which drop it without the GIL; the
+    # student's sharded blocks keep its root alive, so only DDP's wrapper is checked for being freed.
+    freed = weakref.ref(wrapper) if isinstance(wrapper, torch.nn.parallel.DistributedDataParallel) else None
+    del wrapper
+    gc.collect()  # DDP's module sits in reference cycles (hooks): free it now, not at some later collection
+    if freed is not None and freed() is not None:  # a regression the ranks' stderr shows (tests/test_distributed.py)
+        print(OUTLIVED, file=sys.stderr, flush=True)
+    tdist.destroy_process_group()
 
 
 def _unwrap(module: torch.nn.Module) -> StudentModule:
