@@ -603,3 +603,18 @@ def test_agentic_first_word_table_counts_the_seeds_that_lost_a_word(tmp_path):
     # early uses doubted: 1 of 1 (seed 0), 0 of 1 (seed 1) -> 50; first (0.8+0.6)/2, lowest (0.01+0.1)/2,
     # last (0.02+0.7)/2; one seed of two ends below 5%
     assert table["rows"][0] == [next(iter(VARIANTS)), "move", "50", "70", "6", "36", "1 of 2"]
+
+
+def test_a_pipe_in_a_cell_does_not_split_its_row():
+    import re
+
+    from opd.experiments.core import Analysis, render_markdown
+
+    a = Analysis()
+    a.table("t", ["what", "mean |x|"], [["gap |a - b|", "0.5"]])
+    res = {"quick": False, "seeds": 3, "wall_s": 60, "runs_total": 1, "generated": "now", "about": "", "notes": []}
+    res.update(machine={"cpu_cores": 2, "torch": "2", "python": "3"}, tables=a.tables, plots=[])
+    res["claims"] = [{"source": "s", "claim": "|a| > 0", "rule": "r", "verdict": "reproduced", "evidence": "e"}]
+    rows = [line for line in render_markdown(res).splitlines() if line.startswith("|")]
+    cells = [len(re.split(r"(?<!\\)\|", line)) - 2 for line in rows]
+    assert cells == [5, 5, 5, 2, 2, 2], rows  # the claims table, then the table: every row as wide as its header

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import platform
+import re
 import shutil
 import sys
 import time
@@ -297,14 +298,19 @@ def machine_info() -> dict:
     }
 
 
+def md_cell(text: str) -> str:
+    """A table cell's text with its pipes escaped (a bare ``|`` would split the row)."""
+    return re.sub(r"(?<!\\)\|", r"\\|", str(text))
+
+
 def _md_table(t: dict) -> str:
     lines = [
         f"**{t['title']}**",
         "",
-        "| " + " | ".join(t["headers"]) + " |",
+        "| " + " | ".join(map(md_cell, t["headers"])) + " |",
         "|" + "|".join("---" for _ in t["headers"]) + "|",
     ]
-    lines += ["| " + " | ".join(r) + " |" for r in t["rows"]]
+    lines += ["| " + " | ".join(map(md_cell, r)) + " |" for r in t["rows"]]
     if t.get("note"):
         lines += ["", t["note"]]
     return "\n".join(lines)
@@ -332,7 +338,9 @@ def render_markdown(res: dict, plot_prefix: str = "") -> str:
     if res["claims"]:
         out += ["**Claims**", "", "| source | claim | rule | verdict | numbers |", "|---|---|---|---|---|"]
         out += [
-            f"| {c['source']} | {c['claim']} | {c['rule']} | {verdict_cell(res, c)} | {c['evidence']} |"
+            "| "
+            + " | ".join(md_cell(x) for x in (c["source"], c["claim"], c["rule"], verdict_cell(res, c), c["evidence"]))
+            + " |"
             for c in res["claims"]
         ]
         out.append("")

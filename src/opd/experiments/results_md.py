@@ -20,7 +20,7 @@ from pathlib import Path
 
 from opd.errors import UserError
 from opd.experiments import NAMES
-from opd.experiments.core import render_markdown, verdict_cell
+from opd.experiments.core import md_cell, render_markdown, verdict_cell
 
 
 def _pick(dirs: list[Path], name: str) -> dict | None:
@@ -100,10 +100,8 @@ def build_results_md(dirs: list[Path], doc: Path) -> Path:
         size = "quick (smoke test)" if res["quick"] else "full"
         _store(res, plots_root / name)
         for c in res["claims"]:
-            summary.append(
-                f"| {name} | {size} | {res['seeds']} | {c['source']} | {c['claim']} | "
-                f"{verdict_cell(res, c)} | {c['evidence']} |"
-            )
+            cells = (name, size, res["seeds"], c["source"], c["claim"], verdict_cell(res, c), c["evidence"])
+            summary.append("| " + " | ".join(map(md_cell, cells)) + " |")
         sections.append(
             f"## {res['title']}\n\nMade with `{res['command']}`.\n\n"
             + render_markdown(res, plot_prefix=f"results/{name}/")
