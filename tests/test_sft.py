@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -11,7 +12,8 @@ from opd.errors import UserError
 from opd.rollout.prompts import load_task
 from opd.training import sft as sft_mod
 
-SMALL = dict(steps=3, batch_size=4, max_new_tokens=4, eval_size=2, eval_every=0, warmup_steps=1)
+# validation_size 0: these tests train on a handful of examples (test_validation_* holds some out)
+SMALL = dict(steps=3, batch_size=4, max_new_tokens=4, eval_size=2, eval_every=0, warmup_steps=1, validation_size=0)
 
 
 def record_targets(monkeypatch):
@@ -129,3 +131,43 @@ def test_dagger_from_adds_the_players_states_to_the_expert_episodes(tiny_models,
     # The random tiny student never plays the expert's command: one or two branches per game.
     assert 4 <= len(seqs) <= 8 and any(s in trained for s in seqs)
     assert f"{student} won 0 of 4 training games; {len(seqs)} sequences from the states" in capsys.readouterr().out
+
+
+def test_the_kept_model_is_chosen_on_validation_data_and_reported_on_test(tiny_models, tmp_path, monkeypatch):
+    """--validation-size N: the last N training examples are never trained on; the checkpoint is chosen
+    on them; the test prompts are evaluated once, on the kept model."""
+    student, _ = tiny_models
+    pool = load_task("arithmetic", 1, 0).examples("train")
+    validation = {e.prompt for e in pool[-3:]}
+    scripted = {"validation": [0.5, 0.2], "test": [0.7]}  # a later checkpoint is worse on validation
+    asked, saved = [], []
+
+    def fake_eval(model, tok, prompts, task, **kw):
+        split = "validation" if prompts.examples[0].prompt in validation else "test"
+        asked.append(split)
+        return {"accuracy": scripted[split][asked.count(split) - 1]}
+
+    monkeypatch.setattr(sft_mod, "evaluate_model", fake_eval)
+    real_save = sft_mod.save_final_model
+    monkeypatch.setattr(sft_mod, "save_final_model", lambda *a, **k: (saved.append(1), real_save(*a, **k)))
+    seen = record_targets(monkeypatch)
+    run = tmp_path / "run"
+    cfg = SFTConfig(init=str(student), out=str(run), task_level=1, **{**SMALL, "steps": 4, "eval_every": 2})
+    summary = sft_mod.sft(dataclasses.replace(cfg, validation_size=3), show_progress=False)
+    assert seen and not {p for p, _ in seen} & validation  # never trained on
+    assert asked == ["validation", "validation", "test"] and len(saved) == 1  # kept: the first checkpoint
+    assert summary["best_accuracy"] == 0.5 and summary["test_accuracy"] == 0.7
+    assert summary["chosen_on"] == "validation"
+    evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "eval/" in line]
+    assert [sorted(k for k in r if k.startswith("eval/")) for r in evals] == [
+        ["eval/validation/accuracy"],
+        ["eval/validation/accuracy"],
+        ["eval/accuracy"],
+    ]
+    assert evals[-1] == {"step": 3, "eval/accuracy": 0.7}
+    data = tmp_path / "four.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"{n} + 1?", "solution": f"\\boxed{{{n + 1}}}"}) + "\n" for n in range(4))
+    )
+    with pytest.raises(UserError, match=r"--validation-size 9 leaves none of the 4 training examples"):
+        sft_mod.sft(dataclasses.replace(cfg, data=str(data), validation_size=9, out=str(tmp_path / "b")))

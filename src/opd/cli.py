@@ -120,6 +120,8 @@ def _demo(
     """The embedded default: sampled-token OPD vs LSM from the same tiny student, on this CPU."""
     if agentic and multitask:
         raise UserError("--agentic and --multitask are two demos; choose one")
+    if steps is not None and steps < 1:  # checked here: the demo evaluates its models for a minute before training
+        raise UserError(f"--steps {steps} must be >= 1 (OPD steps per objective); leave it out for the default")
     if multitask:
         from opd.recipes.multitask import run_multitask_demo
 
@@ -165,10 +167,12 @@ def _serve_teacher(
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: use {', '.join(DTYPES)}")
-    if min(max_k, max_prompt_tokens, max_prompts, max_batch_tokens) < 1 or batch_wait_ms < 0:
-        raise UserError(
-            "--max-k, --max-prompt-tokens, --max-prompts and --max-batch-tokens must be >= 1, --batch-wait-ms >= 0"
-        )
+    counts = (max_k, max_prompt_tokens, max_prompts, max_batch_tokens)
+    for flag, value in zip(("max-k", "max-prompt-tokens", "max-prompts", "max-batch-tokens"), counts):
+        if value < 1:
+            raise UserError(f"--{flag} {value} must be >= 1; pass a positive count or leave it out for the default")
+    if batch_wait_ms < 0:
+        raise UserError(f"--batch-wait-ms {batch_wait_ms} must be >= 0 (0: no waiting for more requests)")
     limits = Limits(max_k, max_prompt_tokens, max_prompts, max_batch_tokens, batch_wait_ms)
     serve(str(model), host, port, dtype, served_model_name, limits, verbose, device, api_key or ())
 

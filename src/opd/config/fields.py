@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from dataclasses import field
 from pathlib import Path
-from typing import Any, TypeVar, get_type_hints
+from typing import Any, TypeVar, get_args, get_type_hints
 
 import yaml
 
@@ -79,6 +80,16 @@ def check_report_to(names: list | str) -> list[str]:
     return items
 
 
+def parse_problem(exc: json.JSONDecodeError | yaml.YAMLError) -> str:
+    """A JSON or YAML parser's complaint on one line, with where it is: PyYAML's own message spans
+    several lines (it quotes the file), which would break the CLI's one-line error."""
+    if isinstance(exc, json.JSONDecodeError):
+        return f"line {exc.lineno}, column {exc.colno}: {exc.msg}"
+    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None) or str(exc)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + " ".join(str(problem).split())
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML or JSON mapping of field names to values."""
     p = Path(path)
@@ -88,7 +99,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     try:
         data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"config file {p} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {exc}") from exc
+        kind = "JSON" if p.suffix == ".json" else "YAML"
+        raise ConfigError(f"config file {p} is not valid {kind} ({parse_problem(exc)}); fix it there") from exc
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -102,16 +114,60 @@ def build_config(
     """Merge defaults < file < CLI into a validated ``cls`` instance; unknown keys are errors."""
     names = {f.name for f in dataclasses.fields(cls)}
     merged: dict[str, Any] = {}
-    for source, values in (("config file", file_values or {}), ("command line", cli_values or {})):
+    file_values = typed_values(cls, file_values or {}, "config file")
+    for source, values in (("config file", file_values), ("command line", cli_values or {})):
         for key, value in values.items():
             key = key.replace("-", "_")
             if key not in names:
                 close = [n for n in names if n.startswith(key[:3])]
                 hint = f" (did you mean {', '.join(sorted(close))}?)" if close else ""
-                raise ConfigError(f"unknown option {key!r} in the {source} for {cls.__name__}{hint}")
+                raise ConfigError(
+                    f"unknown option {key!r} in the {source} for {cls.__name__}{hint}; rename or remove it "
+                    "(the command's --help lists its options)"
+                )
             if value is not None:
                 merged[key] = value
     return cls(**coerce_numbers(cls, merged))
+
+
+_KINDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}
+
+
+def typed_values(cls: type, values: dict[str, Any], source: str) -> dict[str, Any]:
+    """``values`` read from a file, checked against ``cls``'s field types. YAML and JSON give any type,
+    and the command line's types are typer's; unchecked, ``steps: many`` or ``k: 1.5`` fails deep inside a
+    run with a traceback. Numeric strings pass for float fields (PyYAML reads ``lr: 5e-4`` as a string)
+    and numbers and paths for string fields (``split: 0.1``); list fields are checked by their own validation."""
+    hints = get_type_hints(cls)
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    out = dict(values)
+    for key, value in values.items():
+        hint = hints.get(key.replace("-", "_"))
+        kind = next((a for a in get_args(hint) if a is not type(None)), None) if get_args(hint) else hint
+        if value is None or kind not in _KINDS:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if kind is float and isinstance(value, str):
+            try:
+                out[key] = value = float(value)
+                number = True
+            except ValueError:
+                pass
+        ok = {
+            int: number and isinstance(value, int),
+            float: number,
+            bool: isinstance(value, bool),
+            str: isinstance(value, (str, os.PathLike)) or number,
+        }[kind]
+        if not ok:
+            default = defaults.get(key.replace("-", "_"))
+            fix = f"write {_KINDS[kind]}"
+            if kind is str:
+                fix += " (in quotes where YAML would read another type)"
+            elif isinstance(default, (int, float)):  # bool is an int too
+                fix += f", e.g. {key}: {json.dumps(default)}"
+            raise ConfigError(f"{key}: {value!r} in the {source} is not {_KINDS[kind]}; {fix}")
+    return out
 
 
 def coerce_numbers(cls: type, values: dict[str, Any]) -> dict[str, Any]:

@@ -367,7 +367,7 @@ class TrainConfig(EnvSource, TrainingSource):
         self._check_env()
         require(self.objective in OBJECTIVES, f"objective={self.objective!r}: choose one of {', '.join(OBJECTIVES)}")
         require(self.support in SUPPORT_KINDS, f"support={self.support!r}: choose one of {', '.join(SUPPORT_KINDS)}")
-        require(self.k >= 1, f"k={self.k} must be >= 1")
+        _check_counts(self, k=1)
         require(0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must lie in (0, 1] (0.9 is the paper's setting)")
         require(self.temperature > 0, f"temperature={self.temperature} must be > 0")
         require(0.0 <= self.gamma <= 1.0, f"gamma={self.gamma} must lie in [0, 1]")
@@ -381,14 +381,16 @@ class TrainConfig(EnvSource, TrainingSource):
             "tail compares full-vocabulary masses plus the mass outside the support, in place of renormalizing; "
             "--no-renormalize (the truncated ablation) cannot go with it: drop --no-renormalize or --tail",
         )
-        require(self.steps >= 1 and self.batch_size >= 1, "steps and batch_size must be >= 1")
-        require(self.samples_per_prompt >= 1, "samples_per_prompt must be >= 1")
+        _check_counts(self, steps=1, batch_size=1, samples_per_prompt=1)
         require(
             self.grad_accum >= 1 and (self.batch_size * self.samples_per_prompt) % self.grad_accum == 0,
             f"grad_accum={self.grad_accum} must divide batch_size*samples_per_prompt={self.batch_size * self.samples_per_prompt}",
         )
-        require(self.updates_per_batch >= 1, "updates_per_batch must be >= 1")
+        _check_counts(self, updates_per_batch=1, warmup_steps=0, eval_every=0, eval_size=1, eval_samples=0)
+        _check_counts(self, ckpt_every=0, log_rollouts=0, diag_positions=0)
         require(self.lr > 0, f"lr={self.lr} must be > 0")
+        require(self.weight_decay >= 0, f"weight_decay={self.weight_decay} must be >= 0 (0: none)")
+        require(self.clip_eps > 0, f"clip_eps={self.clip_eps} must be > 0 (0.2 is PPO's usual clip)")
         require(
             self.schedule in ("constant", "linear", "cosine"), f"schedule={self.schedule!r}: constant, linear or cosine"
         )
@@ -396,12 +398,13 @@ class TrainConfig(EnvSource, TrainingSource):
             self.reduction in ("token_mean", "sequence_mean", "constant_sum"),
             f"reduction={self.reduction!r}: token_mean, sequence_mean or constant_sum",
         )
-        require(self.max_grad_norm >= 0, "max_grad_norm must be >= 0")
+        require(self.max_grad_norm >= 0, f"max_grad_norm={self.max_grad_norm} must be >= 0 (0 disables clipping)")
         require(self.teacher_dtype in ("", *DTYPES), f"teacher_dtype={self.teacher_dtype!r}: use {', '.join(DTYPES)}")
         require(
             not (self.teacher_dtype and self.teacher_url),
             "teacher_dtype applies to an in-process teacher "
-            "(--teacher DIR); a served teacher keeps the dtype it was started with (opd serve-teacher --dtype)",
+            "(--teacher DIR); a served teacher keeps the dtype it was started with (opd serve-teacher --dtype): "
+            "drop --teacher-dtype",
         )
         require(
             self.teacher_timeout > 0 and self.teacher_wait >= 0 and (self.teacher_retries or 0) >= 0,
@@ -437,6 +440,14 @@ class TrainConfig(EnvSource, TrainingSource):
         if self.mask_special is None:
             self.mask_special = self.objective == "lsm"
         _check_tasks(self)
+
+
+def _check_counts(cfg, **least: int) -> None:
+    """Each named count is at least its bound: a negative one would otherwise slice its list from the end
+    (``eval_size=-3`` evaluating all but three prompts) or divide by zero, instead of failing."""
+    for name, bound in least.items():
+        value = getattr(cfg, name)
+        require(value >= bound, f"{name}={value} must be >= {bound}; set --{name.replace('_', '-')} to {bound} or more")
 
 
 def _check_rollout_engine(cfg: TrainConfig) -> None:
@@ -550,6 +561,11 @@ class SFTConfig(EnvSource, TrainingSource):
     eval_every: int = opt(250, "Evaluate greedy accuracy every N steps (0: only at the end).")
     eval_size: int = opt(200, "Test prompts for evaluation.")
     patience: int = opt(0, "Stop after this many evaluations without improvement (0: never).")
+    validation_size: int = opt(
+        200,
+        "Training examples (or games) held out of training, the last ones: the kept checkpoint is the best on "
+        "them, and the test set only reports the kept model's accuracy (0: choose on the test set).",
+    )
     max_grad_norm: float = opt(1.0, "Gradient clipping norm.")
     report_to: list = opt(["none"], REPORT_TO_HELP)
     tasks: list | None = opt(
@@ -568,7 +584,10 @@ class SFTConfig(EnvSource, TrainingSource):
         self._check_common()
         self._check_env()
         self.report_to = check_report_to(self.report_to)
-        require(self.steps >= 1 and self.batch_size >= 1, "steps and batch_size must be >= 1")
+        _check_counts(
+            self, steps=1, batch_size=1, warmup_steps=0, eval_every=0, eval_size=1, patience=0, validation_size=0
+        )
+        require(self.lr > 0, f"lr={self.lr} must be > 0")
         require(self.train_size >= 0, f"train_size={self.train_size} must be >= 0 (0 uses every example)")
         require(0.0 <= self.expert_mistakes < 1.0, f"expert_mistakes={self.expert_mistakes} must be in [0, 1)")
         require(
@@ -611,7 +630,7 @@ class EvalConfig(EnvSource, ModelSource):
         self._check_common()
         self._check_env()
         require(0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must lie in (0, 1]")
-        require(self.samples >= 0, "samples must be >= 0")
+        _check_counts(self, samples=0, eval_size=1, batch_size=1)
         require(
             self.temperature > 0, f"temperature={self.temperature} must be > 0 (greedy accuracy is always reported)"
         )

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from opd.config.fields import ConfigError, coerce_numbers
+from opd.config.fields import ConfigError, coerce_numbers, parse_problem, typed_values
 
 TASK_MODES = ("alternate", "mix")
 
@@ -95,7 +95,7 @@ def read_task_list(value: Any) -> list:
         try:
             return [yaml.safe_load(v) for v in value]
         except yaml.YAMLError as exc:
-            raise ConfigError(f"a --tasks mapping is not valid YAML/JSON: {exc}") from exc
+            raise ConfigError(f"a --tasks mapping is not valid YAML/JSON ({parse_problem(exc)}); fix it there") from exc
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
         value = value[0]
     if not isinstance(value, str):
@@ -106,7 +106,7 @@ def read_task_list(value: Any) -> list:
     try:
         data = json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"tasks file {p} is not valid YAML/JSON: {exc}") from exc
+        raise ConfigError(f"tasks file {p} is not valid YAML/JSON ({parse_problem(exc)}); fix it there") from exc
     if isinstance(data, dict) and "tasks" in data:  # a config-style file with a tasks: key
         data = data["tasks"]
     return data
@@ -164,7 +164,7 @@ def _overrides(entry: dict, cfg, mode: str, share: float) -> dict:
             f"task {name!r}: its own lr needs --task-mode alternate (a mix step is one optimizer step over "
             "every task); set lr at the top level, or use alternate"
         )
-    out = coerce_numbers(type(cfg), dict(given))
+    out = coerce_numbers(type(cfg), typed_values(type(cfg), given, "task list"))
     if _is_opd(cfg) and ("teacher" in given or "teacher_url" in given):
         out.setdefault("teacher", "")
         out.setdefault("teacher_url", "")
@@ -196,8 +196,9 @@ def resolve_tasks(cfg) -> list[TaskSpec]:
         name, share = entry["name"], float(entry.get("share", 1)) / total
         try:
             view = dataclasses.replace(cfg, tasks=None, **_overrides(entry, cfg, cfg.task_mode, share))
-        except (ConfigError, TypeError) as exc:
-            raise ConfigError(f"task {name!r}: {exc}") from None
+        except (ConfigError, TypeError) as exc:  # _overrides' own errors name the task already
+            said = str(exc)
+            raise ConfigError(said if said.startswith(f"task {name!r}") else f"task {name!r}: {said}") from None
         if _is_opd(view) and not (view.teacher or view.teacher_url):
             raise ConfigError(
                 f"task {name!r} has no teacher; give it teacher: DIR or teacher_url: URL, or set a global --teacher"

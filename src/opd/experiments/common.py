@@ -82,6 +82,7 @@ def sft_config(
         warmup_steps=2 if s.quick else 10,
         eval_every=0,
         eval_size=eval_size(s.quick),
+        validation_size=0,  # the last model is kept: nothing to choose
         schedule="constant",
     )
     base.update(over)

@@ -97,7 +97,27 @@ def load_model(
     with quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(p, dtype=_DTYPES[dtype], local_files_only=True)
     check_plain_head(model, p)
-    return model.to(device)
+    model = model.to(device)
+    check_finite_weights(model, p, role, dtype)  # on the device: one fast pass over the weights on a GPU
+    return model
+
+
+def check_finite_weights(model: PreTrainedModel, where: str | Path, role: str, dtype: str) -> None:
+    """Refuse a model with NaN or infinite weights: its log-probs are NaN, which the losses mask out
+    as they do -inf, so a NaN teacher trained nothing while the run looked fine, and a NaN student
+    stopped at its first step with advice about the learning rate."""
+    bad = []
+    for name, w in model.named_parameters():
+        # min and max carry a NaN or inf through; isfinite(w) would allocate a bool tensor per weight
+        if w.is_floating_point() and w.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(w))).all()):
+            bad.append(name)
+    if bad:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        fix = "load it in bfloat16 or float32 (its values overflow float16), or " if dtype == "float16" else ""
+        raise UserError(
+            f"{role} model {where} has NaN or infinite weights ({bad[0]}{more}); {fix}pass a model saved before "
+            "it diverged (an earlier checkpoint), or retrain it"
+        )
 
 
 def resolve_device(spec: str) -> torch.device:

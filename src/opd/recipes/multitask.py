@@ -129,6 +129,7 @@ def student_sft_config(out: Path, tokenizer: str, quick: bool = False, seed: int
         arch=demo_agentic.STUDENT_ARCH,
         out=str(out),
         tokenizer=tokenizer,
+        validation_size=0,  # the packaged model was chosen on the test set (made before --validation-size)
         seed=seed,
         **demo_agentic.to_plateau(quick),
         task_mode="mix",

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
-from opd.errors import ServiceUnavailable
+from opd.errors import ServiceUnavailable, UserError
 from opd.losses import topk_and_gather_from_hidden
 from opd.models.loading import final_hidden, head_weight
 from opd.rollout.sampling import RolloutBatch
@@ -150,6 +150,15 @@ class HFTeacher:
         ids_A, lps_A, q_A = topk_and_gather_from_hidden(
             h_NTD.reshape(N * T, 1, D)[active_A], W, k, query.reshape(N * T, 1, -1)[active_A], self.chunk_size
         )
+        # The losses mask non-finite teacher log-probs (a -inf is a token the softmax underflows), so NaN
+        # ones would train nothing, silently. A NaN logit sorts first: the top-1 column shows every NaN row.
+        nan_rows = int(torch.isnan(lps_A[..., 0]).sum())
+        if nan_rows:
+            raise UserError(
+                f"the teacher's log-probs are NaN at {nan_rows} of {lps_A.shape[0]} scored positions: its forward "
+                "pass overflows on these rollouts (its weights are finite); run it in a wider dtype (--teacher-dtype "
+                "float32), or check the --teacher model"
+            )
         ids, lps, q_lps = filler_scores(N, T, k, query.shape[-1], h_NTD.device, lps_A.dtype)
         ids.view(N * T, k)[active_A] = ids_A.squeeze(1)
         lps.view(N * T, k)[active_A] = lps_A.squeeze(1)

@@ -279,7 +279,8 @@ class HTTPTeacher:
             raise UserError(
                 f"the served teacher's vocabulary ({theirs.get('tokens')} tokens, {theirs.get('head_rows')} "
                 f"output rows) differs from the student's ({ours['tokens']} tokens, {ours['head_rows']} "
-                "rows); serve a teacher from the student's model family"
+                "rows); serve a teacher with the student's tokenizer, or give --teacher-tokenizer DIR (the served "
+                "model's tokenizer) for cross-tokenizer OPD"
             )
         return theirs
 

@@ -640,6 +640,8 @@ def serve(
             file=sys.stderr,
             flush=True,
         )
+    if port:  # a taken port fails now, not after the model's load (minutes for a large model)
+        _listen(host, port).close()
     model = load_model(model_dir, "teacher", dtype, resolve_device(device))
     app = TeacherApp(model, load_tokenizer(model_dir, "teacher"), served_model_name or str(model_dir), limits, api_keys)
     sock = _listen(host, port)

@@ -62,7 +62,9 @@ def load_sft_examples(path: str) -> list[Example]:
             raise UserError(f"{p}:{n} needs a 'prompt' and a 'solution' (or 'completion') field")
         out.append(Example(prompt=row["prompt"], answer=str(row.get("answer", "")), solution=target))
     if not out:
-        raise UserError(f"SFT data file {p} has no examples")
+        raise UserError(
+            f'SFT data file {p} has no examples; write one {{"prompt": ..., "solution": ...}} object per line'
+        )
     return out
 
 
@@ -117,14 +119,27 @@ def teacher_completions(
     return decode_responses(tok, batch.response_ids_NT, batch.response_mask_NT)
 
 
-def prompt_source(
-    cfg: SFTConfig, tok, model, task, eval_task
-) -> tuple[Callable[[int], tuple], Callable[[object], float]]:
-    """The batch of a step (ids, attention mask, labels) and the greedy test accuracy, for prompts."""
+def held_out_for_validation(items: list, cfg: SFTConfig, what: str) -> tuple[list, list]:
+    """The training items less the last ``--validation-size`` of them, and those (never trained on)."""
+    n = cfg.validation_size
+    if not n:
+        return items, []
+    if n >= len(items):
+        raise UserError(
+            f"--validation-size {n} leaves none of the {len(items)} training {what} to train on; lower it "
+            "(or 0 to choose the checkpoint on the test set)"
+        )
+    return items[:-n], items[-n:]
+
+
+def prompt_source(cfg: SFTConfig, tok, model, task, eval_task) -> tuple[Callable, Callable, Callable]:
+    """The batch of a step (ids, attention mask, labels), and the greedy accuracy on the validation
+    prompts (what the checkpoint is chosen on) and on the test prompts, for prompts."""
     if cfg.data:  # --system-prompt applies to these prompts too
         examples = [dataclasses.replace(e, system=cfg.system_prompt or None) for e in load_sft_examples(cfg.data)]
     else:
         examples = task.examples("train")
+    examples, validation = held_out_for_validation(examples, cfg, "examples")
     if cfg.train_size > len(examples):
         raise UserError(
             f"--train-size {cfg.train_size} is more than the {len(examples)} training examples; "
@@ -153,14 +168,22 @@ def prompt_source(
         )
         return encode_pairs(tok, prompts, targets, systems)
 
-    def accuracy(m) -> float:
-        return evaluate_model(m, tok, test, eval_task, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)["accuracy"]
+    def accuracy_on(prompts: PromptSet) -> Callable[[object], float]:
+        def accuracy(m) -> float:
+            res = evaluate_model(m, tok, prompts, eval_task, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+            return res["accuracy"]
 
-    return batch, accuracy
+        return accuracy
+
+    on_test = accuracy_on(test)
+    if not validation:
+        return batch, on_test, on_test
+    return batch, accuracy_on(PromptSet.build(validation, tok, cfg.max_prompt_tokens, "validation prompts")), on_test
 
 
-def episode_source(cfg: SFTConfig, tok, model) -> tuple[Callable[[int], tuple], Callable[[object], float]]:
-    """The same for an environment: its expert episodes, and the greedy success rate on held-out games."""
+def episode_source(cfg: SFTConfig, tok, model) -> tuple[Callable, Callable, Callable]:
+    """The same for an environment: its expert episodes, and the greedy success rate on validation games
+    (training games never trained on) and on the held-out games."""
     from opd.evaluation.games import evaluate_agent
     from opd.rollout.games import GameSet, check_episode_context, play_env
     from opd.training.cloning import expert_sequences
@@ -169,7 +192,8 @@ def episode_source(cfg: SFTConfig, tok, model) -> tuple[Callable[[int], tuple], 
         raise UserError("--env trains on the environment's expert episodes; --teacher and --data are for prompts")
     check_episode_context(model, cfg.max_prompt_tokens, cfg.max_new_tokens)
     env = play_env(cfg)  # sessions opened by hand (the expert's) stay here; played episodes go to its workers
-    games = GameSet.build(env, "train").games[: cfg.train_size or None]
+    games, validation = held_out_for_validation(GameSet.build(env, "train").games, cfg, "games")
+    games = games[: cfg.train_size or None]
     seqs, labels, skipped = expert_sequences(
         env, games, tok, cfg.max_new_tokens + cfg.max_prompt_tokens, mistakes=cfg.expert_mistakes, seed=cfg.seed
     )
@@ -189,10 +213,17 @@ def episode_source(cfg: SFTConfig, tok, model) -> tuple[Callable[[int], tuple], 
         idx = batch_indices(len(seqs), step, cfg.batch_size, cfg.seed)
         return pad_right([seqs[i] for i in idx], [labels[i] for i in idx], tok.pad_token_id)
 
-    def accuracy(m) -> float:
-        return evaluate_agent(m, tok, test, seed=cfg.seed, **cfg.episode_limits())["success_rate"]
+    def success_on(games: GameSet) -> Callable[[object], float]:
+        def success(m) -> float:
+            return evaluate_agent(m, tok, games, seed=cfg.seed, **cfg.episode_limits())["success_rate"]
 
-    return batch, accuracy
+        return success
+
+    on_test = success_on(test)
+    if not validation:
+        return batch, on_test, on_test
+    examples = [Example(prompt=g.goal or g.id, answer="", task=env.name) for g in validation]
+    return batch, success_on(GameSet(env, validation, examples)), on_test
 
 
 def dagger_data(cfg: SFTConfig, env, games: list, tok, player: str, device) -> tuple[list, list]:
@@ -226,7 +257,8 @@ def dagger_data(cfg: SFTConfig, env, games: list, tok, player: str, device) -> t
 
 
 def task_sources(specs: list[TaskSpec], data: list, tok, model) -> list[tuple[str, Callable, Callable]]:
-    """Each task's (name, batch of its k-th step, greedy test accuracy): one task named "" unless
+    """Each task's (name, batch of its k-th step, greedy validation accuracy, greedy test accuracy; the
+    two accuracies are one function with --validation-size 0): one task named "" unless
     the config lists several (each resolved into its own checked SFTConfig by opd.config.tasks).
     ``data``: each prompt task's (training task, evaluation task), None for an environment."""
     out = []
@@ -262,6 +294,25 @@ def parts_loss(model, parts: list[tuple[int, tuple]], step: int) -> tuple[float,
         own[i] = loss.item()
         total += own[i] * (n / sum(counts))
     return total, own
+
+
+def accuracy_record(step: int, acc: float, accs: dict[str, float], split: str = "") -> dict:
+    """``eval/[split]accuracy`` and each named task's ``eval/[split]<task>/accuracy``."""
+    return {
+        "step": step,
+        f"eval/{split}accuracy": acc,
+        **{f"eval/{split}{n}/accuracy": a for n, a in accs.items() if n},
+    }
+
+
+def kept_on_test(cfg: SFTConfig, rundir: RunDir, sources: list, step: int, multi: bool) -> dict:
+    """The kept model (``final/``, chosen on validation data) on the test data, once: logged at the last
+    step as ``eval/accuracy`` and returned as the summary's ``test_accuracy`` (and ``test_by_task``)."""
+    kept = load_model(rundir.path / "final", "the kept SFT model", cfg.dtype, resolve_device(cfg.device))
+    accs = {name: on_test(kept) for name, _, _, on_test in sources}
+    acc = sum(accs.values()) / len(accs)
+    rundir.log_metrics(accuracy_record(step, acc, accs))
+    return {"test_accuracy": acc, **({"test_by_task": accs} if multi else {})}
 
 
 def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
@@ -300,12 +351,10 @@ def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
             bar.describe(f"loss {loss:.3f}  best acc {max(best, 0):.3f}")
             if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step == cfg.steps - 1:
                 # several tasks: the model is chosen by the unweighted mean of their accuracies
-                accs = {name: accuracy(model) for name, _, accuracy in sources}
+                accs = {name: accuracy(model) for name, _, accuracy, _ in sources}
                 acc = sum(accs.values()) / len(accs)
                 model.train()
-                rundir.log_metrics(
-                    {"step": step, "eval/accuracy": acc, **{f"eval/{n}/accuracy": a for n, a in accs.items() if n}}
-                )
+                rundir.log_metrics(accuracy_record(step, acc, accs, "validation/" if cfg.validation_size else ""))
                 if acc > best:
                     best, best_by_task, stale = acc, accs, 0
                     save_final_model(rundir.path / "final", model, tok)
@@ -316,5 +365,8 @@ def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
     summary = {"best_accuracy": best, "steps": step + 1, "wall_s": round(time.time() - t0, 1)}
     if multi:
         summary["best_by_task"] = best_by_task
+    if cfg.validation_size:  # chosen on validation data; the kept model's test accuracy is reported
+        summary["chosen_on"] = "validation"
+        summary.update(kept_on_test(cfg, rundir, sources, step, multi))
     rundir.write_json("summary.json", summary)
     return summary

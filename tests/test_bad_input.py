@@ -1,0 +1,603 @@
+"""Bad input at the command line: every mistake ends in one line, ``error: ...``, that names the problem
+and the fix, with exit status 2 and no traceback.
+
+Each case runs ``opd`` in-process through :func:`opd.cli.main`, what the console script calls, rather
+than ``CliRunner().invoke(app)``: main is where a UserError becomes that one line, and CliRunner on the
+bare app would only keep the exception. An exception that escapes main (a traceback on the user's
+terminal) fails the case with that exception.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from opd.cli import main
+
+# A run small enough that the cases which get as far as the rollout stay fast on two cores.
+SHORT = "--device cpu --steps 1 --batch-size 2 --max-new-tokens 4 --eval-size 2 --eval-samples 0 --k 4 --eval-every 0"
+TRAIN = f"train --student <S> --teacher <T> --out <OUT> {SHORT}"
+EVAL = "eval --student <S> --out <OUT> --device cpu --eval-size 2 --samples 0"
+SFT = "sft --init <S> --out <OUT> --device cpu --steps 1 --batch-size 2 --eval-size 2"
+LONG_PROMPT = " ".join(["What is 1 + 1?"] * 200)  # about 1600 tokens: past the tiny models' 512 positions
+
+
+def run_opd(monkeypatch, capsys, args: list[str]) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", ["opd", *map(str, args)])
+    with pytest.raises(SystemExit) as stopped:
+        main()
+    out, err = capsys.readouterr()
+    return stopped.value.code, out, err
+
+
+def assert_one_line_error(code, out: str, err: str, pattern: str) -> None:
+    """``pattern`` must match the whole message: the problem and the fix, nothing vaguer."""
+    assert "Traceback" not in out + err, out + err
+    assert code == 2, out + err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, err
+    assert err.rstrip().endswith(errors[0]), f"more output after the error line (a multi-line message?): {err}"
+    message = errors[0].removeprefix("error: ")
+    assert re.fullmatch(pattern, message), f"\n{message}\ndoes not match\n{pattern}"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Data, config and directory mistakes, written once: <D> in the tables below."""
+    d = tmp_path_factory.mktemp("bad_input")
+    (d / "empty.jsonl").write_text("")
+    (d / "long.jsonl").write_text((json.dumps({"prompt": LONG_PROMPT, "answer": "2"}) + "\n") * 4)
+    (d / "bad.yaml").write_text("steps: [1\n")
+    (d / "bad.json").write_text('{"steps": 1,\n')
+    (d / "list.yaml").write_text("- steps\n")
+    (d / "typo.yaml").write_text("stepz: 3\n")
+    (d / "sft_keys.yaml").write_text("objective: lsm\n")
+    (d / "words.yaml").write_text("steps: many\n")
+    (d / "fraction.yaml").write_text("k: 1.5\n")
+    (d / "task_typo.yaml").write_text("tasks:\n  - name: math\n    stepz: 3\n")
+    (d / "task_words.yaml").write_text("tasks:\n  - name: math\n    eval_size: lots\n")
+    # What opd writes, minus the content the checks do not read: a finished run, an unfinished one.
+    (d / "run" / "final").mkdir(parents=True)
+    (d / "run" / "metrics.jsonl").write_text("")
+    step = d / "run" / "checkpoints" / "step_0000001"
+    (step / "model").mkdir(parents=True)
+    (step / "state.pt").write_bytes(b"")
+    (d / "run" / "checkpoints" / "latest").write_text("step_0000001\n")
+    (d / "unfinished" / "checkpoints").mkdir(parents=True)
+    (d / "unfinished" / "metrics.jsonl").write_text("")
+    (d / "no_runs").mkdir()
+    (d / "runs" / "lsm").mkdir(parents=True)
+    (d / "runs" / "lsm" / "metrics.jsonl").write_text('{"step": 0, "train/loss": 1.0}\n')
+    (d / "corrupt" / "depth").mkdir(parents=True)
+    (d / "corrupt" / "depth" / "results.json").write_text('{"name": "depth", ')
+    (d / "stale" / "depth").mkdir(parents=True)
+    (d / "stale" / "depth" / "results.json").write_text('{"name": "depth"}')
+    return d
+
+
+def expand(text: str, places: dict[str, Path], escape: bool) -> str:
+    for key, path in places.items():
+        text = text.replace(f"<{key}>", re.escape(str(path)) if escape else str(path))
+    return text
+
+
+def check_case(monkeypatch, capsys, places: dict[str, Path], command: str, pattern: str) -> None:
+    args = [expand(a, places, escape=False) for a in shlex.split(command)]
+    code, out, err = run_opd(monkeypatch, capsys, args)
+    assert_one_line_error(code, out, err, expand(pattern, places, escape=True))
+
+
+# (id, command line, the whole message as a regex); <S>/<T>: the tiny student and teacher, <D>: the
+# files above, <OUT>: a fresh run directory.
+CASES = [
+    # wrong paths
+    (
+        "missing-student",
+        "train --student <D>/nope --teacher <T> --out <OUT>",
+        r"student model directory <D>/nope does not exist; pass a local directory written by save_pretrained",
+    ),
+    (
+        "missing-teacher",
+        "train --student <S> --teacher <D>/nope --out <OUT>",
+        r"teacher model directory <D>/nope does not exist; pass a local directory written by save_pretrained",
+    ),
+    (
+        "no-student",
+        "train --teacher <T> --out <OUT>",
+        r"no student model given; pass --student DIR \(a local Hugging Face model directory\)",
+    ),
+    (
+        "missing-init",
+        "sft --init <D>/nope --out <OUT>",
+        r"init model directory <D>/nope does not exist; pass a local directory written by save_pretrained",
+    ),
+    (
+        "serve-missing-model",
+        "serve-teacher <D>/nope --port 0",
+        r"teacher model directory <D>/nope does not exist; pass a local directory written by save_pretrained",
+    ),
+    (
+        "run-dir-as-student",
+        "train --student <D>/run --teacher <T> --out <OUT>",
+        r"<D>/run is an opd run directory; its trained model is <D>/run/final: pass --student <D>/run/final",
+    ),
+    (
+        "run-dir-as-teacher",
+        "train --student <S> --teacher <D>/run --out <OUT>",
+        r"<D>/run is an opd run directory; its trained model is <D>/run/final: pass --teacher <D>/run/final",
+    ),
+    (
+        "run-dir-to-eval",
+        "eval --student <D>/run --out <OUT>",
+        r"<D>/run is an opd run directory; its trained model is <D>/run/final: pass --student <D>/run/final",
+    ),
+    (
+        "unfinished-run-as-student",
+        "train --student <D>/unfinished --teacher <T> --out <OUT>",
+        r"<D>/unfinished is an opd run directory without a final model \(the run did not finish\); continue it "
+        r"with --resume --out <D>/unfinished, or pass a checkpoint's model, e\.g\. "
+        r"<D>/unfinished/checkpoints/step_N/model",
+    ),
+    (
+        "checkpoints-dir-as-student",
+        "train --student <D>/run/checkpoints --teacher <T> --out <OUT>",
+        r"<D>/run/checkpoints holds opd checkpoints; the latest one's model is "
+        r"<D>/run/checkpoints/step_0000001/model: pass --student <D>/run/checkpoints/step_0000001/model",
+    ),
+    (
+        "tokenizer-dir-as-student",
+        "train --student <TOK> --teacher <T> --out <OUT>",
+        r"<TOK> holds a tokenizer but no model \(no config\.json\); pass the directory that holds the model's "
+        r"config\.json and weights as --student",
+    ),
+    # empty or missing data
+    (
+        "empty-prompts",
+        f"{TRAIN} --task <D>/empty.jsonl",
+        r'JSONL file <D>/empty\.jsonl is empty: add one \{"prompt": "\.\.\.", "answer": "\.\.\."\} object per line',
+    ),
+    (
+        "empty-eval-prompts",
+        f"{EVAL} --task <D>/empty.jsonl",
+        r'JSONL file <D>/empty\.jsonl is empty: add one \{"prompt": "\.\.\.", "answer": "\.\.\."\} object per line',
+    ),
+    (
+        "missing-task-file",
+        f"{TRAIN} --task <D>/nope.jsonl",
+        r"--task '<D>/nope\.jsonl' is neither 'arithmetic' nor an existing file, glob or directory; check the "
+        r"path \(it is read relative to .+\)",
+    ),
+    (
+        "empty-sft-data",
+        f"{SFT} --data <D>/empty.jsonl",
+        r'SFT data file <D>/empty\.jsonl has no examples; write one \{"prompt": \.\.\., "solution": \.\.\.\} object '
+        r"per line",
+    ),
+    (
+        "missing-sft-data",
+        f"{SFT} --data <D>/nope.jsonl",
+        r"SFT data file <D>/nope\.jsonl does not exist; pass a JSONL file with prompt and solution per line",
+    ),
+    # prompts longer than allowed, and than the context
+    (
+        "prompts-over-max-prompt-tokens",
+        f"{TRAIN} --task <D>/long.jsonl --split 0.5",
+        r"2 of 2 training prompts are longer than max_prompt_tokens=256 \(longest: \d+ tokens, e\.g\. #0: "
+        r"'What is 1 \+ 1\?.*'\.\.\.\); raise --max-prompt-tokens \(within the model's context\) or drop those prompts",
+    ),
+    (
+        "prompt-over-context",
+        f"{TRAIN} --task <D>/long.jsonl --split 0.5 --max-prompt-tokens 4096",
+        r"a prompt of \d{4} tokens plus max_new_tokens=4 exceeds the model's context of 512 positions; shorten "
+        r"the prompts or lower --max-new-tokens",
+    ),
+    (
+        "eval-prompt-over-context",
+        f"{EVAL} --task <D>/long.jsonl --max-prompt-tokens 4096",
+        r"a prompt of \d{4} tokens plus max_new_tokens=64 exceeds the model's context of 512 positions; shorten "
+        r"the prompts or lower --max-new-tokens",
+    ),
+    (
+        "new-tokens-over-context",
+        f"{TRAIN} --max-new-tokens 5000",
+        r"a prompt of \d+ tokens plus max_new_tokens=5000 exceeds the model's context of 512 positions; shorten "
+        r"the prompts or lower --max-new-tokens",
+    ),
+    # config files
+    (
+        "invalid-yaml",
+        f"{TRAIN} --config <D>/bad.yaml",
+        r"config file <D>/bad\.yaml is not valid YAML \(line 2, column 1: expected ',' or '\]', but got "
+        r"'<stream end>'\); fix it there",
+    ),
+    (
+        "invalid-json",
+        f"{TRAIN} --config <D>/bad.json",
+        r"config file <D>/bad\.json is not valid JSON \(line 2, column 1: Expecting property name enclosed in "
+        r"double quotes\); fix it there",
+    ),
+    (
+        "config-not-a-mapping",
+        f"{TRAIN} --config <D>/list.yaml",
+        r"config file <D>/list\.yaml must hold a mapping of option names to values, not list",
+    ),
+    (
+        "missing-config",
+        f"{TRAIN} --config <D>/nope.yaml",
+        r"config file <D>/nope\.yaml does not exist; pass a YAML or JSON file with --config",
+    ),
+    (
+        "unknown-config-key",
+        f"{TRAIN} --config <D>/typo.yaml",
+        r"unknown option 'stepz' in the config file for TrainConfig \(did you mean steps\?\); rename or remove it "
+        r"\(the command's --help lists its options\)",
+    ),
+    (
+        "train-key-in-sft-config",
+        f"{SFT} --config <D>/sft_keys.yaml",
+        r"unknown option 'objective' in the config file for SFTConfig; rename or remove it \(the command's --help "
+        r"lists its options\)",
+    ),
+    (
+        "words-for-a-count",
+        f"{TRAIN} --config <D>/words.yaml",
+        r"steps: 'many' in the config file is not a whole number; write a whole number, e\.g\. steps: 200",
+    ),
+    (
+        "fraction-for-a-count",
+        f"{TRAIN} --config <D>/fraction.yaml",
+        r"k: 1\.5 in the config file is not a whole number; write a whole number, e\.g\. k: 32",
+    ),
+    (
+        "unknown-task-key",
+        f"{TRAIN} --tasks <D>/task_typo.yaml",
+        r"task 'math': 'stepz' is not a setting; a task may set teacher, teacher_url, .*, eval_samples",
+    ),
+    (
+        "words-for-a-task-count",
+        f"{TRAIN} --tasks <D>/task_words.yaml",
+        r"task 'math': eval_size: 'lots' in the task list is not a whole number; write a whole number, e\.g\. "
+        r"eval_size: 200",
+    ),
+    # conflicting options
+    (
+        "teacher-and-teacher-url",
+        f"{TRAIN} --teacher-url http://127.0.0.1:9",
+        r"both --teacher and --teacher-url are set; give one \(a model directory or a served teacher\)",
+    ),
+    (
+        "tail-without-renormalize",
+        f"{TRAIN} --tail --no-renormalize",
+        r"tail compares full-vocabulary masses plus the mass outside the support, in place of renormalizing; "
+        r"--no-renormalize \(the truncated ablation\) cannot go with it: drop --no-renormalize or --tail",
+    ),
+    (
+        "tail-with-sampled",
+        f"{TRAIN} --tail --objective sampled",
+        r"tail is a variant of --objective lsm, not of sampled; drop --tail or use --objective lsm",
+    ),
+    (
+        "teacher-dtype-for-a-served-teacher",
+        "train --student <S> --teacher-url http://127.0.0.1:9 --teacher-dtype bfloat16 --out <OUT>",
+        r"teacher_dtype applies to an in-process teacher \(--teacher DIR\); a served teacher keeps the dtype it "
+        r"was started with \(opd serve-teacher --dtype\): drop --teacher-dtype",
+    ),
+    (
+        "vllm-url-without-vllm",
+        f"{TRAIN} --vllm-url http://127.0.0.1:9",
+        r"vllm_url is set but rollout_engine is hf; add --rollout-engine vllm",
+    ),
+    (
+        "eval-split-without-eval-task",
+        f"{TRAIN} --eval-split test",
+        r"eval_split set without eval_task; give --eval-task DATA, or drop the eval options",
+    ),
+    (
+        "init-and-arch",
+        f"{SFT} --arch qwen2:1:8",
+        r"give exactly one of --init \(a model directory\) or --arch \(qwen2:LAYERS:WIDTH\)",
+    ),
+    (
+        "two-demos",
+        "demo --agentic --multitask --out <OUT>",
+        r"--agentic and --multitask are two demos; choose one",
+    ),
+    # negative, zero and huge counts
+    ("negative-steps", f"{TRAIN} --steps -1", r"steps=-1 must be >= 1; set --steps to 1 or more"),
+    ("zero-batch", f"{TRAIN} --batch-size 0", r"batch_size=0 must be >= 1; set --batch-size to 1 or more"),
+    ("zero-k", f"{TRAIN} --k 0", r"k=0 must be >= 1; set --k to 1 or more"),
+    (
+        "k-over-vocabulary",
+        f"{TRAIN} --k 100000",
+        r"k=100000 is larger than the vocabulary \(1024 tokens\); choose --k <= 1024",
+    ),
+    ("negative-eval-size", f"{TRAIN} --eval-size -3", r"eval_size=-3 must be >= 1; set --eval-size to 1 or more"),
+    (
+        "negative-ckpt-every",
+        f"{TRAIN} --ckpt-every -1",
+        r"ckpt_every=-1 must be >= 0; set --ckpt-every to 0 or more",
+    ),
+    ("negative-lr", f"{TRAIN} --lr -1", r"lr=-1\.0 must be > 0"),
+    (
+        "negative-weight-decay",
+        f"{TRAIN} --weight-decay -1",
+        r"weight_decay=-1\.0 must be >= 0 \(0: none\)",
+    ),
+    (
+        "negative-clip",
+        f"{TRAIN} --clip-eps -1 --objective sampled --updates-per-batch 2",
+        r"clip_eps=-1\.0 must be > 0 \(0\.2 is PPO's usual clip\)",
+    ),
+    (
+        "env-workers-over-limit",
+        f"{TRAIN} --env-workers 1000",
+        r"env_workers=1000: use 0 \(games in this process\) to \d+ worker processes, or leave it unset for one "
+        r"per free CPU core",
+    ),
+    ("eval-zero-batch", f"{EVAL} --batch-size 0", r"batch_size=0 must be >= 1; set --batch-size to 1 or more"),
+    ("eval-negative-samples", f"{EVAL} --samples -1", r"samples=-1 must be >= 0; set --samples to 0 or more"),
+    ("eval-negative-size", f"{EVAL} --eval-size -2", r"eval_size=-2 must be >= 1; set --eval-size to 1 or more"),
+    ("sft-zero-steps", f"{SFT} --steps 0", r"steps=0 must be >= 1; set --steps to 1 or more"),
+    (
+        "serve-zero-max-k",
+        "serve-teacher <T> --max-k 0",
+        r"--max-k 0 must be >= 1; pass a positive count or leave it out for the default",
+    ),
+    (
+        "serve-port-out-of-range",
+        "serve-teacher <T> --port 70000",
+        r"cannot listen on 127\.0\.0\.1:70000 \(.+\); pick another --port \(0 picks a free one\)",
+    ),
+    (
+        "experiment-zero-seeds",
+        "experiment depth --seeds 0 --out <OUT> --quick",
+        r"--seeds 0 must be >= 1 \(3 or more for intervals\)",
+    ),
+    ("experiment-zero-workers", "experiment depth --workers 0 --out <OUT> --quick", r"--workers 0 must be >= 1"),
+    (
+        "demo-negative-steps",
+        "demo --steps -5 --out <OUT>",
+        r"--steps -5 must be >= 1 \(OPD steps per objective\); leave it out for the default",
+    ),
+    (
+        "report-zero-inspector-steps",
+        "report <D>/runs/lsm --inspector-steps 0 --out <OUT>",
+        r"inspector_steps=0: the token inspector needs at least 1 step; pass --inspector-steps 1 or more",
+    ),
+    # unknown names
+    (
+        "unknown-experiment",
+        "experiment nosuch --out <OUT>",
+        r"unknown experiment 'nosuch'; choose one of: [a-z-]+(, [a-z-]+)*",
+    ),
+    (
+        "unknown-objective",
+        f"{TRAIN} --objective kl",
+        r"objective='kl': choose one of lsm, sampled, full_kl",
+    ),
+    (
+        "unknown-env",
+        f"{TRAIN} --env nosuch",
+        r"unknown environment 'nosuch': use one of alfworld, textworld, toy(, [\w-]+)*",
+    ),
+    ("unknown-device", f"{TRAIN} --device tpu", r"device='tpu': use auto, cpu, cuda or cuda:N"),
+    ("serve-unknown-dtype", "serve-teacher <T> --dtype float64", r"--dtype 'float64': use float32, bfloat16, float16"),
+    # report and results
+    (
+        "report-on-a-folder-without-runs",
+        "report <D>/no_runs",
+        r"<D>/no_runs is not a run directory \(no metrics\.jsonl or config\.json\); pass a directory written by "
+        r"`opd train`, e\.g\. runs/demo/lsm",
+    ),
+    (
+        "report-on-the-parent-of-runs",
+        "report <D>/runs",
+        r"<D>/runs is not a run directory \(no metrics\.jsonl or config\.json\); it holds run directories: pass "
+        r"them, e\.g\. `opd report <D>/runs/lsm`",
+    ),
+    (
+        "report-on-a-missing-folder",
+        "report <D>/nope",
+        r"<D>/nope is not a directory; pass run directories written by `opd train` or `opd demo`",
+    ),
+    (
+        "results-without-results",
+        "results --from <D>/no_runs --doc <OUT>/RESULTS.md",
+        r"no experiment results under <D>/no_runs; run `opd experiment NAME` first",
+    ),
+    (
+        "results-corrupt-json",
+        "results --from <D>/corrupt --doc <OUT>/RESULTS.md",
+        r"<D>/corrupt/depth/results\.json is not a results\.json written by `opd experiment` \(JSONDecodeError: "
+        r".+\); delete it and rerun `opd experiment depth`",
+    ),
+    (
+        "results-missing-fields",
+        "results --from <D>/stale --doc <OUT>/RESULTS.md",
+        r"<D>/stale/depth/results\.json is not a results\.json written by `opd experiment` \(KeyError: 'quick'\); "
+        r"delete it and rerun `opd experiment depth`",
+    ),
+]
+
+
+@pytest.mark.parametrize(("command", "pattern"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_a_bad_input_is_one_line_naming_the_problem_and_the_fix(
+    command, pattern, tiny_models, tiny_tokenizer, files, tmp_path, monkeypatch, capsys
+):
+    student, teacher = tiny_models
+    places = {"S": student, "T": teacher, "TOK": tiny_tokenizer, "D": files, "OUT": tmp_path / "out"}
+    check_case(monkeypatch, capsys, places, command, pattern)
+
+
+# ----------------------------------------------------------------------------- broken models
+
+
+def copy_model(src: Path, dst: Path, change) -> Path:
+    """``src`` with ``change(model)`` applied to its weights, beside its tokenizer files."""
+    from opd.models.loading import load_model
+
+    model = load_model(src)
+    with torch.no_grad():
+        change(model)
+    model.save_pretrained(dst)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.startswith(("config", "model", "generation")):
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def fill_nan(model) -> None:
+    for p in model.parameters():
+        p.fill_(float("nan"))
+
+
+def overflow(model) -> None:
+    # finite weights whose final norm overflows float32: the logits come out NaN
+    model.model.norm.weight.fill_(3e38)
+
+
+@pytest.fixture(scope="module")
+def broken(tiny_models, tmp_path_factory):
+    student, teacher = tiny_models
+    root = tmp_path_factory.mktemp("broken")
+    return {
+        "NANS": copy_model(student, root / "nan_student", fill_nan),
+        "NANT": copy_model(teacher, root / "nan_teacher", fill_nan),
+        "HOTT": copy_model(teacher, root / "overflowing_teacher", overflow),
+    }
+
+
+BROKEN = [
+    (
+        "nan-student",
+        TRAIN.replace("<S>", "<NANS>"),
+        r"student model <NANS> has NaN or infinite weights \(model\.embed_tokens\.weight and \d+ more\); pass a "
+        r"model saved before it diverged \(an earlier checkpoint\), or retrain it",
+    ),
+    (
+        "nan-teacher",
+        TRAIN.replace("<T>", "<NANT>"),
+        r"teacher model <NANT> has NaN or infinite weights \(model\.embed_tokens\.weight and \d+ more\); pass a "
+        r"model saved before it diverged \(an earlier checkpoint\), or retrain it",
+    ),
+    (
+        "nan-model-to-eval",
+        EVAL.replace("<S>", "<NANS>"),
+        r"student model <NANS> has NaN or infinite weights \(.+\); pass a model saved before it diverged \(an "
+        r"earlier checkpoint\), or retrain it",
+    ),
+    (
+        "nan-model-to-serve",
+        "serve-teacher <NANT> --port 0",
+        r"teacher model <NANT> has NaN or infinite weights \(.+\); pass a model saved before it diverged \(an "
+        r"earlier checkpoint\), or retrain it",
+    ),
+    (
+        # Its losses would mask the NaN log-probs out (as they do -inf ones) and train on nothing.
+        "teacher-log-probs-nan",
+        TRAIN.replace("<T>", "<HOTT>"),
+        r"the teacher's log-probs are NaN at \d+ of \d+ scored positions: its forward pass overflows on these "
+        r"rollouts \(its weights are finite\); run it in a wider dtype \(--teacher-dtype float32\), or check the "
+        r"--teacher model",
+    ),
+    (
+        # The first update (Adam: about lr per weight) overflows the student; the next step's check stops it.
+        "loss-diverges",
+        f"{TRAIN} --steps 2 --lr 1e30 --warmup-steps 0",
+        r"the (loss|gradient norm) became (nan|inf) at step 1; training stopped before the update and the last "
+        r"good checkpoint in <OUT>/checkpoints is kept\. Lower --lr, raise --warmup-steps, or check the teacher's "
+        r"outputs",
+    ),
+]
+
+
+@pytest.mark.parametrize(("command", "pattern"), [c[1:] for c in BROKEN], ids=[c[0] for c in BROKEN])
+def test_a_broken_model_or_a_diverging_run_is_one_line_naming_the_fix(
+    command, pattern, tiny_models, broken, tmp_path, monkeypatch, capsys
+):
+    student, teacher = tiny_models
+    places = {"S": student, "T": teacher, "OUT": tmp_path / "out", **broken}
+    check_case(monkeypatch, capsys, places, command, pattern)
+
+
+# ----------------------------------------------------------------------------- served teachers
+
+
+def test_a_port_in_use_is_refused_before_the_teacher_loads(tiny_models, monkeypatch, capsys):
+    import opd.teachers.server as server_mod
+
+    loads = []
+    monkeypatch.setattr(server_mod, "load_model", lambda *a, **kw: loads.append(a))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        code, out, err = run_opd(monkeypatch, capsys, ["serve-teacher", tiny_models[1], "--port", port])
+    assert_one_line_error(
+        code,
+        out,
+        err,
+        rf"cannot listen on 127\.0\.0\.1:{port} \(.*[Aa]ddress already in use\); pick another --port \(0 picks a "
+        r"free one\)",
+    )
+    assert loads == []  # a large teacher takes minutes to load: the port is tried first
+
+
+@pytest.fixture(scope="module")
+def foreign_teacher_url(tmp_path_factory):
+    """An opd teacher server whose model has a tokenizer of its own (not the tiny student's)."""
+    from opd.models.loading import load_model, load_tokenizer, tiny_qwen2
+    from opd.models.tokenizer import train_tokenizer
+    from opd.tasks import ArithmeticTask
+    from opd.teachers.server import Limits, TeacherApp, start_server, stop_server
+
+    ex = ArithmeticTask(n_train=300, n_test=10, seed=5).examples("train")
+    tok = train_tokenizer([e.prompt for e in ex] + [e.solution for e in ex], vocab_size=600)
+    path = tmp_path_factory.mktemp("foreign")
+    tiny_qwen2(len(tok), 1, 32, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id).save_pretrained(path)
+    tok.save_pretrained(path)
+    app = TeacherApp(load_model(path, "teacher"), load_tokenizer(path, "teacher"), "foreign", Limits(max_k=16))
+    server = start_server(app, "127.0.0.1", 0)
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    stop_server(server)
+
+
+def test_a_served_teacher_with_another_tokenizer_names_both_fixes(
+    foreign_teacher_url, tiny_models, tmp_path, monkeypatch, capsys
+):
+    args = shlex.split(SHORT) + ["--student", tiny_models[0], "--teacher-url", foreign_teacher_url]
+    code, out, err = run_opd(monkeypatch, capsys, ["train", "--out", tmp_path / "run", *args])
+    assert_one_line_error(
+        code,
+        out,
+        err,
+        r"the served teacher's vocabulary \(\d+ tokens, \d+ output rows\) differs from the student's \(1024 tokens, "
+        r"1024 rows\); serve a teacher with the student's tokenizer, or give --teacher-tokenizer DIR \(the served "
+        r"model's tokenizer\) for cross-tokenizer OPD",
+    )
+
+
+# ----------------------------------------------------------------------------- the parser's own errors
+
+# Mistakes typer catches before opd sees them: its usage box (several lines, exit status 2), never a traceback.
+USAGE = [
+    ("train --stepz 3", "No such option: --stepz", "--steps"),
+    ("train --steps many", "Invalid value for '--steps'", "integer"),
+    ("experiment", "Missing argument 'name'", "opd experiment --help"),
+]
+
+
+@pytest.mark.parametrize(("command", "problem", "fix"), USAGE, ids=[u[0] for u in USAGE])
+def test_a_mistyped_option_gets_the_parsers_usage_error(command, problem, fix, monkeypatch, capsys):
+    code, out, err = run_opd(monkeypatch, capsys, shlex.split(command))
+    said = " ".join(re.sub(r"[│╭╮╰╯─]", " ", out + err).split())
+    assert "Traceback" not in said and code == 2, said
+    assert problem in said and fix in said and "--help" in said, said
