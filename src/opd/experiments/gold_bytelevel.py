@@ -16,10 +16,12 @@ for large models); the learning rate from 5e-5 to 1e-3, with ULD and with the hy
 tokens both vocabularies spell alike, ULD on the rest); the hybrid with ``beta`` 1; fully
 on-policy (``lmbda`` 1); opd's sampling (temperature 1, top-p 0.9). The configuration with the
 best avg@k on seed 0 (chosen on the test prompts, which favours GOLD) is GOLD's best and runs on
-the other seeds, as do GOLD's defaults. opd's cross-tokenizer LSM runs untuned (the other
-experiments' settings): with its defaults, with ``--cross-unmapped prefix`` alone, and with the
-three options for a teacher whose tokens run longer than the student's (``--cross-unmapped
-prefix --cross-pairing within_group --cross-joinable drop``; docs/cross-tokenizer.md). Two checks of the harness itself, GOLD's trainer with the demo teacher
+the other seeds, as do GOLD's defaults. opd's cross-tokenizer LSM runs at the other experiments'
+settings (learning rate, steps, K: not tuned here): with its defaults, with ``--cross-unmapped
+prefix`` alone, and with the three options for a teacher whose tokens run longer than the
+student's (``--cross-unmapped prefix --cross-pairing within_group --cross-joinable drop``;
+docs/cross-tokenizer.md). Those options were developed in probes on seed 0 with this teacher,
+scored on the same test prompts, which favours them as the choice of GOLD's best favours GOLD. Two checks of the harness itself, GOLD's trainer with the demo teacher
 (the student's own tokenizer) with GKD's JSD and with ULD, tell GOLD's losses from the way it is
 run here.
 """
@@ -309,6 +311,8 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
     diagnostics_plots(a, s, groups, keys, "gold", rates=tuple(keys))
     a.notes.append(
         "GOLD's best is chosen on seed 0's test-prompt avg@k and that run is one of its seeds: both favour GOLD. "
+        "opd's three options for longer teacher tokens (cross-lsm-groups) were developed in probes on seed 0 with "
+        "this teacher, scored on the same test prompts: that favours cross-lsm-groups in the same way. "
         "With lmbda < 1 GOLD also trains on the dataset's worked solutions (its off-policy half), which opd's "
         "runs never see."
     )
