@@ -58,8 +58,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds before a launch counts as hung")
     ap.add_argument("--label", default="run", help="the key of this run in the results file")
     args = ap.parse_args()
-    import opd
     import torch
+
+    import opd
 
     counts: dict[str, dict[str, int]] = {}
     failures, seconds = [], []
