@@ -339,3 +339,21 @@ def test_the_vllm_rollouts_experiment_runs_quick(vllm_teacher, tmp_path):
     assert len(res["tables"]) == 3
     commands = (tmp_path / "vllm-rollouts" / "commands.txt").read_text()
     assert commands.count("--rollout-engine vllm") == 2 and "opd train" in commands
+
+
+def test_a_batch_of_seeded_prompts_over_the_engines_token_budget(vllm_teacher, tmp_path):
+    """128 seeded prompts at once: more prompt tokens than vLLM schedules in one step. With chunked
+    prefill its CPU build died on them ("CPU Generator does not use offset": the demo's 64 prompts);
+    the engine opd starts runs without it."""
+    from opd.rollout.prompts import PromptSet, load_task
+    from opd.rollout.vllm_engine import start_engine
+
+    tok = load_tokenizer(DEMO / "student", "student")
+    cfg = TrainConfig(student=str(DEMO / "student"), teacher=str(DEMO / "teacher"), rollout_engine="vllm")
+    engine = start_engine(load_model(DEMO / "student", "student"), tok, cfg.student, tmp_path, cfg)
+    try:
+        prompts = PromptSet.build(load_task("arithmetic", 2, 0).examples("train")[:128], tok, 256).prompt_ids
+        batch = engine.generate(prompts, list(range(128)), max_new_tokens=48, top_p=0.9)
+        assert batch.response_mask_NT.sum(-1).min() >= 1 and engine.last_gap < 1e-4
+    finally:
+        engine.close()

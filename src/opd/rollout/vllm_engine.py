@@ -45,6 +45,11 @@ from opd.models.loading import final_hidden, head_weight, model_device
 from opd.rollout.sampling import RolloutBatch
 from opd.rollout.vllm_server import VLLMServer, start_vllm_server
 
+# vLLM's CPU build (0.32) dies on a seeded request whose prefill is split across steps (chunked prefill:
+# a batch of prompts over its token budget): it rewinds the request's generator, which a CPU generator
+# cannot do ("CPU Generator does not use offset", found with the demo's 64 prompts). Unsplit prefills
+# never rewind; the scheduler then fits whole prompts into each step.
+SEEDED_ON_CPU = ("--no-enable-chunked-prefill",)
 WAIT_S = 600.0  # how long a --vllm-url engine that stops answering is waited for
 MAX_RESTARTS = 2  # how often opd restarts the engine it started, in one run, when it exits
 
@@ -346,6 +351,7 @@ def start_engine(model, tok, student_dir: str, folder: Path, cfg, task_cfgs=(), 
         dtype=cfg.dtype,
         max_model_len=context,
         dev_mode=True,
+        extra_args=SEEDED_ON_CPU if not torch.cuda.is_available() else (),
         timeout=cfg.vllm_start_timeout,
     )
     if not cfg.vllm_url:
