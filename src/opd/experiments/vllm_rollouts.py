@@ -11,10 +11,11 @@ the same recipe end within the margin. Beside it, the agentic demo's LSM run for
 episodes with each engine (seed 0 only, multi-turn turns from vLLM's prefix cache): its greedy success on
 the 50 held-out games, reported, not decided.
 
-Cost at full size on 2 CPU cores, one run at a time: a demo run about 4 minutes with opd's loop
-and 9 with vLLM (its engine is slower than opd's loop here: docs/benchmarks.md), an agentic run
-15 and about 30; 3 seeds about 85 minutes. It needs vLLM (``opd vllm-setup``). ``--quick`` runs
-a few steps of each (its numbers decide nothing).
+Cost at full size on 2 CPU cores with ``--workers 2``, measured on a machine that ran other work too
+(its CI): 209 minutes of runs, about 2.5 hours of wall time; a demo run 5-8 minutes with opd's loop
+and about 30 with vLLM (its engine is slower than opd's loop here: docs/benchmarks.md), the agentic
+runs 53 and 62. It needs vLLM (``opd vllm-setup``). ``--quick`` runs a few steps of each (its numbers
+decide nothing).
 """
 
 from __future__ import annotations
