@@ -135,6 +135,12 @@ CASES = [
         r"<D>/run is an opd run directory; its trained model is <D>/run/final: pass --teacher <D>/run/final",
     ),
     (
+        "run-dir-to-serve",  # its model is an argument: the hint must not name --teacher
+        "serve-teacher <D>/run --port 0",
+        r"<D>/run is an opd run directory; its trained model is <D>/run/final: pass <D>/run/final as the model "
+        r"argument \(opd serve-teacher MODEL_DIR\)",
+    ),
+    (
         "run-dir-to-eval",
         "eval --student <D>/run --out <OUT>",
         r"<D>/run is an opd run directory; its trained model is <D>/run/final: pass --student <D>/run/final",

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import functools
 import http.client
 import json
+import math
 import re
 import signal
 import subprocess
@@ -435,6 +437,19 @@ def test_foreign_server_warns_and_malformed_answers_are_errors(served, tiny_mode
         small = HTTPTeacher(foreign, tok, 3, retries=0)  # a "student" whose vocabulary has 3 tokens
         with pytest.raises(UserError, match=r"outside the student's vocabulary \[0, 3\)"):
             small.score(batch, 4)
+        # A NaN log-prob (JSON allows it) would be masked by the losses as a -inf is: refused instead,
+        # for a top-K entry and for the given token's entry (the sampled-token objective reads it).
+        P = batch.prompt_len - int((~batch.attention_mask_NL[0, : batch.prompt_len].bool()).sum())
+        for which in ("top", "given"):
+            nan = copy.deepcopy(real)
+            entry, given = nan["choices"][0]["prompt_logprobs"][P], str(seqs[0][P])
+            if which == "given":
+                entry[given]["logprob"] = math.nan
+            else:
+                next(v for tid, v in entry.items() if tid != given)["logprob"] = math.nan
+            _Foreign.answer = nan
+            with pytest.raises(UserError, match="malformed prompt_logprobs answer"):
+                client.score(batch, 4)
         _Foreign.answer = post(url, {"prompt": seqs, "max_tokens": 1, "prompt_logprobs": 2})[1]
         with pytest.raises(UserError, match=r"returned [23] top tokens where --k 4"):
             client.score(batch, 4)

@@ -22,24 +22,31 @@ from opd.runs.quiet import quiet_transformers
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _check_model_dir(path: str | Path, role: str, required: str = "config.json") -> Path:
+def _check_model_dir(path: str | Path, role: str, required: str = "config.json", option: str | None = None) -> Path:
+    """``option`` is where the user gave the path (default ``--ROLE``), for the hints: ``opd serve-teacher``
+    takes its model as an argument, so "pass --teacher ..." would send its user to an option it lacks."""
+    option = option or f"--{role}"
     if not path:
-        raise UserError(f"no {role} model given; pass --{role} DIR (a local Hugging Face model directory)")
+        raise UserError(f"no {role} model given; {_pass(option, 'DIR')} (a local Hugging Face model directory)")
     p = Path(path)
     if not p.is_dir():
         raise UserError(f"{role} model directory {p} does not exist; pass a local directory written by save_pretrained")
-    mistake = _not_a_model(p, role, wants_weights=required == "config.json")
+    mistake = _not_a_model(p, option, wants_weights=required == "config.json")
     if mistake:
         raise UserError(mistake)
     if not (p / required).is_file():
-        raise UserError(f"{p} has no {required}, so it is not a Hugging Face {role} directory; check the --{role} path")
+        raise UserError(f"{p} has no {required}, so it is not a Hugging Face {role} directory; check the {option} path")
     return p
+
+
+def _pass(option: str, value: object) -> str:
+    return f"pass {option} {value}" if option.startswith("--") else f"pass {value} as {option}"
 
 
 _WEIGHTS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 
 
-def _not_a_model(p: Path, role: str, wants_weights: bool) -> str | None:
+def _not_a_model(p: Path, option: str, wants_weights: bool) -> str | None:
     """What a directory is when it is one of the things users pass by mistake instead of a model.
 
     An opd run directory has a config.json too (opd's own), so transformers would answer with an
@@ -47,39 +54,39 @@ def _not_a_model(p: Path, role: str, wants_weights: bool) -> str | None:
     """
     if (p / "metrics.jsonl").is_file() or (p / "checkpoints").is_dir():
         if (p / "final").is_dir():
-            return f"{p} is an opd run directory; its trained model is {p / 'final'}: pass --{role} {p / 'final'}"
+            return f"{p} is an opd run directory; its trained model is {p / 'final'}: {_pass(option, p / 'final')}"
         return (
             f"{p} is an opd run directory without a final model (the run did not finish); continue it with "
             f"--resume --out {p}, or pass a checkpoint's model, e.g. {p / 'checkpoints' / 'step_N' / 'model'}"
         )
     if (p / "state.pt").is_file() and (p / "model").is_dir():
-        return f"{p} is an opd checkpoint; its model is {p / 'model'}: pass --{role} {p / 'model'}"
+        return f"{p} is an opd checkpoint; its model is {p / 'model'}: {_pass(option, p / 'model')}"
     if (p / "latest").is_file() and any(p.glob("step_*")):
         latest = p / (p / "latest").read_text().strip() / "model"
-        return f"{p} holds opd checkpoints; the latest one's model is {latest}: pass --{role} {latest}"
+        return f"{p} holds opd checkpoints; the latest one's model is {latest}: {_pass(option, latest)}"
     if not wants_weights:  # a tokenizer directory needs no model beside it (an adapter directory holds one too)
         return None
     if not (p / "config.json").is_file() and (p / "adapter_config.json").is_file():
         return (
             f"{p} holds a LoRA adapter, not a whole model; write one with opd merge-lora {p} --out DIR "
-            f"and pass that DIR as --{role}"
+            f"and {_pass(option, 'that DIR')}"
         )
     has_tokenizer = (p / "tokenizer_config.json").is_file() or (p / "tokenizer.json").is_file()
     if has_tokenizer and not (p / "config.json").is_file():
         return (
             f"{p} holds a tokenizer but no model (no config.json); pass the directory that holds the "
-            f"model's config.json and weights as --{role}"
+            f"model's config.json and weights as {option}"
         )
     if (p / "config.json").is_file() and not any(any(p.glob(w)) for w in _WEIGHTS):
         return (
             f"{p} has a config.json but no weights (*.safetensors or *.bin); save the model with "
-            f"save_pretrained, or pass the directory that holds its weights as --{role}"
+            f"save_pretrained, or pass the directory that holds its weights as {option}"
         )
     return None
 
 
-def load_tokenizer(path: str | Path, role: str = "student") -> PreTrainedTokenizerBase:
-    p = _check_model_dir(path, role, "tokenizer_config.json")
+def load_tokenizer(path: str | Path, role: str = "student", option: str | None = None) -> PreTrainedTokenizerBase:
+    p = _check_model_dir(path, role, "tokenizer_config.json", option)
     with quiet_transformers():
         tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
     if tok.eos_token_id is None:
@@ -91,9 +98,13 @@ def load_tokenizer(path: str | Path, role: str = "student") -> PreTrainedTokeniz
 
 
 def load_model(
-    path: str | Path, role: str = "student", dtype: str = "float32", device: torch.device | str = "cpu"
+    path: str | Path,
+    role: str = "student",
+    dtype: str = "float32",
+    device: torch.device | str = "cpu",
+    option: str | None = None,
 ) -> PreTrainedModel:
-    p = _check_model_dir(path, role)
+    p = _check_model_dir(path, role, option=option)
     with quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(p, dtype=_DTYPES[dtype], local_files_only=True)
     check_plain_head(model, p)

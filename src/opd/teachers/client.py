@@ -392,8 +392,12 @@ class HTTPTeacher:
             try:
                 pairs = sorted(((float(v["logprob"]), int(tid)) for tid, v in entry.items()), key=lambda x: -x[0])
                 given_lps.append(float(entry[str(given)]["logprob"]))
+                if not given_lps[-1] <= 1e-4:
+                    raise ValueError
             except (AttributeError, KeyError, TypeError, ValueError):
-                raise self._malformed(f"position {p + t} lacks the given token {given} or a numeric logprob") from None
+                raise self._malformed(
+                    f"position {p + t} lacks the given token {given} or a log-prob <= 0 for it"
+                ) from None
             if len(pairs) < k:
                 raise UserError(
                     f"teacher server {self.url} returned {len(pairs)} top tokens where --k {k} were asked; "
@@ -403,6 +407,7 @@ class HTTPTeacher:
                 raise self._malformed(f"position {p + t} has {len(pairs)} entries for prompt_logprobs={k}")
             # K + 1 entries: the given token is the extra one, outside the top-K.
             top = [x for x in pairs if x[1] != given] if len(pairs) == k + 1 else pairs
+            # "not lp <= 0" also refuses NaN, which the losses would mask as they mask -inf: silently
             if any(not 0 <= tid < self.vocab_rows for _, tid in top) or any(not lp <= 1e-4 for lp, _ in top):
                 raise self._malformed(
                     f"position {p + t} holds a token id outside the student's vocabulary "

@@ -642,8 +642,11 @@ def serve(
         )
     if port:  # a taken port fails now, not after the model's load (minutes for a large model)
         _listen(host, port).close()
-    model = load_model(model_dir, "teacher", dtype, resolve_device(device))
-    app = TeacherApp(model, load_tokenizer(model_dir, "teacher"), served_model_name or str(model_dir), limits, api_keys)
+    where = "the model argument (opd serve-teacher MODEL_DIR)"
+    model = load_model(model_dir, "teacher", dtype, resolve_device(device), option=where)
+    app = TeacherApp(
+        model, load_tokenizer(model_dir, "teacher", option=where), served_model_name or str(model_dir), limits, api_keys
+    )
     sock = _listen(host, port)
     server = _server(app, sock, verbose)
     url = "http://{}:{}".format(*server.server_address)
