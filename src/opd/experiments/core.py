@@ -201,7 +201,8 @@ def _run_one(spec: RunSpec, settings: Settings, show_progress: bool, counter: st
     t0 = time.time()
     result = _execute(spec, run_dir, show_progress, command, key)
     wall = round(time.time() - t0, 2)
-    record = {"run": spec.name, "kind": spec.kind, "wall_s": wall, "command": command, "key": key, "result": result}
+    record = {"run": spec.name, "kind": spec.kind, "wall_s": wall, "command": command, "key": key}
+    record |= {"commit": source_commit(), "finished": time.strftime("%Y-%m-%d", time.gmtime()), "result": result}
     (run_dir / DONE).write_text(json.dumps(record, indent=2, default=str) + "\n")
     return {"run": spec.name, "status": "ran", "wall_s": wall}
 
@@ -298,6 +299,22 @@ def machine_info() -> dict:
     }
 
 
+def source_commit() -> str:
+    """The commit of the opd source running now (``-dirty`` when its tracked files differ from it), or
+    "unknown" outside a git checkout: each run and result names the code that made it."""
+    import subprocess
+
+    src = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=src, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno", "--", "."], cwd=src, capture_output=True)
+    except OSError:
+        return "unknown"
+    if head.returncode != 0:
+        return "unknown"
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
 def md_cell(text: str) -> str:
     """A table cell's text with its pipes escaped (a bare ``|`` would split the row)."""
     return re.sub(r"(?<!\\)\|", r"\\|", str(text))
@@ -323,6 +340,14 @@ def verdict_cell(res: dict, claim: dict) -> str:
     return f"**{claim['verdict']}**"
 
 
+def made_at(res: dict) -> str:
+    """Which code made the runs behind a result ("measured at ..."), as its results.json records it."""
+    made = res.get("runs_made_at")
+    if not made:
+        return res.get("measured_at", "the commit its runs were made at was not recorded")
+    return "runs made at " + ", ".join(f"{m['commit']} ({m['date'] or 'date not recorded'})" for m in made)
+
+
 def render_markdown(res: dict, plot_prefix: str = "") -> str:
     """The body of an experiment's results (used for results.md and docs/RESULTS.md)."""
     size = "quick (--quick: a shortened smoke version, NOT the full result)" if res["quick"] else "full size"
@@ -330,7 +355,7 @@ def render_markdown(res: dict, plot_prefix: str = "") -> str:
     out = [
         f"Size: {size}; seeds: {res['seeds']}; wall time {res['wall_s'] / 60:.1f} min of runs "
         f"({res['runs_total']} runs); machine: {m['cpu_cores']} CPU cores, torch {m['torch']}, "
-        f"Python {m['python']}; generated {res['generated']}.",
+        f"Python {m['python']}; generated {res['generated']}; {made_at(res)}.",
         "",
         res["about"].strip(),
         "",
@@ -370,7 +395,10 @@ def run_experiment(
     t0 = time.time()
     log = run_specs(specs, settings, show_progress, workers)
     analysis = exp.analyze(settings, specs)
-    wall_runs = sum(read_done(settings, s.name)["wall_s"] for s in specs)
+    dones = [read_done(settings, s.name) for s in specs]
+    wall_runs = sum(d["wall_s"] for d in dones)
+    # the code each run was made with: runs reused from earlier invocations may predate this one's commit
+    made_at = sorted({(d.get("commit", "unknown"), d.get("finished", "")) for d in dones}, key=lambda c: c[1])
     res = {
         "name": exp.name,
         "title": exp.title,
@@ -382,6 +410,8 @@ def run_experiment(
         "runs_total": len(specs),
         "machine": machine_info(),
         "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "analysed_at": source_commit(),
+        "runs_made_at": [{"commit": c, "date": d} for c, d in made_at],
         "tables": analysis.tables,
         "plots": analysis.plots,
         "notes": analysis.notes,
