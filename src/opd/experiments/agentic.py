@@ -33,7 +33,7 @@ from opd.experiments.common import (
     series,
     stability,
 )
-from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
+from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, derived
 from opd.experiments.stats import mean_ci, verdict
 from opd.recipes.agentic import (
     ASSETS,
@@ -198,13 +198,17 @@ def first_word_windows(rollouts: Path) -> dict[str, dict[str, dict[int, float]]]
     }
 
 
+def _first_words(s: Settings, run: str) -> dict:
+    return derived(s, f"first_word_windows:{run}", lambda runs: first_word_windows(runs / run / "rollouts.jsonl"))
+
+
 def first_word_table(a: Analysis, s: Settings) -> None:
     """Why a run fails where others of its objective do not: for each of the game's first words, how
     often the student's early uses were ones the teacher doubts, and whether the student keeps giving
     the teacher's word its probability (first window, lowest, last)."""
     rows = []
     for variant in VARIANTS:
-        per_seed = [first_word_windows(s.run_dir(run_name(variant, k)) / "rollouts.jsonl") for k in range(s.seeds)]
+        per_seed = [_first_words(s, run_name(variant, k)) for k in range(s.seeds)]
         for word in sorted({w for seed in per_seed for w in seed["kept"]}):
             windows = [seed["kept"][word] for seed in per_seed if seed["kept"].get(word)]
             early = [seed["doubted"][word][0] for seed in per_seed if 0 in seed["doubted"].get(word, {})]

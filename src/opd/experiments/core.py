@@ -30,10 +30,12 @@ from typing import Any
 
 from opd.errors import UserError
 from opd.experiments.keys import Keys
+from opd.experiments.rundata import RunData
 from opd.recipes.parallel import process_pool, threads_per_worker, with_threads
 
 DONE = "DONE.json"
 STARTED = "STARTED.json"  # the command a train run was begun with: resume only that one
+DATA = "data.json"  # what the analysis read of the runs (opd.experiments.rundata)
 
 
 @dataclass
@@ -44,6 +46,14 @@ class Settings:
     seeds: int
     quick: bool
     adopt: bool = False  # reuse runs finished before runs were keyed, when their command matches
+    # how the analysis reads the runs: recorded from the run folders, or replayed from data.json
+    reads: RunData | None = None
+    commit: str = ""  # the code this invocation runs, read once at its start (a later edit does not change it)
+
+    def __post_init__(self) -> None:
+        if self.reads is None:
+            self.reads = RunData(self.runs)
+        self.commit = self.commit or source_commit()
 
     @property
     def runs(self) -> Path:
@@ -202,7 +212,7 @@ def _run_one(spec: RunSpec, settings: Settings, show_progress: bool, counter: st
     result = _execute(spec, run_dir, show_progress, command, key)
     wall = round(time.time() - t0, 2)
     record = {"run": spec.name, "kind": spec.kind, "wall_s": wall, "command": command, "key": key}
-    record |= {"commit": source_commit(), "finished": time.strftime("%Y-%m-%d", time.gmtime()), "result": result}
+    record |= {"commit": settings.commit, "finished": time.strftime("%Y-%m-%d", time.gmtime()), "result": result}
     (run_dir / DONE).write_text(json.dumps(record, indent=2, default=str) + "\n")
     return {"run": spec.name, "status": "ran", "wall_s": wall}
 
@@ -238,17 +248,33 @@ def _run_side_by_side(specs: list[RunSpec], settings: Settings, workers: int, ke
     return [log[n] for n in names]
 
 
+# An analysis reads the runs through these (and :func:`derived`) alone, so that opd results can replay it.
+
+
 def read_done(settings: Settings, name: str) -> dict:
-    p = settings.run_dir(name) / DONE
-    if not p.is_file():
-        raise UserError(f"run {p.parent} has not finished; rerun the experiment to complete it")
-    return json.loads(p.read_text())
+    done = settings.reads.read(name, DONE)
+    if done is None:
+        raise UserError(f"run {settings.run_dir(name)} has not finished; rerun the experiment to complete it")
+    return done
 
 
 def read_metrics(settings: Settings, name: str) -> list[dict]:
     """The records of a run's metrics.jsonl (training steps and eval records alike)."""
-    p = settings.run_dir(name) / "metrics.jsonl"
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.is_file() else []
+    return settings.reads.read(name, "metrics.jsonl") or []
+
+
+def read_run_file(settings: Settings, name: str, file: str) -> Any:
+    """A JSON file a run wrote (``.jsonl``: its records)."""
+    found = settings.reads.read(name, file)
+    if found is None:
+        raise UserError(f"{settings.run_dir(name) / file} is missing; rerun the experiment to make it")
+    return found
+
+
+def derived(settings: Settings, key: str, compute: Callable[[Path], Any]) -> Any:
+    """``compute(the runs folder)``, for values drawn from files too large to keep (the logged rollouts);
+    the value is what the run data keeps. ``key`` names it uniquely within the experiment."""
+    return settings.reads.derived(key, compute)
 
 
 # ----------------------------------------------------------------------------- commands
@@ -342,8 +368,8 @@ def verdict_cell(res: dict, claim: dict) -> str:
 
 def made_at(res: dict) -> str:
     """Which code made the runs behind a result ("measured at ..."), as its results.json records it."""
-    made = res.get("runs_made_at")
-    if not made:
+    made = [m for m in res.get("runs_made_at", []) if m["commit"] != "unknown"]
+    if not made:  # runs made before they recorded their commit: a stamp written with the result, if any
         return res.get("measured_at", "the commit its runs were made at was not recorded")
     return "runs made at " + ", ".join(f"{m['commit']} ({m['date'] or 'date not recorded'})" for m in made)
 
@@ -410,7 +436,7 @@ def run_experiment(
         "runs_total": len(specs),
         "machine": machine_info(),
         "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "analysed_at": source_commit(),
+        "analysed_at": settings.commit,
         "runs_made_at": [{"commit": c, "date": d} for c, d in made_at],
         "tables": analysis.tables,
         "plots": analysis.plots,
@@ -419,6 +445,7 @@ def run_experiment(
         "run_log": log,
         "command": f"opd experiment {exp.name} --seeds {seeds} --out {out}" + (" --quick" if quick else ""),
     }
+    settings.reads.write(settings.out / DATA)
     (settings.out / "results.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
     (settings.out / "results.md").write_text(f"# {exp.title}\n\n{render_markdown(res)}")
     lines = [f"# {res['command']}", "# the equivalent of each run (python steps are internal to opd.experiments):"]

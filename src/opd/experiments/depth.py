@@ -25,7 +25,7 @@ from pathlib import Path
 
 from opd.evaluation.prompts import decode_responses
 from opd.experiments.common import STUDENT, TEACHER, generate_batches
-from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
+from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_run_file
 from opd.experiments.plots import line_plot
 from opd.experiments.stats import auroc, mean_ci, verdict
 from opd.recipes.demo import TASK_LEVEL
@@ -152,8 +152,7 @@ def bucket_stats(rows: list[dict]) -> list[dict]:
 
 
 def _load(s: Settings, k: int) -> tuple[list[dict], list[dict]]:
-    d = s.run_dir(f"seed{k}")
-    return json.loads((d / "rollouts.json").read_text()), json.loads((d / "continuations.json").read_text())
+    return read_run_file(s, f"seed{k}", "rollouts.json"), read_run_file(s, f"seed{k}", "continuations.json")
 
 
 def _slope(xs, ys) -> float:

@@ -43,7 +43,7 @@ from opd.experiments.common import (
     opd_config,
     with_eval,
 )
-from opd.experiments.core import DONE, Analysis, Experiment, RunSpec, Settings, read_done, read_metrics
+from opd.experiments.core import DONE, Analysis, Experiment, RunSpec, Settings, derived, read_done, read_metrics
 from opd.experiments.cross_tokenizer import BATCH, OPD_STEPS, gold_params, teacher_specs
 from opd.experiments.gold import run_gold
 from opd.experiments.stats import mean_ci
@@ -190,15 +190,18 @@ def _runs(s: Settings, variant: str, best: str) -> list[str]:
 
 def _numbers_and_alignment(s: Settings, run: str) -> tuple[tuple[float, float], tuple[float, float]]:
     """(multi-digit share of the numbers in the logged rollouts, cross/one_to_one) at a run's first and last logged steps."""
-    rollouts = [json.loads(x) for x in (s.run_dir(run) / "rollouts.jsonl").read_text().splitlines() if x.strip()]
+    shares = derived(s, f"multi_digit_shares:{run}", lambda runs: _multi_digit_shares(runs / run / "rollouts.jsonl"))
     metrics = [r for r in read_metrics(s, run) if "cross/one_to_one" in r]
+    return (shares[0], metrics[0]["cross/one_to_one"]), (shares[1], metrics[-1]["cross/one_to_one"])
+
+
+def _multi_digit_shares(path: Path) -> tuple[float, float]:
+    """The multi-digit share of the numbers in a run's logged rollouts at its first and last logged steps."""
+    rollouts = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     out = []
-    for step, record in (
-        (min(r["step"] for r in rollouts), metrics[0]),
-        (max(r["step"] for r in rollouts), metrics[-1]),
-    ):
+    for step in (min(r["step"] for r in rollouts), max(r["step"] for r in rollouts)):
         numbers = [n for r in rollouts if r["step"] == step for n in re.findall(r"\d+", r["response"])]
-        out.append((sum(len(n) > 1 for n in numbers) / max(len(numbers), 1), record["cross/one_to_one"]))
+        out.append(sum(len(n) > 1 for n in numbers) / max(len(numbers), 1))
     return out[0], out[1]
 
 

@@ -38,7 +38,7 @@ from opd.experiments.common import (
     sizes,
     with_eval,
 )
-from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
+from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, derived, read_done, read_run_file
 from opd.experiments.plots import line_plot
 from opd.experiments.stats import mean_ci, verdict
 from opd.recipes.demo import TASK_LEVEL
@@ -157,9 +157,9 @@ def plan(s: Settings) -> list[RunSpec]:
 def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
     a = Analysis()
     seeds = range(s.seeds)
-    probes = [json.loads((s.run_dir(f"probe/seed{k}") / "probe.json").read_text()) for k in seeds]
-    seg = json.loads((s.run_dir("teacher/init") / "DONE.json").read_text())["result"]["segmentation"]
-    t_acc = json.loads((s.run_dir("teacher/mismatched/eval") / "DONE.json").read_text())["result"]
+    probes = [read_run_file(s, f"probe/seed{k}", "probe.json") for k in seeds]
+    seg = read_done(s, "teacher/init")["result"]["segmentation"]
+    t_acc = read_done(s, "teacher/mismatched/eval")["result"]
     a.notes.append(
         f"Mismatched teacher's fine-tuning segmentation of '<think>1 + 2 = 3.</think>': {seg}; its greedy "
         f"accuracy after the fine-tune: {100 * t_acc['accuracy']:.1f}% on {t_acc['n']} test prompts."
@@ -224,6 +224,10 @@ def _reasoning_end_shares(run_dir: Path, lo: int, hi: int) -> dict:
     }
 
 
+def _shares(run: str, lo: int, hi: int):
+    return lambda runs: _reasoning_end_shares(runs / run, lo, hi)
+
+
 def _reasoning_end_table(a: Analysis, s: Settings) -> None:
     """How the student ends its reasoning early and late in training: masking hides the mismatched positions from
     the loss, but nothing then anchors the student's own convention, since the teacher's top-K never contains it."""
@@ -232,7 +236,10 @@ def _reasoning_end_table(a: Analysis, s: Settings) -> None:
     rows = []
     for variant in VARIANTS:
         for label, lo, hi in (("first", 0, window), ("last", steps - window, steps)):
-            sh = [_reasoning_end_shares(s.run_dir(f"{variant}/seed{k}"), lo, hi) for k in range(s.seeds)]
+            sh = [
+                derived(s, f"reasoning_end:{variant}/seed{k}:{lo}-{hi}", _shares(f"{variant}/seed{k}", lo, hi))
+                for k in range(s.seeds)
+            ]
             rows.append(
                 [variant, f"{label} {hi - lo} steps"]
                 + [mean_ci([x[key] for x in sh]).fmt(1, 100) for key in ("single", "pieces", "correct")]

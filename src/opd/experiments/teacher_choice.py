@@ -29,7 +29,7 @@ from opd.experiments.common import (
     sft_config,
     with_eval,
 )
-from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
+from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_done
 from opd.experiments.stats import mean_ci, verdict
 from opd.recipes.demo import TASK_LEVEL
 from opd.rollout.prompts import load_task
@@ -136,7 +136,7 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
     seeds = range(s.seeds)
     t_rows = []
     for name in ("compatible", "different"):
-        res = json.loads((s.run_dir(f"teacher/{name}/eval") / "DONE.json").read_text())["result"]
+        res = read_done(s, f"teacher/{name}/eval")["result"]
         t_rows.append(
             [name, f"{100 * res['accuracy']:.1f}", f"{100 * res.get('avg_at_k', math.nan):.1f}", str(res["n"])]
         )

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
+from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_run_file
 from opd.experiments.plots import line_plot
 from opd.experiments.stats import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, fit_power_law, mean_ci, verdict
 from opd.losses import sampled_token_advantages, sampled_token_pg_loss
@@ -188,10 +188,7 @@ def plan(s: Settings) -> list[RunSpec]:
 
 
 def _read(s: Settings, name: str, file: str):
-    text = (s.run_dir(name) / file).read_text()
-    return (
-        [json.loads(line) for line in text.splitlines() if line.strip()] if file.endswith("jsonl") else json.loads(text)
-    )
+    return read_run_file(s, name, file)
 
 
 def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
