@@ -163,6 +163,32 @@ def test_overlap_and_advantage_match_reference(shape, ties, neg_inf):
         assert got == pytest.approx(expected, rel=1e-9, abs=1e-12)
 
 
+def ref_overlap_mass(s, t, k):
+    """Each model's full-softmax mass on the tokens in both top-k sets."""
+    both = set(ref_topk_set(s, k)) & set(ref_topk_set(t, k))
+    ls, lt = ref_log_softmax(s), ref_log_softmax(t)
+    return sum(math.exp(ls[v]) for v in both), sum(math.exp(lt[v]) for v in both)
+
+
+@pytest.mark.parametrize("shape,ties,neg_inf", CASES)
+def test_overlap_mass_matches_reference(shape, ties, neg_inf):
+    s = make_logits(*shape, seed=21, ties=ties, neg_inf=neg_inf)
+    t = make_logits(*shape, seed=22, ties=ties, neg_inf=neg_inf, like=s)
+    mask = make_mask(*shape[:2], seed=23)
+    for k in ks_for(shape[-1]):
+        for side in (0, 1):
+            ref = ref_per_position(lambda a, b, k=k, side=side: ref_overlap_mass(a, b, k)[side], s.tolist(), t.tolist())
+            got = M.overlap_mass_BT(s, t, k, mask)[side]
+            torch.testing.assert_close(got, ref * mask, rtol=1e-10, atol=1e-12)
+            assert M.overlap_mass(s, t, k, mask)[side] == pytest.approx(
+                ref_masked_mean(ref, mask), rel=1e-10, abs=1e-12
+            )
+    # identical models with all of the mass in the top k: the overlap holds all of it
+    x = torch.full((1, 2, 6), float("-inf"), dtype=torch.float64)
+    x[..., :3] = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    assert M.overlap_mass(x, x, 3, torch.ones(1, 2, dtype=torch.bool)) == pytest.approx((1.0, 1.0))
+
+
 @pytest.mark.parametrize("shape,ties,neg_inf", CASES)
 def test_entropy_and_gap_match_reference(shape, ties, neg_inf):
     s = make_logits(*shape, seed=5, ties=ties, neg_inf=neg_inf)

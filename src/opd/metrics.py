@@ -55,6 +55,8 @@ __all__ = [
     "negative_reward_share",
     "out_of_support_BT",
     "out_of_support_share",
+    "overlap_mass",
+    "overlap_mass_BT",
     "overlap_token_advantage",
     "overlap_token_advantage_BT",
     "repetition_rate",
@@ -215,6 +217,31 @@ def overlap_token_advantage(student_logits_BTV, teacher_logits_BTV, k: int, mask
     """
     adv_BT, nonempty_BT = _overlap_advantage(student_logits_BTV, teacher_logits_BTV, k)
     return masked_mean(adv_BT, _bool(mask_BT, adv_BT.shape) & nonempty_BT)
+
+
+@torch.no_grad()
+def overlap_mass_BT(student_logits_BTV, teacher_logits_BTV, k: int, mask_BT=None):
+    """The full-vocabulary mass of the overlap tokens I_t = TopK(p_t, k) ∩ TopK(q_t, k), under each model.
+
+    2604.13016 reports that in successful OPD these tokens carry 97-99% of both models' mass.
+
+    Shapes:
+        student_logits_BTV, teacher_logits_BTV: (B, T, V); mask_BT optional (B, T).
+        Returns (student_BT, teacher_BT), each (B, T) in [0, 1], 0 where masked or I_t is empty.
+    """
+    sp_BTK, _, inter_BTK = _student_topk_and_overlap(student_logits_BTV, teacher_logits_BTV, k)
+    return (
+        support_mass_BT(student_logits_BTV, sp_BTK, inter_BTK, mask_BT),
+        support_mass_BT(teacher_logits_BTV, sp_BTK, inter_BTK, mask_BT),
+    )
+
+
+@torch.no_grad()
+def overlap_mass(student_logits_BTV, teacher_logits_BTV, k: int, mask_BT) -> tuple[float, float]:
+    """Masked means of :func:`overlap_mass_BT`: (student's, teacher's) mass on the overlap tokens.
+    Shapes: student_logits_BTV, teacher_logits_BTV (B, T, V); mask_BT (B, T). Returns two floats."""
+    student_BT, teacher_BT = overlap_mass_BT(student_logits_BTV, teacher_logits_BTV, k, mask_BT)
+    return masked_mean(student_BT, mask_BT), masked_mean(teacher_BT, mask_BT)
 
 
 @torch.no_grad()

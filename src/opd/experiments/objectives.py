@@ -3,7 +3,8 @@
 From the packaged demo student and teacher, with the same seeds: sampled-token OPD and its
 mask / top-p variants, LSM and its ablations (no mask, no renormalization, no top-p), other
 supports (student top-K, teacher top-K + the sampled token), full-vocabulary reverse KL, K in
-{1, 4, 16, 32, 48}, and two honest baselines with the same number of updates: off-policy
+{1, 4, 16, 32, 48}, 2604.13016's top-k OPD (student top-k) at k in {1, 2, 4, 8, 16, 32} beside
+sampled-token OPD, and two honest baselines with the same number of updates: off-policy
 distillation (SFT on teacher samples) and plain SFT continuation on the student's own labelled
 set. Every final model gets the same evaluation (greedy and avg@4 at top-p 0.9).
 
@@ -31,6 +32,7 @@ from opd.experiments.stats import equivalence, mean_ci, verdict
 from opd.recipes.demo import STUDENT_TRAIN_SIZE
 
 LRS = (5e-4, 2e-3)
+STUDENT_KS = (1, 2, 4, 8, 16, 32)
 # name -> TrainConfig overrides (sampled-token OPD's baseline form: no top-p, no mask, as in the paper)
 VARIANTS = {
     "sampled": dict(objective="sampled", top_p=1.0, mask_special=False),
@@ -44,6 +46,12 @@ VARIANTS = {
     "teacher-topk+sampled": dict(objective="lsm", support="teacher_topk_plus_sampled"),
     "full-kl": dict(objective="full_kl", kl_direction="reverse"),
     **{f"lsm-k{k}": dict(objective="lsm", k=k) for k in (1, 4, 16, 48)},
+    # 2604.13016's "Top-k OPD" (its eq. 5: student top-k, renormalized), beside sampled-token OPD in that
+    # one's form here (no top-p, no mask) so the pair differs in the objective alone
+    **{
+        f"student-topk-k{k}": dict(objective="lsm", support="student_topk", k=k, top_p=1.0, mask_special=False)
+        for k in STUDENT_KS
+    },
 }
 SFT_VARIANTS = ("off-policy-sft", "sft-continue")
 SECOND_LR = ("sampled", "lsm", "lsm-no-renorm", "full-kl")
@@ -239,6 +247,7 @@ def _claims(a: Analysis, s: Settings) -> None:
                 f"{ci.fmt(1, 100)} points",
             )
         )
+    _student_k_claims(a, s)
     for lr_ in [x for x in LRS if _has(s, "lsm", "lsm-no-renorm", lr=x)]:
         lsm, raw = _stab(s, "lsm", lr_), _stab(s, "lsm-no-renorm", lr_)
         v, ci = verdict([x["entropy_min_ratio"] - y["entropy_min_ratio"] for x, y in zip(lsm, raw)])
@@ -270,13 +279,39 @@ def _claims(a: Analysis, s: Settings) -> None:
         )
 
 
+def _student_k_claims(a: Analysis, s: Settings) -> None:
+    """2604.13016: sampled-token OPD performs comparably to top-k OPD for k >= 4, and top-1 fails."""
+    lr = LRS[0]
+    for k in [k for k in STUDENT_KS if k >= 4 and _has(s, "sampled", f"student-topk-k{k}")]:
+        v, ci = equivalence(_diff(s, "sampled", f"student-topk-k{k}", lr), MARGIN)
+        a.claims.append(
+            Claim(
+                "2604.13016 Tab. (support size)",
+                f"sampled-token OPD performs comparably to top-k OPD (student top-k, k={k})",
+                f"CI of paired avg@k difference (sampled - student-topk-k{k}) inside +-{MARGIN * 100:g} points",
+                v,
+                f"{ci.fmt(1, 100)} points",
+            )
+        )
+    if _has(s, "student-topk-k1", "student-topk-k4"):
+        _better(
+            a,
+            s,
+            "2604.13016 Tab. (support size)",
+            "top-1 OPD is the failing setting (student top-4 beats student top-1)",
+            "student-topk-k4",
+            "student-topk-k1",
+            (lr,),
+        )
+
+
 EXPERIMENT = Experiment(
     name="objectives",
     title="objectives: sampled-token OPD, LSM and their ablations from one student (2603.25562, 2604.13016)",
     about=__doc__.split("\n\n", 1)[1].strip()
     + (
-        "\n\nFull size: 60 training runs (20 settings x 3 seeds, about 50-70 s each here with their evaluations): "
-        "about an hour on 2 CPU cores. `--quick`: 3 steps of 8 rollouts per setting, lr 5e-4 only."
+        "\n\nFull size: 78 training runs (26 settings x 3 seeds, about 50-70 s each here with their evaluations): "
+        "about 80 minutes on 2 CPU cores. `--quick`: 3 steps of 8 rollouts per setting, lr 5e-4 only."
     ),
     plan=plan,
     analyze=analyze,

@@ -164,6 +164,26 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
     return a
 
 
+OVERLAP_MASS = 0.97  # 2604.13016: the overlap tokens carry 97-99% of the mass of both models
+
+
+def _overlap_mass_claim(a: Analysis, last) -> None:
+    """Both models' mass on the overlap tokens over the last 10% of steps of the succeeding run, at
+    the student's own positions (diag/overlap_mass_*, at the logged K): at least OVERLAP_MASS?"""
+    student, teacher = (last("compatible", f"diag/overlap_mass_{side}") for side in ("student", "teacher"))
+    v, ci = verdict([min(x, y) - OVERLAP_MASS for x, y in zip(student, teacher)])
+    a.claims.append(
+        Claim(
+            "2604.13016",
+            f"in the succeeding run the overlap tokens carry at least {OVERLAP_MASS:.0%} of both models' probability mass",
+            f"CI of min(student, teacher) overlap-token mass minus {OVERLAP_MASS} over the last 10% of steps, "
+            "compatible teacher, above 0 (below 0: not reproduced)",
+            v,
+            f"student {mean_ci(student).fmt(3)}, teacher {mean_ci(teacher).fmt(3)}; min - {OVERLAP_MASS}: {ci.fmt(3)}",
+        )
+    )
+
+
 def _claims(a: Analysis, s: Settings, recs: dict) -> None:
     seeds = range(s.seeds)
     first = lambda c, key: [_window(recs[(c, k)], key, False) for k in seeds]
@@ -203,6 +223,7 @@ def _claims(a: Analysis, s: Settings, recs: dict) -> None:
             for x, y in zip(first("compatible", "diag/overlap_advantage"), last("compatible", "diag/overlap_advantage"))
         ],
     )
+    _overlap_mass_claim(a, last)
     mean_over = lambda c: [
         sum(series(recs[(c, k)], "diag/overlap")[1]) / max(len(series(recs[(c, k)], "diag/overlap")[1]), 1)
         for k in seeds

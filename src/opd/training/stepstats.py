@@ -53,10 +53,13 @@ def _full_vocab_diagnostics(s_MV: torch.Tensor, t_MV: torch.Tensor, k: int) -> d
     t_ids = M.topk_ids(t, k)
     kl = (torch.softmax(s, -1) * (torch.log_softmax(s, -1) - torch.log_softmax(t, -1))).sum(-1)
     student_support = M.support_mass(s, t_ids, ones)
+    overlap_student, overlap_teacher = M.overlap_mass(s, t, k, ones)
     return {
         "train/kl_to_teacher": float(kl.mean()),
         "diag/overlap": M.topk_overlap_ratio(s, t, k, ones),
         "diag/overlap_advantage": M.overlap_token_advantage(s, t, k, ones),
+        "diag/overlap_mass_student": overlap_student,
+        "diag/overlap_mass_teacher": overlap_teacher,
         "diag/entropy_gap": M.entropy_gap(s, t, ones),
         "diag/student_entropy": M.entropy(s, ones),
         "diag/teacher_entropy": M.entropy(t, ones),
