@@ -8,6 +8,7 @@ takes dozens of launches to show.
 
     python benchmarks/stress_shutdown.py --ddp 25 --fsdp 25 --label after
     PYTHONPATH=/path/to/other/checkout/src python benchmarks/stress_shutdown.py --label before
+    python benchmarks/stress_shutdown.py --parallel 3 --label after-loaded   # launches side by side
 
 Prints a table and merges ``{label: {...}}`` into ``benchmarks/results/stress_shutdown.json``.
 """
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,12 +53,25 @@ def launch(kind: str, out: Path, timeout: float) -> tuple[str, float, str]:
     return status, time.monotonic() - t0, "" if status == "ok" else err[-800:]
 
 
+def commit(src: Path) -> str:
+    """The checked-out commit of the opd source that ran (``-dirty`` when its files differ from it)."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=src, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "-uno", "--", "."], cwd=src, capture_output=True, text=True)
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if head.returncode == 0 else "unknown"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ddp", type=int, default=25, help="DDP launches")
     ap.add_argument("--fsdp", type=int, default=25, help="FSDP launches")
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds before a launch counts as hung")
     ap.add_argument("--label", default="run", help="the key of this run in the results file")
+    ap.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="launches at once: CPU contention like CI's (xdist workers beside the ranks), where the hang was seen",
+    )
     args = ap.parse_args()
     import torch
 
@@ -64,11 +79,12 @@ def main() -> None:
 
     counts: dict[str, dict[str, int]] = {}
     failures, seconds = [], []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.parallel) as pool:
         for kind, n in (("ddp", args.ddp), ("fsdp", args.fsdp)):
             counts[kind] = {"ok": 0, "hang": 0, "failed": 0}
-            for i in range(n):
-                status, took, err = launch(kind, Path(tmp) / f"{kind}{i}", args.timeout)
+            jobs = [pool.submit(launch, kind, Path(tmp) / f"{kind}{i}", args.timeout) for i in range(n)]
+            for i, job in enumerate(jobs):
+                status, took, err = job.result()
                 counts[kind][status] += 1
                 seconds.append(took)
                 if err:
@@ -81,7 +97,9 @@ def main() -> None:
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "opd_source": str(Path(opd.__file__).parent),
         "torch": torch.__version__,
+        "commit": commit(Path(opd.__file__).parent),
         "timeout_s": args.timeout,
+        "parallel": args.parallel,
         "counts": counts,
         "median_launch_s": sorted(seconds)[len(seconds) // 2] if seconds else None,
         "failures": failures,
