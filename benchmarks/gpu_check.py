@@ -843,6 +843,8 @@ def _train_jobs(sec: Section, a, settings: dict, work: Path, dev: str) -> None:
     ref = {**settings, "steps": n, "ckpt_every": n // 2}
     half = {**ref, "steps": n // 2}
     chosen = [(k, extra) for k, extra in TRAIN_JOBS if not sec.small or k in TRAIN_JOBS_SMALL]
+    if a.train_jobs != "all":  # a rerun of a few items: the resume runs stay (the launches compare with them)
+        chosen = [(k, extra) for k, extra in chosen if k in a.train_jobs.split(",")]
     sec.result["info"]["jobs"] = [k for k, _ in chosen]
     jobs = [{"key": k, "argv": opd_argv(work / k, dev, settings, extra)} for k, extra in chosen]
     jobs[TRAIN_JOBS_FIRST:TRAIN_JOBS_FIRST] = [
@@ -1527,6 +1529,7 @@ def run_section(name: str, a, budget: float, report: dict, flush, logf) -> None:
     partial.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--_section", name, "--_partial", str(partial)]
     cmd += ["--_budget", f"{budget:.0f}", "--device", a.device] + (["--small"] if a.small else [])
+    cmd += ["--train-jobs", a.train_jobs]
     log(f"section {name}: budget {budget:.0f} s")
     t = time.perf_counter()
     proc = subprocess.Popen(
@@ -1673,6 +1676,11 @@ def parse_args(argv=None):
     p.add_argument("--skip", default="", help=f"comma-separated sections to leave out: {', '.join(SECTIONS)}")
     p.add_argument(
         "--budget", type=float, default=None, help="global wall-clock budget in s (default 460 on cuda, 1800 on cpu)"
+    )
+    p.add_argument(
+        "--train-jobs",
+        default="all",
+        help="the train section's objective runs to do, comma-separated (none: only the resume and torchrun ones)",
     )
     p.add_argument("--_section", help=argparse.SUPPRESS)
     p.add_argument("--_partial", help=argparse.SUPPRESS)

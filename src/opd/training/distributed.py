@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import os
 import sys
 import weakref
@@ -94,7 +95,7 @@ class Dist:
             # All parameters take part in every loss, so no unused-parameter search; buffers are
             # equal on all ranks (rotary tables), so they are synced once, not on every forward.
             ids = [self.device.index] if self.device.type == "cuda" else None
-            module = torch.nn.parallel.DistributedDataParallel(module, device_ids=ids, forward_sync_buffers=False)
+            module = torch.nn.parallel.DistributedDataParallel(module, device_ids=ids, **_no_forward_buffer_sync())
         self.model = module
         return module
 
@@ -228,6 +229,14 @@ def shutdown(d: Dist) -> None:
     if freed is not None and freed() is not None:  # a regression the ranks' stderr shows (tests/test_distributed.py)
         print(OUTLIVED, file=sys.stderr, flush=True)
     tdist.destroy_process_group()
+
+
+def _no_forward_buffer_sync() -> dict:
+    """DDP's option for "buffers are synced at init only": torch 2.13 renamed it (``broadcast_buffers``, now
+    deprecated with a warning, became ``forward_sync_buffers``); older torch knows only the old name. A GPU
+    check on torch 2.11 (benchmarks/gpu_check.py) found DDP refusing the new one."""
+    params = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
 
 
 def _unwrap(module: torch.nn.Module) -> StudentModule:
