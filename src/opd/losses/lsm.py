@@ -75,12 +75,13 @@ def local_support_kl(
     mask = as_bool(mask_BT)
     valid = torch.ones_like(support_ids_BTK, dtype=torch.bool) if support_mask is None else as_bool(support_mask)
     t_lp = teacher_logprobs_BTK.detach().to(dtype)
-    logits = student_logits_BTV.to(dtype)
     if renormalize:
-        s_K = logits.gather(-1, support_ids_BTK)
+        # Only the K support logits are read: gathered before the cast, so bfloat16 logits are never
+        # copied whole to float32 (2.5 GB at T=4096 and a 151,936-token vocabulary, and its gradient).
+        s_K = student_logits_BTV.gather(-1, support_ids_BTK).to(dtype)
         return _support_kl_terms(s_K, t_lp, valid, mask)[0]
     # Without renormalization the student masses come from the full-vocabulary softmax.
-    logp_full = torch.log_softmax(logits, dim=-1).gather(-1, support_ids_BTK)
+    logp_full = torch.log_softmax(student_logits_BTV.to(dtype), dim=-1).gather(-1, support_ids_BTK)
     counted = valid & mask.unsqueeze(-1) & torch.isfinite(t_lp) & torch.isfinite(logp_full)
     logp = torch.where(counted, logp_full, torch.zeros_like(logp_full))
     logq = torch.where(counted, t_lp, torch.zeros_like(t_lp))
