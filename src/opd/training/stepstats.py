@@ -132,6 +132,8 @@ FULL_VOCAB_KEYS = (
     "train/kl_to_teacher",
     "diag/overlap",
     "diag/overlap_advantage",
+    "diag/overlap_mass_student",
+    "diag/overlap_mass_teacher",
     "diag/entropy_gap",
     "diag/student_entropy",
     "diag/teacher_entropy",
