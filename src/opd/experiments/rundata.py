@@ -23,8 +23,6 @@ from typing import Any
 
 from opd.errors import UserError
 
-FILE = "data.json"
-
 
 class _Tracked(dict):
     """A dict that remembers which of its keys were read (a nested dict or list is tracked in turn)."""
