@@ -32,7 +32,7 @@ from opd.teachers.base import HFTeacher, TeacherScores
 from opd.teachers.crosstok import CrossTokenizerTeacher
 from opd.teachers.factory import make_teacher
 from opd.training import loop as train_mod
-from opd.training.objectives import objective_loss, scored_loss_mask
+from opd.training.loss import objective_loss, scored_loss_mask
 
 SMALL = {**MULTI_PROCESS_SMALL, "steps": 2, "batch_size": 4, "ckpt_every": 0}
 CROSS_KEYS = ("cross/one_to_one", "cross/mapped_mass", "cross/dropped")

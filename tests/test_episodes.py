@@ -349,7 +349,7 @@ def test_served_teacher_scores_a_multi_turn_batch_like_the_in_process_one(teache
 def test_losses_are_zero_with_zero_gradient_at_environment_positions(teacher, student, played, objective, mask_special):
     from opd.config import TrainConfig
     from opd.teachers.base import HFTeacher
-    from opd.training.objectives import loss_mask, objective_loss
+    from opd.training.loss import loss_mask, objective_loss
 
     model, tok = student
     b = played[1].batch

@@ -21,7 +21,7 @@ from opd.tasks import ArithmeticTask
 from opd.training import loop as train_mod
 from opd.training import sources as sources_mod
 from opd.training.distributed import Dist
-from opd.training.objectives import reduce_loss
+from opd.training.loss import reduce_loss
 
 # ----------------------------------------------------------------------------- constant_sum
 
@@ -221,7 +221,7 @@ def test_full_kl_from_hidden_states_equals_the_dense_loss_on_rollouts(tiny_model
     from opd import losses as L
     from opd.models.loading import head_weight
     from opd.teachers.base import response_hidden
-    from opd.training.objectives import objective_loss
+    from opd.training.loss import objective_loss
 
     run = train_mod.setup(cfg_for(tiny_models, tmp_path, objective="full_kl", kl_direction=direction))
     batch, _, _ = train_mod.rollout_stage(run, 0)

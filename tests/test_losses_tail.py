@@ -363,7 +363,7 @@ def test_trainer_tail_loss_is_the_dense_one_on_rollouts(tiny_models, tmp_path):
     from opd.models.loading import head_weight
     from opd.teachers.base import response_hidden
     from opd.training import loop as train_mod
-    from opd.training.objectives import objective_loss, support_with_teacher_logprobs
+    from opd.training.loss import objective_loss
 
     student, teacher = tiny_models
     cfg = TrainConfig(student=str(student), teacher=str(teacher), out=str(tmp_path / "run"), **SMALL, tail=True)
@@ -373,7 +373,8 @@ def test_trainer_tail_loss_is_the_dense_one_on_rollouts(tiny_models, tmp_path):
     scores = run.teacher.score(batch, run.cfg.k)
     params = [p for p in run.student.parameters() if p.requires_grad]
     loss_NT, _ = objective_loss(run.cfg, run.student, run.teacher, batch, scores, mask)
-    ids, smask, t_lp = support_with_teacher_logprobs(run.cfg, batch, scores, None)
+    ids, smask = L.build_support("teacher_topk", scores.topk_ids_NTK)  # the default support
+    t_lp = scores.topk_logprobs_NTK
     logits = response_hidden(run.student, batch) @ head_weight(run.student).T
     dense_NT = L.local_support_kl_tail(logits, ids, t_lp, mask, support_mask=smask)
     assert mask.any() and float(dense_NT.detach().sum()) > 0

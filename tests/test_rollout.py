@@ -14,7 +14,7 @@ import torch
 from opd.models.loading import load_model, load_tokenizer
 from opd.models.tokenizer import format_prompt
 from opd.rollout.sampling import HFRollout, RolloutBatch, nucleus_sample
-from opd.training.objectives import loss_mask
+from opd.training.loss import loss_mask
 from opd.training.sft import encode_pairs
 
 

@@ -102,7 +102,7 @@ def test_config_file_and_cli_precedence(tiny_models, tmp_path):
 
 
 def test_lsm_loss_decreases_on_a_fixed_batch(tiny_models, tmp_path):
-    from opd.training.objectives import LossTotals, loss_mask, objective_loss, reduce_loss
+    from opd.training.loss import LossTotals, loss_mask, objective_loss, reduce_loss
 
     run = train_mod.setup(cfg_for(tiny_models, tmp_path, lr=3e-3, warmup_steps=0, batch_size=8))
     batch, _, _ = train_mod.rollout_stage(run, 0)

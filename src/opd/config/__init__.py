@@ -23,7 +23,6 @@ from opd.config.fields import (
 from opd.config.options import (
     CROSS_TOKENIZER,
     DEFAULT_SPECIAL_TOKENS,
-    OBJECTIVES,
     EvalConfig,
     SFTConfig,
     TrainConfig,
@@ -44,7 +43,6 @@ __all__ = [
     "CROSS_TOKENIZER",
     "DEFAULT_SPECIAL_TOKENS",
     "DTYPES",
-    "OBJECTIVES",
     "PER_TASK",
     "REPORT_TO",
     "SFT_PER_TASK",

@@ -17,11 +17,11 @@ from opd.crosstok.align import PAIRINGS
 from opd.crosstok.vocab_map import JOINABLE, UNMAPPED
 from opd.envs.workers import AUTO_WORKERS, MAX_WORKERS
 from opd.losses import SUPPORT_KINDS
+from opd.objectives import CROSS_TOKENIZER_GIVES, REGISTRY, objectives_help, refusal, usable_with
 from opd.tasks.arithmetic import LEVELS
 from opd.tasks.dataset import parse_split
 from opd.tasks.grading import check_answer_format
 
-OBJECTIVES = ("lsm", "sampled", "full_kl")
 ROLLOUT_ENGINES = ("hf", "vllm")
 DEFAULT_SPECIAL_TOKENS = ("<|im_end|>", "<think>", "</think>")
 
@@ -236,9 +236,7 @@ class TrainConfig(EnvSource, TrainingSource):
         "run in bfloat16 while the student trains in float32, as a served teacher usually does; "
         "its log-probs are still taken in float32.",
     )
-    objective: str = opt(
-        "lsm", "Training signal: lsm (teacher top-K local support matching), sampled (sampled-token OPD), full_kl."
-    )
+    objective: str = opt("lsm", objectives_help())
     k: int = opt(32, "Support size K for lsm (and the top-K of the diagnostics).")
     support: str = opt("teacher_topk", f"Support set for lsm: {', '.join(SUPPORT_KINDS)}.")
     renormalize: bool = opt(
@@ -365,17 +363,14 @@ class TrainConfig(EnvSource, TrainingSource):
     def __post_init__(self) -> None:
         self._check_common()
         self._check_env()
-        require(self.objective in OBJECTIVES, f"objective={self.objective!r}: choose one of {', '.join(OBJECTIVES)}")
+        require(self.objective in REGISTRY, f"objective={self.objective!r}: choose one of {', '.join(REGISTRY)}")
         require(self.support in SUPPORT_KINDS, f"support={self.support!r}: choose one of {', '.join(SUPPORT_KINDS)}")
         _check_counts(self, k=1)
         require(0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must lie in (0, 1] (0.9 is the paper's setting)")
         require(self.temperature > 0, f"temperature={self.temperature} must be > 0")
         require(0.0 <= self.gamma <= 1.0, f"gamma={self.gamma} must lie in [0, 1]")
         require(self.kl_direction in ("reverse", "forward"), f"kl_direction={self.kl_direction!r}: reverse or forward")
-        require(
-            not self.tail or self.objective == "lsm",
-            f"tail is a variant of --objective lsm, not of {self.objective}; drop --tail or use --objective lsm",
-        )
+        _check_variants(self)
         require(
             not self.tail or self.renormalize,
             "tail compares full-vocabulary masses plus the mass outside the support, in place of renormalizing; "
@@ -438,8 +433,19 @@ class TrainConfig(EnvSource, TrainingSource):
         self.report_to = check_report_to(self.report_to)
         _check_rollout_engine(self)
         if self.mask_special is None:
-            self.mask_special = self.objective == "lsm"
+            self.mask_special = REGISTRY[self.objective].mask_special
         _check_tasks(self)
+
+
+def _check_variants(cfg: TrainConfig) -> None:
+    """A variant flag (``--tail``) set with an objective it is not a variant of is refused."""
+    for o in REGISTRY.values():
+        for flag in o.variants:
+            require(
+                not getattr(cfg, flag) or flag in REGISTRY[cfg.objective].variants,
+                f"{flag} is a variant of --objective {o.name}, not of {cfg.objective}; "
+                f"drop --{flag} or use --objective {o.name}",
+            )
 
 
 def _check_counts(cfg, **least: int) -> None:
@@ -503,19 +509,9 @@ def check_cross_tokenizer(cfg: TrainConfig) -> None:
     tokens; teacher_topk_plus_sampled needs the teacher's log-prob of the student's token at a
     position inside a many-to-many group; an episode's environment turns would need re-rendering.
     """
-    fix = (
-        "use --objective lsm --support teacher_topk, or --objective sampled, or a teacher with the student's tokenizer"
-    )
-    require(
-        cfg.objective != "full_kl",
-        f"objective=full_kl needs the teacher's distribution over the student's vocabulary, which a teacher with "
-        f"another tokenizer (cross_tokenizer) does not give; {fix}",
-    )
-    require(
-        cfg.objective != "lsm" or cfg.support == "teacher_topk",
-        f"support={cfg.support} needs teacher log-probs of student-chosen tokens, which a teacher with another "
-        f"tokenizer (cross_tokenizer) does not give; {fix}",
-    )
+    why = refusal(cfg, CROSS_TOKENIZER_GIVES, "a teacher with another tokenizer (cross_tokenizer) does not give")
+    fix = f"use {usable_with(CROSS_TOKENIZER_GIVES)}, or a teacher with the student's tokenizer"
+    require(why is None, f"{why}; {fix}")
     require(
         not cfg.env,
         "env: multi-turn episodes with a teacher of another tokenizer (cross_tokenizer) are not supported yet; "

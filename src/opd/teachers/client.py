@@ -51,11 +51,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from opd.errors import UserError
+from opd.objectives import SERVED_GIVES, usable_with
 from opd.rollout.sampling import RolloutBatch
 from opd.teachers import wire
 from opd.teachers.base import TeacherScores, TeacherUnavailable, filler_scores
 
-SERVED_OBJECTIVES = "--objective sampled, or --objective lsm with --support teacher_topk or teacher_topk_plus_sampled"
+SERVED_OBJECTIVES = usable_with(SERVED_GIVES)
 API_KEY_ENV = "OPD_TEACHER_API_KEY"
 KEY_HINT = f"set the server's key in the environment variable {API_KEY_ENV} (or --teacher-api-key)"
 

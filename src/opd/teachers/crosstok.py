@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from types import SimpleNamespace
 
 import torch
 
@@ -58,6 +59,7 @@ from opd.crosstok.token_bytes import VocabBytes
 from opd.crosstok.vocab_map import JOINABLE, build_vocab_map, longest_prefix_id, student_ids_by_bytes
 from opd.errors import UserError
 from opd.losses.cross import cross_tokenizer_support, mapped_topk_mass, one_to_one_share, span_reward
+from opd.objectives import CROSS_TOKENIZER_GIVES, TOPK, lookup, usable_with
 from opd.rollout.sampling import RolloutBatch, left_pad
 from opd.teachers.base import TeacherScorer, TeacherScores
 
@@ -93,10 +95,15 @@ class CrossTokenizerTeacher:
         teacher_rows: int | None = None,
         teacher_context: int | None = None,
     ):
-        if objective not in ("lsm", "sampled"):
-            raise UserError(f"a cross-tokenizer teacher trains --objective lsm or sampled, not {objective}")
+        # the config has refused the supports this teacher cannot score, so teacher_topk stands for them
+        needs = lookup(objective).needs(SimpleNamespace(support="teacher_topk"))
+        if not needs <= CROSS_TOKENIZER_GIVES:
+            raise UserError(f"a cross-tokenizer teacher trains {usable_with(CROSS_TOKENIZER_GIVES)}, not {objective}")
+        # The top-K objectives (lsm) read the mapped top-K at aligned positions; the others the
+        # sampled token's reward per aligned span.
+        self.reads_topk = TOPK in needs
         self.inner, self.student_tok, self.teacher_tok = inner, student_tok, teacher_tok
-        self.objective, self.pairing, self.teacher_context = objective, pairing, teacher_context
+        self.pairing, self.teacher_context = pairing, teacher_context
         for name, value, choices in (("cross_pairing", pairing, PAIRINGS), ("cross_joinable", joinable, JOINABLE)):
             if value not in choices:
                 raise UserError(f"{name}={value!r}: choose one of {', '.join(choices)}")
@@ -131,13 +138,13 @@ class CrossTokenizerTeacher:
     @property
     def notice(self) -> str:
         """The one line ``opd train`` prints when it detects (or is told of) the teacher's tokenizer."""
-        what = "cross-tokenizer LSM" if self.objective == "lsm" else "cross-tokenizer sampled-token OPD (span reward)"
+        what = "cross-tokenizer LSM" if self.reads_topk else "cross-tokenizer sampled-token OPD (span reward)"
         differs = "is the student's (forced on)" if self.same_vocab else "differs from the student's"
         prefix = f" ({self.vmap.n_prefix} more to the student token they begin with)" if self.vmap.n_prefix else ""
         longer = self.vmap.n_teacher_text - self.vmap.n_mapped
         all_on = self.vmap.n_prefix and self.pairing == "within_group" and self.joinable == "drop"
         hint = ""
-        if self.objective == "lsm" and longer and not all_on:  # the collapse of docs/cross-tokenizer.md
+        if self.reads_topk and longer and not all_on:  # the collapse of docs/cross-tokenizer.md
             hint = (
                 f"; {longer} teacher tokens have no student token of the same bytes: if the student's text shrinks "
                 "to what aligns one to one (cross/one_to_one rising to 1), use --cross-unmapped prefix "
@@ -305,7 +312,7 @@ class CrossTokenizerTeacher:
         ids_NTK, lp_NTK, valid_NTK, lsm_NT, _ = cross_tokenizer_support(
             teacher.topk_ids_NTK, teacher.topk_logprobs_NTK, *at, vmap.teacher_to_student_start_V
         )
-        if self.pairing == "within_group" and self.objective == "lsm":  # the span reward has its own groups
+        if self.pairing == "within_group" and self.reads_topk:  # the span reward has its own groups
             K = ids_NTK.shape[-1]
             for (n, t), (sids, lps) in self._within_groups(rows, alignments, teacher, K).items():
                 if not mask_NT[n, t]:
@@ -314,7 +321,7 @@ class CrossTokenizerTeacher:
                 lp_NTK[n, t] = torch.tensor(lps + [-math.inf] * (K - len(lps)), dtype=lp_NTK.dtype)
                 valid_NTK[n, t] = torch.arange(K, device=valid_NTK.device) < len(sids)
                 lsm_NT[n, t] = True
-        if self.joinable == "drop" and self.objective == "lsm":
+        if self.joinable == "drop" and self.reads_topk:
             valid_NTK = valid_NTK & ~self._joinable(rows, idx.teacher_pos_BT, ids_NTK, valid_NTK)
             lsm_NT = lsm_NT & valid_NTK.any(-1)
         reward_NT = span_reward(
@@ -326,7 +333,7 @@ class CrossTokenizerTeacher:
             topk_ids_NTK=ids_NTK,
             topk_logprobs_NTK=lp_NTK.masked_fill(~valid_NTK, -math.inf),
             sampled_logprobs_NT=(batch.logprobs_NT + reward_NT).to(teacher.sampled_logprobs_NT.dtype),
-            position_mask_NT=lsm_NT if self.objective == "lsm" else grouped_NT,
+            position_mask_NT=lsm_NT if self.reads_topk else grouped_NT,
             metrics={
                 "cross/one_to_one": float(one_to_one_share(idx.one_to_one_BT, mask_NT)),
                 "cross/mapped_mass": float(mapped),
@@ -336,5 +343,5 @@ class CrossTokenizerTeacher:
     def hidden_and_head(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
         raise UserError(
             "full_kl needs the teacher's distribution over the student's vocabulary, which a teacher with "
-            "another tokenizer does not have; use --objective lsm or sampled"
+            f"another tokenizer does not have; use {usable_with(CROSS_TOKENIZER_GIVES)}"
         )

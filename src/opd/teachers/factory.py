@@ -13,6 +13,7 @@ import sys
 from opd.config import check_cross_tokenizer, parse_special_map
 from opd.errors import UserError
 from opd.models.loading import check_same_vocab, head_weight, load_model, load_tokenizer, model_device
+from opd.objectives import SERVED_GIVES, refusal
 from opd.teachers.base import HFTeacher, TeacherScorer
 from opd.teachers.client import API_KEY_ENV, SERVED_OBJECTIVES, HTTPTeacher
 from opd.teachers.crosstok import CrossTokenizerTeacher
@@ -30,15 +31,9 @@ def make_teacher(cfg, student, tokenizer):
         return cross_tokenizer_teacher(cfg, HFTeacher(teacher_model), tokenizer, teacher_tok)
     if cfg.teacher:
         raise UserError("both --teacher and --teacher-url are set; give one (a model directory or a served teacher)")
-    needs_more = cfg.objective == "full_kl" or (
-        cfg.objective == "lsm" and cfg.support not in ("teacher_topk", "teacher_topk_plus_sampled")
-    )
-    if needs_more:
-        raise UserError(
-            f"--objective {cfg.objective} --support {cfg.support} needs teacher log-probs a "
-            f"vLLM-format server does not return; with --teacher-url use {SERVED_OBJECTIVES}, "
-            "or use --teacher DIR"
-        )
+    why = refusal(cfg, SERVED_GIVES, "a vLLM-format server does not return")
+    if why:
+        raise UserError(f"{why}; with --teacher-url use {SERVED_OBJECTIVES}, or use --teacher DIR")
     key = cfg.teacher_api_key or os.environ.get(API_KEY_ENV, "")
     client = dict(timeout=cfg.teacher_timeout, wait=cfg.teacher_wait, retries=cfg.teacher_retries, api_key=key)
     if cfg.teacher_tokenizer:

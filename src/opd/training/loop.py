@@ -59,10 +59,10 @@ from opd.runs.rundir import RunDir, save_final_model
 from opd.teachers.base import TeacherScorer, TeacherScores, TeacherUnavailable
 from opd.teachers.factory import make_teacher
 from opd.training.distributed import Dist, init_distributed, merge_metrics, shutdown
-from opd.training.objectives import (
-    NEEDS_STUDENT_TOPK,
+from opd.training.loss import (
     LossTotals,
     loss_mask,
+    needs_student_topk,
     objective_loss,
     reduce_loss,
     scored_loss_mask,
@@ -301,7 +301,7 @@ def diag_index(mask_NT: torch.Tensor, n: int, step: int, seed: int) -> torch.Ten
 def score_stage(run: Run, batch: RolloutBatch, diag_M: torch.Tensor, task: TaskRun | None = None):
     """The teacher's scores of one task's rollouts (default: the first task's), by that task's teacher."""
     cfg, task = run.cfg, task or run.tasks[0]
-    needs_student = cfg.objective == "lsm" and cfg.support in NEEDS_STUDENT_TOPK
+    needs_student = needs_student_topk(cfg)
     student_ids = run.dist.full_call(lambda s: student_topk_ids(s, batch, cfg.k)) if needs_student else None
     # a served teacher that stays down stops the run here, naming its task (see stop_if_service_down)
     scores = for_task(task.name, task.teacher.score, batch, cfg.k, query_ids_NTQ=student_ids, diag_index_M=diag_M)

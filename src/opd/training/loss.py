@@ -1,16 +1,8 @@
-"""From a rollout batch and the teacher's scores to one differentiable loss, per objective.
+"""The update stage's loss: from a rollout batch and the teacher's scores to one differentiable loss.
 
-This is the glue between the models and the pure losses of :mod:`opd.losses`:
-
-* ``lsm``: support (teacher top-K by default, or any kind of :func:`opd.losses.build_support`),
-  then :func:`~opd.losses.local_support_kl_from_hidden` -- the student's (N, T, V) logits are never
-  built. ``renormalize=False`` (the ablation) needs full-vocabulary student probabilities and so
-  builds them. ``tail`` adds a bucket for the mass outside the support
-  (:func:`~opd.losses.local_support_kl_tail_from_hidden`, the student's head a chunk at a time).
-* ``sampled``: sampled-token OPD, r_t = log q(y_t) - log p(y_t) with the discounted reward-to-go
-  and a policy-gradient surrogate (importance-ratio clipping when a batch is reused).
-* ``full_kl``: dense reverse or forward KL over the whole vocabulary, from both models' hidden
-  states a chunk of positions at a time (:func:`~opd.losses.full_vocab_kl_from_hidden`).
+The glue between the models and the objectives of :mod:`opd.objectives` (the registry, pure
+tensors): the student's response hidden states, the teacher's hidden states when an objective
+reads them, the loss mask and the reduction over the global batch.
 
 The loss mask is the action mask (the tokens the model sampled; environment and template tokens
 of multi-turn episodes are context, never trained) minus, when ``mask_special`` is on, the
@@ -26,10 +18,9 @@ import torch
 from opd import losses as L
 from opd.config import TrainConfig
 from opd.models.loading import head_weight
+from opd.objectives import FULL, QUERY, ObjectiveInputs, lookup
 from opd.rollout.sampling import RolloutBatch
 from opd.teachers.base import TeacherScores, response_hidden
-
-NEEDS_STUDENT_TOPK = ("student_topk", "union", "intersection", "symmetric_difference")
 
 
 def loss_mask(batch: RolloutBatch, special_ids: list[int], mask_special: bool) -> torch.Tensor:
@@ -57,21 +48,10 @@ def student_topk_ids(student, batch: RolloutBatch, k: int) -> torch.Tensor:
     return L.topk_from_hidden(h, head_weight(student), k)[0]
 
 
-def support_with_teacher_logprobs(
-    cfg: TrainConfig, batch: RolloutBatch, scores: TeacherScores, student_ids_NTK: torch.Tensor | None
-):
-    """Support ids, validity mask and the teacher's log-probs on every slot."""
-    ids, smask = L.build_support(cfg.support, scores.topk_ids_NTK, student_ids_NTK, batch.response_ids_NT)
-    t = scores.topk_logprobs_NTK
-    if cfg.support == "student_topk":
-        t_lp = scores.query_logprobs_NTQ
-    elif cfg.support in ("union", "symmetric_difference"):
-        t_lp = torch.cat([t, scores.query_logprobs_NTQ], dim=-1)
-    elif cfg.support == "teacher_topk_plus_sampled":
-        t_lp = torch.cat([t, scores.sampled_logprobs_NT.unsqueeze(-1)], dim=-1)
-    else:  # teacher_topk, intersection: the support slots are the teacher's own top-K
-        t_lp = t
-    return ids, smask, t_lp
+def needs_student_topk(cfg: TrainConfig) -> bool:
+    """Whether the objective reads the student's own top-K (student-side supports), which the
+    score stage computes and the teacher scores."""
+    return QUERY in lookup(cfg.objective).needs(cfg)
 
 
 @dataclass
@@ -123,21 +103,25 @@ def objective_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position loss (N, T) of ``cfg.objective`` (gradients to the student only) and the
     student's response hidden states (N, T, D) it was computed from (for diagnostics)."""
+    objective = lookup(cfg.objective)
     h = response_hidden(student, batch)
-    W = head_weight(student)
-    if cfg.objective == "lsm":
-        ids, smask, t_lp = support_with_teacher_logprobs(cfg, batch, scores, student_ids_NTK)
-        if cfg.tail:
-            return L.local_support_kl_tail_from_hidden(h, W, ids, t_lp, mask_NT, support_mask=smask), h
-        if cfg.renormalize:
-            return L.local_support_kl_from_hidden(h, W, ids, t_lp, mask_NT, support_mask=smask), h
-        return L.local_support_kl(h @ W.T, ids, t_lp, mask_NT, renormalize=False, support_mask=smask), h
-    if cfg.objective == "sampled":
-        logp = L.token_logprobs_from_hidden(h, W, batch.response_ids_NT)
-        adv = L.sampled_token_advantages(
-            batch.logprobs_NT, scores.sampled_logprobs_NT, mask_NT, cfg.gamma, action_mask_BT=batch.action_mask_NT
-        )
-        clip = cfg.clip_eps if old_logprobs_NT is not None else None
-        return L.sampled_token_pg_loss(logp, adv, mask_NT, old_logprobs_NT, clip), h
-    t_h_NTE, t_W_VE = teacher.hidden_and_head(batch)
-    return L.full_vocab_kl_from_hidden(h, W, t_h_NTE, t_W_VE, mask_NT, cfg.kl_direction, chunk_size=256), h
+    t_h = t_W = None
+    if FULL in objective.needs(cfg):
+        t_h, t_W = teacher.hidden_and_head(batch)
+    x = ObjectiveInputs(
+        hidden_NTD=h,
+        head_VD=head_weight(student),
+        response_ids_NT=batch.response_ids_NT,
+        behaviour_logprobs_NT=batch.logprobs_NT,
+        action_mask_NT=batch.action_mask_NT,
+        mask_NT=mask_NT,
+        teacher_topk_ids_NTK=scores.topk_ids_NTK,
+        teacher_topk_logprobs_NTK=scores.topk_logprobs_NTK,
+        teacher_sampled_logprobs_NT=scores.sampled_logprobs_NT,
+        teacher_query_logprobs_NTQ=scores.query_logprobs_NTQ,
+        student_topk_ids_NTQ=student_ids_NTK,
+        old_logprobs_NT=old_logprobs_NT,
+        teacher_hidden_NTE=t_h,
+        teacher_head_VE=t_W,
+    )
+    return objective.loss(x, cfg), h

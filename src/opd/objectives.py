@@ -1,0 +1,245 @@
+"""The training objectives: one registry entry each, from a step's tensors to a per-position loss.
+
+An entry says everything the rest of opd asks of an objective, so adding one is one entry here
+(docs/architecture.md, "Adding an objective") and no other file tests its name:
+
+* ``loss``: pure tensors in (:class:`ObjectiveInputs`), the (N, T) per-position loss out; the
+  trainer masks, reduces and backpropagates it.
+* ``needs``: which teacher outputs the loss reads for a given configuration (:data:`TOPK`,
+  :data:`SAMPLED`, ...). The config refuses what a teacher with another tokenizer cannot give, the
+  teacher factory what a served teacher cannot, and the trainer computes the student's top-K and
+  the teacher's hidden states only when they are needed.
+* ``mask_special``: the default of ``--mask-special`` for the objective.
+* ``variants``: the boolean options that are variants of this objective only (``--tail``); the
+  config refuses them with any other.
+
+The three objectives of the papers:
+
+* ``lsm``: support (teacher top-K by default, or any kind of :func:`opd.losses.build_support`),
+  then :func:`~opd.losses.local_support_kl_from_hidden` -- the student's (N, T, V) logits are never
+  built. ``renormalize=False`` (the ablation) needs full-vocabulary student probabilities and so
+  builds them. ``tail`` adds a bucket for the mass outside the support
+  (:func:`~opd.losses.local_support_kl_tail_from_hidden`, the student's head a chunk at a time).
+* ``sampled``: sampled-token OPD, r_t = log q(y_t) - log p(y_t) with the discounted reward-to-go
+  and a policy-gradient surrogate (importance-ratio clipping when a batch is reused).
+* ``full_kl``: dense reverse or forward KL over the whole vocabulary, from both models' hidden
+  states a chunk of positions at a time (:func:`~opd.losses.full_vocab_kl_from_hidden`).
+
+This module imports only torch and :mod:`opd.losses` (an import contract), so the config can
+validate against the registry and an engineer's own trainer can call an entry's ``loss``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from opd import losses as L
+
+# What a loss reads of the teacher. An in-process teacher gives all of them; see SERVED_GIVES and
+# CROSS_TOKENIZER_GIVES for the others.
+TOPK = "the teacher's top-K log-probs"
+SAMPLED = "the teacher's log-prob of the sampled token"
+QUERY = "teacher log-probs of student-chosen tokens"  # the student's top-K, scored by the teacher
+SAMPLED_SLOT = "the teacher's log-prob of the sampled token as a support slot"
+FULL = "the teacher's distribution over the student's vocabulary"  # its hidden states and head
+
+SERVED_GIVES = frozenset({TOPK, SAMPLED, SAMPLED_SLOT})  # a served teacher's answer (vLLM format or opd's)
+# A teacher with another tokenizer gives the sampled token's reward per aligned span, never a
+# log-prob of one student token inside a many-to-many group (so no SAMPLED_SLOT).
+CROSS_TOKENIZER_GIVES = frozenset({TOPK, SAMPLED})
+
+
+@dataclass
+class ObjectiveInputs:
+    """One micro-batch's tensors, everything an objective's loss may read.
+
+    Shapes:
+        hidden_NTD: (N, T, D) the student's final hidden states at the response positions
+            (gradients flow through them); head_VD: (V, D) its output head
+        response_ids_NT: (N, T) the sampled tokens; behaviour_logprobs_NT: (N, T) their
+            log-probs under the policy that sampled them; action_mask_NT: (N, T) bool, the tokens
+            the model wrote (environment turns of an episode are False)
+        mask_NT: (N, T) bool, the positions the loss counts
+        teacher_topk_ids_NTK, teacher_topk_logprobs_NTK: (N, T, K) sorted descending
+        teacher_sampled_logprobs_NT: (N, T) the teacher's log-prob of each sampled token
+        teacher_query_logprobs_NTQ: (N, T, Q) or None, the teacher's log-probs of
+            ``student_topk_ids_NTQ`` (needs QUERY)
+        student_topk_ids_NTQ: (N, T, Q) or None, the student's own top-K ids (needs QUERY)
+        old_logprobs_NT: (N, T) or None, the log-probs of the policy of the batch's first
+            update, when a batch is reused (``--updates-per-batch`` > 1)
+        teacher_hidden_NTE, teacher_head_VE: (N, T, E), (V, E) or None (needs FULL)
+    """
+
+    hidden_NTD: torch.Tensor
+    head_VD: torch.Tensor
+    response_ids_NT: torch.Tensor
+    behaviour_logprobs_NT: torch.Tensor
+    action_mask_NT: torch.Tensor
+    mask_NT: torch.Tensor
+    teacher_topk_ids_NTK: torch.Tensor
+    teacher_topk_logprobs_NTK: torch.Tensor
+    teacher_sampled_logprobs_NT: torch.Tensor
+    teacher_query_logprobs_NTQ: torch.Tensor | None = None
+    student_topk_ids_NTQ: torch.Tensor | None = None
+    old_logprobs_NT: torch.Tensor | None = None
+    teacher_hidden_NTE: torch.Tensor | None = None
+    teacher_head_VE: torch.Tensor | None = None
+
+
+# The options an objective reads come from the run's config; typed loosely here because the
+# config layer sits above this module (it validates against the registry).
+Options = Any
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A registry entry (see the module docstring)."""
+
+    name: str
+    help: str
+    loss: Callable[[ObjectiveInputs, Options], torch.Tensor]
+    needs: Callable[[Options], frozenset[str]]
+    mask_special: bool = False
+    variants: tuple[str, ...] = ()
+
+
+REGISTRY: dict[str, Objective] = {}
+
+
+def register(entry: Objective) -> Objective:
+    """Add ``entry`` to :data:`REGISTRY` (its name must be new)."""
+    if entry.name in REGISTRY:
+        raise ValueError(f"objective {entry.name!r} is registered twice")
+    REGISTRY[entry.name] = entry
+    return entry
+
+
+def lookup(name: str) -> Objective:
+    """The entry named ``name``; a KeyError names the registered ones."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"objective {name!r}: choose one of {', '.join(REGISTRY)}") from None
+
+
+# --- lsm: teacher top-K local support matching, and its support and tail ablations -------------
+
+# The supports whose slots hold the student's top-K: the trainer computes it and the teacher
+# scores those tokens (QUERY). teacher_topk_plus_sampled adds the sampled token as a slot.
+_SUPPORT_NEEDS = {
+    "student_topk": QUERY,
+    "union": QUERY,
+    "intersection": QUERY,
+    "symmetric_difference": QUERY,
+    "teacher_topk_plus_sampled": SAMPLED_SLOT,
+}
+
+
+def lsm_support(x: ObjectiveInputs, support: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Support ids, validity mask and the teacher's log-probs on every slot, for ``support``.
+
+    Shapes:
+        -> ids_NTS, valid_NTS (bool), teacher_logprobs_NTS: (N, T, S), S the support's slots
+    """
+    ids, smask = L.build_support(support, x.teacher_topk_ids_NTK, x.student_topk_ids_NTQ, x.response_ids_NT)
+    t = x.teacher_topk_logprobs_NTK
+    if support == "student_topk":
+        t_lp = x.teacher_query_logprobs_NTQ
+    elif support in ("union", "symmetric_difference"):
+        t_lp = torch.cat([t, x.teacher_query_logprobs_NTQ], dim=-1)
+    elif support == "teacher_topk_plus_sampled":
+        t_lp = torch.cat([t, x.teacher_sampled_logprobs_NT.unsqueeze(-1)], dim=-1)
+    else:  # teacher_topk, intersection: the support slots are the teacher's own top-K
+        t_lp = t
+    return ids, smask, t_lp
+
+
+def _lsm_loss(x: ObjectiveInputs, cfg: Options) -> torch.Tensor:
+    ids, smask, t_lp = lsm_support(x, cfg.support)
+    h, W, mask = x.hidden_NTD, x.head_VD, x.mask_NT
+    if cfg.tail:
+        return L.local_support_kl_tail_from_hidden(h, W, ids, t_lp, mask, support_mask=smask)
+    if cfg.renormalize:
+        return L.local_support_kl_from_hidden(h, W, ids, t_lp, mask, support_mask=smask)
+    return L.local_support_kl(h @ W.T, ids, t_lp, mask, renormalize=False, support_mask=smask)
+
+
+def _lsm_needs(cfg: Options) -> frozenset[str]:
+    extra = _SUPPORT_NEEDS.get(cfg.support)
+    return frozenset({TOPK, extra} if extra else {TOPK})
+
+
+register(
+    Objective(
+        "lsm",
+        "teacher top-K local support matching",
+        _lsm_loss,
+        _lsm_needs,
+        mask_special=True,
+        variants=("tail",),
+    )
+)
+
+
+# --- sampled: sampled-token OPD (a policy gradient on r_t = log q(y_t) - log p(y_t)) ------------
+
+
+def _sampled_loss(x: ObjectiveInputs, cfg: Options) -> torch.Tensor:
+    logp = L.token_logprobs_from_hidden(x.hidden_NTD, x.head_VD, x.response_ids_NT)
+    adv = L.sampled_token_advantages(
+        x.behaviour_logprobs_NT, x.teacher_sampled_logprobs_NT, x.mask_NT, cfg.gamma, action_mask_BT=x.action_mask_NT
+    )
+    clip = cfg.clip_eps if x.old_logprobs_NT is not None else None
+    return L.sampled_token_pg_loss(logp, adv, x.mask_NT, x.old_logprobs_NT, clip)
+
+
+register(Objective("sampled", "sampled-token OPD", _sampled_loss, lambda cfg: frozenset({SAMPLED})))
+
+
+# --- full_kl: the dense KL over the whole vocabulary -------------------------------------------
+
+
+def _full_kl_loss(x: ObjectiveInputs, cfg: Options) -> torch.Tensor:
+    h, W = x.hidden_NTD, x.head_VD
+    return L.full_vocab_kl_from_hidden(
+        h, W, x.teacher_hidden_NTE, x.teacher_head_VE, x.mask_NT, cfg.kl_direction, chunk_size=256
+    )
+
+
+register(
+    Objective("full_kl", "KL over the whole vocabulary, --kl-direction", _full_kl_loss, lambda cfg: frozenset({FULL}))
+)
+
+
+def refusal(cfg: Options, gives: frozenset[str], teacher: str) -> str | None:
+    """Why a teacher that gives only ``gives`` cannot train ``cfg``'s objective, beginning
+    "objective=... needs ..., which {teacher}" (``teacher``: e.g. "a vLLM-format server does not
+    return"); None when it can."""
+    missing = sorted(lookup(cfg.objective).needs(cfg) - gives)
+    if not missing:
+        return None
+    what = f"support={cfg.support}" if missing[0] in _SUPPORT_NEEDS.values() else f"objective={cfg.objective}"
+    return f"{what} needs {missing[0]}, which {teacher}"
+
+
+def usable_with(gives: frozenset[str]) -> str:
+    """The objectives (and supports) a teacher that gives only ``gives`` can train, as options to
+    name in an error message: those usable with any support first."""
+    anywhere, some = [], []
+    for o in REGISTRY.values():
+        fits = [s for s in L.SUPPORT_KINDS if o.needs(SimpleNamespace(support=s)) <= gives]
+        if len(fits) == len(L.SUPPORT_KINDS):
+            anywhere.append(f"--objective {o.name}")
+        elif fits:
+            some.append(f"--objective {o.name} with --support {' or '.join(fits)}")
+    return ", or ".join(anywhere + some)
+
+
+def objectives_help() -> str:
+    """The ``--objective`` help text, from the registry."""
+    return "Training signal: " + ", ".join(f"{o.name} ({o.help})" for o in REGISTRY.values()) + "."
