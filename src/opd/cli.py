@@ -13,7 +13,7 @@ import inspect
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional, get_args, get_type_hints
+from typing import Any, Optional, get_args, get_origin, get_type_hints
 
 import typer
 
@@ -31,7 +31,7 @@ app = typer.Typer(
 def _cli_type(hint: Any) -> Any:
     if hint in (bool, Optional[bool]) or str(hint) == "bool | None":
         return Optional[bool]
-    if hint is list or getattr(hint, "__origin__", None) is list or list in get_args(hint):
+    if hint is list or get_origin(hint) is list or any(a is list or get_origin(a) is list for a in get_args(hint)):
         return Optional[list[str]]
     return Optional[hint]
 

@@ -39,6 +39,8 @@ Usage::
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 import torch.nn.functional as F
 
@@ -99,7 +101,7 @@ def _log_softmax(x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Te
     return x - torch.where(torch.isfinite(lse), lse, 0.0)
 
 
-def _isin(query: torch.Tensor, set_ids: torch.Tensor, set_valid: torch.Tensor | None = None):
+def _isin(query: torch.Tensor, set_ids: torch.Tensor, set_valid: torch.Tensor | None = None) -> torch.Tensor:
     """Whether each query id (..., Q) is a valid id of ``set_ids`` (..., M), same leading dims."""
     s = set_ids.long()
     if set_valid is not None:
@@ -154,7 +156,9 @@ def _topk_set(logits_BTV: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     return ids_BTK, torch.isfinite(logits_BTV.gather(-1, ids_BTK))
 
 
-def _student_topk_and_overlap(student_logits_BTV, teacher_logits_BTV, k):
+def _student_topk_and_overlap(
+    student_logits_BTV: torch.Tensor, teacher_logits_BTV: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Student top-k ids S_p, its finite slots, and which slots are also in the teacher's top-k."""
     _same_shape(student_logits_BTV, teacher_logits_BTV)
     sp_BTK, vp_BTK = _topk_set(student_logits_BTV, k)
@@ -163,7 +167,9 @@ def _student_topk_and_overlap(student_logits_BTV, teacher_logits_BTV, k):
 
 
 @torch.no_grad()
-def topk_overlap_BT(student_logits_BTV, teacher_logits_BTV, k: int, mask_BT=None) -> torch.Tensor:
+def topk_overlap_BT(
+    student_logits_BTV: torch.Tensor, teacher_logits_BTV: torch.Tensor, k: int, mask_BT: torch.Tensor | None = None
+) -> torch.Tensor:
     """Eq. 6 per position: |TopK(p_t, k) ∩ TopK(q_t, k)| / k (1 when the top-k sets agree).
 
     Shapes:
@@ -176,13 +182,17 @@ def topk_overlap_BT(student_logits_BTV, teacher_logits_BTV, k: int, mask_BT=None
 
 
 @torch.no_grad()
-def topk_overlap_ratio(student_logits_BTV, teacher_logits_BTV, k: int, mask_BT) -> float:
+def topk_overlap_ratio(
+    student_logits_BTV: torch.Tensor, teacher_logits_BTV: torch.Tensor, k: int, mask_BT: torch.Tensor
+) -> float:
     """Eq. 6: masked mean of :func:`topk_overlap_BT` (M_overlap).
     Shapes: student_logits_BTV, teacher_logits_BTV (B, T, V); mask_BT (B, T). Returns a float."""
     return masked_mean(topk_overlap_BT(student_logits_BTV, teacher_logits_BTV, k, mask_BT), mask_BT)
 
 
-def _overlap_advantage(student_logits_BTV, teacher_logits_BTV, k):
+def _overlap_advantage(
+    student_logits_BTV: torch.Tensor, teacher_logits_BTV: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     sp_BTK, vp_BTK, inter_BTK = _student_topk_and_overlap(student_logits_BTV, teacher_logits_BTV, k)
     dtype = _dtype(student_logits_BTV, teacher_logits_BTV)
     logp_BTK = _log_softmax(student_logits_BTV.gather(-1, sp_BTK).to(dtype), vp_BTK)
@@ -194,7 +204,9 @@ def _overlap_advantage(student_logits_BTV, teacher_logits_BTV, k):
 
 
 @torch.no_grad()
-def overlap_token_advantage_BT(student_logits_BTV, teacher_logits_BTV, k: int, mask_BT=None):
+def overlap_token_advantage_BT(
+    student_logits_BTV: torch.Tensor, teacher_logits_BTV: torch.Tensor, k: int, mask_BT: torch.Tensor | None = None
+) -> torch.Tensor:
     """Eq. 7 per position: mean over v in I_t = S_p ∩ S_q of p̄(v) (log q̄(v) - log p̄(v)).
 
     S_p, S_q are the student's and teacher's top-k; p̄ and q̄ are the student and teacher
@@ -209,7 +221,9 @@ def overlap_token_advantage_BT(student_logits_BTV, teacher_logits_BTV, k: int, m
 
 
 @torch.no_grad()
-def overlap_token_advantage(student_logits_BTV, teacher_logits_BTV, k: int, mask_BT) -> float:
+def overlap_token_advantage(
+    student_logits_BTV: torch.Tensor, teacher_logits_BTV: torch.Tensor, k: int, mask_BT: torch.Tensor
+) -> float:
     """Eq. 7: mean of :func:`overlap_token_advantage_BT` over unmasked positions whose top-k
     intersection is non-empty (0.0 if there are none), so low overlap cannot fake a value near 0.
 
@@ -220,7 +234,9 @@ def overlap_token_advantage(student_logits_BTV, teacher_logits_BTV, k: int, mask
 
 
 @torch.no_grad()
-def overlap_mass_BT(student_logits_BTV, teacher_logits_BTV, k: int, mask_BT=None):
+def overlap_mass_BT(
+    student_logits_BTV: torch.Tensor, teacher_logits_BTV: torch.Tensor, k: int, mask_BT: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The full-vocabulary mass of the overlap tokens I_t = TopK(p_t, k) ∩ TopK(q_t, k), under each model.
 
     2604.13016 reports that in successful OPD these tokens carry 97-99% of both models' mass.
@@ -237,7 +253,9 @@ def overlap_mass_BT(student_logits_BTV, teacher_logits_BTV, k: int, mask_BT=None
 
 
 @torch.no_grad()
-def overlap_mass(student_logits_BTV, teacher_logits_BTV, k: int, mask_BT) -> tuple[float, float]:
+def overlap_mass(
+    student_logits_BTV: torch.Tensor, teacher_logits_BTV: torch.Tensor, k: int, mask_BT: torch.Tensor
+) -> tuple[float, float]:
     """Masked means of :func:`overlap_mass_BT`: (student's, teacher's) mass on the overlap tokens.
     Shapes: student_logits_BTV, teacher_logits_BTV (B, T, V); mask_BT (B, T). Returns two floats."""
     student_BT, teacher_BT = overlap_mass_BT(student_logits_BTV, teacher_logits_BTV, k, mask_BT)
@@ -245,7 +263,7 @@ def overlap_mass(student_logits_BTV, teacher_logits_BTV, k: int, mask_BT) -> tup
 
 
 @torch.no_grad()
-def entropy_BT(logits_BTV: torch.Tensor, mask_BT=None) -> torch.Tensor:
+def entropy_BT(logits_BTV: torch.Tensor, mask_BT: torch.Tensor | None = None) -> torch.Tensor:
     """Entropy H(softmax(logits)) in nats per position (0 log 0 = 0; all -inf row -> 0).
 
     Shapes: logits_BTV (B, T, V); mask_BT optional (B, T). Returns (B, T), 0 where masked.
@@ -256,14 +274,16 @@ def entropy_BT(logits_BTV: torch.Tensor, mask_BT=None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def entropy(logits_BTV: torch.Tensor, mask_BT) -> float:
+def entropy(logits_BTV: torch.Tensor, mask_BT: torch.Tensor) -> float:
     """Masked mean of :func:`entropy_BT` (watch for student entropy collapse).
     Shapes: logits_BTV (B, T, V); mask_BT (B, T). Returns a float."""
     return masked_mean(entropy_BT(logits_BTV, mask_BT), mask_BT)
 
 
 @torch.no_grad()
-def entropy_gap_BT(student_logits_BTV, teacher_logits_BTV, mask_BT=None) -> torch.Tensor:
+def entropy_gap_BT(
+    student_logits_BTV: torch.Tensor, teacher_logits_BTV: torch.Tensor, mask_BT: torch.Tensor | None = None
+) -> torch.Tensor:
     """Eq. 8 per position: |H(q_t) - H(p_t)|.
 
     Shapes: student_logits_BTV (B, T, V), teacher_logits_BTV (B, T, V') (V' may differ from V);
@@ -276,14 +296,19 @@ def entropy_gap_BT(student_logits_BTV, teacher_logits_BTV, mask_BT=None) -> torc
 
 
 @torch.no_grad()
-def entropy_gap(student_logits_BTV, teacher_logits_BTV, mask_BT) -> float:
+def entropy_gap(student_logits_BTV: torch.Tensor, teacher_logits_BTV: torch.Tensor, mask_BT: torch.Tensor) -> float:
     """Eq. 8: masked mean of :func:`entropy_gap_BT`.
     Shapes: student_logits_BTV (B, T, V), teacher_logits_BTV (B, T, V'), mask_BT (B, T) -> float."""
     return masked_mean(entropy_gap_BT(student_logits_BTV, teacher_logits_BTV, mask_BT), mask_BT)
 
 
 @torch.no_grad()
-def support_mass_BT(logits_BTV, support_ids_BTK, support_mask_BTK=None, mask_BT=None):
+def support_mass_BT(
+    logits_BTV: torch.Tensor,
+    support_ids_BTK: torch.Tensor,
+    support_mask_BTK: torch.Tensor | None = None,
+    mask_BT: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Full-vocabulary probability mass inside the support, before renormalization.
 
     Only valid slots count (``support_mask_BTK``, default all) and a repeated id counts once. For
@@ -309,7 +334,12 @@ def support_mass_BT(logits_BTV, support_ids_BTK, support_mask_BTK=None, mask_BT=
 
 
 @torch.no_grad()
-def support_mass(logits_BTV, support_ids_BTK, mask_BT, support_mask_BTK=None) -> float:
+def support_mass(
+    logits_BTV: torch.Tensor,
+    support_ids_BTK: torch.Tensor,
+    mask_BT: torch.Tensor,
+    support_mask_BTK: torch.Tensor | None = None,
+) -> float:
     """Masked mean of :func:`support_mass_BT`.
     Shapes: as :func:`support_mass_BT`, with mask_BT (B, T) required. Returns a float."""
     mass_BT = support_mass_BT(logits_BTV, support_ids_BTK, support_mask_BTK, mask_BT)
@@ -317,7 +347,7 @@ def support_mass(logits_BTV, support_ids_BTK, mask_BT, support_mask_BTK=None) ->
 
 
 @torch.no_grad()
-def tail_mass_BT(topk_logprobs_BTK, mask_BT=None) -> torch.Tensor:
+def tail_mass_BT(topk_logprobs_BTK: torch.Tensor, mask_BT: torch.Tensor | None = None) -> torch.Tensor:
     """Probability mass outside a top-K set, 1 - sum_k exp(logp_k), from the set's own full-vocabulary
     (not renormalized) log-probs: all a served teacher returns, so it needs no logits. -inf slots
     (padding, tokens of probability 0) add nothing; rounding that pushes the sum past 1 gives 0.
@@ -330,14 +360,19 @@ def tail_mass_BT(topk_logprobs_BTK, mask_BT=None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def tail_mass(topk_logprobs_BTK, mask_BT) -> float:
+def tail_mass(topk_logprobs_BTK: torch.Tensor, mask_BT: torch.Tensor) -> float:
     """Masked mean of :func:`tail_mass_BT`.
     Shapes: topk_logprobs_BTK (B, T, K); mask_BT (B, T) required. Returns a float."""
     return masked_mean(tail_mass_BT(topk_logprobs_BTK, mask_BT), mask_BT)
 
 
 @torch.no_grad()
-def out_of_support_BT(sampled_ids_BT, support_ids_BTK, support_mask_BTK=None, mask_BT=None):
+def out_of_support_BT(
+    sampled_ids_BT: torch.Tensor,
+    support_ids_BTK: torch.Tensor,
+    support_mask_BTK: torch.Tensor | None = None,
+    mask_BT: torch.Tensor | None = None,
+) -> torch.Tensor:
     """1.0 where the sampled token is not on a valid slot of the support (LSM ignores it), else 0.
 
     Shapes:
@@ -350,7 +385,12 @@ def out_of_support_BT(sampled_ids_BT, support_ids_BTK, support_mask_BTK=None, ma
 
 
 @torch.no_grad()
-def out_of_support_share(sampled_ids_BT, support_ids_BTK, mask_BT, support_mask_BTK=None) -> float:
+def out_of_support_share(
+    sampled_ids_BT: torch.Tensor,
+    support_ids_BTK: torch.Tensor,
+    mask_BT: torch.Tensor,
+    support_mask_BTK: torch.Tensor | None = None,
+) -> float:
     """Share of unmasked sampled tokens outside the support (:func:`out_of_support_BT`).
     Shapes: as :func:`out_of_support_BT`, with mask_BT (B, T) required. Returns a float."""
     out_BT = out_of_support_BT(sampled_ids_BT, support_ids_BTK, support_mask_BTK, mask_BT)
@@ -358,7 +398,9 @@ def out_of_support_share(sampled_ids_BT, support_ids_BTK, mask_BT, support_mask_
 
 
 @torch.no_grad()
-def negative_reward_BT(student_logprobs_BT, teacher_logprobs_BT, mask_BT=None) -> torch.Tensor:
+def negative_reward_BT(
+    student_logprobs_BT: torch.Tensor, teacher_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor | None = None
+) -> torch.Tensor:
     """1.0 where the sampled-token reward r_t = log q(y_t) - log p(y_t) is negative, else 0.0.
 
     A -inf teacher log-prob against a finite student one counts as negative; both -inf does not.
@@ -373,7 +415,9 @@ def negative_reward_BT(student_logprobs_BT, teacher_logprobs_BT, mask_BT=None) -
 
 
 @torch.no_grad()
-def negative_reward_share(student_logprobs_BT, teacher_logprobs_BT, mask_BT) -> float:
+def negative_reward_share(
+    student_logprobs_BT: torch.Tensor, teacher_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor
+) -> float:
     """Share of unmasked sampled tokens with a negative reward (:func:`negative_reward_BT`).
     Shapes: student_logprobs_BT, teacher_logprobs_BT, mask_BT all (B, T). Returns a float."""
     neg_BT = negative_reward_BT(student_logprobs_BT, teacher_logprobs_BT, mask_BT)
@@ -381,7 +425,9 @@ def negative_reward_share(student_logprobs_BT, teacher_logprobs_BT, mask_BT) -> 
 
 
 @torch.no_grad()
-def by_position_bucket(values_BT, mask_BT, num_buckets: int = 8, horizon: int | None = None):
+def by_position_bucket(
+    values_BT: torch.Tensor, mask_BT: torch.Tensor, num_buckets: int = 8, horizon: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked mean of a per-position value in equal-width depth buckets.
 
     Position t (depth in the response) goes to bucket floor(t * num_buckets / H), H = horizon or T:
@@ -409,7 +455,9 @@ def by_position_bucket(values_BT, mask_BT, num_buckets: int = 8, horizon: int | 
 
 
 @torch.no_grad()
-def has_repetition_loop_B(token_ids_BT, mask_BT, ngram: int = 4, min_repeats: int = 3):
+def has_repetition_loop_B(
+    token_ids_BT: torch.Tensor, mask_BT: torch.Tensor, ngram: int = 4, min_repeats: int = 3
+) -> torch.Tensor:
     """Whether each sequence's unmasked tokens (in order, masked ones skipped) contain an
     ``ngram``-gram repeated back to back >= ``min_repeats`` times ("a b a b a b": n=2, m=3).
 
@@ -436,7 +484,7 @@ def has_repetition_loop_B(token_ids_BT, mask_BT, ngram: int = 4, min_repeats: in
 
 
 @torch.no_grad()
-def repetition_rate(token_ids_BT, mask_BT, ngram: int = 4, min_repeats: int = 3) -> float:
+def repetition_rate(token_ids_BT: torch.Tensor, mask_BT: torch.Tensor, ngram: int = 4, min_repeats: int = 3) -> float:
     """Share of sequences with at least one unmasked token that contain a loop
     (:func:`has_repetition_loop_B`); 0.0 if no sequence has an unmasked token.
 
@@ -449,7 +497,9 @@ def repetition_rate(token_ids_BT, mask_BT, ngram: int = 4, min_repeats: int = 3)
 
 
 @torch.no_grad()
-def format_token_share(token_ids_BT, mask_BT, format_ids) -> tuple[int, int]:
+def format_token_share(
+    token_ids_BT: torch.Tensor, mask_BT: torch.Tensor, format_ids: Collection[int]
+) -> tuple[int, int]:
     """How many of the model's segments hold at least one of ``format_ids``, and how many segments.
 
     A segment is a maximal run of unmasked positions in a row: a prompt task's response, or each

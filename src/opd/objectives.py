@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -148,10 +148,12 @@ def lsm_support(x: ObjectiveInputs, support: str) -> tuple[torch.Tensor, torch.T
     """
     ids, smask = L.build_support(support, x.teacher_topk_ids_NTK, x.student_topk_ids_NTQ, x.response_ids_NT)
     t = x.teacher_topk_logprobs_NTK
+    # These supports need QUERY (_SUPPORT_NEEDS), so the trainer scored the student's top-K.
+    query_lp = cast(torch.Tensor, x.teacher_query_logprobs_NTQ)
     if support == "student_topk":
-        t_lp = x.teacher_query_logprobs_NTQ
+        t_lp = query_lp
     elif support in ("union", "symmetric_difference"):
-        t_lp = torch.cat([t, x.teacher_query_logprobs_NTQ], dim=-1)
+        t_lp = torch.cat([t, query_lp], dim=-1)
     elif support == "teacher_topk_plus_sampled":
         t_lp = torch.cat([t, x.teacher_sampled_logprobs_NT.unsqueeze(-1)], dim=-1)
     else:  # teacher_topk, intersection: the support slots are the teacher's own top-K
@@ -206,9 +208,9 @@ register(Objective("sampled", "sampled-token OPD", _sampled_loss, lambda cfg: fr
 
 def _full_kl_loss(x: ObjectiveInputs, cfg: Options) -> torch.Tensor:
     h, W = x.hidden_NTD, x.head_VD
-    return L.full_vocab_kl_from_hidden(
-        h, W, x.teacher_hidden_NTE, x.teacher_head_VE, x.mask_NT, cfg.kl_direction, chunk_size=256
-    )
+    # The entry needs FULL, so the trainer gave the teacher's hidden states and head.
+    h_t, W_t = cast(torch.Tensor, x.teacher_hidden_NTE), cast(torch.Tensor, x.teacher_head_VE)
+    return L.full_vocab_kl_from_hidden(h, W, h_t, W_t, x.mask_NT, cfg.kl_direction, chunk_size=256)
 
 
 register(

@@ -10,15 +10,19 @@ import dataclasses
 import json
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import field
 from pathlib import Path
-from typing import Any, TypeVar, get_args, get_type_hints
+from typing import TYPE_CHECKING, Any, TypeVar, get_args, get_type_hints
 
 import yaml
 
 from opd.errors import UserError
 
-C = TypeVar("C")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+C = TypeVar("C", bound="DataclassInstance")
 
 
 def opt(default: Any, help: str, secret: bool = False, **kw: Any) -> Any:
@@ -63,7 +67,7 @@ REPORT_TO_HELP = (
 )
 
 
-def check_report_to(names: list | str) -> list[str]:
+def check_report_to(names: Iterable[str] | str) -> list[str]:
     """``--report-to``: tracker names, comma-separated or repeated, normalised; ``none`` stands alone."""
     given = [names] if isinstance(names, str) else list(names)
     items = list(dict.fromkeys(n.strip().lower() for v in given for n in str(v).split(",") if n.strip()))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from opd.config.fields import DTYPES, REPORT_TO_HELP, ConfigError, check_device, check_report_to, opt, require
 from opd.config.tasks import read_task_list, resolve_tasks
@@ -101,7 +102,7 @@ class ModelSource:
 
 
 @dataclass
-class EnvSource:
+class EnvSource(ModelSource):
     """Agentic runs: an environment's games instead of prompts (train and eval)."""
 
     env: str = opt(
@@ -110,7 +111,7 @@ class EnvSource:
         "alfworld, textworld, toy (or one you registered). Empty: single-turn prompts.",
     )
     env_level: int = opt(1, "Difficulty level of the environment's games (its own scale; toy: level + 1 rooms).")
-    env_args: list = opt(
+    env_args: list[Any] = opt(
         [], "More arguments for the environment, KEY=VALUE comma-separated (e.g. n_train=256,max_turns=10)."
     )
     max_turns: int = opt(0, "Actions per episode before it ends unwon (0: the environment's own limit).")
@@ -130,7 +131,7 @@ class EnvSource:
         "ends its episode as an environment error, counted, and its worker is replaced (0: no limit).",
     )
 
-    def episode_limits(self) -> dict:
+    def episode_limits(self) -> dict[str, Any]:
         """What bounds an episode, as keyword arguments of EpisodeRollout.play and evaluate_agent."""
         return dict(
             max_new_tokens=self.max_new_tokens,
@@ -224,7 +225,7 @@ class TrainConfig(EnvSource, TrainingSource):
         "position (the student's '5' after the teacher's '1', where the teacher writes '15'). keep, or drop them "
         "from the support: the teacher's probability for them is that of a token boundary it never makes.",
     )
-    teacher_special_map: list = opt(
+    teacher_special_map: list[Any] = opt(
         [],
         "Cross-tokenizer: student special tokens and the teacher's that stand for them, STUDENT=TEACHER, "
         "comma-separated (e.g. '<|im_end|>=</s>'). Same-named specials pair by themselves; the student's "
@@ -258,7 +259,7 @@ class TrainConfig(EnvSource, TrainingSource):
         "lsm, off otherwise; settable per task). With teacher top-K LSM this also leaves a format token the "
         "teacher never ranks uncorrected; --tail corrects it at the positions before it is written.",
     )
-    special_tokens: list = opt(list(DEFAULT_SPECIAL_TOKENS), "Tokens masked when mask_special is on.")
+    special_tokens: list[Any] = opt(list(DEFAULT_SPECIAL_TOKENS), "Tokens masked when mask_special is on.")
     steps: int = opt(200, "Number of rollout batches (training steps).")
     batch_size: int = opt(
         64,
@@ -299,7 +300,7 @@ class TrainConfig(EnvSource, TrainingSource):
     eval_samples: int = opt(4, "Samples per prompt for avg@k / pass@k at evaluation (0: greedy only).")
     ckpt_every: int = opt(50, "Checkpoint every N steps.")
     log_rollouts: int = opt(4, "Rollouts per step written to rollouts.jsonl.")
-    report_to: list = opt(["none"], REPORT_TO_HELP)
+    report_to: list[Any] = opt(["none"], REPORT_TO_HELP)
     diag_positions: int = opt(256, "Positions sampled per step for the full-vocabulary diagnostics.")
     resume: bool = opt(False, "Resume from the latest checkpoint in the run directory.")
     teacher_url: str = opt(
@@ -342,13 +343,13 @@ class TrainConfig(EnvSource, TrainingSource):
     )
     lora_r: int = opt(0, "LoRA rank: > 0 trains a peft LoRA adapter on the student instead of all its weights.")
     lora_alpha: float = opt(16.0, "LoRA scaling alpha (the update is scaled by alpha / r).")
-    lora_targets: list = opt(
+    lora_targets: list[Any] = opt(
         ["all-linear"],
         "Linear layers given a LoRA adapter, by name, comma-separated "
         "(e.g. q_proj,v_proj); all-linear: every linear layer of the blocks.",
     )
     lora_dropout: float = opt(0.0, "Dropout on the LoRA branch's input.")
-    tasks: list | None = opt(
+    tasks: list[Any] | None = opt(
         None,
         "Multi-task OPD: the run's tasks, each with its own teacher, data or environment and settings "
         "(a list in the --config file, or a YAML/JSON file holding it); see opd.training.schedule. Unset: one "
@@ -448,7 +449,7 @@ def _check_variants(cfg: TrainConfig) -> None:
             )
 
 
-def _check_counts(cfg, **least: int) -> None:
+def _check_counts(cfg: object, **least: int) -> None:
     """Each named count is at least its bound: a negative one would otherwise slice its list from the end
     (``eval_size=-3`` evaluating all but three prompts) or divide by zero, instead of failing."""
     for name, bound in least.items():
@@ -538,7 +539,7 @@ class SFTConfig(EnvSource, TrainingSource):
         "With --env: before each expert action, with this probability, play a command the game rejects first "
         "(not trained on), so the model learns to go on after a mistake (a game teacher for on-policy students).",
     )
-    dagger_from: list = opt(
+    dagger_from: list[Any] = opt(
         [],
         "With --env: models that each play every training game once (sampling, top-p 0.9); the environment's "
         "expert labels the states they reached, and those sequences join the expert's episodes (DAgger's data, "
@@ -563,8 +564,8 @@ class SFTConfig(EnvSource, TrainingSource):
         "them, and the test set only reports the kept model's accuracy (0: choose on the test set).",
     )
     max_grad_norm: float = opt(1.0, "Gradient clipping norm.")
-    report_to: list = opt(["none"], REPORT_TO_HELP)
-    tasks: list | None = opt(
+    report_to: list[Any] = opt(["none"], REPORT_TO_HELP)
+    tasks: list[Any] | None = opt(
         None,
         "Several tasks in one SFT run (e.g. math solutions and a game's expert episodes), each with its own "
         "data or environment, train_size and batch_size (a list in the --config file, or a YAML/JSON file "

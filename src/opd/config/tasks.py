@@ -86,7 +86,7 @@ class TaskSpec:
     cfg: Any  # the run's TrainConfig or SFTConfig, with the task's overrides
 
 
-def read_task_list(value: Any) -> list:
+def read_task_list(value: Any) -> Any:
     """The ``tasks`` value as a list of entries: given inline, or a YAML/JSON file holding the list
     (``--tasks FILE``: the command line passes it as a one-item list), or one YAML/JSON mapping per
     ``--tasks`` option (``--tasks '{"name": "math", ...}' --tasks '{...}'``: how the experiments
@@ -112,7 +112,7 @@ def read_task_list(value: Any) -> list:
     return data
 
 
-def check_task_list(tasks: Any, mode: str) -> list[dict]:
+def check_task_list(tasks: Any, mode: str) -> list[dict[str, Any]]:
     """The entries' shape: a non-empty list of mappings with distinct, usable names and positive shares."""
     if mode not in TASK_MODES:
         raise ConfigError(f"task_mode={mode!r}: choose alternate (one task per step) or mix (every task each step)")
@@ -141,17 +141,17 @@ def check_task_list(tasks: Any, mode: str) -> list[dict]:
     return tasks
 
 
-def per_task_keys(cfg) -> tuple[str, ...]:
+def per_task_keys(cfg: Any) -> tuple[str, ...]:
     """The settings a task of this kind of run may set for itself."""
     return PER_TASK if _is_opd(cfg) else SFT_PER_TASK
 
 
-def _is_opd(cfg) -> bool:
+def _is_opd(cfg: Any) -> bool:
     """An OPD run's config (its tasks need a teacher, in-process or served), not an SFT run's."""
     return hasattr(cfg, "teacher_url")
 
 
-def _overrides(entry: dict, cfg, mode: str, share: float) -> dict:
+def _overrides(entry: dict[str, Any], cfg: Any, mode: str, share: float) -> dict[str, Any]:
     """The entry's settings as config fields, with the implied ones (see the module docstring)."""
     name, allowed = entry["name"], per_task_keys(cfg)
     given = {k: v for k, v in entry.items() if k not in ("name", "share")}
@@ -183,7 +183,7 @@ def _overrides(entry: dict, cfg, mode: str, share: float) -> dict:
     return out
 
 
-def resolve_tasks(cfg) -> list[TaskSpec]:
+def resolve_tasks(cfg: Any) -> list[TaskSpec]:
     """Every task of ``cfg`` as a validated config; a single-task run is one task named "".
 
     An OPD run's task needs a teacher; an SFT run's may name one (its targets are then sampled)."""

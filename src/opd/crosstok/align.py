@@ -201,7 +201,8 @@ def _special_groups(
     for j, ((pos, _), sp) in enumerate(zip(teacher.spans, teacher.special)):
         if sp:
             by_pos.setdefault(pos, []).append(j)
-    groups, used_up_to = [], {}
+    groups: list[Group] = []
+    used_up_to: dict[int, int] = {}
     for i, ((pos, _), sp) in enumerate(zip(student.spans, student.special)):
         want = pairs.get(student.ids[i]) if sp else None
         if want is None:
@@ -246,7 +247,7 @@ def align_spans(
     anchors = _anchors(student, teacher, blocks)
     # Stretch k lies between anchors k-1 and k; it is a group when one block holds it.
     labels: list[int | None] = [None]
-    bounds = []
+    bounds: list[tuple[int, int, int]] = []
     for (p0, q0), (p1, q1) in zip(anchors, anchors[1:]):
         aligned = _in_block(blocks, p0, q0, p1, q1)
         labels.append(len(bounds) if aligned else None)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import cast
 
 from opd.errors import UserError
 
@@ -228,7 +229,7 @@ class VocabBytes:
         pieces = list(pieces)
         # Metaspace drops every "▁" of the first token; a byte-fallback <0x20> is no "▁" and stays.
         if self.decoding.strip_first_token_spaces and int(ids[first]) not in self.byte_fallback_ids:
-            pieces[first] = pieces[first].replace(b" ", b"")
+            pieces[first] = cast(bytes, pieces[first]).replace(b" ", b"")  # the first piece that is not None
         to_strip = self.decoding.strip_leading_spaces
         for i in range(first, len(pieces)):
             piece = pieces[i]

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -88,7 +89,7 @@ class VocabMap:
             self.n_mapped,
             self.n_teacher_text,
             dict(self.special_pairs),
-            t2s if same else self.teacher_to_student_start_V.to(device),
+            t2s if same else cast(torch.Tensor, self.teacher_to_student_start_V).to(device),  # set by __post_init__
             self.n_prefix,
         )
 

@@ -37,7 +37,7 @@ import os
 import re
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from opd.envs._textworld import PLAYERS, TextWorldSession, alfworld_modules, check_int, planner_plan, squeeze
 from opd.envs.alfworld_expert import SearchPolicy, search_expert, task_of
@@ -85,7 +85,8 @@ class AlfworldSession(TextWorldSession):
             return None
         if self._task is None:
             self._task = task_of(self.path)
-        policy = SearchPolicy(self._history[0][1], *self._task, self.path)
+        task_type, params = self._task
+        policy = SearchPolicy(self._history[0][1], task_type, params, self.path)
         for command, reply in self._history[1:]:
             policy.observe(command, reply)
         return policy.next_action()
@@ -178,7 +179,7 @@ class AlfworldEnv:
     # -- games
     def games(self, split: str) -> list[Game]:
         if self.data_dir is not None:
-            return self._real_games(split)
+            return self._real_games(self.data_dir, split)
         if split not in self.num:
             raise UserError(f"unknown split {split!r} for generated ALFWorld games: use 'train' or 'test'")
         types = LEVELS[self.level].task_types
@@ -192,11 +193,11 @@ class AlfworldEnv:
             out.append(Game(id=f"{split}/{task_type}-s{seed}", goal=goal, path=str(folder / "game.tw-pddl"), info=info))
         return out
 
-    def _real_games(self, split: str) -> list[Game]:
+    def _real_games(self, data_dir: Path, split: str) -> list[Game]:
         folder_name = {"train": "train", "test": self.test_split}.get(split, split)
         if folder_name not in REAL_SPLITS:
             raise UserError(f"unknown ALFWorld split {split!r}: use train, test, valid_seen or valid_unseen")
-        folder = self.data_dir / folder_name
+        folder = data_dir / folder_name
         out = []
         for traj_path in sorted(folder.rglob("traj_data.json")):
             game = _real_game(folder, traj_path, split)
@@ -208,7 +209,7 @@ class AlfworldEnv:
             raise UserError(
                 f"no playable ALFWorld games in {folder}: expected <task>-<...>/<trial>/ folders with game.tw-pddl"
                 f" (solvable) and traj_data.json, as alfworld-download writes them; run alfworld-download"
-                f" with ALFWORLD_DATA={self.data_dir.parent}, or unset ALFWORLD_DATA (or pass generated=True) to play generated games"
+                f" with ALFWORLD_DATA={data_dir.parent}, or unset ALFWORLD_DATA (or pass generated=True) to play generated games"
             )
         return out
 
@@ -225,7 +226,8 @@ class AlfworldEnv:
     def _generate(self, game: Game) -> None:
         info = game.info
         try:
-            generate_game(info["level"], info["seed"], info["task_type"], Path(game.path).parent)
+            folder = Path(cast(str, game.path)).parent  # open() checked that the game has a path
+            generate_game(info["level"], info["seed"], info["task_type"], folder)
         except (KeyError, TypeError):
             raise EnvError(f"game {game.id}: its file {game.path} is missing and it is not a generated game") from None
 
@@ -239,8 +241,8 @@ class AlfworldEnv:
             plan = search_expert(path)
         else:
             data = json.loads(Path(path).read_text())
-            plan = data.get("walkthrough") if data.get("opd_generated") else None
-            plan = list(plan) if plan else planner_plan(path)
+            walkthrough = data.get("walkthrough") if data.get("opd_generated") else None
+            plan = list(walkthrough) if walkthrough else planner_plan(path)
         with self._lock:
             self._plans[path] = plan
         return list(plan)

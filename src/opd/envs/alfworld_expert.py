@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +71,8 @@ def search_expert(game_path: str) -> list[str]:
     try:
         env.load(game_path)
         policy = SearchPolicy.for_game(game_path, env.reset()["feedback"])
-        actions, won = [], False
+        actions: list[str] = []
+        won = False
         while not won:
             if len(actions) >= _MAX_ACTIONS:
                 raise EnvError(f"search expert: no win within {_MAX_ACTIONS} actions on {game_path}")
@@ -193,7 +195,7 @@ class SearchPolicy:
             return obj  # a command that goes on searching
         return self._to(where, open_it=True) or f"take {obj} from {where}"
 
-    def _find(self, what: str, skip: set[str] = frozenset()) -> tuple[str, str | None]:
+    def _find(self, what: str, skip: AbstractSet[str] = frozenset()) -> tuple[str, str | None]:
         """(object, receptacle) for the first object of kind ``what`` not in ``skip`` where one
         was seen; else (the command that searches on, None): the next receptacle in the listed
         order (goal kind last) not yet seen open."""

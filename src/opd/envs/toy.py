@@ -44,7 +44,7 @@ class ToySession:
         self.reset()
 
     def reset(self) -> str:
-        self.here, self.held, self.won = self.start, set(), False
+        self.here, self.held, self.won = self.start, set[str](), False
         return f"Goal: open the {self.goal} box.\n{self._look()}"
 
     def _look(self) -> str:

@@ -58,7 +58,7 @@ from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import count
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from opd.envs.base import EnvError, Environment, Game, GameSession
 from opd.errors import UserError
@@ -211,7 +211,7 @@ def _load(blob: bytes) -> int:
 
 def _opened(game: Game) -> tuple[int, str] | EnvError:
     try:
-        session = _ENV.open(game)
+        session = cast(Environment, _ENV).open(game)  # _load set it when the worker started
     except EnvError as err:
         return err
     try:
@@ -292,7 +292,7 @@ class _Worker:
 
     def submit(self, fn: Callable, *args: Any) -> Future:
         try:
-            return self.pool.submit(fn, *args)
+            return cast(ProcessPoolExecutor, self.pool).submit(fn, *args)  # set by start()
         except (BrokenProcessPool, RuntimeError) as err:  # died (or shut down) since the batch began
             self.dead = True
             failed: Future = Future()
@@ -324,6 +324,9 @@ class _Call:
     future: Future
     sent: float
     answered: float = 0.0
+
+    def mark_answered(self, _future: Future) -> None:
+        self.answered = time.monotonic()
 
 
 class EnvWorkers:
@@ -417,7 +420,7 @@ class _WorkerSessions:
             call = _Call(
                 worker, kind, [i for i, _ in asked], worker.submit(fn, [x for _, x in asked]), time.monotonic()
             )
-            call.future.add_done_callback(lambda _f, c=call: setattr(c, "answered", time.monotonic()))
+            call.future.add_done_callback(call.mark_answered)
             self.calls.append(call)
         self.asked = {}
 
@@ -434,7 +437,8 @@ class _WorkerSessions:
         """Wait for every call; kill the worker of a call that runs past the limit (per game in
         it). Returns the calls that hung. A worker answers its calls in order: a call's time starts
         when it was sent or when the worker answered the call before it, whichever is later."""
-        limit, hung = self.pool.step_timeout, []
+        limit = self.pool.step_timeout
+        hung: list[_Call] = []
         while True:
             pending = [c.future for c in self.calls if not c.future.done()]
             if not pending:

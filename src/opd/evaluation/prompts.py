@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from opd.config import EvalConfig
 from opd.evaluation.estimators import avg_at_k, gap_recovery, mean_pass_at_k
@@ -94,7 +95,7 @@ def run_eval(cfg: EvalConfig) -> dict:
         task = load_task(cfg.task, cfg.task_level, cfg.seed, split=cfg.split, evaluation=not cfg.split, **options)
     tok = load_tokenizer(cfg.tokenizer or cfg.student)
     model = load_model(cfg.student, dtype=cfg.dtype, device=resolve_device(cfg.device))
-    common = dict(
+    common: dict[str, Any] = dict(
         samples=cfg.samples,
         temperature=cfg.temperature,
         top_p=cfg.top_p,

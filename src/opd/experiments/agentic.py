@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 from opd.config import EvalConfig, TrainConfig
 from opd.experiments.common import (
@@ -48,7 +49,7 @@ from opd.recipes.agentic import (
 )
 from opd.report.load import read_jsonl
 
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "sampled": dict(objective="sampled", mask_special=False),
     "lsm-no-mask": dict(objective="lsm", mask_special=False),
     "lsm": dict(objective="lsm", mask_special=True),

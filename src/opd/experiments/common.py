@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from opd.config import EvalConfig, SFTConfig, TrainConfig
 from opd.errors import UserError
@@ -70,7 +71,7 @@ def sft_config(
     s: Settings, name: str, seed: int, init: str = STUDENT, steps: int = 100, batch: int = 32, **over
 ) -> SFTConfig:
     """An SFTConfig that keeps the *last* model (one evaluation at the end: no test-set model selection)."""
-    base = dict(
+    base: dict[str, Any] = dict(
         init=init,
         task="arithmetic",
         task_level=TASK_LEVEL,

@@ -23,10 +23,10 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from opd.errors import UserError
 from opd.experiments.keys import Keys
@@ -54,6 +54,11 @@ class Settings:
         if self.reads is None:
             self.reads = RunData(self.runs)
         self.commit = self.commit or source_commit()
+
+    @property
+    def run_data(self) -> RunData:
+        """:attr:`reads`, which ``__post_init__`` always sets."""
+        return cast(RunData, self.reads)
 
     @property
     def runs(self) -> Path:
@@ -156,7 +161,7 @@ def _execute(spec: RunSpec, run_dir: Path, show_progress: bool, command: str, ke
 
         return run_eval(dataclasses.replace(spec.config, out=str(run_dir)))
     run_dir.mkdir(parents=True, exist_ok=True)
-    return spec.fn(dict(spec.config), run_dir)
+    return cast(Callable[[dict, Path], dict], spec.fn)(dict(spec.config), run_dir)  # checked by RunSpec
 
 
 def run_specs(specs: list[RunSpec], settings: Settings, show_progress: bool = True, workers: int = 1) -> list[dict]:
@@ -232,7 +237,8 @@ def _run_side_by_side(specs: list[RunSpec], settings: Settings, workers: int, ke
     print(f"{len(specs)} runs, {workers} at once ({threads} CPU thread(s) each)", flush=True)
     # Runs finished earlier are skipped here, without starting a process for each.
     log = {s.name: {"run": s.name, "status": SKIPPED} for s in specs if _up_to_date(s, settings, keys[s.name])}
-    pending, running, done = [s for s in specs if s.name not in log], {}, set(log)
+    pending, done = [s for s in specs if s.name not in log], set(log)
+    running: dict[Future, RunSpec] = {}
     with process_pool(workers) as pool:
         while pending or running:
             for spec in [s for s in pending if needs[s.name] <= done][: workers - len(running)]:
@@ -252,7 +258,7 @@ def _run_side_by_side(specs: list[RunSpec], settings: Settings, workers: int, ke
 
 
 def read_done(settings: Settings, name: str) -> dict:
-    done = settings.reads.read(name, DONE)
+    done = settings.run_data.read(name, DONE)
     if done is None:
         raise UserError(f"run {settings.run_dir(name)} has not finished; rerun the experiment to complete it")
     return done
@@ -260,12 +266,12 @@ def read_done(settings: Settings, name: str) -> dict:
 
 def read_metrics(settings: Settings, name: str) -> list[dict]:
     """The records of a run's metrics.jsonl (training steps and eval records alike)."""
-    return settings.reads.read(name, "metrics.jsonl") or []
+    return settings.run_data.read(name, "metrics.jsonl") or []
 
 
 def read_run_file(settings: Settings, name: str, file: str) -> Any:
     """A JSON file a run wrote (``.jsonl``: its records)."""
-    found = settings.reads.read(name, file)
+    found = settings.run_data.read(name, file)
     if found is None:
         raise UserError(f"{settings.run_dir(name) / file} is missing; rerun the experiment to make it")
     return found
@@ -274,7 +280,7 @@ def read_run_file(settings: Settings, name: str, file: str) -> Any:
 def derived(settings: Settings, key: str, compute: Callable[[Path], Any]) -> Any:
     """``compute(the runs folder)``, for values drawn from files too large to keep (the logged rollouts);
     the value is what the run data keeps. ``key`` names it uniquely within the experiment."""
-    return settings.reads.derived(key, compute)
+    return settings.run_data.derived(key, compute)
 
 
 # ----------------------------------------------------------------------------- commands
@@ -305,7 +311,8 @@ def _flag_values(cfg: Any) -> list[str]:
 def command_line(spec: RunSpec, run_dir: Path) -> str:
     if spec.kind == "python":
         params = json.dumps(spec.config, sort_keys=True)
-        return f"# python step ({spec.label or spec.fn.__module__ + '.' + spec.fn.__name__}) -> {run_dir}: {params}"
+        fn = cast(Callable, spec.fn)  # a python run has one (RunSpec checks)
+        return f"# python step ({spec.label or fn.__module__ + '.' + fn.__name__}) -> {run_dir}: {params}"
     cfg = dataclasses.replace(spec.config, out=str(run_dir))
     return " ".join(["opd", spec.kind, *_flag_values(cfg)])
 
@@ -445,7 +452,7 @@ def run_experiment(
         "run_log": log,
         "command": f"opd experiment {exp.name} --seeds {seeds} --out {out}" + (" --quick" if quick else ""),
     }
-    settings.reads.write(settings.out / DATA)
+    settings.run_data.write(settings.out / DATA)
     (settings.out / "results.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
     (settings.out / "results.md").write_text(f"# {exp.title}\n\n{render_markdown(res)}")
     lines = [f"# {res['command']}", "# the equivalent of each run (python steps are internal to opd.experiments):"]

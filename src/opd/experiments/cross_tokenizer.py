@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import shutil
 from pathlib import Path
+from typing import cast
 
 from opd.experiments.common import (
     STUDENT,
@@ -67,13 +68,14 @@ def make_tokenizer(p: dict, run_dir: Path) -> dict:
     from opd.rollout.prompts import load_task
 
     train = load_task("arithmetic", TASK_LEVEL, 0).examples("train")
-    texts = [e.prompt for e in train] + [e.solution for e in train] + ["[INST] [/INST]"] * 100
+    solutions = cast(list[str], [e.solution for e in train])  # the arithmetic task writes every solution
+    texts = [e.prompt for e in train] + solutions + ["[INST] [/INST]"] * 100
     train_sentencepiece_tokenizer(texts, TEACHER_VOCAB).save_pretrained(run_dir / "tokenizer")
     teacher, student = load_tokenizer(run_dir / "tokenizer", "teacher"), load_tokenizer(STUDENT, "student")
     vmap = crosstok.build_vocab_map(
         crosstok.VocabBytes.from_tokenizer(student), crosstok.VocabBytes.from_tokenizer(teacher)
     )
-    sample = train[1].solution
+    sample = solutions[1]
     return {
         "teacher_vocab": len(teacher),
         "student_vocab": len(student),

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 from opd.evaluation.prompts import decode_responses
 from opd.experiments.common import STUDENT, TEACHER, generate_batches
@@ -35,8 +36,8 @@ from opd.tasks.grading import grade
 from opd.teachers.base import HFTeacher
 
 BUCKET = 4  # tokens per depth bucket
-FULL = dict(prompts=160, continuations=4, depths=[0, 4, 8, 12, 16, 20, 24, 28])
-QUICK = dict(prompts=16, continuations=1, depths=[0, 8])
+FULL: dict[str, Any] = dict(prompts=160, continuations=4, depths=[0, 4, 8, 12, 16, 20, 24, 28])
+QUICK: dict[str, Any] = dict(prompts=16, continuations=1, depths=[0, 8])
 
 
 def _continuation_accuracy(engine, tok, jobs, seed: int) -> list[bool]:

@@ -32,6 +32,7 @@ import json
 import math
 import re
 from pathlib import Path
+from typing import Any, cast
 
 from opd.experiments.common import (
     STUDENT,
@@ -50,8 +51,10 @@ from opd.experiments.stats import mean_ci
 from opd.recipes.demo import TASK_LEVEL, TOP_P
 
 TEACHER_VOCAB = 1536
-GOLD_DEFAULTS = dict(extended=True, hybrid=False, lmbda=0.5, beta=0.5, temperature=0.9, top_p=0.95, lr=5e-4)
-SWEEP = {  # name -> what moves from GOLD's defaults (seed 0)
+GOLD_DEFAULTS: dict[str, Any] = dict(
+    extended=True, hybrid=False, lmbda=0.5, beta=0.5, temperature=0.9, top_p=0.95, lr=5e-4
+)
+SWEEP: dict[str, dict[str, Any]] = {  # name -> what moves from GOLD's defaults (seed 0)
     "default": {},
     "lr5e-5": dict(lr=5e-5),
     "lr1e-4": dict(lr=1e-4),
@@ -90,14 +93,15 @@ def make_tokenizer(p: dict, run_dir: Path) -> dict:
 
     train = load_task("arithmetic", TASK_LEVEL, 0).examples("train")
     markup = ["<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n"] * 100
-    texts = [e.prompt for e in train] + [e.solution for e in train] + markup
+    solutions = cast(list[str], [e.solution for e in train])  # the arithmetic task writes every solution
+    texts = [e.prompt for e in train] + solutions + markup
     train_bytelevel_tokenizer(texts, p["vocab"]).save_pretrained(run_dir / "tokenizer")
     teacher, student = load_tokenizer(run_dir / "tokenizer", "teacher"), load_tokenizer(STUDENT, "student")
     vmap = crosstok.build_vocab_map(
         crosstok.VocabBytes.from_tokenizer(student), crosstok.VocabBytes.from_tokenizer(teacher)
     )
     same_id = sum(student.get_vocab().get(t) == i for t, i in teacher.get_vocab().items())
-    sample = train[1].solution
+    sample = solutions[1]
     return {
         "teacher_vocab": len(teacher),
         "student_vocab": len(student),
@@ -247,9 +251,13 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
     labels = {v: f"opd cross-tokenizer LSM{how}" for v, (_, how) in OPD_VARIANTS.items()}
     labels |= {"gold-default": "GOLD, defaults", "gold-best": f"GOLD, best of the sweep ({best})"}
     for variant, label in labels.items():
-        sc = [final_scores(s, r) for r in _runs(s, variant, best)]
+        scs = [final_scores(s, r) for r in _runs(s, variant, best)]
         rows.append(
-            [label, mean_ci([x["accuracy"] for x in sc]).fmt(1, 100), mean_ci([x["avg_at_k"] for x in sc]).fmt(1, 100)]
+            [
+                label,
+                mean_ci([x["accuracy"] for x in scs]).fmt(1, 100),
+                mean_ci([x["avg_at_k"] for x in scs]).fmt(1, 100),
+            ]
         )
     student = [final_scores(s, f"student/seed{k}") for k in seeds]
     rows.append(

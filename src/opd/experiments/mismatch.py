@@ -21,6 +21,7 @@ import json
 import math
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,7 +47,7 @@ from opd.report.load import read_jsonl
 from opd.rollout.prompts import PromptSet, load_task
 
 SPLIT_TOKENS = ("<think>", "</think>")  # re-segmented in the mismatched teacher's fine-tune
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "matched/sampled": dict(teacher="matched", objective="sampled", mask_special=False),
     "mismatched/sampled": dict(teacher="mismatched", objective="sampled", mask_special=False),
     "mismatched/sampled+mask": dict(teacher="mismatched", objective="sampled", mask_special=True),
@@ -92,7 +93,7 @@ def probe(p: dict, run_dir: Path) -> dict:
     prompts = PromptSet.build(examples, tok, 256, "test prompts")
     special = {tok.convert_tokens_to_ids(t) for t in DEFAULT_SPECIAL_TOKENS}
     engine = HFRollout(student, tok.eos_token_id, tok.pad_token_id)
-    sums = {name: {"special": [], "other": []} for name in teachers}
+    sums: dict[str, dict[str, list[float]]] = {name: {"special": [], "other": []} for name in teachers}
     for batch in generate_batches(engine, prompts.prompt_ids, [p["seed"] * 7919 + i for i in range(len(prompts))]):
         is_special = torch.isin(batch.response_ids_NT, torch.tensor(sorted(special))) & batch.response_mask_NT
         other = batch.response_mask_NT & ~is_special

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from opd.experiments.common import demo_models, diagnostics_plots
 from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_done, read_metrics
@@ -40,7 +41,7 @@ from opd.experiments.stats import equivalence, mean_ci, verdict
 from opd.recipes.multitask import ASSETS, GAME, MATH, STEPS, make_quick_models, opd_config, task_steps
 
 # two-task runs: name -> config changes
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "sampled": dict(objective="sampled", mask_special=False),
     "lsm-no-mask": dict(objective="lsm", mask_special=False),
     "lsm": dict(objective="lsm", mask_special=True),
@@ -72,7 +73,7 @@ def plan(s: Settings) -> list[RunSpec]:
     steps = QUICK_STEPS if s.quick else STEPS
     # The runs need only their starting models: --workers runs them side by side.
     models = tuple(spec.name for spec in specs)
-    lrs = dict(lr=MEASURED_LR, game_lr=MEASURED_LR)
+    lrs: dict[str, Any] = dict(lr=MEASURED_LR, game_lr=MEASURED_LR)
     for seed in range(s.seeds):
         for variant, change in VARIANTS.items():
             name = run_name(variant, seed)

@@ -15,6 +15,8 @@ LSM without renormalization, full KL) also at lr 2e-3; two greedy evaluations du
 
 from __future__ import annotations
 
+from typing import Any
+
 from opd.experiments.common import (
     SPIKE,
     TEACHER,
@@ -34,7 +36,7 @@ from opd.recipes.demo import STUDENT_TRAIN_SIZE
 LRS = (5e-4, 2e-3)
 STUDENT_KS = (1, 2, 4, 8, 16, 32)
 # name -> TrainConfig overrides (sampled-token OPD's baseline form: no top-p, no mask, as in the paper)
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "sampled": dict(objective="sampled", top_p=1.0, mask_special=False),
     "sampled+mask": dict(objective="sampled", top_p=1.0, mask_special=True),
     "sampled+top-p": dict(objective="sampled", top_p=0.9, mask_special=False),

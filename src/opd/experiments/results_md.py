@@ -21,6 +21,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import cast
 
 from opd.errors import UserError
 from opd.experiments import NAMES, get_experiment
@@ -96,7 +97,9 @@ def build_results_md(dirs: list[Path], doc: Path, log=print) -> Path:
     picked = {n: _pick([*dirs, plots_root], n) for n in NAMES}
     # A section kept from the document gives way to a results.json, unless that one is quick and the section full.
     kept = {
-        n: v for n, v in _kept(doc).items() if picked[n] is None or (picked[n]["quick"] and "Size: full size" in v[1])
+        n: v
+        for n, v in _kept(doc).items()
+        if picked[n] is None or (cast(dict, picked[n])["quick"] and "Size: full size" in v[1])
     }
     if not any(picked.values()) and not kept:
         raise UserError(f"no experiment results under {', '.join(map(str, dirs))}; run `opd experiment NAME` first")

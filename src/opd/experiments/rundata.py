@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from opd.errors import UserError
 
@@ -142,7 +142,7 @@ class RunData:
                 )
             return self._files[key]
         if key not in self._files:
-            path = self.runs / run / file
+            path = cast(Path, self.runs) / run / file  # None only when replaying
             if not path.is_file():
                 self._files[key] = None
             else:
@@ -158,7 +158,7 @@ class RunData:
                 raise UserError(f"the recorded run data has no derived value {key!r}; rerun the experiment")
             return _decode(self._derived[key])
         if key not in self._derived:
-            self._derived[key] = _encode(compute(self.runs))
+            self._derived[key] = _encode(compute(cast(Path, self.runs)))  # None only when replaying
         return _decode(self._derived[key])
 
     def recording(self) -> dict:

@@ -36,6 +36,7 @@ Cost at full size, measured on 2 CPU cores with ``--workers 2`` (one thread a ru
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from opd.experiments import agentic, common
 from opd.experiments.common import demo_models, diagnostics_plots, final_eval_spec, final_scores
@@ -56,7 +57,7 @@ from opd.experiments.stats import equivalence, mean_ci, noninferior, verdict
 from opd.models.loading import load_tokenizer
 from opd.recipes.multitask import ASSETS, GAME, GAME_LR, LR, MATH, STEPS, evaluate, held_out_sets, opd_config
 
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "sampled": dict(objective="sampled", mask_special=False),
     "lsm": dict(objective="lsm", mask_special=True),
     "lsm-tail": dict(objective="lsm", tail=True, mask_special=True),
@@ -66,10 +67,16 @@ STUDENT = "student"  # the student before OPD, evaluated with each seed (its avg
 EVAL_KEYS = {"accuracy": "final_acc", "avg_at_k": "avg_at_k"}  # a run's eval/TASK/KEY <- the demo's
 FORMAT_MARGIN = 0.01  # "at or below its share at the start": within 1 point
 # One task (the arithmetic demo's models, opd experiment objectives' settings): name -> changes
-SINGLE_TASK = {"single-task/lsm": dict(objective="lsm"), "single-task/lsm-tail": dict(objective="lsm", tail=True)}
+SINGLE_TASK: dict[str, dict[str, Any]] = {
+    "single-task/lsm": dict(objective="lsm"),
+    "single-task/lsm-tail": dict(objective="lsm", tail=True),
+}
 SINGLE_MARGIN = 0.03  # objectives' margin for "performs the same": 3 accuracy points
 # The game alone (the agentic demo's models, opd experiment agentic's settings): name -> changes
-AGENTIC = {"agentic/lsm": agentic.VARIANTS["lsm"], "agentic/lsm-tail": dict(agentic.VARIANTS["lsm"], tail=True)}
+AGENTIC: dict[str, dict[str, Any]] = {
+    "agentic/lsm": agentic.VARIANTS["lsm"],
+    "agentic/lsm-tail": dict(agentic.VARIANTS["lsm"], tail=True),
+}
 
 
 def evaluate_student(p: dict, run_dir: Path) -> dict:

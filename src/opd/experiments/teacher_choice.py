@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any, cast
 
 from opd.experiments.common import (
     TEACHER,
@@ -54,7 +55,13 @@ def write_data(p: dict, run_dir: Path) -> dict:
     with open(run_dir / "sft.jsonl", "w") as f:
         for e in examples:
             f.write(
-                json.dumps({"prompt": e.prompt, "answer": e.answer, "solution": reformat_solution(e.solution, "words")})
+                json.dumps(
+                    {
+                        "prompt": e.prompt,
+                        "answer": e.answer,
+                        "solution": reformat_solution(cast(str, e.solution), "words"),
+                    }
+                )
                 + "\n"
             )
     with open(run_dir / "aligned_prompts.jsonl", "w") as f:
@@ -97,7 +104,7 @@ def plan(s: Settings) -> list[RunSpec]:
     ]
     for seed in range(s.seeds):
         cold = f"cold-start-sft/seed{seed}"
-        common = dict(steps=OPD_STEPS, max_new_tokens=MAX_NEW)
+        common: dict[str, Any] = dict(steps=OPD_STEPS, max_new_tokens=MAX_NEW)
         runs = {
             "compatible": opd_config(s, f"compatible/seed{seed}", seed, teacher=TEACHER, **common),
             "different": opd_config(s, f"different/seed{seed}", seed, teacher=alt, **common),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -138,7 +139,7 @@ def train_run(p: dict, run_dir: Path) -> dict:
             opt.zero_grad()
             loss = surrogate(theta, teacher, ys, prev, p["gamma"]).mean()
             loss.backward()
-            rec["grad_norm"] = float(theta.grad.norm())
+            rec["grad_norm"] = float(cast(torch.Tensor, theta.grad).norm())  # set by backward()
             opt.step()
         records.append(rec)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))

@@ -21,6 +21,7 @@ decide nothing).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from opd.experiments.agentic import models_specs, run_specs
 from opd.experiments.common import final_scores
@@ -31,7 +32,7 @@ from opd.recipes.demo import ASSETS, EVAL_SAMPLES, opd_config
 
 ENGINES = ("hf", "vllm")
 MARGIN = 0.05  # "the same": the paired greedy-accuracy difference within 5 points
-LSM = dict(objective="lsm", mask_special=True)
+LSM: dict[str, Any] = dict(objective="lsm", mask_special=True)
 
 
 def demo_run(engine: str, seed: int) -> str:

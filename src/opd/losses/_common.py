@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 NEG_INF = float("-inf")
@@ -36,14 +38,16 @@ def head_for_grad_h(w: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(w), w, torch.zeros_like(w))
 
 
-def position_chunks(n: int, chunk_size: int | None):
+def position_chunks(n: int, chunk_size: int | None) -> Iterator[slice]:
     """Slices covering range(n), ``chunk_size`` at a time (all of it when None or <= 0)."""
     step = n if not chunk_size or chunk_size <= 0 else chunk_size
     for start in range(0, n, max(step, 1)):
         yield slice(start, min(start + step, n))
 
 
-def chunk_buffers(count: int, rows: int, chunk_size: int | None, V: int, dtype, device) -> torch.Tensor:
+def chunk_buffers(
+    count: int, rows: int, chunk_size: int | None, V: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """``count`` (chunk, V) scratch buffers for a loop over ``rows`` positions in chunks of
     ``chunk_size`` (:func:`position_chunks`): reused across chunks, since fresh (chunk, V) memory per
     chunk would cost page faults each time."""

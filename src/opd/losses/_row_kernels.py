@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,19 +24,26 @@ from opd.losses._common import position_chunks
 
 ROW_DOTS_OP = "_embedding_bag_per_sample_weights_backward"
 
+# An ATen op as torch.ops exposes it (an OpOverloadPacket): called with tensors and ints.
+RowDotsOp = Callable[..., Any]
 
-def _call_row_dots(op, hidden_ND, weight_VD, rows_A, ids_AK) -> torch.Tensor:
+
+def _call_row_dots(
+    op: RowDotsOp, hidden_ND: torch.Tensor, weight_VD: torch.Tensor, rows_A: torch.Tensor, ids_AK: torch.Tensor
+) -> torch.Tensor:
     """z[a, k] = hidden[rows[a]] . W[ids[a, k]] through ``op`` (the private aten kernel)."""
     A, K = ids_AK.shape
     flat = ids_AK.reshape(-1)
     # Each sample's "bag" (offset2bag) may be any row of hidden, so the active rows are never
     # copied; offsets are only read when offset2bag is empty, but the schema requires them.
     offsets = torch.arange(0, A * K, K, device=flat.device)
-    out = op(hidden_ND.contiguous(), weight_VD.contiguous(), flat, offsets, rows_A.repeat_interleave(K), 0, -1)
+    out: torch.Tensor = op(
+        hidden_ND.contiguous(), weight_VD.contiguous(), flat, offsets, rows_A.repeat_interleave(K), 0, -1
+    )
     return out.view(A, K)
 
 
-def probe_row_dots(op) -> str | None:
+def probe_row_dots(op: RowDotsOp | None) -> str | None:
     """None if ``op`` gives the row dots of a small probe exactly (float32 and float64), else why not."""
     if op is None:
         return f"torch.ops.aten.{ROW_DOTS_OP} does not exist"
@@ -54,9 +63,9 @@ def probe_row_dots(op) -> str | None:
 
 
 @functools.cache
-def row_dots_kernel():
+def row_dots_kernel() -> RowDotsOp | None:
     """The private aten row-dot kernel if it passes :func:`probe_row_dots`, else None (warns once)."""
-    op = getattr(torch.ops.aten, ROW_DOTS_OP, None)
+    op: RowDotsOp | None = getattr(torch.ops.aten, ROW_DOTS_OP, None)
     why = probe_row_dots(op)
     if why is None:
         return op
@@ -69,7 +78,14 @@ def row_dots_kernel():
     return None
 
 
-def support_logits(hidden_ND, weight_VD, rows_A, ids_AK, dtype, chunk_size) -> torch.Tensor:
+def support_logits(
+    hidden_ND: torch.Tensor,
+    weight_VD: torch.Tensor,
+    rows_A: torch.Tensor,
+    ids_AK: torch.Tensor,
+    dtype: torch.dtype,
+    chunk_size: int | None,
+) -> torch.Tensor:
     """z[a, k] = hidden[rows[a]] . W[ids[a, k]] in ``dtype``.
 
     Shapes:
@@ -82,7 +98,14 @@ def support_logits(hidden_ND, weight_VD, rows_A, ids_AK, dtype, chunk_size) -> t
     return gathered_support_logits(hidden_ND, weight_VD, rows_A, ids_AK, dtype, chunk_size)
 
 
-def gathered_support_logits(hidden_ND, weight_VD, rows_A, ids_AK, dtype, chunk_size) -> torch.Tensor:
+def gathered_support_logits(
+    hidden_ND: torch.Tensor,
+    weight_VD: torch.Tensor,
+    rows_A: torch.Tensor,
+    ids_AK: torch.Tensor,
+    dtype: torch.dtype,
+    chunk_size: int | None,
+) -> torch.Tensor:
     """:func:`support_logits` with public ops only: gather K weight rows, then a batched matmul."""
     A, K = ids_AK.shape
     z_AK = torch.empty(A, K, dtype=dtype, device=hidden_ND.device)
@@ -95,7 +118,14 @@ def gathered_support_logits(hidden_ND, weight_VD, rows_A, ids_AK, dtype, chunk_s
     return z_AK
 
 
-def weighted_rows(weight_VD, rows_A, ids_AK, g_AK, n_rows: int, chunk_size) -> torch.Tensor:
+def weighted_rows(
+    weight_VD: torch.Tensor,
+    rows_A: torch.Tensor,
+    ids_AK: torch.Tensor,
+    g_AK: torch.Tensor,
+    n_rows: int,
+    chunk_size: int | None,
+) -> torch.Tensor:
     """out[rows[a]] = sum_k g[a, k] * W[ids[a, k]], zero on the other rows, in g's dtype.
 
     Shapes:

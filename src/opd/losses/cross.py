@@ -79,13 +79,15 @@ def _map_ids(
     ids = teacher_to_student_V.to(teacher_ids_BTK.device)[teacher_ids_BTK]
     if (text_start_BT is None) != (teacher_to_student_start_V is None):
         raise ValueError("pass text_start_BT and teacher_to_student_start_V together (or neither)")
-    if text_start_BT is None:
+    if text_start_BT is None or teacher_to_student_start_V is None:  # neither, as just checked
         return ids
     start = teacher_to_student_start_V.to(teacher_ids_BTK.device)[teacher_ids_BTK]
     return torch.where(as_bool(text_start_BT).unsqueeze(-1), start, ids)
 
 
-def _merge_twins(ids_NK: torch.Tensor, lp_NK: torch.Tensor, valid_NK: torch.Tensor):
+def _merge_twins(
+    ids_NK: torch.Tensor, lp_NK: torch.Tensor, valid_NK: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Where valid slots repeat a student id, keep the first slot with the log-sum-exp of their masses.
 
     Only rows holding a repeat are touched, so rows without one keep their values bit for bit.

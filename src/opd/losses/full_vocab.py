@@ -17,6 +17,7 @@ gradient of that truncated sum.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -62,7 +63,9 @@ def _log_mixture(logq: torch.Tensor, logp: torch.Tensor, beta: float) -> torch.T
     return torch.where(positive, top + safe.log(), torch.full_like(total, NEG_INF))
 
 
-def _divergence_chunk(s_NV, t_NV, m_N, mode: str, beta: float) -> torch.Tensor:
+def _divergence_chunk(
+    s_NV: torch.Tensor, t_NV: torch.Tensor, m_N: torch.Tensor, mode: str, beta: float
+) -> torch.Tensor:
     logp = torch.log_softmax(s_NV, dim=-1)
     logq = torch.log_softmax(t_NV, dim=-1)
     if mode == "reverse":
@@ -76,7 +79,14 @@ def _divergence_chunk(s_NV, t_NV, m_N, mode: str, beta: float) -> torch.Tensor:
     return torch.where(m_N, out, torch.zeros_like(out))
 
 
-def _chunked_divergence(student_logits_BTV, teacher_logits_BTV, mask_BT, mode, beta, chunk_size):
+def _chunked_divergence(
+    student_logits_BTV: torch.Tensor,
+    teacher_logits_BTV: torch.Tensor,
+    mask_BT: torch.Tensor,
+    mode: str,
+    beta: float,
+    chunk_size: int | None,
+) -> torch.Tensor:
     B, T, V = student_logits_BTV.shape
     if teacher_logits_BTV.shape != student_logits_BTV.shape:
         raise ValueError(
@@ -89,7 +99,7 @@ def _chunked_divergence(student_logits_BTV, teacher_logits_BTV, mask_BT, mode, b
     m_N = as_bool(mask_BT).reshape(-1)
     grad_on = torch.is_grad_enabled() and s_NV.requires_grad and chunk_size
     step = chunk_size if chunk_size and chunk_size > 0 else max(B * T, 1)
-    pieces = []
+    pieces: list[torch.Tensor] = []
     # split() rather than slicing: the backward of each slice would allocate a full-size zero
     # gradient, where split's backward concatenates the chunk gradients once.
     for s_cV, t_cV, m_c in zip(s_NV.split(step), t_NV.split(step), m_N.split(step)):
@@ -149,7 +159,9 @@ def generalized_jsd(
 # --------------------------------------------------------------------------- from hidden states
 
 
-def _chunk_logprobs(hs_cD, ws_VD, ht_cE, wt_VE, bufs_3MV):
+def _chunk_logprobs(
+    hs_cD: torch.Tensor, ws_VD: torch.Tensor, ht_cE: torch.Tensor, wt_VE: torch.Tensor, bufs_3MV: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Both models' log-softmax of one chunk, in reused buffers: (scratch, logp_cV, logq_cV)."""
     n = hs_cD.shape[0]
     z, logp, logq = (b[:n] for b in bufs_3MV)
@@ -158,7 +170,7 @@ def _chunk_logprobs(hs_cD, ws_VD, ht_cE, wt_VE, bufs_3MV):
     return z, logp, logq
 
 
-def _kl_chunk(logp_cV, logq_cV, reverse: bool) -> torch.Tensor:
+def _kl_chunk(logp_cV: torch.Tensor, logq_cV: torch.Tensor, reverse: bool) -> torch.Tensor:
     """:func:`_kl_rows` of (logp, logq) or (logq, logp) per row, overwriting both buffers."""
     a, b = (logp_cV, logq_cV) if reverse else (logq_cV, logp_cV)
     d = torch.sub(a, b, out=b)
@@ -167,7 +179,9 @@ def _kl_chunk(logp_cV, logq_cV, reverse: bool) -> torch.Tensor:
     return d.masked_fill_(~counted, 0.0).mul_(r).sum(-1)
 
 
-def _kl_grad_chunk(scratch_cV, logp_cV, logq_cV, g_c, reverse: bool) -> torch.Tensor:
+def _kl_grad_chunk(
+    scratch_cV: torch.Tensor, logp_cV: torch.Tensor, logq_cV: torch.Tensor, g_c: torch.Tensor, reverse: bool
+) -> torch.Tensor:
     """g * dKL/dz (z: the student's logits) of one chunk, in one of the buffers (all overwritten).
 
     The gradient of the truncated sum of the module docstring, with C the counted tokens:
@@ -200,23 +214,35 @@ class _FullKLFromHidden(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hs_ND, ws_VD, ht_NE, wt_VE, rows_A, reverse, chunk_size):
+    def forward(
+        ctx: Any,
+        hs_ND: torch.Tensor,
+        ws_VD: torch.Tensor,
+        ht_NE: torch.Tensor,
+        wt_VE: torch.Tensor,
+        rows_A: torch.Tensor,
+        reverse: bool,
+        chunk_size: int | None,
+    ) -> torch.Tensor:
         dtype = compute_dtype(hs_ND, ws_VD, ht_NE, wt_VE)
         ws, wt = ws_VD.to(dtype), wt_VE.to(dtype)
         A = rows_A.numel()
         kl_A = torch.empty(A, dtype=dtype, device=hs_ND.device)
-        bufs = chunk_buffers(3, A, chunk_size, ws.shape[0], dtype, hs_ND.device) if A else None
-        for sl in position_chunks(A, chunk_size):
-            r = rows_A[sl]
-            _, logp, logq = _chunk_logprobs(hs_ND[r].to(dtype), ws, ht_NE[r].to(dtype), wt, bufs)
-            kl_A[sl] = _kl_chunk(logp, logq, reverse)
+        if A:  # no buffers for no rows
+            bufs = chunk_buffers(3, A, chunk_size, ws.shape[0], dtype, hs_ND.device)
+            for sl in position_chunks(A, chunk_size):
+                r = rows_A[sl]
+                _, logp, logq = _chunk_logprobs(hs_ND[r].to(dtype), ws, ht_NE[r].to(dtype), wt, bufs)
+                kl_A[sl] = _kl_chunk(logp, logq, reverse)
         ctx.save_for_backward(hs_ND, ws_VD, ht_NE, wt_VE, rows_A)
         ctx.reverse, ctx.chunk_size = reverse, chunk_size
         return kl_A
 
     @staticmethod
     @once_differentiable  # the backward writes into reused buffers; no graph of it is needed
-    def backward(ctx, grad_A):
+    def backward(
+        ctx: Any, grad_A: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None, None]:
         hs_ND, ws_VD, ht_NE, wt_VE, rows_A = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dtype = compute_dtype(hs_ND, ws_VD, ht_NE, wt_VE)
@@ -226,19 +252,18 @@ class _FullKLFromHidden(torch.autograd.Function):
         grad_A = grad_A.to(dtype)
         keep = grad_A.nonzero().squeeze(-1)
         ws_h = head_for_grad_h(ws) if need_h else ws
-        bufs = (
-            chunk_buffers(3, keep.numel(), ctx.chunk_size, ws.shape[0], dtype, hs_ND.device) if keep.numel() else None
-        )
-        for sl in position_chunks(keep.numel(), ctx.chunk_size):
-            a = keep[sl]
-            r = rows_A[a]
-            hs_cD = hs_ND[r].to(dtype)
-            scratch, logp, logq = _chunk_logprobs(hs_cD, ws, ht_NE[r].to(dtype), wt, bufs)
-            dz_cV = _kl_grad_chunk(scratch, logp, logq, grad_A[a], ctx.reverse)
-            if need_h:
-                grad_h[r] = dz_cV @ ws_h
-            if need_w:
-                grad_w.addmm_(dz_cV.T, hs_cD)
+        if keep.numel():  # no buffers for no rows
+            bufs = chunk_buffers(3, keep.numel(), ctx.chunk_size, ws.shape[0], dtype, hs_ND.device)
+            for sl in position_chunks(keep.numel(), ctx.chunk_size):
+                a = keep[sl]
+                r = rows_A[a]
+                hs_cD = hs_ND[r].to(dtype)
+                scratch, logp, logq = _chunk_logprobs(hs_cD, ws, ht_NE[r].to(dtype), wt, bufs)
+                dz_cV = _kl_grad_chunk(scratch, logp, logq, grad_A[a], ctx.reverse)
+                if grad_h is not None:  # need_h
+                    grad_h[r] = dz_cV @ ws_h
+                if grad_w is not None:  # need_w
+                    grad_w.addmm_(dz_cV.T, hs_cD)
         grad_h = None if grad_h is None else grad_h.to(hs_ND.dtype)
         grad_w = None if grad_w is None else grad_w.to(ws_VD.dtype)
         return grad_h, grad_w, None, None, None, None, None
@@ -297,7 +322,8 @@ def full_vocab_kl_from_hidden(
     active = as_bool(mask_BT).reshape(-1).nonzero().squeeze(-1)
     # With no active row the Function still runs (on nothing), so the result stays connected
     # to the student's inputs and backward() hands them zero gradients.
-    kl_active = _FullKLFromHidden.apply(
+    # torch's Function.apply is unannotated, hence the ignore
+    kl_active = _FullKLFromHidden.apply(  # type: ignore[no-untyped-call]
         student_hidden_BTD.reshape(B * T, D),
         student_head_VD,
         teacher_hidden_BTE.detach().reshape(B * T, E),

@@ -14,6 +14,8 @@ does not need.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from opd.losses._common import NEG_INF, as_bool, compute_dtype, position_chunks
@@ -100,7 +102,16 @@ class _SupportKLFromHidden(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, rows_A, ids_AK, t_lp_AK, valid_AK, chunk_size):
+    def forward(
+        ctx: Any,
+        hidden_ND: torch.Tensor,
+        weight_VD: torch.Tensor,
+        rows_A: torch.Tensor,
+        ids_AK: torch.Tensor,
+        t_lp_AK: torch.Tensor,
+        valid_AK: torch.Tensor,
+        chunk_size: int | None,
+    ) -> torch.Tensor:
         dtype = compute_dtype(hidden_ND, weight_VD, t_lp_AK)
         everyone = torch.ones(ids_AK.shape[0], dtype=torch.bool, device=hidden_ND.device)
         z_AK = support_logits(hidden_ND, weight_VD, rows_A, ids_AK, dtype, chunk_size)
@@ -112,11 +123,14 @@ class _SupportKLFromHidden(torch.autograd.Function):
         return kl_A
 
     @staticmethod
-    def backward(ctx, grad_kl_A):
+    def backward(
+        ctx: Any, grad_kl_A: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None, None]:
         hidden_ND, weight_VD, rows_A, ids_AK, dz_AK = ctx.saved_tensors
         dtype = dz_AK.dtype
         g_AK = grad_kl_A.to(dtype).unsqueeze(-1) * dz_AK
-        grad_h = grad_w = None
+        grad_h: torch.Tensor | None = None
+        grad_w: torch.Tensor | None = None
         if ctx.needs_input_grad[0]:
             grad_h = weighted_rows(weight_VD, rows_A, ids_AK, g_AK, hidden_ND.shape[0], ctx.chunk_size)
             grad_h = grad_h.to(hidden_ND.dtype)
@@ -167,7 +181,8 @@ def local_support_kl_from_hidden(
     if active.numel() == 0:
         # Keep the graph connected so callers can always call backward() on the reduced loss.
         return kl_flat.view(B, T) + 0.0 * hidden_BTD.sum(-1).to(dtype)
-    kl_active = _SupportKLFromHidden.apply(
+    # torch's Function.apply is unannotated, hence the ignore
+    kl_active = _SupportKLFromHidden.apply(  # type: ignore[no-untyped-call]
         hidden_BTD.reshape(B * T, D),
         lm_head_weight_VD,
         active,

@@ -8,6 +8,8 @@ come from :func:`token_logprobs_from_hidden`, which never holds more than a chun
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 
 from opd.losses._common import as_bool, compute_dtype, position_chunks
@@ -33,7 +35,9 @@ class _TokenLogprobsFromHidden(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, ids_N, chunk_size):
+    def forward(
+        ctx: Any, hidden_ND: torch.Tensor, weight_VD: torch.Tensor, ids_N: torch.Tensor, chunk_size: int | None
+    ) -> torch.Tensor:
         lse_N = hidden_ND.new_empty(hidden_ND.shape[0])
         picked_N = torch.empty_like(lse_N)
         for sl in position_chunks(hidden_ND.shape[0], chunk_size):
@@ -45,7 +49,7 @@ class _TokenLogprobsFromHidden(torch.autograd.Function):
         return picked_N - lse_N
 
     @staticmethod
-    def backward(ctx, grad_N):
+    def backward(ctx: Any, grad_N: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         hidden_ND, weight_VD, ids_N, lse_N = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.zeros_like(hidden_ND) if need_h else None
@@ -58,9 +62,9 @@ class _TokenLogprobsFromHidden(torch.autograd.Function):
             # d logp[id] / d logits = onehot(id) - softmax(logits), scaled by the upstream grad.
             d_cV = torch.exp((h_cD @ weight_VD.T).sub_(lse_N[r].unsqueeze(-1))).mul_(-g_c.unsqueeze(-1))
             d_cV.scatter_add_(-1, ids_N[r].unsqueeze(-1), g_c.unsqueeze(-1))
-            if need_h:
+            if grad_h is not None:  # need_h
                 grad_h[r] = d_cV @ weight_VD
-            if need_w:
+            if grad_w is not None:  # need_w
                 grad_w.addmm_(d_cV.T, h_cD)
         return grad_h, grad_w, None, None
 
@@ -80,7 +84,10 @@ def token_logprobs_from_hidden(
     dtype = compute_dtype(hidden_BTD, lm_head_weight_VD)
     flat_ND = hidden_BTD.reshape(B * T, D).to(dtype)
     w_VD = lm_head_weight_VD.to(dtype)
-    return _TokenLogprobsFromHidden.apply(flat_ND, w_VD, ids_BT.reshape(-1), chunk_size).view(B, T)
+    ids_N = ids_BT.reshape(-1)
+    # torch's Function.apply is unannotated, hence the ignore; it returns forward's tensor
+    logp_N = _TokenLogprobsFromHidden.apply(flat_ND, w_VD, ids_N, chunk_size)  # type: ignore[no-untyped-call]
+    return cast(torch.Tensor, logp_N).view(B, T)
 
 
 def sampled_token_advantages(

@@ -9,6 +9,8 @@ constants of the loss.
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 
 from opd.losses._common import check_k, compute_dtype, position_chunks
@@ -72,6 +74,26 @@ def topk_from_hidden(
 teacher_topk_from_hidden = topk_from_hidden
 
 
+@overload
+def topk_and_gather_from_hidden(
+    hidden_BTD: torch.Tensor,
+    lm_head_weight_VD: torch.Tensor,
+    k: int,
+    query_ids_BTQ: torch.Tensor,
+    chunk_size: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def topk_and_gather_from_hidden(
+    hidden_BTD: torch.Tensor,
+    lm_head_weight_VD: torch.Tensor,
+    k: int,
+    query_ids_BTQ: None = None,
+    chunk_size: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor, None]: ...
+
+
 @torch.no_grad()
 def topk_and_gather_from_hidden(
     hidden_BTD: torch.Tensor,
@@ -105,9 +127,9 @@ def topk_and_gather_from_hidden(
         top_vals, top_ids = logits_cV.topk(k, dim=-1)
         lp_NK[sl] = top_vals - log_z
         ids_NK[sl] = top_ids
-        if q_lp_NQ is not None:
+        if query_NQ is not None and q_lp_NQ is not None:  # both or neither
             q_lp_NQ[sl] = logits_cV.gather(-1, query_NQ[sl]) - log_z
-    q_out = None if q_lp_NQ is None else q_lp_NQ.view(*query_ids_BTQ.shape)
+    q_out = None if query_ids_BTQ is None or q_lp_NQ is None else q_lp_NQ.view(*query_ids_BTQ.shape)
     return ids_NK.view(B, T, k), lp_NK.view(B, T, k), q_out
 
 
@@ -135,17 +157,22 @@ def build_support(
         returns ids_BTM (B, T, M) int64 and support_mask_BTM (B, T, M) bool, with M = K
         (teacher_topk, student_topk, intersection), 2K (union, symmetric_difference) or K + 1.
     """
-    needs_student = kind in ("student_topk", "union", "intersection", "symmetric_difference")
     if kind not in SUPPORT_KINDS:
         raise ValueError(f"unknown support kind {kind!r}; choose one of {', '.join(SUPPORT_KINDS)}")
-    if needs_student and student_ids_BTK is None:
-        raise ValueError(f"support kind {kind!r} needs the student's top-K ids (student_ids_BTK)")
-    if kind == "teacher_topk_plus_sampled" and sampled_ids_BT is None:
-        raise ValueError("support kind 'teacher_topk_plus_sampled' needs the sampled ids (sampled_ids_BT)")
 
     t_ids = teacher_ids_BTK
     if kind == "teacher_topk":
         return t_ids, torch.ones_like(t_ids, dtype=torch.bool)
+    if kind == "teacher_topk_plus_sampled":
+        if sampled_ids_BT is None:
+            raise ValueError("support kind 'teacher_topk_plus_sampled' needs the sampled ids (sampled_ids_BT)")
+        sampled_BT1 = sampled_ids_BT.unsqueeze(-1).to(t_ids.dtype)
+        ids = torch.cat([t_ids, sampled_BT1], dim=-1)
+        mask = torch.cat([torch.ones_like(t_ids, dtype=torch.bool), ~_member(sampled_BT1, t_ids)], -1)
+        return ids, mask
+    # The other kinds (student_topk, union, intersection, symmetric_difference) read the student's top-K.
+    if student_ids_BTK is None:
+        raise ValueError(f"support kind {kind!r} needs the student's top-K ids (student_ids_BTK)")
     if kind == "student_topk":
         return student_ids_BTK, torch.ones_like(student_ids_BTK, dtype=torch.bool)
     if kind == "intersection":
@@ -154,11 +181,7 @@ def build_support(
         ids = torch.cat([t_ids, student_ids_BTK], dim=-1)
         mask = torch.cat([torch.ones_like(t_ids, dtype=torch.bool), ~_member(student_ids_BTK, t_ids)], -1)
         return ids, mask
-    if kind == "symmetric_difference":
-        ids = torch.cat([t_ids, student_ids_BTK], dim=-1)
-        mask = torch.cat([~_member(t_ids, student_ids_BTK), ~_member(student_ids_BTK, t_ids)], -1)
-        return ids, mask
-    sampled_BT1 = sampled_ids_BT.unsqueeze(-1).to(t_ids.dtype)
-    ids = torch.cat([t_ids, sampled_BT1], dim=-1)
-    mask = torch.cat([torch.ones_like(t_ids, dtype=torch.bool), ~_member(sampled_BT1, t_ids)], -1)
+    # symmetric_difference
+    ids = torch.cat([t_ids, student_ids_BTK], dim=-1)
+    mask = torch.cat([~_member(t_ids, student_ids_BTK), ~_member(student_ids_BTK, t_ids)], -1)
     return ids, mask

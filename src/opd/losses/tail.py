@@ -24,6 +24,7 @@ dip to about -1e-7 instead of 0.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -156,7 +157,15 @@ class _SupportLogitsAndNormalizer(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, rows_A, ids_AK, dtype, chunk_size):
+    def forward(
+        ctx: Any,
+        hidden_ND: torch.Tensor,
+        weight_VD: torch.Tensor,
+        rows_A: torch.Tensor,
+        ids_AK: torch.Tensor,
+        dtype: torch.dtype,
+        chunk_size: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         w = weight_VD.to(dtype)
         A, K = ids_AK.shape
         z_AK = torch.empty(A, K, dtype=dtype, device=hidden_ND.device)
@@ -174,7 +183,9 @@ class _SupportLogitsAndNormalizer(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the backward writes into a reused buffer; no graph of it is needed
-    def backward(ctx, grad_z_AK, grad_lse_A):
+    def backward(
+        ctx: Any, grad_z_AK: torch.Tensor | None, grad_lse_A: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None]:
         hidden_ND, weight_VD, rows_A, ids_AK, lse_A = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dtype = lse_A.dtype
@@ -192,9 +203,9 @@ class _SupportLogitsAndNormalizer(torch.autograd.Function):
             h_cD = hidden_ND[r].to(dtype)
             dz = torch.mm(h_cD, w.T, out=buf[: a.numel()]).sub_(lse_A[a].unsqueeze(-1)).exp_()
             dz.mul_(g_lse[a].unsqueeze(-1)).scatter_add_(-1, ids_AK[a], g_z[a])
-            if need_h:
+            if grad_h is not None:  # need_h
                 grad_h[r] = dz @ w_h
-            if need_w:
+            if grad_w is not None:  # need_w
                 grad_w.addmm_(dz.T, h_cD)
         grad_h = None if grad_h is None else grad_h.to(hidden_ND.dtype)
         grad_w = None if grad_w is None else grad_w.to(weight_VD.dtype)
@@ -239,7 +250,8 @@ def local_support_kl_tail_from_hidden(
     # Only unmasked positions are computed: padding and prompt cost nothing.
     active = as_bool(mask_BT).reshape(-1).nonzero().squeeze(-1)
     ids_AK = support_ids_BTK.reshape(B * T, K)[active]
-    z_AK, lse_A = _SupportLogitsAndNormalizer.apply(
+    # torch's Function.apply is unannotated, hence the ignore
+    z_AK, lse_A = _SupportLogitsAndNormalizer.apply(  # type: ignore[no-untyped-call]
         hidden_BTD.reshape(B * T, D), lm_head_weight_VD, active, ids_AK, dtype, chunk_size
     )
     t_lp_AK = teacher_logprobs_BTK.detach().reshape(B * T, K)[active].to(dtype)

@@ -108,7 +108,8 @@ def load_model(
     with quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(p, dtype=_DTYPES[dtype], local_files_only=True)
     check_plain_head(model, p)
-    model = model.to(device)
+    # transformers wraps PreTrainedModel.to in functools.wraps, which mypy does not bind as a method
+    model = model.to(device)  # type: ignore[arg-type]
     check_finite_weights(model, p, role, dtype)  # on the device: one fast pass over the weights on a GPU
     return model
 

@@ -12,11 +12,15 @@ base model); ``opd merge-lora`` folds it into the base weights and writes a plai
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from opd.errors import UserError
 from opd.runs.quiet import quiet_transformers
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ALL_LINEAR = "all-linear"
 
@@ -25,7 +29,7 @@ def is_lora(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config")
 
 
-def _check_targets(student: torch.nn.Module, targets: list[str]) -> None:
+def _check_targets(student: PreTrainedModel, targets: list[str]) -> None:
     names = {n.rsplit(".", 1)[-1] for n, m in student.named_modules() if isinstance(m, torch.nn.Linear)}
     head = student.get_output_embeddings()
     embed = student.get_input_embeddings()
@@ -45,8 +49,8 @@ def _check_targets(student: torch.nn.Module, targets: list[str]) -> None:
 
 
 def apply_lora(
-    student: torch.nn.Module, r: int, alpha: float, targets: list[str], dropout: float, base_path: str | Path
-) -> torch.nn.Module:
+    student: PreTrainedModel, r: int, alpha: float, targets: list[str], dropout: float, base_path: str | Path
+) -> PreTrainedModel:
     """Freeze the student and add a LoRA adapter (a ``peft.PeftModel``) to ``targets``."""
     from peft import LoraConfig, get_peft_model
 
@@ -54,7 +58,7 @@ def apply_lora(
     _check_targets(student, targets)
     config = LoraConfig(
         r=r,
-        lora_alpha=alpha,
+        lora_alpha=alpha,  # type: ignore[arg-type]  # peft annotates it int; a float scales as well (alpha / r)
         lora_dropout=dropout,
         bias="none",
         task_type="CAUSAL_LM",
@@ -63,10 +67,10 @@ def apply_lora(
     model = get_peft_model(student, config)
     # merge-lora finds the base model from this path, so make it independent of the working directory.
     model.peft_config["default"].base_model_name_or_path = str(Path(base_path).resolve())
-    return model
+    return cast("PreTrainedModel", model)  # the PeftModel stands in for the student: it forwards its attributes
 
 
-def load_weights(student: torch.nn.Module, model_dir: Path) -> None:
+def load_weights(student: PreTrainedModel, model_dir: Path) -> None:
     """Load a checkpoint's weights (a full model or a LoRA adapter) into ``student``."""
     from safetensors.torch import load_file
 
@@ -80,9 +84,11 @@ def load_weights(student: torch.nn.Module, model_dir: Path) -> None:
                 "settings (it was trained without --lora-r)"
             )
         result = set_peft_model_state_dict(student, load_file(str(path)))
-        if result.unexpected_keys:
+        # peft annotates the result "namedtuple"; it is load_state_dict's (missing_keys, unexpected_keys)
+        unexpected = result.unexpected_keys  # type: ignore[attr-defined]
+        if unexpected:
             raise UserError(
-                f"the adapter in {model_dir} does not fit this student ({len(result.unexpected_keys)} "
+                f"the adapter in {model_dir} does not fit this student ({len(unexpected)} "
                 "unexpected tensors); resume with the same --student and --lora-* settings"
             )
         return

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any, cast
 
 from rich.console import Console
 
@@ -62,7 +63,9 @@ EVAL_SAMPLES = 2
 # one process and one thread each, and are evaluated once, at the end: about 15 minutes.
 DEMO_STEPS, DEMO_BATCH, DEMO_LR, DEMO_EVAL_EVERY = 400, 16, 3e-4, 0
 TOP_P = 0.9
-LIMITS = dict(max_prompt_tokens=MAX_PROMPT_TOKENS, max_new_tokens=MAX_NEW_TOKENS, max_action_tokens=MAX_ACTION_TOKENS)
+LIMITS: dict[str, Any] = dict(
+    max_prompt_tokens=MAX_PROMPT_TOKENS, max_new_tokens=MAX_NEW_TOKENS, max_action_tokens=MAX_ACTION_TOKENS
+)
 
 
 def env_args(quick: bool) -> list[str]:
@@ -128,7 +131,8 @@ def make_agentic_models(out: Path, quick: bool = False, seed: int = 0, only: str
         # The game transcripts are few and repetitive next to 20,000 solutions: weighted up so that
         # their words become tokens and an episode fits a tiny model's context.
         games = game_texts(env, TOKENIZER_GAMES) * 20
-        tok = train_tokenizer([e.prompt for e in math] + [e.solution for e in math] + games, VOCAB_SIZE)
+        solutions = cast(list[str], [e.solution for e in math])  # the arithmetic task writes every solution
+        tok = train_tokenizer([e.prompt for e in math] + solutions + games, VOCAB_SIZE)
         tok.save_pretrained(out / "tokenizer")
     student, teacher = student_sft_config(out, quick, seed), teacher_sft_configs(out, quick, seed)
     # The student first: the teacher's last stage plays it.
@@ -165,7 +169,7 @@ def teacher_sft_configs(out: Path, quick: bool = False, seed: int = 0) -> list[S
     common = _common(out, quick, seed, teacher_env_args(quick))
     recovery = out / "runs" / "teacher-recovery"
     # The later stages: a few hundred steps at a lower rate, from the stage before.
-    later = dict(
+    later: dict[str, Any] = dict(
         lr=3e-4,
         steps=4 if quick else RECOVERY_STEPS,
         warmup_steps=1 if quick else 20,

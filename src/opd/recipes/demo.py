@@ -20,8 +20,10 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -59,7 +61,8 @@ def make_demo_models(out: Path, quick: bool = False, seed: int = 0, only: str = 
     out.mkdir(parents=True, exist_ok=True)
     if not (only and (out / "tokenizer" / "tokenizer.json").is_file()):
         train = get_task("arithmetic", level=TASK_LEVEL, seed=seed).examples("train")
-        tok = train_tokenizer([e.prompt for e in train] + [e.solution for e in train], VOCAB_SIZE)
+        solutions = cast(list[str], [e.solution for e in train])  # the arithmetic task writes every solution
+        tok = train_tokenizer([e.prompt for e in train] + solutions, VOCAB_SIZE)
         tok.save_pretrained(out / "tokenizer")
     # --quick only checks that the recipe runs (tests): a few steps, small batches.
     common = _sft_common(str(out / "tokenizer"), quick, seed)
@@ -112,7 +115,7 @@ def teacher_sft_config(out: Path, tokenizer: str, quick: bool = False, seed: int
     )
 
 
-def train_models(out: Path, plans: dict[str, SFTConfig | list[SFTConfig]], only: str = "") -> dict:
+def train_models(out: Path, plans: Mapping[str, SFTConfig | list[SFTConfig]], only: str = "") -> dict:
     """Run each plan's ``opd sft`` (``only``: just that one), move its best model to ``out/<name>``
     and record its summary in ``out/make_summary.json``. A plan may be a list of stages, each
     starting from the one before (its ``init``); only the last stage's model is kept, and the

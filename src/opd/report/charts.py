@@ -207,9 +207,9 @@ def run_series(runs: list[RunData], i: int, key: str, suffix: str, dashed: bool,
     for j, name in enumerate(task_names(run)):
         scoped = f"eval/{name}/{key[5:]}" if key.startswith("eval/") else f"{name}/{key}"
         own.append(_series(run, i + len(runs) * j, scoped, f" · {name}{suffix}", dashed, records))
-    own = [s for s in own if s is not None]
-    if own:
-        return own
+    kept = [s for s in own if s is not None]
+    if kept:
+        return kept
     overall = _series(run, i, key, suffix, dashed, records)
     return [overall] if overall else []
 
@@ -428,7 +428,11 @@ def summary_rows(runs: list[RunData]) -> list[dict]:
         last_eval = run.evals[-1] if run.evals else {}
         after = last_eval.get("eval/accuracy")
         teacher, before = run.summary.get("teacher_acc"), run.summary.get("student_init_acc")
-        recovery = gap_recovery(before, after, teacher) if None not in (after, teacher, before) else None
+        recovery = (
+            gap_recovery(before, after, teacher)
+            if after is not None and teacher is not None and before is not None
+            else None
+        )
         wall = run.summary.get("wall_s")
         if wall is None and run.steps:
             wall = sum(r.get("time/step", 0.0) for r in run.steps)

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from opd.errors import UserError
 from opd.runs.records import PER_TOKEN_FIELDS, ROLLOUT_FIELDS
@@ -112,7 +114,9 @@ def _read_json(path: Path, skipped: list[str]) -> dict:
 
 def _split_metrics(records: list[dict], skipped: list[str]) -> tuple[list[dict], list[dict]]:
     """Step records and eval records, sorted by step; a repeated step keeps its last record."""
-    steps, evals, dropped = {}, {}, set()
+    steps: dict[Any, dict] = {}
+    evals: dict[Any, dict] = {}
+    dropped: set[str] = set()
     for rec in records:
         clean, bad = _clean_record(rec)
         dropped.update(bad)
@@ -215,7 +219,7 @@ def load_run(run_dir: Path | str, name: str | None = None) -> RunData:
     return run
 
 
-def load_runs(run_dirs: list[Path | str]) -> list[RunData]:
+def load_runs(run_dirs: Sequence[Path | str]) -> list[RunData]:
     """Load several runs; names are directory names, widened with the parent where two collide."""
     if not run_dirs:
         raise UserError("no run directory given; pass one or more, e.g. `opd report runs/demo/sampled runs/demo/lsm`")

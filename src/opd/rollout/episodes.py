@@ -54,6 +54,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
@@ -72,6 +73,9 @@ from opd.rollout.sampling import (
     prompt_uniforms,
     sample_next,
 )
+
+if TYPE_CHECKING:
+    from transformers import Cache
 
 __all__ = ["ChatFormat", "EpisodeRecord", "Episodes", "EpisodeRollout"]
 
@@ -227,7 +231,7 @@ class _Cache:
     rows_R: torch.Tensor
     attn_RL: torch.Tensor
     next_pos_R: torch.Tensor
-    cache: object
+    cache: Cache
     logits_RV: torch.Tensor
     can_drop: bool
 

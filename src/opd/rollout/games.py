@@ -143,9 +143,9 @@ def episode_metrics(records: list[EpisodeRecord]) -> dict[str, float]:
 def invalid_action_rate(records: list[EpisodeRecord]) -> float | None:
     """Share of actions outside the game's admissible commands, over the episodes of games that
     list them; None when none does."""
-    listed = [r for r in records if r.invalid_actions is not None]
-    actions = sum(r.turns for r in listed)
-    return sum(r.invalid_actions for r in listed) / actions if actions else None
+    listed = [(r.turns, r.invalid_actions) for r in records if r.invalid_actions is not None]
+    actions = sum(turns for turns, _ in listed)
+    return sum(invalid for _, invalid in listed) / actions if actions else None
 
 
 def check_episode_context(model, max_prompt_tokens: int, max_new_tokens: int) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from transformers import PreTrainedModel
@@ -75,7 +75,7 @@ class RolloutBatch:
             self.response_mask_NT[rows],
             self.logprobs_NT[rows],
             self.finished_N[rows],
-            self.action_mask_NT[rows],
+            cast(torch.Tensor, self.action_mask_NT)[rows],  # set by __post_init__
         )
 
 

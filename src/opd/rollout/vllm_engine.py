@@ -35,6 +35,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
@@ -44,6 +45,9 @@ from opd.losses import topk_and_gather_from_hidden
 from opd.models.loading import final_hidden, head_weight, model_device
 from opd.rollout.sampling import RolloutBatch
 from opd.rollout.vllm_server import VLLMServer, start_vllm_server
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # vLLM's CPU build (0.32) dies on a seeded request whose prefill is split across steps (chunked prefill:
 # a batch of prompts over its token budget): it rewinds the request's generator, which a CPU generator
@@ -102,7 +106,7 @@ class VLLMRollout:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         tok,
         weights_dir: Path,
         *,

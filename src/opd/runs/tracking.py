@@ -43,10 +43,13 @@ import os
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 from urllib.parse import urlparse
 
 from opd.errors import UserError
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard.writer import FileWriter
 
 TRACKERS = ("tensorboard", "wandb", "trackio")  # each is also its module's and its pip package's name
 STATE_FILE = "tracking.json"
@@ -111,14 +114,14 @@ class TensorBoard:
             if isinstance(v, (bool, int, float, str, list, tuple))
         }
         for summary in hparams(flat, {"eval/accuracy": 0.0, "train/loss": 0.0}):  # metric names only
-            self.writer.file_writer.add_summary(summary)
+            cast("FileWriter", self.writer.file_writer).add_summary(summary)
 
     def log(self, values: dict[str, float], step: int | None) -> None:
         from tensorboard.compat.proto.summary_pb2 import Summary
 
         # One event per record (add_scalar makes one per value: 10x slower, 4.5 ms for a training record).
         summary = Summary(value=[Summary.Value(tag=k, simple_value=v) for k, v in values.items()])
-        self.writer.file_writer.add_summary(summary, step)
+        cast("FileWriter", self.writer.file_writer).add_summary(summary, step)  # created by SummaryWriter()
         self.writer.flush()  # as durable as metrics.jsonl: a killed run loses no step it logged
 
     def close(self, failed: bool) -> None:
@@ -132,7 +135,8 @@ def _wandb_credentials() -> bool:
         return True
     host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
     try:
-        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+        # No hostname: "" finds no machine entry, as None did (only a default entry)
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host or "") is not None
     except (OSError, netrc.NetrcParseError):
         return False
 
@@ -143,7 +147,7 @@ class Wandb:
 
         self.new = "wandb_id" not in state
         state.setdefault("wandb_id", os.environ.get("WANDB_RUN_ID") or uuid.uuid4().hex[:8])
-        mode = None  # wandb's own choice: WANDB_MODE, else online
+        mode: Literal["offline"] | None = None  # wandb's own choice: WANDB_MODE, else online
         if not os.environ.get("WANDB_MODE") and not _wandb_credentials():
             mode = "offline"
             print(
@@ -186,7 +190,7 @@ class Trackio:
         self.run.finish()
 
 
-OPEN = {"tensorboard": TensorBoard, "wandb": Wandb, "trackio": Trackio}
+OPEN: dict[str, type[TensorBoard | Wandb | Trackio]] = {"tensorboard": TensorBoard, "wandb": Wandb, "trackio": Trackio}
 
 
 # ----------------------------------------------------------------------------- one run directory's trackers

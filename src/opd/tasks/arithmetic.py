@@ -147,7 +147,7 @@ _Frame = namedtuple("_Frame", "items start add sub ask adj")
 
 def _f(items: str, start: str, add: str, sub: str, ask: str, adj: bool = True) -> _Frame:
     words = tuple(i.replace("_", " ") for i in items.split())
-    return _Frame(words, *map(_p, (start, add, sub, ask)), adj)
+    return _Frame(words, _p(start), _p(add), _p(sub), _p(ask), adj)
 
 
 _FRAMES = (
@@ -470,7 +470,8 @@ class ArithmeticTask:
     def _generate(self, split: str, n: int, exclude: set[str]) -> list[Example]:
         # A string seed is hashed with SHA-512 by `random`: stable across runs and machines.
         rng = random.Random(f"opd-arithmetic/{self.seed}/{split}")
-        seen, out = set(exclude), []
+        seen = set(exclude)
+        out: list[Example] = []
         for _ in range(50 * n + 1000):
             if len(out) == n:
                 return out

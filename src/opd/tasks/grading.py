@@ -171,7 +171,7 @@ def extract_answer(text: str, fmt: str = "boxed") -> str | None:
         return text.strip() or None
     regex = check_answer_format(fmt)
     matches = list(regex.finditer(text)) if regex is not None else []
-    if not matches:
+    if not matches or regex is None:  # no matches without a regex
         return None
     last = matches[-1]
     answer = last.group(1) if regex.groups else last.group(0)

@@ -67,7 +67,7 @@ def _columns(columns: list[str], fields: dict[str, str], where: str, flag: str) 
     return prompt, answer, solution
 
 
-def _text(value: Any, row: int, column: str, problems: dict[str, _Problems]) -> str | None:
+def _text(value: Any, row: int, column: str | None, problems: dict[str, _Problems]) -> str | None:
     """A string cell, or None (recorded as a problem unless the cell is empty/absent)."""
     if value is None or isinstance(value, str):
         return value

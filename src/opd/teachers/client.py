@@ -47,6 +47,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import torch
 
@@ -178,7 +179,7 @@ class HTTPTeacher:
             ) from None
         theirs = self._check_vocab(tokenizer)
         self.vocab_verified = theirs is not None
-        offered = theirs.get("answer_media_types") if self.vocab_verified else None
+        offered = theirs.get("answer_media_types") if theirs is not None else None
         # opd's binary answers (opd.teachers.wire) only from a server that offers them; vLLM's JSON otherwise
         self.binary = binary and isinstance(offered, list) and wire.MEDIA_TYPE in offered
 
@@ -359,13 +360,18 @@ class HTTPTeacher:
         payload = {"model": self.model_name, "prompt": seqs, "max_tokens": 1, "prompt_logprobs": k, "temperature": 1.0}
         if self.vocab_verified:  # opd's server: score only the responses (see opd.teachers.server)
             payload["opd_logprobs_from"] = starts
-        media, body = self._fetch(
-            "POST", "/v1/completions", json.dumps(payload).encode(), accept=wire.MEDIA_TYPE if self.binary else None
+        accept = wire.MEDIA_TYPE if self.binary else None
+        # None only for a 404 with missing_ok
+        media, body = cast(
+            tuple[str, bytes], self._fetch("POST", "/v1/completions", json.dumps(payload).encode(), accept=accept)
         )
         if self.binary and media == wire.MEDIA_TYPE:
             try:
                 top_ids, top_lps, given = wire.decode_scores(
-                    body, [len(s) - p for s, p in zip(seqs, starts)], k, self.vocab_rows
+                    body,
+                    [len(s) - p for s, p in zip(seqs, starts)],
+                    k,
+                    cast(int, self.vocab_rows),  # see _fill
                 )
             except wire.WireError as exc:
                 raise UserError(
@@ -387,6 +393,7 @@ class HTTPTeacher:
 
     def _fill(self, plp: list, p: int, seq: list[int], k: int, ids_TK, lps_TK, sampled_T) -> None:
         """Response token t is entry p + t: its top-K (the K largest) and the given token's log-prob."""
+        rows = cast(int, self.vocab_rows)  # settled in __init__ (_check_vocab)
         top_ids, top_lps, given_lps = [], [], []
         for t in range(len(seq) - p):
             entry, given = plp[p + t], seq[p + t]
@@ -409,7 +416,7 @@ class HTTPTeacher:
             # K + 1 entries: the given token is the extra one, outside the top-K.
             top = [x for x in pairs if x[1] != given] if len(pairs) == k + 1 else pairs
             # "not lp <= 0" also refuses NaN, which the losses would mask as they mask -inf: silently
-            if any(not 0 <= tid < self.vocab_rows for _, tid in top) or any(not lp <= 1e-4 for lp, _ in top):
+            if any(not 0 <= tid < rows for _, tid in top) or any(not lp <= 1e-4 for lp, _ in top):
                 raise self._malformed(
                     f"position {p + t} holds a token id outside the student's vocabulary "
                     f"[0, {self.vocab_rows}) or a log-prob that is not <= 0"

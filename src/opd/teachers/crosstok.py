@@ -50,6 +50,7 @@ from __future__ import annotations
 import math
 import warnings
 from types import SimpleNamespace
+from typing import cast
 
 import torch
 
@@ -107,7 +108,8 @@ class CrossTokenizerTeacher:
         for name, value, choices in (("cross_pairing", pairing, PAIRINGS), ("cross_joinable", joinable, JOINABLE)):
             if value not in choices:
                 raise UserError(f"{name}={value!r}: choose one of {', '.join(choices)}")
-        self.joinable, self._join_prefixes = joinable, None
+        self.joinable = joinable
+        self._join_prefixes: frozenset[bytes] | None = None
         self._s_ids: dict[bytes, int] | None = None  # student bytes -> id, for targets inside groups
         self._s_longest = 0
         self.s_vb = VocabBytes.from_tokenizer(student_tok, f"student {_name(student_tok)}")
@@ -291,6 +293,7 @@ class CrossTokenizerTeacher:
         very likely does). Shapes: teacher_pos_NT (N, T); ids_NTK, valid_NTK (N, T, K) -> (N, T, K)."""
         if self._join_prefixes is None:  # every proper and whole prefix of a teacher token, 2 bytes or more
             self._join_prefixes = frozenset(b[:i] for b in self.t_vb.token_bytes if b for i in range(2, len(b) + 1))
+        prefixes = self._join_prefixes
         joined = torch.zeros_like(valid_NTK)
         pos, ids, valid = teacher_pos_NT.tolist(), ids_NTK.tolist(), valid_NTK.tolist()
         for n, (t_prompt, t_response, _) in enumerate(rows):
@@ -300,14 +303,14 @@ class CrossTokenizerTeacher:
                 before = self.t_vb.bytes_of(t_response[u - 1] if u > 0 else t_prompt[-1])
                 for j, sid in enumerate(ids[n][t]):
                     tail = self.s_vb.bytes_of(sid) if valid[n][t][j] else None
-                    if before and tail and before + tail in self._join_prefixes:
+                    if before and tail and before + tail in prefixes:
                         joined[n, t, j] = True
         return joined
 
     def _student_frame(self, batch: RolloutBatch, teacher: TeacherScores, idx, rows, alignments) -> TeacherScores:
         """Teacher-frame scores (N, U, K) moved to student positions (N, T, K); see the module docstring."""
         vmap = self.vmap.to(batch.response_ids_NT.device)
-        mask_NT = batch.action_mask_NT.bool()
+        mask_NT = cast(torch.Tensor, batch.action_mask_NT).bool()  # set by RolloutBatch.__post_init__
         at = (idx.teacher_pos_BT, vmap.teacher_to_student_V, mask_NT, idx.text_start_BT)
         ids_NTK, lp_NTK, valid_NTK, lsm_NT, _ = cross_tokenizer_support(
             teacher.topk_ids_NTK, teacher.topk_logprobs_NTK, *at, vmap.teacher_to_student_start_V

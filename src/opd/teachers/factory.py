@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import cast
 
 from opd.config import check_cross_tokenizer, parse_special_map
 from opd.errors import UserError
@@ -58,7 +59,7 @@ def cross_tokenizer_teacher(cfg, inner: TeacherScorer, student_tok, teacher_tok)
     if isinstance(inner, HFTeacher):
         rows, context = head_weight(inner.model).shape[0], getattr(inner.model.config, "max_position_embeddings", None)
     else:  # a served teacher's server bounds what it reads (vLLM: max_model_len; opd: --max-prompt-tokens)
-        rows, context = inner.vocab_rows, None
+        rows, context = cast(int, cast(HTTPTeacher, inner).vocab_rows), None  # set when it connected
     if cfg.k > rows:
         raise UserError(f"k={cfg.k} is larger than the teacher's vocabulary ({rows} tokens); choose --k <= {rows}")
     teacher = CrossTokenizerTeacher(

@@ -45,8 +45,10 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 import uvicorn
@@ -146,7 +148,7 @@ def score_sequences(
             h_rows[i] = h_NLD[r, starts[i] - 1 : lens[i]]
     W = head_weight(model)
     # Each sequence's last row predicts the next token (its query, the first token, is a dummy).
-    h_MD = torch.cat(h_rows)
+    h_MD = torch.cat(cast(list[torch.Tensor], h_rows))  # every row filled above
     query_M = torch.tensor([t for s, st in zip(seqs, starts) for t in (*s[st:], s[0])], dtype=torch.long, device=dev)
     ids_MK, lps_MK, q_M1 = topk_and_gather_from_hidden(h_MD[None], W, k, query_M.view(1, -1, 1), chunk_size)
     ids_MK, lps_MK, given_M = ids_MK[0], lps_MK[0], q_M1[0, :, 0]
@@ -546,12 +548,13 @@ def build_asgi_app(app: TeacherApp):
 
     routes = [Route(path, get, methods=["GET"]) for path in gets]
     routes.append(Route("/v1/completions", completions, methods=["POST"]))
-    handlers = {RequestError: _error, HTTPException: _no_route, Exception: _bug}
+    handlers: dict[Any, Callable[..., Any]] = {RequestError: _error, HTTPException: _no_route, Exception: _bug}
     asgi = Starlette(routes=routes, exception_handlers=handlers)
     return _RequireKey(asgi, app.keys) if app.keys else asgi
 
 
-class _JSONErrorsProtocol(AutoHTTPProtocol):
+# uvicorn picks AutoHTTPProtocol's class at import (httptools or h11), so its stubs call it a variable
+class _JSONErrorsProtocol(AutoHTTPProtocol):  # type: ignore[valid-type,misc]
     """uvicorn's HTTP/1.1 protocol (httptools, else h11) answering a request it cannot parse in JSON."""
 
     def send_400_response(self, msg: str) -> None:

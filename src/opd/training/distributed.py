@@ -29,14 +29,18 @@ import inspect
 import os
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as tdist
 
 from opd.errors import UserError
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from torch.distributed.fsdp import FSDPModule
 
 
 class StudentModule(torch.nn.Module):
@@ -77,7 +81,7 @@ class Dist:
     # ------------------------------------------------------------------ wrapping
     def wrap(self, student: torch.nn.Module) -> torch.nn.Module:
         """Wrap ``student`` for training; the optimizer must be built on the result afterwards."""
-        module = StudentModule(student)
+        module: torch.nn.Module = StudentModule(student)
         if self.fsdp:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
@@ -99,17 +103,22 @@ class Dist:
         self.model = module
         return module
 
+    @property
+    def module(self) -> torch.nn.Module:
+        """:attr:`model`, set by :meth:`wrap` before anything calls through it."""
+        return cast(torch.nn.Module, self.model)
+
     def train_call(self, fn: Callable, *args: Any) -> Any:
         """``fn(student, *args)`` through the wrapper, so its backward is synchronised."""
-        return self.model(fn, *args)
+        return self.module(fn, *args)
 
     def sync_gradients(self, sync: bool):
         """Context for one micro-batch: gradients are reduced across ranks only when ``sync``."""
         if not self.active or sync:
             return contextlib.nullcontext()
         if self.fsdp:
-            return _fsdp_no_sync(self.model)
-        return self.model.no_sync()
+            return _fsdp_no_sync(cast("FSDPModule", self.module))
+        return cast(torch.nn.parallel.DistributedDataParallel, self.module).no_sync()
 
     @torch.no_grad()
     def full_call(self, fn: Callable) -> Any:
@@ -119,13 +128,13 @@ class Dist:
         each rank may do as much or as little work as it likes.
         """
         if not self.fsdp:
-            return fn(_unwrap(self.model).student)
+            return fn(_unwrap(self.module).student)
         try:
-            return self.model(_with_gathered_blocks, self.model, fn)
+            return self.module(_with_gathered_blocks, self.module, fn)
         finally:
             # The root stays gathered after a forward (it expects a backward); shard it again so
             # its registered parameters are the sharded ones the optimizer and state dicts know.
-            self.model.reshard()
+            cast("FSDPModule", self.module).reshard()
 
     # ------------------------------------------------------------------ collectives
     def all_sum(self, values: list[float]) -> list[float]:
@@ -168,7 +177,7 @@ class Dist:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         return get_optimizer_state_dict(
-            self.model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            self.module, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
@@ -177,7 +186,7 @@ class Dist:
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(self.model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(self.module, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
     def shard(self, items: list) -> list:
         """This rank's contiguous block of a global list (its length must divide evenly)."""
@@ -240,11 +249,12 @@ def _no_forward_buffer_sync() -> dict:
 
 
 def _unwrap(module: torch.nn.Module) -> StudentModule:
-    return module.module if isinstance(module, torch.nn.parallel.DistributedDataParallel) else module
+    inner = module.module if isinstance(module, torch.nn.parallel.DistributedDataParallel) else module
+    return cast(StudentModule, inner)  # wrap() wraps a StudentModule
 
 
 def _base_model(student: torch.nn.Module) -> torch.nn.Module:
-    return student.get_base_model() if hasattr(student, "get_base_model") else student
+    return cast("PeftModel", student).get_base_model() if hasattr(student, "get_base_model") else student
 
 
 def _fsdp_units(root: torch.nn.Module) -> list:
@@ -254,7 +264,7 @@ def _fsdp_units(root: torch.nn.Module) -> list:
 
 
 @contextlib.contextmanager
-def _fsdp_no_sync(root: torch.nn.Module):
+def _fsdp_no_sync(root: FSDPModule) -> Iterator[None]:
     root.set_requires_gradient_sync(False)
     try:
         yield

@@ -40,7 +40,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -358,7 +358,7 @@ def _micro_batches(parts: list[StepPart], grad_accum: int) -> list[tuple[int, sl
     """(part, rows) of every micro-batch of the step: each part split into ``grad_accum`` pieces."""
     out = []
     for i, p in enumerate(parts):
-        N = p.mask_NT.shape[0]
+        N = cast(torch.Tensor, p.mask_NT).shape[0]  # set by the score stage, as scores
         out += [(i, slice(start, start + N // grad_accum)) for start in range(0, N, N // grad_accum)]
     return out
 
@@ -372,42 +372,45 @@ def update_stage(run: Run, step: int, parts: list[StepPart]) -> list[StepUpdate]
     an older policy visited. Only the first update's loss is logged (the on-policy one).
     """
     cfg = run.cfg
-    totals = global_totals(run, [p.mask_NT for p in parts], [p.task.cfg.max_new_tokens for p in parts])
+    masks = [cast(torch.Tensor, p.mask_NT) for p in parts]
+    totals = global_totals(run, masks, [p.task.cfg.max_new_tokens for p in parts])
     micro = _micro_batches(parts, cfg.grad_accum)
     scale = task_lr_scale(run, parts)
-    first: list[StepUpdate] | None = None
+    first: list[StepUpdate] = []
     for update in range(cfg.updates_per_batch):
         run.optimizer.zero_grad(set_to_none=True)
-        loss_value, loss_rows, hidden_rows = 0.0, [[] for _ in parts], [[] for _ in parts]
+        loss_value = 0.0
+        loss_rows: list[list[torch.Tensor]] = [[] for _ in parts]
+        hidden_rows: list[list[torch.Tensor]] = [[] for _ in parts]
         for j, (i, rows) in enumerate(micro):
-            p = parts[i]
+            p, mask_NT = parts[i], masks[i]
             old = p.batch.logprobs_NT[rows] if cfg.updates_per_batch > 1 else None
             ids_rows = None if p.student_ids is None else p.student_ids[rows]
             with run.dist.sync_gradients(j == len(micro) - 1):  # reduce across ranks once, after the last micro-batch
-                args = (p.batch.select(rows), p.scores.select(rows), p.mask_NT[rows], ids_rows, old)
+                args = (p.batch.select(rows), cast(TeacherScores, p.scores).select(rows), mask_NT[rows], ids_rows, old)
                 loss_NT, h = run.dist.train_call(_objective, run, p.task.teacher, *args)
-                loss = reduce_loss(cfg.reduction, loss_NT, p.mask_NT[rows], totals)
+                loss = reduce_loss(cfg.reduction, loss_NT, mask_NT[rows], totals)
                 loss.backward()
             loss_value += float(loss.detach())
             if update == 0:
                 loss_rows[i].append(loss_NT.detach())
                 hidden_rows[i].append(h.detach())
         loss_value = run.dist.all_sum([loss_value])[0] / run.dist.world  # see reduce_loss
-        norm = torch.nn.utils.clip_grad_norm_(run.dist.model.parameters(), cfg.max_grad_norm or float("inf"))
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
+        norm_t = torch.nn.utils.clip_grad_norm_(run.dist.module.parameters(), cfg.max_grad_norm or float("inf"))
+        norm = float(norm_t.full_tensor() if hasattr(norm_t, "full_tensor") else norm_t)  # FSDP: a DTensor
         check_finite(run, step, loss=loss_value, gradient_norm=norm)
         for group in run.optimizer.param_groups:  # the scheduler's next step resets it from the base lr
             group["lr"] *= scale
         run.optimizer.step()
         run.scheduler.step()
-        if first is None:
+        if update == 0:
             clipped = bool(cfg.max_grad_norm and norm > cfg.max_grad_norm)
             first = [
                 _first_update(p, torch.cat(ls), torch.cat(hs), loss_value, norm, clipped, cfg.log_rollouts)
                 for p, ls, hs in zip(parts, loss_rows, hidden_rows, strict=True)
             ]
     for u in first:
-        u.lr = run.scheduler.get_last_lr()[0] * scale
+        u.lr = cast(float, run.scheduler.get_last_lr()[0]) * scale  # our schedules' lrs are floats
     return first
 
 
@@ -445,20 +448,21 @@ STEP_KEYS = ("train/loss", "train/grad_norm", "train/clipped", "train/lr")  # th
 def part_metrics(run: Run, step: int, p: StepPart, upd: StepUpdate, W: torch.Tensor) -> tuple[dict, dict, list]:
     """One rank's metrics of one part, what each is a mean over, and (rank 0) its sample rollouts."""
     cfg, c = run.cfg, p.task.cfg
+    mask_NT, scores = cast(torch.Tensor, p.mask_NT), cast(TeacherScores, p.scores)  # set by the score stage
     examples = [p.task.source.examples[i] for i in p.rows]
     texts, correct, episodes = p.task.source.grade(run.tokenizer, examples, p.batch, p.records)
     horizon = c.max_new_tokens
     format_ids = [i for i in run.special_ids if i != run.tokenizer.eos_token_id]
-    stats = step_metrics(p.batch, correct, p.scores, upd, p.mask_NT, W, k=cfg.k, horizon=horizon, format_ids=format_ids)
+    stats = step_metrics(p.batch, correct, scores, upd, mask_NT, W, k=cfg.k, horizon=horizon, format_ids=format_ids)
     metrics = {**stats, **episodes}
-    weights = metric_weights(p.batch, p.mask_NT, upd.diag_hidden_MD.shape[0], horizon)
+    weights = metric_weights(p.batch, mask_NT, upd.diag_hidden_MD.shape[0], horizon)
     if p.task.name:  # a task's own loss: the token mean of its per-token loss (the step's loss is global)
-        metrics["train/loss"] = M.masked_mean(upd.loss_NT, p.mask_NT)
-        weights["train/loss"] = int(p.mask_NT.sum())
+        metrics["train/loss"] = M.masked_mean(upd.loss_NT, mask_NT)
+        weights["train/loss"] = int(mask_NT.sum())
     if not (cfg.log_rollouts and run.dist.is_main):
         return metrics, weights, []
     records = rollout_records(
-        run.tokenizer, W, step, p.batch, examples, texts, correct, p.scores, upd, p.mask_NT, p.records
+        run.tokenizer, W, step, p.batch, examples, texts, correct, scores, upd, mask_NT, p.records
     )
     return metrics, weights, [{"task": p.task.name, **r} if p.task.name else r for r in records]
 
@@ -508,7 +512,8 @@ def eval_stage(run: Run, step: int) -> dict:
     record: dict = {"step": step}
     for t, res in zip(run.tasks, results, strict=True):
         if not (run.rundir.path / t.files / "eval.jsonl").is_file():  # listed once played (once)
-            run.rundir.write_jsonl(f"{t.files}eval.jsonl", t.test.listing(run.rundir.path / t.files, played=True))
+            listed = cast(list[dict], t.test.listing(run.rundir.path / t.files, played=True))  # played: listed
+            run.rundir.write_jsonl(f"{t.files}eval.jsonl", listed)
         record.update({(f"eval/{t.name}/{k}" if t.name else f"eval/{k}"): v for k, v in res.items()})
     if run.tasks[0].name:
         for key in ("accuracy", "avg_at_k"):
@@ -521,12 +526,12 @@ def eval_stage(run: Run, step: int) -> dict:
 def checkpoint_stage(run: Run, step: int, rng: dict | None = None) -> None:
     """Rank 0 writes; every rank takes part in gathering sharded weights and per-rank RNG states
     (``rng``: this rank's, when not the generators' state now)."""
-    rng = run.dist.gather(rng_state(run.dist.device) if rng is None else rng)
+    rngs = run.dist.gather(rng_state(run.dist.device) if rng is None else rng)
     state = {
         "step": step,
         "optimizer": run.dist.optimizer_state(run.optimizer),
         "scheduler": run.scheduler.state_dict(),
-        "rng": rng if run.dist.active else rng[0],
+        "rng": rngs if run.dist.active else rngs[0],
         "fsdp": run.dist.fsdp,
         "config": config_record(run.cfg),
     }

@@ -12,6 +12,7 @@ positions whose sampled token is special (EOS, ``<think>``, ``</think>``, templa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -23,8 +24,8 @@ from opd.rollout.sampling import RolloutBatch
 from opd.teachers.base import TeacherScores, response_hidden
 
 
-def loss_mask(batch: RolloutBatch, special_ids: list[int], mask_special: bool) -> torch.Tensor:
-    mask = batch.action_mask_NT.clone()
+def loss_mask(batch: RolloutBatch, special_ids: list[int], mask_special: bool | None) -> torch.Tensor:
+    mask = cast(torch.Tensor, batch.action_mask_NT).clone()  # set by RolloutBatch.__post_init__
     if mask_special and special_ids:
         mask &= ~L.special_token_mask(batch.response_ids_NT, special_ids)
     return mask
@@ -113,7 +114,7 @@ def objective_loss(
         head_VD=head_weight(student),
         response_ids_NT=batch.response_ids_NT,
         behaviour_logprobs_NT=batch.logprobs_NT,
-        action_mask_NT=batch.action_mask_NT,
+        action_mask_NT=cast(torch.Tensor, batch.action_mask_NT),
         mask_NT=mask_NT,
         teacher_topk_ids_NTK=scores.topk_ids_NTK,
         teacher_topk_logprobs_NTK=scores.topk_logprobs_NTK,

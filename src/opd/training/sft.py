@@ -28,6 +28,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -77,7 +78,8 @@ def build_model(cfg: SFTConfig):
     layers, width = parse_arch(cfg.arch)
     torch.manual_seed(cfg.seed)
     model = tiny_qwen2(len(tok), layers, width, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
-    return model.to(resolve_device(cfg.device)), tok
+    # transformers wraps PreTrainedModel.to in functools.wraps, which mypy does not bind as a method
+    return model.to(resolve_device(cfg.device)), tok  # type: ignore[arg-type]
 
 
 def encode_pairs(
@@ -94,7 +96,9 @@ def encode_pairs(
     return pad_right(seqs, labels, tok.pad_token_id)
 
 
-def pad_right(seqs: list[list[int]], labels: list[list[int]], pad_id: int) -> tuple[torch.Tensor, ...]:
+def pad_right(
+    seqs: list[list[int]], labels: list[list[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token lists right-padded to one length: (ids, attention mask, labels with -100 on padding)."""
     L = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), L), pad_id, dtype=torch.long, device="cpu")
@@ -164,7 +168,7 @@ def prompt_source(cfg: SFTConfig, tok, model, task, eval_task) -> tuple[Callable
         targets = (
             teacher_completions(teacher_engine, tok, train_set, idx, step, cfg)
             if teacher_engine
-            else [train_set.examples[i].solution for i in idx]
+            else cast(list[str], [train_set.examples[i].solution for i in idx])  # all given, as checked above
         )
         return encode_pairs(tok, prompts, targets, systems)
 
@@ -256,7 +260,7 @@ def dagger_data(cfg: SFTConfig, env, games: list, tok, player: str, device) -> t
     return seqs, labels
 
 
-def task_sources(specs: list[TaskSpec], data: list, tok, model) -> list[tuple[str, Callable, Callable]]:
+def task_sources(specs: list[TaskSpec], data: list, tok, model) -> list[tuple[str, Callable, Callable, Callable]]:
     """Each task's (name, batch of its k-th step, greedy validation accuracy, greedy test accuracy; the
     two accuracies are one function with --validation-size 0): one task named "" unless
     the config lists several (each resolved into its own checked SFTConfig by opd.config.tasks).
@@ -362,7 +366,7 @@ def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
                     stale += 1
                 if cfg.patience and stale >= cfg.patience:
                     break
-    summary = {"best_accuracy": best, "steps": step + 1, "wall_s": round(time.time() - t0, 1)}
+    summary: dict[str, Any] = {"best_accuracy": best, "steps": step + 1, "wall_s": round(time.time() - t0, 1)}
     if multi:
         summary["best_by_task"] = best_by_task
     if cfg.validation_size:  # chosen on validation data; the kept model's test accuracy is reported

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from opd.config import TrainConfig
 from opd.evaluation.games import evaluate_agent, write_eval_games
@@ -173,6 +173,7 @@ def make_sources(cfg: TrainConfig, tok, task: Task | None, eval_task: Task | Non
     if cfg.env:
         env = play_env(cfg)
         return GameSource(GameSet.build(env, "train")), held_out(cfg, tok, eval_task, env)
+    task = cast(Task, task)  # None only with --env (task_data)
     train = PromptSet.build(task.examples("train"), tok, cfg.max_prompt_tokens, "training prompts")
     return PromptSource(train, task), held_out(cfg, tok, eval_task)
 
@@ -182,5 +183,6 @@ def held_out(cfg: TrainConfig, tok, grader: Task | None, env=None) -> Source:
     if cfg.env:
         env = env or play_env(cfg)
         return GameSource(GameSet.build(env, "test", cfg.eval_size))
+    grader = cast(Task, grader)  # None only with --env (task_data)
     examples = grader.examples("test")[: cfg.eval_size]
     return PromptSource(PromptSet.build(examples, tok, cfg.max_prompt_tokens, "test prompts"), grader)

@@ -13,6 +13,7 @@ the turns of an episode; an episode's rollout record shows those tokens, flagged
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -90,7 +91,7 @@ def step_metrics(
 ) -> dict:
     """One rank's metrics of a step; ``horizon`` (max new tokens) fixes the depth buckets;
     ``format_ids``: the special tokens whose share of responses or actions is logged (not EOS)."""
-    resp = batch.action_mask_NT
+    resp = cast(torch.Tensor, batch.action_mask_NT)  # set by RolloutBatch.__post_init__
     reward_NT = (scores.sampled_logprobs_NT - batch.logprobs_NT) * resp
     s_MV = upd.diag_hidden_MD.float() @ head_VD.float().T
     # A fixed horizon keeps bucket b the same depth range at every step, whatever the batch's length.
@@ -197,7 +198,7 @@ def _episode_fields(fields: dict, tok, batch: RolloutBatch, r: int, episode) -> 
     """Widen an episode's action-token fields to its whole response region (replies as context,
     flagged ``action`` 0) and add what happened at each turn."""
     everything = batch.response_mask_NT[r].nonzero().squeeze(-1)
-    action = batch.action_mask_NT[r, everything].tolist()
+    action = cast(torch.Tensor, batch.action_mask_NT)[r, everything].tolist()  # set by __post_init__
     ids = batch.response_ids_NT[r, everything].tolist()
     widened = {}
     for key in MODEL_FIELDS:
@@ -257,8 +258,9 @@ def rollout_records(
     h = upd.log_hidden_LTD
     student_lp = torch.log_softmax(h.float() @ head_VD.float().T, dim=-1)
     records = []
+    actions_NT = cast(torch.Tensor, batch.action_mask_NT)  # set by RolloutBatch.__post_init__
     for r in range(h.shape[0]):
-        at = batch.action_mask_NT[r].nonzero().squeeze(-1)  # a prefix in single-turn rollouts
+        at = actions_NT[r].nonzero().squeeze(-1)  # a prefix in single-turn rollouts
         fields = _model_fields(tok, student_lp, batch, scores, upd, mask_NT, r, at)
         if episodes is not None:
             fields = _episode_fields(fields, tok, batch, r, episodes[r])
