@@ -22,7 +22,7 @@ README_MAX_LINES = 300
 # The lines .ci/run (the test command) and a newcomer (the main job) copy from the README, verbatim.
 TEST_COMMAND = (
     "pip install torch==2.13.0 && pip install -e '.[dev]' && opd vllm-setup && ruff check . && ruff format --check . "
-    "&& lint-imports && python -m pytest -q -n 2 --dist loadgroup"
+    "&& lint-imports && mypy && python -m pytest -q -n 2 --dist loadgroup"
 )
 MAIN_JOB = "pip install torch==2.13.0 && pip install -e . && opd demo"
 
