@@ -169,3 +169,10 @@ def train_killed_at(cfg, step: int, monkeypatch) -> None:
             train_mod.train(cfg, show_progress=False)
     finally:
         monkeypatch.setattr(train_mod, "rollout_stage", real_rollout)
+
+
+def first_rollout(run, step: int = 0):
+    """``rollout_stage`` of the step's first task (the one task of a single-task run)."""
+    from opd.training import loop
+
+    return loop.rollout_stage(run, step, loop.step_tasks(run, step)[0])

@@ -15,6 +15,7 @@ from helpers import (
     assert_close_weights,
     cli_args,
     final_weights,
+    first_rollout,
     launch,
     read_metrics,
     step_records,
@@ -258,7 +259,7 @@ def test_write_eval_games_copies_each_games_folder(tmp_path):
 
 def test_single_turn_rollout_stage_has_no_episode_records(tiny_models, tmp_path):
     run = train_mod.setup(agentic_cfg(tiny_models, tmp_path / "run", env="", max_new_tokens=8))
-    batch, rows, records = train_mod.rollout_stage(run, 0)
+    batch, rows, records = first_rollout(run)
     assert records is None and len(rows) == 4 and torch.equal(batch.action_mask_NT, batch.response_mask_NT)
 
 

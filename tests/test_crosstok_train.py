@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 from helpers import SMALL as MULTI_PROCESS_SMALL
-from helpers import read_metrics, step_records
+from helpers import first_rollout, read_metrics, step_records
 from test_crosstok import make_teacher_tok
 from typer.testing import CliRunner
 
@@ -61,10 +61,10 @@ def cfg_for(student, teacher, tmp_path, **kw) -> TrainConfig:
 
 def test_identical_tokenizers_score_and_lsm_loss_equal_ordinary(tiny_models, tmp_path):
     run = train_mod.setup(cfg_for(*tiny_models, tmp_path, cross_tokenizer="on", k=8))
-    assert isinstance(run.teacher, CrossTokenizerTeacher) and run.teacher.same_vocab
-    batch, _, _ = train_mod.rollout_stage(run, 0)
-    cross = run.teacher.score(batch, 8)
-    plain = run.teacher.inner.score(batch, 8)
+    assert isinstance(run.tasks[0].teacher, CrossTokenizerTeacher) and run.tasks[0].teacher.same_vocab
+    batch, _, _ = first_rollout(run)
+    cross = run.tasks[0].teacher.score(batch, 8)
+    plain = run.tasks[0].teacher.inner.score(batch, 8)
     action = batch.action_mask_NT.bool()
     assert torch.equal(cross.position_mask_NT, action)  # every position pairs, EOS with EOS
     assert torch.equal(cross.topk_ids_NTK[action], plain.topk_ids_NTK[action])
@@ -75,8 +75,8 @@ def test_identical_tokenizers_score_and_lsm_loss_equal_ordinary(tiny_models, tmp
     mask = train_mod.loss_mask(batch, run.special_ids, run.cfg.mask_special)
     kept = scored_loss_mask(mask, cross)
     assert torch.equal(kept, mask) and cross.metrics["cross/dropped"] == 0.0
-    loss_cross, _ = objective_loss(run.cfg, run.student, run.teacher, batch, cross, kept)
-    loss_plain, _ = objective_loss(run.cfg, run.student, run.teacher, batch, plain, mask)
+    loss_cross, _ = objective_loss(run.cfg, run.student, run.tasks[0].teacher, batch, cross, kept)
+    loss_plain, _ = objective_loss(run.cfg, run.student, run.tasks[0].teacher, batch, plain, mask)
     assert torch.equal(loss_cross, loss_plain)
 
 

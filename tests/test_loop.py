@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import step_records, train_killed_at
+from helpers import first_rollout, step_records, train_killed_at
 from test_train import cfg_for
 
 from opd.errors import UserError
@@ -159,10 +159,10 @@ def test_updates_per_batch_with_an_analytic_loss(tiny_models, tmp_path, objectiv
     twice = dataclasses.replace(once, out=str(tmp_path / "twice" / "run"), updates_per_batch=2)
     train_mod.train(once, show_progress=False)
     run = train_mod.setup(dataclasses.replace(twice, steps=1))
-    batch, _, _ = train_mod.rollout_stage(run, 0)
+    batch, _, _ = first_rollout(run)
     mask = train_mod.loss_mask(batch, run.special_ids, run.cfg.mask_special)
     diag = train_mod.diag_index(mask, run.cfg.diag_positions, 0, run.cfg.seed)
-    scores, ids = train_mod.score_stage(run, batch, diag)
+    scores, ids = train_mod.score_stage(run, batch, diag, run.tasks[0])
     before = {n: p.detach().clone() for n, p in run.student.named_parameters()}
     part = train_mod.StepPart(run.tasks[0], batch, list(range(batch.num_rollouts)), None, mask, diag, scores, ids)
     train_mod.update_stage(run, 0, [part])
@@ -224,15 +224,15 @@ def test_full_kl_from_hidden_states_equals_the_dense_loss_on_rollouts(tiny_model
     from opd.training.loss import objective_loss
 
     run = train_mod.setup(cfg_for(tiny_models, tmp_path, objective="full_kl", kl_direction=direction))
-    batch, _, _ = train_mod.rollout_stage(run, 0)
+    batch, _, _ = first_rollout(run)
     mask = train_mod.loss_mask(batch, run.special_ids, run.cfg.mask_special)
-    scores = run.teacher.score(batch, run.cfg.k)
+    scores = run.tasks[0].teacher.score(batch, run.cfg.k)
     params = [p for p in run.student.parameters() if p.requires_grad]
 
-    loss_NT, _ = objective_loss(run.cfg, run.student, run.teacher, batch, scores, mask)
+    loss_NT, _ = objective_loss(run.cfg, run.student, run.tasks[0].teacher, batch, scores, mask)
     grads = torch.autograd.grad(loss_NT.sum(), params)
     with torch.no_grad():
-        t_logits = response_hidden(run.teacher.model, batch) @ head_weight(run.teacher.model).T
+        t_logits = response_hidden(run.tasks[0].teacher.model, batch) @ head_weight(run.tasks[0].teacher.model).T
     s_logits = response_hidden(run.student, batch) @ head_weight(run.student).T
     dense_NT = L.full_vocab_kl(s_logits, t_logits, mask, direction)
     dense_grads = torch.autograd.grad(dense_NT.sum(), params)

@@ -14,7 +14,7 @@ import math
 import pytest
 import reference as R
 import torch
-from helpers import step_records
+from helpers import first_rollout, step_records
 from test_losses import (
     BF16,
     F32,
@@ -368,11 +368,11 @@ def test_trainer_tail_loss_is_the_dense_one_on_rollouts(tiny_models, tmp_path):
     student, teacher = tiny_models
     cfg = TrainConfig(student=str(student), teacher=str(teacher), out=str(tmp_path / "run"), **SMALL, tail=True)
     run = train_mod.setup(cfg)
-    batch, _, _ = train_mod.rollout_stage(run, 0)
+    batch, _, _ = first_rollout(run)
     mask = train_mod.loss_mask(batch, run.special_ids, run.cfg.mask_special)
-    scores = run.teacher.score(batch, run.cfg.k)
+    scores = run.tasks[0].teacher.score(batch, run.cfg.k)
     params = [p for p in run.student.parameters() if p.requires_grad]
-    loss_NT, _ = objective_loss(run.cfg, run.student, run.teacher, batch, scores, mask)
+    loss_NT, _ = objective_loss(run.cfg, run.student, run.tasks[0].teacher, batch, scores, mask)
     ids, smask = L.build_support("teacher_topk", scores.topk_ids_NTK)  # the default support
     t_lp = scores.topk_logprobs_NTK
     logits = response_hidden(run.student, batch) @ head_weight(run.student).T

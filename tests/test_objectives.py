@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers import step_records
+from helpers import first_rollout, step_records
 from test_train import cfg_for
 
 import opd.losses as L
@@ -58,10 +58,10 @@ def test_the_entry_loss_is_what_the_trainer_minimises(tiny_models, tmp_path, reg
     from opd.training.loss import objective_loss
 
     run = train_mod.setup(cfg_for(tiny_models, tmp_path, objective="argmax_ce"))
-    batch, _, _ = train_mod.rollout_stage(run, 0)
+    batch, _, _ = first_rollout(run)
     mask = train_mod.loss_mask(batch, run.special_ids, run.cfg.mask_special)
-    scores = run.teacher.score(batch, run.cfg.k)
-    loss_NT, _ = objective_loss(run.cfg, run.student, run.teacher, batch, scores, mask)
+    scores = run.tasks[0].teacher.score(batch, run.cfg.k)
+    loss_NT, _ = objective_loss(run.cfg, run.student, run.tasks[0].teacher, batch, scores, mask)
     logits = (response_hidden(run.student, batch) @ head_weight(run.student).T).double()
     want = -logits.log_softmax(-1).gather(-1, scores.topk_ids_NTK[..., :1]).squeeze(-1)
     assert mask.any()

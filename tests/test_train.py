@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import read_metrics, step_records, train_killed_at
+from helpers import first_rollout, read_metrics, step_records, train_killed_at
 from typer.testing import CliRunner
 
 from opd.cli import app
@@ -105,14 +105,14 @@ def test_lsm_loss_decreases_on_a_fixed_batch(tiny_models, tmp_path):
     from opd.training.loss import LossTotals, loss_mask, objective_loss, reduce_loss
 
     run = train_mod.setup(cfg_for(tiny_models, tmp_path, lr=3e-3, warmup_steps=0, batch_size=8))
-    batch, _, _ = train_mod.rollout_stage(run, 0)
+    batch, _, _ = first_rollout(run)
     mask = loss_mask(batch, run.special_ids, True)
-    scores = run.teacher.score(batch, run.cfg.k)
+    scores = run.tasks[0].teacher.score(batch, run.cfg.k)
     totals = LossTotals(int(mask.sum()), int((mask.sum(-1) > 0).sum()), *mask.shape)
     losses = []
     for _ in range(30):
         run.optimizer.zero_grad()
-        loss_NT, _ = objective_loss(run.cfg, run.student, run.teacher, batch, scores, mask)
+        loss_NT, _ = objective_loss(run.cfg, run.student, run.tasks[0].teacher, batch, scores, mask)
         loss = reduce_loss("token_mean", loss_NT, mask, totals)
         loss.backward()
         run.optimizer.step()
@@ -205,7 +205,7 @@ def test_prompt_longer_than_allowed(tiny_models, tmp_path):
 def test_prompt_plus_response_longer_than_context(tiny_models, tmp_path):
     with pytest.raises(UserError, match="exceeds the model's context"):
         run = train_mod.setup(cfg_for(tiny_models, tmp_path, max_new_tokens=600))
-        train_mod.rollout_stage(run, 0)
+        first_rollout(run)
 
 
 def test_k_larger_than_vocab(tiny_models, tmp_path):
@@ -236,9 +236,9 @@ def test_bfloat16_teacher_scores_float32_students_rollouts(tiny_models, tmp_path
     close to the float32 teacher's, and a run with it trains."""
     half = train_mod.setup(cfg_for(tiny_models, tmp_path, teacher_dtype="bfloat16"))
     full = train_mod.setup(cfg_for(tiny_models, tmp_path / "f32"))
-    assert half.teacher.model.dtype == torch.bfloat16 and half.student.dtype == torch.float32
-    batch, _, _ = train_mod.rollout_stage(half, 0)
-    got, want = half.teacher.score(batch, 8), full.teacher.score(batch, 8)
+    assert half.tasks[0].teacher.model.dtype == torch.bfloat16 and half.student.dtype == torch.float32
+    batch, _, _ = first_rollout(half)
+    got, want = half.tasks[0].teacher.score(batch, 8), full.tasks[0].teacher.score(batch, 8)
     mask = batch.response_mask_NT
     assert got.sampled_logprobs_NT.dtype == torch.float32
     gap = (got.sampled_logprobs_NT - want.sampled_logprobs_NT).abs()[mask]

@@ -108,12 +108,6 @@ class Run:
     start_step: int = 0
     schedule: list[tuple[int, int]] = field(default_factory=list)  # alternate: (task, its batch number) per step
 
-    # The single task of a single-task run (the first task of a multi-task one).
-    teacher = property(lambda self: self.tasks[0].teacher)
-    engine = property(lambda self: self.tasks[0].engine)
-    source = property(lambda self: self.tasks[0].source)
-    test = property(lambda self: self.tasks[0].test)
-
 
 @dataclass(frozen=True)
 class Assignment:
@@ -271,13 +265,10 @@ def step_tasks(run: Run, step: int) -> list[Assignment]:
     return out
 
 
-def rollout_stage(
-    run: Run, step: int, at: Assignment | None = None
-) -> tuple[RolloutBatch, list[int], list[EpisodeRecord] | None]:
-    """This rank's rollouts of one task (default: the step's first): its contiguous block of the
-    task's global batch, seeded by global slot; with --env, episodes of the step's games and what
-    happened in each (the source's records; None for prompts)."""
-    at = at or step_tasks(run, step)[0]
+def rollout_stage(run: Run, step: int, at: Assignment) -> tuple[RolloutBatch, list[int], list[EpisodeRecord] | None]:
+    """This rank's rollouts of one task of the step (``at``, from :func:`step_tasks`): its
+    contiguous block of the task's global batch, seeded by global slot; with --env, episodes of the
+    step's games and what happened in each (the source's records; None for prompts)."""
     task, cfg = at.task, at.task.cfg
     idx = task.source.batch_indices(at.visit, cfg.batch_size * run.dist.world, cfg.seed)
     global_rows = [i for i in idx for _ in range(cfg.samples_per_prompt)]
@@ -298,9 +289,9 @@ def diag_index(mask_NT: torch.Tensor, n: int, step: int, seed: int) -> torch.Ten
     return flat[pick].sort().values
 
 
-def score_stage(run: Run, batch: RolloutBatch, diag_M: torch.Tensor, task: TaskRun | None = None):
-    """The teacher's scores of one task's rollouts (default: the first task's), by that task's teacher."""
-    cfg, task = run.cfg, task or run.tasks[0]
+def score_stage(run: Run, batch: RolloutBatch, diag_M: torch.Tensor, task: TaskRun):
+    """The teacher's scores of one task's rollouts, by that task's teacher."""
+    cfg = run.cfg
     needs_student = needs_student_topk(cfg)
     student_ids = run.dist.full_call(lambda s: student_topk_ids(s, batch, cfg.k)) if needs_student else None
     # a served teacher that stays down stops the run here, naming its task (see stop_if_service_down)
@@ -481,8 +472,9 @@ def log_stage(run: Run, step: int, parts: list[StepPart], upds: list[StepUpdate]
     every = [mw for rank in ranks for mw in rank]
     record = {"step": step, **merge_metrics([m for m, _ in every], [w for _, w in every]), **slowest}
     record.update({k: getattr(upds[0], k.split("/")[1]) for k in STEP_KEYS})
-    if hasattr(run.engine, "last_gap"):  # the vLLM engine's policy check: the largest of the ranks'
-        record["rollout/engine_logprob_gap"] = max(run.dist.gather(run.engine.last_gap))
+    gaps = [p.task.engine.last_gap for p in parts if hasattr(p.task.engine, "last_gap")]
+    if gaps:  # the vLLM engine's policy check, over the step's tasks: the largest of the ranks'
+        record["rollout/engine_logprob_gap"] = max(run.dist.gather(max(gaps)))
     for i, p in enumerate(parts):
         if p.task.name:
             own = merge_metrics([r[i][0] for r in ranks], [r[i][1] for r in ranks])
