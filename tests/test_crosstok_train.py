@@ -73,8 +73,8 @@ def test_identical_tokenizers_score_and_lsm_loss_equal_ordinary(tiny_models, tmp
     torch.testing.assert_close(cross.sampled_logprobs_NT[action], plain.sampled_logprobs_NT[action])
     assert cross.metrics == {"cross/one_to_one": 1.0, "cross/mapped_mass": 1.0}
     mask = train_mod.loss_mask(batch, run.special_ids, run.cfg.mask_special)
-    kept = scored_loss_mask(mask, cross)
-    assert torch.equal(kept, mask) and cross.metrics["cross/dropped"] == 0.0
+    kept, metrics = scored_loss_mask(mask, cross)
+    assert torch.equal(kept, mask) and metrics == {"cross/dropped": 0.0}
     loss_cross, _ = objective_loss(run.cfg, run.student, run.tasks[0].teacher, batch, cross, kept)
     loss_plain, _ = objective_loss(run.cfg, run.student, run.tasks[0].teacher, batch, plain, mask)
     assert torch.equal(loss_cross, loss_plain)

@@ -164,7 +164,7 @@ def test_updates_per_batch_with_an_analytic_loss(tiny_models, tmp_path, objectiv
     diag = train_mod.diag_index(mask, run.cfg.diag_positions, 0, run.cfg.seed)
     scores, ids = train_mod.score_stage(run, batch, diag, run.tasks[0])
     before = {n: p.detach().clone() for n, p in run.student.named_parameters()}
-    part = train_mod.StepPart(run.tasks[0], batch, list(range(batch.num_rollouts)), None, mask, diag, scores, ids)
+    part = train_mod.StepPart(run.tasks[0], batch, list(range(batch.num_rollouts)), None, mask, diag, scores, ids, {})
     train_mod.update_stage(run, 0, [part])
     assert run.scheduler.last_epoch == 2
     shutil.rmtree(twice.out)

@@ -120,16 +120,18 @@ class Assignment:
 
 @dataclass
 class StepPart:
-    """One task's share of a step: its rollouts, masks and teacher scores (the whole step when it has one task)."""
+    """One task's share of a step once scored (the whole step when it has one task): its rollouts,
+    loss mask, diagnostic positions, teacher scores and the scoring's own metrics."""
 
     task: TaskRun
     batch: RolloutBatch
     rows: list[int]
     records: list[EpisodeRecord] | None
-    mask_NT: torch.Tensor | None = None  # set after the rollout: the loss mask, the diagnostic positions
-    diag_M: torch.Tensor | None = None
-    scores: TeacherScores | None = None
-    student_ids: torch.Tensor | None = None
+    mask_NT: torch.Tensor  # the loss mask, without the positions the teacher did not score
+    diag_M: torch.Tensor  # the flat positions of the full-vocabulary diagnostics
+    scores: TeacherScores
+    student_ids: torch.Tensor | None  # the student's top-K, for student-side supports
+    score_metrics: dict[str, float]  # logged with the step (cross/dropped)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -299,6 +301,20 @@ def score_stage(run: Run, batch: RolloutBatch, diag_M: torch.Tensor, task: TaskR
     return scores, student_ids
 
 
+def scored_part(
+    run: Run, step: int, rng: dict, task: TaskRun, batch: RolloutBatch, rows: list[int], records
+) -> StepPart:
+    """One task's rollouts, scored: the loss mask, the diagnostic positions, the teacher's scores
+    (a teacher that stays down checkpoints step - 1 first: --resume loses nothing), and the mask
+    without what the teacher did not score (a cross-tokenizer teacher's unaligned positions)."""
+    mask_NT = loss_mask(batch, run.special_ids, task.cfg.mask_special)
+    diag_M = diag_index(mask_NT, run.cfg.diag_positions, step, run.cfg.seed)
+    with stop_if_service_down(run, step, rng, TeacherUnavailable, "the teacher"):
+        scores, student_ids = score_stage(run, batch, diag_M, task)
+    kept_NT, metrics = scored_loss_mask(mask_NT, scores)
+    return StepPart(task, batch, rows, records, kept_NT, diag_M, scores, student_ids, metrics)
+
+
 @contextmanager
 def stop_if_service_down(run: Run, step: int, rng: dict, kind: type[ServiceUnavailable], service: str):
     """Around a step's rollouts or scoring: a served teacher (or vLLM rollout engine) that stayed
@@ -349,7 +365,7 @@ def _micro_batches(parts: list[StepPart], grad_accum: int) -> list[tuple[int, sl
     """(part, rows) of every micro-batch of the step: each part split into ``grad_accum`` pieces."""
     out = []
     for i, p in enumerate(parts):
-        N = cast(torch.Tensor, p.mask_NT).shape[0]  # set by the score stage, as scores
+        N = p.mask_NT.shape[0]
         out += [(i, slice(start, start + N // grad_accum)) for start in range(0, N, N // grad_accum)]
     return out
 
@@ -363,7 +379,7 @@ def update_stage(run: Run, step: int, parts: list[StepPart]) -> list[StepUpdate]
     an older policy visited. Only the first update's loss is logged (the on-policy one).
     """
     cfg = run.cfg
-    masks = [cast(torch.Tensor, p.mask_NT) for p in parts]
+    masks = [p.mask_NT for p in parts]
     totals = global_totals(run, masks, [p.task.cfg.max_new_tokens for p in parts])
     micro = _micro_batches(parts, cfg.grad_accum)
     scale = task_lr_scale(run, parts)
@@ -378,7 +394,7 @@ def update_stage(run: Run, step: int, parts: list[StepPart]) -> list[StepUpdate]
             old = p.batch.logprobs_NT[rows] if cfg.updates_per_batch > 1 else None
             ids_rows = None if p.student_ids is None else p.student_ids[rows]
             with run.dist.sync_gradients(j == len(micro) - 1):  # reduce across ranks once, after the last micro-batch
-                args = (p.batch.select(rows), cast(TeacherScores, p.scores).select(rows), mask_NT[rows], ids_rows, old)
+                args = (p.batch.select(rows), p.scores.select(rows), mask_NT[rows], ids_rows, old)
                 loss_NT, h = run.dist.train_call(_objective, run, p.task.teacher, *args)
                 loss = reduce_loss(cfg.reduction, loss_NT, mask_NT[rows], totals)
                 loss.backward()
@@ -439,13 +455,13 @@ STEP_KEYS = ("train/loss", "train/grad_norm", "train/clipped", "train/lr")  # th
 def part_metrics(run: Run, step: int, p: StepPart, upd: StepUpdate, W: torch.Tensor) -> tuple[dict, dict, list]:
     """One rank's metrics of one part, what each is a mean over, and (rank 0) its sample rollouts."""
     cfg, c = run.cfg, p.task.cfg
-    mask_NT, scores = cast(torch.Tensor, p.mask_NT), cast(TeacherScores, p.scores)  # set by the score stage
+    mask_NT, scores = p.mask_NT, p.scores
     examples = [p.task.source.examples[i] for i in p.rows]
     texts, correct, episodes = p.task.source.grade(run.tokenizer, examples, p.batch, p.records)
     horizon = c.max_new_tokens
     format_ids = [i for i in run.special_ids if i != run.tokenizer.eos_token_id]
     stats = step_metrics(p.batch, correct, scores, upd, mask_NT, W, k=cfg.k, horizon=horizon, format_ids=format_ids)
-    metrics = {**stats, **episodes}
+    metrics = {**stats, **p.score_metrics, **episodes}
     weights = metric_weights(p.batch, mask_NT, upd.diag_hidden_MD.shape[0], horizon)
     if p.task.name:  # a task's own loss: the token mean of its per-token loss (the step's loss is global)
         metrics["train/loss"] = M.masked_mean(upd.loss_NT, mask_NT)
@@ -542,18 +558,11 @@ def train_steps(run: Run, show_progress: bool) -> dict:
         bar.advance(run.start_step)
         for step in range(run.start_step, cfg.steps):
             t0, rng = time.perf_counter(), rng_state(run.dist.device)
+            tasks = step_tasks(run, step)
             with stop_if_service_down(run, step, rng, EngineUnavailable, "the vLLM engine"):
-                parts = [StepPart(at.task, *rollout_stage(run, step, at)) for at in step_tasks(run, step)]
+                rollouts = [rollout_stage(run, step, at) for at in tasks]
             t1 = time.perf_counter()
-            for p in parts:
-                p.mask_NT = loss_mask(p.batch, run.special_ids, p.task.cfg.mask_special)
-                p.diag_M = diag_index(p.mask_NT, cfg.diag_positions, step, cfg.seed)
-                with stop_if_service_down(
-                    run, step, rng, TeacherUnavailable, "the teacher"
-                ):  # checkpoints step - 1 first: --resume loses nothing
-                    p.scores, p.student_ids = score_stage(run, p.batch, p.diag_M, p.task)
-                # a cross-tokenizer teacher leaves unaligned positions out
-                p.mask_NT = scored_loss_mask(p.mask_NT, p.scores)
+            parts = [scored_part(run, step, rng, at.task, *r) for at, r in zip(tasks, rollouts, strict=True)]
             t2 = time.perf_counter()
             upds = update_stage(run, step, parts)
             t3 = time.perf_counter()

@@ -31,15 +31,14 @@ def loss_mask(batch: RolloutBatch, special_ids: list[int], mask_special: bool | 
     return mask
 
 
-def scored_loss_mask(mask_NT: torch.Tensor, scores: TeacherScores) -> torch.Tensor:
+def scored_loss_mask(mask_NT: torch.Tensor, scores: TeacherScores) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss mask without the positions the teacher did not score (``scores.position_mask_NT``:
-    a cross-tokenizer teacher's unaligned positions). Their share of the loss positions is recorded
-    in ``scores.metrics`` as ``cross/dropped``, so it is logged with the step."""
+    a cross-tokenizer teacher's unaligned positions), and their share of the loss positions as the
+    metric ``cross/dropped`` (none when the teacher scored every position)."""
     if scores.position_mask_NT is None:
-        return mask_NT
+        return mask_NT, {}
     kept_NT = mask_NT & scores.position_mask_NT
-    scores.metrics["cross/dropped"] = float((mask_NT & ~kept_NT).sum()) / max(int(mask_NT.sum()), 1)
-    return kept_NT
+    return kept_NT, {"cross/dropped": float((mask_NT & ~kept_NT).sum()) / max(int(mask_NT.sum()), 1)}
 
 
 @torch.no_grad()
