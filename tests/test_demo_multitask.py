@@ -161,8 +161,8 @@ def test_quick_multitask_experiment(models, tmp_path):
 @pytest.mark.slow
 def test_quick_multitask_tail_experiment(models, tmp_path):
     from opd.experiments import run
+    from opd.experiments.multitask_tail import AGENTIC, SINGLE_TASK, STUDENT, VARIANTS
     from opd.experiments.stats import INCONCLUSIVE
-    from opd.experiments.tail import AGENTIC, SINGLE_TASK, STUDENT, VARIANTS
     from opd.recipes.multitask import GAME_LR, LR
 
     _, assets, _ = models

@@ -11,21 +11,22 @@ import importlib
 
 from opd.errors import UserError
 
-# name -> module; imported lazily so `opd experiment variance` does not load transformers.
-_MODULES = {
-    "variance": "opd.experiments.variance",
-    "objectives": "opd.experiments.objectives",
-    "tokenizer-mismatch": "opd.experiments.mismatch",
-    "teacher-choice": "opd.experiments.teacher_choice",
-    "depth": "opd.experiments.depth",
-    "agentic": "opd.experiments.agentic",
-    "cross-tokenizer": "opd.experiments.cross_tokenizer",
-    "gold-bytelevel": "opd.experiments.gold_bytelevel",
-    "multitask": "opd.experiments.multitask",
-    "multitask-tail": "opd.experiments.tail",
-    "vllm-rollouts": "opd.experiments.vllm_rollouts",
-}
-NAMES = tuple(_MODULES)
+# Each experiment is the module of its name (dashes as underscores), imported lazily so that
+# `opd experiment variance` does not load transformers.
+NAMES = (
+    "variance",
+    "objectives",
+    "tokenizer-mismatch",
+    "teacher-choice",
+    "depth",
+    "agentic",
+    "cross-tokenizer",
+    "gold-bytelevel",
+    "multitask",
+    "multitask-tail",
+    "vllm-rollouts",
+)
+_MODULES = {name: f"opd.experiments.{name.replace('-', '_')}" for name in NAMES}
 
 
 def get_experiment(name: str):
