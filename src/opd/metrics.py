@@ -44,6 +44,9 @@ from collections.abc import Collection
 import torch
 import torch.nn.functional as F
 
+# the losses' dtype policy and mask handling, so a diagnostic and the loss it explains agree
+from opd.losses._common import as_bool, compute_dtype
+
 __all__ = [
     "by_position_bucket",
     "entropy",
@@ -72,14 +75,10 @@ __all__ = [
 ]
 
 
-def _dtype(*tensors: torch.Tensor) -> torch.dtype:
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
 def _bool(mask: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     if mask.shape != shape:
         raise ValueError(f"mask has shape {tuple(mask.shape)}, expected {tuple(shape)}")
-    return mask if mask.dtype == torch.bool else mask != 0
+    return as_bool(mask)
 
 
 def _masked(values_BT: torch.Tensor, mask_BT: torch.Tensor | None) -> torch.Tensor:
@@ -123,7 +122,7 @@ def masked_mean(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
     n = int(mask.sum())
     if n == 0:
         return 0.0
-    return float(torch.where(mask, values_BT.to(_dtype(values_BT)), 0.0).sum() / n)
+    return float(torch.where(mask, values_BT.to(compute_dtype(values_BT)), 0.0).sum() / n)
 
 
 @torch.no_grad()
@@ -136,7 +135,7 @@ def topk_ids(logits_BTV: torch.Tensor, k: int) -> torch.Tensor:
     V = logits_BTV.shape[-1]
     if not 1 <= k <= V:
         raise ValueError(f"k={k} is outside [1, vocabulary size {V}]")
-    flat_NV = logits_BTV.reshape(-1, V).to(_dtype(logits_BTV))
+    flat_NV = logits_BTV.reshape(-1, V).to(compute_dtype(logits_BTV))
     vals_NK, ids_NK = flat_NV.topk(k, dim=-1)
     # torch.topk picks arbitrarily among values tied at the cut (common in bfloat16): in those
     # rows take every value >= the k-th as candidates and keep the lowest ids among the ties.
@@ -177,7 +176,7 @@ def topk_overlap_BT(
         Returns (B, T), 0 where masked.
     """
     _, _, inter_BTK = _student_topk_and_overlap(student_logits_BTV, teacher_logits_BTV, k)
-    hits_BT = inter_BTK.sum(-1).to(_dtype(student_logits_BTV, teacher_logits_BTV))
+    hits_BT = inter_BTK.sum(-1).to(compute_dtype(student_logits_BTV, teacher_logits_BTV))
     return _masked(hits_BT / k, mask_BT)
 
 
@@ -194,7 +193,7 @@ def _overlap_advantage(
     student_logits_BTV: torch.Tensor, teacher_logits_BTV: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     sp_BTK, vp_BTK, inter_BTK = _student_topk_and_overlap(student_logits_BTV, teacher_logits_BTV, k)
-    dtype = _dtype(student_logits_BTV, teacher_logits_BTV)
+    dtype = compute_dtype(student_logits_BTV, teacher_logits_BTV)
     logp_BTK = _log_softmax(student_logits_BTV.gather(-1, sp_BTK).to(dtype), vp_BTK)
     logq_BTK = _log_softmax(teacher_logits_BTV.gather(-1, sp_BTK).to(dtype), vp_BTK)
     # In the intersection both logits are finite, so both log-probs are finite.
@@ -268,7 +267,7 @@ def entropy_BT(logits_BTV: torch.Tensor, mask_BT: torch.Tensor | None = None) ->
 
     Shapes: logits_BTV (B, T, V); mask_BT optional (B, T). Returns (B, T), 0 where masked.
     """
-    logp_BTV = torch.log_softmax(logits_BTV.to(_dtype(logits_BTV)), dim=-1)
+    logp_BTV = torch.log_softmax(logits_BTV.to(compute_dtype(logits_BTV)), dim=-1)
     # 0 * -inf and an all -inf row give NaN terms; nansum counts them as 0 (0 log 0 = 0).
     return _masked(-(logp_BTV.exp() * logp_BTV).nansum(-1), mask_BT)
 
@@ -290,7 +289,7 @@ def entropy_gap_BT(
     mask_BT optional (B, T). Returns (B, T), 0 where masked.
     """
     _same_shape(student_logits_BTV[..., 0], teacher_logits_BTV[..., 0])
-    dtype = _dtype(student_logits_BTV, teacher_logits_BTV)
+    dtype = compute_dtype(student_logits_BTV, teacher_logits_BTV)
     gap = entropy_BT(teacher_logits_BTV).to(dtype) - entropy_BT(student_logits_BTV).to(dtype)
     return _masked(gap.abs(), mask_BT)
 
@@ -326,7 +325,7 @@ def support_mass_BT(
     ids_BTK = torch.where(valid_BTK, support_ids_BTK.long(), -1).sort(dim=-1).values
     valid_BTK = ids_BTK >= 0
     valid_BTK[..., 1:] &= ids_BTK[..., 1:] != ids_BTK[..., :-1]  # drop repeated ids
-    dtype = _dtype(logits_BTV)
+    dtype = compute_dtype(logits_BTV)
     lse_BT1 = torch.logsumexp(logits_BTV.to(dtype), dim=-1, keepdim=True)
     lse_BT1 = torch.where(torch.isfinite(lse_BT1), lse_BT1, 0.0)
     p_BTK = (logits_BTV.gather(-1, ids_BTK.clamp(min=0)).to(dtype) - lse_BT1).exp()
@@ -354,7 +353,7 @@ def tail_mass_BT(topk_logprobs_BTK: torch.Tensor, mask_BT: torch.Tensor | None =
 
     Shapes: topk_logprobs_BTK (B, T, K); mask_BT optional (B, T). Returns (B, T) in [0, 1], 0 where masked.
     """
-    dtype = _dtype(topk_logprobs_BTK)
+    dtype = compute_dtype(topk_logprobs_BTK)
     inside_BT = topk_logprobs_BTK.to(dtype).exp().sum(-1)
     return _masked((1.0 - inside_BT).clamp(0.0, 1.0), mask_BT)
 
@@ -409,7 +408,7 @@ def negative_reward_BT(
     Returns (B, T), 0 where masked.
     """
     _same_shape(student_logprobs_BT, teacher_logprobs_BT)
-    dtype = _dtype(student_logprobs_BT, teacher_logprobs_BT)
+    dtype = compute_dtype(student_logprobs_BT, teacher_logprobs_BT)
     neg_BT = teacher_logprobs_BT.to(dtype) < student_logprobs_BT.to(dtype)
     return _masked(neg_BT.to(dtype), mask_BT)
 
@@ -447,7 +446,7 @@ def by_position_bucket(
     t_T = torch.arange(T, device=values_BT.device)
     keep_BT = mask_BT & (t_T < H)
     bucket_K = ((t_T * num_buckets) // H).expand(B, T)[keep_BT]
-    dtype = _dtype(values_BT)
+    dtype = compute_dtype(values_BT)
     sums_N = torch.zeros(num_buckets, dtype=dtype, device=values_BT.device)
     sums_N.index_add_(0, bucket_K, values_BT.to(dtype)[keep_BT])
     counts_N = torch.bincount(bucket_K, minlength=num_buckets)
