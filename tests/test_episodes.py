@@ -404,7 +404,8 @@ def test_step_metrics_and_records_count_action_tokens_only(teacher, student, pla
     from types import SimpleNamespace
 
     from opd.models.loading import head_weight
-    from opd.teachers.base import HFTeacher, response_hidden
+    from opd.rollout.forward import response_hidden
+    from opd.teachers.base import HFTeacher
     from opd.training.stepstats import StepUpdate, metric_weights, rollout_records, step_metrics
 
     model, tok = student

@@ -220,7 +220,7 @@ def test_full_kl_from_hidden_states_equals_the_dense_loss_on_rollouts(tiny_model
     """The trainer's full_kl never builds (N, T, V) logits; it must still be the dense KL, value and gradient."""
     from opd import losses as L
     from opd.models.loading import head_weight
-    from opd.teachers.base import response_hidden
+    from opd.rollout.forward import response_hidden
     from opd.training.loss import objective_loss
 
     run = train_mod.setup(cfg_for(tiny_models, tmp_path, objective="full_kl", kl_direction=direction))

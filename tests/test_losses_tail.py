@@ -361,7 +361,7 @@ def test_trainer_tail_loss_is_the_dense_one_on_rollouts(tiny_models, tmp_path):
     from helpers import SMALL
 
     from opd.models.loading import head_weight
-    from opd.teachers.base import response_hidden
+    from opd.rollout.forward import response_hidden
     from opd.training import loop as train_mod
     from opd.training.loss import objective_loss
 

@@ -54,7 +54,7 @@ def test_the_entry_loss_is_what_the_trainer_minimises(tiny_models, tmp_path, reg
     here from the batch and scores directly (the teacher's top token's -log p)."""
     registered(O.Objective("argmax_ce", "CE on the teacher's top token", _teacher_argmax_ce, lambda c: {O.TOPK}))
     from opd.models.loading import head_weight
-    from opd.teachers.base import response_hidden
+    from opd.rollout.forward import response_hidden
     from opd.training.loss import objective_loss
 
     run = train_mod.setup(cfg_for(tiny_models, tmp_path, objective="argmax_ce"))

@@ -249,7 +249,7 @@ def hand_batch(pad_id: int, prompts: list[list[int]], responses: list[list[int]]
 @pytest.mark.parametrize("rows_per_chunk", [1, 3, 16])
 def test_response_hidden_in_length_chunks_matches_each_row_alone(tiny_models, rows_per_chunk):
     from opd.models.loading import final_hidden
-    from opd.teachers.base import response_hidden
+    from opd.rollout.forward import response_hidden
 
     student, _ = tiny_models
     tok, model = load_tokenizer(student), load_model(student, "student")

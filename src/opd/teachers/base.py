@@ -25,7 +25,8 @@ from transformers import PreTrainedModel
 
 from opd.errors import ServiceUnavailable, UserError
 from opd.losses import topk_and_gather_from_hidden
-from opd.models.loading import final_hidden, head_weight
+from opd.models.loading import head_weight
+from opd.rollout.forward import response_hidden
 from opd.rollout.sampling import RolloutBatch
 
 
@@ -81,38 +82,6 @@ class TeacherScorer(Protocol):
         head (V, E), for the full-vocabulary objectives: the loss projects them a chunk of
         positions at a time, so no (N, T, V) tensor is ever formed."""
         ...
-
-
-# Rows per forward chunk in response_hidden. A batch padded to its longest prompt and longest
-# response is mostly padding when lengths vary; chunks of rows of similar length, each cut to its
-# own longest prompt and response, skip most of it, while chunks too small leave the matrix
-# products narrow. How the value was chosen is in docs/benchmarks.md ("Where opd's step goes").
-ROWS_PER_CHUNK = 8
-
-
-def response_hidden(model: PreTrainedModel, batch: RolloutBatch, rows_per_chunk: int = ROWS_PER_CHUNK) -> torch.Tensor:
-    """Final hidden states that predict each response token: position P - 1 + t predicts y_t.
-
-    Rows are run in chunks of similar length, each trimmed of the padding all its rows share.
-    Positions outside ``response_mask_NT`` hold no meaningful value (zeros past the longest
-    response of the row's chunk): every consumer masks them.
-
-    Shapes: returns (N, T, D)
-    """
-    P, T = batch.prompt_len, batch.response_ids_NT.shape[1]
-    prompt_lens_N = batch.attention_mask_NL[:, :P].sum(-1)
-    response_lens_N = batch.response_mask_NT.sum(-1).clamp(min=1)
-    order_N = torch.argsort(prompt_lens_N + response_lens_N, stable=True)
-    pieces = []
-    for rows in order_N.split(rows_per_chunk):
-        start, t_max = P - int(prompt_lens_N[rows].max()), int(response_lens_N[rows].max())
-        # the last response token is never an input that predicts one, so the slice stops before it
-        h = final_hidden(
-            model, batch.input_ids_NL[rows, start : P + t_max - 1], batch.attention_mask_NL[rows, start : P + t_max - 1]
-        )
-        h = h[:, P - 1 - start : P - 1 - start + t_max]
-        pieces.append(torch.nn.functional.pad(h, (0, 0, 0, T - t_max)))
-    return torch.cat(pieces)[torch.argsort(order_N)]
 
 
 def filler_scores(

@@ -62,8 +62,8 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from opd.errors import UserError
 from opd.losses import topk_and_gather_from_hidden
 from opd.models.loading import final_hidden, head_weight, load_model, load_tokenizer, model_device, resolve_device
+from opd.rollout.forward import ROWS_PER_CHUNK
 from opd.teachers import wire
-from opd.teachers.base import ROWS_PER_CHUNK
 from opd.teachers.client import vocab_info
 
 
