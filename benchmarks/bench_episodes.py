@@ -51,8 +51,8 @@ from pathlib import Path
 import torch
 
 from opd.envs.workers import EnvWorkers
+from opd.lab.demos.agentic import ASSETS, ENV, LEVEL, LIMITS, STUDENT_GAMES, TOP_P, env_args
 from opd.models.loading import load_model, load_tokenizer
-from opd.recipes.agentic import ASSETS, ENV, LEVEL, LIMITS, STUDENT_GAMES, TOP_P, env_args
 from opd.rollout.episodes import EpisodeRollout
 from opd.rollout.games import make_env
 from opd.rollout.sampling import left_pad, prefill

@@ -73,7 +73,7 @@ SEED = 0
 
 
 def plan(args) -> dict:
-    from opd.recipes import demo
+    from opd.lab.demos import demo
 
     return {
         "student": str(demo.ASSETS / "student"),

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from opd.envs import normal_command
+from opd.lab.demos.agentic import ASSETS, LIMITS, TOP_P, environment
 from opd.models.loading import load_model, load_tokenizer
-from opd.recipes.agentic import ASSETS, LIMITS, TOP_P, environment
 from opd.rollout.episodes import ChatFormat, EpisodeRollout
 from opd.training.cloning import mistake_command
 

@@ -22,9 +22,9 @@ from typer.testing import CliRunner
 from opd.cli import app
 from opd.config import ConfigError, EvalConfig, SFTConfig, TrainConfig
 from opd.errors import UserError
+from opd.lab.demos.demo import ASSETS
 from opd.models.loading import load_tokenizer
 from opd.models.tokenizer import format_prompt
-from opd.recipes.demo import ASSETS
 from opd.rollout.prompts import PromptSet, load_task, load_tasks
 from opd.tasks import ArithmeticTask, DatasetTask, Example, JsonlTask
 from opd.training import loop as train_mod

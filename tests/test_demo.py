@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from opd.errors import UserError
-from opd.recipes.demo import make_demo_models, run_demo
+from opd.lab.demos.demo import make_demo_models, run_demo
 
 
 def test_make_demo_models_and_quick_demo(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from opd.errors import UserError
-from opd.recipes.agentic import MAX_PROMPT_TOKENS, environment, make_agentic_models, run_agentic_demo
+from opd.lab.demos.agentic import MAX_PROMPT_TOKENS, environment, make_agentic_models, run_agentic_demo
 
 # Looked up, not imported: importing alfworld sets ALFWORLD_DATA for the whole process.
 if importlib.util.find_spec("alfworld") is None:
@@ -69,7 +69,7 @@ def test_make_agentic_models_and_quick_agentic_demo(tmp_path):
 
 
 def test_the_game_teacher_learns_from_the_demos_games_and_more():
-    from opd.recipes.agentic import ENV, LEVEL, TEACHER_GAMES, env_args, teacher_env_args
+    from opd.lab.demos.agentic import ENV, LEVEL, TEACHER_GAMES, env_args, teacher_env_args
     from opd.rollout.games import make_env
 
     demo, teacher = make_env(ENV, LEVEL, env_args(False)), make_env(ENV, LEVEL, teacher_env_args(False))
@@ -92,7 +92,7 @@ def test_packaged_models_come_from_the_recipe_as_written():
     from pathlib import Path
 
     from opd.config import SFTConfig
-    from opd.recipes.agentic import ASSETS, student_sft_config, teacher_sft_configs
+    from opd.lab.demos.agentic import ASSETS, student_sft_config, teacher_sft_configs
     from opd.rollout.games import parse_env_args
 
     paths = ("out", "init", "dagger_from", "tokenizer")

@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from opd.errors import UserError
-from opd.recipes.multitask import GAME, MATH, make_multitask_models, run_multitask_demo, task_steps
+from opd.lab.demos.multitask import GAME, MATH, make_multitask_models, run_multitask_demo, task_steps
 
 # Looked up, not imported: importing alfworld sets ALFWORLD_DATA for the whole process.
 if importlib.util.find_spec("alfworld") is None:
@@ -20,8 +20,8 @@ if importlib.util.find_spec("alfworld") is None:
 
 
 def test_missing_models_name_the_recipe(tmp_path, monkeypatch):
-    import opd.recipes.agentic
-    import opd.recipes.multitask
+    import opd.lab.demos.agentic
+    import opd.lab.demos.multitask
 
     with pytest.raises(
         UserError, match=r"missing in .*nowhere \(math_teacher, student\); run `opd make-demo-models --multitask"
@@ -33,8 +33,8 @@ def test_missing_models_name_the_recipe(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"\(game_teacher\); run `opd make-demo-models --multitask --out .*mt`"):
         run_multitask_demo(tmp_path / "demo", assets=tmp_path / "mt")
     # the packaged models refer to the packaged agentic demo's game teacher: its own recipe makes it
-    monkeypatch.setattr(opd.recipes.multitask, "ASSETS", tmp_path / "mt")
-    monkeypatch.setattr(opd.recipes.agentic, "ASSETS", tmp_path / "agentic")
+    monkeypatch.setattr(opd.lab.demos.multitask, "ASSETS", tmp_path / "mt")
+    monkeypatch.setattr(opd.lab.demos.agentic, "ASSETS", tmp_path / "agentic")
     with pytest.raises(
         UserError, match=r"game teacher .*agentic/teacher is missing; run `opd make-demo-models --agentic"
     ):
@@ -50,8 +50,8 @@ def test_packaged_models_come_from_the_recipe_as_written():
     logged equal the recipe's (all but where it wrote), and their scores are the summary's."""
     import dataclasses
 
-    from opd.recipes.demo import teacher_sft_config
-    from opd.recipes.multitask import ASSETS, student_sft_config
+    from opd.lab.demos.demo import teacher_sft_config
+    from opd.lab.demos.multitask import ASSETS, student_sft_config
 
     made = json.loads((ASSETS / "make_summary.json").read_text())
     assert set(made) == {"math_teacher", "student"}
@@ -74,7 +74,7 @@ def test_packaged_models_come_from_the_recipe_as_written():
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """The shortened recipe's models, on quick agentic models: (agentic dir, multi-task dir, what was made)."""
-    from opd.recipes.agentic import make_agentic_models
+    from opd.lab.demos.agentic import make_agentic_models
 
     root = tmp_path_factory.mktemp("models")
     make_agentic_models(root / "agentic", quick=True)
@@ -135,9 +135,9 @@ def test_quick_multitask_demo(models, tmp_path):
 
 @pytest.mark.slow
 def test_quick_multitask_experiment(models, tmp_path):
-    from opd.experiments import run
-    from opd.experiments.multitask import SINGLE, VARIANTS
-    from opd.experiments.stats import INCONCLUSIVE
+    from opd.lab.experiments import run
+    from opd.lab.experiments.multitask import SINGLE, VARIANTS
+    from opd.lab.experiments.stats import INCONCLUSIVE
 
     _, assets, _ = models
     shutil.copytree(assets, tmp_path / "multitask" / "quick-models")  # made once for the module
@@ -160,10 +160,10 @@ def test_quick_multitask_experiment(models, tmp_path):
 
 @pytest.mark.slow
 def test_quick_multitask_tail_experiment(models, tmp_path):
-    from opd.experiments import run
-    from opd.experiments.multitask_tail import AGENTIC, SINGLE_TASK, STUDENT, VARIANTS
-    from opd.experiments.stats import INCONCLUSIVE
-    from opd.recipes.multitask import GAME_LR, LR
+    from opd.lab.demos.multitask import GAME_LR, LR
+    from opd.lab.experiments import run
+    from opd.lab.experiments.multitask_tail import AGENTIC, SINGLE_TASK, STUDENT, VARIANTS
+    from opd.lab.experiments.stats import INCONCLUSIVE
 
     _, assets, _ = models
     shutil.copytree(assets, tmp_path / "multitask-tail" / "quick-models")

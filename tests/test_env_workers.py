@@ -236,7 +236,7 @@ def test_unset_env_workers_use_the_cores_the_trainer_leaves_free(monkeypatch):
 
 
 def test_side_by_side_runs_count_only_their_share_of_the_cores(monkeypatch):
-    from opd.recipes.parallel import with_threads
+    from opd.lab.demos.parallel import with_threads
 
     monkeypatch.delenv(CPU_SHARE_ENV, raising=False)
     threads = torch.get_num_threads()

@@ -18,10 +18,10 @@ import torch
 
 from opd.config import TrainConfig, build_config
 from opd.errors import UserError
-from opd.experiments import NAMES, get_experiment, run
-from opd.experiments.core import DONE, STARTED, RunSpec, Settings, command_line, run_specs
-from opd.experiments.keys import Keys
-from opd.experiments.stats import (
+from opd.lab.experiments import NAMES, get_experiment, run
+from opd.lab.experiments.core import DONE, STARTED, RunSpec, Settings, command_line, run_specs
+from opd.lab.experiments.keys import Keys
+from opd.lab.experiments.stats import (
     INCONCLUSIVE,
     NOT_REPRODUCED,
     REPRODUCED,
@@ -105,7 +105,7 @@ def test_verdict_rules():
 def test_rate_bands_stay_between_0_and_1(tmp_path, monkeypatch):
     import matplotlib.axes
 
-    from opd.experiments.plots import line_plot
+    from opd.lab.experiments.plots import line_plot
 
     drawn = []
     monkeypatch.setattr(matplotlib.axes.Axes, "fill_between", lambda ax, xs, lo, hi, **kw: drawn.append((lo, hi)))
@@ -364,7 +364,7 @@ def test_a_multi_task_runs_command_line_runs_the_same_config(tmp_path, monkeypat
 
 
 def test_per_rollout_gradients_match_a_loop():
-    from opd.experiments.variance import gradient_variance, random_table, sample, surrogate
+    from opd.lab.experiments.variance import gradient_variance, random_table, sample, surrogate
 
     g = torch.Generator().manual_seed(0)
     theta, teacher = random_table(5, 3, 1.0, g), random_table(5, 3, 2.0, g)
@@ -381,7 +381,7 @@ def test_per_rollout_gradients_match_a_loop():
 
 
 def test_sequence_kl_is_exact():
-    from opd.experiments.variance import random_table, sequence_kl
+    from opd.lab.experiments.variance import random_table, sequence_kl
 
     g = torch.Generator().manual_seed(3)
     T, V = 3, 3
@@ -410,7 +410,7 @@ def test_variance_quick_end_to_end(tmp_path):
     again = run("variance", tmp_path, seeds=2, quick=True, show_progress=False)
     assert all(r["status"].startswith("skipped") for r in again["run_log"])
 
-    from opd.experiments.results_md import build_results_md
+    from opd.lab.experiments.results_md import build_results_md
 
     doc = build_results_md([tmp_path], tmp_path / "docs" / "RESULTS.md")
     text = doc.read_text()
@@ -452,7 +452,7 @@ def test_variance_quick_end_to_end(tmp_path):
 
 
 def test_depth_buckets_and_reformatted_solutions():
-    from opd.experiments.depth import BUCKET, bucket_stats
+    from opd.lab.experiments.depth import BUCKET, bucket_stats
     from opd.tasks.arithmetic import reformat_solution
 
     rows = [
@@ -489,7 +489,7 @@ def test_model_experiment_quick(name, tmp_path):
 
 
 def test_results_md_names_a_corrupt_results_file(tmp_path):
-    from opd.experiments.results_md import build_results_md
+    from opd.lab.experiments.results_md import build_results_md
 
     (tmp_path / "variance").mkdir()
     (tmp_path / "variance" / "results.json").write_text("{cut short")
@@ -500,8 +500,8 @@ def test_results_md_names_a_corrupt_results_file(tmp_path):
 
 
 def test_multitask_format_shares_read_the_game_steps_logged_format_rate(tmp_path):
-    from opd.experiments.core import Settings
-    from opd.experiments.multitask import WINDOW, format_shares
+    from opd.lab.experiments.core import Settings
+    from opd.lab.experiments.multitask import WINDOW, format_shares
 
     s = Settings(tmp_path, seeds=1, quick=False)
     run = s.run_dir("lsm/seed0")
@@ -523,7 +523,7 @@ def test_multitask_format_shares_read_the_game_steps_logged_format_rate(tmp_path
 
 
 def test_agentic_first_word_windows_read_the_action_starts(tmp_path):
-    from opd.experiments.agentic import DOUBT, SURE, WORD_WINDOW, first_word_windows
+    from opd.lab.experiments.agentic import DOUBT, SURE, WORD_WINDOW, first_word_windows
 
     assert (WORD_WINDOW, SURE, DOUBT) == (10, 0.5, 0.1)
     ln = math.log
@@ -568,8 +568,8 @@ def test_agentic_first_word_windows_read_the_action_starts(tmp_path):
 
 
 def test_agentic_first_word_table_counts_the_seeds_that_lost_a_word(tmp_path):
-    from opd.experiments.agentic import VARIANTS, first_word_table
-    from opd.experiments.core import Analysis, Settings
+    from opd.lab.experiments.agentic import VARIANTS, first_word_table
+    from opd.lab.experiments.core import Analysis, Settings
 
     s = Settings(tmp_path, seeds=2, quick=False)
     ln = math.log
@@ -608,7 +608,7 @@ def test_agentic_first_word_table_counts_the_seeds_that_lost_a_word(tmp_path):
 def test_a_pipe_in_a_cell_does_not_split_its_row():
     import re
 
-    from opd.experiments.core import Analysis, render_markdown
+    from opd.lab.experiments.core import Analysis, render_markdown
 
     a = Analysis()
     a.table("t", ["what", "mean |x|"], [["gap |a - b|", "0.5"]])

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from opd.experiments import run
-from opd.experiments.cross_tokenizer import VARIANTS
-from opd.experiments.stats import INCONCLUSIVE
+from opd.lab.experiments import run
+from opd.lab.experiments.cross_tokenizer import VARIANTS
+from opd.lab.experiments.stats import INCONCLUSIVE
 from opd.models.loading import load_tokenizer
 
 

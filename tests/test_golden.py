@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from opd.config import TrainConfig
-from opd.recipes.demo import ASSETS
+from opd.lab.demos.demo import ASSETS
 from opd.training import loop as train_mod
 
 GOLDEN = Path(__file__).parent / "golden" / "lsm_demo_steps.json"

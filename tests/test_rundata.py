@@ -1,5 +1,5 @@
 """Run data: what an experiment's analysis reads of its runs, recorded and replayed
-(``opd.experiments.rundata``), and docs/RESULTS.md recomputed from the committed recordings."""
+(``opd.lab.experiments.rundata``), and docs/RESULTS.md recomputed from the committed recordings."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from opd.errors import UserError
-from opd.experiments import NAMES, run
-from opd.experiments.core import DATA, DONE, Settings, derived, read_done, read_metrics, read_run_file
-from opd.experiments.results_md import build_results_md, recompute
-from opd.experiments.rundata import RunData
+from opd.lab.experiments import NAMES, run
+from opd.lab.experiments.core import DATA, DONE, Settings, derived, read_done, read_metrics, read_run_file
+from opd.lab.experiments.results_md import build_results_md, recompute
+from opd.lab.experiments.rundata import RunData
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "RESULTS.md"

@@ -20,7 +20,7 @@ from opd.runs.rundir import RunDir
 # opd's real command line (its SIGTERM handling lives in opd.cli.main).
 EXPERIMENT = """
 from opd.config import TrainConfig
-from opd.experiments.core import Analysis, Experiment, RunSpec
+from opd.lab.experiments.core import Analysis, Experiment, RunSpec
 
 STUDENT, TEACHER = {student!r}, {teacher!r}
 
@@ -37,8 +37,8 @@ EXPERIMENT = Experiment("stop-test", "stop test", "two runs", plan, lambda s, sp
 MAIN = """
 import sys
 sys.path.insert(0, {folder!r})
-import opd.experiments
-opd.experiments._MODULES["stop-test"] = "stop_experiment"
+import opd.lab.experiments
+opd.lab.experiments._MODULES["stop-test"] = "stop_experiment"
 from opd.cli import main
 sys.argv = ["opd", "experiment", "stop-test", "--seeds", "1", "--out", {out!r}, "--workers", "2"]
 main()

@@ -331,8 +331,8 @@ def test_two_ranks_roll_out_from_an_engine_each(vllm_teacher, tmp_path):
 
 
 def test_the_vllm_rollouts_experiment_runs_quick(vllm_teacher, tmp_path):
-    from opd.experiments import run
-    from opd.experiments.stats import INCONCLUSIVE
+    from opd.lab.experiments import run
+    from opd.lab.experiments.stats import INCONCLUSIVE
 
     res = run("vllm-rollouts", tmp_path, seeds=1, quick=True, show_progress=False)
     assert [c["verdict"] for c in res["claims"]] == [INCONCLUSIVE]  # one seed decides nothing

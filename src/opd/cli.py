@@ -19,7 +19,6 @@ import typer
 
 from opd.config import DTYPES, EvalConfig, SFTConfig, TrainConfig, build_config, read_config_file
 from opd.errors import UserError
-from opd.experiments import NAMES as EXPERIMENTS  # light: the modules load when one runs
 
 app = typer.Typer(
     add_completion=False,
@@ -123,16 +122,16 @@ def _demo(
     if steps is not None and steps < 1:  # checked here: the demo evaluates its models for a minute before training
         raise UserError(f"--steps {steps} must be >= 1 (OPD steps per objective); leave it out for the default")
     if multitask:
-        from opd.recipes.multitask import run_multitask_demo
+        from opd.lab.demos.multitask import run_multitask_demo
 
         run_multitask_demo(out=out, steps=steps or 0, quick=quick, assets=assets)
         return
     if agentic:
-        from opd.recipes.agentic import run_agentic_demo
+        from opd.lab.demos.agentic import run_agentic_demo
 
         run_agentic_demo(out=out, steps=steps or 0, quick=quick, assets=assets)
         return
-    from opd.recipes.demo import run_demo
+    from opd.lab.demos.demo import run_demo
 
     run_demo(out=out, steps=steps or 200, quick=quick, assets=assets)
 
@@ -244,16 +243,16 @@ def _make_demo_models(
     if agentic and multitask:
         raise UserError("--agentic and --multitask make different models; choose one")
     if multitask:
-        from opd.recipes.multitask import make_multitask_models
+        from opd.lab.demos.multitask import make_multitask_models
 
         make_multitask_models(out=out, quick=quick, seed=seed, only=only)
         return
     if agentic:
-        from opd.recipes.agentic import make_agentic_models
+        from opd.lab.demos.agentic import make_agentic_models
 
         make_agentic_models(out=out, quick=quick, seed=seed, only=only)
         return
-    from opd.recipes.demo import make_demo_models
+    from opd.lab.demos.demo import make_demo_models
 
     make_demo_models(out=out, quick=quick, seed=seed, only=only)
 
@@ -262,7 +261,8 @@ def _make_demo_models(
 def _experiment(
     name: str = typer.Argument(
         ...,
-        help=f"Experiment: {', '.join(EXPERIMENTS[:-1])} or {EXPERIMENTS[-1]}.",
+        help="Experiment: variance, objectives, agentic, multitask... (docs/experiments.md lists them all; a name "
+        "that is not one lists the choices).",
     ),
     seeds: int = typer.Option(3, help="Seeds per setting (3 or more for 95% intervals)."),
     out: Path = typer.Option(Path("runs/experiments"), help="Output root; the experiment writes OUT/NAME/."),
@@ -282,7 +282,7 @@ def _experiment(
     """Check a claim of the papers: run (or resume) the experiment's runs, then write results.md/json, plots, commands.
 
     A finished run is reused only when its command and the models and data it reads are unchanged."""
-    from opd.experiments import run
+    from opd.lab.experiments import run
 
     run(name, out, seeds=seeds, quick=quick, workers=workers, adopt=adopt)
 
@@ -297,7 +297,7 @@ def _results(
     doc: Path = typer.Option(Path("docs/RESULTS.md"), help="The document to write (plots go to DOC_DIR/results/)."),
 ) -> None:
     """Build docs/RESULTS.md from the experiments' results.json files (never by hand)."""
-    from opd.experiments.results_md import build_results_md
+    from opd.lab.experiments.results_md import build_results_md
 
     typer.echo(f"wrote {build_results_md(from_dirs, doc)}")
 

@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from opd.evaluation.prompts import decode_responses
-from opd.experiments.common import STUDENT, TEACHER, generate_batches
-from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_run_file
-from opd.experiments.plots import line_plot
-from opd.experiments.stats import auroc, mean_ci, verdict
-from opd.recipes.demo import TASK_LEVEL
+from opd.lab.demos.demo import TASK_LEVEL
+from opd.lab.experiments.common import STUDENT, TEACHER, generate_batches
+from opd.lab.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_run_file
+from opd.lab.experiments.plots import line_plot
+from opd.lab.experiments.stats import auroc, mean_ci, verdict
 from opd.rollout.prompts import PromptSet, load_task
 from opd.runs.progress import progress_bar
 from opd.tasks.grading import grade

@@ -1,7 +1,7 @@
 """``opd experiment vllm-rollouts``: does LSM train the same with rollouts from vLLM as from opd's own loop?
 
 Not a paper's claim: a check of opd's vLLM rollout engine (``--rollout-engine vllm``, vLLM's CPU build
-here, float32 like the trainer). The demo's LSM run (:func:`opd.recipes.demo.opd_config`: 200 steps of
+here, float32 like the trainer). The demo's LSM run (:func:`opd.lab.demos.demo.opd_config`: 200 steps of
 64 prompts, lr 5e-4, top-p 0.9, K 32) from the same student with the same seeds, once with each engine,
 each final model evaluated by the training loop (300 held-out prompts, greedy and avg@4). The claim:
 the two engines end within ±5 points of greedy accuracy (paired over seeds; an equivalence
@@ -23,12 +23,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from opd.experiments.agentic import models_specs, run_specs
-from opd.experiments.common import final_scores
-from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_done
-from opd.experiments.stats import equivalence, mean_ci
-from opd.recipes.agentic import DEMO_STEPS
-from opd.recipes.demo import ASSETS, EVAL_SAMPLES, opd_config
+from opd.lab.demos.agentic import DEMO_STEPS
+from opd.lab.demos.demo import ASSETS, EVAL_SAMPLES, opd_config
+from opd.lab.experiments.agentic import models_specs, run_specs
+from opd.lab.experiments.common import final_scores
+from opd.lab.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_done
+from opd.lab.experiments.stats import equivalence, mean_ci
 
 ENGINES = ("hf", "vllm")
 MARGIN = 0.05  # "the same": the paired greedy-accuracy difference within 5 points
@@ -109,7 +109,7 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
 
 
 def _steps(s: Settings, name: str) -> list[dict]:
-    from opd.experiments.core import read_metrics
+    from opd.lab.experiments.core import read_metrics
 
     return [r for r in read_metrics(s, name) if "rollout/engine_logprob_gap" in r]
 

@@ -1,6 +1,6 @@
 """What an experiment's run depends on, as one key: reuse a finished run only when nothing it read changed.
 
-A run's key is a SHA-256 over its command line (:func:`opd.experiments.core.command_line`: every
+A run's key is a SHA-256 over its command line (:func:`opd.lab.experiments.core.command_line`: every
 setting that differs from its default) and over each file or folder its settings name (a model
 folder, a data file, a tasks file): a path inside another run of the plan (its directory, or the
 folder a python step writes, its ``out`` parameter) contributes that run's key, so keys chain; any

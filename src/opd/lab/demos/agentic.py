@@ -32,15 +32,15 @@ from opd.config import SFTConfig, TrainConfig
 from opd.envs import Environment
 from opd.errors import UserError
 from opd.evaluation.games import evaluate_agent
+from opd.lab.demos.demo import run_objectives, summary_table, train_models
+from opd.lab.demos.parallel import demo_workers
 from opd.models.loading import load_model, load_tokenizer, resolve_device
 from opd.models.tokenizer import train_tokenizer
-from opd.recipes.demo import run_objectives, summary_table, train_models
-from opd.recipes.parallel import demo_workers
 from opd.report import PNG_DIR, write_report
 from opd.rollout.games import GameSet, make_env
 from opd.tasks import get_task
 
-ASSETS = Path(__file__).parents[1] / "assets" / "agentic"
+ASSETS = Path(__file__).parents[2] / "assets" / "agentic"
 ENV, LEVEL = "alfworld", 1
 ENV_ARGS = ["num_train=400", "num_test=50"]  # the games the demo's OPD plays and the student's come from
 QUICK_ENV_ARGS = ["num_train=24", "num_test=8"]  # the shortened recipe and demo (tests)

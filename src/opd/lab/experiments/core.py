@@ -29,13 +29,13 @@ from pathlib import Path
 from typing import Any, cast
 
 from opd.errors import UserError
-from opd.experiments.keys import Keys
-from opd.experiments.rundata import RunData
-from opd.recipes.parallel import process_pool, threads_per_worker, with_threads
+from opd.lab.demos.parallel import process_pool, threads_per_worker, with_threads
+from opd.lab.experiments.keys import Keys
+from opd.lab.experiments.rundata import RunData
 
 DONE = "DONE.json"
 STARTED = "STARTED.json"  # the command a train run was begun with: resume only that one
-DATA = "data.json"  # what the analysis read of the runs (opd.experiments.rundata)
+DATA = "data.json"  # what the analysis read of the runs (opd.lab.experiments.rundata)
 
 
 @dataclass
@@ -183,7 +183,7 @@ def run_specs(specs: list[RunSpec], settings: Settings, show_progress: bool = Tr
 
 
 def _up_to_date(spec: RunSpec, settings: Settings, key: str) -> bool:
-    """Finished earlier with the settings and inputs asked for now (see :mod:`opd.experiments.keys`);
+    """Finished earlier with the settings and inputs asked for now (see :mod:`opd.lab.experiments.keys`);
     says so when it is, as a reused run's numbers may be older than the code."""
     run_dir = settings.run_dir(spec.name)
     if not _finished(run_dir):
@@ -337,7 +337,7 @@ def source_commit() -> str:
     "unknown" outside a git checkout: each run and result names the code that made it."""
     import subprocess
 
-    src = Path(__file__).resolve().parents[1]
+    src = Path(__file__).resolve().parents[2]  # the opd package
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=src, capture_output=True, text=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "-uno", "--", "."], cwd=src, capture_output=True)
@@ -455,7 +455,7 @@ def run_experiment(
     settings.run_data.write(settings.out / DATA)
     (settings.out / "results.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
     (settings.out / "results.md").write_text(f"# {exp.title}\n\n{render_markdown(res)}")
-    lines = [f"# {res['command']}", "# the equivalent of each run (python steps are internal to opd.experiments):"]
+    lines = [f"# {res['command']}", "# the equivalent of each run (python steps are internal to opd.lab.experiments):"]
     lines += [command_line(s, settings.run_dir(s.name)) for s in specs]
     (settings.out / "commands.txt").write_text("\n".join(lines) + "\n")
     print(f"wrote {settings.out / 'results.md'}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """``opd experiment agentic``: OPD objectives on multi-turn ALFWorld games (2603.25562, agentic setting).
 
-From the agentic demo's game teacher and student (:mod:`opd.recipes.agentic`: ALFWorld level 1,
+From the agentic demo's game teacher and student (:mod:`opd.lab.demos.agentic`: ALFWorld level 1,
 generated games), with the same seeds: sampled-token OPD, LSM without special-token masking, LSM
 with it (the paper's ALFWorld column: 90.6 / 95.3 / 97.7 success), and full-vocabulary reverse KL
 as the truncation ablation the reviewers asked for (does restoring the full support help?). Each
@@ -25,18 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from opd.config import EvalConfig, TrainConfig
-from opd.experiments.common import (
-    avg_at_k_claim,
-    demo_models,
-    diagnostics_plots,
-    final_scores,
-    read_metrics,
-    series,
-    stability,
-)
-from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, derived
-from opd.experiments.stats import mean_ci, verdict
-from opd.recipes.agentic import (
+from opd.lab.demos.agentic import (
     ASSETS,
     DEMO_BATCH,
     DEMO_LR,
@@ -47,6 +36,17 @@ from opd.recipes.agentic import (
     TOP_P,
     env_args,
 )
+from opd.lab.experiments.common import (
+    avg_at_k_claim,
+    demo_models,
+    diagnostics_plots,
+    final_scores,
+    read_metrics,
+    series,
+    stability,
+)
+from opd.lab.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, derived
+from opd.lab.experiments.stats import mean_ci, verdict
 from opd.report.load import read_jsonl
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -63,7 +63,7 @@ WORD_WINDOW, SURE, DOUBT, LOST = 10, 0.5, 0.1, 0.05
 
 
 def make_quick_models(p: dict, run_dir: Path) -> dict:
-    from opd.recipes.agentic import make_agentic_models
+    from opd.lab.demos.agentic import make_agentic_models
 
     return make_agentic_models(Path(p["out"]), quick=True)
 

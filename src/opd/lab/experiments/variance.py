@@ -28,9 +28,9 @@ from typing import cast
 
 import torch
 
-from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_run_file
-from opd.experiments.plots import line_plot
-from opd.experiments.stats import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, fit_power_law, mean_ci, verdict
+from opd.lab.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_run_file
+from opd.lab.experiments.plots import line_plot
+from opd.lab.experiments.stats import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, fit_power_law, mean_ci, verdict
 from opd.losses import sampled_token_advantages, sampled_token_pg_loss
 
 GAMMAS = (0.0, 0.5, 0.9, 1.0)

@@ -15,10 +15,10 @@ from typing import Any
 
 from opd.config import EvalConfig, SFTConfig, TrainConfig
 from opd.errors import UserError
-from opd.experiments.core import Analysis, Claim, RunSpec, Settings, read_done, read_metrics
-from opd.experiments.plots import line_plot
-from opd.experiments.stats import mean_ci, verdict
-from opd.recipes.demo import ASSETS, EVAL_SAMPLES, MAX_NEW_TOKENS, TASK_LEVEL, TOP_P
+from opd.lab.demos.demo import ASSETS, EVAL_SAMPLES, MAX_NEW_TOKENS, TASK_LEVEL, TOP_P
+from opd.lab.experiments.core import Analysis, Claim, RunSpec, Settings, read_done, read_metrics
+from opd.lab.experiments.plots import line_plot
+from opd.lab.experiments.stats import mean_ci, verdict
 
 STUDENT, TEACHER = str(ASSETS / "student"), str(ASSETS / "teacher")
 SPIKE = 3.0  # a gradient-norm spike: a step whose (pre-clipping) norm exceeds 3x its run's median

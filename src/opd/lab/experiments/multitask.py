@@ -1,6 +1,6 @@
 """``opd experiment multitask``: one student, math and ALFWorld games alternating, a teacher per task (2603.25562).
 
-From the multi-task demo's models (:mod:`opd.recipes.multitask`: a math teacher and the agentic
+From the multi-task demo's models (:mod:`opd.lab.demos.multitask`: a math teacher and the agentic
 demo's game teacher on one shared tokenizer, and a student that knows a little of both), with
 the same seeds, the demo's two-task runs (math and game steps alternating, two math steps per
 game step) with both tasks at lr 3e-4 (the demo's rate when these results were measured; its game
@@ -35,10 +35,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from opd.experiments.common import demo_models, diagnostics_plots
-from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_done, read_metrics
-from opd.experiments.stats import equivalence, mean_ci, verdict
-from opd.recipes.multitask import ASSETS, GAME, MATH, STEPS, make_quick_models, opd_config, task_steps
+from opd.lab.demos.multitask import ASSETS, GAME, MATH, STEPS, make_quick_models, opd_config, task_steps
+from opd.lab.experiments.common import demo_models, diagnostics_plots
+from opd.lab.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_done, read_metrics
+from opd.lab.experiments.stats import equivalence, mean_ci, verdict
 
 # two-task runs: name -> config changes
 VARIANTS: dict[str, dict[str, Any]] = {

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from opd.config import DEFAULT_SPECIAL_TOKENS
-from opd.experiments.common import (
+from opd.lab.demos.demo import TASK_LEVEL
+from opd.lab.experiments.common import (
     STUDENT,
     TEACHER,
     avg_at_k_claim,
@@ -39,10 +40,9 @@ from opd.experiments.common import (
     sizes,
     with_eval,
 )
-from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, derived, read_done, read_run_file
-from opd.experiments.plots import line_plot
-from opd.experiments.stats import mean_ci, verdict
-from opd.recipes.demo import TASK_LEVEL
+from opd.lab.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, derived, read_done, read_run_file
+from opd.lab.experiments.plots import line_plot
+from opd.lab.experiments.stats import mean_ci, verdict
 from opd.report.load import read_jsonl
 from opd.rollout.prompts import PromptSet, load_task
 

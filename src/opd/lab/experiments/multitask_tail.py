@@ -7,7 +7,7 @@ and special-token masking drops the very positions where it was written. ``--tai
 category to the KL for each model's mass outside the support (TRL's ``loss_add_tail``), so that
 mass is no longer free.
 
-From the multi-task demo's models and settings (:mod:`opd.recipes.multitask`: math and ALFWorld
+From the multi-task demo's models and settings (:mod:`opd.lab.demos.multitask`: math and ALFWorld
 games alternating, two math steps per game step, a teacher per task; math steps at lr 3e-4, game
 steps at 1e-4), with the same seeds:
 the student before OPD, and two-task runs with sampled-token OPD, teacher top-K LSM, LSM with the
@@ -38,10 +38,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from opd.experiments import agentic, common
-from opd.experiments.common import demo_models, diagnostics_plots, final_eval_spec, final_scores
-from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
-from opd.experiments.multitask import (
+from opd.lab.demos.multitask import ASSETS, GAME, GAME_LR, LR, MATH, STEPS, evaluate, held_out_sets, opd_config
+from opd.lab.experiments import agentic, common
+from opd.lab.experiments.common import demo_models, diagnostics_plots, final_eval_spec, final_scores
+from opd.lab.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
+from opd.lab.experiments.multitask import (
     MARGIN,
     QUICK_STEPS,
     better,
@@ -53,9 +54,8 @@ from opd.experiments.multitask import (
     run_name,
     scores,
 )
-from opd.experiments.stats import equivalence, mean_ci, noninferior, verdict
+from opd.lab.experiments.stats import equivalence, mean_ci, noninferior, verdict
 from opd.models.loading import load_tokenizer
-from opd.recipes.multitask import ASSETS, GAME, GAME_LR, LR, MATH, STEPS, evaluate, held_out_sets, opd_config
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "sampled": dict(objective="sampled", mask_special=False),

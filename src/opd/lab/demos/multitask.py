@@ -2,9 +2,9 @@
 
 The seed paper's headline setting at CPU scale: one student, two tasks, a teacher for each, and
 training steps that alternate between them (math, game, math, game, ...; :mod:`opd.training.schedule`).
-The math teacher is the arithmetic demo's recipe (:func:`opd.recipes.demo.teacher_sft_config`: a 4-layer
+The math teacher is the arithmetic demo's recipe (:func:`opd.lab.demos.demo.teacher_sft_config`: a 4-layer
 Qwen2 on every training solution) made on the agentic demo's tokenizer, which was trained on both
-kinds of text; the game teacher is the agentic demo's (:mod:`opd.recipes.agentic`). Each teacher is
+kinds of text; the game teacher is the agentic demo's (:mod:`opd.lab.demos.agentic`). Each teacher is
 a specialist that never saw the other task. The student (2 layers, 128 wide) knows a little of
 both: one mixed behaviour-cloning run (``opd sft`` with two tasks, :mod:`opd.training.sft`) on the
 arithmetic demo student's 1,000 math solutions and the agentic demo student's 100 games' expert
@@ -46,17 +46,17 @@ from rich.table import Table
 
 from opd.config import SFTConfig, TrainConfig, resolve_tasks
 from opd.errors import UserError
+from opd.lab.demos import agentic as demo_agentic
+from opd.lab.demos import demo
+from opd.lab.demos.demo import run_objectives, teacher_sft_config, train_models
+from opd.lab.demos.parallel import demo_workers
 from opd.models.loading import load_model, load_tokenizer, resolve_device
-from opd.recipes import agentic as demo_agentic
-from opd.recipes import demo
-from opd.recipes.demo import run_objectives, teacher_sft_config, train_models
-from opd.recipes.parallel import demo_workers
 from opd.report import PNG_DIR, write_report
 from opd.rollout.prompts import load_task
 from opd.training.schedule import task_schedule
 from opd.training.sources import held_out
 
-ASSETS = Path(__file__).parents[1] / "assets" / "multitask"
+ASSETS = Path(__file__).parents[2] / "assets" / "multitask"
 MATH, GAME = "math", "alfworld"  # the task names: metric prefixes (math/train/loss, eval/alfworld/success_rate)
 # Math solutions the student learns from (of 20,000; the math teacher learns from all): as many as
 # the arithmetic demo's student, which reaches about half the teacher's accuracy. With 300 this

@@ -7,7 +7,7 @@ GOLD is built for: a byte-level BPE with another vocabulary
 (:func:`opd.models.tokenizer.train_bytelevel_tokenizer`: Llama-3's digit runs, 1536 ids to the
 student's 2048, other merges and ids) and the student's chat markup, since GOLD hands the teacher
 the student's chat text. The teacher is trained with the demo teacher's recipe
-(:func:`opd.recipes.demo.teacher_sft_config`), as in ``cross-tokenizer``.
+(:func:`opd.lab.demos.demo.teacher_sft_config`), as in ``cross-tokenizer``.
 
 GOLD gets its documented knobs within a tuning budget of twelve runs on seed 0: its defaults
 (extended ULD, ``lmbda`` 0.5: half the batches are the dataset's solutions, ``beta`` 0.5,
@@ -34,7 +34,8 @@ import re
 from pathlib import Path
 from typing import Any, cast
 
-from opd.experiments.common import (
+from opd.lab.demos.demo import TASK_LEVEL, TOP_P
+from opd.lab.experiments.common import (
     STUDENT,
     TEACHER,
     avg_at_k_claim,
@@ -44,11 +45,10 @@ from opd.experiments.common import (
     opd_config,
     with_eval,
 )
-from opd.experiments.core import DONE, Analysis, Experiment, RunSpec, Settings, derived, read_done, read_metrics
-from opd.experiments.cross_tokenizer import BATCH, OPD_STEPS, gold_params, teacher_specs
-from opd.experiments.gold import run_gold
-from opd.experiments.stats import mean_ci
-from opd.recipes.demo import TASK_LEVEL, TOP_P
+from opd.lab.experiments.core import DONE, Analysis, Experiment, RunSpec, Settings, derived, read_done, read_metrics
+from opd.lab.experiments.cross_tokenizer import BATCH, OPD_STEPS, gold_params, teacher_specs
+from opd.lab.experiments.gold import run_gold
+from opd.lab.experiments.stats import mean_ci
 
 TEACHER_VOCAB = 1536
 GOLD_DEFAULTS: dict[str, Any] = dict(

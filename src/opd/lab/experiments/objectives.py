@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from opd.experiments.common import (
+from opd.lab.demos.demo import STUDENT_TRAIN_SIZE
+from opd.lab.experiments.common import (
     SPIKE,
     TEACHER,
     avg_at_k_claim,
@@ -29,9 +30,8 @@ from opd.experiments.common import (
     stability,
     with_eval,
 )
-from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
-from opd.experiments.stats import equivalence, mean_ci, verdict
-from opd.recipes.demo import STUDENT_TRAIN_SIZE
+from opd.lab.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
+from opd.lab.experiments.stats import equivalence, mean_ci, verdict
 
 LRS = (5e-4, 2e-3)
 STUDENT_KS = (1, 2, 4, 8, 16, 32)

@@ -7,7 +7,7 @@ the results.json and the run data (``data.json``) to ``docs/results/NAME/`` and 
 document: a summary of every claim's verdict, then each experiment's tables, plots, wall time,
 machine and the command that made it. Where the run data is there, the tables, claims and notes are
 not copied from results.json but recomputed: the experiment's analysis runs again on the data
-(:mod:`opd.experiments.rundata`), so every interval and verdict follows from committed numbers.
+(:mod:`opd.lab.experiments.rundata`), so every interval and verdict follows from committed numbers.
 An experiment with no results.json anywhere (or only a quick one, where the document holds a full
 result) keeps its summary rows and section from the document as it was (documents written before
 the copies were kept), so a rerun of one experiment never drops the others.
@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import cast
 
 from opd.errors import UserError
-from opd.experiments import NAMES, get_experiment
-from opd.experiments.core import DATA, Settings, md_cell, render_markdown, verdict_cell
-from opd.experiments.rundata import RunData
+from opd.lab.experiments import NAMES, get_experiment
+from opd.lab.experiments.core import DATA, Settings, md_cell, render_markdown, verdict_cell
+from opd.lab.experiments.rundata import RunData
 
 
 def _pick(dirs: list[Path], name: str) -> dict | None:

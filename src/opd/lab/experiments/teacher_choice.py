@@ -18,7 +18,8 @@ import math
 from pathlib import Path
 from typing import Any, cast
 
-from opd.experiments.common import (
+from opd.lab.demos.demo import TASK_LEVEL
+from opd.lab.experiments.common import (
     TEACHER,
     avg_at_k_claim,
     diagnostics_plots,
@@ -30,9 +31,8 @@ from opd.experiments.common import (
     sft_config,
     with_eval,
 )
-from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_done
-from opd.experiments.stats import mean_ci, verdict
-from opd.recipes.demo import TASK_LEVEL
+from opd.lab.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_done
+from opd.lab.experiments.stats import mean_ci, verdict
 from opd.rollout.prompts import load_task
 from opd.tasks.arithmetic import reformat_solution
 

@@ -1,8 +1,8 @@
 """Experiments that check the papers' claims at small scale: ``opd experiment NAME``.
 
 Each experiment (a module here exposing ``EXPERIMENT``) is a plan of runs over seeds plus an
-analysis of the run directories; :mod:`opd.experiments.core` runs, resumes and writes them, and
-:mod:`opd.experiments.results_md` gathers every experiment's results into ``docs/RESULTS.md``.
+analysis of the run directories; :mod:`opd.lab.experiments.core` runs, resumes and writes them, and
+:mod:`opd.lab.experiments.results_md` gathers every experiment's results into ``docs/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ NAMES = (
     "multitask-tail",
     "vllm-rollouts",
 )
-_MODULES = {name: f"opd.experiments.{name.replace('-', '_')}" for name in NAMES}
+_MODULES = {name: f"opd.lab.experiments.{name.replace('-', '_')}" for name in NAMES}
 
 
 def get_experiment(name: str):
@@ -44,6 +44,6 @@ def run(
     workers: int = 1,
     adopt: bool = False,
 ) -> dict:
-    from opd.experiments.core import run_experiment
+    from opd.lab.experiments.core import run_experiment
 
     return run_experiment(get_experiment(name), out, seeds, quick, show_progress, workers, adopt)

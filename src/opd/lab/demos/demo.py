@@ -32,15 +32,15 @@ from rich.table import Table
 from opd.config import SFTConfig, TrainConfig
 from opd.errors import UserError
 from opd.evaluation.prompts import evaluate_model
+from opd.lab.demos.parallel import process_pool, threads_per_worker, with_threads
 from opd.models.loading import load_model, load_tokenizer, resolve_device
 from opd.models.tokenizer import train_tokenizer
-from opd.recipes.parallel import process_pool, threads_per_worker, with_threads
 from opd.report import PNG_DIR, write_report
 from opd.rollout.prompts import PromptSet, load_task
 from opd.tasks import Task, get_task
 from opd.training.schedule import split_by_task
 
-ASSETS = Path(__file__).parents[1] / "assets" / "demo"
+ASSETS = Path(__file__).parents[2] / "assets" / "demo"
 TASK_LEVEL = 2
 VOCAB_SIZE = 2048
 TEACHER_ARCH, STUDENT_ARCH = "qwen2:4:256", "qwen2:2:128"

@@ -4,13 +4,13 @@ The experiment makes its own teacher with a clearly different tokenizer
 (:func:`opd.models.tokenizer.train_sentencepiece_tokenizer`: SentencePiece-style ``▁`` spellings, digits
 split one by one, ``<0xNN>`` byte fallback, half the student's vocabulary, ``<s>``/``</s>``, no
 ``<think>`` token, a ``[INST] ... [/INST]`` template) and trains it with the demo teacher's recipe
-(:func:`opd.recipes.demo.teacher_sft_config`) on the task. The tokenizer lives in a directory of its own,
+(:func:`opd.lab.demos.demo.teacher_sft_config`) on the task. The tokenizer lives in a directory of its own,
 passed as ``--teacher-tokenizer``: saved next to a Qwen2 model, transformers 5 would rebuild it as
 a byte-level tokenizer on reload. From the packaged demo student and the same seeds: LSM with the
 packaged demo teacher (same tokenizer: the upper bound), cross-tokenizer LSM, cross-tokenizer
 sampled-token OPD (span reward), cross-tokenizer LSM with ``--cross-pairing one_to_one`` (the
 ablation: no group-start positions inside many-to-many groups), and TRL's GOLD (ULD and hybrid,
-:mod:`opd.experiments.gold`) with the same student, prompts, steps and sizes. Every final model
+:mod:`opd.lab.experiments.gold`) with the same student, prompts, steps and sizes. Every final model
 gets the same ``opd eval``; the alignment diagnostics ``cross/*`` are averaged over each run.
 GOLD runs untuned, at opd's learning rate (5e-4): with a byte-level teacher ``opd experiment
 gold-bytelevel`` finds GOLD's defaults collapse at that rate and its best at 5e-5, so the claims
@@ -24,7 +24,8 @@ import shutil
 from pathlib import Path
 from typing import cast
 
-from opd.experiments.common import (
+from opd.lab.demos.demo import MAX_NEW_TOKENS, TASK_LEVEL, TOP_P, teacher_sft_config
+from opd.lab.experiments.common import (
     STUDENT,
     TEACHER,
     avg_at_k_claim,
@@ -37,10 +38,9 @@ from opd.experiments.common import (
     sizes,
     with_eval,
 )
-from opd.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_done
-from opd.experiments.gold import probe_extended_uld, run_gold
-from opd.experiments.stats import mean_ci, verdict
-from opd.recipes.demo import MAX_NEW_TOKENS, TASK_LEVEL, TOP_P, teacher_sft_config
+from opd.lab.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_done
+from opd.lab.experiments.gold import probe_extended_uld, run_gold
+from opd.lab.experiments.stats import mean_ci, verdict
 
 TEACHER_VOCAB = 1024  # the student's is 2048
 OPD_STEPS, BATCH = 100, 32
@@ -99,7 +99,7 @@ def keep_weights(p: dict, run_dir: Path) -> dict:
 
 
 def gold_params(s: Settings, seed: int, teacher: str, tokenizer: str, **knobs) -> dict:
-    """A GOLD run's parameters (:func:`opd.experiments.gold.run_gold`) at opd's sizes and settings;
+    """A GOLD run's parameters (:func:`opd.lab.experiments.gold.run_gold`) at opd's sizes and settings;
     ``knobs`` (hybrid, lr, GOLD's own) on top."""
     size = sizes(s.quick, OPD_STEPS, BATCH)
     return {
