@@ -54,7 +54,7 @@ from opd.envs.workers import EnvWorkers
 from opd.lab.demos.agentic import ASSETS, ENV, LEVEL, LIMITS, STUDENT_GAMES, TOP_P, env_args
 from opd.models.loading import load_model, load_tokenizer
 from opd.rollout.episodes import EpisodeRollout
-from opd.rollout.games import make_env
+from opd.rollout.game_set import make_env
 from opd.rollout.sampling import left_pad, prefill
 
 RESULTS = Path(__file__).parent / "results"

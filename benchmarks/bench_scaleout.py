@@ -173,7 +173,7 @@ def trl_worker(spec: dict, out: Path) -> None:
     from trl import DistillationConfig, DistillationTrainer
 
     from opd.models.loading import load_tokenizer
-    from opd.rollout.prompts import PromptSet, load_task
+    from opd.rollout.prompt_set import PromptSet, load_task
 
     torch.set_num_threads(spec["threads"])
     tok = load_tokenizer(spec["student"])

@@ -263,7 +263,7 @@ def opd_commit() -> str | None:
 
 # =============================================================================== losses
 
-# Tolerances (rtol, atol) of tests/test_losses.py, so the device is held to the CPU suite's standard.
+# Tolerances (rtol, atol) of tests/losses/test_losses.py, so the device is held to the CPU suite's standard.
 # The reference gets the very inputs the device got (rounded to the dtype, then widened to float64),
 # so the error measured is the device's arithmetic only: opd computes in float32 whatever the input
 # dtype, so float32 is ~1e-7 relative per op, summed over V=50 terms (1e-5 leaves a 10-100x margin;
@@ -440,7 +440,7 @@ def section_losses(sec: Section, a) -> None:
         g = gen(4)
         hs, ws = rn(g, B_, T_, D_), rn(g, V_, D_, scale=0.7)
         ht, wt = rn(g, B_, T_, E_), rn(g, V_, E_, scale=0.7)
-        # banned tokens: a -inf head entry against a hidden coordinate fixed at 1 (tests/test_losses.py)
+        # banned tokens: a -inf head entry against a hidden coordinate fixed at 1 (tests/losses/test_losses.py)
         hs[..., -1] = ht[..., -1] = 1.0
         ws[[0, V_ - 2, V_ - 1], -1] = -math.inf
         wt[[1, V_ - 2, V_ - 1], -1] = -math.inf
@@ -634,8 +634,9 @@ def opd_argv(out: Path, device: str, settings: dict, extra: list[str]) -> list[s
     return argv + extra
 
 
-# the objectives and options `opd train --help` offers (src/opd/config/options.py), as tests/test_train.py runs them
-# in order of priority (a section out of budget skips the last ones); the resume runs go after the first six
+# the objectives and options `opd train --help` offers (src/opd/config/options.py), as
+# tests/training/test_loop_end_to_end.py runs them, in order of priority (a section out of budget skips the
+# last ones); the resume runs go after the first six
 TRAIN_JOBS = [
     ("lsm", ["--objective", "lsm"]),
     ("sampled", ["--objective", "sampled"]),

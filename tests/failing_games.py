@@ -1,4 +1,4 @@
-"""Toy games that fail on purpose, for tests/test_env_workers.py: a module of its own so that an
+"""Toy games that fail on purpose, for tests/envs/test_env_workers.py: a module of its own so that an
 env worker process imports it (and nothing heavier) to unpickle them."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Helpers shared by the test modules: run-directory readers and 2-rank launches (torchrun, accelerate)."""
+"""Helpers shared by the test modules: run-directory readers, quick training configs, a batch of rollouts
+to score, and 2-rank launches (torchrun, accelerate)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,16 @@ from opd.training.stepstats import FULL_VOCAB_KEYS
 
 def read_metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_options(run_dir, cls=None) -> dict:
+    """A run's config.json as flat options (opd writes it nested by section), read as ``cls`` (default
+    TrainConfig; SFTConfig for an ``opd sft`` run) reads it."""
+    from pathlib import Path
+
+    from opd.config import TrainConfig, read_run_config
+
+    return read_run_config(Path(run_dir) / "config.json", cls or TrainConfig)
 
 
 def step_records(run_dir) -> list[dict]:
@@ -40,6 +51,30 @@ SMALL = dict(
     lr=3e-3,
 )
 REL = 1e-4
+
+# the size of a quick single-process run (2 steps; the training-loop tests and those built on them)
+QUICK_RUN = dict(
+    device="cpu",
+    steps=2,
+    batch_size=4,
+    max_new_tokens=8,
+    eval_size=4,
+    eval_samples=2,
+    k=8,
+    warmup_steps=1,
+    log_rollouts=2,
+    diag_positions=16,
+    eval_every=0,
+    ckpt_every=0,
+)
+
+
+def cfg_for(models, tmp_path, **kw):
+    """A ``TrainConfig`` of ``QUICK_RUN`` (``kw`` overriding it) for ``models``, writing to ``tmp_path/run``."""
+    from opd.config import TrainConfig
+
+    student, teacher = models
+    return TrainConfig(student=str(student), teacher=str(teacher), out=str(tmp_path / "run"), **{**QUICK_RUN, **kw})
 
 
 def cli_args(models, out, **kw) -> list[str]:
@@ -176,3 +211,15 @@ def first_rollout(run, step: int = 0):
     from opd.training import loop
 
     return loop.rollout_stage(run, step, loop.step_tasks(run, step)[0])
+
+
+def rollouts(tok, student_dir, n=6, new_tokens=10):
+    """``n`` rollouts of the student in ``student_dir`` (temperature 1.5, seeded by index), for a teacher to score."""
+    from opd.models.loading import load_model
+    from opd.rollout.sampling import HFRollout
+
+    student = load_model(student_dir, "student")
+    prompts = [tok(f"Compute {i} + {3 * i + 1} * {i % 4 + 2}." + " x" * i)["input_ids"] for i in range(n)]
+    return HFRollout(student, tok.eos_token_id, tok.pad_token_id).generate(
+        prompts, list(range(n)), max_new_tokens=new_tokens, temperature=1.5, top_p=1.0
+    )

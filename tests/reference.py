@@ -3,8 +3,8 @@
 Independent of src/opd/losses/ on purpose: every function loops over batch, positions and
 support slots with plain Python floats and `math`, and derives gradients by hand (the softmax
 Jacobian: d/dz_j F(softmax(z)) = p_j (g_j - sum_i p_i g_i) with g = dF/dp). The hand gradients
-are checked against central finite differences in tests/test_losses.py (the tail bucket's in
-tests/test_losses_tail.py).
+are checked against central finite differences in tests/losses/test_losses.py (the tail bucket's in
+tests/losses/test_losses_tail.py).
 
 Formulas: LSM is lsm_blog_explainer.txt section 04 (renormalized reverse KL over the teacher's
 top-K); full-vocab and sampled-token OPD are rethinking_opd_summary.txt eq. 3-4; generalized JSD

@@ -78,9 +78,9 @@ def test_lsm_steps_match_the_recorded_trajectory(tmp_path):
 
 @pytest.mark.slow
 def test_a_short_lsm_run_raises_the_students_accuracy(tmp_path):
-    from opd.evaluation.prompts import evaluate_model
+    from opd.evaluation.model_eval import evaluate_model
     from opd.models.loading import load_model, load_tokenizer
-    from opd.rollout.prompts import PromptSet, load_task
+    from opd.rollout.prompt_set import PromptSet, load_task
 
     cfg = golden_config(tmp_path / "run", steps=40, batch_size=32, max_new_tokens=48, warmup_steps=2, eval_size=100)
     tok = load_tokenizer(cfg.student)

@@ -8,8 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers import first_rollout, step_records
-from test_train import cfg_for
+from helpers import cfg_for, first_rollout, step_records
 
 import opd.losses as L
 from opd import objectives as O

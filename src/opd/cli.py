@@ -18,6 +18,7 @@ from typing import Any, Optional, get_args, get_origin, get_type_hints
 import typer
 
 from opd.config import DTYPES, EvalConfig, SFTConfig, TrainConfig, build_config, read_config_file
+from opd.config.sections import TITLES, section_of
 from opd.errors import UserError
 
 app = typer.Typer(
@@ -45,10 +46,16 @@ def config_command(name: str, cls: type, help: str) -> Callable[[Callable[[Any],
                 "config",
                 inspect.Parameter.KEYWORD_ONLY,
                 annotation=Optional[Path],
-                default=typer.Option(None, "--config", help="YAML or JSON file of options (command-line options win)."),
+                default=typer.Option(
+                    None,
+                    "--config",
+                    help="YAML or JSON file of options, flat or nested by section as in a run's config.json "
+                    "(command-line options win).",
+                ),
             )
         ]
-        for f in dataclasses.fields(cls):
+        panels = list(TITLES)  # --help shows the sections in their order, not the fields'
+        for f in sorted(dataclasses.fields(cls), key=lambda f: panels.index(section_of(cls, f.name))):
             flag = "--" + f.name.replace("_", "-")
             decl = f"{flag}/--no-{flag[2:]}" if hints[f.name] in (bool, Optional[bool]) else flag
             params.append(
@@ -56,7 +63,13 @@ def config_command(name: str, cls: type, help: str) -> Callable[[Callable[[Any],
                     f.name,
                     inspect.Parameter.KEYWORD_ONLY,
                     annotation=_cli_type(hints[f.name]),
-                    default=typer.Option(None, decl, help=f.metadata.get("help", ""), show_default=False),
+                    default=typer.Option(
+                        None,
+                        decl,
+                        help=f.metadata.get("help", ""),
+                        show_default=False,
+                        rich_help_panel=TITLES[section_of(cls, f.name)],
+                    ),
                 )
             )
 
@@ -91,7 +104,7 @@ def _sft(cfg: SFTConfig) -> None:
 
 @config_command("eval", EvalConfig, "Evaluate a model: greedy accuracy, avg@k, pass@k, gap recovery.")
 def _eval(cfg: EvalConfig) -> None:
-    from opd.evaluation.prompts import run_eval
+    from opd.evaluation.model_eval import run_eval
 
     run_eval(cfg)
 

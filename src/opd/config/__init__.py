@@ -2,24 +2,17 @@
 settable from the CLI and a YAML/JSON file, dumped into every run directory.
 
 * :mod:`~opd.config.fields` -- the machinery: fields with help texts, :class:`ConfigError`, shared
-  checks, reading and merging configs (defaults < file < command line) and writing them.
+  checks, file values checked against the fields' types.
+* :mod:`~opd.config.sections` -- which options belong together: ``config.json`` and ``--help`` by section.
+* :mod:`~opd.config.files` -- reading and merging configs (defaults < file < command line), writing
+  ``config.json``.
 * :mod:`~opd.config.tasks` -- a multi-task run's task list, resolved into one config per task.
 * :mod:`~opd.config.options` -- :class:`TrainConfig`, :class:`SFTConfig`, :class:`EvalConfig`.
+* :mod:`~opd.config.sources` -- the options every command shares: models, prompts, games.
 """
 
-from opd.config.fields import (
-    DTYPES,
-    REPORT_TO,
-    ConfigError,
-    build_config,
-    check_device,
-    check_report_to,
-    coerce_numbers,
-    config_record,
-    dump_config,
-    opt,
-    read_config_file,
-)
+from opd.config.fields import DTYPES, REPORT_TO, ConfigError, check_device, check_report_to, coerce_numbers, opt
+from opd.config.files import build_config, config_record, dump_config, read_config_file, read_run_config
 from opd.config.options import (
     CROSS_TOKENIZER,
     DEFAULT_SPECIAL_TOKENS,
@@ -63,6 +56,7 @@ __all__ = [
     "opt",
     "parse_special_map",
     "read_config_file",
+    "read_run_config",
     "read_task_list",
     "resolve_tasks",
 ]

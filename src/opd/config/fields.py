@@ -12,7 +12,6 @@ import os
 import re
 from collections.abc import Iterable
 from dataclasses import field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, get_args, get_type_hints
 
 import yaml
@@ -33,12 +32,6 @@ def opt(default: Any, help: str, secret: bool = False, **kw: Any) -> Any:
         value = default
         return field(default_factory=lambda: type(value)(value), metadata=meta, repr=not secret)
     return field(default=default, metadata=meta, repr=not secret)
-
-
-def config_record(cfg: Any) -> dict[str, Any]:
-    """The config as a dict for config.json, checkpoints and trackers: every field but the secret ones."""
-    secret = {f.name for f in dataclasses.fields(cfg) if f.metadata.get("secret")}
-    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in secret}
 
 
 class ConfigError(UserError):
@@ -94,46 +87,6 @@ def parse_problem(exc: json.JSONDecodeError | yaml.YAMLError) -> str:
     return where + " ".join(str(problem).split())
 
 
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a YAML or JSON mapping of field names to values."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {p} does not exist; pass a YAML or JSON file with --config")
-    text = p.read_text()
-    try:
-        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        kind = "JSON" if p.suffix == ".json" else "YAML"
-        raise ConfigError(f"config file {p} is not valid {kind} ({parse_problem(exc)}); fix it there") from exc
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {p} must hold a mapping of option names to values, not {type(data).__name__}")
-    return data
-
-
-def build_config(
-    cls: type[C], file_values: dict[str, Any] | None = None, cli_values: dict[str, Any] | None = None
-) -> C:
-    """Merge defaults < file < CLI into a validated ``cls`` instance; unknown keys are errors."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    merged: dict[str, Any] = {}
-    file_values = typed_values(cls, file_values or {}, "config file")
-    for source, values in (("config file", file_values), ("command line", cli_values or {})):
-        for key, value in values.items():
-            key = key.replace("-", "_")
-            if key not in names:
-                close = [n for n in names if n.startswith(key[:3])]
-                hint = f" (did you mean {', '.join(sorted(close))}?)" if close else ""
-                raise ConfigError(
-                    f"unknown option {key!r} in the {source} for {cls.__name__}{hint}; rename or remove it "
-                    "(the command's --help lists its options)"
-                )
-            if value is not None:
-                merged[key] = value
-    return cls(**coerce_numbers(cls, merged))
-
-
 _KINDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}
 
 
@@ -181,7 +134,3 @@ def coerce_numbers(cls: type, values: dict[str, Any]) -> dict[str, Any]:
         k: float(v) if hints.get(k) is float and isinstance(v, int) and not isinstance(v, bool) else v
         for k, v in values.items()
     }
-
-
-def dump_config(cfg: Any, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(config_record(cfg), indent=2, sort_keys=True) + "\n")

@@ -8,180 +8,19 @@ The resolved configuration is written to ``config.json`` in every run directory.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from opd.config.fields import DTYPES, REPORT_TO_HELP, ConfigError, check_device, check_report_to, opt, require
+from opd.config.fields import DTYPES, REPORT_TO_HELP, ConfigError, check_report_to, opt, require
+from opd.config.sources import EnvSource, ModelSource, TrainingSource
 from opd.config.tasks import read_task_list, resolve_tasks
 from opd.crosstok.align import PAIRINGS
 from opd.crosstok.vocab_map import JOINABLE, UNMAPPED
-from opd.envs.workers import AUTO_WORKERS, MAX_WORKERS
 from opd.losses import SUPPORT_KINDS
 from opd.objectives import CROSS_TOKENIZER_GIVES, REGISTRY, objectives_help, refusal, usable_with
-from opd.tasks.arithmetic import LEVELS
-from opd.tasks.dataset import parse_split
-from opd.tasks.grading import check_answer_format
 
-ROLLOUT_ENGINES = ("hf", "vllm")
 DEFAULT_SPECIAL_TOKENS = ("<|im_end|>", "<think>", "</think>")
-
-
-@dataclass
-class ModelSource:
-    """Where a run's models and prompts come from (shared by train, sft and eval)."""
-
-    student: str = opt("", "Student model: a local Hugging Face causal-LM directory (from_pretrained).")
-    task: str = opt(
-        "arithmetic",
-        "Prompts and answers: 'arithmetic' (the built-in task), or your data, read with Hugging Face "
-        "datasets: a save_to_disk directory, a folder of data files, or parquet, arrow, JSON/JSONL or "
-        "CSV files or a glob ('data/*.parquet').",
-    )
-    split: str = opt(
-        "",
-        "Which part of --task data trains and which is evaluated: TRAIN,TEST (two split names, e.g. "
-        "train,validation) or a fraction held out at random, seeded by --seed (e.g. 0.1). Default: the "
-        "train and test splits when the data has both, else 0.1 of its one split held out.",
-    )
-    prompt_field: str = opt(
-        "prompt",
-        "Column of prompts: strings, or chat messages (the last user turn is the question, a system "
-        "turn is kept). A 'messages' column is used when there is no 'prompt' column.",
-    )
-    answer_field: str = opt(
-        "answer",
-        "Column of reference answers, read with --answer-format; without such a column the answer is "
-        "read from the solution (--solution-field, or a chat's assistant turn).",
-    )
-    solution_field: str = opt(
-        "solution",
-        "Column of worked solutions (optional; opd sft trains on them). A chat's assistant turn after "
-        "the question serves when there is no such column.",
-    )
-    system_prompt: str = opt("", "System turn before every prompt (replaces a system turn of chat messages).")
-    answer_format: str = opt(
-        "boxed",
-        "How the final answer is read, from reference answers and model outputs alike: boxed (the "
-        "last \\boxed{}; a reference without one is the bare answer), gsm8k (after the last '####'), "
-        "last_number, exact (compared as strings; the others with math-verify) or regex:PATTERN "
-        "(the last match, its group 1 if it has a group).",
-    )
-    task_level: int = opt(
-        2,
-        f"Difficulty level of the built-in arithmetic task ({min(LEVELS)}-{max(LEVELS)}; see ArithmeticTask.from_level).",
-    )
-    seed: int = opt(0, "Seed for data order, sampling and initialisation.")
-    out: str = opt("runs/run", "Run directory (config.json, metrics.jsonl, rollouts.jsonl, checkpoints).")
-    dtype: str = opt(
-        "float32",
-        "Model dtype: float32, bfloat16 or float16 (bfloat16 pays off on GPUs and on CPUs "
-        "with bf16 matrix instructions, e.g. AVX512-BF16 or AMX).",
-    )
-    device: str = opt(
-        "auto",
-        "Where models compute: auto (this process's GPU if torch sees one, else the CPU), "
-        "cpu, cuda (this process's GPU: LOCAL_RANK under torchrun/accelerate) or cuda:N.",
-    )
-    max_new_tokens: int = opt(
-        64, "Maximum number of generated tokens per response (with --env: per episode, actions and replies)."
-    )
-    max_prompt_tokens: int = opt(256, "Prompts longer than this (in tokens) are rejected with an error.")
-
-    def _check_data(self) -> None:
-        check_answer_format(self.answer_format)
-        parse_split(self.split)
-
-    def _check_common(self) -> None:
-        self._check_data()
-        require(self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens} must be >= 1")
-        require(self.max_prompt_tokens >= 1, f"max_prompt_tokens={self.max_prompt_tokens} must be >= 1")
-        require(self.task_level in LEVELS, f"task_level={self.task_level} must be one of {sorted(LEVELS)}")
-        require(self.dtype in DTYPES, f"dtype={self.dtype!r}: use {', '.join(DTYPES)}")
-        check_device(self.device)
-
-
-@dataclass
-class EnvSource(ModelSource):
-    """Agentic runs: an environment's games instead of prompts (train and eval)."""
-
-    env: str = opt(
-        "",
-        "Agentic environment whose games the student plays, multi-turn, instead of --task's prompts: "
-        "alfworld, textworld, toy (or one you registered). Empty: single-turn prompts.",
-    )
-    env_level: int = opt(1, "Difficulty level of the environment's games (its own scale; toy: level + 1 rooms).")
-    env_args: list[Any] = opt(
-        [], "More arguments for the environment, KEY=VALUE comma-separated (e.g. n_train=256,max_turns=10)."
-    )
-    max_turns: int = opt(0, "Actions per episode before it ends unwon (0: the environment's own limit).")
-    max_action_tokens: int = opt(
-        32, "Tokens the model may write in one turn (with --env; --max-new-tokens bounds the whole episode)."
-    )
-    env_workers: int | None = opt(
-        None,
-        "Processes that run the games of --env: episodes' games step there, several at once, while this "
-        "process generates (results do not depend on it). 0: in this process. Unset: one per CPU core the "
-        "trainer leaves free (its torch threads when the model is on the CPU, one core on a GPU; the cores "
-        f"shared among torchrun's ranks on the machine), at most {AUTO_WORKERS}.",
-    )
-    env_step_timeout: float = opt(
-        60.0,
-        "With env workers: seconds a game may take to answer one action (or to start); a game that takes longer "
-        "ends its episode as an environment error, counted, and its worker is replaced (0: no limit).",
-    )
-
-    def episode_limits(self) -> dict[str, Any]:
-        """What bounds an episode, as keyword arguments of EpisodeRollout.play and evaluate_agent."""
-        return dict(
-            max_new_tokens=self.max_new_tokens,
-            max_action_tokens=self.max_action_tokens,
-            max_turns=self.max_turns or None,
-            max_prompt_tokens=self.max_prompt_tokens,
-        )
-
-    def _check_env(self) -> None:
-        require(self.env_level >= 1, f"env_level={self.env_level} must be >= 1")
-        require(self.max_turns >= 0, f"max_turns={self.max_turns} must be >= 0 (0: the environment's limit)")
-        require(self.max_action_tokens >= 1, f"max_action_tokens={self.max_action_tokens} must be >= 1")
-        require(
-            self.env_workers is None or 0 <= self.env_workers <= MAX_WORKERS,
-            f"env_workers={self.env_workers}: use 0 (games in this process) to {MAX_WORKERS} worker processes, "
-            "or leave it unset for one per free CPU core",
-        )
-        require(self.env_step_timeout >= 0, f"env_step_timeout={self.env_step_timeout} must be >= 0 (0: no limit)")
-
-
-@dataclass
-class TrainingSource(ModelSource):
-    """A model source that trains, with an optional evaluation set of its own (train and sft)."""
-
-    eval_task: str = opt(
-        "",
-        "Evaluate on other data than --task (the same kinds of source): its test split, or every "
-        "row when it has one split. Default: the held-out part of --task.",
-    )
-    eval_split: str = opt("", "Split of --eval-task to evaluate on (default: test, or its only split).")
-    eval_prompt_field: str = opt("", "--prompt-field of --eval-task (default: --prompt-field).")
-    eval_answer_field: str = opt("", "--answer-field of --eval-task (default: --answer-field).")
-    eval_solution_field: str = opt("", "--solution-field of --eval-task (default: --solution-field).")
-    eval_answer_format: str = opt(
-        "", "--answer-format for --eval-task, its references and the model's outputs (default: --answer-format)."
-    )
-
-    def _check_data(self) -> None:
-        super()._check_data()
-        if self.eval_answer_format:
-            check_answer_format(self.eval_answer_format)
-        given = [
-            f.name for f in dataclasses.fields(TrainingSource) if f.name.startswith("eval_") and f.name != "eval_task"
-        ]
-        given = [n for n in given if getattr(self, n)]
-        require(
-            bool(self.eval_task) or not given,
-            f"{', '.join(given)} set without eval_task; give --eval-task DATA, or drop the eval options",
-        )
-        require("," not in self.eval_split, f"eval_split={self.eval_split!r}: name one split, e.g. test")
+ROLLOUT_ENGINES = ("hf", "vllm")
 
 
 @dataclass
@@ -364,78 +203,106 @@ class TrainConfig(EnvSource, TrainingSource):
     def __post_init__(self) -> None:
         self._check_common()
         self._check_env()
-        require(self.objective in REGISTRY, f"objective={self.objective!r}: choose one of {', '.join(REGISTRY)}")
-        require(self.support in SUPPORT_KINDS, f"support={self.support!r}: choose one of {', '.join(SUPPORT_KINDS)}")
-        _check_counts(self, k=1)
-        require(0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must lie in (0, 1] (0.9 is the paper's setting)")
-        require(self.temperature > 0, f"temperature={self.temperature} must be > 0")
-        require(0.0 <= self.gamma <= 1.0, f"gamma={self.gamma} must lie in [0, 1]")
-        require(self.kl_direction in ("reverse", "forward"), f"kl_direction={self.kl_direction!r}: reverse or forward")
-        _check_variants(self)
-        require(
-            not self.tail or self.renormalize,
-            "tail compares full-vocabulary masses plus the mass outside the support, in place of renormalizing; "
-            "--no-renormalize (the truncated ablation) cannot go with it: drop --no-renormalize or --tail",
-        )
-        _check_counts(self, steps=1, batch_size=1, samples_per_prompt=1)
-        require(
-            self.grad_accum >= 1 and (self.batch_size * self.samples_per_prompt) % self.grad_accum == 0,
-            f"grad_accum={self.grad_accum} must divide batch_size*samples_per_prompt={self.batch_size * self.samples_per_prompt}",
-        )
-        _check_counts(self, updates_per_batch=1, warmup_steps=0, eval_every=0, eval_size=1, eval_samples=0)
-        _check_counts(self, ckpt_every=0, log_rollouts=0, diag_positions=0)
-        require(self.lr > 0, f"lr={self.lr} must be > 0")
-        require(self.weight_decay >= 0, f"weight_decay={self.weight_decay} must be >= 0 (0: none)")
-        require(self.clip_eps > 0, f"clip_eps={self.clip_eps} must be > 0 (0.2 is PPO's usual clip)")
-        require(
-            self.schedule in ("constant", "linear", "cosine"), f"schedule={self.schedule!r}: constant, linear or cosine"
-        )
-        require(
-            self.reduction in ("token_mean", "sequence_mean", "constant_sum"),
-            f"reduction={self.reduction!r}: token_mean, sequence_mean or constant_sum",
-        )
-        require(self.max_grad_norm >= 0, f"max_grad_norm={self.max_grad_norm} must be >= 0 (0 disables clipping)")
-        require(self.teacher_dtype in ("", *DTYPES), f"teacher_dtype={self.teacher_dtype!r}: use {', '.join(DTYPES)}")
-        require(
-            not (self.teacher_dtype and self.teacher_url),
-            "teacher_dtype applies to an in-process teacher "
-            "(--teacher DIR); a served teacher keeps the dtype it was started with (opd serve-teacher --dtype): "
-            "drop --teacher-dtype",
-        )
-        require(
-            self.teacher_timeout > 0 and self.teacher_wait >= 0 and (self.teacher_retries or 0) >= 0,
-            "teacher_timeout must be > 0, teacher_wait >= 0 and teacher_retries >= 0 (or unset)",
-        )
-        require(self.lora_r >= 0, f"lora_r={self.lora_r} must be >= 0 (0 trains every weight)")
-        require(
-            self.lora_alpha > 0 and 0.0 <= self.lora_dropout < 1.0, "lora_alpha must be > 0 and lora_dropout in [0, 1)"
-        )
-        require(
-            bool(self.lora_targets), "lora_targets is empty; name linear layers (e.g. q_proj v_proj) or use all-linear"
-        )
-        require(
-            self.cross_tokenizer in CROSS_TOKENIZER,
-            f"cross_tokenizer={self.cross_tokenizer!r}: choose one of {', '.join(CROSS_TOKENIZER)}",
-        )
-        require(
-            self.cross_pairing in PAIRINGS, f"cross_pairing={self.cross_pairing!r}: choose one of {', '.join(PAIRINGS)}"
-        )
-        require(
-            self.cross_joinable in JOINABLE,
-            f"cross_joinable={self.cross_joinable!r}: choose one of {', '.join(JOINABLE)}",
-        )
-        require(
-            self.cross_unmapped in UNMAPPED,
-            f"cross_unmapped={self.cross_unmapped!r}: choose one of {', '.join(UNMAPPED)}",
-        )
-        parse_special_map(self.teacher_special_map)
-        if self.cross_tokenizer == "on":
-            check_cross_tokenizer(self)
+        for check in (
+            _check_objective,
+            _check_optimizer,
+            _check_rollout,
+            _check_teacher,
+            _check_cross_tokenizer_options,
+        ):
+            check(self)
+        _check_counts(self, eval_every=0, eval_size=1, eval_samples=0, ckpt_every=0, log_rollouts=0, diag_positions=0)
         self.report_to = check_report_to(self.report_to)
-        _check_rollout_engine(self)
-        if self.mask_special is None:
-            self.mask_special = REGISTRY[self.objective].mask_special
+        _check_lora(self)
         _check_tasks(self)
+
+
+# One check per section of TrainConfig (opd.config.sections), each naming the option and the fix.
+
+
+def _check_objective(cfg: TrainConfig) -> None:
+    require(cfg.objective in REGISTRY, f"objective={cfg.objective!r}: choose one of {', '.join(REGISTRY)}")
+    require(cfg.support in SUPPORT_KINDS, f"support={cfg.support!r}: choose one of {', '.join(SUPPORT_KINDS)}")
+    _check_counts(cfg, k=1)
+    require(0.0 <= cfg.gamma <= 1.0, f"gamma={cfg.gamma} must lie in [0, 1]")
+    require(cfg.kl_direction in ("reverse", "forward"), f"kl_direction={cfg.kl_direction!r}: reverse or forward")
+    _check_variants(cfg)
+    require(
+        not cfg.tail or cfg.renormalize,
+        "tail compares full-vocabulary masses plus the mass outside the support, in place of renormalizing; "
+        "--no-renormalize (the truncated ablation) cannot go with it: drop --no-renormalize or --tail",
+    )
+    require(
+        cfg.reduction in ("token_mean", "sequence_mean", "constant_sum"),
+        f"reduction={cfg.reduction!r}: token_mean, sequence_mean or constant_sum",
+    )
+    if cfg.mask_special is None:
+        cfg.mask_special = REGISTRY[cfg.objective].mask_special
+
+
+def _check_optimizer(cfg: TrainConfig) -> None:
+    _check_counts(cfg, steps=1, batch_size=1, samples_per_prompt=1)
+    require(
+        cfg.grad_accum >= 1 and (cfg.batch_size * cfg.samples_per_prompt) % cfg.grad_accum == 0,
+        f"grad_accum={cfg.grad_accum} must divide batch_size*samples_per_prompt={cfg.batch_size * cfg.samples_per_prompt}",
+    )
+    _check_counts(cfg, updates_per_batch=1, warmup_steps=0)
+    require(cfg.lr > 0, f"lr={cfg.lr} must be > 0")
+    require(cfg.weight_decay >= 0, f"weight_decay={cfg.weight_decay} must be >= 0 (0: none)")
+    require(cfg.clip_eps > 0, f"clip_eps={cfg.clip_eps} must be > 0 (0.2 is PPO's usual clip)")
+    require(cfg.schedule in ("constant", "linear", "cosine"), f"schedule={cfg.schedule!r}: constant, linear or cosine")
+    require(cfg.max_grad_norm >= 0, f"max_grad_norm={cfg.max_grad_norm} must be >= 0 (0 disables clipping)")
+
+
+def _check_rollout(cfg: TrainConfig) -> None:
+    require(0.0 < cfg.top_p <= 1.0, f"top_p={cfg.top_p} must lie in (0, 1] (0.9 is the paper's setting)")
+    require(cfg.temperature > 0, f"temperature={cfg.temperature} must be > 0")
+    require(cfg.rollout_engine in ROLLOUT_ENGINES, f"rollout_engine={cfg.rollout_engine!r}: hf or vllm")
+    require(cfg.vllm_max_gap >= 0 and cfg.vllm_start_timeout > 0, "vllm_max_gap must be >= 0, vllm_start_timeout > 0")
+    if cfg.rollout_engine == "hf":
+        require(not cfg.vllm_url, "vllm_url is set but rollout_engine is hf; add --rollout-engine vllm")
+        return
+    require(
+        not cfg.fsdp,
+        "--rollout-engine vllm does not run with --fsdp yet (the engine needs the whole weights at every sync); "
+        "use DDP (torchrun without --fsdp: one engine per rank) or --rollout-engine hf",
+    )
+    if not cfg.vllm_max_gap:
+        cfg.vllm_max_gap = 1e-3 if cfg.dtype == "float32" else 0.05
+
+
+def _check_teacher(cfg: TrainConfig) -> None:
+    require(cfg.teacher_dtype in ("", *DTYPES), f"teacher_dtype={cfg.teacher_dtype!r}: use {', '.join(DTYPES)}")
+    require(
+        not (cfg.teacher_dtype and cfg.teacher_url),
+        "teacher_dtype applies to an in-process teacher "
+        "(--teacher DIR); a served teacher keeps the dtype it was started with (opd serve-teacher --dtype): "
+        "drop --teacher-dtype",
+    )
+    require(
+        cfg.teacher_timeout > 0 and cfg.teacher_wait >= 0 and (cfg.teacher_retries or 0) >= 0,
+        "teacher_timeout must be > 0, teacher_wait >= 0 and teacher_retries >= 0 (or unset)",
+    )
+
+
+def _check_cross_tokenizer_options(cfg: TrainConfig) -> None:
+    for name, choices in (
+        ("cross_tokenizer", CROSS_TOKENIZER),
+        ("cross_pairing", PAIRINGS),
+        ("cross_joinable", JOINABLE),
+        ("cross_unmapped", UNMAPPED),
+    ):
+        value = getattr(cfg, name)
+        require(value in choices, f"{name}={value!r}: choose one of {', '.join(choices)}")
+    parse_special_map(cfg.teacher_special_map)
+    if cfg.cross_tokenizer == "on":  # "auto" is decided, and checked, when the teachers load (teachers.factory)
+        check_cross_tokenizer(cfg)
+
+
+def _check_lora(cfg: TrainConfig) -> None:
+    require(cfg.lora_r >= 0, f"lora_r={cfg.lora_r} must be >= 0 (0 trains every weight)")
+    require(cfg.lora_alpha > 0 and 0.0 <= cfg.lora_dropout < 1.0, "lora_alpha must be > 0 and lora_dropout in [0, 1)")
+    require(bool(cfg.lora_targets), "lora_targets is empty; name linear layers (e.g. q_proj v_proj) or use all-linear")
 
 
 def _check_variants(cfg: TrainConfig) -> None:
@@ -455,33 +322,6 @@ def _check_counts(cfg: object, **least: int) -> None:
     for name, bound in least.items():
         value = getattr(cfg, name)
         require(value >= bound, f"{name}={value} must be >= {bound}; set --{name.replace('_', '-')} to {bound} or more")
-
-
-def _check_rollout_engine(cfg: TrainConfig) -> None:
-    require(cfg.rollout_engine in ROLLOUT_ENGINES, f"rollout_engine={cfg.rollout_engine!r}: hf or vllm")
-    require(cfg.vllm_max_gap >= 0 and cfg.vllm_start_timeout > 0, "vllm_max_gap must be >= 0, vllm_start_timeout > 0")
-    if cfg.rollout_engine == "hf":
-        require(not cfg.vllm_url, "vllm_url is set but rollout_engine is hf; add --rollout-engine vllm")
-        return
-    require(
-        not cfg.fsdp,
-        "--rollout-engine vllm does not run with --fsdp yet (the engine needs the whole weights at every sync); "
-        "use DDP (torchrun without --fsdp: one engine per rank) or --rollout-engine hf",
-    )
-    if not cfg.vllm_max_gap:
-        cfg.vllm_max_gap = 1e-3 if cfg.dtype == "float32" else 0.05
-
-
-def _check_tasks(cfg: TrainConfig | SFTConfig) -> None:
-    """A multi-task run's task list, read from its file if given one, and every task's settings,
-    checked here before any work."""
-    require(
-        cfg.task_mode in ("alternate", "mix"),
-        f"task_mode={cfg.task_mode!r}: alternate (one task per step) or mix (every task at every step)",
-    )
-    if cfg.tasks is not None:
-        cfg.tasks = read_task_list(cfg.tasks)
-        resolve_tasks(cfg)
 
 
 CROSS_TOKENIZER = ("auto", "on", "off")
@@ -518,6 +358,18 @@ def check_cross_tokenizer(cfg: TrainConfig) -> None:
         "env: multi-turn episodes with a teacher of another tokenizer (cross_tokenizer) are not supported yet; "
         "use a teacher with the student's tokenizer",
     )
+
+
+def _check_tasks(cfg: TrainConfig | SFTConfig) -> None:
+    """A multi-task run's task list, read from its file if given one, and every task's settings,
+    checked here before any work."""
+    require(
+        cfg.task_mode in ("alternate", "mix"),
+        f"task_mode={cfg.task_mode!r}: alternate (one task per step) or mix (every task at every step)",
+    )
+    if cfg.tasks is not None:
+        cfg.tasks = read_task_list(cfg.tasks)
+        resolve_tasks(cfg)
 
 
 @dataclass

@@ -30,7 +30,7 @@ from opd.errors import UserError
 
 __all__ = ["messages_from_prompt", "render_for_teacher", "teacher_prompt_and_response_ids"]
 
-# opd prompts are one user turn, after a system turn or not (opd.rollout.prompts, opd.models.tokenizer.format_prompt).
+# opd prompts are one user turn, after a system turn or not (opd.rollout.prompt_set, opd.models.tokenizer.format_prompt).
 _PROMPT_SHAPES = (("system", "user"), ("user",))
 
 

@@ -1,4 +1,4 @@
-"""Multi-turn environments for agentic OPD (see :mod:`opd.envs.base` for the protocol).
+"""Multi-turn environments for agentic OPD (see :mod:`opd.envs.environment` for the protocol).
 
 ``get_env("alfworld", ...)`` builds the default agentic environment (ALFWorld's engine on
 generated household games, or the real ALFWorld games under ``ALFWORLD_DATA``);
@@ -8,7 +8,7 @@ tiny pure-Python game, for tests and as a template for your own environment.
 
 from typing import Any
 
-from opd.envs.base import (
+from opd.envs.environment import (
     ENV_SPLITS,
     EnvError,
     Environment,

@@ -9,7 +9,7 @@ text it derives (the feedback and each admissible command) deep-copies its conte
 random commands, 10 turns; benchmarks/results/engine_caches.json): 7.7 s a pass as textworld ships,
 2.1 s with these patches on games never played before and 0.2 s on games played before (what a
 training run mostly sees; 2.9 s and 1.1 s with the parse caches alone, measured beside them), with
-identical observations, rewards and admissible commands (also a test in ``tests/test_envs.py``).
+identical observations, rewards and admissible commands (also a test in ``tests/envs/test_alfworld_textworld.py``).
 
 What is cached are pure functions of their text arguments:
 

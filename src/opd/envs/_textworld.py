@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from opd.envs import _pddl_cache
-from opd.envs.base import EnvError, StepResult
+from opd.envs.environment import EnvError, StepResult
 from opd.errors import UserError
 
 INSTALL_HINT = "pip install 'opd[agent]'"
@@ -165,7 +165,7 @@ def squeeze(text: str) -> str:
 
 
 class TextWorldSession:
-    """A :class:`~opd.envs.base.GameSession` over a TextWorld environment.
+    """A :class:`~opd.envs.environment.GameSession` over a TextWorld environment.
 
     Subclasses say how to get a loaded engine (``_make_engine``) and give it back
     (``_release``), how to turn its states into text (``_first_text``, ``_text``) and what the

@@ -42,7 +42,7 @@ from typing import Any, cast
 from opd.envs._textworld import PLAYERS, TextWorldSession, alfworld_modules, check_int, planner_plan, squeeze
 from opd.envs.alfworld_expert import SearchPolicy, search_expert, task_of
 from opd.envs.alfworld_gen import LEVELS, TASK_TYPES, draw, generate_game, level_spec
-from opd.envs.base import EnvError, Game, StepResult
+from opd.envs.environment import EnvError, Game, StepResult
 from opd.errors import UserError
 
 SYSTEM_PROMPT = (

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from opd.envs._textworld import PLAYERS
-from opd.envs.base import EnvError
+from opd.envs.environment import EnvError
 
 # Which appliance each transforming task uses, and the verb that uses it (alfworld's grammar).
 _APPLIANCE = {

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from opd.envs._textworld import alfworld_modules, alfworld_paths
-from opd.envs.base import EnvError
+from opd.envs.environment import EnvError
 from opd.errors import UserError
 
 # The six ALFWorld task types, in ALFWorld's own numbering (alfred_tw_env.TASK_TYPES).

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from opd.envs._textworld import TextWorldSession, check_int, require, squeeze
-from opd.envs.base import EnvError, Game
+from opd.envs.environment import EnvError, Game
 from opd.errors import UserError
 
 SYSTEM_PROMPT = (

@@ -1,5 +1,5 @@
 """A tiny text game, "unlock the box": pure Python, deterministic, seeded; for tests and as the
-template for your own environment (copy this file, keep the protocol of :mod:`opd.envs.base`).
+template for your own environment (copy this file, keep the protocol of :mod:`opd.envs.environment`).
 
 Each game has a few rooms joined in a line, keys and boxes of different colours lying about, and
 one goal: open the box of a given colour, which needs the key of that colour in hand. Commands::
@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from opd.envs.base import EnvError, Game, StepResult
+from opd.envs.environment import EnvError, Game, StepResult
 
 ROOMS = ("kitchen", "hall", "garden", "cellar", "attic")
 COLOURS = ("red", "blue", "green", "yellow")

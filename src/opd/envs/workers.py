@@ -31,7 +31,7 @@ Design, and why:
 * **Results do not depend on the workers.** A game is a function of its actions, and the engine
   keeps every episode's turns and seeds as they are with 0, 1 or N workers; only the wall time
   changes. Each call returns what the in-process call would (the first observation; the
-  admissible commands and the step's result), and an :class:`~opd.envs.base.EnvError` raised in a
+  admissible commands and the step's result), and an :class:`~opd.envs.environment.EnvError` raised in a
   worker comes back as itself.
 * **Failures end episodes, never the run.** A worker that dies (killed, or crashed inside an
   engine) ends every episode whose session it held as an ``EnvError`` (counted as environment
@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from itertools import count
 from typing import Any, Protocol, cast
 
-from opd.envs.base import EnvError, Environment, Game, GameSession
+from opd.envs.environment import EnvError, Environment, Game, GameSession
 from opd.errors import UserError
 
 __all__ = ["AUTO_WORKERS", "MAX_WORKERS", "EnvWorkers", "InProcess", "Sessions", "sessions"]
@@ -140,7 +140,7 @@ class Sessions(Protocol):
     ``open`` and ``step`` ask for a call, :meth:`send` starts those asked for so far (one message
     per worker, not one per game), and :meth:`results` waits for every call since the last and
     returns each episode's answer: the first observation (open), the admissible commands and the
-    :class:`~opd.envs.base.StepResult` (step), or the ``EnvError`` that ended it."""
+    :class:`~opd.envs.environment.StepResult` (step), or the ``EnvError`` that ended it."""
 
     def open(self, i: int, game: Game) -> None: ...
 

@@ -6,7 +6,7 @@ product per (bag, sample)) and reads each weight row once with no copy; the publ
 equivalent gathers the K rows into a (chunk, K, D) buffer and runs a batched matmul. The private
 op is checked once per process on a small probe with a known answer (:func:`row_dots_kernel`);
 if it is missing, its signature changed or its answer is wrong, opd warns once and takes the
-public path (same values, slower). ``tests/test_losses.py`` asserts the probe passes on the
+public path (same values, slower). ``tests/losses/test_losses.py`` asserts the probe passes on the
 installed torch, so an upgrade that breaks it fails CI instead of silently slowing training.
 """
 

@@ -112,6 +112,16 @@ def _read_json(path: Path, skipped: list[str]) -> dict:
     return data
 
 
+def _options(config: dict) -> dict:
+    """config.json's options by name. opd writes them nested by section (``{"eval": {"eval_every": 50}}``,
+    opd.config.sections), runs made before sections flat; an option's name is unique across sections and
+    no option holds a mapping, so merging the mappings gives the flat options either way."""
+    flat: dict = {}
+    for key, value in config.items():
+        flat.update(value if isinstance(value, dict) else {key: value})
+    return flat
+
+
 def _split_metrics(records: list[dict], skipped: list[str]) -> tuple[list[dict], list[dict]]:
     """Step records and eval records, sorted by step; a repeated step keeps its last record."""
     steps: dict[Any, dict] = {}
@@ -197,7 +207,7 @@ def load_run(run_dir: Path | str, name: str | None = None) -> RunData:
         )
         raise UserError(f"{run_dir} is not a run directory (no metrics.jsonl or config.json); {hint}")
     run = RunData(path=run_dir, name=name or run_dir.name)
-    run.config = _read_json(run_dir / "config.json", run.skipped)
+    run.config = _options(_read_json(run_dir / "config.json", run.skipped))
     if not run.config and not any("config.json" in s for s in run.skipped):
         run.skipped.append("config.json is missing: settings unknown")
     run.steps, run.evals = _split_metrics(read_jsonl(run_dir / "metrics.jsonl", run.skipped), run.skipped)

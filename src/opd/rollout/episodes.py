@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel
 
-from opd.envs.base import EnvError, Environment, Game, normal_command
+from opd.envs.environment import EnvError, Environment, Game, normal_command
 from opd.envs.workers import Sessions, sessions
 from opd.errors import UserError
 from opd.models.loading import model_device

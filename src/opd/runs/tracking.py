@@ -11,7 +11,7 @@ What a tracker receives, per record, at the record's ``step``:
 - a list (``depth/reward``, ``depth/loss``: one value per depth bucket, 0 = the start of the
   response) as one scalar per entry: ``depth/reward/0``, ``depth/reward/1``, ...;
 - nothing else (text, None).
-The config goes to TensorBoard as a text summary (``config``, the JSON of config.json) and as
+The config goes to TensorBoard as a text summary (``config``: the options of config.json, flat rather than by section) and as
 hparams (lists joined with commas), and to wandb and trackio as the run's config.
 
 Where each writes:

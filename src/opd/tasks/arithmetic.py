@@ -22,8 +22,8 @@ import re
 from collections import namedtuple
 
 from opd.errors import UserError
-from opd.tasks.base import Example, check_split
 from opd.tasks.grading import check_answer_format, grade
+from opd.tasks.task import Example, check_split
 
 __all__ = ["ArithmeticTask", "LEVELS", "MAX_ANSWER", "SOLUTION_STYLES", "reformat_solution", "solve_chain"]
 

@@ -20,7 +20,7 @@ box is the bare answer); without an answer column the reference is read from the
 examples. ``system_prompt``, when given, is the system turn of every prompt.
 
 Splits (``split``): empty takes the data's ``train`` and ``test`` splits when it has both, and
-holds out 10% (seeded, :func:`opd.tasks.base.hold_out`) of data with one split; ``"TRAIN,TEST"``
+holds out 10% (seeded, :func:`opd.tasks.task.hold_out`) of data with one split; ``"TRAIN,TEST"``
 names two splits; a fraction (``"0.2"``) holds out that share of the only (or the ``train``)
 split. With ``evaluation=True`` the task is for evaluation only: its test examples are the
 ``test`` split (or the one ``split`` names), or the whole set when it has one split.
@@ -40,9 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from opd.errors import UserError
-from opd.tasks.base import Example, check_split, hold_out
 from opd.tasks.grading import check_answer_format, extract_answer, grade, reference_answer
 from opd.tasks.rows import check_not_empty, convert_rows, find_bad_line
+from opd.tasks.task import Example, check_split, hold_out
 
 __all__ = ["DatasetTask", "BUILDERS", "DEFAULT_TEST_FRACTION", "parse_split", "read_splits"]
 

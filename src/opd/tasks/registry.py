@@ -1,6 +1,6 @@
 """Tasks by name: ``get_task("arithmetic", level=2)``, ``get_task("jsonl", path=p)``, ``get_task("dataset", ...)``.
 
-Apart from :mod:`opd.tasks.base` (the interface every task module imports), so that this module
+Apart from :mod:`opd.tasks.task` (the interface every task module imports), so that this module
 can import the tasks it builds and none of them imports it back.
 """
 
@@ -10,9 +10,9 @@ from typing import Any
 
 from opd.errors import UserError
 from opd.tasks.arithmetic import ArithmeticTask
-from opd.tasks.base import Task
 from opd.tasks.dataset import DatasetTask
 from opd.tasks.jsonl import JsonlTask
+from opd.tasks.task import Task
 
 
 def _make_arithmetic(**kwargs: Any) -> Task:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from opd.errors import UserError
-from opd.tasks.base import Example
+from opd.tasks.task import Example
 
 __all__ = ["check_not_empty", "convert_rows", "find_bad_line", "from_messages"]
 

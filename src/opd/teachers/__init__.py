@@ -1,7 +1,7 @@
 """Teachers: what scores every position of the student's rollouts.
 
-* :mod:`~opd.teachers.base` -- the :class:`~opd.teachers.base.TeacherScorer` protocol, its scores,
-  and :class:`~opd.teachers.base.HFTeacher`, the in-process default.
+* :mod:`~opd.teachers.scoring` -- the :class:`~opd.teachers.scoring.TeacherScorer` protocol, its scores,
+  and :class:`~opd.teachers.scoring.HFTeacher`, the in-process default.
 * :mod:`~opd.teachers.client` -- a served teacher (``--teacher-url``): vLLM's ``prompt_logprobs``
   format, waiting out a server's restart.
 * :mod:`~opd.teachers.crosstok` -- a teacher with another tokenizer, scored in the student's frame.

@@ -1,6 +1,6 @@
 """The trainer's client for a served teacher (``opd train --teacher-url URL``).
 
-:class:`HTTPTeacher` implements :class:`opd.teachers.base.TeacherScorer` over vLLM's OpenAI-compatible
+:class:`HTTPTeacher` implements :class:`opd.teachers.scoring.TeacherScorer` over vLLM's OpenAI-compatible
 completions endpoint with ``prompt_logprobs`` (``opd serve-teacher``, ``vllm serve``, or any
 server answering in that format): each rollout is sent as its prompt (without left padding)
 followed by its response, and the answer's entry at position ``p + t`` (p = that prompt's
@@ -9,7 +9,7 @@ Rollouts go in several requests at once, so the server can batch them. A server 
 answering (refused or reset connections, timeouts, answers cut short, 5xx) is waited for, with
 capped exponential backoff, for up to ``--teacher-wait`` seconds (:class:`Patience`): a restart
 is waited out, at startup too (a trainer launched before its server), and a server that stays
-down raises :class:`~opd.teachers.base.TeacherUnavailable`, on which the trainer checkpoints the last
+down raises :class:`~opd.teachers.scoring.TeacherUnavailable`, on which the trainer checkpoints the last
 completed step before it stops. A 4xx answer (408 and 429 aside) is the request's fault: an
 error at once. To opd's own server the client also sends ``opd_logprobs_from``, so only response
 positions are scored and sent back, and asks for them as arrays (:mod:`opd.teachers.wire`) when the
@@ -55,7 +55,7 @@ from opd.errors import UserError
 from opd.objectives import SERVED_GIVES, usable_with
 from opd.rollout.sampling import RolloutBatch
 from opd.teachers import wire
-from opd.teachers.base import TeacherScores, TeacherUnavailable, filler_scores
+from opd.teachers.scoring import TeacherScores, TeacherUnavailable, filler_scores
 
 SERVED_OBJECTIVES = usable_with(SERVED_GIVES)
 API_KEY_ENV = "OPD_TEACHER_API_KEY"
@@ -142,7 +142,7 @@ class Patience:
 
 
 class HTTPTeacher:
-    """A served teacher behind :class:`~opd.teachers.base.TeacherScorer` (top-K and sampled log-probs).
+    """A served teacher behind :class:`~opd.teachers.scoring.TeacherScorer` (top-K and sampled log-probs).
 
     ``tokenizer`` is the one whose ids are sent (the student's; a cross-tokenizer teacher's own).
     ``vocab_rows``: the output rows the ids must fall in; None takes the head size an opd server

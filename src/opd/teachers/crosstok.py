@@ -1,10 +1,10 @@
-"""A teacher with its own tokenizer behind :class:`opd.teachers.base.TeacherScorer`: cross-tokenizer OPD in the loop.
+"""A teacher with its own tokenizer behind :class:`opd.teachers.scoring.TeacherScorer`: cross-tokenizer OPD in the loop.
 
 For each rollout, the student's prompt ids are decoded and turned back into messages
 (:func:`~opd.crosstok.messages_from_prompt`), which the teacher reads in its own chat template;
 the response's exact bytes (:meth:`VocabBytes.text`) are tokenized by the teacher, with the
 teacher's end token where the student's response ended with its EOS. The teacher scores its own
-sequences, unchanged (:class:`opd.teachers.base.HFTeacher` in-process, or
+sequences, unchanged (:class:`opd.teachers.scoring.HFTeacher` in-process, or
 :class:`opd.teachers.client.HTTPTeacher` for a served teacher); the two tokenizations are aligned by
 bytes (:func:`~opd.crosstok.align_ids`) and the scores are moved into the student's frame, so the
 loop and the losses are those of ordinary OPD:
@@ -62,7 +62,7 @@ from opd.errors import UserError
 from opd.losses.cross import cross_tokenizer_support, mapped_topk_mass, one_to_one_share, span_reward
 from opd.objectives import CROSS_TOKENIZER_GIVES, TOPK, lookup, usable_with
 from opd.rollout.sampling import RolloutBatch, left_pad
-from opd.teachers.base import TeacherScorer, TeacherScores
+from opd.teachers.scoring import TeacherScorer, TeacherScores
 
 __all__ = ["CrossTokenizerTeacher"]
 

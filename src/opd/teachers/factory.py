@@ -2,7 +2,7 @@
 or either one wrapped for a teacher with another tokenizer (``--cross-tokenizer``).
 
 The one module that imports every teacher backend; the backends import only the protocol
-(:mod:`opd.teachers.base`), so none of them imports this back.
+(:mod:`opd.teachers.scoring`), so none of them imports this back.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from opd.config import check_cross_tokenizer, parse_special_map
 from opd.errors import UserError
 from opd.models.loading import check_same_vocab, head_weight, load_model, load_tokenizer, model_device
 from opd.objectives import SERVED_GIVES, refusal
-from opd.teachers.base import HFTeacher, TeacherScorer
 from opd.teachers.client import API_KEY_ENV, SERVED_OBJECTIVES, HTTPTeacher
 from opd.teachers.crosstok import CrossTokenizerTeacher
+from opd.teachers.scoring import HFTeacher, TeacherScorer
 
 
 def make_teacher(cfg, student, tokenizer):
@@ -55,7 +55,8 @@ def uses_cross_tokenizer(cfg, student_tok, teacher_tok) -> bool:
 
 def cross_tokenizer_teacher(cfg, inner: TeacherScorer, student_tok, teacher_tok) -> TeacherScorer:
     """``inner`` wrapped to score in the student's frame, after the options it cannot do are refused."""
-    check_cross_tokenizer(cfg)
+    if cfg.cross_tokenizer == "auto":  # found here, from the vocabularies; "on" was refused with the config
+        check_cross_tokenizer(cfg)
     if isinstance(inner, HFTeacher):
         rows, context = head_weight(inner.model).shape[0], getattr(inner.model.config, "max_position_embeddings", None)
     else:  # a served teacher's server bounds what it reads (vLLM: max_model_len; opd: --max-prompt-tokens)

@@ -152,7 +152,7 @@ def require_expert_next(session):
     if expert_next is None:
         raise UserError(
             f"--dagger-from needs an environment whose sessions have expert_next() ({type(session).__name__} has "
-            "none): add it (see opd.envs.base) or drop --dagger-from"
+            "none): add it (see opd.envs.environment) or drop --dagger-from"
         )
     return expert_next
 

@@ -235,7 +235,8 @@ def shutdown(d: Dist) -> None:
     freed = weakref.ref(wrapper) if isinstance(wrapper, torch.nn.parallel.DistributedDataParallel) else None
     del wrapper
     gc.collect()  # DDP's module sits in reference cycles (hooks): free it now, not at some later collection
-    if freed is not None and freed() is not None:  # a regression the ranks' stderr shows (tests/test_distributed.py)
+    # a regression the ranks' stderr shows (tests/training/test_distributed.py)
+    if freed is not None and freed() is not None:
         print(OUTLIVED, file=sys.stderr, flush=True)
     tdist.destroy_process_group()
 

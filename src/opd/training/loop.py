@@ -51,13 +51,13 @@ from opd.errors import ServiceUnavailable, UserError
 from opd.models.loading import disable_dropout, head_weight, load_model, load_tokenizer, resolve_device
 from opd.models.lora import apply_lora, load_weights
 from opd.rollout.episodes import EpisodeRecord
-from opd.rollout.prompts import sample_seed
+from opd.rollout.prompt_set import sample_seed
 from opd.rollout.sampling import RolloutBatch
 from opd.rollout.vllm_engine import EngineUnavailable
 from opd.runs.progress import progress_bar
 from opd.runs.rundir import RunDir, save_final_model
-from opd.teachers.base import TeacherScorer, TeacherScores, TeacherUnavailable
 from opd.teachers.factory import make_teacher
+from opd.teachers.scoring import TeacherScorer, TeacherScores, TeacherUnavailable
 from opd.training.distributed import Dist, init_distributed, merge_metrics, shutdown
 from opd.training.loss import (
     LossTotals,

@@ -22,7 +22,7 @@ from opd.models.loading import head_weight
 from opd.objectives import FULL, QUERY, ObjectiveInputs, lookup
 from opd.rollout.forward import response_hidden
 from opd.rollout.sampling import RolloutBatch
-from opd.teachers.base import TeacherScores
+from opd.teachers.scoring import TeacherScores
 
 
 def loss_mask(batch: RolloutBatch, special_ids: list[int], mask_special: bool | None) -> torch.Tensor:

@@ -33,7 +33,7 @@ How steps use the tasks (``task_mode``):
   function of (step, shares, seed): smooth weighted round-robin, so equal shares give A, B, A, B
   and shares 2:1 give A, B, A, A, B, A (each window of 3 steps holds two A and one B); the seed
   rotates which task goes first on ties. A task's k-th step takes the k-th batch of its own prompt
-  order (:func:`opd.rollout.prompts.batch_indices` over its own data), so resume and N ranks stay exact.
+  order (:func:`opd.rollout.prompt_set.batch_indices` over its own data), so resume and N ranks stay exact.
 * ``mix``: every step holds every task's sub-batch (``batch_size`` of the entry, else
   ``round(share * batch_size)`` prompts per process), each rollout scored by its own task's
   teacher, and one optimizer step over all of them. The loss normalisers add up over the tasks:

@@ -34,10 +34,10 @@ import torch
 
 from opd.config import SFTConfig, TaskSpec, resolve_tasks
 from opd.errors import UserError
-from opd.evaluation.prompts import decode_responses, evaluate_model
+from opd.evaluation.model_eval import decode_responses, evaluate_model
 from opd.models.loading import load_model, load_tokenizer, model_device, parse_arch, resolve_device, tiny_qwen2
 from opd.models.tokenizer import format_prompt
-from opd.rollout.prompts import PromptSet, batch_indices, load_tasks, sample_seed
+from opd.rollout.prompt_set import PromptSet, batch_indices, load_tasks, sample_seed
 from opd.rollout.sampling import HFRollout
 from opd.runs.progress import progress_bar
 from opd.runs.rundir import RunDir, save_final_model
@@ -188,8 +188,8 @@ def prompt_source(cfg: SFTConfig, tok, model, task, eval_task) -> tuple[Callable
 def episode_source(cfg: SFTConfig, tok, model) -> tuple[Callable, Callable, Callable]:
     """The same for an environment: its expert episodes, and the greedy success rate on validation games
     (training games never trained on) and on the held-out games."""
-    from opd.evaluation.games import evaluate_agent
-    from opd.rollout.games import GameSet, check_episode_context, play_env
+    from opd.evaluation.game_eval import evaluate_agent
+    from opd.rollout.game_set import GameSet, check_episode_context, play_env
     from opd.training.cloning import expert_sequences
 
     if cfg.teacher or cfg.data:

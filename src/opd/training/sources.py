@@ -15,14 +15,13 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 from opd.config import TrainConfig
-from opd.evaluation.games import evaluate_agent, write_eval_games
-from opd.evaluation.prompts import evaluate_model
+from opd.evaluation.game_eval import evaluate_agent, write_eval_games
+from opd.evaluation.model_eval import decode_responses, evaluate_model
 from opd.rollout.episodes import EpisodeRecord, EpisodeRollout
-from opd.rollout.games import GameSet, check_episode_context, episode_metrics, episode_outcomes, play_env
-from opd.rollout.prompts import PromptSet, load_tasks
+from opd.rollout.game_set import GameSet, check_episode_context, episode_metrics, episode_outcomes, play_env
+from opd.rollout.prompt_set import PromptSet, load_tasks
 from opd.rollout.sampling import HFRollout, RolloutBatch
 from opd.tasks import Example, Task
-from opd.training.stepstats import grade_rollouts
 
 
 class Source(Protocol):
@@ -92,7 +91,9 @@ class PromptSource:
         return batch, None
 
     def grade(self, tok, examples, batch, records) -> tuple[list[str], list[float], dict]:
-        return (*grade_rollouts(tok, self.task, examples, batch), {})
+        """Decoded responses and their task rewards (1 = correct), graded once per step."""
+        texts = decode_responses(tok, batch.response_ids_NT, batch.response_mask_NT)
+        return texts, [self.task.reward(t, e) for t, e in zip(texts, examples, strict=True)], {}
 
     def evaluate(self, model, tok, cfg, seed: int, show_progress: bool = False) -> dict:
         common = dict(samples=cfg.eval_samples, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)

@@ -19,11 +19,10 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from opd import metrics as M
-from opd.evaluation.prompts import decode_responses
 from opd.rollout.sampling import RolloutBatch
 from opd.runs.records import MODEL_FIELDS
-from opd.tasks import Example, Task
-from opd.teachers.base import TeacherScores
+from opd.tasks import Example
+from opd.teachers.scoring import TeacherScores
 
 DEPTH_BUCKETS = 8
 
@@ -68,14 +67,6 @@ def _full_vocab_diagnostics(s_MV: torch.Tensor, t_MV: torch.Tensor, k: int) -> d
         "diag/teacher_support_mass": M.support_mass(t, t_ids, ones),
         "diag/student_tail_mass": 1.0 - student_support,
     }
-
-
-def grade_rollouts(
-    tokenizer: PreTrainedTokenizerBase, task: Task, examples: list[Example], batch: RolloutBatch
-) -> tuple[list[str], list[float]]:
-    """Decoded responses and their task rewards (1 = correct), graded once per step."""
-    texts = decode_responses(tokenizer, batch.response_ids_NT, batch.response_mask_NT)
-    return texts, [task.reward(t, e) for t, e in zip(texts, examples, strict=True)]
 
 
 def step_metrics(

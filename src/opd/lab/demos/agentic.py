@@ -31,13 +31,13 @@ from rich.console import Console
 from opd.config import SFTConfig, TrainConfig
 from opd.envs import Environment
 from opd.errors import UserError
-from opd.evaluation.games import evaluate_agent
+from opd.evaluation.game_eval import evaluate_agent
 from opd.lab.demos.demo import run_objectives, summary_table, train_models
 from opd.lab.demos.parallel import demo_workers
 from opd.models.loading import load_model, load_tokenizer, resolve_device
 from opd.models.tokenizer import train_tokenizer
 from opd.report import PNG_DIR, write_report
-from opd.rollout.games import GameSet, make_env
+from opd.rollout.game_set import GameSet, make_env
 from opd.tasks import get_task
 
 ASSETS = Path(__file__).parents[2] / "assets" / "agentic"

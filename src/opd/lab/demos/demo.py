@@ -31,12 +31,12 @@ from rich.table import Table
 
 from opd.config import SFTConfig, TrainConfig
 from opd.errors import UserError
-from opd.evaluation.prompts import evaluate_model
+from opd.evaluation.model_eval import evaluate_model
 from opd.lab.demos.parallel import process_pool, threads_per_worker, with_threads
 from opd.models.loading import load_model, load_tokenizer, resolve_device
 from opd.models.tokenizer import train_tokenizer
 from opd.report import PNG_DIR, write_report
-from opd.rollout.prompts import PromptSet, load_task
+from opd.rollout.prompt_set import PromptSet, load_task
 from opd.tasks import Task, get_task
 from opd.training.schedule import split_by_task
 

@@ -52,7 +52,7 @@ from opd.lab.demos.demo import run_objectives, teacher_sft_config, train_models
 from opd.lab.demos.parallel import demo_workers
 from opd.models.loading import load_model, load_tokenizer, resolve_device
 from opd.report import PNG_DIR, write_report
-from opd.rollout.prompts import load_task
+from opd.rollout.prompt_set import load_task
 from opd.training.schedule import task_schedule
 from opd.training.sources import held_out
 

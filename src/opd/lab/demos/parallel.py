@@ -49,10 +49,10 @@ def process_pool(workers: int) -> Iterator[ProcessPoolExecutor]:
 
 def with_threads(threads: int, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` with torch limited to ``threads`` CPU threads (what a worker process runs), and
-    the run's share of the cores set for an unset ``--env-workers`` (:func:`opd.rollout.games.auto_workers`)."""
+    the run's share of the cores set for an unset ``--env-workers`` (:func:`opd.rollout.game_set.auto_workers`)."""
     import torch
 
-    from opd.rollout.games import CPU_SHARE_ENV
+    from opd.rollout.game_set import CPU_SHARE_ENV
 
     torch.set_num_threads(threads)
     os.environ[CPU_SHARE_ENV] = str(threads)

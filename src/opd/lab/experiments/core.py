@@ -8,7 +8,7 @@ latest checkpoint, then writes ``results.md``, ``results.json``, the PNG plots a
 ``commands.txt`` (the ``opd`` command equivalent to each run) into ``OUT/NAME/``.
 
 Run kinds: ``train`` (:func:`opd.training.loop.train`), ``sft`` (:func:`opd.training.sft.sft`), ``eval``
-(:func:`opd.evaluation.prompts.run_eval`) and ``python`` (an experiment's own measurement function, e.g.
+(:func:`opd.evaluation.model_eval.run_eval`) and ``python`` (an experiment's own measurement function, e.g.
 the synthetic variance study, called as ``fn(params, run_dir) -> dict``).
 """
 
@@ -157,7 +157,7 @@ def _execute(spec: RunSpec, run_dir: Path, show_progress: bool, command: str, ke
         shutil.rmtree(run_dir, ignore_errors=True)  # sft has no resume: an interrupted one starts over
         return sft(dataclasses.replace(spec.config, out=str(run_dir)), show_progress=show_progress)
     if spec.kind == "eval":
-        from opd.evaluation.prompts import run_eval
+        from opd.evaluation.model_eval import run_eval
 
         return run_eval(dataclasses.replace(spec.config, out=str(run_dir)))
     run_dir.mkdir(parents=True, exist_ok=True)

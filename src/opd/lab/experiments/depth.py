@@ -24,16 +24,16 @@ import math
 from pathlib import Path
 from typing import Any
 
-from opd.evaluation.prompts import decode_responses
+from opd.evaluation.model_eval import decode_responses
 from opd.lab.demos.demo import TASK_LEVEL
 from opd.lab.experiments.common import STUDENT, TEACHER, generate_batches
 from opd.lab.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_run_file
 from opd.lab.experiments.plots import line_plot
 from opd.lab.experiments.stats import auroc, mean_ci, verdict
-from opd.rollout.prompts import PromptSet, load_task
+from opd.rollout.prompt_set import PromptSet, load_task
 from opd.runs.progress import progress_bar
 from opd.tasks.grading import grade
-from opd.teachers.base import HFTeacher
+from opd.teachers.scoring import HFTeacher
 
 BUCKET = 4  # tokens per depth bucket
 FULL: dict[str, Any] = dict(prompts=160, continuations=4, depths=[0, 4, 8, 12, 16, 20, 24, 28])

@@ -41,7 +41,7 @@ def _dataset(p: dict):
     """The task's training prompts as chat messages (the solution only serves GOLD's off-policy path, unused at lmbda=1)."""
     from datasets import Dataset
 
-    from opd.rollout.prompts import load_task
+    from opd.rollout.prompt_set import load_task
 
     examples = load_task("arithmetic", p["task_level"], 0).examples("train")[: p["prompts"]]
     rows = [

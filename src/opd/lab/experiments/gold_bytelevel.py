@@ -89,7 +89,7 @@ def make_tokenizer(p: dict, run_dir: Path) -> dict:
     from opd import crosstok
     from opd.models.loading import load_tokenizer
     from opd.models.tokenizer import train_bytelevel_tokenizer
-    from opd.rollout.prompts import load_task
+    from opd.rollout.prompt_set import load_task
 
     train = load_task("arithmetic", TASK_LEVEL, 0).examples("train")
     markup = ["<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n"] * 100

@@ -33,7 +33,7 @@ from opd.lab.experiments.common import (
 )
 from opd.lab.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_done
 from opd.lab.experiments.stats import mean_ci, verdict
-from opd.rollout.prompts import load_task
+from opd.rollout.prompt_set import load_task
 from opd.tasks.arithmetic import reformat_solution
 
 ALIGNED_PROMPTS, TEACHER_SFT_STEPS, COLD_START_STEPS, OPD_STEPS = 4000, 400, 50, 100

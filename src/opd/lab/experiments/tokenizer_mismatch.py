@@ -44,7 +44,7 @@ from opd.lab.experiments.core import Analysis, Claim, Experiment, RunSpec, Setti
 from opd.lab.experiments.plots import line_plot
 from opd.lab.experiments.stats import mean_ci, verdict
 from opd.report.load import read_jsonl
-from opd.rollout.prompts import PromptSet, load_task
+from opd.rollout.prompt_set import PromptSet, load_task
 
 SPLIT_TOKENS = ("<think>", "</think>")  # re-segmented in the mismatched teacher's fine-tune
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -84,7 +84,7 @@ def probe(p: dict, run_dir: Path) -> dict:
     """Sampled-token rewards of both teachers on the same student rollouts, by position class."""
     from opd.models.loading import load_model, load_tokenizer
     from opd.rollout.sampling import HFRollout
-    from opd.teachers.base import HFTeacher
+    from opd.teachers.scoring import HFTeacher
 
     tok = load_tokenizer(STUDENT, "student")
     student = load_model(STUDENT, "student")

@@ -1,0 +1,172 @@
+"""Where a run's models, prompts and games come from: the options every command shares
+(:class:`ModelSource`), an environment's games (:class:`EnvSource`) and a training run's own
+evaluation data (:class:`TrainingSource`); the command configs in :mod:`opd.config.options` extend them."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from opd.config.fields import DTYPES, check_device, opt, require
+from opd.envs.workers import AUTO_WORKERS, MAX_WORKERS
+from opd.tasks.arithmetic import LEVELS
+from opd.tasks.dataset import parse_split
+from opd.tasks.grading import check_answer_format
+
+
+@dataclass
+class ModelSource:
+    """Where a run's models and prompts come from (shared by train, sft and eval)."""
+
+    student: str = opt("", "Student model: a local Hugging Face causal-LM directory (from_pretrained).")
+    task: str = opt(
+        "arithmetic",
+        "Prompts and answers: 'arithmetic' (the built-in task), or your data, read with Hugging Face "
+        "datasets: a save_to_disk directory, a folder of data files, or parquet, arrow, JSON/JSONL or "
+        "CSV files or a glob ('data/*.parquet').",
+    )
+    split: str = opt(
+        "",
+        "Which part of --task data trains and which is evaluated: TRAIN,TEST (two split names, e.g. "
+        "train,validation) or a fraction held out at random, seeded by --seed (e.g. 0.1). Default: the "
+        "train and test splits when the data has both, else 0.1 of its one split held out.",
+    )
+    prompt_field: str = opt(
+        "prompt",
+        "Column of prompts: strings, or chat messages (the last user turn is the question, a system "
+        "turn is kept). A 'messages' column is used when there is no 'prompt' column.",
+    )
+    answer_field: str = opt(
+        "answer",
+        "Column of reference answers, read with --answer-format; without such a column the answer is "
+        "read from the solution (--solution-field, or a chat's assistant turn).",
+    )
+    solution_field: str = opt(
+        "solution",
+        "Column of worked solutions (optional; opd sft trains on them). A chat's assistant turn after "
+        "the question serves when there is no such column.",
+    )
+    system_prompt: str = opt("", "System turn before every prompt (replaces a system turn of chat messages).")
+    answer_format: str = opt(
+        "boxed",
+        "How the final answer is read, from reference answers and model outputs alike: boxed (the "
+        "last \\boxed{}; a reference without one is the bare answer), gsm8k (after the last '####'), "
+        "last_number, exact (compared as strings; the others with math-verify) or regex:PATTERN "
+        "(the last match, its group 1 if it has a group).",
+    )
+    task_level: int = opt(
+        2,
+        f"Difficulty level of the built-in arithmetic task ({min(LEVELS)}-{max(LEVELS)}; see ArithmeticTask.from_level).",
+    )
+    seed: int = opt(0, "Seed for data order, sampling and initialisation.")
+    out: str = opt("runs/run", "Run directory (config.json, metrics.jsonl, rollouts.jsonl, checkpoints).")
+    dtype: str = opt(
+        "float32",
+        "Model dtype: float32, bfloat16 or float16 (bfloat16 pays off on GPUs and on CPUs "
+        "with bf16 matrix instructions, e.g. AVX512-BF16 or AMX).",
+    )
+    device: str = opt(
+        "auto",
+        "Where models compute: auto (this process's GPU if torch sees one, else the CPU), "
+        "cpu, cuda (this process's GPU: LOCAL_RANK under torchrun/accelerate) or cuda:N.",
+    )
+    max_new_tokens: int = opt(
+        64, "Maximum number of generated tokens per response (with --env: per episode, actions and replies)."
+    )
+    max_prompt_tokens: int = opt(256, "Prompts longer than this (in tokens) are rejected with an error.")
+
+    def _check_data(self) -> None:
+        check_answer_format(self.answer_format)
+        parse_split(self.split)
+
+    def _check_common(self) -> None:
+        self._check_data()
+        require(self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        require(self.max_prompt_tokens >= 1, f"max_prompt_tokens={self.max_prompt_tokens} must be >= 1")
+        require(self.task_level in LEVELS, f"task_level={self.task_level} must be one of {sorted(LEVELS)}")
+        require(self.dtype in DTYPES, f"dtype={self.dtype!r}: use {', '.join(DTYPES)}")
+        check_device(self.device)
+
+
+@dataclass
+class EnvSource(ModelSource):
+    """Agentic runs: an environment's games instead of prompts (train and eval)."""
+
+    env: str = opt(
+        "",
+        "Agentic environment whose games the student plays, multi-turn, instead of --task's prompts: "
+        "alfworld, textworld, toy (or one you registered). Empty: single-turn prompts.",
+    )
+    env_level: int = opt(1, "Difficulty level of the environment's games (its own scale; toy: level + 1 rooms).")
+    env_args: list[Any] = opt(
+        [], "More arguments for the environment, KEY=VALUE comma-separated (e.g. n_train=256,max_turns=10)."
+    )
+    max_turns: int = opt(0, "Actions per episode before it ends unwon (0: the environment's own limit).")
+    max_action_tokens: int = opt(
+        32, "Tokens the model may write in one turn (with --env; --max-new-tokens bounds the whole episode)."
+    )
+    env_workers: int | None = opt(
+        None,
+        "Processes that run the games of --env: episodes' games step there, several at once, while this "
+        "process generates (results do not depend on it). 0: in this process. Unset: one per CPU core the "
+        "trainer leaves free (its torch threads when the model is on the CPU, one core on a GPU; the cores "
+        f"shared among torchrun's ranks on the machine), at most {AUTO_WORKERS}.",
+    )
+    env_step_timeout: float = opt(
+        60.0,
+        "With env workers: seconds a game may take to answer one action (or to start); a game that takes longer "
+        "ends its episode as an environment error, counted, and its worker is replaced (0: no limit).",
+    )
+
+    def episode_limits(self) -> dict[str, Any]:
+        """What bounds an episode, as keyword arguments of EpisodeRollout.play and evaluate_agent."""
+        return dict(
+            max_new_tokens=self.max_new_tokens,
+            max_action_tokens=self.max_action_tokens,
+            max_turns=self.max_turns or None,
+            max_prompt_tokens=self.max_prompt_tokens,
+        )
+
+    def _check_env(self) -> None:
+        require(self.env_level >= 1, f"env_level={self.env_level} must be >= 1")
+        require(self.max_turns >= 0, f"max_turns={self.max_turns} must be >= 0 (0: the environment's limit)")
+        require(self.max_action_tokens >= 1, f"max_action_tokens={self.max_action_tokens} must be >= 1")
+        require(
+            self.env_workers is None or 0 <= self.env_workers <= MAX_WORKERS,
+            f"env_workers={self.env_workers}: use 0 (games in this process) to {MAX_WORKERS} worker processes, "
+            "or leave it unset for one per free CPU core",
+        )
+        require(self.env_step_timeout >= 0, f"env_step_timeout={self.env_step_timeout} must be >= 0 (0: no limit)")
+
+
+@dataclass
+class TrainingSource(ModelSource):
+    """A model source that trains, with an optional evaluation set of its own (train and sft)."""
+
+    eval_task: str = opt(
+        "",
+        "Evaluate on other data than --task (the same kinds of source): its test split, or every "
+        "row when it has one split. Default: the held-out part of --task.",
+    )
+    eval_split: str = opt("", "Split of --eval-task to evaluate on (default: test, or its only split).")
+    eval_prompt_field: str = opt("", "--prompt-field of --eval-task (default: --prompt-field).")
+    eval_answer_field: str = opt("", "--answer-field of --eval-task (default: --answer-field).")
+    eval_solution_field: str = opt("", "--solution-field of --eval-task (default: --solution-field).")
+    eval_answer_format: str = opt(
+        "", "--answer-format for --eval-task, its references and the model's outputs (default: --answer-format)."
+    )
+
+    def _check_data(self) -> None:
+        super()._check_data()
+        if self.eval_answer_format:
+            check_answer_format(self.eval_answer_format)
+        given = [
+            f.name for f in dataclasses.fields(TrainingSource) if f.name.startswith("eval_") and f.name != "eval_task"
+        ]
+        given = [n for n in given if getattr(self, n)]
+        require(
+            bool(self.eval_task) or not given,
+            f"{', '.join(given)} set without eval_task; give --eval-task DATA, or drop the eval options",
+        )
+        require("," not in self.eval_split, f"eval_split={self.eval_split!r}: name one split, e.g. test")

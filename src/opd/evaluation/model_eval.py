@@ -1,0 +1,126 @@
+"""Evaluation: running a model on a task or on an environment's held-out games (``opd eval``).
+
+The estimators behind its figures (``pass_at_k``, ``avg_at_k``, ``gap_recovery``) live in
+:mod:`opd.evaluation.estimators` and are importable from here too.
+
+:func:`evaluate_model` generates through the same rollout engine as training
+(:class:`opd.rollout.sampling.HFRollout`) and grades with the task's own reward, as training does. Seeds
+are per prompt and sample, so a figure is reproducible.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from opd.config import EvalConfig
+from opd.evaluation.estimators import avg_at_k, gap_recovery, mean_pass_at_k
+from opd.evaluation.game_eval import evaluate_agent
+from opd.models.loading import load_model, load_tokenizer, resolve_device
+from opd.rollout.game_set import GameSet, check_episode_context, play_env
+from opd.rollout.prompt_set import PromptSet, data_options, load_task
+from opd.rollout.sampling import HFRollout
+from opd.runs.progress import progress_bar
+from opd.tasks import Task
+
+__all__ = ["decode_responses", "evaluate_model", "run_eval"]
+
+
+# ----------------------------------------------------------------------------- running a model
+
+
+def decode_responses(tokenizer, response_ids_NT, response_mask_NT) -> list[str]:
+    return [
+        tokenizer.decode(ids[mask].tolist(), skip_special_tokens=True)
+        for ids, mask in zip(response_ids_NT, response_mask_NT)
+    ]
+
+
+def evaluate_model(
+    model,
+    tokenizer,
+    prompts: PromptSet,
+    task: Task,
+    *,
+    max_new_tokens: int,
+    samples: int = 0,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    batch_size: int = 128,
+    seed: int = 0,
+    show_progress: bool = False,
+) -> dict:
+    """Greedy accuracy over ``prompts``; with ``samples`` > 0 also avg@k and pass@k (k = samples).
+
+    A response counts as correct when ``task.reward`` gives it 1, the same test as training's.
+    """
+    engine = HFRollout(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    n = len(prompts)
+    greedy_ok: list[bool] = []
+    sampled_ok: list[list[bool]] = [[] for _ in range(n)]
+    greedy_jobs = [(i, -1) for i in range(n)]
+    sampled_jobs = [(i, s) for s in range(samples) for i in range(n)]
+    with progress_bar("evaluating", total=len(greedy_jobs) + len(sampled_jobs), enabled=show_progress) as bar:
+        for jobs, greedy in ((greedy_jobs, True), (sampled_jobs, False)):
+            for start in range(0, len(jobs), batch_size):
+                chunk = jobs[start : start + batch_size]
+                batch = engine.generate(
+                    [prompts.prompt_ids[i] for i, _ in chunk],
+                    [seed * 7919 + i * 131 + s for i, s in chunk],
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    top_p=top_p,
+                    greedy=greedy,
+                )
+                texts = decode_responses(tokenizer, batch.response_ids_NT, batch.response_mask_NT)
+                for (i, _), text in zip(chunk, texts, strict=True):
+                    ok = task.reward(text, prompts.examples[i]) == 1.0
+                    (greedy_ok.append(ok) if greedy else sampled_ok[i].append(ok))
+                bar.advance(len(chunk))
+    result = {"accuracy": sum(greedy_ok) / n, "n": n}
+    if samples > 0:
+        result.update(
+            {"avg_at_k": avg_at_k(sampled_ok), "pass_at_k": mean_pass_at_k(sampled_ok, samples), "k": samples}
+        )
+    return result
+
+
+def run_eval(cfg: EvalConfig) -> dict:
+    # Data named for evaluation is evaluated whole, as --eval-task is (its test split, or every row
+    # of a one-split set); --split instead picks the held-out part, as training holds it out.
+    if not cfg.env:  # before the model: a data problem shows at once
+        options = data_options(cfg)
+        task = load_task(cfg.task, cfg.task_level, cfg.seed, split=cfg.split, evaluation=not cfg.split, **options)
+    tok = load_tokenizer(cfg.tokenizer or cfg.student)
+    model = load_model(cfg.student, dtype=cfg.dtype, device=resolve_device(cfg.device))
+    common: dict[str, Any] = dict(
+        samples=cfg.samples,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        batch_size=cfg.batch_size,
+        seed=cfg.seed,
+        show_progress=True,
+    )
+    t0 = time.time()
+    if cfg.env:  # the held-out games of an environment: success rate (opd.evaluation.game_eval)
+        check_episode_context(model, cfg.max_prompt_tokens, cfg.max_new_tokens)
+        env = play_env(cfg)
+        try:
+            result = evaluate_agent(
+                model, tok, GameSet.build(env, "test", cfg.eval_size), **cfg.episode_limits(), **common
+            )
+        finally:
+            getattr(env, "close", lambda: None)()
+    else:
+        prompts = PromptSet.build(task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
+        result = evaluate_model(model, tok, prompts, task, max_new_tokens=cfg.max_new_tokens, **common)
+    result["wall_s"] = round(time.time() - t0, 2)
+    if cfg.acc_before >= 0 and cfg.acc_teacher >= 0:
+        result["gap_recovery"] = gap_recovery(cfg.acc_before, result["accuracy"], cfg.acc_teacher)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return result

@@ -1,0 +1,133 @@
+"""Config sections: every option sits in one section; config.json is nested by section and reads back
+as the same config; flat files (every config.json before sections) still load; a nested file cannot
+set an option in the wrong section or twice; ``--help`` shows the sections."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from opd.cli import app
+from opd.config import ConfigError, EvalConfig, SFTConfig, TrainConfig, build_config, dump_config, read_run_config
+from opd.config.sections import LAYOUT, SECTION_NAMES, TITLES, section_of
+from opd.report.load import load_run
+
+# A run's config.json written by opd 0.1.0 (flat), from `opd experiment objectives` at 466b790.
+FLAT_0_1_0 = Path(__file__).parent / "flat_config_0.1.0.json"
+CLASSES = (TrainConfig, SFTConfig, EvalConfig)
+
+
+def _train(**kw) -> TrainConfig:
+    return TrainConfig(student="/m/student", teacher="/m/teacher", **kw)
+
+
+def test_every_option_of_every_command_has_one_section_and_the_layout_names_no_stale_option():
+    listed = [option for _, _, options in LAYOUT for option in options]
+    assert len(listed) == len(set(listed)), "an option is listed in two sections"
+    fields = {f.name for cls in CLASSES for f in dataclasses.fields(cls)}
+    assert set(listed) == fields
+    for cls in CLASSES:
+        for f in dataclasses.fields(cls):
+            assert section_of(cls, f.name) in SECTION_NAMES
+
+
+def test_config_json_is_nested_by_section_and_reads_back_equal(tmp_path):
+    cfg = _train(k=8, lr=1e-3, eval_every=5, lora_r=4, teacher_url="", report_to=["none"], env_args=["a=1"])
+    dump_config(cfg, tmp_path / "config.json")
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert list(written) == [s for s in SECTION_NAMES if s in written]  # in --help's order
+    for section, options in written.items():
+        assert isinstance(options, dict)
+        assert all(section_of(TrainConfig, o) == section for o in options), section
+    assert written["optimizer"]["lr"] == 1e-3 and written["eval"]["eval_every"] == 5 and written["lora"]["lora_r"] == 4
+    again = build_config(TrainConfig, json.loads((tmp_path / "config.json").read_text()))
+    assert again == cfg
+
+
+def test_the_api_key_stays_out_of_the_nested_config_json(tmp_path):
+    dump_config(_train(teacher_api_key="sk-secret"), tmp_path / "config.json")
+    text = (tmp_path / "config.json").read_text()
+    assert "sk-secret" not in text and "teacher_api_key" not in text
+    assert "teacher_url" in json.loads(text)["teacher"]  # the section is written, the secret left out
+
+
+def test_a_flat_config_json_of_version_0_1_0_still_loads(tmp_path):
+    flat = json.loads(FLAT_0_1_0.read_text())
+    assert not any(isinstance(v, dict) for v in flat.values())  # the fixture is flat, as 0.1.0 wrote it
+    cfg = build_config(TrainConfig, flat)
+    assert (cfg.objective, cfg.support, cfg.k, cfg.steps, cfg.lr) == ("lsm", "student_topk", 8, 100, 5e-4)
+    assert read_run_config(FLAT_0_1_0, TrainConfig) == flat
+    # Written again it is nested, and the nested file is the same config.
+    dump_config(cfg, tmp_path / "config.json")
+    assert build_config(TrainConfig, json.loads((tmp_path / "config.json").read_text())) == cfg
+    assert read_run_config(tmp_path / "config.json", TrainConfig) == {
+        k: v for k, v in dataclasses.asdict(cfg).items() if k != "teacher_api_key"
+    }
+
+
+def test_a_yaml_file_may_mix_sections_and_flat_options_and_the_command_line_wins():
+    text = """
+    teacher: {teacher: /m/teacher, teacher_dtype: bfloat16}
+    objective: {objective: lsm, k: 16}
+    optimizer:
+      lr: 1e-4
+    steps: 7
+    student: /m/student
+    """
+    cfg = build_config(TrainConfig, yaml.safe_load(text), {"k": 4})
+    assert (cfg.teacher, cfg.teacher_dtype, cfg.k, cfg.lr, cfg.steps) == ("/m/teacher", "bfloat16", 4, 1e-4, 7)
+
+
+def test_a_string_under_a_section_name_is_the_option_of_that_name():
+    cfg = build_config(TrainConfig, {"student": "/m/s", "teacher": "/m/t", "objective": "sampled", "env": ""})
+    assert (cfg.teacher, cfg.objective) == ("/m/t", "sampled")
+
+
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        ({"student": "/m/s", "teacher": {"lr": 0.1}}, ["lr is in the optimizer section, not teacher"]),
+        ({"student": "/m/s", "lr": 0.1, "optimizer": {"lr": 0.2}}, ["lr is given twice", "keep one"]),
+        ({"student": "/m/s", "optimizer": {"learning_rate": 0.1}}, ["unknown option 'learning_rate'", "optimizer"]),
+        ({"student": "/m/s", "lora": {"lora_r": 4}, "tasks": None, "eval": {"eval_size": "many"}}, ["eval_size"]),
+    ],
+    ids=["wrong-section", "twice", "unknown-in-section", "type-checked-inside-a-section"],
+)
+def test_a_nested_file_that_cannot_mean_what_it_says_is_refused(data, words):
+    with pytest.raises(ConfigError) as err:
+        build_config(TrainConfig, data)
+    for w in words:
+        assert w in str(err.value)
+
+
+def test_eval_batch_is_in_the_eval_section_of_opd_eval_and_the_optimizer_section_of_train(tmp_path):
+    assert section_of(EvalConfig, "batch_size") == "eval" and section_of(TrainConfig, "batch_size") == "optimizer"
+    cfg = EvalConfig(student="/m/s", batch_size=16)
+    dump_config(cfg, tmp_path / "config.json")
+    assert json.loads((tmp_path / "config.json").read_text())["eval"]["batch_size"] == 16
+    assert build_config(EvalConfig, json.loads((tmp_path / "config.json").read_text())) == cfg
+
+
+def test_the_report_reads_nested_and_flat_config_json_alike(tmp_path):
+    cfg = _train(objective="lsm", k=8, env="")
+    nested, flat = tmp_path / "nested", tmp_path / "flat"
+    for d in (nested, flat):
+        d.mkdir()
+        (d / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss": 1.0}) + "\n")
+    dump_config(cfg, nested / "config.json")
+    record = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "teacher_api_key"}
+    (flat / "config.json").write_text(json.dumps(record))
+    assert load_run(nested).config == load_run(flat).config == record
+
+
+def test_train_help_groups_its_flags_by_section():
+    out = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "200"}).output
+    positions = [out.index(TITLES[s]) for s in SECTION_NAMES]
+    assert positions == sorted(positions)  # the panels, in the sections' order
+    lora = out[out.index(TITLES["lora"]) :]
+    assert lora.index("--lora-r") < lora.index(TITLES["multitask"])  # each flag in its section's panel

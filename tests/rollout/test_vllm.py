@@ -1,0 +1,357 @@
+"""opd against a real vLLM server (vLLM's CPU build, set up by ``opd vllm-setup``), started once for this
+module on the packaged demo teacher with an API key: its scores against the in-process teacher's, a
+training run against one with ``--teacher``, the tokenizer probe, ``--max-logprobs`` and the key.
+
+Without a vLLM environment these tests skip, naming the set-up command; CI sets ``OPD_REQUIRE_VLLM=1``,
+which makes a missing vLLM a failure instead, so they never skip there. They run on one xdist worker
+(``xdist_group``), so one server serves them all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import files_holding, free_port, rollouts
+
+from opd.config import TrainConfig
+from opd.errors import UserError
+from opd.models.loading import load_model, load_tokenizer
+from opd.teachers.client import HTTPTeacher
+from opd.teachers.scoring import HFTeacher
+from opd.training import loop as train_mod
+
+DEMO = Path(__file__).resolve().parents[2] / "src" / "opd" / "assets" / "demo"
+AGENTIC_STUDENT = DEMO.parent / "agentic" / "student"
+KEY = "opd-test-key-7f3c9a"  # grepped for in run directories: it must never be written there
+MAX_LOGPROBS = 32
+# float32 on both sides, different kernels: the largest gap seen was 4.6e-5 nats over 504 positions x 32
+TOL = 2e-4
+
+pytestmark = pytest.mark.xdist_group("vllm")
+
+
+@pytest.fixture(scope="module")
+def vllm_teacher(tmp_path_factory):
+    """The URL of a vLLM server on the demo teacher (float32, --max-logprobs 32, --api-key KEY)."""
+    from opd.rollout.vllm_server import start_vllm_server, vllm_python
+
+    try:
+        vllm_python()
+    except UserError as exc:
+        if os.environ.get("OPD_REQUIRE_VLLM") == "1":
+            pytest.fail(f"OPD_REQUIRE_VLLM=1 but {exc}")
+        pytest.skip(str(exc))
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    server = start_vllm_server(
+        DEMO / "teacher", log, max_model_len=512, max_logprobs=MAX_LOGPROBS, api_key=KEY, timeout=900
+    )
+    yield server.url
+    server.stop()
+
+
+def demo_rollouts(n: int = 16, new_tokens: int = 40):
+    tok = load_tokenizer(DEMO / "student", "student")
+    return tok, rollouts(tok, DEMO / "student", n=n, new_tokens=new_tokens)
+
+
+def test_vllm_teacher_scores_equal_the_in_process_teacher(vllm_teacher):
+    tok, batch = demo_rollouts()
+    served = HTTPTeacher(vllm_teacher, tok, 2048, api_key=KEY, wait=0)
+    assert not served.vocab_verified and not served.binary  # vLLM: probed through /tokenize, answers in JSON
+    got, want = served.score(batch, MAX_LOGPROBS), HFTeacher(load_model(DEMO / "teacher", "teacher")).score(batch, 32)
+    m = batch.response_mask_NT
+    g_lp, w_lp = got.topk_logprobs_NTK[m], want.topk_logprobs_NTK[m].float()
+    torch.testing.assert_close(g_lp, w_lp, atol=TOL, rtol=0)  # both sorted descending
+    torch.testing.assert_close(got.sampled_logprobs_NT[m], want.sampled_logprobs_NT[m].float(), atol=TOL, rtol=0)
+    # The same tokens in the same order, except where two log-probs are within the tolerance (a near-tie
+    # may order either way): at a differing slot the log-prob must equal a neighbour's.
+    differ = got.topk_ids_NTK[m] != want.topk_ids_NTK[m]
+    gaps = torch.cat([w_lp[:, :-1] - w_lp[:, 1:], torch.full_like(w_lp[:, :1], float("inf"))], 1)
+    near_tie = (gaps <= 2 * TOL) | torch.cat(
+        [torch.zeros_like(gaps[:, :1], dtype=torch.bool), gaps[:, :-1] <= 2 * TOL], 1
+    )
+    assert not (differ & ~near_tie).any(), f"{int((differ & ~near_tie).sum())} top-K slots differ outside near-ties"
+    assert m.sum() > 200
+
+
+def test_training_against_vllm_equals_the_in_process_teacher(vllm_teacher, tmp_path, monkeypatch):
+    """The docs' "drop-in replacement": LSM losses of 3 steps, and the key (from the environment) nowhere
+    in the run directory, its checkpoint included."""
+    common = dict(
+        student=str(DEMO / "student"),
+        steps=3,
+        batch_size=8,
+        max_new_tokens=48,
+        k=32,
+        eval_every=0,
+        eval_size=8,
+        eval_samples=0,
+        ckpt_every=2,
+        log_rollouts=2,
+        diag_positions=16,
+    )
+    monkeypatch.setenv("OPD_TEACHER_API_KEY", KEY)
+    losses = {}
+    for name, extra in (("local", {"teacher": str(DEMO / "teacher")}), ("vllm", {"teacher_url": vllm_teacher})):
+        out = tmp_path / name
+        train_mod.train(TrainConfig(out=str(out), **common, **extra), show_progress=False)
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = [r["train/loss"] for r in records if "train/loss" in r]
+    assert len(losses["vllm"]) == 3
+    assert losses["vllm"] == pytest.approx(losses["local"], rel=1e-4, abs=1e-6)
+    files, holding = files_holding(tmp_path / "vllm", KEY)
+    assert any("checkpoints" in str(p) for p in files) and not holding
+
+
+def test_vllm_teacher_with_another_tokenizer_is_refused(vllm_teacher):
+    tok = load_tokenizer(AGENTIC_STUDENT, "student")  # 3,282 tokens; the demo teacher has 2,048
+    with pytest.raises(
+        UserError, match=r"tokenizes differently from opd's tokenizer .*3282 tokens.*--teacher-tokenizer"
+    ):
+        HTTPTeacher(vllm_teacher, tok, len(tok), api_key=KEY, wait=0)
+
+
+def test_k_above_the_servers_max_logprobs_names_the_option(vllm_teacher):
+    tok, batch = demo_rollouts(n=2, new_tokens=4)
+    served = HTTPTeacher(vllm_teacher, tok, 2048, api_key=KEY, wait=0)
+    with pytest.raises(UserError, match=r"greater than max allowed: 32.*start the server with a larger --max-logprobs"):
+        served.score(batch, MAX_LOGPROBS + 8)
+
+
+def test_a_missing_or_wrong_key_is_a_clear_error(vllm_teacher):
+    tok = load_tokenizer(DEMO / "student", "student")
+    with pytest.raises(UserError, match="HTTP 401: Unauthorized; no API key was sent.*OPD_TEACHER_API_KEY"):
+        HTTPTeacher(vllm_teacher, tok, 2048, wait=0)
+    wrong = "not-" + KEY
+    with pytest.raises(UserError, match="the API key sent was refused.*OPD_TEACHER_API_KEY") as err:
+        HTTPTeacher(vllm_teacher, tok, 2048, api_key=wrong, wait=0)
+    assert wrong not in str(err.value)
+
+
+# ----------------------------------------------------------------------------- rollouts from vLLM
+
+ROLLOUT_RUN = dict(
+    student=str(DEMO / "student"),
+    teacher=str(DEMO / "teacher"),
+    rollout_engine="vllm",
+    steps=3,
+    batch_size=8,
+    max_new_tokens=48,
+    lr=2e-3,  # large enough that one update moves the policy well past the check's bound
+    eval_every=0,
+    eval_size=8,
+    eval_samples=0,
+    ckpt_every=0,
+    log_rollouts=2,
+    diag_positions=16,
+)
+
+
+@pytest.fixture(scope="module")
+def vllm_student(tmp_path_factory):
+    """A vLLM server on the demo student in dev mode (weights reloaded in place), with an API key."""
+    from opd.rollout.vllm_server import start_vllm_server, vllm_python
+
+    vllm_python()  # the teacher fixture has already skipped or failed without it
+    log = tmp_path_factory.mktemp("vllm-student") / "server.log"
+    server = start_vllm_server(DEMO / "student", log, max_model_len=512, api_key=KEY, dev_mode=True, timeout=900)
+    yield server.url
+    server.stop()
+
+
+def test_vllm_rollouts_follow_the_trained_policy(vllm_teacher, tmp_path):
+    """opd starts the engine on the student, syncs it before every batch, and the policy check holds."""
+    out = tmp_path / "run"
+    train_mod.train(TrainConfig(out=str(out), **ROLLOUT_RUN), show_progress=False)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "train/loss" in r]
+    assert len(steps) == 3
+    # float32 engine and trainer: 7.6e-7 nats per token seen; a stale policy is about 1e-2 (next test)
+    assert all(r["rollout/engine_logprob_gap"] < 1e-4 for r in steps), [r["rollout/engine_logprob_gap"] for r in steps]
+    assert all(0 <= r["rollout/accuracy"] <= 1 for r in steps)
+    assert (out / "vllm" / "weights" / "model.safetensors").is_file() and (out / "vllm" / "server.log").is_file()
+    rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 6 and all(r["response"] for r in rollouts)
+
+
+def test_a_skipped_weight_sync_trips_the_policy_check(vllm_student, tmp_path, monkeypatch):
+    """A user's engine (--vllm-url, its key from OPD_VLLM_API_KEY) that misses one sync: the run stops."""
+    from opd.rollout.vllm_engine import VLLMRollout
+
+    real_sync, calls = VLLMRollout.sync, []
+
+    def sync_but_the_second(self):
+        calls.append(1)
+        if len(calls) != 2:  # step 1's rollouts come from step 0's weights
+            real_sync(self)
+
+    monkeypatch.setattr(VLLMRollout, "sync", sync_but_the_second)
+    monkeypatch.setenv("OPD_VLLM_API_KEY", KEY)
+    cfg = TrainConfig(out=str(tmp_path / "run"), vllm_url=vllm_student, **ROLLOUT_RUN)
+    with pytest.raises(UserError, match=r"does not serve the policy being trained.*--vllm-max-gap 0.001"):
+        train_mod.train(cfg, show_progress=False)
+    assert len(calls) == 2
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/engine_logprob_gap"] < 1e-4 for r in records if "train/loss" in r] == [True]
+
+
+def test_vllm_rollouts_of_a_lora_student_carry_the_merged_weights(vllm_student, tmp_path, monkeypatch):
+    monkeypatch.setenv("OPD_VLLM_API_KEY", KEY)
+    out = tmp_path / "run"
+    cfg = TrainConfig(out=str(out), vllm_url=vllm_student, lora_r=4, **{**ROLLOUT_RUN, "lr": 1e-2})
+    train_mod.train(cfg, show_progress=False)
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/engine_logprob_gap"] < 1e-4 for r in steps if "train/loss" in r] == [True] * 3
+
+
+def closed_port_url() -> str:
+    return f"http://127.0.0.1:{free_port()}"  # nobody listens there: connection refused
+
+
+def test_an_engine_that_stops_answering_checkpoints_and_the_run_resumes(vllm_student, tmp_path, monkeypatch):
+    from opd.rollout import vllm_engine
+
+    real_sync, calls = vllm_engine.VLLMRollout.sync, []
+
+    def gone_at_step_2(self):
+        calls.append(1)
+        if len(calls) == 3:
+            self.url = closed_port_url()  # the server went away: connection refused from here on
+        real_sync(self)
+
+    monkeypatch.setattr(vllm_engine, "WAIT_S", 0.0)
+    monkeypatch.setattr(vllm_engine.VLLMRollout, "sync", gone_at_step_2)
+    monkeypatch.setenv("OPD_VLLM_API_KEY", KEY)
+    run = {**ROLLOUT_RUN, "steps": 4, "out": str(tmp_path / "run"), "vllm_url": vllm_student}
+    with pytest.raises(vllm_engine.EngineUnavailable) as err:
+        train_mod.train(TrainConfig(**run), show_progress=False)
+    assert "Connection refused" in str(err.value) or "connection refused" in str(err.value).lower()
+    assert str(err.value).endswith(
+        f"checkpoint of step 1 written in {tmp_path / 'run' / 'checkpoints'}; resume with --resume once the vLLM engine is up"
+    )
+    monkeypatch.setattr(vllm_engine.VLLMRollout, "sync", real_sync)
+    train_mod.train(TrainConfig(**run, resume=True), show_progress=False)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train/loss" in r] == [0, 1, 2, 3]  # step 2 redone after the resume
+
+
+def test_an_engine_opd_started_that_exited_is_restarted(vllm_student, tmp_path, capsys):
+    import subprocess
+
+    from opd.rollout import vllm_engine
+    from opd.rollout.vllm_server import VLLMServer
+
+    tok = load_tokenizer(DEMO / "student", "student")
+    log = tmp_path / "server.log"
+    log.write_text("ValueError: the engine died\n")
+    placeholder = subprocess.Popen(["sleep", "120"], start_new_session=True)  # stands for the relaunched server
+    engine = vllm_engine.VLLMRollout(
+        load_model(DEMO / "student", "student"),
+        tok,
+        tmp_path / "weights",
+        url=vllm_student,
+        api_key=KEY,
+        relaunch=lambda: VLLMServer(placeholder, vllm_student, log),
+    )
+    dead = subprocess.Popen(["true"], start_new_session=True)
+    dead.wait()
+    engine.server, engine.url = VLLMServer(dead, closed_port_url(), log), closed_port_url()
+    ids = [tok("Tom has 3 apples.")["input_ids"]] * 2
+    batch = engine.generate(ids, [0, 1], max_new_tokens=8, top_p=0.9)
+    assert engine.restarts == 1 and engine.url == vllm_student and batch.response_mask_NT.any()
+    assert "the vLLM engine exited" in capsys.readouterr().err
+    engine.restarts = vllm_engine.MAX_RESTARTS
+    engine.server, engine.url = VLLMServer(dead, closed_port_url(), log), closed_port_url()
+    with pytest.raises(vllm_engine.EngineUnavailable, match=r"(?s)the engine exited \(2 restarts\).*the engine died"):
+        engine.generate(ids, [0, 1], max_new_tokens=8)
+    placeholder.kill()
+
+
+def test_episodes_and_a_second_task_roll_out_from_one_engine(vllm_student, tmp_path, monkeypatch):
+    """--tasks with math prompts and toy-game episodes (multi-turn, one request a turn) from one engine:
+    every turn's tokens pass the policy check, and the engine is synced once per optimizer step, not per task."""
+    from opd.rollout.vllm_engine import VLLMRollout
+
+    real_sync, syncs = VLLMRollout.sync, []
+
+    def counted(self):
+        syncs.append(1)
+        real_sync(self)
+
+    monkeypatch.setattr(VLLMRollout, "sync", counted)
+    monkeypatch.setenv("OPD_VLLM_API_KEY", KEY)
+    out = tmp_path / "run"
+    toy = dict(env="toy", env_level=1, max_new_tokens=160, max_action_tokens=24, max_turns=4, eval_size=3)
+    run = {k: v for k, v in ROLLOUT_RUN.items() if k not in ("teacher", "max_new_tokens", "eval_size")}
+    cfg = TrainConfig(
+        out=str(out),
+        vllm_url=vllm_student,
+        tasks=[
+            {"name": "math", "teacher": str(DEMO / "teacher")},
+            {"name": "toy", "teacher": str(DEMO / "teacher"), **toy},
+        ],
+        task_mode="mix",
+        **{**run, "steps": 2, "lr": 1e-3},
+    )
+    train_mod.train(cfg, show_progress=False)
+    steps = [
+        r for r in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r
+    ]
+    assert len(steps) == 2 and len(syncs) == 2  # one sync a step for both tasks' rollouts
+    assert all(r["toy/rollout/turns"] >= 1 and "math/train/loss" in r for r in steps)
+    assert all(r["rollout/engine_logprob_gap"] < 1e-4 for r in steps), [r["rollout/engine_logprob_gap"] for r in steps]
+    rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    episodes = [r for r in rollouts if r["task"] == "toy"]
+    assert episodes and all(1 <= len(e["turns"]) <= 4 and e["end"] for e in episodes)  # --max-turns 4
+
+
+def test_two_ranks_roll_out_from_an_engine_each(vllm_teacher, tmp_path):
+    """torchrun with 2 ranks (DDP, gloo): each rank starts its own engine (its own folder and log) and
+    rolls out its share of the batch there; both pass the policy check at every step."""
+    from helpers import launch
+
+    out = tmp_path / "ddp"
+    args = ["train", "--student", str(DEMO / "student"), "--teacher", str(DEMO / "teacher"), "--out", str(out)]
+    args += ["--rollout-engine", "vllm", "--steps", "2", "--batch-size", "2", "--max-new-tokens", "24"]
+    args += ["--eval-every", "0", "--eval-size", "4", "--eval-samples", "0", "--lr", "1e-3", "--device", "cpu"]
+    launch("torchrun", args, timeout=900)
+    steps = [
+        r for r in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r
+    ]
+    assert len(steps) == 2 and all(r["rollout/engine_logprob_gap"] < 1e-4 for r in steps), steps
+    for rank in ("rank0", "rank1"):
+        assert (out / "vllm" / rank / "server.log").is_file(), rank
+        assert (out / "vllm" / rank / "weights" / "model.safetensors").is_file(), rank
+
+
+def test_the_vllm_rollouts_experiment_runs_quick(vllm_teacher, tmp_path):
+    from opd.lab.experiments import run
+    from opd.lab.experiments.stats import INCONCLUSIVE
+
+    res = run("vllm-rollouts", tmp_path, seeds=1, quick=True, show_progress=False)
+    assert [c["verdict"] for c in res["claims"]] == [INCONCLUSIVE]  # one seed decides nothing
+    assert len(res["tables"]) == 3
+    commands = (tmp_path / "vllm-rollouts" / "commands.txt").read_text()
+    assert commands.count("--rollout-engine vllm") == 2 and "opd train" in commands
+
+
+def test_a_batch_of_seeded_prompts_over_the_engines_token_budget(vllm_teacher, tmp_path):
+    """128 seeded prompts at once: more prompt tokens than vLLM schedules in one step. With chunked
+    prefill its CPU build died on them ("CPU Generator does not use offset": the demo's 64 prompts);
+    the engine opd starts runs without it."""
+    from opd.rollout.prompt_set import PromptSet, load_task
+    from opd.rollout.vllm_engine import start_engine
+
+    tok = load_tokenizer(DEMO / "student", "student")
+    cfg = TrainConfig(student=str(DEMO / "student"), teacher=str(DEMO / "teacher"), rollout_engine="vllm")
+    engine = start_engine(load_model(DEMO / "student", "student"), tok, cfg.student, tmp_path, cfg)
+    try:
+        prompts = PromptSet.build(load_task("arithmetic", 2, 0).examples("train")[:128], tok, 256).prompt_ids
+        batch = engine.generate(prompts, list(range(128)), max_new_tokens=48, top_p=0.9)
+        assert batch.response_mask_NT.sum(-1).min() >= 1 and engine.last_gap < 1e-4
+    finally:
+        engine.close()
