@@ -7,7 +7,11 @@ are checked against central finite differences in tests/losses/test_losses.py (t
 tests/losses/test_losses_tail.py).
 
 Formulas: LSM is lsm_blog_explainer.txt section 04 (renormalized reverse KL over the teacher's
-top-K); full-vocab and sampled-token OPD are rethinking_opd_summary.txt eq. 3-4; generalized JSD
+top-K; the paper is arXiv:2603.25562, "Revisiting On-Policy Distillation: Empirical Failure Modes
+and Simple Fixes"); full-vocab and sampled-token OPD are rethinking_opd_summary.txt eq. 3-4
+(arXiv:2604.13016, "Rethinking On-Policy Distillation of Large Language Models"). The .txt files
+are the project's development copies of the papers (not in this repository); the arXiv numbers find
+them; generalized JSD
 follows the TRL convention (beta=0 forward KL, beta=1 reverse KL); LSM's tail bucket is TRL's
 ``add_tail_bucket`` (K support tokens plus the mass outside them). Zero-probability tokens in
 a KL: 0 log 0 = 0, and an infinite term (mass where the other distribution has none) is left
