@@ -191,19 +191,24 @@ def train_killed_at(cfg, step: int, monkeypatch) -> None:
     user's Ctrl-C or a lost machine would: what it wrote before stays, nothing after."""
     import opd.training.loop as train_mod
 
-    real_rollout = train_mod.rollout_stage
+    def dying(real):
+        def dies(run, s, *args):
+            if s == step:
+                raise KeyboardInterrupt("simulated kill")
+            return real(run, s, *args)
 
-    def dies(run, s, *args):
-        if s == step:
-            raise KeyboardInterrupt("simulated kill")
-        return real_rollout(run, s, *args)
+        return dies
 
-    monkeypatch.setattr(train_mod, "rollout_stage", dies)
+    stages = ("rollout_stage", "rollouts_ahead")  # made here, or taken from the worker (--max-staleness)
+    real = {name: getattr(train_mod, name) for name in stages}
+    for name in stages:
+        monkeypatch.setattr(train_mod, name, dying(real[name]))
     try:
         with pytest.raises(KeyboardInterrupt):
             train_mod.train(cfg, show_progress=False)
     finally:
-        monkeypatch.setattr(train_mod, "rollout_stage", real_rollout)
+        for name in stages:
+            monkeypatch.setattr(train_mod, name, real[name])
 
 
 def first_rollout(run, step: int = 0):

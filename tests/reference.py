@@ -280,6 +280,40 @@ def ref_sampled_token_pg_loss(student_lp_BT, adv_BT, mask_BT, old_lp_BT=None, cl
     return _t(out), _t(grads)
 
 
+def ref_truncated_importance_weight(policy_lp_BT, behaviour_lp_BT, mask_BT, cap):
+    """min(pi / mu, cap) at each unmasked position, 0 elsewhere (a constant: no gradient)."""
+    pol, beh, mask = _f(policy_lp_BT), _f(behaviour_lp_BT), _b(mask_BT)
+    out = []
+    for b in range(len(pol)):
+        out.append([min(math.exp(pol[b][t] - beh[b][t]), cap) if mask[b][t] else 0.0 for t in range(len(pol[b]))])
+    return _t(out)
+
+
+def ref_stale_sampled_loss(
+    student_lp_BT, policy_lp_BT, behaviour_lp_BT, teacher_lp_BT, mask_BT, gamma, cap, action_mask_BT=None, gout_BT=None
+):
+    """Sampled-token OPD on rollouts an older policy mu sampled, one update per batch: the reward reads
+    the updated policy pi (its log-probs before the update), the REINFORCE term is weighted by
+    min(pi / mu, cap). loss_t = -w_t A_t exp(logp_t - pi_t); returns (loss_BT, grad wrt logp)."""
+    s, pol, mask = _f(student_lp_BT), _f(policy_lp_BT), _b(mask_BT)
+    adv = _f(ref_sampled_token_advantages(policy_lp_BT, teacher_lp_BT, mask_BT, gamma, action_mask_BT))
+    w = _f(ref_truncated_importance_weight(policy_lp_BT, behaviour_lp_BT, mask_BT, cap))
+    gout = _f(gout_BT) if gout_BT is not None else _ones_like_mask(mask)
+    out, grads = [], []
+    for b in range(len(s)):
+        out.append([])
+        grads.append([])
+        for t in range(len(s[b])):
+            if not mask[b][t]:
+                out[b].append(0.0)
+                grads[b].append(0.0)
+                continue
+            ratio = math.exp(s[b][t] - pol[b][t])
+            out[b].append(-w[b][t] * adv[b][t] * ratio)
+            grads[b].append(gout[b][t] * -w[b][t] * adv[b][t] * ratio)
+    return _t(out), _t(grads)
+
+
 def _counted(la, lb):
     """Which terms of KL(a || b) count: a > 0 and log a - log b finite.
 

@@ -72,6 +72,9 @@ class ObjectiveInputs:
         student_topk_ids_NTQ: (N, T, Q) or None, the student's own top-K ids (needs QUERY)
         old_logprobs_NT: (N, T) or None, the log-probs of the policy of the batch's first
             update, when a batch is reused (``--updates-per-batch`` > 1)
+        policy_logprobs_NT: (N, T) or None, for rollouts an older policy sampled
+            (``--max-staleness`` > 0, a policy-gradient objective): the trainer's log-probs of the
+            sampled tokens under the policy of the batch's first update
         teacher_hidden_NTE, teacher_head_VE: (N, T, E), (V, E) or None (needs FULL)
     """
 
@@ -87,6 +90,7 @@ class ObjectiveInputs:
     teacher_query_logprobs_NTQ: torch.Tensor | None = None
     student_topk_ids_NTQ: torch.Tensor | None = None
     old_logprobs_NT: torch.Tensor | None = None
+    policy_logprobs_NT: torch.Tensor | None = None
     teacher_hidden_NTE: torch.Tensor | None = None
     teacher_head_VE: torch.Tensor | None = None
 
@@ -106,6 +110,10 @@ class Objective:
     needs: Callable[[Options], frozenset[str]]
     mask_special: bool = False
     variants: tuple[str, ...] = ()
+    # A policy gradient (its expectation is over the sampling policy): with --max-staleness its loss
+    # reads policy_logprobs_NT and corrects for the older policy that sampled. The divergences on a
+    # support or the vocabulary need no correction: only the states they are evaluated on are stale.
+    policy_gradient: bool = False
 
 
 REGISTRY: dict[str, Objective] = {}
@@ -192,15 +200,28 @@ register(
 
 
 def _sampled_loss(x: ObjectiveInputs, cfg: Options) -> torch.Tensor:
+    """On policy, the reward reads the sampling policy's log-probs. Stale rollouts (``policy_logprobs_NT``
+    given) are one documented composition: the reward r_t = log q - log pi reads the policy being
+    updated, the PPO ratio (reused batches) is taken against that same policy, and the whole
+    surrogate is scaled by the truncated importance weight min(pi / mu, stale_weight_cap) against
+    the policy mu that sampled: loss_t = w_t * PPO(pi_theta / pi, A_t)."""
     logp = L.token_logprobs_from_hidden(x.hidden_NTD, x.head_VD, x.response_ids_NT)
+    stale = x.policy_logprobs_NT is not None
+    reward_logp = x.policy_logprobs_NT if x.policy_logprobs_NT is not None else x.behaviour_logprobs_NT
     adv = L.sampled_token_advantages(
-        x.behaviour_logprobs_NT, x.teacher_sampled_logprobs_NT, x.mask_NT, cfg.gamma, action_mask_BT=x.action_mask_NT
+        reward_logp, x.teacher_sampled_logprobs_NT, x.mask_NT, cfg.gamma, action_mask_BT=x.action_mask_NT
     )
     clip = cfg.clip_eps if x.old_logprobs_NT is not None else None
-    return L.sampled_token_pg_loss(logp, adv, x.mask_NT, x.old_logprobs_NT, clip)
+    loss = L.sampled_token_pg_loss(logp, adv, x.mask_NT, x.old_logprobs_NT, clip)
+    if not stale:
+        return loss
+    w = L.truncated_importance_weight(reward_logp, x.behaviour_logprobs_NT, x.mask_NT, cfg.stale_weight_cap)
+    return loss * w
 
 
-register(Objective("sampled", "sampled-token OPD", _sampled_loss, lambda cfg: frozenset({SAMPLED})))
+register(
+    Objective("sampled", "sampled-token OPD", _sampled_loss, lambda cfg: frozenset({SAMPLED}), policy_gradient=True)
+)
 
 
 # --- full_kl: the dense KL over the whole vocabulary -------------------------------------------

@@ -565,6 +565,65 @@ def test_sampled_token_pg_loss(shape, mask_kind, dtype, use_old, clip_eps):
         close(out, torch.where(mask, -adv.to(F64), 0.0), dtype)
 
 
+@pytest.mark.parametrize("shape,mask_kind,dtype", cases())
+@pytest.mark.parametrize("cap", [1.0, 2.0, math.inf])
+def test_truncated_importance_weight(shape, mask_kind, dtype, cap):
+    BT = shape[:2]
+    g = gen(23)
+    pol = (randn(BT, g) - 1.0).to(dtype).requires_grad_(True)
+    beh = (pol.detach().to(F64) + randn(BT, g, 1.5)).to(dtype)  # ratios on both sides of every cap
+    mask = make_mask(*BT, mask_kind, g)
+    w = L.truncated_importance_weight(pol, beh, mask, cap)
+    close(w, R.ref_truncated_importance_weight(pol, beh, mask, cap), dtype, "weight")
+    assert not w.requires_grad  # a constant of the update: it scales the gradient, is not trained
+    assert bool((w[~mask] == 0).all()) and bool((w <= cap).all())
+
+
+def test_truncated_importance_weight_refuses_a_cap_below_one():
+    with pytest.raises(ValueError, match="cap"):
+        L.truncated_importance_weight(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool), 0.5)
+
+
+@pytest.mark.parametrize("shape,mask_kind", [(s, m) for s in SHAPES for m in MASKS])
+@pytest.mark.parametrize("gamma", [0.0, 0.9])
+def test_stale_sampled_objective_against_reference(shape, mask_kind, gamma):
+    """The sampled objective on stale rollouts (the trainer's composition in opd.objectives) against the
+    reference's: reward from the policy being updated, REINFORCE weighted by min(pi / mu, 2)."""
+    from types import SimpleNamespace
+
+    from opd.objectives import ObjectiveInputs, lookup
+
+    B, T, V, _ = shape
+    g = gen(29)
+    h = randn((B, T, D), g).requires_grad_(True)
+    W = randn((V, D), g, 0.5)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = make_mask(B, T, mask_kind, g)
+    now = L.token_logprobs_from_hidden(h.detach(), W, ids)  # the policy before the update
+    beh = now + randn((B, T), g, 1.0)
+    teacher = randn((B, T), g) - 2.0
+    gout = randn((B, T), g)
+    x = ObjectiveInputs(
+        hidden_NTD=h,
+        head_VD=W,
+        response_ids_NT=ids,
+        behaviour_logprobs_NT=beh,
+        action_mask_NT=mask,
+        mask_NT=mask,
+        teacher_topk_ids_NTK=ids[..., None],
+        teacher_topk_logprobs_NTK=teacher[..., None],
+        teacher_sampled_logprobs_NT=teacher,
+        policy_logprobs_NT=now,
+    )
+    out = lookup("sampled").loss(x, SimpleNamespace(gamma=gamma, clip_eps=0.2, stale_weight_cap=2.0))
+    lp = L.token_logprobs_from_hidden(h, W, ids)
+    ref, ref_g_lp = R.ref_stale_sampled_loss(lp, now, beh, teacher, mask, gamma, 2.0, mask, gout)
+    close(out, ref, F64, "value")
+    (gh,) = grads(out, [h], gout)
+    (ref_gh,) = grads(lp, [h], ref_g_lp)  # the chain rule through the log-probs, from the reference's d/dlogp
+    close(gh, ref_gh, F64, "grad hidden")
+
+
 # ---------------------------------------------------------------- full vocab KL and JSD
 
 

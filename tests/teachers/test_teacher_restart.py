@@ -30,6 +30,7 @@ from opd.teachers.client import HTTPTeacher, Patience, vocab_info
 from opd.teachers.factory import make_teacher
 from opd.teachers.scoring import TeacherUnavailable
 from opd.training import loop as train_mod
+from opd.training import setup as setup_mod
 
 
 class FakeClock:
@@ -326,7 +327,7 @@ def kill_at_step(monkeypatch, server: ServedTeacher, seen_rng: list | None = Non
 def test_a_run_waits_out_a_kill_9_and_restart_of_its_teacher(served_run, tmp_path, monkeypatch):
     server, cfg, whole = served_run
     lines = []
-    real_make = train_mod.make_teacher
+    real_make = setup_mod.make_teacher
 
     def make(c, student, tok):
         teacher = real_make(c, student, tok)
@@ -342,7 +343,7 @@ def test_a_run_waits_out_a_kill_9_and_restart_of_its_teacher(served_run, tmp_pat
         teacher.patience.log = restart_when_missed
         return teacher
 
-    monkeypatch.setattr(train_mod, "make_teacher", make)
+    monkeypatch.setattr(setup_mod, "make_teacher", make)
     kill_at_step(monkeypatch, server)
     cfg = dataclasses.replace(cfg, out=str(tmp_path / "run"), teacher_wait=120.0)
     train_mod.train(cfg, show_progress=False)
@@ -403,7 +404,7 @@ def test_a_multi_task_step_cut_short_between_its_parts_is_redone_whole(tiny_mode
     cfg = TrainConfig(student=str(student), teacher=str(teacher), tasks=tasks, task_mode="mix", **small)
     whole, out = tmp_path / "whole", tmp_path / "cut"
     train_mod.train(dataclasses.replace(cfg, out=str(whole)), show_progress=False)
-    real_make = train_mod.make_teacher
+    real_make = setup_mod.make_teacher
 
     class GivesUp:  # the teacher both tasks share: its 6th call is task b's part of step 2
         def __init__(self, real):
@@ -415,7 +416,7 @@ def test_a_multi_task_step_cut_short_between_its_parts_is_redone_whole(tiny_mode
                 raise TeacherUnavailable("teacher server http://t is unreachable after 9 attempts")
             return self.real.score(batch, k, **kw)
 
-    monkeypatch.setattr(train_mod, "make_teacher", lambda *a: GivesUp(real_make(*a)))
+    monkeypatch.setattr(setup_mod, "make_teacher", lambda *a: GivesUp(real_make(*a)))
     with pytest.raises(UserError, match=r"^task 'b': teacher server http://t is unreachable .*checkpoint of step 1 "):
         train_mod.train(dataclasses.replace(cfg, out=str(out)), show_progress=False)
     assert [r["step"] for r in read_metrics(out)] == [0, 1]

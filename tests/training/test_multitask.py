@@ -27,6 +27,7 @@ from opd.errors import UserError
 from opd.models.loading import load_tokenizer
 from opd.rollout.prompt_set import batch_indices
 from opd.training import loop as train_mod
+from opd.training import setup as setup_mod
 from opd.training.schedule import split_by_task, task_for_step, task_schedule
 from opd.training.stepstats import FULL_VOCAB_KEYS
 
@@ -190,13 +191,13 @@ def test_each_rollout_is_scored_by_its_own_tasks_teacher(tiny_models, teacher2, 
     task sharing the first teacher: every step asks each teacher for exactly its tasks' rollouts,
     and the shared teacher is loaded once."""
     made, log = [], []
-    real_make = train_mod.make_teacher
+    real_make = setup_mod.make_teacher
 
     def spy_make(cfg, student, tok):
         made.append(cfg.teacher)
         return _Spy(real_make(cfg, student, tok), "t2" if cfg.teacher == str(teacher2) else "t1", log)
 
-    monkeypatch.setattr(train_mod, "make_teacher", spy_make)
+    monkeypatch.setattr(setup_mod, "make_teacher", spy_make)
     tasks = [
         {"name": "math", "batch_size": 3},
         {"name": "toy", "teacher": str(teacher2), "batch_size": 2, **TOY},
@@ -219,7 +220,7 @@ def test_a_teacher_server_that_is_down_names_its_task(tiny_models, teacher2, tmp
     with pytest.raises(UserError, match="task 'game': teacher server .* is unreachable"):
         train_mod.setup(cfg)
     # one that goes down mid-run stops it, naming the task; the last checkpoint stays
-    real_make = train_mod.make_teacher
+    real_make = setup_mod.make_teacher
 
     class GoesDown(_Spy):
         def score(self, batch, k, **kw):
@@ -232,7 +233,7 @@ def test_a_teacher_server_that_is_down_names_its_task(tiny_models, teacher2, tmp
         real = real_make(cfg, student, tok)
         return GoesDown(real, "t2", []) if cfg.teacher == str(teacher2) else real
 
-    monkeypatch.setattr(train_mod, "make_teacher", make)
+    monkeypatch.setattr(setup_mod, "make_teacher", make)
     with pytest.raises(UserError, match="task 'hard': teacher server http://x is unreachable"):
         train_mod.train(mt_cfg(tiny_models, tmp_path / "b", two_math(teacher2), task_mode="mix"), show_progress=False)
     assert (tmp_path / "b" / "checkpoints" / "latest").read_text().strip() == "step_0000000"

@@ -21,6 +21,9 @@ from opd.objectives import CROSS_TOKENIZER_GIVES, REGISTRY, objectives_help, ref
 
 DEFAULT_SPECIAL_TOKENS = ("<|im_end|>", "<think>", "</think>")
 ROLLOUT_ENGINES = ("hf", "vllm")
+# Rollouts run at most this many steps ahead of the trainer (--max-staleness): each step in flight holds a
+# copy of the weights, and a policy older than this is no longer distillation from the student's own samples.
+MAX_STALENESS = 4
 
 
 @dataclass
@@ -115,6 +118,11 @@ class TrainConfig(EnvSource, TrainingSource):
         "policy (mildly off-policy). Only the first update's loss is logged.",
     )
     clip_eps: float = opt(0.2, "PPO clip for the importance ratio when updates_per_batch > 1.")
+    stale_weight_cap: float = opt(
+        2.0,
+        "With --max-staleness > 0 and --objective sampled: the cap C of the truncated importance weight "
+        "min(pi/mu, C) against the older policy mu that sampled (inf: no truncation).",
+    )
     lr: float = opt(5e-4, "Peak learning rate (AdamW).")
     weight_decay: float = opt(0.0, "AdamW weight decay.")
     warmup_steps: int = opt(10, "Linear warm-up steps.")
@@ -164,6 +172,18 @@ class TrainConfig(EnvSource, TrainingSource):
         "hf",
         "What generates the rollouts: hf (opd's own sampling loop: per-prompt seeded, resumable exactly) or vllm "
         "(a vLLM server given the student's weights before every batch; opd vllm-setup; docs/scale-out.md).",
+    )
+    max_staleness: int = opt(
+        0,
+        "Rollouts generated ahead: step t's rollouts come from the policy of step t - S, generated in a "
+        "worker process while the trainer scores and updates (0: on-policy in this process, as always). "
+        f"At most {MAX_STALENESS}; --rollout-engine hf only for now.",
+    )
+    rollout_worker_threads: int = opt(
+        0,
+        "With --max-staleness > 0: the rollout worker's torch threads; the trainer then keeps its own "
+        "(OMP_NUM_THREADS). 0: the cores' threads are split, half to the worker (benchmarks/bench_async.py "
+        "measures the splits).",
     )
     vllm_url: str = opt(
         "",
@@ -256,6 +276,7 @@ def _check_optimizer(cfg: TrainConfig) -> None:
 
 def _check_rollout(cfg: TrainConfig) -> None:
     require(0.0 < cfg.top_p <= 1.0, f"top_p={cfg.top_p} must lie in (0, 1] (0.9 is the paper's setting)")
+    _check_staleness(cfg)
     require(cfg.temperature > 0, f"temperature={cfg.temperature} must be > 0")
     require(cfg.rollout_engine in ROLLOUT_ENGINES, f"rollout_engine={cfg.rollout_engine!r}: hf or vllm")
     require(cfg.vllm_max_gap >= 0 and cfg.vllm_start_timeout > 0, "vllm_max_gap must be >= 0, vllm_start_timeout > 0")
@@ -269,6 +290,28 @@ def _check_rollout(cfg: TrainConfig) -> None:
     )
     if not cfg.vllm_max_gap:
         cfg.vllm_max_gap = 1e-3 if cfg.dtype == "float32" else 0.05
+
+
+def _check_staleness(cfg: TrainConfig) -> None:
+    require(
+        0 <= cfg.max_staleness <= MAX_STALENESS,
+        f"max_staleness={cfg.max_staleness} must lie in [0, {MAX_STALENESS}] (0: on-policy; 1 overlaps "
+        "the next step's generation with this step's scoring and update)",
+    )
+    require(cfg.rollout_worker_threads >= 0, f"rollout_worker_threads={cfg.rollout_worker_threads} must be >= 0")
+    require(cfg.stale_weight_cap >= 1, f"stale_weight_cap={cfg.stale_weight_cap} must be >= 1 (2 is usual)")
+    if not cfg.max_staleness:
+        return
+    require(
+        cfg.rollout_engine == "hf",
+        f"--max-staleness {cfg.max_staleness} needs an engine that runs ahead of the trainer: --rollout-engine hf "
+        "(opd's sampling loop in a worker process). The vLLM engine does not run ahead yet: drop --max-staleness",
+    )
+    require(
+        not cfg.fsdp,
+        "--max-staleness > 0 does not run with --fsdp yet (the worker is given whole weights): use DDP "
+        "(torchrun without --fsdp) or --max-staleness 0",
+    )
 
 
 def _check_teacher(cfg: TrainConfig) -> None:

@@ -48,7 +48,7 @@ _SOURCE = (
     "batch_size",
 )
 # How a task's teacher scores, beyond where it is: tasks that agree on all of these (and name the
-# same teacher) share one loaded teacher (opd.training.loop.build_tasks).
+# same teacher) share one loaded teacher (opd.training.setup.build_tasks).
 TEACHER_SCORING = (
     "teacher_dtype",
     "teacher_tokenizer",

@@ -44,6 +44,7 @@ from opd.losses.sampled import (
     sampled_token_advantages,
     sampled_token_pg_loss,
     token_logprobs_from_hidden,
+    truncated_importance_weight,
 )
 from opd.losses.support import (
     SUPPORT_KINDS,
@@ -69,6 +70,7 @@ __all__ = [
     "local_support_kl_tail_from_hidden",
     "sampled_token_advantages",
     "sampled_token_pg_loss",
+    "truncated_importance_weight",
     "sequence_mean",
     "special_token_mask",
     "teacher_topk",

@@ -2,7 +2,8 @@
 
 The reward and the discounted reward-to-go follow the OPD papers (gamma = 0 token level,
 gamma = 1 sequence level); the surrogate adds an importance ratio and optional PPO clipping for
-rollouts from an older policy, which the on-policy papers do not need. The student's log-probs
+a batch reused by later updates, and a truncated importance weight for rollouts an older policy
+sampled (``--max-staleness``), which the on-policy papers do not need. The student's log-probs
 come from :func:`token_logprobs_from_hidden`, which never holds more than a chunk of logits.
 """
 
@@ -160,3 +161,25 @@ def sampled_token_pg_loss(
         clipped = -ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * adv
         loss = torch.maximum(loss, clipped)
     return torch.where(mask, loss, torch.zeros_like(loss))
+
+
+def truncated_importance_weight(
+    policy_logprobs_BT: torch.Tensor, behaviour_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """min(pi(y_t) / mu(y_t), cap): the weight that corrects a policy gradient for tokens an older
+    policy mu sampled (truncated importance sampling, as TRL and verl apply to their engines'
+    rollouts). Detached: it scales the gradient and is not trained; 0 outside the mask.
+
+    ``policy_logprobs_BT``: log pi(y_t) of the policy being updated (as the batch's first update
+    sees it); ``behaviour_logprobs_BT``: log mu(y_t), what the rollout engine sampled with.
+
+    Shapes:
+        policy_logprobs_BT, behaviour_logprobs_BT, mask_BT: (B, T) -> weight_BT: (B, T)
+    """
+    if not cap >= 1.0:
+        raise ValueError(f"cap={cap} must be >= 1 (2 is the usual truncation; inf: none)")
+    dtype = compute_dtype(policy_logprobs_BT, behaviour_logprobs_BT)
+    mask = as_bool(mask_BT)
+    log_w = policy_logprobs_BT.detach().to(dtype) - behaviour_logprobs_BT.detach().to(dtype)
+    log_w = torch.where(mask, log_w, torch.zeros_like(log_w))
+    return torch.where(mask, log_w.exp().clamp(max=cap), torch.zeros_like(log_w))

@@ -35,78 +35,41 @@ Run: ``opd train --student DIR --teacher DIR --objective lsm --k 32 --out runs/x
 from __future__ import annotations
 
 import math
-import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import cast
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from opd import metrics as M
-from opd.config import TEACHER_SCORING, TaskSpec, TrainConfig, config_record, resolve_tasks
+from opd.config import TrainConfig, config_record
 from opd.errors import ServiceUnavailable, UserError
-from opd.models.loading import disable_dropout, head_weight, load_model, load_tokenizer, resolve_device
-from opd.models.lora import apply_lora, load_weights
+from opd.models.loading import head_weight
 from opd.rollout.episodes import EpisodeRecord
 from opd.rollout.prompt_set import sample_seed
 from opd.rollout.sampling import RolloutBatch
-from opd.rollout.vllm_engine import EngineUnavailable
+from opd.rollout.vllm_engine import EngineUnavailable, merged_weights
 from opd.runs.progress import progress_bar
-from opd.runs.rundir import RunDir, save_final_model
-from opd.teachers.factory import make_teacher
+from opd.runs.rundir import save_final_model
 from opd.teachers.scoring import TeacherScorer, TeacherScores, TeacherUnavailable
-from opd.training.distributed import Dist, init_distributed, merge_metrics, shutdown
+from opd.training.ahead import AheadRollouts
+from opd.training.distributed import merge_metrics, shutdown
 from opd.training.loss import (
     LossTotals,
     loss_mask,
     needs_student_topk,
     objective_loss,
+    policy_logprobs,
+    reads_policy_logprobs,
     reduce_loss,
     scored_loss_mask,
     student_topk_ids,
 )
-from opd.training.optim import make_optimizer, make_scheduler, rng_state, set_rng_state
-from opd.training.schedule import for_task, prefixed, task_schedule
-from opd.training.sources import Source, make_sources, task_data
+from opd.training.optim import rng_state
+from opd.training.schedule import for_task, prefixed
+from opd.training.setup import Run, TaskRun, setup
 from opd.training.stepstats import StepUpdate, metric_weights, rollout_records, step_metrics
-
-
-@dataclass
-class TaskRun:
-    """One task of a run: its settings, teacher, rollout engine and data (a single-task run has one, named "")."""
-
-    name: str  # prefixes its metrics and files; "" in a single-task run (no prefix anywhere)
-    cfg: TrainConfig  # the run's config with this task's overrides (a single-task run: the run's own)
-    share: float  # its normalised share of the steps (alternate) or of the batch (mix)
-    teacher: TeacherScorer
-    source: Source  # its training prompts, or an environment's games (--env)
-    test: Source  # held out: what evaluation measures (--eval-task's test prompts, or held-out games)
-    engine: Any  # the source's engine on the student: single-turn sampling, or episodes
-
-    @property
-    def files(self) -> str:
-        """Where its evaluation set is listed, relative to the run directory."""
-        return f"tasks/{self.name}/" if self.name else ""
-
-
-@dataclass
-class Run:
-    """Everything the loop's stages share; built once by :func:`setup`."""
-
-    cfg: TrainConfig
-    student: torch.nn.Module  # a transformers causal LM, or peft's wrapper of one (--lora-r)
-    tokenizer: PreTrainedTokenizerBase
-    tasks: list[TaskRun]
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    rundir: RunDir
-    special_ids: list[int]
-    dist: Dist = field(default_factory=Dist)  # ranks, and the student as DDP/FSDP wrap it (dist.model)
-    start_step: int = 0
-    schedule: list[tuple[int, int]] = field(default_factory=list)  # alternate: (task, its batch number) per step
 
 
 @dataclass(frozen=True)
@@ -134,123 +97,6 @@ class StepPart:
     score_metrics: dict[str, float]  # logged with the step (cross/dropped)
 
 
-# ----------------------------------------------------------------------------- setup
-
-
-def setup(cfg: TrainConfig) -> Run:
-    torch.manual_seed(cfg.seed)
-    device = resolve_device(cfg.device)
-    dist = init_distributed(cfg.fsdp, device)
-    rundir = RunDir(cfg.out, report_to=cfg.report_to)
-    rundir.require_fresh(cfg.resume)
-    specs = resolve_tasks(cfg)
-    # before the models: a data problem shows at once
-    data = [for_task(s.name, task_data, s.cfg) for s in specs]
-    tok = load_tokenizer(cfg.student, "student")
-    student = load_model(cfg.student, "student", cfg.dtype, device)
-    tasks = build_tasks(specs, data, student, tok)
-    V = head_weight(student).shape[0]
-    if cfg.k > V:
-        raise UserError(f"k={cfg.k} is larger than the vocabulary ({V} tokens); choose --k <= {V}")
-    special_ids = special_token_ids(tok, cfg.special_tokens)
-    if not cfg.keep_dropout:  # before LoRA, so --lora-dropout still applies to the adapter
-        disable_dropout(student)
-    if cfg.lora_r:
-        student = apply_lora(student, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout, cfg.student)
-    ckpt = rundir.latest_checkpoint() if cfg.resume else None
-    if ckpt is not None:
-        load_weights(student, ckpt / "model")  # before wrapping: FSDP shards the weights it is given
-    student.train()
-    optimizer = make_optimizer(dist.wrap(student), cfg.lr, cfg.weight_decay)
-    if cfg.rollout_engine == "vllm":
-        use_vllm(cfg, tasks, student, tok, rundir, dist, optimizer)
-    scheduler = make_scheduler(optimizer, cfg.warmup_steps, cfg.steps * cfg.updates_per_batch, cfg.schedule)
-    schedule = task_schedule(cfg.steps, [t.share for t in tasks], cfg.seed) if cfg.task_mode == "alternate" else []
-    run = Run(cfg, student, tok, tasks, optimizer, scheduler, rundir, special_ids, dist, schedule=schedule)
-    if ckpt is not None:
-        resume(run, ckpt)
-    elif cfg.resume:  # killed before its first checkpoint: it starts over, so must its logs
-        rundir.truncate_logs_after(-1)
-    rundir.write_config(cfg)
-    for t in tasks:  # an environment's games are listed once played (eval_stage)
-        listed = t.test.listing(rundir.path / t.files, played=False)
-        if listed is not None:
-            rundir.write_jsonl(f"{t.files}eval.jsonl", listed)
-    return run
-
-
-def use_vllm(cfg: TrainConfig, tasks: list[TaskRun], student, tok, rundir: RunDir, dist: Dist, optimizer) -> None:
-    """``--rollout-engine vllm``: every task rolls out from one vLLM server that is given the student's
-    weights (LoRA's wrapper included) after each optimizer step; under torchrun/accelerate, one server
-    per rank (its own folder), as each rank rolls out its own share of the batch."""
-    from opd.rollout.vllm_engine import start_engine
-
-    if dist.world > 1 and cfg.vllm_url:
-        raise UserError(
-            "--vllm-url names one engine, and each of the launch's ranks needs its own: leave --vllm-url out "
-            "and opd starts one per rank, or run in one process"
-        )
-    folder = rundir.path / "vllm" / (f"rank{dist.rank}" if dist.world > 1 else "")
-    key = os.environ.get("OPD_VLLM_API_KEY", "")
-    engine = start_engine(student, tok, cfg.student, folder, cfg, [t.cfg for t in tasks], api_key=key)
-    engine.watch(optimizer)
-    for t in tasks:
-        t.engine = t.source.on_vllm(engine, tok)
-
-
-def _teacher_key(c: TrainConfig) -> tuple:
-    """Where a task's teacher is and how it scores (:data:`opd.config.tasks.TEACHER_SCORING`): the
-    same model read with another dtype or tokenizer setting scores differently, so is not shared."""
-    where = ("url", c.teacher_url) if c.teacher_url else ("dir", str(Path(c.teacher).resolve()))
-    values = (c.dtype if f == "teacher_dtype" and not c.teacher_dtype else getattr(c, f) for f in TEACHER_SCORING)
-    return (*where, *(tuple(v) if isinstance(v, list) else v for v in values))
-
-
-def build_tasks(specs: list[TaskSpec], data: list[tuple], student, tok) -> list[TaskRun]:
-    """Each task's teacher, sources and engine. A teacher that several tasks name (the
-    same directory or URL, with the same dtype and tokenizer settings) is loaded once and shared."""
-    teachers: dict[tuple, TeacherScorer] = {}
-    out = []
-    for spec, (task, eval_task) in zip(specs, data, strict=True):
-        c = spec.cfg
-        key = _teacher_key(c)
-        if key not in teachers:  # every teacher's vocabulary is checked against the student's here
-            teachers[key] = for_task(spec.name, make_teacher, c, student, tok)
-        source, test = for_task(spec.name, make_sources, c, tok, task, eval_task)
-        for_task(spec.name, source.check_model, student, c)
-        out.append(TaskRun(spec.name, c, spec.share, teachers[key], source, test, source.engine(student, tok)))
-    return out
-
-
-def special_token_ids(tok, tokens: list[str]) -> list[int]:
-    ids = []
-    for t in tokens:
-        tid = tok.convert_tokens_to_ids(t)
-        if tid is None or tid == tok.unk_token_id:
-            raise UserError(f"special token {t!r} is not in the student's vocabulary; fix --special-tokens")
-        ids.append(tid)
-    return ids
-
-
-def resume(run: Run, ckpt: Path) -> None:
-    """Optimizer, schedule, RNG and step from ``ckpt`` (the weights were loaded before wrapping)."""
-    state = run.rundir.load_state(ckpt)
-    if state.get("fsdp", False) != run.dist.fsdp:  # the two keep the optimizer state in different layouts
-        was = "with" if state.get("fsdp") else "without"
-        raise UserError(f"checkpoint {ckpt} was written {was} --fsdp; resume {was} --fsdp as well")
-    saved_world = len(state["rng"]) if isinstance(state["rng"], list) else 1
-    if saved_world != run.dist.world:  # the global batch, and so each step's prompts, would change
-        raise UserError(
-            f"checkpoint {ckpt} was written by {saved_world} process(es), this launch has "
-            f"{run.dist.world}; resume with the same number of processes"
-        )
-    run.dist.load_optimizer_state(run.optimizer, state["optimizer"])
-    run.scheduler.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"], run.dist.rank, run.dist.world, run.dist.device)
-    run.start_step = state["step"] + 1
-    run.rundir.truncate_logs_after(state["step"])
-
-
 # ----------------------------------------------------------------------------- stages
 
 
@@ -267,18 +113,39 @@ def step_tasks(run: Run, step: int) -> list[Assignment]:
     return out
 
 
-def rollout_stage(run: Run, step: int, at: Assignment) -> tuple[RolloutBatch, list[int], list[EpisodeRecord] | None]:
-    """This rank's rollouts of one task of the step (``at``, from :func:`step_tasks`): its
-    contiguous block of the task's global batch, seeded by global slot; with --env, episodes of the
-    step's games and what happened in each (the source's records; None for prompts)."""
+def rollout_request(run: Run, step: int, at: Assignment) -> tuple[list[int], list[int]]:
+    """This rank's share of one task of the step (``at``, from :func:`step_tasks`): its contiguous
+    block of the task's global batch (the items, a rollout per sample), each seeded by its global slot."""
     task, cfg = at.task, at.task.cfg
     idx = task.source.batch_indices(at.visit, cfg.batch_size * run.dist.world, cfg.seed)
     global_rows = [i for i in idx for _ in range(cfg.samples_per_prompt)]
     slots = run.dist.shard(list(range(len(global_rows))))
-    rows = [global_rows[s] for s in slots]
-    seeds = [sample_seed(cfg.seed, step, at.slot0 + s) for s in slots]
-    batch, records = run.dist.full_call(lambda _: task.source.rollout(task.engine, rows, seeds, cfg))
+    return [global_rows[s] for s in slots], [sample_seed(cfg.seed, step, at.slot0 + s) for s in slots]
+
+
+def rollout_stage(run: Run, step: int, at: Assignment) -> tuple[RolloutBatch, list[int], list[EpisodeRecord] | None]:
+    """This rank's rollouts of one task of the step, generated here: with --env, episodes of the
+    step's games and what happened in each (the source's records; None for prompts)."""
+    task = at.task
+    rows, seeds = rollout_request(run, step, at)
+    batch, records = run.dist.full_call(lambda _: task.source.rollout(task.engine, rows, seeds, task.cfg))
     return batch, rows, records
+
+
+def rollouts_ahead(run: Run, step: int) -> tuple[list, dict[str, float]]:
+    """--max-staleness S: the worker is asked for the steps up to ``step`` + S not yet asked for, with the
+    weights this step starts from, and step ``step``'s rollouts (asked for S steps ago) are taken."""
+    ahead = cast(AheadRollouts, run.ahead)
+    weights = None
+    for later in range(ahead.last + 1, min(step + run.cfg.max_staleness, run.cfg.steps - 1) + 1):
+        weights = weights or run.dist.full_call(merged_weights)
+        parts = [(run.tasks.index(at.task), *rollout_request(run, later, at)) for at in step_tasks(run, later)]
+        ahead.submit(later, step, parts, weights)
+    t0 = time.perf_counter()
+    rollouts, policy_step, seconds = ahead.take(step)
+    waited = time.perf_counter() - t0
+    stats = {"rollout/staleness": float(step - policy_step), "rollout/worker_restarts": float(ahead.restarts)}
+    return rollouts, {**stats, "time/rollout_wait": waited, "time/worker_generate": seconds}
 
 
 def diag_index(mask_NT: torch.Tensor, n: int, step: int, seed: int) -> torch.Tensor:
@@ -383,6 +250,7 @@ def update_stage(run: Run, step: int, parts: list[StepPart]) -> list[StepUpdate]
     totals = global_totals(run, masks, [p.task.cfg.max_new_tokens for p in parts])
     micro = _micro_batches(parts, cfg.grad_accum)
     scale = task_lr_scale(run, parts)
+    policy = policy_logprobs_of(run, parts, micro)
     first: list[StepUpdate] = []
     for update in range(cfg.updates_per_batch):
         run.optimizer.zero_grad(set_to_none=True)
@@ -391,10 +259,11 @@ def update_stage(run: Run, step: int, parts: list[StepPart]) -> list[StepUpdate]
         hidden_rows: list[list[torch.Tensor]] = [[] for _ in parts]
         for j, (i, rows) in enumerate(micro):
             p, mask_NT = parts[i], masks[i]
-            old = p.batch.logprobs_NT[rows] if cfg.updates_per_batch > 1 else None
+            now = None if policy is None else policy[j]  # stale rollouts: the trainer's, before the first update
+            old = (p.batch.logprobs_NT[rows] if now is None else now) if cfg.updates_per_batch > 1 else None
             ids_rows = None if p.student_ids is None else p.student_ids[rows]
             with run.dist.sync_gradients(j == len(micro) - 1):  # reduce across ranks once, after the last micro-batch
-                args = (p.batch.select(rows), p.scores.select(rows), mask_NT[rows], ids_rows, old)
+                args = (p.batch.select(rows), p.scores.select(rows), mask_NT[rows], ids_rows, old, now)
                 loss_NT, h = run.dist.train_call(_objective, run, p.task.teacher, *args)
                 loss = reduce_loss(cfg.reduction, loss_NT, mask_NT[rows], totals)
                 loss.backward()
@@ -419,6 +288,14 @@ def update_stage(run: Run, step: int, parts: list[StepPart]) -> list[StepUpdate]
     for u in first:
         u.lr = cast(float, run.scheduler.get_last_lr()[0]) * scale  # our schedules' lrs are floats
     return first
+
+
+def policy_logprobs_of(run: Run, parts: list[StepPart], micro: list[tuple[int, slice]]) -> list[torch.Tensor] | None:
+    """Per micro-batch, the trainer's log-probs of the sampled tokens before the step's first update,
+    when a policy-gradient objective's rollouts come from an older policy (--max-staleness); else None."""
+    if not reads_policy_logprobs(run.cfg):
+        return None
+    return [run.dist.full_call(lambda s, i=i, r=r: policy_logprobs(s, parts[i].batch.select(r))) for i, r in micro]
 
 
 def task_lr_scale(run: Run, parts: list[StepPart]) -> float:
@@ -542,7 +419,10 @@ def checkpoint_stage(run: Run, step: int, rng: dict | None = None) -> None:
         "rng": rngs if run.dist.active else rngs[0],
         "fsdp": run.dist.fsdp,
         "config": config_record(run.cfg),
+        "max_staleness": run.cfg.max_staleness,
     }
+    if run.ahead is not None:  # the rollouts asked for with the weights this checkpoint has seen
+        state["ahead"] = run.ahead.in_flight(step)
     run.rundir.save_checkpoint(step, run.student, state, model_state=run.dist.full_state_dict(run.student))
     run.dist.barrier()
 
@@ -559,14 +439,19 @@ def train_steps(run: Run, show_progress: bool) -> dict:
         for step in range(run.start_step, cfg.steps):
             t0, rng = time.perf_counter(), rng_state(run.dist.device)
             tasks = step_tasks(run, step)
+            ahead: dict[str, float] = {}
             with stop_if_service_down(run, step, rng, EngineUnavailable, "the vLLM engine"):
-                rollouts = [rollout_stage(run, step, at) for at in tasks]
+                if run.ahead is None:
+                    rollouts = [rollout_stage(run, step, at) for at in tasks]
+                else:
+                    rollouts, ahead = rollouts_ahead(run, step)
             t1 = time.perf_counter()
             parts = [scored_part(run, step, rng, at.task, *r) for at, r in zip(tasks, rollouts, strict=True)]
             t2 = time.perf_counter()
             upds = update_stage(run, step, parts)
             t3 = time.perf_counter()
             timings = {"time/generate": t1 - t0, "time/score": t2 - t1, "time/update": t3 - t2, "time/step": t3 - t0}
+            timings.update(ahead)
             record = log_stage(run, step, parts, upds, timings)
             bar.advance(1)
             bar.describe(f"loss {record['train/loss']:.4f}  acc {record['rollout/accuracy']:.2f}")
@@ -588,6 +473,8 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
             t.source.close()
             t.test.close()
             getattr(t.engine, "close", lambda: None)()
+        if run.ahead is not None:
+            run.ahead.close()
     save_final_model(
         run.rundir.path / "final",
         run.student,

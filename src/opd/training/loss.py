@@ -49,6 +49,19 @@ def student_topk_ids(student, batch: RolloutBatch, k: int) -> torch.Tensor:
     return L.topk_from_hidden(h, head_weight(student), k)[0]
 
 
+@torch.no_grad()
+def policy_logprobs(student, batch: RolloutBatch) -> torch.Tensor:
+    """The student's log-probs of the sampled tokens (N, T), as the trainer computes them: for rollouts
+    an older policy sampled (--max-staleness), the policy a policy-gradient update starts from."""
+    return L.token_logprobs_from_hidden(response_hidden(student, batch), head_weight(student), batch.response_ids_NT)
+
+
+def reads_policy_logprobs(cfg: TrainConfig) -> bool:
+    """Whether a step computes :func:`policy_logprobs` first: a policy-gradient objective's rollouts
+    come from an older policy (--max-staleness > 0)."""
+    return cfg.max_staleness > 0 and lookup(cfg.objective).policy_gradient
+
+
 def needs_student_topk(cfg: TrainConfig) -> bool:
     """Whether the objective reads the student's own top-K (student-side supports), which the
     score stage computes and the teacher scores."""
@@ -101,6 +114,7 @@ def objective_loss(
     mask_NT: torch.Tensor,
     student_ids_NTK: torch.Tensor | None = None,
     old_logprobs_NT: torch.Tensor | None = None,
+    policy_logprobs_NT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position loss (N, T) of ``cfg.objective`` (gradients to the student only) and the
     student's response hidden states (N, T, D) it was computed from (for diagnostics)."""
@@ -122,6 +136,7 @@ def objective_loss(
         teacher_query_logprobs_NTQ=scores.query_logprobs_NTQ,
         student_topk_ids_NTQ=student_ids_NTK,
         old_logprobs_NT=old_logprobs_NT,
+        policy_logprobs_NT=policy_logprobs_NT,
         teacher_hidden_NTE=t_h,
         teacher_head_VE=t_W,
     )

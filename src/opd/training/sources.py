@@ -171,12 +171,16 @@ def task_data(cfg: TrainConfig) -> tuple[Task | None, Task | None]:
 def make_sources(cfg: TrainConfig, tok, task: Task | None, eval_task: Task | None) -> tuple[Source, Source]:
     """The training source and the held-out one: the task's prompts (--eval-task's test prompts
     held out), or the environment's training and held-out games (--env)."""
+    train = train_source(cfg, tok, task)
+    return train, held_out(cfg, tok, eval_task, train.games.env if isinstance(train, GameSource) else None)
+
+
+def train_source(cfg: TrainConfig, tok, task: Task | None) -> Source:
+    """The training split alone: the task's training prompts, or the environment's training games."""
     if cfg.env:
-        env = play_env(cfg)
-        return GameSource(GameSet.build(env, "train")), held_out(cfg, tok, eval_task, env)
+        return GameSource(GameSet.build(play_env(cfg), "train"))
     task = cast(Task, task)  # None only with --env (task_data)
-    train = PromptSet.build(task.examples("train"), tok, cfg.max_prompt_tokens, "training prompts")
-    return PromptSource(train, task), held_out(cfg, tok, eval_task)
+    return PromptSource(PromptSet.build(task.examples("train"), tok, cfg.max_prompt_tokens, "training prompts"), task)
 
 
 def held_out(cfg: TrainConfig, tok, grader: Task | None, env=None) -> Source:

@@ -210,6 +210,30 @@ def _eval(model_dir: Path, games: GameSet, tok, seed: int) -> dict:
     return evaluate_agent(model, tok, games, samples=EVAL_SAMPLES, top_p=TOP_P, seed=seed, show_progress=True, **LIMITS)
 
 
+def opd_config(assets: Path, seed: int = 0, steps: int = 0, quick: bool = False, **change) -> TrainConfig:
+    """The agentic demo's OPD run from the models in ``assets`` (``change`` on top: the objective, the output)."""
+    settings = dict(
+        student=str(assets / "student"),
+        teacher=str(assets / "teacher"),
+        env=ENV,
+        env_level=LEVEL,
+        env_args=env_args(quick),
+        seed=seed,
+        steps=3 if quick else steps or DEMO_STEPS,
+        batch_size=8 if quick else DEMO_BATCH,
+        lr=DEMO_LR,
+        warmup_steps=5,
+        eval_every=DEMO_EVAL_EVERY,
+        eval_size=8 if quick else 50,
+        eval_samples=EVAL_SAMPLES,
+        ckpt_every=50,
+        top_p=TOP_P,
+        k=32,
+        **LIMITS,
+    )
+    return TrainConfig(**{**settings, **change})
+
+
 def run_agentic_demo(out: Path, steps: int = 0, quick: bool = False, assets: Path | None = None, seed: int = 0) -> dict:
     """Evaluate the game teacher and the student, run sampled-token OPD and LSM, compare."""
     assets = Path(assets) if assets else ASSETS
@@ -227,25 +251,7 @@ def run_agentic_demo(out: Path, steps: int = 0, quick: bool = False, assets: Pat
     console.print(f"[bold]opd demo --agentic[/bold]: the teacher and the student play {len(games)} held-out games")
     teacher_res = _eval(assets / "teacher", games, tok, seed)
     student_res = _eval(assets / "student", games, tok, seed)
-    base = TrainConfig(
-        student=str(assets / "student"),
-        teacher=str(assets / "teacher"),
-        env=ENV,
-        env_level=LEVEL,
-        env_args=env_args(quick),
-        seed=seed,
-        steps=3 if quick else steps or DEMO_STEPS,
-        batch_size=8 if quick else DEMO_BATCH,
-        lr=DEMO_LR,
-        warmup_steps=5,
-        eval_every=DEMO_EVAL_EVERY,
-        eval_size=len(games),
-        eval_samples=EVAL_SAMPLES,
-        ckpt_every=50,
-        top_p=TOP_P,
-        k=32,
-        **LIMITS,
-    )
+    base = opd_config(assets, seed, steps, quick, eval_size=len(games))
     t0 = time.time()
     results = run_objectives(base, ("sampled", "lsm"), out, console, workers=demo_workers())
     summary = {

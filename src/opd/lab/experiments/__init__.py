@@ -25,6 +25,7 @@ NAMES = (
     "multitask",
     "multitask-tail",
     "vllm-rollouts",
+    "async-rollouts",
 )
 _MODULES = {name: f"opd.lab.experiments.{name.replace('-', '_')}" for name in NAMES}
 

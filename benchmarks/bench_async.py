@@ -1,0 +1,183 @@
+#!/usr/bin/env python
+"""Rollouts generated ahead (``--max-staleness S``) against on-policy steps, side by side in one run.
+
+For the demo (arithmetic, LSM, batch 64, 48 new tokens) and the agentic demo (ALFWorld level 1, LSM,
+batch 16 episodes), each from its packaged models, it runs ``opd train`` at S = 0 (generation in the
+trainer's process: today's runs), 1 and 2 (opd's sampling loop in a worker process given the weights),
+and reports medians over the timed steps (the first S + 1 steps warm up and are left out):
+
+* ``step``: the step's wall time; ``rollouts/s``: the step's rollouts over it; ``speedup``: S = 0's
+  step time over this row's (the same workload, measured in this run);
+* ``generate`` (S = 0: generating in the trainer; S > 0: the trainer waiting for the worker), ``score``
+  and ``update``: the trainer's stages; ``worker``: the worker's seconds on the step's rollouts
+  (S > 0), from which the two sides' idle times: the trainer's is its wait, the worker's is the
+  step's time minus its own;
+* ``bound``: max(generation, scoring + update) from the S = 0 row, what the step would take if the
+  two sides never contended (their own cores or devices) and overlapped perfectly; ``vs bound``:
+  the step over it.
+
+On this machine both sides share 2 cores: by default the worker takes one torch thread and the trainer
+the other (``threads T/W``); two more S = 1 rows give one side both threads (``--rollout-worker-threads``
+and the trainer's OMP_NUM_THREADS), 3 threads on 2 cores. What the contention costs shows as ``worker``
+against S = 0's ``generate``, and the trainer's stages against S = 0's. The projection for a GPU
+host with generation and training on separate devices is ``bound`` (plus the weight transfer, which
+here is a few milliseconds): written as a projection, not measured.
+
+Run (from the repository root; about 8 minutes, on a quiet machine):
+  python benchmarks/bench_async.py
+  python benchmarks/bench_async.py --quick   # 6 steps, small batches (a dry run)
+Writes benchmarks/results/async_rollouts.json (``--json``) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from opd.lab.demos import agentic, demo
+from opd.training import loop as train_mod
+from opd.training.ahead import split_threads
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSETS = ROOT / "src" / "opd" / "assets"
+STAGES = ("step", "generate", "score", "update", "worker_generate", "rollout_wait")
+
+
+def workloads(quick: bool, steps: int) -> dict:
+    """Each workload's config maker: (S, out) -> the run's config (no evaluation, no checkpoints)."""
+    common = dict(eval_every=0, eval_samples=0, eval_size=8, ckpt_every=0, objective="lsm")
+    small = {"demo": dict(batch_size=16), "agentic": dict(batch_size=8)} if quick else {"demo": {}, "agentic": {}}
+    return {
+        "demo": lambda S, out: demo.opd_config(
+            ASSETS / "demo", steps=steps, max_staleness=S, out=str(out), **common, **small["demo"]
+        ),
+        "agentic": lambda S, out: agentic.opd_config(
+            ASSETS / "agentic", steps=steps, max_staleness=S, out=str(out), **common, **small["agentic"]
+        ),
+    }
+
+
+def measure(cfg, S: int) -> dict:
+    train_mod.train(cfg, show_progress=False)
+    records = [json.loads(x) for x in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in records if "time/step" in r][S + 1 :]
+    row = {"steps_timed": len(timed), "rollouts": cfg.batch_size * cfg.samples_per_prompt}
+    for stage in STAGES:
+        values = [r[f"time/{stage}"] for r in timed if f"time/{stage}" in r]
+        row[stage] = statistics.median(values) if values else None
+    row["rollouts_per_s"] = row["rollouts"] / row["step"]
+    return row
+
+
+# (S, the trainer's torch threads, the worker's): None = opd's default (S = 0: every core's; S > 0: half each)
+SETTINGS = [(0, None, None), (1, None, None), (2, None, None), (1, 1, 2), (1, 2, 1)]
+
+
+def run(quick: bool, steps: int) -> list[dict]:
+    cores = torch.get_num_threads()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, make in workloads(quick, steps).items():
+            base = None
+            for S, trainer, worker in SETTINGS:
+                torch.set_num_threads(trainer or cores)  # a stale run's default split changes it
+                cfg = replace(make(S, Path(tmp) / f"{name}-{S}-{trainer}-{worker}"), rollout_worker_threads=worker or 0)
+                row = {"workload": name, "S": S, **measure(cfg, S)}
+                split = (trainer or cores, worker) if worker else split_threads(cores) if S else (cores, 0)
+                row["threads"] = f"{split[0]}/{split[1]}"
+                torch.set_num_threads(cores)
+                if S == 0:
+                    base = row
+                if base is not None:
+                    row["speedup"] = base["step"] / row["step"]
+                    row["bound"] = max(base["generate"], base["score"] + base["update"])
+                    row["vs_bound"] = row["step"] / row["bound"]
+                if S > 0:
+                    row["trainer_idle"] = row["rollout_wait"]
+                    row["worker_idle"] = max(0.0, row["step"] - row["worker_generate"])
+                rows.append(row)
+                print(table([row], header=len(rows) == 1), flush=True)
+    return rows
+
+
+def fmt(v, digits=2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def table(rows: list[dict], header: bool = True) -> str:
+    cols = [
+        "workload",
+        "S",
+        "threads T/W",
+        "step",
+        "rollouts/s",
+        "speedup",
+        "generate",
+        "score",
+        "update",
+        "worker",
+        "idle T/W",
+        "bound",
+        "vs bound",
+    ]
+    lines = [" | ".join(cols), " | ".join("---" for _ in cols)] if header else []
+    for r in rows:
+        idle = f"{fmt(r.get('trainer_idle'))}/{fmt(r.get('worker_idle'))}" if r["S"] else "-"
+        lines.append(
+            " | ".join(
+                [
+                    r["workload"],
+                    str(r["S"]),
+                    r["threads"],
+                    fmt(r["step"]),
+                    fmt(r["rollouts_per_s"], 1),
+                    fmt(r.get("speedup")),
+                    fmt(r["generate"]),
+                    fmt(r["score"]),
+                    fmt(r["update"]),
+                    fmt(r["worker_generate"]),
+                    idle,
+                    fmt(r.get("bound")),
+                    fmt(r.get("vs_bound")),
+                ]
+            )
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    ap.add_argument("--quick", action="store_true", help="6 steps of small batches: a dry run")
+    ap.add_argument("--steps", type=int, default=0, help="steps per run (default 12; --quick 6)")
+    ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "async_rollouts.json"))
+    args = ap.parse_args()
+    steps = args.steps or (6 if args.quick else 12)
+    rows = run(args.quick, steps)
+    print()
+    print(table(rows))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    out = {
+        "commit": commit.stdout.strip(),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "quick": args.quick,
+        "steps": steps,
+        "rows": rows,
+        "note": "medians over the steps after the first S + 1; bound = max(generate, score + update) of S = 0, "
+        "the step with the two sides on their own devices and perfect overlap: a projection, not measured",
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
