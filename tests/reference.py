@@ -294,24 +294,13 @@ def ref_stale_sampled_loss(
 ):
     """Sampled-token OPD on rollouts an older policy mu sampled, one update per batch: the reward reads
     the updated policy pi (its log-probs before the update), the REINFORCE term is weighted by
-    min(pi / mu, cap). loss_t = -w_t A_t exp(logp_t - pi_t); returns (loss_BT, grad wrt logp)."""
-    s, pol, mask = _f(student_lp_BT), _f(policy_lp_BT), _b(mask_BT)
-    adv = _f(ref_sampled_token_advantages(policy_lp_BT, teacher_lp_BT, mask_BT, gamma, action_mask_BT))
-    w = _f(ref_truncated_importance_weight(policy_lp_BT, behaviour_lp_BT, mask_BT, cap))
-    gout = _f(gout_BT) if gout_BT is not None else _ones_like_mask(mask)
-    out, grads = [], []
-    for b in range(len(s)):
-        out.append([])
-        grads.append([])
-        for t in range(len(s[b])):
-            if not mask[b][t]:
-                out[b].append(0.0)
-                grads[b].append(0.0)
-                continue
-            ratio = math.exp(s[b][t] - pol[b][t])
-            out[b].append(-w[b][t] * adv[b][t] * ratio)
-            grads[b].append(gout[b][t] * -w[b][t] * adv[b][t] * ratio)
-    return _t(out), _t(grads)
+    min(pi / mu, cap): loss_t = -w_t A_t exp(logp_t - pi_t). Returns (loss_BT, grad wrt logp); w is a
+    constant, so the gradient is w times the unweighted one."""
+    adv = ref_sampled_token_advantages(policy_lp_BT, teacher_lp_BT, mask_BT, gamma, action_mask_BT)
+    w = ref_truncated_importance_weight(policy_lp_BT, behaviour_lp_BT, mask_BT, cap)
+    gout = _t(_f(gout_BT) if gout_BT is not None else _ones_like_mask(_b(mask_BT)))
+    loss, grad = ref_sampled_token_pg_loss(student_lp_BT, adv, mask_BT, policy_lp_BT, None, gout * w)
+    return loss * w, grad
 
 
 def _counted(la, lb):

@@ -100,10 +100,12 @@ def test_cli_agentic_run_trains_the_students_action_tokens_only(tiny_models, tmp
     assert run_options(out)["env"] == "toy"
 
 
-def test_agentic_resume_equals_uninterrupted(tiny_models, tmp_path, monkeypatch):
-    train_mod.train(agentic_cfg(tiny_models, tmp_path / "a", eval_samples=0), show_progress=False)
+@pytest.mark.parametrize("S", [0, 1])
+def test_agentic_resume_equals_uninterrupted(tiny_models, tmp_path, monkeypatch, S):
+    """Also with episodes played one step ahead in the rollout worker (--max-staleness 1)."""
+    train_mod.train(agentic_cfg(tiny_models, tmp_path / "a", eval_samples=0, max_staleness=S), show_progress=False)
     expected = step_records(tmp_path / "a")
-    killed = agentic_cfg(tiny_models, tmp_path / "b", eval_samples=0)
+    killed = agentic_cfg(tiny_models, tmp_path / "b", eval_samples=0, max_staleness=S)
     train_killed_at(killed, 2, monkeypatch)
     train_mod.train(TrainConfig(**{**killed.__dict__, "resume": True}), show_progress=False)
     got = step_records(tmp_path / "b")

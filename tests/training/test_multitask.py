@@ -328,12 +328,13 @@ def test_per_task_metrics_add_up_to_the_overall_ones_in_mix_mode(tiny_models, te
         assert "a/train/lr" not in r and r["train/lr"] > 0
 
 
-@pytest.mark.parametrize("mode", ["alternate", "mix"])
+@pytest.mark.parametrize("mode,S", [("alternate", 0), ("mix", 0), ("alternate", 1)])
 def test_resume_equals_uninterrupted_with_two_tasks_and_two_teachers(
-    tiny_models, teacher2, tmp_path, monkeypatch, mode
+    tiny_models, teacher2, tmp_path, monkeypatch, mode, S
 ):
+    """Also with rollouts one step ahead (--max-staleness 1): the worker holds both tasks' sources."""
     tasks = two_math(teacher2)
-    kw = dict(task_mode=mode, batch_size=2, eval_every=2)
+    kw = dict(task_mode=mode, batch_size=2, eval_every=2, max_staleness=S)
     train_mod.train(mt_cfg(tiny_models, tmp_path / "a", tasks, **kw), show_progress=False)
     killed = mt_cfg(tiny_models, tmp_path / "b", tasks, **kw)
     train_killed_at(killed, 3, monkeypatch)

@@ -69,7 +69,7 @@ class AheadRollouts:
     def __init__(self, cfg, threads: int, last_submitted: int = -1):
         self.cfg, self.threads = cfg, threads
         self.pending: dict[int, Request] = {}  # sent, not yet taken
-        self.taken: dict[int, Request] = {}  # taken, kept until a checkpoint covers their step
+        self.taken: dict[int, Request] = {}  # the last taken: its step may end before a checkpoint covers it
         self.last = last_submitted
         self.restarts = 0
         self.pool = self._start()
@@ -95,7 +95,8 @@ class AheadRollouts:
         parts, seconds = self._wait(req)
         del self.pending[step]
         req.weights = None
-        self.taken[step] = req
+        # a checkpoint covers at least step - 1 from now on (a cut-short step checkpoints its predecessor)
+        self.taken = {step: req}
         return parts, req.policy_step, seconds
 
     def _wait(self, req: Request) -> tuple[list, float]:
@@ -108,8 +109,8 @@ class AheadRollouts:
                 if attempt == RESTARTS:
                     raise UserError(
                         f"the rollout worker died {RESTARTS + 1} times making step {req.step}'s rollouts (out of "
-                        "memory?); the last checkpoint is kept: free memory, or --resume with --max-staleness 0 "
-                        "in a new run directory"
+                        "memory, or it failed to start: its error is printed above); the last checkpoint is kept: "
+                        "fix that and --resume, or train with --max-staleness 0"
                     ) from None
                 self._restart()
         return req.result  # type: ignore[return-value]  # set by the loop above

@@ -23,8 +23,8 @@ from typing import Any
 
 from opd.lab.demos.demo import ASSETS, EVAL_SAMPLES, opd_config
 from opd.lab.experiments.agentic import models_specs, run_specs
-from opd.lab.experiments.common import final_scores
-from opd.lab.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_done, read_metrics
+from opd.lab.experiments.common import final_scores, loop_scores
+from opd.lab.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_metrics
 from opd.lab.experiments.stats import mean_ci, noninferior
 
 STALENESS = (0, 1)
@@ -56,8 +56,7 @@ def plan(s: Settings) -> list[RunSpec]:
 
 def demo_scores(s: Settings, S: int) -> list[dict]:
     """Each seed's final evaluation of the demo run at staleness ``S`` (the loop's own, at its last step)."""
-    res = [read_done(s, demo_run(S, k))["result"] for k in range(s.seeds)]
-    return [{"accuracy": r["eval/accuracy"], "avg_at_k": r.get("eval/avg_at_k", math.nan)} for r in res]
+    return loop_scores(s, [demo_run(S, k) for k in range(s.seeds)])
 
 
 def step_time(s: Settings, name: str) -> float:

@@ -120,6 +120,12 @@ def final_scores(s: Settings, run_name: str) -> dict:
     return {"accuracy": res["accuracy"], "avg_at_k": res.get("avg_at_k", math.nan)}
 
 
+def loop_scores(s: Settings, run_names: list[str]) -> list[dict]:
+    """Each run's final evaluation by the training loop itself (at its last step): greedy accuracy, avg@k."""
+    res = [read_done(s, name)["result"] for name in run_names]
+    return [{"accuracy": r["eval/accuracy"], "avg_at_k": r.get("eval/avg_at_k", math.nan)} for r in res]
+
+
 def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     pts = [(r["step"], r[key]) for r in records if key in r and r[key] is not None]
     return [p[0] for p in pts], [float(p[1]) for p in pts]

@@ -26,8 +26,8 @@ from typing import Any
 from opd.lab.demos.agentic import DEMO_STEPS
 from opd.lab.demos.demo import ASSETS, EVAL_SAMPLES, opd_config
 from opd.lab.experiments.agentic import models_specs, run_specs
-from opd.lab.experiments.common import final_scores
-from opd.lab.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_done
+from opd.lab.experiments.common import final_scores, loop_scores
+from opd.lab.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
 from opd.lab.experiments.stats import equivalence, mean_ci
 
 ENGINES = ("hf", "vllm")
@@ -59,8 +59,7 @@ def plan(s: Settings) -> list[RunSpec]:
 
 def demo_scores(s: Settings, engine: str) -> list[dict]:
     """Each seed's final evaluation of the demo run with ``engine`` (the loop's own, at its last step)."""
-    res = [read_done(s, demo_run(engine, k))["result"] for k in range(s.seeds)]
-    return [{"accuracy": r["eval/accuracy"], "avg_at_k": r.get("eval/avg_at_k", math.nan)} for r in res]
+    return loop_scores(s, [demo_run(engine, k) for k in range(s.seeds)])
 
 
 def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
