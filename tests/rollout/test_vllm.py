@@ -178,6 +178,18 @@ def test_vllm_rollouts_follow_the_trained_policy(vllm_teacher, tmp_path):
     assert len(rollouts) == 6 and all(r["response"] for r in rollouts)
 
 
+def test_rollouts_run_ahead_from_vllm_checked_against_the_policy_that_sampled(vllm_teacher, tmp_path):
+    """--max-staleness 1 with opd's engine: the rollout worker syncs the server with the weights of the policy
+    one step back and checks the engine against those, not the trainer's newer ones (at this lr a step moves the
+    log-probs about 1e-2: the check would trip against the trainer's)."""
+    out = tmp_path / "run"
+    train_mod.train(TrainConfig(out=str(out), max_staleness=1, **{**ROLLOUT_RUN, "steps": 4}), show_progress=False)
+    steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r]
+    assert [r["rollout/staleness"] for r in steps] == [0.0, 1.0, 1.0, 1.0]
+    assert all(r["rollout/engine_logprob_gap"] < 1e-4 for r in steps), [r["rollout/engine_logprob_gap"] for r in steps]
+    assert (out / "vllm" / "weights" / "model.safetensors").is_file()
+
+
 def test_a_skipped_weight_sync_trips_the_policy_check(vllm_student, tmp_path, monkeypatch):
     """A user's engine (--vllm-url, its key from OPD_VLLM_API_KEY) that misses one sync: the run stops."""
     from opd.rollout.vllm_engine import VLLMRollout

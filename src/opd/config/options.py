@@ -177,7 +177,7 @@ class TrainConfig(EnvSource, TrainingSource):
         0,
         "Rollouts generated ahead: step t's rollouts come from the policy of step t - S, generated in a "
         "worker process while the trainer scores and updates (0: on-policy in this process, as always). "
-        f"At most {MAX_STALENESS}; --rollout-engine hf only for now.",
+        f"At most {MAX_STALENESS}; with --rollout-engine vllm the worker syncs and samples the vLLM server.",
     )
     rollout_worker_threads: int = opt(
         0,
@@ -302,11 +302,6 @@ def _check_staleness(cfg: TrainConfig) -> None:
     require(cfg.stale_weight_cap >= 1, f"stale_weight_cap={cfg.stale_weight_cap} must be >= 1 (2 is usual)")
     if not cfg.max_staleness:
         return
-    require(
-        cfg.rollout_engine == "hf",
-        f"--max-staleness {cfg.max_staleness} needs an engine that runs ahead of the trainer: --rollout-engine hf "
-        "(opd's sampling loop in a worker process). The vLLM engine does not run ahead yet: drop --max-staleness",
-    )
     require(
         not cfg.fsdp,
         "--max-staleness > 0 does not run with --fsdp yet (the worker is given whole weights): use DDP "

@@ -28,10 +28,12 @@ and updates step t, as the async modes of TRL, verl and NeMo-RL do. What that me
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -54,7 +56,7 @@ class Request:
     parts: Parts
     weights: dict[str, torch.Tensor] | None  # dropped once the rollouts are back
     future: Future | None = None
-    result: tuple[list, float] | None = None  # per part (batch, rows, records); the worker's seconds
+    result: tuple[list, dict[str, float]] | None = None  # per part (batch, rows, records); the worker's metrics
 
 
 def split_threads(total: int) -> tuple[int, int]:
@@ -66,12 +68,16 @@ def split_threads(total: int) -> tuple[int, int]:
 class AheadRollouts:
     """The worker and the requests in flight (see the module docstring)."""
 
-    def __init__(self, cfg, threads: int, last_submitted: int = -1):
-        self.cfg, self.threads = cfg, threads
+    def __init__(self, cfg, threads: int, vllm=None):
+        """``vllm``: with --rollout-engine vllm, the trainer's engine (the server it started or was given),
+        whose server the worker syncs and samples from; closed with this."""
+        self.cfg, self.threads, self.vllm = cfg, threads, vllm
+        engine = None if vllm is None else (vllm.url, str(vllm.weights_dir), vllm.max_gap)
         self.pending: dict[int, Request] = {}  # sent, not yet taken
         self.taken: dict[int, Request] = {}  # the last taken: its step may end before a checkpoint covers it
-        self.last = last_submitted
+        self.last = -1
         self.restarts = 0
+        self.initargs = (cfg, threads, engine)
         self.pool = self._start()
 
     def _start(self) -> ProcessPoolExecutor:
@@ -79,7 +85,7 @@ class AheadRollouts:
             1,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_init_worker,
-            initargs=(self.cfg, self.threads),
+            initargs=self.initargs,
         )
 
     def submit(self, step: int, policy_step: int, parts: Parts, weights: dict[str, torch.Tensor]) -> None:
@@ -88,18 +94,18 @@ class AheadRollouts:
         self.pending[step] = req
         self.last = max(self.last, step)
 
-    def take(self, step: int) -> tuple[list, int, float]:
+    def take(self, step: int) -> tuple[list, int, dict[str, float]]:
         """Step ``step``'s rollouts (per part: batch, rows, records), the step of the policy that made
-        them and the worker's seconds on them; waits for them."""
+        them and the worker's metrics of them (its seconds; vLLM's policy check); waits for them."""
         req = self.pending[step]
-        parts, seconds = self._wait(req)
+        parts, stats = self._wait(req)
         del self.pending[step]
         req.weights = None
         # a checkpoint covers at least step - 1 from now on (a cut-short step checkpoints its predecessor)
         self.taken = {step: req}
-        return parts, req.policy_step, seconds
+        return parts, req.policy_step, stats
 
-    def _wait(self, req: Request) -> tuple[list, float]:
+    def _wait(self, req: Request) -> tuple[list, dict[str, float]]:
         for attempt in range(RESTARTS + 1):
             if req.result is not None:
                 break
@@ -129,22 +135,23 @@ class AheadRollouts:
             if req.result is None:  # sent, so it holds its weights (only a loaded request has none, and is made)
                 req.future = self.pool.submit(_generate, cast(dict, req.weights), req.parts)
 
-    def in_flight(self, after: int) -> dict[int, tuple[int, list]]:
+    def in_flight(self, after: int) -> dict[int, tuple[int, tuple[list, dict[str, float]]]]:
         """What a checkpoint of step ``after`` holds: the rollouts of the steps after it that were asked
-        for with weights it has seen (up to ``after`` + S), waited for: step -> (policy step, rollouts)."""
+        for with weights it has seen (up to ``after`` + S), waited for: step -> (policy step, (rollouts,
+        the worker's metrics of them))."""
         self.taken = {s: r for s, r in self.taken.items() if s > after}
         out = {}
         for step in sorted({*self.taken, *self.pending}):
             if step > after + self.cfg.max_staleness:
                 continue  # asked for with weights newer than the checkpoint's: a resume asks again
             req = self.taken.get(step) or self.pending[step]
-            out[step] = (req.policy_step, self._wait(req)[0])
+            out[step] = (req.policy_step, self._wait(req))
         return out
 
-    def load(self, saved: dict[int, tuple[int, list]]) -> None:
+    def load(self, saved: dict[int, tuple[int, tuple[list, dict[str, float]]]]) -> None:
         """The rollouts a checkpoint held, in flight again (made: the worker need not make them)."""
-        for step, (policy_step, parts) in saved.items():
-            self.pending[step] = Request(step, policy_step, [], None, result=(parts, 0.0))
+        for step, (policy_step, result) in saved.items():
+            self.pending[step] = Request(step, policy_step, [], None, result=result)
             self.last = max(self.last, step)
 
     def worker_pids(self) -> list[int]:
@@ -152,6 +159,8 @@ class AheadRollouts:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.vllm is not None:
+            self.vllm.close()
 
 
 # ----------------------------------------------------------------------------- in the worker
@@ -159,8 +168,11 @@ class AheadRollouts:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(cfg, threads: int) -> None:
-    """The student, and each task's training source and engine, built as the trainer builds them."""
+def _init_worker(cfg, threads: int, vllm: tuple[str, str, float] | None) -> None:
+    """The student, and each task's training source and engine, built as the trainer builds them; with
+    ``vllm`` (the server's URL, the weights folder it reads, the policy check's bound) the engines sample
+    from that server, synced with this process's model: the request's weights, so the policy check
+    compares the engine with the policy that sampled, not the trainer's newer one."""
     from dataclasses import replace
 
     from opd.config import resolve_tasks
@@ -174,15 +186,32 @@ def _init_worker(cfg, threads: int) -> None:
     # the games step here, in this process (a game's result does not depend on where it steps)
     cfgs = [replace(s.cfg, env_workers=0) if s.cfg.env else s.cfg for s in resolve_tasks(cfg)]
     sources = [train_source(c, tok, task_data(c)[0]) for c in cfgs]
-    _WORKER.update(model=model, cfgs=cfgs, sources=sources, engines=[s.engine(model, tok) for s in sources])
+    engines = [s.engine(model, tok) for s in sources]
+    server = None
+    if vllm is not None:
+        from opd.rollout.vllm_engine import VLLMRollout
+
+        url, weights, max_gap = vllm
+        key = os.environ.get("OPD_VLLM_API_KEY", "")
+        server = VLLMRollout(model, tok, Path(weights), url=url, api_key=key, max_gap=max_gap)
+        server.watched = True  # synced once a request (_generate), not before every task's batch
+        engines = [s.on_vllm(server, tok) for s in sources]
+    _WORKER.update(model=model, cfgs=cfgs, sources=sources, engines=engines, vllm=server)
 
 
-def _generate(weights: dict[str, torch.Tensor], parts: Parts) -> tuple[list, float]:
+def _generate(weights: dict[str, torch.Tensor], parts: Parts) -> tuple[list, dict[str, float]]:
     t0 = time.perf_counter()
     w = _WORKER
     w["model"].load_state_dict(weights)
-    out = []
+    if w["vllm"] is not None:
+        w["vllm"].stale = True
+    out, gaps = [], []
     for task, rows, seeds in parts:
         batch, records = w["sources"][task].rollout(w["engines"][task], rows, seeds, w["cfgs"][task])
         out.append((batch, rows, records))
-    return out, time.perf_counter() - t0
+        if w["vllm"] is not None:
+            gaps.append(w["vllm"].last_gap)
+    stats = {"time/worker_generate": time.perf_counter() - t0}
+    if gaps:  # the policy check against the request's weights (the largest over the step's tasks)
+        stats["rollout/engine_logprob_gap"] = max(gaps)
+    return out, stats

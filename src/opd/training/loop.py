@@ -142,10 +142,10 @@ def rollouts_ahead(run: Run, step: int) -> tuple[list, dict[str, float]]:
         parts = [(run.tasks.index(at.task), *rollout_request(run, later, at)) for at in step_tasks(run, later)]
         ahead.submit(later, step, parts, weights)
     t0 = time.perf_counter()
-    rollouts, policy_step, seconds = ahead.take(step)
+    rollouts, policy_step, worker = ahead.take(step)
     waited = time.perf_counter() - t0
     stats = {"rollout/staleness": float(step - policy_step), "rollout/worker_restarts": float(ahead.restarts)}
-    return rollouts, {**stats, "time/rollout_wait": waited, "time/worker_generate": seconds}
+    return rollouts, {**stats, **worker, "time/rollout_wait": waited}
 
 
 def diag_index(mask_NT: torch.Tensor, n: int, step: int, seed: int) -> torch.Tensor:

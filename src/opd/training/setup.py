@@ -89,13 +89,12 @@ def setup(cfg: TrainConfig) -> Run:
         load_weights(student, ckpt / "model")  # before wrapping: FSDP shards the weights it is given
     student.train()
     optimizer = make_optimizer(dist.wrap(student), cfg.lr, cfg.weight_decay)
-    if cfg.rollout_engine == "vllm":
-        use_vllm(cfg, tasks, student, tok, rundir, dist, optimizer)
+    engine = use_vllm(cfg, tasks, student, tok, rundir, dist, optimizer) if cfg.rollout_engine == "vllm" else None
     scheduler = make_scheduler(optimizer, cfg.warmup_steps, cfg.steps * cfg.updates_per_batch, cfg.schedule)
     schedule = task_schedule(cfg.steps, [t.share for t in tasks], cfg.seed) if cfg.task_mode == "alternate" else []
     run = Run(cfg, student, tok, tasks, optimizer, scheduler, rundir, special_ids, dist, schedule=schedule)
     if cfg.max_staleness:
-        run.ahead = start_ahead(cfg)
+        run.ahead = start_ahead(cfg, engine)
     if ckpt is not None:
         resume(run, ckpt)
     elif cfg.resume:  # killed before its first checkpoint: it starts over, so must its logs
@@ -108,10 +107,11 @@ def setup(cfg: TrainConfig) -> Run:
     return run
 
 
-def use_vllm(cfg: TrainConfig, tasks: list[TaskRun], student, tok, rundir: RunDir, dist: Dist, optimizer) -> None:
+def use_vllm(cfg: TrainConfig, tasks: list[TaskRun], student, tok, rundir: RunDir, dist: Dist, optimizer):
     """``--rollout-engine vllm``: every task rolls out from one vLLM server that is given the student's
     weights (LoRA's wrapper included) after each optimizer step; under torchrun/accelerate, one server
-    per rank (its own folder), as each rank rolls out its own share of the batch."""
+    per rank (its own folder), as each rank rolls out its own share of the batch. With --max-staleness
+    the rollout worker syncs and samples it instead (opd.training.ahead): the tasks keep their own engines."""
     from opd.rollout.vllm_engine import start_engine
 
     if dist.world > 1 and cfg.vllm_url:
@@ -122,19 +122,22 @@ def use_vllm(cfg: TrainConfig, tasks: list[TaskRun], student, tok, rundir: RunDi
     folder = rundir.path / "vllm" / (f"rank{dist.rank}" if dist.world > 1 else "")
     key = os.environ.get("OPD_VLLM_API_KEY", "")
     engine = start_engine(student, tok, cfg.student, folder, cfg, [t.cfg for t in tasks], api_key=key)
+    if cfg.max_staleness:
+        return engine
     engine.watch(optimizer)
     for t in tasks:
         t.engine = t.source.on_vllm(engine, tok)
+    return engine
 
 
-def start_ahead(cfg: TrainConfig) -> AheadRollouts:
-    """The rollout worker of --max-staleness with --rollout-worker-threads, or with its share of the cores'
-    torch threads (the rest are the trainer's from now on)."""
+def start_ahead(cfg: TrainConfig, vllm=None) -> AheadRollouts:
+    """The rollout worker of --max-staleness (sampling from ``vllm``, the trainer's vLLM engine, if any) with
+    --rollout-worker-threads, or with its share of the cores' torch threads (the rest are the trainer's)."""
     if cfg.rollout_worker_threads:
-        return AheadRollouts(cfg, cfg.rollout_worker_threads)
+        return AheadRollouts(cfg, cfg.rollout_worker_threads, vllm)
     trainer, worker = split_threads(torch.get_num_threads())
     torch.set_num_threads(trainer)
-    return AheadRollouts(cfg, worker)
+    return AheadRollouts(cfg, worker, vllm)
 
 
 def _teacher_key(c: TrainConfig) -> tuple:
