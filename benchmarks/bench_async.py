@@ -23,8 +23,12 @@ against S = 0's ``generate``, and the trainer's stages against S = 0's. The proj
 host with generation and training on separate devices is ``bound`` (plus the weight transfer, which
 here is a few milliseconds): written as a projection, not measured.
 
-Run (from the repository root; about 8 minutes, on a quiet machine):
-  python benchmarks/bench_async.py
+With ``--vllm`` the same workloads run with ``--rollout-engine vllm`` at S = 0, 1, 2 (opd starts a vLLM
+server per run; its start is not timed): at S = 0 the trainer syncs and samples the server, at S > 0
+the rollout worker does, while the trainer scores and updates.
+
+Run (from the repository root; about 8 minutes on a quiet machine, 20 more with --vllm):
+  python benchmarks/bench_async.py --vllm
   python benchmarks/bench_async.py --quick   # 6 steps, small batches (a dry run)
 Writes benchmarks/results/async_rollouts.json (``--json``) and prints a table.
 """
@@ -78,28 +82,35 @@ def measure(cfg, S: int) -> dict:
     return row
 
 
-# (S, the trainer's torch threads, the worker's): None = opd's default (S = 0: every core's; S > 0: half each)
-SETTINGS = [(0, None, None), (1, None, None), (2, None, None), (1, 1, 2), (1, 2, 1)]
+# (engine, S, the trainer's torch threads, the worker's): None = opd's default (S = 0: every core's; S > 0:
+# half each)
+SETTINGS = [("hf", 0, None, None), ("hf", 1, None, None), ("hf", 2, None, None), ("hf", 1, 1, 2), ("hf", 1, 2, 1)]
+VLLM_SETTINGS = [("vllm", 0, None, None), ("vllm", 1, None, None), ("vllm", 2, None, None)]
 
 
-def run(quick: bool, steps: int) -> list[dict]:
+def run(quick: bool, steps: int, settings: list) -> list[dict]:
     cores = torch.get_num_threads()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, make in workloads(quick, steps).items():
-            base = None
-            for S, trainer, worker in SETTINGS:
+            base: dict = {}
+            for engine, S, trainer, worker in settings:
                 torch.set_num_threads(trainer or cores)  # a stale run's default split changes it
-                cfg = replace(make(S, Path(tmp) / f"{name}-{S}-{trainer}-{worker}"), rollout_worker_threads=worker or 0)
-                row = {"workload": name, "S": S, **measure(cfg, S)}
+                cfg = replace(
+                    make(S, Path(tmp) / f"{name}-{engine}-{S}-{trainer}-{worker}"),
+                    rollout_worker_threads=worker or 0,
+                    rollout_engine=engine,
+                )
+                row = {"workload": name, "engine": engine, "S": S, **measure(cfg, S)}
                 split = (trainer or cores, worker) if worker else split_threads(cores) if S else (cores, 0)
                 row["threads"] = f"{split[0]}/{split[1]}"
                 torch.set_num_threads(cores)
                 if S == 0:
-                    base = row
-                if base is not None:
-                    row["speedup"] = base["step"] / row["step"]
-                    row["bound"] = max(base["generate"], base["score"] + base["update"])
+                    base[engine] = row
+                if engine in base:  # against the same engine's on-policy row
+                    b = base[engine]
+                    row["speedup"] = b["step"] / row["step"]
+                    row["bound"] = max(b["generate"], b["score"] + b["update"])
                     row["vs_bound"] = row["step"] / row["bound"]
                 if S > 0:
                     row["trainer_idle"] = row["rollout_wait"]
@@ -116,6 +127,7 @@ def fmt(v, digits=2) -> str:
 def table(rows: list[dict], header: bool = True) -> str:
     cols = [
         "workload",
+        "engine",
         "S",
         "threads T/W",
         "step",
@@ -136,6 +148,7 @@ def table(rows: list[dict], header: bool = True) -> str:
             " | ".join(
                 [
                     r["workload"],
+                    r["engine"],
                     str(r["S"]),
                     r["threads"],
                     fmt(r["step"]),
@@ -158,10 +171,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("--quick", action="store_true", help="6 steps of small batches: a dry run")
     ap.add_argument("--steps", type=int, default=0, help="steps per run (default 12; --quick 6)")
+    ap.add_argument("--vllm", action="store_true", help="add vLLM rows (S = 0, 1, 2; needs opd vllm-setup)")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "async_rollouts.json"))
     args = ap.parse_args()
     steps = args.steps or (6 if args.quick else 12)
-    rows = run(args.quick, steps)
+    rows = run(args.quick, steps, SETTINGS + (VLLM_SETTINGS if args.vllm else []))
     print()
     print(table(rows))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
