@@ -977,7 +977,13 @@ PUBLIC_NAMES = [  # the public API before the package split, then the names adde
     "token_logprobs_from_hidden",
     "topk_and_gather_from_hidden",
     "token_mean",
-] + ["full_vocab_kl_from_hidden", "topk_from_hidden", "local_support_kl_tail", "local_support_kl_tail_from_hidden"]
+] + [
+    "full_vocab_kl_from_hidden",
+    "topk_from_hidden",
+    "local_support_kl_tail",
+    "local_support_kl_tail_from_hidden",
+    "truncated_importance_weight",
+]
 
 
 @pytest.mark.parametrize("name", PUBLIC_NAMES)

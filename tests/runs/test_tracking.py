@@ -240,8 +240,9 @@ def test_opd_train_killed_and_resumed_with_tensorboard(tiny_models, tmp_path, mo
     resumed from the step-1 checkpoint: the events hold exactly metrics.jsonl's scalars."""
     pytest.importorskip("tensorboard")
     import opd.training.loop as train_mod
+    import opd.training.setup as setup_mod
 
-    monkeypatch.setattr(train_mod, "RunDir", lambda path, **kw: RunDir(path, **{"report_to": ["tensorboard"], **kw}))
+    monkeypatch.setattr(setup_mod, "RunDir", lambda path, **kw: RunDir(path, **{"report_to": ["tensorboard"], **kw}))
     cfg = tiny_train_cfg(tiny_models, tmp_path / "run", report_to=["tensorboard"])
     train_killed_at(cfg, 3, monkeypatch)
     train_mod.train(TrainConfig(**{**cfg.__dict__, "resume": True}), show_progress=False)

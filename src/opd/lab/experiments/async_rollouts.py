@@ -11,8 +11,9 @@ paired difference (S = 1 minus S = 0) lies above -5 points. Beside them, each ar
 these runs measured it (with ``--workers 2`` two runs share the 2 cores, so these times are not the
 benchmark's: benchmarks/bench_async.py is).
 
-Cost at full size on 2 CPU cores: a demo run 3-5 minutes, an agentic run 8-12; about 75 minutes of runs
-for 3 seeds. ``--quick`` runs a few steps of each (its numbers decide nothing).
+Cost at full size on 2 CPU cores, measured at 52c74ba with ``--workers 2`` beside a CI run: 140 minutes
+of runs for 3 seeds, 71 minutes of wall time. ``--quick`` runs a few steps of each (its numbers decide
+nothing).
 """
 
 from __future__ import annotations

@@ -9,12 +9,6 @@ OPD (LSM) runs with each teacher; the overlap ratio, entropy gap and overlap-tok
 logged every step (``diag/*`` in metrics.jsonl). The two recoveries of the paper, with the
 different-pattern teacher: the off-policy cold start (``opd sft --teacher``: SFT on the teacher's
 rollouts, then OPD) and teacher-aligned prompts (OPD on the prompts of its fine-tune only).
-
-The paper's "a teacher needs new knowledge, not scale": a *same-knowledge* teacher of the packaged
-teacher's size (TEACHER_ARCH) trained from scratch on the student's own training data only (its first
-STUDENT_TRAIN_SIZE solutions, by the student's recipe: constant lr, the checkpoint kept on 200
-validation prompts that neither trains on) against the packaged teacher, trained on all 20,000; OPD
-(LSM) from the same student with each.
 """
 
 from __future__ import annotations
@@ -24,10 +18,8 @@ import math
 from pathlib import Path
 from typing import Any, cast
 
-from opd.lab.demos.demo import STUDENT_TRAIN_SIZE, TASK_LEVEL, TEACHER_ARCH
+from opd.lab.demos.demo import TASK_LEVEL
 from opd.lab.experiments.common import (
-    ASSETS,
-    STUDENT,
     TEACHER,
     avg_at_k_claim,
     diagnostics_plots,
@@ -40,7 +32,7 @@ from opd.lab.experiments.common import (
     with_eval,
 )
 from opd.lab.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_done
-from opd.lab.experiments.stats import mean_ci, noninferior, verdict
+from opd.lab.experiments.stats import mean_ci, verdict
 from opd.rollout.prompt_set import load_task
 from opd.tasks.arithmetic import reformat_solution
 
@@ -54,9 +46,7 @@ DIAGS = {
     "diag/entropy_gap": "entropy gap |H(q) - H(p)|",
     "diag/overlap_advantage": "overlap-token advantage",
 }
-CONDITIONS = ("compatible", "different", "cold-start", "aligned-prompts", "same-knowledge")
-TEACHERS = ("compatible", "different", "same-knowledge")
-GAIN_MARGIN = 0.05  # "adds nothing": OPD from the same-knowledge teacher lifts the student less than 5 points
+CONDITIONS = ("compatible", "different", "cold-start", "aligned-prompts")
 
 
 def write_data(p: dict, run_dir: Path) -> dict:
@@ -111,11 +101,7 @@ def plan(s: Settings) -> list[RunSpec]:
         final_eval_spec(
             s, "teacher/compatible", 0, model=TEACHER, max_new_tokens=MAX_NEW
         ),  # the packaged teacher, evaluated the same way
-        RunSpec("teacher/same-knowledge", "sft", same_knowledge_config(s)),
-        final_eval_spec(s, "teacher/same-knowledge", 0, max_new_tokens=MAX_NEW),
-        final_eval_spec(s, "student", 0, model=STUDENT, max_new_tokens=MAX_NEW),  # where every OPD run starts
     ]
-    same = str(s.run_dir("teacher/same-knowledge") / "final")
     for seed in range(s.seeds):
         cold = f"cold-start-sft/seed{seed}"
         common: dict[str, Any] = dict(steps=OPD_STEPS, max_new_tokens=MAX_NEW)
@@ -128,7 +114,6 @@ def plan(s: Settings) -> list[RunSpec]:
             "aligned-prompts": opd_config(
                 s, f"aligned-prompts/seed{seed}", seed, teacher=alt, task=str(data / "aligned_prompts.jsonl"), **common
             ),
-            "same-knowledge": opd_config(s, f"same-knowledge/seed{seed}", seed, teacher=same, **common),
         }
         specs.append(
             RunSpec(
@@ -144,27 +129,6 @@ def plan(s: Settings) -> list[RunSpec]:
     return specs
 
 
-def same_knowledge_config(s: Settings):
-    """A new TEACHER_ARCH model on the student's STUDENT_TRAIN_SIZE solutions, by the student's recipe
-    (demo.make_demo_models), the checkpoint chosen on validation prompts instead of the test set."""
-    return sft_config(
-        s,
-        "teacher/same-knowledge",
-        0,
-        init="",
-        arch=TEACHER_ARCH,
-        tokenizer=str(ASSETS / "tokenizer"),
-        train_size=8 if s.quick else STUDENT_TRAIN_SIZE,
-        validation_size=8 if s.quick else 200,
-        steps=3 if s.quick else 3000,
-        batch=8 if s.quick else 64,
-        lr=1e-3,
-        warmup_steps=2 if s.quick else 100,
-        eval_every=3 if s.quick else 100,
-        patience=0 if s.quick else 5,
-    )
-
-
 def _window(records: list[dict], key: str, last: bool, frac: float = 0.1) -> float:
     _, vals = series(records, key)
     if not vals:
@@ -178,16 +142,12 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
     a = Analysis()
     seeds = range(s.seeds)
     t_rows = []
-    for name in (*TEACHERS, "student"):
-        res = read_done(s, f"{name if name == 'student' else 'teacher/' + name}/eval")["result"]
+    for name in ("compatible", "different"):
+        res = read_done(s, f"teacher/{name}/eval")["result"]
         t_rows.append(
             [name, f"{100 * res['accuracy']:.1f}", f"{100 * res.get('avg_at_k', math.nan):.1f}", str(res["n"])]
         )
-    a.table(
-        "Teachers, and the student every OPD run starts from (greedy accuracy and avg@k, %)",
-        ["model", "greedy acc", "avg@k", "prompts"],
-        t_rows,
-    )
+    a.table("Teachers (greedy accuracy and avg@k, %)", ["teacher", "greedy acc", "avg@k", "prompts"], t_rows)
     recs = {(c, k): read_metrics(s, f"{c}/seed{k}") for c in CONDITIONS for k in seeds}
     rows = []
     for c in CONDITIONS:
@@ -295,7 +255,6 @@ def _claims(a: Analysis, s: Settings, recs: dict) -> None:
         "CI of the paired difference in the first 10% of steps (cold-start - different) above 0",
         [x - y for x, y in zip(first("cold-start", "diag/overlap"), first("different", "diag/overlap"))],
     )
-    _knowledge_claims(a, s, runs)
     avg_at_k_claim(
         a,
         s,
@@ -308,36 +267,6 @@ def _claims(a: Analysis, s: Settings, recs: dict) -> None:
     )
 
 
-def _knowledge_claims(a: Analysis, s: Settings, runs) -> None:
-    """ "A teacher needs new knowledge, not scale": at the same size, the teacher trained on all the data
-    distils better than the one that knows only the student's data, and that one adds nothing."""
-    avg_at_k_claim(
-        a,
-        s,
-        "2604.13016",
-        "a teacher needs new knowledge, not scale: at the same size, a teacher trained on all the data distils "
-        "better than one trained on the student's own data only",
-        "compatible",
-        "same-knowledge",
-        runs("compatible"),
-        runs("same-knowledge"),
-    )
-    start = read_done(s, "student/eval")["result"].get("avg_at_k", math.nan)
-    gains = [final_scores(s, r)["avg_at_k"] - start for r in runs("same-knowledge")]
-    v, ci = noninferior([-g for g in gains], GAIN_MARGIN)  # the gain's interval below +margin
-    a.claims.append(
-        Claim(
-            "2604.13016",
-            "scale alone adds nothing: OPD from the larger teacher that knows only the student's data lifts the "
-            f"student by less than {100 * GAIN_MARGIN:.0f} points (avg@k)",
-            f"CI of the gain over the student (same-knowledge OPD avg@k - the student's) below +{100 * GAIN_MARGIN:.0f} "
-            "points (entirely above: not reproduced)",
-            v,
-            f"gain {mean_ci(gains).fmt(1, 100)} points",
-        )
-    )
-
-
 EXPERIMENT = Experiment(
     name="teacher-choice",
     title="teacher-choice: thinking-pattern consistency, cold start and aligned prompts (2604.13016)",
@@ -345,9 +274,7 @@ EXPERIMENT = Experiment(
     + (
         f"\n\nFull size: the different-pattern teacher's fine-tune ({TEACHER_SFT_STEPS} steps of 32 on "
         f"{ALIGNED_PROMPTS} prompts, once), then per seed a {COLD_START_STEPS}-step cold start and 4 OPD runs of "
-        f"{OPD_STEPS} steps x 32: about 20-25 minutes for 3 seeds on 2 CPU cores; the same-knowledge teacher (up to "
-        "3000 steps of 64, stopped when its validation accuracy stops improving) adds up to an hour, and its 3 OPD "
-        "runs a few minutes. `--quick`: 3-step fine-tunes (too "
+        f"{OPD_STEPS} steps x 32: about 20-25 minutes for 3 seeds on 2 CPU cores. `--quick`: 3-step fine-tunes (too "
         "short for the new pattern to take: a smoke test only) and 3-step OPD runs."
     ),
     plan=plan,
