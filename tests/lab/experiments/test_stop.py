@@ -26,7 +26,7 @@ STUDENT, TEACHER = {student!r}, {teacher!r}
 
 
 def plan(s):
-    cfg = dict(student=STUDENT, teacher=TEACHER, steps=30, batch_size=2, max_new_tokens=8, eval_every=0,
+    cfg = dict(student=STUDENT, teacher=TEACHER, steps={steps}, batch_size=2, max_new_tokens=8, eval_every=0,
                eval_size=2, eval_samples=0, ckpt_every=1, log_rollouts=1, diag_positions=8, warmup_steps=1)
     return [RunSpec(f"run{{i}}", "train", TrainConfig(out=str(s.run_dir(f"run{{i}}")), seed=i, **cfg), needs=())
             for i in range(2)]
@@ -45,6 +45,11 @@ main()
 """
 
 
+# Enough steps that neither run ends before the other's first checkpoint: a busy machine once started
+# one run's process late enough that the other finished all of 30 before the stop (CI pre-check at caecc1f).
+STEPS = 80
+
+
 def _steps(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "train/loss" in line]
 
@@ -52,7 +57,9 @@ def _steps(run: Path) -> list[dict]:
 @pytest.mark.slow
 def test_sigterm_stops_an_experiments_workers_and_a_rerun_resumes(tiny_models, tmp_path):
     student, teacher = tiny_models
-    (tmp_path / "stop_experiment.py").write_text(EXPERIMENT.format(student=str(student), teacher=str(teacher)))
+    (tmp_path / "stop_experiment.py").write_text(
+        EXPERIMENT.format(student=str(student), teacher=str(teacher), steps=STEPS)
+    )
     out = tmp_path / "out"
     script = MAIN.format(folder=str(tmp_path), out=str(out))
     runs = [out / "stop-test" / "runs" / f"run{i}" for i in range(2)]
@@ -85,12 +92,12 @@ def test_sigterm_stops_an_experiments_workers_and_a_rerun_resumes(tiny_models, t
     before = {r: _steps(r) for r in runs}
     checkpoints = {r: RunDir(r).latest_checkpoint() for r in runs}
     for r in runs:  # stopped midway, the last checkpoint whole
-        assert 0 < len(before[r]) < 30 and (checkpoints[r] / "COMPLETE").is_file(), r
+        assert 0 < len(before[r]) < STEPS and (checkpoints[r] / "COMPLETE").is_file(), r
 
     rerun = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr
     for r in runs:
         after = _steps(r)
-        assert [x["step"] for x in after] == list(range(30)), r
+        assert [x["step"] for x in after] == list(range(STEPS)), r
         kept = int(checkpoints[r].name.split("_")[-1]) + 1  # steps up to the checkpoint: kept, not redone
         assert after[:kept] == before[r][:kept]
