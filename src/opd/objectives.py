@@ -206,14 +206,13 @@ def _sampled_loss(x: ObjectiveInputs, cfg: Options) -> torch.Tensor:
     surrogate is scaled by the truncated importance weight min(pi / mu, stale_weight_cap) against
     the policy mu that sampled: loss_t = w_t * PPO(pi_theta / pi, A_t)."""
     logp = L.token_logprobs_from_hidden(x.hidden_NTD, x.head_VD, x.response_ids_NT)
-    stale = x.policy_logprobs_NT is not None
-    reward_logp = x.policy_logprobs_NT if x.policy_logprobs_NT is not None else x.behaviour_logprobs_NT
+    reward_logp = x.behaviour_logprobs_NT if x.policy_logprobs_NT is None else x.policy_logprobs_NT
     adv = L.sampled_token_advantages(
         reward_logp, x.teacher_sampled_logprobs_NT, x.mask_NT, cfg.gamma, action_mask_BT=x.action_mask_NT
     )
     clip = cfg.clip_eps if x.old_logprobs_NT is not None else None
     loss = L.sampled_token_pg_loss(logp, adv, x.mask_NT, x.old_logprobs_NT, clip)
-    if not stale:
+    if x.policy_logprobs_NT is None:
         return loss
     w = L.truncated_importance_weight(reward_logp, x.behaviour_logprobs_NT, x.mask_NT, cfg.stale_weight_cap)
     return loss * w
