@@ -25,10 +25,13 @@ here is a few milliseconds): written as a projection, not measured.
 
 With ``--vllm`` the same workloads run with ``--rollout-engine vllm`` at S = 0, 1, 2 (opd starts a vLLM
 server per run; its start is not timed): at S = 0 the trainer syncs and samples the server, at S > 0
-the rollout worker does, while the trainer scores and updates.
+the rollout worker does, while the trainer scores and updates. With ``--served`` they run with the
+teacher served (``opd serve-teacher`` in a process of its own, ``--teacher-url``) at S = 0 and 1: at
+S = 1 the teacher scores step t + 1's rollouts while the trainer updates on step t, so ``score`` is
+the trainer's wait for those scores (``score ahead``: the scoring's own seconds).
 
-Run (from the repository root; about 8 minutes on a quiet machine, 20 more with --vllm):
-  python benchmarks/bench_async.py --vllm
+Run (from the repository root; about 8 minutes on a quiet machine, 20 more with --vllm, 5 with --served):
+  python benchmarks/bench_async.py --vllm --served
   python benchmarks/bench_async.py --quick   # 6 steps, small batches (a dry run)
 Writes benchmarks/results/async_rollouts.json (``--json``) and prints a table.
 """
@@ -41,7 +44,11 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
+import time
+import urllib.request
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -53,7 +60,7 @@ from opd.training.ahead import split_threads
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ROOT / "src" / "opd" / "assets"
-STAGES = ("step", "generate", "score", "update", "worker_generate", "rollout_wait")
+STAGES = ("step", "generate", "score", "update", "worker_generate", "rollout_wait", "score_ahead")
 
 
 def workloads(quick: bool, steps: int) -> dict:
@@ -82,10 +89,42 @@ def measure(cfg, S: int) -> dict:
     return row
 
 
-# (engine, S, the trainer's torch threads, the worker's): None = opd's default (S = 0: every core's; S > 0:
-# half each)
-SETTINGS = [("hf", 0, None, None), ("hf", 1, None, None), ("hf", 2, None, None), ("hf", 1, 1, 2), ("hf", 1, 2, 1)]
-VLLM_SETTINGS = [("vllm", 0, None, None), ("vllm", 1, None, None), ("vllm", 2, None, None)]
+# (engine, teacher, S, the trainer's torch threads, the worker's): None = opd's default (S = 0: every
+# core's; S > 0: half each)
+SETTINGS = [
+    ("hf", "local", 0, None, None),
+    ("hf", "local", 1, None, None),
+    ("hf", "local", 2, None, None),
+    ("hf", "local", 1, 1, 2),
+    ("hf", "local", 1, 2, 1),
+]
+VLLM_SETTINGS = [("vllm", "local", S, None, None) for S in (0, 1, 2)]
+SERVED_SETTINGS = [("hf", "served", S, None, None) for S in (0, 1)]
+
+
+@contextmanager
+def served_teacher(model_dir: str, log: Path):
+    """``opd serve-teacher`` on a free port, in a process of its own (its output in ``log``, a file, as a
+    pipe nobody reads would stall it once full): its URL, once it answers."""
+    cmd = [sys.executable, "-m", "opd", "serve-teacher", model_dir, "--port", "0"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(1200):
+            said = log.read_text()
+            if "train with --teacher-url " in said:
+                url = said.split("train with --teacher-url ")[1].split()[0]
+                with urllib.request.urlopen(f"{url}/health", timeout=5):
+                    break
+            if proc.poll() is not None:
+                raise RuntimeError(f"opd serve-teacher {model_dir} stopped: {said[-2000:]}")
+            time.sleep(0.1)
+        else:
+            raise RuntimeError(f"opd serve-teacher {model_dir} did not start in 120 s")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def run(quick: bool, steps: int, settings: list) -> list[dict]:
@@ -94,21 +133,26 @@ def run(quick: bool, steps: int, settings: list) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         for name, make in workloads(quick, steps).items():
             base: dict = {}
-            for engine, S, trainer, worker in settings:
+            for engine, teacher, S, trainer, worker in settings:
                 torch.set_num_threads(trainer or cores)  # a stale run's default split changes it
                 cfg = replace(
-                    make(S, Path(tmp) / f"{name}-{engine}-{S}-{trainer}-{worker}"),
+                    make(S, Path(tmp) / f"{name}-{engine}-{teacher}-{S}-{trainer}-{worker}"),
                     rollout_worker_threads=worker or 0,
                     rollout_engine=engine,
                 )
-                row = {"workload": name, "engine": engine, "S": S, **measure(cfg, S)}
+                if teacher == "served":
+                    with served_teacher(cfg.teacher, Path(tmp) / f"{name}-teacher.log") as url:
+                        measured = measure(replace(cfg, teacher="", teacher_url=url), S)
+                else:
+                    measured = measure(cfg, S)
+                row = {"workload": name, "engine": engine, "teacher": teacher, "S": S, **measured}
                 split = (trainer or cores, worker) if worker else split_threads(cores) if S else (cores, 0)
                 row["threads"] = f"{split[0]}/{split[1]}"
                 torch.set_num_threads(cores)
                 if S == 0:
-                    base[engine] = row
-                if engine in base:  # against the same engine's on-policy row
-                    b = base[engine]
+                    base[engine, teacher] = row
+                if (engine, teacher) in base:  # against the same engine's and teacher's on-policy row
+                    b = base[engine, teacher]
                     row["speedup"] = b["step"] / row["step"]
                     row["bound"] = max(b["generate"], b["score"] + b["update"])
                     row["vs_bound"] = row["step"] / row["bound"]
@@ -128,6 +172,7 @@ def table(rows: list[dict], header: bool = True) -> str:
     cols = [
         "workload",
         "engine",
+        "teacher",
         "S",
         "threads T/W",
         "step",
@@ -136,6 +181,7 @@ def table(rows: list[dict], header: bool = True) -> str:
         "generate",
         "score",
         "update",
+        "score ahead",
         "worker",
         "idle T/W",
         "bound",
@@ -149,6 +195,7 @@ def table(rows: list[dict], header: bool = True) -> str:
                 [
                     r["workload"],
                     r["engine"],
+                    r.get("teacher", "local"),
                     str(r["S"]),
                     r["threads"],
                     fmt(r["step"]),
@@ -157,6 +204,7 @@ def table(rows: list[dict], header: bool = True) -> str:
                     fmt(r["generate"]),
                     fmt(r["score"]),
                     fmt(r["update"]),
+                    fmt(r.get("score_ahead")),
                     fmt(r["worker_generate"]),
                     idle,
                     fmt(r.get("bound")),
@@ -172,10 +220,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="6 steps of small batches: a dry run")
     ap.add_argument("--steps", type=int, default=0, help="steps per run (default 12; --quick 6)")
     ap.add_argument("--vllm", action="store_true", help="add vLLM rows (S = 0, 1, 2; needs opd vllm-setup)")
+    ap.add_argument("--served", action="store_true", help="add served-teacher rows (S = 0, 1)")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "async_rollouts.json"))
     args = ap.parse_args()
     steps = args.steps or (6 if args.quick else 12)
-    rows = run(args.quick, steps, SETTINGS + (VLLM_SETTINGS if args.vllm else []))
+    extra = (VLLM_SETTINGS if args.vllm else []) + (SERVED_SETTINGS if args.served else [])
+    rows = run(args.quick, steps, SETTINGS + extra)
     print()
     print(table(rows))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)

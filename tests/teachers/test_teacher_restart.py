@@ -423,3 +423,80 @@ def test_a_multi_task_step_cut_short_between_its_parts_is_redone_whole(tiny_mode
     monkeypatch.undo()
     train_mod.train(dataclasses.replace(cfg, out=str(out), resume=True), show_progress=False)
     same_run(out, whole)
+
+
+# ----------------------------------------------------------------------------- scored ahead (--max-staleness)
+
+
+@pytest.fixture(scope="module")
+def served_ahead_run(served_run, tmp_path_factory):
+    """(server, config, its uninterrupted run's directory) at --max-staleness 1: the served teacher scores
+    each step's rollouts while the trainer updates on the step before."""
+    server, cfg, _ = served_run
+    server.wait_ready()
+    out = tmp_path_factory.mktemp("served-ahead") / "whole"
+    cfg = dataclasses.replace(cfg, out=str(out), max_staleness=1)
+    train_mod.train(cfg, show_progress=False)
+    return server, cfg, out
+
+
+def test_a_served_teacher_scores_the_next_step_while_the_trainer_updates(served_ahead_run, tmp_path, monkeypatch):
+    """Each update (but the last step's) waits until the teacher has started on the next step's rollouts
+    from the scoring thread: were scoring not concurrent with the update, the wait would time out.
+    What the run logs equals the same run scoring every step in turn (and the prescored run's)."""
+    server, cfg, whole = served_ahead_run
+    started, waits = threading.Event(), []
+    real_score, real_update = train_mod.score_stage, train_mod.update_stage
+
+    def score(*args):
+        if threading.current_thread().name.startswith("opd-score-ahead"):
+            started.set()
+        return real_score(*args)
+
+    def update(run, step, parts):
+        if step < cfg.steps - 1:
+            waits.append(started.wait(60))
+            started.clear()
+        return real_update(run, step, parts)
+
+    monkeypatch.setattr(train_mod, "score_stage", score)
+    monkeypatch.setattr(train_mod, "update_stage", update)
+    ahead = tmp_path / "ahead"
+    train_mod.train(dataclasses.replace(cfg, out=str(ahead)), show_progress=False)
+    assert waits == [True] * (cfg.steps - 1)
+    monkeypatch.undo()
+    monkeypatch.setattr(train_mod, "score_ahead", lambda run, step: None)
+    in_turn = tmp_path / "in-turn"
+    train_mod.train(dataclasses.replace(cfg, out=str(in_turn)), show_progress=False)
+    same_run(ahead, in_turn)
+    same_run(whole, in_turn)
+    scored = [r for r in read_metrics(ahead) if "train/loss" in r]
+    assert ["time/score_ahead" in r for r in scored] == [False] + [True] * (cfg.steps - 1)
+    assert not any("time/score_ahead" in r for r in read_metrics(in_turn))
+
+
+def test_a_teacher_lost_while_scoring_ahead_stops_the_next_step_and_resume_loses_nothing(
+    served_ahead_run, tmp_path, monkeypatch
+):
+    """The server is killed as the trainer starts scoring step KILL_AT ahead: the thread's error is step
+    KILL_AT's, so step KILL_AT - 1 (whose update ran meanwhile) is checkpointed and a resume equals the
+    uninterrupted run."""
+    server, cfg, whole = served_ahead_run
+    real = train_mod.score_ahead
+
+    def kill_then_score(run, step):
+        if step == KILL_AT and server.proc.poll() is None:
+            server.kill()
+        return real(run, step)
+
+    monkeypatch.setattr(train_mod, "score_ahead", kill_then_score)
+    out = tmp_path / "run"
+    cut = dataclasses.replace(cfg, out=str(out), teacher_wait=1.0)
+    with pytest.raises(TeacherUnavailable, match=f"checkpoint of step {KILL_AT - 1} written in "):
+        train_mod.train(cut, show_progress=False)
+    assert [r["step"] for r in read_metrics(out)] == list(range(KILL_AT))
+    monkeypatch.undo()
+    server.start()
+    server.wait_ready()
+    train_mod.train(dataclasses.replace(cut, resume=True), show_progress=False)
+    same_run(out, whole)

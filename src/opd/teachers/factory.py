@@ -46,6 +46,12 @@ def make_teacher(cfg, student, tokenizer):
     return HTTPTeacher(cfg.teacher_url, tokenizer, head_weight(student).shape[0], **client)
 
 
+def is_served(teacher: TeacherScorer) -> bool:
+    """Whether the teacher scores in a process of its own (a server), not on the trainer's cores; a
+    cross-tokenizer teacher is not, as it aligns the two tokenizations here."""
+    return isinstance(teacher, HTTPTeacher)
+
+
 def uses_cross_tokenizer(cfg, student_tok, teacher_tok) -> bool:
     """``--cross-tokenizer``: on, off, or auto (on exactly when the two vocabularies differ)."""
     if cfg.cross_tokenizer == "auto":

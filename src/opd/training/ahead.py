@@ -58,6 +58,17 @@ class Request:
     future: Future | None = None
     result: tuple[list, dict[str, float]] | None = None  # per part (batch, rows, records); the worker's metrics
 
+    def made(self) -> tuple[list, dict[str, float]] | None:
+        """The rollouts once made, waited for without touching the worker (so another thread may ask
+        while the trainer works); None where the worker died making them (:meth:`AheadRollouts.take`
+        has them made again)."""
+        if self.result is not None:
+            return self.result
+        try:
+            return cast(Future, self.future).result()
+        except BrokenProcessPool:
+            return None
+
 
 def split_threads(total: int) -> tuple[int, int]:
     """(trainer, worker) torch threads out of ``total``: the worker half, rounded down, at least one each."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import cast
@@ -52,6 +53,7 @@ from opd.rollout.sampling import RolloutBatch
 from opd.rollout.vllm_engine import EngineUnavailable, merged_weights
 from opd.runs.progress import progress_bar
 from opd.runs.rundir import save_final_model
+from opd.teachers.factory import is_served
 from opd.teachers.scoring import TeacherScorer, TeacherScores, TeacherUnavailable
 from opd.training.ahead import AheadRollouts
 from opd.training.distributed import merge_metrics, shutdown
@@ -168,18 +170,67 @@ def score_stage(run: Run, batch: RolloutBatch, diag_M: torch.Tensor, task: TaskR
     return scores, student_ids
 
 
+def scored_positions(run: Run, step: int, task: TaskRun, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss mask of one task's rollouts and the positions of its full-vocabulary diagnostics."""
+    mask_NT = loss_mask(batch, run.special_ids, task.cfg.mask_special)
+    return mask_NT, diag_index(mask_NT, run.cfg.diag_positions, step, run.cfg.seed)
+
+
 def scored_part(
-    run: Run, step: int, rng: dict, task: TaskRun, batch: RolloutBatch, rows: list[int], records
+    run: Run, step: int, rng: dict, task: TaskRun, batch: RolloutBatch, rows: list[int], records, early=None
 ) -> StepPart:
     """One task's rollouts, scored: the loss mask, the diagnostic positions, the teacher's scores
-    (a teacher that stays down checkpoints step - 1 first: --resume loses nothing), and the mask
-    without what the teacher did not score (a cross-tokenizer teacher's unaligned positions)."""
-    mask_NT = loss_mask(batch, run.special_ids, task.cfg.mask_special)
-    diag_M = diag_index(mask_NT, run.cfg.diag_positions, step, run.cfg.seed)
+    (``early``: scores made ahead, see :func:`score_ahead`; a teacher that stays down checkpoints
+    step - 1 first: --resume loses nothing), and the mask without what the teacher did not score (a
+    cross-tokenizer teacher's unaligned positions)."""
+    mask_NT, diag_M = scored_positions(run, step, task, batch)
     with stop_if_service_down(run, step, rng, TeacherUnavailable, "the teacher"):
-        scores, student_ids = score_stage(run, batch, diag_M, task)
+        scores, student_ids = early or score_stage(run, batch, diag_M, task)
     kept_NT, metrics = scored_loss_mask(mask_NT, scores)
     return StepPart(task, batch, rows, records, kept_NT, diag_M, scores, student_ids, metrics)
+
+
+def score_stage_of(run: Run, step: int, rng: dict, tasks: list[Assignment], rollouts: list, early: Future | None):
+    """Every part of the step, scored: by the teacher now, or (``early``) by :func:`score_ahead`'s thread,
+    whose errors are the step's (a served teacher that stayed down stops the run here, as it would
+    have scoring now). Returns the parts and the scores' own time where they were made ahead."""
+    made, ahead = None, {}
+    if early is not None:
+        with stop_if_service_down(run, step, rng, TeacherUnavailable, "the teacher"):
+            made = early.result()  # None where the worker died making the rollouts: they were made again
+        if made is not None:
+            made, ahead = made[0], {"time/score_ahead": made[1]}
+    made = made or [None] * len(tasks)
+    parts = [scored_part(run, step, rng, at.task, *r, early=m) for at, r, m in zip(tasks, rollouts, made, strict=True)]
+    return parts, ahead
+
+
+def score_ahead(run: Run, step: int) -> Future | None:
+    """--max-staleness S > 0 with served teachers: step ``step``'s rollouts, once the worker has made
+    them, scored by the teacher in a thread while the trainer updates on the step before. Exact: the
+    scores depend on the rollouts alone (a served teacher's weights never change) and the positions
+    asked for on the rollouts and the step, so the run is the one that scores in turn. Not done
+    where the scores need the student's present weights (student-side supports) or the teacher is in
+    this process (it would score on the trainer's own cores): None then, and the step scores in turn."""
+    if run.score_pool is None or step >= run.cfg.steps or needs_student_topk(run.cfg):
+        return None
+    req = cast(AheadRollouts, run.ahead).pending.get(step)
+    tasks = step_tasks(run, step)
+    if req is None or not all(is_served(at.task.teacher) for at in tasks):
+        return None
+
+    def scores():
+        made = req.made()
+        if made is None:
+            return None
+        t0 = time.perf_counter()
+        out = []
+        for at, (batch, _, _) in zip(tasks, made[0], strict=True):
+            diag_M = scored_positions(run, step, at.task, batch)[1]
+            out.append(score_stage(run, batch, diag_M, at.task))
+        return out, time.perf_counter() - t0
+
+    return run.score_pool.submit(scores)
 
 
 @contextmanager
@@ -434,6 +485,7 @@ def train_steps(run: Run, show_progress: bool) -> dict:
     """The steps from ``run.start_step`` on; the last evaluation's record."""
     cfg = run.cfg
     last_eval: dict = {}
+    early: Future | None = None  # the step's scores, made ahead while the step before updated
     with run.rundir, progress_bar(f"OPD {cfg.objective}", total=cfg.steps, enabled=show_progress) as bar:
         bar.advance(run.start_step)
         for step in range(run.start_step, cfg.steps):
@@ -446,12 +498,13 @@ def train_steps(run: Run, show_progress: bool) -> dict:
                 else:
                     rollouts, ahead = rollouts_ahead(run, step)
             t1 = time.perf_counter()
-            parts = [scored_part(run, step, rng, at.task, *r) for at, r in zip(tasks, rollouts, strict=True)]
+            parts, scored_ahead = score_stage_of(run, step, rng, tasks, rollouts, early)
             t2 = time.perf_counter()
+            early = score_ahead(run, step + 1)  # while this step updates
             upds = update_stage(run, step, parts)
             t3 = time.perf_counter()
             timings = {"time/generate": t1 - t0, "time/score": t2 - t1, "time/update": t3 - t2, "time/step": t3 - t0}
-            timings.update(ahead)
+            timings.update(ahead | scored_ahead)
             record = log_stage(run, step, parts, upds, timings)
             bar.advance(1)
             bar.describe(f"loss {record['train/loss']:.4f}  acc {record['rollout/accuracy']:.2f}")
@@ -475,6 +528,8 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
             getattr(t.engine, "close", lambda: None)()
         if run.ahead is not None:
             run.ahead.close()
+        if run.score_pool is not None:
+            run.score_pool.shutdown(wait=False, cancel_futures=True)
     save_final_model(
         run.rundir.path / "final",
         run.student,

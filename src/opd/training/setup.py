@@ -7,6 +7,7 @@ The loop's stages (:mod:`opd.training.loop`) read everything from the :class:`Ru
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from opd.errors import UserError
 from opd.models.loading import disable_dropout, head_weight, load_model, load_tokenizer, resolve_device
 from opd.models.lora import apply_lora, load_weights
 from opd.runs.rundir import RunDir
-from opd.teachers.factory import make_teacher
+from opd.teachers.factory import is_served, make_teacher
 from opd.teachers.scoring import TeacherScorer
 from opd.training.ahead import AheadRollouts, split_threads
 from opd.training.distributed import Dist, init_distributed
@@ -62,6 +63,9 @@ class Run:
     start_step: int = 0
     schedule: list[tuple[int, int]] = field(default_factory=list)  # alternate: (task, its batch number) per step
     ahead: AheadRollouts | None = None  # --max-staleness > 0: the worker generating ahead of the trainer
+    score_pool: ThreadPoolExecutor | None = (
+        None  # and a served teacher: its scoring of the next step (loop.score_ahead)
+    )
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -95,6 +99,8 @@ def setup(cfg: TrainConfig) -> Run:
     run = Run(cfg, student, tok, tasks, optimizer, scheduler, rundir, special_ids, dist, schedule=schedule)
     if cfg.max_staleness:
         run.ahead = start_ahead(cfg, engine)
+        if any(is_served(t.teacher) for t in tasks):
+            run.score_pool = ThreadPoolExecutor(1, thread_name_prefix="opd-score-ahead")
     if ckpt is not None:
         resume(run, ckpt)
     elif cfg.resume:  # killed before its first checkpoint: it starts over, so must its logs
