@@ -110,7 +110,7 @@ def ref_teacher_topk(logits_BTV, k):
     return torch.tensor(ids, dtype=torch.long), _t(lps)
 
 
-def _lsm_row(z, ids, tlp, smask, renormalize):
+def _lsm_row(z, ids, tlp, smask, renormalize, forward_share=0.0):
     V = len(z)
     grad = [0.0] * V
     valid = [j for j in range(len(ids)) if smask[j] and tlp[j] > -INF]
@@ -128,7 +128,16 @@ def _lsm_row(z, ids, tlp, smask, renormalize):
         for n, j in enumerate(valid):
             if lp[n] > -INF:
                 grad[ids[j]] += math.exp(lp[n]) * (lp[n] - lq[n] - kl)
-        return kl, grad
+        if not forward_share:
+            return kl, grad
+        # Forward KL(q_hat || p_hat) on the same slots; a slot the student gives 0 would be an infinite
+        # term and is left out. F = sum q (log q - log p)  =>  dF/dp_n = -q_n / p_n.
+        fkl = sum(math.exp(c) * (c - a) for a, c in zip(lp, lq) if a > -INF)
+        g_slots = _softmax_vjp(lp, [-math.exp(c - a) if a > -INF else 0.0 for a, c in zip(lp, lq)])
+        b = forward_share
+        for n, j in enumerate(valid):
+            grad[ids[j]] = (1 - b) * grad[ids[j]] + b * g_slots[n]
+        return (1 - b) * kl + b * fkl, grad
     lpf = log_softmax_row(z)
     g = [0.0] * V  # dL/dp over the full vocab
     kl = 0.0
@@ -164,9 +173,12 @@ def _per_support_row(row, student_BTV, ids_BTK, tlp_BTK, mask_BT, support_mask_B
     return _t(out), _t(grads)
 
 
-def ref_local_support_kl(student_BTV, ids_BTK, tlp_BTK, mask_BT, renormalize=True, support_mask_BTK=None, gout_BT=None):
-    """Local support KL per position; returns (kl_BT, grad wrt student logits)."""
-    row = lambda z, ids, tlp, s: _lsm_row(z, ids, tlp, s, renormalize)
+def ref_local_support_kl(
+    student_BTV, ids_BTK, tlp_BTK, mask_BT, renormalize=True, support_mask_BTK=None, gout_BT=None, forward_share=0.0
+):
+    """Local support KL per position; returns (kl_BT, grad wrt student logits). ``forward_share`` b:
+    (1 - b) KL(p_hat || q_hat) + b KL(q_hat || p_hat) on the renormalized support."""
+    row = lambda z, ids, tlp, s: _lsm_row(z, ids, tlp, s, renormalize, forward_share)
     return _per_support_row(row, student_BTV, ids_BTK, tlp_BTK, mask_BT, support_mask_BTK, gout_BT)
 
 

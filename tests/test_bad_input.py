@@ -291,6 +291,22 @@ CASES = [
         r"tail is a variant of --objective lsm, not of sampled; drop --tail or use --objective lsm",
     ),
     (
+        "forward-kl-share-out-of-range",
+        f"{TRAIN} --forward-kl-share 1.5",
+        r"forward_kl_share=1\.5 must lie in \[0, 1\]",
+    ),
+    (
+        "forward-kl-share-with-tail",
+        f"{TRAIN} --forward-kl-share 0.2 --tail",
+        r"forward_kl_share mixes the two KL directions on lsm's renormalized support: use it with --objective lsm, "
+        r"without --tail or --no-renormalize",
+    ),
+    (
+        "forward-kl-share-with-sampled",
+        f"{TRAIN} --forward-kl-share 0.2 --objective sampled",
+        r"forward_kl_share mixes the two KL directions on lsm's renormalized support",
+    ),
+    (
         "teacher-dtype-for-a-served-teacher",
         "train --student <S> --teacher-url http://127.0.0.1:9 --teacher-dtype bfloat16 --out <OUT>",
         r"teacher_dtype applies to an in-process teacher \(--teacher DIR\); a served teacher keeps the dtype it "

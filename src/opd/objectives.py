@@ -175,7 +175,8 @@ def _lsm_loss(x: ObjectiveInputs, cfg: Options) -> torch.Tensor:
     if cfg.tail:
         return L.local_support_kl_tail_from_hidden(h, W, ids, t_lp, mask, support_mask=smask)
     if cfg.renormalize:
-        return L.local_support_kl_from_hidden(h, W, ids, t_lp, mask, support_mask=smask)
+        share = cfg.forward_kl_share
+        return L.local_support_kl_from_hidden(h, W, ids, t_lp, mask, support_mask=smask, forward_share=share)
     return L.local_support_kl(h @ W.T, ids, t_lp, mask, renormalize=False, support_mask=smask)
 
 

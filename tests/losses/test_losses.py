@@ -80,6 +80,7 @@ def _fd_cases():
     }
     for ren in (True, False):
         cases[f"lsm_{ren}"] = (zs, lambda x, ren=ren: R.ref_local_support_kl(x, ids, tlp, mask, ren, None, gout))
+    cases["lsm_forward_0.3"] = (zs, lambda x: R.ref_local_support_kl(x, ids, tlp, mask, True, None, gout, 0.3))
     for d in ("reverse", "forward"):  # forward KL needs p > 0 wherever q > 0
         x0 = zs if d == "reverse" else zs.clamp(min=-30)
         cases[d] = (x0, lambda x, d=d: R.ref_full_vocab_kl(x, zt, mask, d, gout))
@@ -100,6 +101,7 @@ def _fd_cases():
     [
         "lsm_True",
         "lsm_False",
+        "lsm_forward_0.3",
         "reverse",
         "forward",
         "jsd_0.0",
@@ -228,6 +230,70 @@ def test_local_support_kl_neg_inf(renormalize, dtype):
     check_grad(g, ref_g, zs, dtype, "grad student")
     for b, t in [(0, 2), (0, 3), (1, 0), (1, 3)]:
         assert out[b, t].item() == 0.0 and (g[b, t] == 0).all(), (b, t)
+
+
+@pytest.mark.parametrize("shape,mask_kind,dtype", cases(low=LOW))
+@pytest.mark.parametrize("share", [0.25, 1.0])
+@pytest.mark.parametrize("support", [None, "random"])
+def test_local_support_kl_forward_share(shape, mask_kind, dtype, share, support):
+    """(1 - b) reverse + b forward KL on the renormalized support, values and gradients."""
+    zs, ids, tlp, mask, sm, gout = lsm_inputs(shape, 15, dtype, support, mask_kind)
+    zs, tlp = zs.requires_grad_(True), tlp.requires_grad_(True)
+    out = L.local_support_kl(zs, ids, tlp, mask, support_mask=sm, forward_share=share)
+    ref, ref_g = R.ref_local_support_kl(zs, ids, tlp, mask, True, sm, gout, share)
+    close(out, ref, dtype, "value")
+    g, gt = grads(out, [zs, tlp], gout)
+    check_teacher_constant(gt)
+    check_grad(g, ref_g, zs, dtype, "grad student")
+    check_masked_exact(out, g, mask)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+def test_local_support_kl_forward_share_neg_inf(dtype):
+    """-inf student or teacher slots, rows with nothing to compare: finite, the reference's, 0 where empty."""
+    zs, ids, tlp, mask, sm, gout = _neg_inf_case(True)
+    zs, tlp = zs.to(dtype).requires_grad_(True), tlp.to(dtype)
+    out = L.local_support_kl(zs, ids, tlp, mask, support_mask=sm, forward_share=0.4)
+    ref, ref_g = R.ref_local_support_kl(zs, ids, tlp, mask, True, sm, gout, 0.4)
+    assert torch.isfinite(out).all(), out
+    close(out, ref, dtype, "value")
+    (g,) = grads(out, [zs], gout)
+    check_grad(g, ref_g, zs, dtype, "grad student")
+    for b, t in [(0, 2), (0, 3), (1, 0), (1, 3)]:
+        assert out[b, t].item() == 0.0 and (g[b, t] == 0).all(), (b, t)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 5, 5), (3, 4, 7, 7)])
+def test_forward_share_one_with_k_equal_v_is_full_forward_kl(shape):
+    B, T, V, K = shape
+    g = gen(16)
+    zs, zt = randn((B, T, V), g, 2.0).requires_grad_(True), randn((B, T, V), g, 2.0)
+    ids = torch.stack([torch.randperm(V, generator=g) for _ in range(B * T)]).view(B, T, V)
+    tlp = R.ref_log_softmax(zt).gather(-1, ids)
+    mask = make_mask(B, T, "random", g)
+    out = L.local_support_kl(zs, ids, tlp, mask, forward_share=1.0)
+    ref, _ = R.ref_full_vocab_kl(zs, zt, mask, "forward")
+    close(out, ref, F64, "value")
+
+
+@pytest.mark.parametrize("shape,mask_kind,dtype", cases(masks=["row", "none"], low=[F32]))
+@pytest.mark.parametrize("chunk_size", [1, 1000])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "gather"])
+def test_local_support_kl_from_hidden_forward_share(shape, mask_kind, dtype, chunk_size, fused, monkeypatch):
+    row_dots_path(monkeypatch, fused)
+    h, w, ids, tlp, mask, sm, gout = hidden_inputs(shape, 17, dtype, False, mask_kind)
+    out = L.local_support_kl_from_hidden(
+        h, w, ids, tlp, mask, support_mask=sm, chunk_size=chunk_size, forward_share=0.3
+    )
+    ref, ref_gl = R.ref_local_support_kl(R.ref_logits(h, w), ids, tlp, mask, True, sm, gout, 0.3)
+    ref_gh, ref_gw = R.ref_hidden_grads(h, w, ref_gl)
+    check_support_loss_from_hidden(out, ref, ref_gh, ref_gw, h, w, tlp, mask, gout, dtype)
+
+
+def test_forward_share_needs_the_renormalized_support():
+    zs, ids, tlp, mask, sm, _ = lsm_inputs((2, 3, 7, 3), 18)
+    with pytest.raises(ValueError, match="renormalize=True"):
+        L.local_support_kl(zs, ids, tlp, mask, renormalize=False, forward_share=0.5)
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 5, 5), (3, 4, 7, 7), (2, 5, 31, 31)])

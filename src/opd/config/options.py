@@ -93,6 +93,13 @@ class TrainConfig(EnvSource, TrainingSource):
         "served teacher (it needs only the teacher's top-K log-probs); replaces renormalization, so "
         "not with --no-renormalize. Costs a pass over the student's head per step.",
     )
+    forward_kl_share: float = opt(
+        0.0,
+        "lsm: the share b of forward KL on the renormalized support, loss (1 - b) KL(student||teacher) + "
+        "b KL(teacher||student). Reverse KL's pull on a token scales with the student's own probability of "
+        "it, so a token the teacher wants and the student has all but dropped is barely pulled back; forward "
+        "KL's pull does not shrink (docs/losses.md). 0: LSM as the paper has it.",
+    )
     gamma: float = opt(0.0, "Discount of the sampled-token reward-to-go: 0 token level, 1 sequence level.")
     kl_direction: str = opt("reverse", "Direction of full_kl: reverse (KL(student||teacher)) or forward.")
     mask_special: bool | None = opt(
@@ -252,6 +259,12 @@ def _check_objective(cfg: TrainConfig) -> None:
         "tail compares full-vocabulary masses plus the mass outside the support, in place of renormalizing; "
         "--no-renormalize (the truncated ablation) cannot go with it: drop --no-renormalize or --tail",
     )
+    require(0.0 <= cfg.forward_kl_share <= 1.0, f"forward_kl_share={cfg.forward_kl_share} must lie in [0, 1]")
+    require(
+        not cfg.forward_kl_share or (cfg.objective == "lsm" and cfg.renormalize and not cfg.tail),
+        "forward_kl_share mixes the two KL directions on lsm's renormalized support: use it with --objective lsm, "
+        "without --tail or --no-renormalize",
+    )
     require(
         cfg.reduction in ("token_mean", "sequence_mean", "constant_sum"),
         f"reduction={cfg.reduction!r}: token_mean, sequence_mean or constant_sum",
@@ -391,6 +404,11 @@ def check_cross_tokenizer(cfg: TrainConfig) -> None:
     why = refusal(cfg, CROSS_TOKENIZER_GIVES, "a teacher with another tokenizer (cross_tokenizer) does not give")
     fix = f"use {usable_with(CROSS_TOKENIZER_GIVES)}, or a teacher with the student's tokenizer"
     require(why is None, f"{why}; {fix}")
+    require(
+        not cfg.forward_kl_share,
+        "forward_kl_share with a teacher of another tokenizer (cross_tokenizer) is not supported yet; drop it, "
+        "or use a teacher with the student's tokenizer",
+    )
     require(
         not cfg.env,
         "env: multi-turn episodes with a teacher of another tokenizer (cross_tokenizer) are not supported yet; "

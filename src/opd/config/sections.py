@@ -86,6 +86,7 @@ LAYOUT: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "support",
             "renormalize",
             "tail",
+            "forward_kl_share",
             "gamma",
             "kl_direction",
             "mask_special",

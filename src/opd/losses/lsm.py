@@ -24,10 +24,10 @@ from opd.losses._row_kernels import support_logits, weighted_rows
 
 def _support_kl_terms(
     s_logits_NK: torch.Tensor, t_logprobs_NK: torch.Tensor, valid_NK: torch.Tensor, active_N: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Renormalized KL over valid slots, with the slot probabilities and log-probs behind it.
 
-    Returns (kl_N, p_NK, logp_NK, logq_NK); slots that do not count hold p = logp = logq = 0.
+    Returns (kl_N, p_NK, q_NK, logp_NK, logq_NK); slots that do not count hold p = q = logp = logq = 0.
 
     Rows that do not count (inactive, no valid slot, or a student with no finite logit on the
     support) are neutralised *before* any log/exp, so neither the value nor the gradient can
@@ -45,7 +45,28 @@ def _support_kl_terms(
     logp_safe = torch.where(counted, logp, torch.zeros_like(logp))
     logq_safe = torch.where(counted, logq, torch.zeros_like(logq))
     p = torch.where(counted, logp_safe.exp(), torch.zeros_like(logp))
-    return (p * (logp_safe - logq_safe)).sum(-1), p, logp_safe, logq_safe
+    q = torch.where(counted, logq_safe.exp(), torch.zeros_like(logq))
+    return (p * (logp_safe - logq_safe)).sum(-1), p, q, logp_safe, logq_safe
+
+
+def _mixed_kl(
+    kl_N: torch.Tensor,
+    p_NK: torch.Tensor,
+    q_NK: torch.Tensor,
+    logp_NK: torch.Tensor,
+    logq_NK: torch.Tensor,
+    share: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1 - share) KL(p||q) + share KL(q||p) over the counted slots, and its gradient wrt the support
+    logits: reverse KL's is p_j (log p_j - log q_j - KL), forward KL's p_j (sum q) - q_j, the
+    softmax Jacobian of d/dp_j = -q_j / p_j. Reverse KL's pull on a slot scales with the student's
+    own p_j; forward KL's does not, so a token the student has all but dropped is still pulled up."""
+    d_rev = p_NK * (logp_NK - logq_NK - kl_N.unsqueeze(-1))
+    if not share:
+        return kl_N, d_rev
+    fkl_N = (q_NK * (logq_NK - logp_NK)).sum(-1)
+    d_fwd = p_NK * q_NK.sum(-1, keepdim=True) - q_NK
+    return (1 - share) * kl_N + share * fkl_N, (1 - share) * d_rev + share * d_fwd
 
 
 def local_support_kl(
@@ -55,12 +76,14 @@ def local_support_kl(
     mask_BT: torch.Tensor,
     renormalize: bool = True,
     support_mask: torch.Tensor | None = None,
+    forward_share: float = 0.0,
 ) -> torch.Tensor:
     """Truncated reverse KL of the student to the teacher over a local support S.
 
     ``renormalize=True`` (LSM): p_hat = softmax(student logits on S), q_hat = softmax(teacher
     log-probs on S), KL(p_hat || q_hat). ``renormalize=False`` (the ablation): full-vocabulary
-    student probabilities truncated to S, sum over S of p (log p - log q).
+    student probabilities truncated to S, sum over S of p (log p - log q). ``forward_share`` b
+    (renormalized only): (1 - b) KL(p_hat || q_hat) + b KL(q_hat || p_hat).
 
     A slot counts when ``support_mask`` is true and the teacher's log-prob is finite (a token of
     teacher probability 0 is outside the teacher's support). A student logit of -inf contributes
@@ -81,7 +104,12 @@ def local_support_kl(
         # Only the K support logits are read: gathered before the cast, so bfloat16 logits are never
         # copied whole to float32 (2.5 GB at T=4096 and a 151,936-token vocabulary, and its gradient).
         s_K = student_logits_BTV.gather(-1, support_ids_BTK).to(dtype)
-        return _support_kl_terms(s_K, t_lp, valid, mask)[0]
+        kl, p, q, logp, logq = _support_kl_terms(s_K, t_lp, valid, mask)
+        if not forward_share:
+            return kl
+        return (1 - forward_share) * kl + forward_share * (q * (logq - logp)).sum(-1)
+    if forward_share:
+        raise ValueError("forward_share mixes the renormalized divergences: it needs renormalize=True")
     # Without renormalization the student masses come from the full-vocabulary softmax.
     logp_full = torch.log_softmax(student_logits_BTV.to(dtype), dim=-1).gather(-1, support_ids_BTK)
     counted = valid & mask.unsqueeze(-1) & torch.isfinite(t_lp) & torch.isfinite(logp_full)
@@ -111,13 +139,14 @@ class _SupportKLFromHidden(torch.autograd.Function):
         t_lp_AK: torch.Tensor,
         valid_AK: torch.Tensor,
         chunk_size: int | None,
+        forward_share: float,
     ) -> torch.Tensor:
         dtype = compute_dtype(hidden_ND, weight_VD, t_lp_AK)
         everyone = torch.ones(ids_AK.shape[0], dtype=torch.bool, device=hidden_ND.device)
         z_AK = support_logits(hidden_ND, weight_VD, rows_A, ids_AK, dtype, chunk_size)
-        kl_A, p_AK, logp_AK, logq_AK = _support_kl_terms(z_AK, t_lp_AK.to(dtype), valid_AK, everyone)
-        # d KL(p||q) / dz_j = p_j (log p_j - log q_j - KL); slots that do not count have p_j = 0.
-        dz_AK = p_AK * (logp_AK - logq_AK - kl_A.unsqueeze(-1))
+        terms = _support_kl_terms(z_AK, t_lp_AK.to(dtype), valid_AK, everyone)
+        # slots that do not count have p_j = q_j = 0, so no gradient
+        kl_A, dz_AK = _mixed_kl(*terms, share=forward_share)
         ctx.save_for_backward(hidden_ND, weight_VD, rows_A, ids_AK, dz_AK)
         ctx.chunk_size = chunk_size
         return kl_A
@@ -125,7 +154,7 @@ class _SupportKLFromHidden(torch.autograd.Function):
     @staticmethod
     def backward(
         ctx: Any, grad_kl_A: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None, None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None, None, None]:
         hidden_ND, weight_VD, rows_A, ids_AK, dz_AK = ctx.saved_tensors
         dtype = dz_AK.dtype
         g_AK = grad_kl_A.to(dtype).unsqueeze(-1) * dz_AK
@@ -145,7 +174,7 @@ class _SupportKLFromHidden(torch.autograd.Function):
                 contrib = torch.mul(g_AK[sl].unsqueeze(-1), h_cD.unsqueeze(1), out=buf[:n])
                 grad_w.index_add_(0, ids_AK[sl].reshape(-1), contrib.view(n * K, D))
             grad_w = grad_w.to(weight_VD.dtype)
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def local_support_kl_from_hidden(
@@ -156,8 +185,9 @@ def local_support_kl_from_hidden(
     mask_BT: torch.Tensor,
     support_mask: torch.Tensor | None = None,
     chunk_size: int = 128,
+    forward_share: float = 0.0,
 ) -> torch.Tensor:
-    """:func:`local_support_kl` (renormalized) from the student's final hidden states.
+    """:func:`local_support_kl` (renormalized, with its ``forward_share``) from the student's final hidden states.
 
     Renormalizing over S cancels the student's full-vocabulary normalizer, so only the K logits
     ``hidden_t . W[v]`` (v in S) are computed, chunk by chunk over the unmasked positions; the
@@ -190,5 +220,6 @@ def local_support_kl_from_hidden(
         teacher_logprobs_BTK.detach().reshape(B * T, K)[active],
         valid.reshape(B * T, K)[active],
         chunk_size,
+        float(forward_share),
     )
     return kl_flat.index_put((active,), kl_active).view(B, T)

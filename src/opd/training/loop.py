@@ -412,7 +412,10 @@ def log_stage(run: Run, step: int, parts: list[StepPart], upds: list[StepUpdate]
 
     mine = run.dist.full_call(local)
     ranks = run.dist.gather([(m, w) for m, w, _ in mine])  # [rank][part] -> (metrics, weights)
-    slowest = {k: max(t[k] for t in run.dist.gather(timings)) for k in timings}
+    ranks_timings = run.dist.gather(timings)  # a rank may lack one (its worker died: nothing scored ahead)
+    slowest = {
+        k: max(t[k] for t in ranks_timings if k in t) for k in dict.fromkeys(k for t in ranks_timings for k in t)
+    }
     every = [mw for rank in ranks for mw in rank]
     record = {"step": step, **merge_metrics([m for m, _ in every], [w for _, w in every]), **slowest}
     record.update({k: getattr(upds[0], k.split("/")[1]) for k in STEP_KEYS})

@@ -476,8 +476,8 @@ def test_depth_buckets_and_reformatted_solutions():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name", [n for n in NAMES if n not in ("variance", "multitask", "vllm-rollouts")]
-)  # multitask: lab/demos/test_demo_multitask.py; vllm-rollouts: rollout/test_vllm.py (it needs vLLM)
+    "name", [n for n in NAMES if n not in ("variance", "multitask", "vllm-rollouts", "collapse")]
+)  # multitask: lab/demos/test_demo_multitask.py; vllm-rollouts: rollout/test_vllm.py (it needs vLLM); collapse: below
 def test_model_experiment_quick(name, tmp_path):
     res = run(name, tmp_path, seeds=1, quick=True, show_progress=False)
     assert res["quick"] and res["tables"] and res["claims"]
@@ -486,6 +486,32 @@ def test_model_experiment_quick(name, tmp_path):
         assert (tmp_path / name / p).is_file()
     commands = (tmp_path / name / "commands.txt").read_text()
     assert "opd train" in commands or "# python step" in commands
+
+
+@pytest.mark.slow
+def test_collapse_quick_runs_its_pilot_then_the_confirmation_of_the_chosen_remedy(tmp_path, monkeypatch):
+    from opd.lab.experiments import collapse
+
+    res = run("collapse", tmp_path, seeds=1, quick=True, show_progress=False)
+    assert [r[0] for r in res["tables"][0]["rows"]] == list(collapse.CANDIDATES) and not res["claims"]
+    assert "no confirmation has run yet" in res["notes"][-1]
+    assert not (tmp_path / "collapse" / "runs" / "lsm").exists()  # the pilot's seeds only
+    monkeypatch.setattr(collapse, "REMEDY", "fkl-0.1")
+    res = run("collapse", tmp_path, seeds=2, quick=True, show_progress=False)
+    assert len(res["claims"]) == 2 and all(c["verdict"] == INCONCLUSIVE for c in res["claims"])
+    assert [r[0] for r in res["tables"][1]["rows"]] == ["lsm", "fkl-0.1"]
+    train = json.loads((tmp_path / "collapse/runs/fkl-0.1/seed1/config.json").read_text())
+    assert train["objective"]["forward_kl_share"] == 0.1 and train["objective"]["objective"] == "lsm"
+
+
+def test_collapse_pilot_rule_takes_the_largest_rise_that_keeps_success():
+    from opd.lab.experiments.collapse import choose
+
+    measure = {"lsm": [0.1, 0.2], "a": [0.3, 0.4], "b": [0.5, 0.6], "c": [0.05, 0.1]}
+    success = {"lsm": [0.5, 0.5], "a": [0.5, 0.46], "b": [0.2, 0.3], "c": [0.9, 0.9]}
+    chosen, rise = choose(measure, success)
+    assert chosen == "a" and rise == pytest.approx({"a": 0.2, "b": 0.4, "c": -0.075})  # b costs 25 points
+    assert choose({"lsm": [0.3], "a": [0.2]}, {"lsm": [0.5], "a": [0.5]})[0] is None
 
 
 def test_results_md_names_a_corrupt_results_file(tmp_path):

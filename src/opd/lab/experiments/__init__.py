@@ -26,6 +26,7 @@ NAMES = (
     "multitask-tail",
     "vllm-rollouts",
     "async-rollouts",
+    "collapse",
 )
 _MODULES = {name: f"opd.lab.experiments.{name.replace('-', '_')}" for name in NAMES}
 

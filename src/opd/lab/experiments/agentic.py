@@ -91,7 +91,7 @@ def run_specs(
 ) -> list[RunSpec]:
     """One OPD run from the agentic demo's models at its settings (``change`` on top), and its final
     evaluation: greedy success and avg@2 on the held-out games."""
-    cfg = TrainConfig(
+    base: dict[str, Any] = dict(
         student=str(root / "student"),
         teacher=str(root / "teacher"),
         env=ENV,
@@ -111,8 +111,8 @@ def run_specs(
         top_p=TOP_P,
         k=32,
         **LIMITS,
-        **change,
     )
+    cfg = TrainConfig(**{**base, **change})  # ``change`` may override any of them (a longer warm-up, say)
     evaluation = EvalConfig(
         student=str(s.run_dir(name) / "final"),
         env=ENV,
