@@ -304,7 +304,8 @@ CASES = [
     (
         "forward-kl-share-with-sampled",
         f"{TRAIN} --forward-kl-share 0.2 --objective sampled",
-        r"forward_kl_share mixes the two KL directions on lsm's renormalized support",
+        r"forward_kl_share mixes the two KL directions on lsm's renormalized support: use it with --objective lsm, "
+        r"without --tail or --no-renormalize",
     ),
     (
         "teacher-dtype-for-a-served-teacher",
