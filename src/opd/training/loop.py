@@ -201,7 +201,10 @@ def score_stage_of(run: Run, step: int, rng: dict, tasks: list[Assignment], roll
         if made is not None:
             made, ahead = made[0], {"time/score_ahead": made[1]}
     made = made or [None] * len(tasks)
-    parts = [scored_part(run, step, rng, at.task, *r, early=m) for at, r, m in zip(tasks, rollouts, made, strict=True)]
+    parts = [
+        scored_part(run, step, rng, at.task, batch, rows, records, early=m)
+        for at, (batch, rows, records), m in zip(tasks, rollouts, made, strict=True)
+    ]
     return parts, ahead
 
 
