@@ -103,7 +103,7 @@ def test_a_killed_worker_is_replaced_and_its_rollouts_made_again(tiny_models, tm
     real_take = AheadRollouts.take
 
     def kill_then_take(self, step):
-        if step == 2:  # step 2's rollouts are being made (asked for as step 1 began): the worker dies
+        if step == 2:  # step 3's rollouts were asked for a moment ago (step 2's may be made): the worker dies
             for pid in self.worker_pids():
                 os.kill(pid, signal.SIGKILL)
         return real_take(self, step)
@@ -111,7 +111,9 @@ def test_a_killed_worker_is_replaced_and_its_rollouts_made_again(tiny_models, tm
     monkeypatch.setattr(AheadRollouts, "take", kill_then_take)
     train_mod.train(cfg_for(tiny_models, tmp_path / "b", **kw), show_progress=False)
     got = step_records(tmp_path / "b" / "run")
-    assert [r["rollout/worker_restarts"] for r in got] == [0.0, 0.0, 1.0, 1.0]
+    restarts = [r["rollout/worker_restarts"] for r in got]
+    # found dead at step 2 where it was still making step 2's rollouts, else at step 3; one restart either way
+    assert restarts[:2] == [0.0, 0.0] and restarts[2] in (0.0, 1.0) and restarts[3] == 1.0
     same_steps(got, step_records(tmp_path / "a" / "run"))
     assert (
         read_metrics(tmp_path / "b" / "run")[-1]["eval/accuracy"]
