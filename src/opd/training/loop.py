@@ -194,13 +194,11 @@ def score_stage_of(run: Run, step: int, rng: dict, tasks: list[Assignment], roll
     """Every part of the step, scored: by the teacher now, or (``early``) by :func:`score_ahead`'s thread,
     whose errors are the step's (a served teacher that stayed down stops the run here, as it would
     have scoring now). Returns the parts and the scores' own time where they were made ahead."""
-    made, ahead = None, {}
+    scored = None  # (per part: scores, student ids; seconds), or None: score in turn
     if early is not None:
         with stop_if_service_down(run, step, rng, TeacherUnavailable, "the teacher"):
-            made = early.result()  # None where the worker died making the rollouts: they were made again
-        if made is not None:
-            made, ahead = made[0], {"time/score_ahead": made[1]}
-    made = made or [None] * len(tasks)
+            scored = early.result()  # None where the worker died making the rollouts: they were made again
+    made, ahead = (scored[0], {"time/score_ahead": scored[1]}) if scored else ([None] * len(tasks), {})
     parts = [
         scored_part(run, step, rng, at.task, batch, rows, records, early=m)
         for at, (batch, rows, records), m in zip(tasks, rollouts, made, strict=True)
