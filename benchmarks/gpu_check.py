@@ -61,7 +61,7 @@ SECTIONS = ("env", "losses", "train", "loss_bench", "rollout_bench")
 # Per-section budgets (s). The GPU ones add up to more than the global budget on purpose: a section
 # that finishes early leaves its time to the next ones; the global budget caps the whole run.
 BUDGETS = {
-    "cuda": {"env": 40, "losses": 75, "train": 230, "loss_bench": 90, "rollout_bench": 170},
+    "cuda": {"env": 40, "losses": 75, "train": 260, "loss_bench": 90, "rollout_bench": 170},
     "cpu": {"env": 60, "losses": 150, "train": 800, "loss_bench": 150, "rollout_bench": 400},
 }
 GLOBAL_BUDGET = {"cuda": 460, "cpu": 1800}
@@ -374,14 +374,15 @@ def section_losses(sec: Section, a) -> None:
         sm = torch.rand(B_, T_, K_, generator=g) < 0.8
         return dict(zs=zs, tlp=tlp), ids, sm, bt_mask(g), rn(g, B_, T_)
 
-    def case_lsm(dtype_name, renormalize):
+    def case_lsm(dtype_name, renormalize, share=0.0):
         x, ids, sm, mask, gout = lsm_inputs(1)
 
         def dev_fn(zs, tlp):
-            return L.local_support_kl(zs, ids.to(dev), tlp, mask.to(dev), renormalize, sm.to(dev)), {}
+            out = L.local_support_kl(zs, ids.to(dev), tlp, mask.to(dev), renormalize, sm.to(dev), forward_share=share)
+            return out, {}
 
         def ref(zs, tlp):
-            v, gz = R.ref_local_support_kl(zs, ids, tlp, mask, renormalize, sm, gout)
+            v, gz = R.ref_local_support_kl(zs, ids, tlp, mask, renormalize, sm, gout, forward_share=share)
             return v, {"zs": gz}, {}
 
         return run_case(dtype_name, dev_fn, x, ["zs"], ref, mask, gout)
@@ -394,17 +395,17 @@ def section_losses(sec: Section, a) -> None:
         tlp[..., -1][torch.rand(B_, T_, generator=g) < 0.3] = -math.inf
         return g, h, w, ids, tlp, bt_mask(g), prefix_support(g), rn(g, B_, T_)
 
-    def case_lsm_hidden(dtype_name):
+    def case_lsm_hidden(dtype_name, share=0.0):
         g, h, w, ids, tlp, mask, sm, gout = hidden_inputs(2)
 
         def dev_fn(h, w, tlp):
             out = L.local_support_kl_from_hidden(
-                h, w, ids.to(dev), tlp, mask.to(dev), support_mask=sm.to(dev), chunk_size=4
+                h, w, ids.to(dev), tlp, mask.to(dev), support_mask=sm.to(dev), chunk_size=4, forward_share=share
             )
             return out, {}
 
         def ref(h, w, tlp):
-            v, gl = R.ref_local_support_kl(R.ref_logits(h, w), ids, tlp, mask, True, sm, gout)
+            v, gl = R.ref_local_support_kl(R.ref_logits(h, w), ids, tlp, mask, True, sm, gout, forward_share=share)
             gh, gw = R.ref_hidden_grads(h, w, gl)
             return v, {"h": gh, "w": gw}, {}
 
@@ -586,6 +587,8 @@ def section_losses(sec: Section, a) -> None:
         ("lsm", lambda d: case_lsm(d, True)),
         ("lsm_no_renormalize", lambda d: case_lsm(d, False)),
         ("lsm_from_hidden", case_lsm_hidden),
+        ("lsm_forward_share_0.3", lambda d: case_lsm(d, True, 0.3)),
+        ("lsm_from_hidden_forward_share_0.3", lambda d: case_lsm_hidden(d, 0.3)),
         ("full_vocab_kl_reverse", lambda d: case_full_kl(d, "reverse")),
         ("full_vocab_kl_forward", lambda d: case_full_kl(d, "forward")),
         ("generalized_jsd_0.5", lambda d: case_full_kl(d, "jsd")),
@@ -644,6 +647,10 @@ TRAIN_JOBS = [
     ("lsm_tail", ["--objective", "lsm", "--tail"]),
     ("lsm_bfloat16", ["--objective", "lsm", "--dtype", "bfloat16"]),
     ("lora_lsm", ["--objective", "lsm", "--lora-r", "8", "--lora-alpha", "16"]),
+    # rollouts one step ahead: the worker process generates on the same GPU from the weights each request carries
+    ("lsm_max_staleness_1", ["--objective", "lsm", "--max-staleness", "1"]),
+    ("sampled_max_staleness_1", ["--objective", "sampled", "--max-staleness", "1"]),
+    ("lsm_forward_kl_share", ["--objective", "lsm", "--forward-kl-share", "0.3"]),
     ("lsm_no_renormalize", ["--objective", "lsm", "--no-renormalize"]),
     ("lsm_student_topk", ["--objective", "lsm", "--support", "student_topk"]),
     ("lsm_union", ["--objective", "lsm", "--support", "union"]),
@@ -790,7 +797,7 @@ def dist_worker(mode: str, argv: list[str]) -> None:
     import torch
     import torch.distributed as tdist
 
-    import opd.training.loop as loop_mod
+    import opd.training.setup as setup_mod  # where the run calls init_distributed (by its own name)
     from opd.cli import app
     from opd.training.distributed import Dist
 
@@ -808,7 +815,7 @@ def dist_worker(mode: str, argv: list[str]) -> None:
         print(f"{PREFIX} {mode}: one-rank group, backend {tdist.get_backend()}, world {d.world}", flush=True)
         return d
 
-    loop_mod.init_distributed = init_one_rank
+    setup_mod.init_distributed = init_one_rank
     wrapped = []
     real_wrap = Dist.wrap
 
