@@ -61,7 +61,7 @@ SECTIONS = ("env", "losses", "train", "loss_bench", "rollout_bench")
 # Per-section budgets (s). The GPU ones add up to more than the global budget on purpose: a section
 # that finishes early leaves its time to the next ones; the global budget caps the whole run.
 BUDGETS = {
-    "cuda": {"env": 40, "losses": 75, "train": 260, "loss_bench": 90, "rollout_bench": 170},
+    "cuda": {"env": 40, "losses": 75, "train": 330, "loss_bench": 90, "rollout_bench": 170},
     "cpu": {"env": 60, "losses": 150, "train": 800, "loss_bench": 150, "rollout_bench": 400},
 }
 GLOBAL_BUDGET = {"cuda": 460, "cpu": 1800}
