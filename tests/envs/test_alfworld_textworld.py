@@ -83,6 +83,29 @@ def test_train_and_test_games_are_disjoint(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_validation_games_are_a_split_of_their_own(tmp_path):
+    """Recipes are chosen on the valid split: no game of it is a train or test game, its games do
+    not move when the train or test split grows, and test_split='valid' makes evaluation play it."""
+    env = get_env("alfworld", level=1, num_train=40, num_test=40, num_valid=40, games_dir=tmp_path, generated=True)
+    splits = {s: env.games(s) for s in ("train", "test", "valid")}
+    seeds = {s: {g.info["seed"] for g in gs} for s, gs in splits.items()}
+    assert all(len(v) == 40 for v in seeds.values())
+    assert not seeds["valid"] & seeds["train"] and not seeds["valid"] & seeds["test"]
+    problems = {
+        s: {game_files(g.info["task_type"], 1, g.info["seed"])[0]["pddl_problem"] for g in gs}
+        for s, gs in splits.items()
+    }
+    assert len(problems["valid"]) == 40 and not problems["valid"] & (problems["train"] | problems["test"])
+    bigger = get_env(
+        "alfworld", level=1, num_train=5000, num_test=500, num_valid=40, games_dir=tmp_path, generated=True
+    )
+    assert [g.id for g in bigger.games("valid")] == [g.id for g in splits["valid"]]
+    assert not {g.info["seed"] for g in bigger.games("train")} & seeds["valid"]
+    as_test = get_env("alfworld", level=1, num_valid=40, test_split="valid", games_dir=tmp_path, generated=True)
+    assert [g.id for g in as_test.games("test")] == [g.id for g in splits["valid"]]
+    assert all(g.id.startswith("valid/") for g in splits["valid"])
+
+
 def test_level_one_is_simple_pick_and_place(tmp_path):
     env = get_env("alfworld", level=1, num_train=4, games_dir=tmp_path, generated=True)
     games = env.games("train")
@@ -355,6 +378,8 @@ def test_real_alfworld_layout(alf_games, tmp_path, monkeypatch):
     assert len(env.games("test")) == 2 and env.games("test") == env.games("valid_unseen")
     assert len(env.games("valid_seen")) == 1
     assert len(get_env("alfworld", test_split="valid_seen").games("test")) == 1
+    with pytest.raises(UserError, match="test_split='valid' plays generated games' validation split"):
+        get_env("alfworld", test_split="valid")
     assert len(get_env("alfworld", max_games=2).games("train")) == 2
     # A real game is played by the same engine; its expert is the planner's, not the stored one.
     game = train[0]
@@ -427,7 +452,8 @@ def test_engine_failure_mid_episode_is_env_error(alf_env, alf_games, monkeypatch
         ("alfworld", {"level": 9}, "unknown ALFWorld level 9: use one of 1, 2, 3"),
         ("alfworld", {"levle": 2}, "unknown ALFWorld option.*levle.*use level"),
         ("alfworld", {"num_train": 0}, "num_train=0: expected an integer >= 1"),
-        ("alfworld", {"test_split": "valid"}, "test_split='valid'.*valid_unseen"),
+        ("alfworld", {"test_split": "dev"}, "test_split='dev'.*valid_unseen.*'valid' for generated"),
+        ("alfworld", {"num_train": 999_990, "num_valid": 20}, "num_train \\+ num_valid must be at most 1000000"),
         ("alfworld", {"expert": "oracle"}, "expert='oracle': use 'search' or 'planner'"),
         ("textworld", {"level": 7}, "unknown textworld level 7"),
         ("textworld", {"recipe": 2}, "unknown textworld option.*recipe"),
@@ -439,7 +465,7 @@ def test_bad_arguments(name, kwargs, message, tmp_path):
 
 
 def test_unknown_split(alf_env):
-    with pytest.raises(UserError, match="unknown split 'dev'.*'train' or 'test'"):
+    with pytest.raises(UserError, match="unknown split 'dev'.*'train', 'test' or 'valid'"):
         alf_env.games("dev")
 
 

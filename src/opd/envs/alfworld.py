@@ -11,7 +11,10 @@ and grammar, with alfworld's name demangler):
 * generated (default): small problems of the six ALFWorld task types at a difficulty
   ``level`` (see :mod:`opd.envs.alfworld_gen`), written on first use under ``games_dir``
   (default ``~/.cache/opd/alfworld/<level>``) and reused afterwards. Train games have even
-  seeds, test games odd ones, so the two never share a game.
+  seeds, test games odd ones, so the two never share a game. A third split, ``valid``, holds
+  games for choosing a recipe without touching the test games (``test_split="valid"`` makes
+  evaluation play them): even seeds counted down from the far end of the train games' stream,
+  so it shares no game with either split, whatever their sizes.
 * real: with ``ALFWORLD_DATA`` set (or ``data_dir=``), ALFWorld's own games from the folder
   ``alfworld-download`` fills: "train" plays ``json_2.1.1/train``, "test" plays
   ``valid_unseen`` (``test_split="valid_seen"`` for the other; both names are splits too).
@@ -120,7 +123,8 @@ class AlfworldEnv:
     """ALFWorld games, generated or real (see the module docstring).
 
     Generated games: ``level`` (1-3, see ``alfworld_gen.LEVELS``), ``seed`` (another set of
-    games), ``num_train`` / ``num_test`` games per split, ``games_dir`` (the cache). Real games:
+    games), ``num_train`` / ``num_test`` / ``num_valid`` games per split, ``games_dir`` (the
+    cache), ``test_split="valid"`` (evaluation plays the validation games). Real games:
     ``data_dir`` (default ``$ALFWORLD_DATA``; ``generated=True`` ignores the variable),
     ``test_split`` (what "test" plays), ``max_games`` (a cap per split). Both: ``max_turns``
     (default: the level's, or 50 for real games); ``expert``: what ``expert_actions()`` plays,
@@ -137,6 +141,7 @@ class AlfworldEnv:
         seed: int = 0,
         num_train: int = 500,
         num_test: int = 50,
+        num_valid: int = 50,
         games_dir: str | os.PathLike | None = None,
         data_dir: str | os.PathLike | None = None,
         generated: bool = False,
@@ -149,14 +154,28 @@ class AlfworldEnv:
         self.level = int(level)
         alfworld_modules()  # a missing engine is a UserError now, not at the first game
         self.seed = check_int("seed", seed, 0)
-        self.num = {"train": check_int("num_train", num_train, 1), "test": check_int("num_test", num_test, 1)}
+        self.num = {
+            "train": check_int("num_train", num_train, 1),
+            "test": check_int("num_test", num_test, 1),
+            "valid": check_int("num_valid", num_valid, 1),
+        }
         if max(self.num.values()) > _MAX_PER_SPLIT:
-            raise UserError(f"num_train and num_test must be at most {_MAX_PER_SPLIT}")
-        if test_split not in ("valid_seen", "valid_unseen"):
-            raise UserError(f"test_split={test_split!r}: use 'valid_unseen' (the default) or 'valid_seen'")
+            raise UserError(f"num_train, num_test and num_valid must be at most {_MAX_PER_SPLIT}")
+        if self.num["train"] + self.num["valid"] > _MAX_PER_SPLIT:  # the two share one stream of seeds
+            raise UserError(f"num_train + num_valid must be at most {_MAX_PER_SPLIT}")
+        if test_split not in ("valid_seen", "valid_unseen", "valid"):
+            raise UserError(
+                f"test_split={test_split!r}: use 'valid_unseen' (the default) or 'valid_seen' for real games,"
+                " 'valid' for generated games' validation split"
+            )
         self.test_split = test_split
         self.max_games = None if max_games is None else check_int("max_games", max_games, 1)
         self.data_dir = None if generated else _real_root(data_dir)
+        if self.data_dir is not None and test_split == "valid":
+            raise UserError(
+                "test_split='valid' plays generated games' validation split; real ALFWorld games have"
+                " 'valid_seen' and 'valid_unseen' (or pass generated=True)"
+            )
         if expert is not None and expert not in EXPERTS:
             raise UserError(f"expert={expert!r}: use 'search' or 'planner'")
         self.expert = expert or ("planner" if self.data_dir else "search")
@@ -180,8 +199,10 @@ class AlfworldEnv:
     def games(self, split: str) -> list[Game]:
         if self.data_dir is not None:
             return self._real_games(self.data_dir, split)
+        if split == "test" and self.test_split == "valid":
+            split = "valid"
         if split not in self.num:
-            raise UserError(f"unknown split {split!r} for generated ALFWorld games: use 'train' or 'test'")
+            raise UserError(f"unknown split {split!r} for generated ALFWorld games: use 'train', 'test' or 'valid'")
         types = LEVELS[self.level].task_types
         out = []
         for i in range(self.num[split]):
@@ -249,7 +270,10 @@ class AlfworldEnv:
 
 
 def _seed(base: int, split: str, i: int) -> int:
-    """Game ``i`` of ``split``: train seeds even, test seeds odd, so the splits never overlap."""
+    """Game ``i`` of ``split``: train seeds even, test seeds odd, so the two never overlap;
+    validation seeds even, from the far end of the train stream (num_train + num_valid is capped)."""
+    if split == "valid":
+        i = _MAX_PER_SPLIT - 1 - i
     return 2 * (base * _MAX_PER_SPLIT + i) + (_TEST_OFFSET if split == "test" else 0)
 
 
@@ -296,6 +320,7 @@ _OPTIONS = (
     "seed",
     "num_train",
     "num_test",
+    "num_valid",
     "games_dir",
     "data_dir",
     "generated",
