@@ -37,7 +37,7 @@ from typing import Any
 
 from opd.lab.experiments.agentic import _first_words, models_specs, run_specs
 from opd.lab.experiments.common import final_scores, series
-from opd.lab.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_metrics
+from opd.lab.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, derived, read_metrics
 from opd.lab.experiments.stats import mean_ci, noninferior, verdict
 
 LSM: dict[str, Any] = dict(objective="lsm", mask_special=True)
@@ -101,7 +101,7 @@ def choose(measure: dict[str, list[float]], success: dict[str, list[float]]) -> 
     return (max(allowed, key=lambda arm: rise[arm]) if allowed else None), rise
 
 
-def pilot(a: Analysis, s: Settings) -> None:
+def pilot(a: Analysis, s: Settings, remedy: str | None) -> None:
     measure = {arm: [lowest_word_probability(s, pilot_run(arm, k)) for k in VALIDATION_SEEDS] for arm in CANDIDATES}
     success = {arm: [late_success(s, pilot_run(arm, k)) for k in VALIDATION_SEEDS] for arm in CANDIDATES}
     chosen, rise = choose(measure, success)
@@ -122,7 +122,7 @@ def pilot(a: Analysis, s: Settings) -> None:
     )
     a.notes.append(
         f"The pilot's rule chooses {chosen or 'no candidate'}; "
-        + (f"the confirmation runs {REMEDY}." if REMEDY else "no confirmation has run yet (REMEDY is unset).")
+        + (f"the confirmation runs {remedy}." if remedy else "no confirmation has run yet.")
     )
 
 
@@ -174,9 +174,12 @@ def confirmation(a: Analysis, s: Settings, remedy: str) -> None:
 
 def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
     a = Analysis()
-    pilot(a, s)
-    if REMEDY is not None:
-        confirmation(a, s, REMEDY)
+    # The remedy confirmed, kept with the run data: replaying data recorded before the confirmation
+    # ran gives the pilot alone, whatever REMEDY names now.
+    remedy = derived(s, "remedy", lambda runs: REMEDY)
+    pilot(a, s, remedy)
+    if remedy is not None:
+        confirmation(a, s, remedy)
     return a
 
 
