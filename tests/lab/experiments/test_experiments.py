@@ -492,6 +492,7 @@ def test_model_experiment_quick(name, tmp_path):
 def test_collapse_quick_runs_its_pilot_then_the_confirmation_of_the_chosen_remedy(tmp_path, monkeypatch):
     from opd.lab.experiments import collapse
 
+    monkeypatch.setattr(collapse, "REMEDY", None)  # before the pilot has chosen
     res = run("collapse", tmp_path, seeds=1, quick=True, show_progress=False)
     assert [r[0] for r in res["tables"][0]["rows"]] == list(collapse.CANDIDATES) and not res["claims"]
     assert "no confirmation has run yet" in res["notes"][-1]
