@@ -28,7 +28,8 @@ is under 5%.
    collapse counts are reported beside them.
 
 Cost on 2 CPU cores with ``--workers 2``: the pilot's 12 runs 59 minutes (measured; 106 minutes of
-runs), the confirmation's 20 runs and evaluations about 140. ``--quick`` runs a few steps of each (its numbers decide nothing).
+runs), the confirmation's 20 runs and evaluations about 140. ``--quick`` runs a few steps of each
+(its numbers decide nothing).
 """
 
 from __future__ import annotations
