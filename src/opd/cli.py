@@ -291,13 +291,19 @@ def _experiment(
         help="Reuse runs finished before opd keyed runs by their inputs (models, data) when their command matches, "
         "without checking those inputs; by default such runs are made again.",
     ),
+    recorded: Optional[Path] = typer.Option(
+        None,
+        help="An earlier run data file of this experiment (docs/results/NAME/data.json): the runs it holds are read "
+        "from it and not made again, unless their folder has finished or a run that is made reads their output. "
+        "For adding seeds or arms to committed results without their run folders; their inputs are not checked.",
+    ),
 ) -> None:
     """Check a claim of the papers: run (or resume) the experiment's runs, then write results.md/json, plots, commands.
 
     A finished run is reused only when its command and the models and data it reads are unchanged."""
     from opd.lab.experiments import run
 
-    run(name, out, seeds=seeds, quick=quick, workers=workers, adopt=adopt)
+    run(name, out, seeds=seeds, quick=quick, workers=workers, adopt=adopt, recorded=recorded)
 
 
 @app.command("results")

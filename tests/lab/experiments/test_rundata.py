@@ -12,7 +12,20 @@ import pytest
 
 from opd.errors import UserError
 from opd.lab.experiments import NAMES, run
-from opd.lab.experiments.core import DATA, DONE, Settings, derived, read_done, read_metrics, read_run_file
+from opd.lab.experiments.core import (
+    DATA,
+    DONE,
+    RECORDED,
+    Analysis,
+    Experiment,
+    RunSpec,
+    Settings,
+    derived,
+    read_done,
+    read_metrics,
+    read_run_file,
+    run_experiment,
+)
 from opd.lab.experiments.results_md import build_results_md, recompute
 from opd.lab.experiments.rundata import RunData
 
@@ -129,3 +142,97 @@ _UNRECORDED = [n for n in NAMES if not (ROOT / "docs" / "results" / n / DATA).is
 def test_every_experiment_s_intervals_are_recomputed_from_its_per_seed_data():
     """Passes once every experiment has committed run data (then remove this marker)."""
     assert _UNRECORDED == []
+
+
+# ----------------------------------------------------------------------------- --recorded
+
+
+def _made(params, run_dir):
+    """A python step that logs that it ran, writes a file, and returns a value a seed sets."""
+    with open(run_dir.parents[params["depth"]] / "calls.txt", "a") as f:
+        f.write(run_dir.name + "\n")
+    (run_dir / "out.txt").write_text(str(params["value"]))
+    return {"value": params["value"]}
+
+
+def _toy_experiment(tmp_path: Path, first_reads_seed0: bool = False) -> Experiment:
+    """A plan: a data step; per seed a run reading it; optionally a run reading seed 0's output."""
+
+    def plan(s: Settings) -> list[RunSpec]:
+        specs = [RunSpec("data", "python", {"value": 0, "depth": 0}, _made)]
+        for k in range(s.seeds):
+            src = str(s.run_dir("data") / "out.txt")
+            specs.append(RunSpec(f"x/seed{k}", "python", {"value": 10 * k + 1, "depth": 1, "src": src}, _made))
+        if first_reads_seed0:
+            src = str(s.run_dir("x/seed0") / "out.txt")
+            specs.append(RunSpec("after0", "python", {"value": 5, "depth": 0, "src": src}, _made))
+        return specs
+
+    def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
+        a = Analysis()
+        values = [read_done(s, f"x/seed{k}")["result"]["value"] for k in range(s.seeds)]
+        shares = [
+            derived(s, f"share:x/seed{k}", lambda runs, k=k: (runs / f"x/seed{k}/out.txt").read_text())
+            for k in range(s.seeds)
+        ]
+        a.table("values", ["seed", "value", "derived"], [[k, v, d] for k, (v, d) in enumerate(zip(values, shares))])
+        return a
+
+    return Experiment("toy", "a toy", "", plan, analyze)
+
+
+def _calls(out: Path) -> list[str]:
+    calls = out / "toy" / "runs" / "calls.txt"
+    return calls.read_text().split() if calls.is_file() else []
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_recorded_runs_are_read_from_the_recording_and_new_seeds_are_made(tmp_path, capsys, workers):
+    """`opd experiment --recorded`: seeds added to committed run data, without the runs' folders."""
+    exp = _toy_experiment(tmp_path)
+    first = run_experiment(exp, tmp_path / "a", seeds=2, quick=False, show_progress=False, workers=workers)
+    assert _calls(tmp_path / "a") == ["data", "seed0", "seed1"]
+    recording = tmp_path / "a" / "toy" / DATA
+    out = tmp_path / "b"  # another machine: no run folders at all
+    more = run_experiment(exp, out, 3, False, False, workers, recorded=recording)
+    # seed 2 reads the data step's output, so that is made; the recorded seeds are not
+    assert sorted(_calls(out)) == ["data", "seed2"]
+    assert "2 of 4 runs read from" in capsys.readouterr().out
+    status = {r["run"]: r["status"] for r in more["run_log"]}
+    assert status == {"data": "ran", "x/seed0": RECORDED, "x/seed1": RECORDED, "x/seed2": "ran"}
+    assert more["tables"][0]["rows"][:2] == first["tables"][0]["rows"]  # the recorded seeds' values
+    assert more["tables"][0]["rows"][2] == ["2", "21", "21"]
+    assert more["command"].endswith(f"--recorded {recording}")
+    # the new recording holds every seed, so it replays alone to the same tables
+    replay = Settings(tmp_path / "replay" / "toy", 3, False, reads=RunData.load(out / "toy" / DATA))
+    assert exp.analyze(replay, exp.plan(replay)).tables == more["tables"]
+
+
+def test_a_recorded_run_another_run_reads_is_made_again(tmp_path):
+    """A run that is made reads its inputs from their folders: a recorded run it reads is made too."""
+    run_experiment(_toy_experiment(tmp_path), tmp_path / "a", seeds=2, quick=False, show_progress=False)
+    exp = _toy_experiment(tmp_path, first_reads_seed0=True)
+    res = run_experiment(exp, tmp_path / "b", 2, False, False, recorded=tmp_path / "a" / "toy" / DATA)
+    assert sorted(_calls(tmp_path / "b")) == ["after0", "data", "seed0"]
+    assert {r["run"]: r["status"] for r in res["run_log"]}["x/seed1"] == RECORDED
+    with pytest.raises(UserError, match="is not run data written by `opd experiment`"):
+        (tmp_path / "bad.json").write_text("[]")
+        run_experiment(exp, tmp_path / "c", 2, False, False, recorded=tmp_path / "bad.json")
+
+
+def test_mixed_reads_take_kept_runs_from_the_recording_and_others_from_their_folders(tmp_path):
+    s = _runs(tmp_path)
+    recorded = {
+        "files": {"k/seed0/DONE.json": {"wall_s": 1.0}, "k/seed0/metrics.jsonl": [{"loss": 9.0}]},
+        "derived": {"w:k/seed0": 3, "w:a/seed0": 4, "global": 5},
+    }
+    s.reads = RunData(s.runs, recorded, kept=["k/seed0"])
+    assert read_metrics(s, "k/seed0") == [{"loss": 9.0}] and read_done(s, "k/seed0") == {"wall_s": 1.0}
+    assert read_done(s, "a/seed0")["wall_s"] == 3.5  # not kept: from its folder
+    assert derived(s, "w:k/seed0", lambda runs: 0) == 3  # a kept run's derived value: recorded
+    assert derived(s, "w:a/seed0", lambda runs: 7) == 7 and derived(s, "global", lambda runs: 8) == 8  # computed
+    with pytest.raises(UserError, match="no k/seed0/probe.json"):
+        read_run_file(s, "k/seed0", "probe.json")
+    with pytest.raises(UserError, match="no derived value 'v:k/seed0'"):
+        derived(s, "v:k/seed0", lambda runs: 0)
+    assert set(s.reads.recording()["files"]) == {"k/seed0/metrics.jsonl", "k/seed0/DONE.json", "a/seed0/DONE.json"}

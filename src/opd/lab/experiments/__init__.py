@@ -45,7 +45,8 @@ def run(
     show_progress: bool = True,
     workers: int = 1,
     adopt: bool = False,
+    recorded=None,
 ) -> dict:
     from opd.lab.experiments.core import run_experiment
 
-    return run_experiment(get_experiment(name), out, seeds, quick, show_progress, workers, adopt)
+    return run_experiment(get_experiment(name), out, seeds, quick, show_progress, workers, adopt, recorded)

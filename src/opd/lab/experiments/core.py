@@ -165,7 +165,8 @@ def _execute(spec: RunSpec, run_dir: Path, show_progress: bool, command: str, ke
 
 
 def run_specs(specs: list[RunSpec], settings: Settings, show_progress: bool = True, workers: int = 1) -> list[dict]:
-    """Run each spec in order (later specs may use earlier ones' outputs); skip finished ones.
+    """Run each spec in order (later specs may use earlier ones' outputs); skip finished ones, and those
+    the settings read from a recording (``settings.run_data.kept``).
     ``workers`` > 1: that many at once, each in its own process, a spec starting once the runs it
     ``needs`` have finished."""
     names = [s.name for s in specs]
@@ -174,12 +175,35 @@ def run_specs(specs: list[RunSpec], settings: Settings, show_progress: bool = Tr
     if workers < 1:
         raise UserError(f"--workers {workers} must be >= 1")
     keys = Keys(specs, settings.run_dir, command_line)  # before any run: a changed input shows at once
+    kept = {s.name: {"run": s.name, "status": RECORDED} for s in specs if s.name in settings.run_data.kept}
+    made = [s for s in specs if s.name not in kept]
     if workers == 1:
-        return [
-            _run_one(spec, settings, show_progress, f"[{i}/{len(specs)}]", keys[spec.name])
-            for i, spec in enumerate(specs, 1)
-        ]
-    return _run_side_by_side(specs, settings, workers, keys)
+        log = {
+            spec.name: _run_one(spec, settings, show_progress, f"[{i}/{len(made)}]", keys[spec.name])
+            for i, spec in enumerate(made, 1)
+        }
+    else:
+        log = _run_side_by_side(made, settings, workers, keys, set(kept))
+    return [(kept | log)[n] for n in names]
+
+
+RECORDED = "from the recording (not made again)"
+
+
+def kept_from_recording(specs: list[RunSpec], settings: Settings, recorded: dict) -> set[str]:
+    """The runs ``opd experiment --recorded`` takes from an earlier recording instead of making them:
+    those it holds (their DONE.json) that have not finished in their own folder, less those a run that
+    is made reads from (a run reads its inputs from their folders, so they are made too)."""
+    files = recorded.get("files", {})
+    kept = {s.name for s in specs if files.get(f"{s.name}/{DONE}") and not _finished(settings.run_dir(s.name))}
+    keys = Keys(specs, settings.run_dir, command_line)
+    reads = {s.name: keys.inputs(s.name) | set(s.needs or ()) for s in specs}
+    frontier = [s.name for s in specs if s.name not in kept]
+    while frontier:
+        needed = {d for name in frontier for d in reads[name]} & kept
+        kept -= needed
+        frontier = sorted(needed)
+    return kept
 
 
 def _up_to_date(spec: RunSpec, settings: Settings, key: str) -> bool:
@@ -222,13 +246,16 @@ def _run_one(spec: RunSpec, settings: Settings, show_progress: bool, counter: st
     return {"run": spec.name, "status": "ran", "wall_s": wall}
 
 
-def _run_side_by_side(specs: list[RunSpec], settings: Settings, workers: int, keys: Keys) -> list[dict]:
+def _run_side_by_side(
+    specs: list[RunSpec], settings: Settings, workers: int, keys: Keys, kept: set[str]
+) -> dict[str, dict]:
     """The scheduler of ``run_specs(workers > 1)``: a run's error stops the experiment once the
-    runs already going have ended (finished runs keep their DONE.json; a rerun resumes)."""
+    runs already going have ended (finished runs keep their DONE.json; a rerun resumes). The ``kept``
+    runs (taken from a recording) count as finished."""
     names = [s.name for s in specs]
     needs = {}
     for i, spec in enumerate(specs):
-        needs[spec.name] = set(names[:i] if spec.needs is None else spec.needs)
+        needs[spec.name] = set(names[:i] if spec.needs is None else spec.needs) - kept
         if not needs[spec.name] <= set(names[:i]):
             raise ValueError(
                 f"run {spec.name} needs {sorted(needs[spec.name] - set(names[:i]))}: not earlier in the plan"
@@ -251,7 +278,7 @@ def _run_side_by_side(specs: list[RunSpec], settings: Settings, workers: int, ke
                 spec = running.pop(job)
                 log[spec.name] = job.result()
                 done.add(spec.name)
-    return [log[n] for n in names]
+    return log
 
 
 # An analysis reads the runs through these (and :func:`derived`) alone, so that opd results can replay it.
@@ -418,13 +445,21 @@ def run_experiment(
     show_progress: bool = True,
     workers: int = 1,
     adopt: bool = False,
+    recorded: Path | None = None,
 ) -> dict:
-    """Run (or resume) every run of ``exp``, analyse, and write its outputs under ``out/exp.name``."""
+    """Run (or resume) every run of ``exp``, analyse, and write its outputs under ``out/exp.name``.
+    ``recorded``: an earlier ``data.json`` of ``exp``; the runs it holds are read from it, not made again
+    (:func:`kept_from_recording`), so seeds can be added to committed run data without its run folders."""
     if seeds < 1:
         raise UserError(f"--seeds {seeds} must be >= 1 (3 or more for intervals)")
     settings = Settings(Path(out) / exp.name, seeds, quick, adopt)
     settings.runs.mkdir(parents=True, exist_ok=True)
     specs = exp.plan(settings)
+    if recorded is not None:
+        recording = RunData.load_recording(recorded)
+        kept = kept_from_recording(specs, settings, recording)
+        settings.reads = RunData(settings.runs, recording, kept)
+        print(f"{len(kept)} of {len(specs)} runs read from {recorded}, not made again", flush=True)
     t0 = time.time()
     log = run_specs(specs, settings, show_progress, workers)
     analysis = exp.analyze(settings, specs)
@@ -450,7 +485,9 @@ def run_experiment(
         "notes": analysis.notes,
         "claims": [dataclasses.asdict(c) for c in analysis.claims],
         "run_log": log,
-        "command": f"opd experiment {exp.name} --seeds {seeds} --out {out}" + (" --quick" if quick else ""),
+        "command": f"opd experiment {exp.name} --seeds {seeds} --out {out}"
+        + (" --quick" if quick else "")
+        + (f" --recorded {recorded}" if recorded is not None else ""),
     }
     settings.run_data.write(settings.out / DATA)
     (settings.out / "results.json").write_text(json.dumps(res, indent=2, default=str) + "\n")

@@ -86,6 +86,11 @@ class Keys:
             self.keys[name] = h.hexdigest()
         return self.keys[name]
 
+    def inputs(self, name: str) -> set[str]:
+        """The runs of the plan whose outputs run ``name`` reads."""
+        paths = {p.resolve() for p in named_paths(self.specs[name].config)}
+        return {owner for p in paths if (owner := self._owner(p, name)) is not None}
+
     def _owner(self, path: Path, reader: str) -> str | None:
         """The run of the plan that writes ``path`` (the deepest such folder), if any."""
         found = [(len(w.parts), n) for w, n in self.owners if n != reader and path.is_relative_to(w)]

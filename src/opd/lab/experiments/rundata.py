@@ -17,7 +17,7 @@ through :meth:`RunData.derived`, which keeps the derived value, not the file.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, cast
 
@@ -115,26 +115,46 @@ def _decode(value):
 
 
 class RunData:
-    """Reads of an experiment's run files: from the run folders (recording) or from a recording (replay)."""
+    """Reads of an experiment's run files: from the run folders (recording) or from a recording (replay);
+    with both, the runs named in ``kept`` are read from the recording and the others from their folders
+    (``opd experiment --recorded``: runs recorded earlier and not made again)."""
 
-    def __init__(self, runs: Path | None, recorded: dict | None = None) -> None:
-        self.runs, self.replay = runs, recorded is not None
-        self._files: dict[str, Any] = dict(recorded.get("files", {})) if recorded else {}
-        self._derived: dict[str, Any] = dict(recorded.get("derived", {})) if recorded else {}
+    def __init__(self, runs: Path | None, recorded: dict | None = None, kept: Iterable[str] = ()) -> None:
+        self.runs, self.replay, self.kept = runs, runs is None, frozenset(kept)
+        recorded = recorded or {}
+        # what was read (the recording to write); in a replay, everything recorded
+        self._files: dict[str, Any] = dict(recorded.get("files", {})) if self.replay else {}
+        self._derived: dict[str, Any] = dict(recorded.get("derived", {})) if self.replay else {}
+        # where the kept runs' reads come from
+        self._kept_files, self._kept_derived = recorded.get("files", {}), recorded.get("derived", {})
 
-    @classmethod
-    def load(cls, path: Path) -> RunData:
+    def _kept_key(self, key: str) -> bool:
+        """A derived value of a kept run: its key names the run between colons (``name:RUN[:...]``)."""
+        return any(part in self.kept for part in key.split(":"))
+
+    @staticmethod
+    def load_recording(path: Path) -> dict:
+        """The content of a ``data.json``; an error naming the file when it is not one."""
         try:
-            return cls(None, json.loads(Path(path).read_text()))
+            found = json.loads(Path(path).read_text())
+            if not isinstance(found, dict) or not isinstance(found.get("files"), dict):
+                raise ValueError("no 'files' mapping")
+            return found
         except (OSError, ValueError) as exc:
             raise UserError(
                 f"{path} is not run data written by `opd experiment` ({exc}); rerun the experiment"
             ) from exc
 
+    @classmethod
+    def load(cls, path: Path) -> RunData:
+        return cls(None, cls.load_recording(path))
+
     def read(self, run: str, file: str) -> Any:
         """A run's JSON file (a ``.jsonl`` one as a list of records, blank lines skipped); None when missing."""
         key = f"{run}/{file}"
-        if self.replay:
+        if self.replay or run in self.kept:
+            if key not in self._files and key in self._kept_files:
+                self._files[key] = self._kept_files[key]
             if key not in self._files:
                 raise UserError(
                     f"the recorded run data has no {key}: the analysis now reads more than it did when the data was "
@@ -153,7 +173,9 @@ class RunData:
 
     def derived(self, key: str, compute: Callable[[Path], Any]) -> Any:
         """``compute(runs folder)``, kept under ``key``: for values drawn from files too large to keep."""
-        if self.replay:
+        if self.replay or self._kept_key(key):
+            if key not in self._derived and key in self._kept_derived:
+                self._derived[key] = self._kept_derived[key]
             if key not in self._derived:
                 raise UserError(f"the recorded run data has no derived value {key!r}; rerun the experiment")
             return _decode(self._derived[key])
