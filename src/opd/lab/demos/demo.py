@@ -65,26 +65,33 @@ def make_demo_models(out: Path, quick: bool = False, seed: int = 0, only: str = 
         tok = train_tokenizer([e.prompt for e in train] + solutions, VOCAB_SIZE)
         tok.save_pretrained(out / "tokenizer")
     # --quick only checks that the recipe runs (tests): a few steps, small batches.
-    common = _sft_common(str(out / "tokenizer"), quick, seed)
     plans = {
         "teacher": teacher_sft_config(out / "runs" / "teacher", str(out / "tokenizer"), quick, seed),
-        # The student learns from a small labelled set (the first STUDENT_TRAIN_SIZE solutions) at a
-        # constant rate until its test accuracy stops improving: more of the same supervised
-        # training cannot raise it, while OPD brings the teacher's knowledge on every task prompt.
-        "student": SFTConfig(
-            arch=STUDENT_ARCH,
-            out=str(out / "runs" / "student"),
-            lr=1e-3,
-            schedule="constant",
-            steps=10 if quick else 3000,
-            warmup_steps=2 if quick else 100,
-            patience=0 if quick else 5,
-            eval_every=10 if quick else 100,
-            train_size=STUDENT_TRAIN_SIZE,
-            **common,
-        ),
+        "student": student_sft_config(out / "runs" / "student", str(out / "tokenizer"), quick, seed),
     }
     return train_models(out, plans, only)
+
+
+def student_sft_config(
+    out: Path, tokenizer: str, quick: bool = False, seed: int = 0, arch: str = STUDENT_ARCH, **over
+) -> SFTConfig:
+    """The demo student's recipe: a new ``arch`` model trained on a small labelled set (the first
+    STUDENT_TRAIN_SIZE solutions) at a constant rate until its accuracy stops improving: more of the
+    same supervised training cannot raise it, while OPD brings the teacher's knowledge on every task
+    prompt. teacher-choice trains a teacher the size of the demo's with it (the same knowledge)."""
+    common = _sft_common(tokenizer, quick, seed) | over
+    return SFTConfig(
+        arch=arch,
+        out=str(out),
+        lr=1e-3,
+        schedule="constant",
+        steps=10 if quick else 3000,
+        warmup_steps=2 if quick else 100,
+        patience=0 if quick else 5,
+        eval_every=10 if quick else 100,
+        train_size=STUDENT_TRAIN_SIZE,
+        **common,
+    )
 
 
 def _sft_common(tokenizer: str, quick: bool, seed: int) -> dict:
