@@ -8,7 +8,8 @@
 #
 #   .gpu_wheels/*.whl         always installed: transformers (this venv's version), math-verify and its
 #                             parser (latex2sympy2_extended, antlr4-python3-runtime), datasets with dill
-#                             and multiprocess, starlette, uvicorn
+#                             and multiprocess, starlette, uvicorn, and TRL (GOLD, for the experiments that
+#                             compare with it: benchmarks/gpu_experiments.sh)
 #   .gpu_wheels/compat/*.whl  installed only if `import transformers` fails after that: the versions of
 #                             huggingface-hub (+ httpx2, httpcore2, truststore), tokenizers, safetensors
 #                             and regex that transformers 5.24 checks for at import. The machine's image
@@ -48,7 +49,8 @@ dl .gpu_wheels \
   "dill==$(ver dill 2>/dev/null || echo 0.4.1)" \
   "multiprocess==$(ver multiprocess 2>/dev/null || echo 0.70.19)" \
   "starlette==$(ver starlette 2>/dev/null || echo 1.10.0)" \
-  "uvicorn==$(ver uvicorn 2>/dev/null || echo 0.54.0)"
+  "uvicorn==$(ver uvicorn 2>/dev/null || echo 0.54.0)" \
+  "trl==$(ver trl 2>/dev/null || echo 1.16.0)"
 
 # abi3 / cp312 binaries for the fallback (platform tags above)
 dl .gpu_wheels/compat \

@@ -356,22 +356,31 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch_threads": torch.get_num_threads(),
+        # runs compute on the GPU when torch sees one (--device auto, every run's default)
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
 
 
+def machine_words(m: dict) -> str:
+    """``N CPU cores, torch V`` and the GPU where there was one."""
+    return f"{m['cpu_cores']} CPU cores, torch {m['torch']}" + (f" on an {m['gpu']}" if m.get("gpu") else "")
+
+
 def source_commit() -> str:
-    """The commit of the opd source running now (``-dirty`` when its tracked files differ from it), or
-    "unknown" outside a git checkout: each run and result names the code that made it."""
+    """The commit of the opd source running now (``-dirty`` when its tracked files differ from it);
+    outside a git checkout, ``OPD_COMMIT`` (a copy of the tree sent to another machine names its commit
+    there) or "unknown": each run and result names the code that made it."""
     import subprocess
 
     src = Path(__file__).resolve().parents[2]  # the opd package
+    elsewhere = os.environ.get("OPD_COMMIT") or "unknown"
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=src, capture_output=True, text=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "-uno", "--", "."], cwd=src, capture_output=True)
     except OSError:
-        return "unknown"
+        return elsewhere
     if head.returncode != 0:
-        return "unknown"
+        return elsewhere
     return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
@@ -414,7 +423,7 @@ def render_markdown(res: dict, plot_prefix: str = "") -> str:
     m = res["machine"]
     out = [
         f"Size: {size}; seeds: {res['seeds']}; wall time {res['wall_s'] / 60:.1f} min of runs "
-        f"({res['runs_total']} runs); machine: {m['cpu_cores']} CPU cores, torch {m['torch']}, "
+        f"({res['runs_total']} runs); machine: {machine_words(m)}, "
         f"Python {m['python']}; generated {res['generated']}; {made_at(res)}.",
         "",
         res["about"].strip(),

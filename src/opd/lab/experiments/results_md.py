@@ -25,7 +25,7 @@ from typing import cast
 
 from opd.errors import UserError
 from opd.lab.experiments import NAMES, get_experiment
-from opd.lab.experiments.core import DATA, Settings, md_cell, render_markdown, verdict_cell
+from opd.lab.experiments.core import DATA, Settings, machine_words, md_cell, render_markdown, verdict_cell
 from opd.lab.experiments.rundata import RunData
 
 
@@ -132,7 +132,7 @@ def build_results_md(dirs: list[Path], doc: Path, log=print) -> Path:
             + render_markdown(res, plot_prefix=f"results/{name}/")
         )
         wall += res["wall_s"] / 60
-        machines.add(f"{res['machine']['cpu_cores']} CPU cores, torch {res['machine']['torch']}")
+        machines.add(machine_words(res["machine"]))
     head = [
         "# Results: the papers' claims at small scale",
         "",
