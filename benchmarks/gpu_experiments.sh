@@ -5,7 +5,7 @@
 #
 # The machine has no network: the wheels opd needs there come from benchmarks/gpu_carry.sh (run it
 # here first; carry [".gpu_wheels"]). Every run's --device is auto, so the runs compute on the GPU;
-# results.json's machine names it. OPD_COMMIT names the commit the tree was sent at (no .git there).
+# results.json's machine names it. OPD_COMMIT names the commit the tree was sent at (the copy's .git, if any, may be older).
 #
 # There (repository root):
 #   OPD_COMMIT=<commit> [SEEDS=3] [EXP_ARGS=--quick] bash benchmarks/gpu_experiments.sh LIMIT_S WORKERS NAME [NAME...]

@@ -647,19 +647,21 @@ def test_a_pipe_in_a_cell_does_not_split_its_row():
     assert cells == [5, 5, 5, 2, 2, 2], rows  # the claims table, then the table: every row as wide as its header
 
 
-def test_a_copy_of_the_tree_without_git_names_its_commit_from_opd_commit(monkeypatch):
-    """A tree sent to another machine (no .git there) names the commit it was sent at, else 'unknown'."""
+def test_a_copy_of_the_tree_sent_elsewhere_names_its_commit_from_opd_commit(monkeypatch):
+    """OPD_COMMIT names the code where set (a copy's .git may be missing or not the tree's); without it,
+    git's HEAD, and 'unknown' outside a checkout."""
     import subprocess
 
     from opd.lab.experiments.core import machine_words, source_commit
 
-    assert source_commit() != "unknown"  # this checkout
-    no_git = lambda *a, **k: subprocess.CompletedProcess(a, 128, "", "fatal: not a git repository")  # noqa: E731
-    monkeypatch.setattr(subprocess, "run", no_git)
     monkeypatch.delenv("OPD_COMMIT", raising=False)
-    assert source_commit() == "unknown"
+    assert source_commit() != "unknown"  # this checkout
     monkeypatch.setenv("OPD_COMMIT", "abc1234")
     assert source_commit() == "abc1234"
+    monkeypatch.delenv("OPD_COMMIT")
+    no_git = lambda *a, **k: subprocess.CompletedProcess(a, 128, "", "fatal: not a git repository")  # noqa: E731
+    monkeypatch.setattr(subprocess, "run", no_git)
+    assert source_commit() == "unknown"
     cpu = {"cpu_cores": 2, "torch": "2.13.0+cpu"}
     assert machine_words(cpu) == "2 CPU cores, torch 2.13.0+cpu"
     assert machine_words(cpu | {"gpu": "NVIDIA H100"}) == "2 CPU cores, torch 2.13.0+cpu on an NVIDIA H100"

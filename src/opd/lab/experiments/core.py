@@ -367,20 +367,22 @@ def machine_words(m: dict) -> str:
 
 
 def source_commit() -> str:
-    """The commit of the opd source running now (``-dirty`` when its tracked files differ from it);
-    outside a git checkout, ``OPD_COMMIT`` (a copy of the tree sent to another machine names its commit
-    there) or "unknown": each run and result names the code that made it."""
+    """The commit of the opd source running now (``-dirty`` when its tracked files differ from it), or
+    "unknown" outside a git checkout: each run and result names the code that made it. ``OPD_COMMIT``,
+    where set, names it instead: a copy of the tree sent to another machine may travel without its
+    .git, or with one that is not the tree's (a lent GPU machine's copy had the session's first commit)."""
     import subprocess
 
+    if os.environ.get("OPD_COMMIT"):
+        return os.environ["OPD_COMMIT"]
     src = Path(__file__).resolve().parents[2]  # the opd package
-    elsewhere = os.environ.get("OPD_COMMIT") or "unknown"
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=src, capture_output=True, text=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "-uno", "--", "."], cwd=src, capture_output=True)
     except OSError:
-        return elsewhere
+        return "unknown"
     if head.returncode != 0:
-        return elsewhere
+        return "unknown"
     return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
