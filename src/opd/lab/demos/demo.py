@@ -78,7 +78,7 @@ def student_sft_config(
     """The demo student's recipe: a new ``arch`` model trained on a small labelled set (the first
     STUDENT_TRAIN_SIZE solutions) at a constant rate until its accuracy stops improving: more of the
     same supervised training cannot raise it, while OPD brings the teacher's knowledge on every task
-    prompt. teacher-choice trains a teacher the size of the demo's with it (the same knowledge)."""
+    prompt."""
     common = _sft_common(tokenizer, quick, seed) | over
     return SFTConfig(
         arch=arch,

@@ -9,14 +9,6 @@ OPD (LSM) runs with each teacher; the overlap ratio, entropy gap and overlap-tok
 logged every step (``diag/*`` in metrics.jsonl). The two recoveries of the paper, with the
 different-pattern teacher: the off-policy cold start (``opd sft --teacher``: SFT on the teacher's
 rollouts, then OPD) and teacher-aligned prompts (OPD on the prompts of its fine-tune only).
-
-New knowledge, not scale: a *same-knowledge* teacher, the packaged teacher's size trained with the
-student's recipe on the student's data (the first 1,000 solutions; chosen on 300 held-out training
-problems), is a same-pipeline teacher of larger scale; the packaged teacher, trained on all 20,000,
-is the one with new knowledge. From the same student and seeds, OPD (LSM) with each: 2604.13016 says
-the one with new knowledge gives the larger gain and the higher gap recovery rate ((after - before) /
-(teacher - before), on avg@k), for a same-pipeline teacher that scores above the student: the claims
-are tested only when the same-knowledge teacher does.
 """
 
 from __future__ import annotations
@@ -26,9 +18,8 @@ import math
 from pathlib import Path
 from typing import Any, cast
 
-from opd.lab.demos.demo import ASSETS, TASK_LEVEL, TEACHER_ARCH, student_sft_config
+from opd.lab.demos.demo import TASK_LEVEL
 from opd.lab.experiments.common import (
-    STUDENT,
     TEACHER,
     avg_at_k_claim,
     diagnostics_plots,
@@ -55,8 +46,7 @@ DIAGS = {
     "diag/entropy_gap": "entropy gap |H(q) - H(p)|",
     "diag/overlap_advantage": "overlap-token advantage",
 }
-CONDITIONS = ("compatible", "different", "cold-start", "aligned-prompts", "same-knowledge")
-SAME_KNOWLEDGE_VALIDATION = 300  # held-out training problems the same-knowledge teacher is chosen on
+CONDITIONS = ("compatible", "different", "cold-start", "aligned-prompts")
 
 
 def write_data(p: dict, run_dir: Path) -> dict:
@@ -111,22 +101,7 @@ def plan(s: Settings) -> list[RunSpec]:
         final_eval_spec(
             s, "teacher/compatible", 0, model=TEACHER, max_new_tokens=MAX_NEW
         ),  # the packaged teacher, evaluated the same way
-        RunSpec(
-            "teacher/same-knowledge",
-            "sft",
-            student_sft_config(
-                s.run_dir("teacher/same-knowledge"),
-                str(ASSETS / "tokenizer"),
-                s.quick,
-                arch=TEACHER_ARCH,
-                validation_size=16 if s.quick else SAME_KNOWLEDGE_VALIDATION,
-            ),
-            needs=(),
-        ),
-        final_eval_spec(s, "teacher/same-knowledge", 0, max_new_tokens=MAX_NEW),
-        final_eval_spec(s, "student", 0, model=STUDENT, max_new_tokens=MAX_NEW),  # before OPD: gap recovery
     ]
-    same = str(s.run_dir("teacher/same-knowledge") / "final")
     for seed in range(s.seeds):
         cold = f"cold-start-sft/seed{seed}"
         common: dict[str, Any] = dict(steps=OPD_STEPS, max_new_tokens=MAX_NEW)
@@ -139,7 +114,6 @@ def plan(s: Settings) -> list[RunSpec]:
             "aligned-prompts": opd_config(
                 s, f"aligned-prompts/seed{seed}", seed, teacher=alt, task=str(data / "aligned_prompts.jsonl"), **common
             ),
-            "same-knowledge": opd_config(s, f"same-knowledge/seed{seed}", seed, teacher=same, **common),
         }
         specs.append(
             RunSpec(
@@ -168,16 +142,12 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
     a = Analysis()
     seeds = range(s.seeds)
     t_rows = []
-    for name in ("teacher/compatible", "teacher/different", "teacher/same-knowledge", "student"):
-        res = read_done(s, f"{name}/eval")["result"]
+    for name in ("compatible", "different"):
+        res = read_done(s, f"teacher/{name}/eval")["result"]
         t_rows.append(
             [name, f"{100 * res['accuracy']:.1f}", f"{100 * res.get('avg_at_k', math.nan):.1f}", str(res["n"])]
         )
-    a.table(
-        "The teachers and the student before OPD (greedy accuracy and avg@k, %)",
-        ["model", "greedy acc", "avg@k", "prompts"],
-        t_rows,
-    )
+    a.table("Teachers (greedy accuracy and avg@k, %)", ["teacher", "greedy acc", "avg@k", "prompts"], t_rows)
     recs = {(c, k): read_metrics(s, f"{c}/seed{k}") for c in CONDITIONS for k in seeds}
     rows = []
     for c in CONDITIONS:
@@ -295,47 +265,6 @@ def _claims(a: Analysis, s: Settings, recs: dict) -> None:
         runs("aligned-prompts"),
         runs("different"),
     )
-    _new_knowledge_claims(a, s)
-
-
-def _new_knowledge_claims(a: Analysis, s: Settings) -> None:
-    """New knowledge, not scale: the packaged teacher (all 20,000 solutions) against the same-knowledge
-    one, tested where the paper sets it, a same-pipeline teacher that scores above the student."""
-    runs = lambda c: [f"{c}/seed{k}" for k in range(s.seeds)]
-    before = read_done(s, "student/eval")["result"]["avg_at_k"]
-    teacher = {c: read_done(s, f"teacher/{c}/eval")["result"]["avg_at_k"] for c in ("compatible", "same-knowledge")}
-    if teacher["same-knowledge"] <= before:
-        a.notes.append(
-            f"New knowledge, not scale: not tested. The same-knowledge teacher's avg@k "
-            f"({100 * teacher['same-knowledge']:.1f}%) is not above the student's ({100 * before:.1f}%): trained "
-            "on the student's 1,000 solutions, the larger model does not outscore it, so it is not the paper's "
-            "higher-scoring same-pipeline teacher and there is no gap for it to recover."
-        )
-        return
-    avg_at_k_claim(
-        a,
-        s,
-        "2604.13016",
-        "a teacher with new knowledge distils better than a higher-scoring same-pipeline teacher of its size "
-        "(new knowledge, not scale)",
-        "compatible",
-        "same-knowledge",
-        runs("compatible"),
-        runs("same-knowledge"),
-    )
-    recovery = lambda c: [(final_scores(s, r)["avg_at_k"] - before) / (teacher[c] - before) for r in runs(c)]
-    new, same = recovery("compatible"), recovery("same-knowledge")
-    v, ci = verdict([x - y for x, y in zip(new, same)])
-    a.claims.append(
-        Claim(
-            "2604.13016",
-            "the teacher with new knowledge has the higher gap recovery rate",
-            "CI of the paired difference in gap recovery (after - before) / (teacher - before) on avg@k "
-            "(compatible - same-knowledge) above 0",
-            v,
-            f"{ci.fmt(2)} (compatible {mean_ci(new).fmt(2)}, same-knowledge {mean_ci(same).fmt(2)})",
-        )
-    )
 
 
 EXPERIMENT = Experiment(
@@ -345,10 +274,8 @@ EXPERIMENT = Experiment(
     + (
         f"\n\nFull size: the different-pattern teacher's fine-tune ({TEACHER_SFT_STEPS} steps of 32 on "
         f"{ALIGNED_PROMPTS} prompts, once), then per seed a {COLD_START_STEPS}-step cold start and 4 OPD runs of "
-        f"{OPD_STEPS} steps x 32: about 20-25 minutes for 3 seeds on 2 CPU cores; the same-knowledge teacher's "
-        "training (up to 3000 steps of 64, stopped after 5 evaluations without a gain) and its 3 OPD runs add up to "
-        "an hour. `--quick`: 3-step fine-tunes (too short for the new pattern to take: a smoke test only) and "
-        "3-step OPD runs."
+        f"{OPD_STEPS} steps x 32: about 20-25 minutes for 3 seeds on 2 CPU cores. `--quick`: 3-step fine-tunes (too "
+        "short for the new pattern to take: a smoke test only) and 3-step OPD runs."
     ),
     plan=plan,
     analyze=analyze,
