@@ -28,8 +28,10 @@ is under 5%.
    collapse counts are reported beside them.
 
 Cost on 2 CPU cores with ``--workers 2``: the pilot's 12 runs 59 minutes (measured; 106 minutes of
-runs), the confirmation's 20 runs and evaluations about 140. ``--quick`` runs a few steps of each
-(its numbers decide nothing).
+runs), the confirmation's 20 runs and their evaluations 126 minutes beside other work (measured;
+245 minutes of runs). ``--quick`` runs a few steps of each (its numbers decide nothing). The
+confirmation was made in a later session than the pilot, with ``--recorded`` reading the pilot's
+runs from its committed run data.
 """
 
 from __future__ import annotations
