@@ -72,16 +72,13 @@ def make_demo_models(out: Path, quick: bool = False, seed: int = 0, only: str = 
     return train_models(out, plans, only)
 
 
-def student_sft_config(
-    out: Path, tokenizer: str, quick: bool = False, seed: int = 0, arch: str = STUDENT_ARCH, **over
-) -> SFTConfig:
-    """The demo student's recipe: a new ``arch`` model trained on a small labelled set (the first
+def student_sft_config(out: Path, tokenizer: str, quick: bool = False, seed: int = 0) -> SFTConfig:
+    """The demo student's recipe: a new STUDENT_ARCH model trained on a small labelled set (the first
     STUDENT_TRAIN_SIZE solutions) at a constant rate until its accuracy stops improving: more of the
     same supervised training cannot raise it, while OPD brings the teacher's knowledge on every task
     prompt."""
-    common = _sft_common(tokenizer, quick, seed) | over
     return SFTConfig(
-        arch=arch,
+        arch=STUDENT_ARCH,
         out=str(out),
         lr=1e-3,
         schedule="constant",
@@ -90,7 +87,7 @@ def student_sft_config(
         patience=0 if quick else 5,
         eval_every=10 if quick else 100,
         train_size=STUDENT_TRAIN_SIZE,
-        **common,
+        **_sft_common(tokenizer, quick, seed),
     )
 
 
