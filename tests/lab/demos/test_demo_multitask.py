@@ -115,18 +115,17 @@ def test_quick_multitask_demo(models, tmp_path):
     assert set(summary["models"]) == {"math_teacher", "game_teacher", "student"}
     assert set(summary["models"]["student"]) == {MATH, GAME}
     assert (tmp_path / "demo" / "report" / "report.html").is_file()
-    assert set(summary["objectives"]) == {"sampled", "lsm", "lsm-tail", "lsm-student-topk"}
+    assert set(summary["objectives"]) == {"sampled", "lsm-tail"}
     for name, r in summary["objectives"].items():
         run = tmp_path / "demo" / name
         config = run_options(run)
         assert config["task_mode"] == "alternate" and config["objective"] == name.split("-")[0]
-        assert config["support"] == ("student_topk" if name == "lsm-student-topk" else "teacher_topk")
-        assert config["tail"] == (name == "lsm-tail")
+        assert config["support"] == "teacher_topk" and config["tail"] == (name == "lsm-tail")
         teachers = {t["name"]: t["teacher"] for t in config["tasks"]}
         assert teachers == {MATH: str(assets / "math_teacher"), GAME: str(assets / "game_teacher")}
         records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         trained = [MATH if f"{MATH}/train/loss" in r else GAME for r in records if "train/loss" in r]
-        assert trained == [MATH, GAME, MATH, MATH]  # two math steps per game step
+        assert trained == [MATH, GAME, MATH, GAME]  # math and game steps alternate
         last = [r for r in records if f"eval/{MATH}/accuracy" in r][-1]
         assert r["tasks"][MATH]["final_acc"] == last[f"eval/{MATH}/accuracy"]
         assert r["tasks"][GAME]["final_acc"] == last[f"eval/{GAME}/success_rate"]
@@ -136,7 +135,7 @@ def test_quick_multitask_demo(models, tmp_path):
 @pytest.mark.slow
 def test_quick_multitask_experiment(models, tmp_path):
     from opd.lab.experiments import run
-    from opd.lab.experiments.multitask import SINGLE, VARIANTS
+    from opd.lab.experiments.multitask import MEASURED_SHARE, SINGLE, VARIANTS
     from opd.lab.experiments.stats import INCONCLUSIVE
 
     _, assets, _ = models
@@ -152,7 +151,7 @@ def test_quick_multitask_experiment(models, tmp_path):
     assert all(cell != "-" for r in formats["rows"] for cell in r[1:])  # read from every run's logged metrics
     for variant, (task, _) in SINGLE.items():  # the same budget: the steps that task gets in a two-task run
         config = run_options(tmp_path / "multitask" / "runs" / variant / "seed0")
-        assert config["steps"] == task_steps(4, task) and [t["name"] for t in config["tasks"]] == [task]
+        assert config["steps"] == task_steps(4, task, math_share=MEASURED_SHARE) and [t["name"] for t in config["tasks"]] == [task]
     for p in res["plots"]:
         assert (tmp_path / "multitask" / p).is_file()
     assert "--tasks" in (tmp_path / "multitask" / "commands.txt").read_text()
@@ -188,3 +187,25 @@ def test_quick_multitask_tail_experiment(models, tmp_path):
         assert config["mask_special"] == (variant in ("lsm", "lsm-tail"))
     for p in res["plots"]:
         assert (tmp_path / "multitask-tail" / p).is_file()
+
+
+@pytest.mark.slow
+def test_quick_multitask_game_experiment(models, tmp_path):
+    """The demo's recipe over seeds: the student's evaluation and the demo's two objectives, as the demo runs them."""
+    from opd.lab.demos.multitask import GAME_LR, MATH_SHARE, OBJECTIVES
+    from opd.lab.experiments import run
+    from opd.lab.experiments.multitask import QUICK_STEPS
+    from opd.lab.experiments.stats import INCONCLUSIVE
+
+    _, assets, _ = models
+    shutil.copytree(assets, tmp_path / "multitask-game" / "quick-models")
+    res = run("multitask-game", tmp_path, seeds=1, quick=True, show_progress=False)
+    assert len(res["claims"]) == 4 and all(c["verdict"] == INCONCLUSIVE for c in res["claims"])
+    assert [r[0] for r in res["tables"][0]["rows"]] == ["student", *OBJECTIVES]
+    assert all(cell != "-" for r in res["tables"][0]["rows"] for cell in r[1:])  # the student on both tasks too
+    for variant, change in OBJECTIVES.items():
+        config = run_options(tmp_path / "multitask-game" / "runs" / variant / "seed0")
+        assert config["steps"] == QUICK_STEPS and config["objective"] == change["objective"]
+        assert config["tail"] == change.get("tail", False) and config["mask_special"] == (variant != "sampled")
+        shares = {t["name"]: (t["share"], t.get("lr")) for t in config["tasks"]}
+        assert shares == {MATH: (MATH_SHARE, None), GAME: (1, GAME_LR)}

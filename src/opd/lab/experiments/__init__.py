@@ -24,6 +24,7 @@ NAMES = (
     "gold-bytelevel",
     "multitask",
     "multitask-tail",
+    "multitask-game",
     "vllm-rollouts",
     "async-rollouts",
     "collapse",

@@ -38,12 +38,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from opd.lab.demos.multitask import ASSETS, GAME, GAME_LR, LR, MATH, STEPS, evaluate, held_out_sets, opd_config
+from opd.lab.demos.multitask import ASSETS, GAME, GAME_LR, LR, MATH, evaluate, held_out_sets, opd_config
 from opd.lab.experiments import agentic, common
 from opd.lab.experiments.common import demo_models, diagnostics_plots, final_eval_spec, final_scores
 from opd.lab.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
 from opd.lab.experiments.multitask import (
     MARGIN,
+    MEASURED_SHARE,
+    MEASURED_STEPS,
     QUICK_STEPS,
     better,
     close,
@@ -89,7 +91,7 @@ def evaluate_student(p: dict, run_dir: Path) -> dict:
 
 def plan(s: Settings) -> list[RunSpec]:
     root, specs = demo_models(s, ASSETS, "student", "multi-task demo", "--multitask", make_models)
-    steps = QUICK_STEPS if s.quick else STEPS
+    steps = QUICK_STEPS if s.quick else MEASURED_STEPS  # the multitask experiment's recipe, as measured
     models = tuple(spec.name for spec in specs)  # all the runs need: --workers runs them side by side
     game_root, game_models = agentic.models_specs(s)
     specs += game_models
@@ -99,7 +101,7 @@ def plan(s: Settings) -> list[RunSpec]:
         specs.append(RunSpec(name, "python", params, evaluate_student, "evaluate the student", needs=models))
         for variant, change in VARIANTS.items():
             name = run_name(variant, seed)
-            cfg = opd_config(root, s.run_dir(name), steps, s.quick, seed, **change)
+            cfg = opd_config(root, s.run_dir(name), steps, s.quick, seed, math_share=MEASURED_SHARE, **change)
             specs.append(RunSpec(name, "train", cfg, needs=models))
         for variant, change in SINGLE_TASK.items():
             name = run_name(variant, seed)
