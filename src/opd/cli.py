@@ -113,20 +113,19 @@ def _eval(cfg: EvalConfig) -> None:
 def _demo(
     out: Path = typer.Option(Path("runs/demo"), help="Directory for the demo's run directories and summary.json."),
     steps: Optional[int] = typer.Option(
-        None, help="OPD steps per objective (default 200, --agentic too; --multitask 96, two math steps per game step)."
+        None, help="OPD steps per objective (default 200; --agentic 400; --multitask 200, math and game steps 1:1)."
     ),
     quick: bool = typer.Option(False, help="A much shorter run (smoke test, a minute or two)."),
     assets: Path | None = typer.Option(None, help="Directory of demo models (default: the packaged ones)."),
     agentic: bool = typer.Option(
         False,
         help="The agentic demo: ALFWorld household games, multi-turn, with a game teacher (needs the agent extra; "
-        "about 7 minutes on 2 CPU cores, the two objectives side by side).",
+        "about 13 minutes on 2 CPU cores, the two objectives side by side).",
     ),
     multitask: bool = typer.Option(
         False,
         help="The multi-task demo: one student, math and ALFWorld games alternating, a teacher for each; "
-        "sampled-token OPD vs LSM vs LSM with the tail bucket vs LSM on the student's top-K (about 6 minutes on 2 CPU "
-        "cores; needs the agent extra).",
+        "sampled-token OPD vs LSM with the tail bucket (about 11 minutes on 2 CPU cores; needs the agent extra).",
     ),
 ) -> None:
     """The embedded default: sampled-token OPD vs LSM from the same tiny student, on this CPU."""

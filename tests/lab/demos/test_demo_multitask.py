@@ -151,7 +151,9 @@ def test_quick_multitask_experiment(models, tmp_path):
     assert all(cell != "-" for r in formats["rows"] for cell in r[1:])  # read from every run's logged metrics
     for variant, (task, _) in SINGLE.items():  # the same budget: the steps that task gets in a two-task run
         config = run_options(tmp_path / "multitask" / "runs" / variant / "seed0")
-        assert config["steps"] == task_steps(4, task, math_share=MEASURED_SHARE) and [t["name"] for t in config["tasks"]] == [task]
+        assert config["steps"] == task_steps(4, task, math_share=MEASURED_SHARE) and [
+            t["name"] for t in config["tasks"]
+        ] == [task]
     for p in res["plots"]:
         assert (tmp_path / "multitask" / p).is_file()
     assert "--tasks" in (tmp_path / "multitask" / "commands.txt").read_text()
@@ -207,5 +209,5 @@ def test_quick_multitask_game_experiment(models, tmp_path):
         config = run_options(tmp_path / "multitask-game" / "runs" / variant / "seed0")
         assert config["steps"] == QUICK_STEPS and config["objective"] == change["objective"]
         assert config["tail"] == change.get("tail", False) and config["mask_special"] == (variant != "sampled")
-        shares = {t["name"]: (t["share"], t.get("lr")) for t in config["tasks"]}
+        shares = {t["name"]: (t.get("share", 1), t.get("lr")) for t in config["tasks"]}  # a share of 1 is not written
         assert shares == {MATH: (MATH_SHARE, None), GAME: (1, GAME_LR)}

@@ -476,8 +476,8 @@ def test_depth_buckets_and_reformatted_solutions():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name", [n for n in NAMES if n not in ("variance", "multitask", "vllm-rollouts", "collapse")]
-)  # multitask: lab/demos/test_demo_multitask.py; vllm-rollouts: rollout/test_vllm.py (it needs vLLM); collapse: below
+    "name", [n for n in NAMES if n not in ("variance", "multitask", "multitask-game", "vllm-rollouts", "collapse")]
+)  # multitask(-game): lab/demos/test_demo_multitask.py; vllm-rollouts: rollout/test_vllm.py (it needs vLLM); collapse: below
 def test_model_experiment_quick(name, tmp_path):
     res = run(name, tmp_path, seeds=1, quick=True, show_progress=False)
     assert res["quick"] and res["tables"] and res["claims"]

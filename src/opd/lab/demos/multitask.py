@@ -11,20 +11,21 @@ arithmetic demo student's 1,000 math solutions and the agentic demo student's 10
 episodes, to its plateau.
 
 The demo evaluates each teacher on its task and the student on both, then runs, from the same
-student and seeds, one two-task config per objective: sampled-token OPD, LSM (teacher top-K), LSM
-with the tail bucket (``tail=True``: the student's mass outside the teacher's top-K is no longer
-free; it closes the math format's leak into game actions) and LSM with the student's top-K as the
-support (``support=student_topk``), which the paper found competitive on one task but collapsing
-math in multi-task training. Math steps take lr 3e-4, game steps their own 1e-4 (``GAME_LR``). It writes ``summary.json``,
-a table of math accuracy and game success before and after, and the report (its charts split by
-task). ``opd make-demo-models --multitask --out DIR`` makes the models (:func:`make_multitask_models`).
+student and seeds, one two-task config per objective, side by side: sampled-token OPD and teacher
+top-K LSM with the tail bucket (``tail=True``: the student's mass outside the teacher's top-K is no
+longer free; it closes the math format's leak into game actions). Math and game steps alternate 1:1
+for 200 steps, math at lr 3e-4, the game at its own 1e-4 (``GAME_LR``): the recipe chosen on
+generated validation games (issue 45; ``benchmarks/probe_multitask_game.py``). It writes
+``summary.json``, a table of math accuracy and game success before and after, and the report (its
+charts split by task). ``opd make-demo-models --multitask --out DIR`` makes the models
+(:func:`make_multitask_models`); ``opd experiment multitask-game`` runs the demo over seeds.
 
 Cost, measured on a 2-core machine:
 
-* the demo: 6.0 minutes in all on an otherwise idle machine (the three models' evaluations before
-  training, then the four objectives two at a time, one process and one thread each: a run of 96
-  steps, 64 math steps of 64 prompts and 32 game steps of 16 episodes, with its final evaluation of
-  both tasks, 2.2 to 2.8 minutes; then the report);
+* the demo: 12.0 minutes in all on an otherwise idle machine (the three models' evaluations, two
+  processes, 1.6 minutes; then the two objectives side by side, one process and one thread each: a run of 200
+  steps, 100 math steps of 64 prompts and 100 game steps of 16 episodes, with its final evaluation
+  of both tasks, about 10 minutes; then the report);
 * the recipe: the math teacher's 1,200 SFT steps of 64 solutions about 2.4 s each (51 minutes on
   one thread with the other core busy; the arithmetic demo's teacher, the same recipe on a 2,048
   token vocabulary, took 32 minutes on two cores); the student's mixed steps (32 solutions and 16
@@ -50,7 +51,7 @@ from opd.errors import UserError
 from opd.lab.demos import agentic as demo_agentic
 from opd.lab.demos import demo
 from opd.lab.demos.demo import run_objectives, teacher_sft_config, train_models
-from opd.lab.demos.parallel import demo_workers
+from opd.lab.demos.parallel import demo_workers, process_pool, threads_per_worker, with_threads
 from opd.models.loading import load_model, load_tokenizer, resolve_device
 from opd.report import PNG_DIR, write_report
 from opd.rollout.prompt_set import load_task
@@ -250,16 +251,40 @@ def held_out_sets(base: TrainConfig, tok) -> dict:
     return sets
 
 
-def evaluate(model_dir: Path, tok, sets: dict, names: tuple[str, ...], seed: int) -> dict:
+def evaluate(model_dir: Path, tok, sets: dict, names: tuple[str, ...], seed: int, show_progress: bool = True) -> dict:
     """Greedy accuracy (a game: success rate) and avg@k of one model on each task of ``names``,
     as training's own evaluation measures them."""
     model = load_model(model_dir, "model", device=resolve_device("auto"))
     out = {}
     for name in names:
         test, c = sets[name]
-        res = test.evaluate(model, tok, c, seed, show_progress=True)
+        res = test.evaluate(model, tok, c, seed, show_progress=show_progress)
         out[name] = {"final_acc": res["accuracy"], "avg_at_k": res.get("avg_at_k")}
     return out
+
+
+def evaluate_models(assets: Path, base: TrainConfig, seed: int, workers: int, console: Console) -> dict:
+    """The math teacher on math, the game teacher on the games, the student on both (:func:`evaluate`).
+    With ``workers`` > 1 the game teacher plays in one process while the other two run in another:
+    a game is mostly single-threaded Python, so one process would leave a core idle."""
+    plan = {
+        "math_teacher": (assets / "math_teacher", (MATH,)),
+        "game_teacher": (game_teacher(assets), (GAME,)),
+        "student": (assets / "student", (MATH, GAME)),
+    }
+    if workers < 2:
+        return _evaluate_some(base, plan, seed, True)
+    groups = [{"game_teacher": plan["game_teacher"]}, {k: plan[k] for k in ("math_teacher", "student")}]
+    with console.status("evaluating the teachers and the student (2 processes)"), process_pool(2) as pool:
+        jobs = [pool.submit(with_threads, threads_per_worker(2), _evaluate_some, base, g, seed, False) for g in groups]
+        got = {k: v for job in jobs for k, v in job.result().items()}
+    return {k: got[k] for k in plan}
+
+
+def _evaluate_some(base: TrainConfig, plan: dict, seed: int, show_progress: bool) -> dict:
+    tok = load_tokenizer(Path(base.student))
+    sets = held_out_sets(base, tok)
+    return {label: evaluate(d, tok, sets, names, seed, show_progress) for label, (d, names) in plan.items()}
 
 
 def find_models(assets: Path | None, out: Path, quick: bool) -> Path:
@@ -298,6 +323,7 @@ def run_multitask_demo(
     out: Path, steps: int = 0, quick: bool = False, assets: Path | None = None, seed: int = 0
 ) -> dict:
     """Evaluate the teachers and the student, run each objective on both tasks, compare."""
+    start = time.time()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     assets = find_models(assets, out, quick)
@@ -310,13 +336,10 @@ def run_multitask_demo(
         f"[bold]opd demo --multitask[/bold]: evaluating the teachers and the student on "
         f"{len(sets[MATH][0])} math prompts and {len(sets[GAME][0])} held-out games"
     )
-    models = {
-        "math_teacher": evaluate(assets / "math_teacher", tok, sets, (MATH,), seed),
-        "game_teacher": evaluate(game_teacher(assets), tok, sets, (GAME,), seed),
-        "student": evaluate(assets / "student", tok, sets, (MATH, GAME), seed),
-    }
+    workers = demo_workers()
+    models = evaluate_models(assets, base, seed, workers, console)
     t0 = time.time()
-    results = run_objectives(base, OBJECTIVES, out, console, workers=demo_workers())
+    results = run_objectives(base, OBJECTIVES, out, console, workers=workers)
     summary = {
         "tasks": {n: {"eval_size": len(test), "k": c.eval_samples} for n, (test, c) in sets.items()},
         "task_mode": base.task_mode,
@@ -324,9 +347,10 @@ def run_multitask_demo(
         "objectives": results,
         "wall_s": round(time.time() - t0, 1),
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     console.print(summary_table(summary))
     report = write_report([out / name for name in results], out / "report")
+    summary["total_s"] = round(time.time() - start, 1)  # the whole demo: evaluations, runs and report
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     console.print(f"report: {report}  (open it in a browser; the charts are also PNGs in {report.parent / PNG_DIR})")
     return summary
 

@@ -153,9 +153,16 @@ def stability(records: list[dict]) -> dict:
     }
 
 
-def mean_curve(s: Settings, names: list[str], key: str) -> tuple[list[int], list[float], list[float], list[float]]:
-    """Mean and 95% CI over runs (seeds) of a logged metric, step by step (steps present in every run)."""
-    per = [dict(zip(*series(read_metrics(s, n), key))) for n in names]
+def mean_curve(
+    s: Settings, names: list[str], key: str, by_count: bool = False
+) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Mean and 95% CI over runs (seeds) of a logged metric, step by step (steps present in every run).
+    ``by_count``: by the metric's own count of logged values instead (the k-th game step of a
+    multi-task run, whose task order, and so the steps a task trains on, the seed decides)."""
+    per = [
+        dict(enumerate(series(read_metrics(s, n), key)[1])) if by_count else dict(zip(*series(read_metrics(s, n), key)))
+        for n in names
+    ]
     steps = sorted(set.intersection(*(set(p) for p in per))) if per else []
     cis = [mean_ci([p[t] for p in per]) for t in steps]
     return steps, [c.mean for c in cis], [c.lo for c in cis], [c.hi for c in cis]
@@ -168,17 +175,19 @@ def diagnostics_plots(
     keys: dict[str, str],
     prefix: str,
     rates: tuple[str, ...] = (),
+    by_count: bool = False,
 ) -> None:
     """One PNG per diagnostic: a curve (mean and CI over seeds) per group of runs; the bands of
-    ``rates`` (keys whose values are shares) are kept within 0 and 1."""
+    ``rates`` (keys whose values are shares) are kept within 0 and 1; ``by_count``: see :func:`mean_curve`."""
     for key, label in keys.items():
-        curves = {g: mean_curve(s, names, key) for g, names in groups.items()}
+        curves = {g: mean_curve(s, names, key, by_count) for g, names in groups.items()}
         curves = {g: c for g, c in curves.items() if c[0]}
         if not curves:
             continue
         fname = f"{prefix}_{key.replace('/', '_')}.png"
         bounds = (0.0, 1.0) if key in rates else None
-        line_plot(s.out / fname, curves, "OPD step", label, f"{label} over training", bounds=bounds)
+        x = f"{key.split('/')[0]} step" if by_count else "OPD step"
+        line_plot(s.out / fname, curves, x, label, f"{label} over training", bounds=bounds)
         a.plots.append(fname)
 
 

@@ -2,9 +2,10 @@
 
 From the multi-task demo's models (:mod:`opd.lab.demos.multitask`: a math teacher and the agentic
 demo's game teacher on one shared tokenizer, and a student that knows a little of both), with
-the same seeds, the demo's two-task runs (math and game steps alternating, two math steps per
-game step) with both tasks at lr 3e-4 (the demo's rate when these results were measured; its game
-steps take 1e-4 since ``opd experiment multitask-tail``) with four objectives: sampled-token OPD, LSM without
+the same seeds, the demo's two-task runs as they were when these results were measured (96 steps,
+math and game steps alternating, two math steps per game step, both tasks at lr 3e-4; the demo's
+game steps have taken 1e-4 since ``opd experiment multitask-tail``, and since issue 45 the demo runs
+200 steps 1:1: ``opd experiment multitask-game``) with four objectives: sampled-token OPD, LSM without
 special-token masking, LSM with it, and LSM with the student's top-K as the support. Beside them,
 single-task runs of the same
 budget from the same student: the number of steps and the batch that task gets in a two-task run,

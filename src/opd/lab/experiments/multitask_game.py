@@ -15,9 +15,10 @@ by at least 15 points; (k) it ends at least 10 points of greedy math accuracy ab
 OPD; and, as in the paper's multi-task table, it beats sampled-token OPD on the game. Paired over
 seeds; "at least N points" is reproduced when the whole 95% interval lies above N.
 
-Cost at full size, measured on 2 CPU cores with ``--workers 2`` (one thread a run): a run about 8 to
-11 minutes (the machine's speed varies), the student's evaluation about one; for 5 seeds about 50
-minutes of wall time. ``--quick`` plays a handful of steps (its numbers decide nothing).
+Cost at full size, measured on 2 CPU cores with ``--workers 2`` (one thread a run) at d0c9df0: a
+run 8.6 to 12.9 minutes (the longer ones with tests running beside them), the student's evaluation
+under a minute; for 5 seeds 51 minutes of wall time (102.6 minutes of runs). ``--quick`` plays a
+handful of steps (its numbers decide nothing).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from opd.lab.demos.multitask import ASSETS, GAME, MATH, OBJECTIVES, STEPS, opd_c
 from opd.lab.experiments.common import demo_models, diagnostics_plots
 from opd.lab.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings
 from opd.lab.experiments.multitask import QUICK_STEPS, better, format_table, make_models, run_name, scores
-from opd.lab.experiments.multitask_tail import STUDENT, evaluate_student
-from opd.lab.experiments.stats import mean_ci, noninferior
+from opd.lab.experiments.multitask_tail import STUDENT, evaluate_student, two_task_table
+from opd.lab.experiments.stats import noninferior
 
 VARIANTS = OBJECTIVES  # the demo's: sampled-token OPD and LSM with the tail, as it configures them
 SOURCE = "issue 45 (multi-task game)"
@@ -67,18 +68,12 @@ def at_least(a: Analysis, s: Settings, claim: str, task: str, hi: str, lo: str, 
 
 def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
     a = Analysis()
-    rows = []
-    for variant in [STUDENT, *VARIANTS]:
-        got = {task: scores(s, variant, task) for task in (MATH, GAME)}
-        cells = [
-            mean_ci([r[key] for r in got[t]]).fmt(1, 100) for t in (MATH, GAME) for key in ("accuracy", "avg_at_k")
-        ]
-        rows.append([variant, *cells])
-    a.table(
+    two_task_table(
+        a,
+        s,
+        [STUDENT, *VARIANTS],
         "Held-out math accuracy and game success (%) before and after OPD on the demo's recipe, mean [95% CI] "
-        "over seeds; avg@k at temperature 1, top-p 0.9 (math k=4, game k=2)",
-        ["run", "math greedy", "math avg@k", "game greedy", "game avg@k"],
-        rows,
+        "over seeds",
     )
     format_table(a, s, list(VARIANTS))
     groups = {v: [run_name(v, k) for k in range(s.seeds)] for v in VARIANTS}
@@ -86,7 +81,8 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
         f"{GAME}/rollout/accuracy": "training game success rate",
         f"{MATH}/rollout/accuracy": "training math accuracy",
     }
-    diagnostics_plots(a, s, groups, curves, "multitask_game", rates=tuple(curves))
+    # by each task's own step count: with 1:1 shares the seed decides which task takes the odd steps
+    diagnostics_plots(a, s, groups, curves, "multitask_game", rates=tuple(curves), by_count=True)
     gain = "(j) LSM with the tail raises greedy game success over the student"
     at_least(a, s, gain, GAME, "lsm-tail", STUDENT, 0)
     at_least(a, s, f"{gain} by at least {GAME_GAIN * 100:g} points", GAME, "lsm-tail", STUDENT, GAME_GAIN)

@@ -7,9 +7,9 @@ and special-token masking drops the very positions where it was written. ``--tai
 category to the KL for each model's mass outside the support (TRL's ``loss_add_tail``), so that
 mass is no longer free.
 
-From the multi-task demo's models and settings (:mod:`opd.lab.demos.multitask`: math and ALFWorld
-games alternating, two math steps per game step, a teacher per task; math steps at lr 3e-4, game
-steps at 1e-4), with the same seeds:
+From the multi-task demo's models and its settings before issue 45 (:mod:`opd.lab.demos.multitask`:
+96 steps, math and ALFWorld games alternating, two math steps per game step, a teacher per task;
+math steps at lr 3e-4, game steps at 1e-4), with the same seeds:
 the student before OPD, and two-task runs with sampled-token OPD, teacher top-K LSM, LSM with the
 tail, and LSM with the tail but no special-token masking. Every run is evaluated at its end by the
 training loop's own evaluation (math: 300 held-out prompts, greedy and avg@4; the game: 50 held-out
@@ -117,19 +117,12 @@ def plan(s: Settings) -> list[RunSpec]:
 
 def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
     a = Analysis()
-    rows = []
-    for variant in [STUDENT, *VARIANTS]:
-        got = {task: scores(s, variant, task) for task in (MATH, GAME)}
-        cells = [
-            mean_ci([r[key] for r in got[t]]).fmt(1, 100) for t in (MATH, GAME) for key in ("accuracy", "avg_at_k")
-        ]
-        rows.append([variant, *cells])
-    a.table(
+    two_task_table(
+        a,
+        s,
+        [STUDENT, *VARIANTS],
         f"Held-out math accuracy and game success (%) before and after OPD (two tasks; math steps at lr {LR:g}, "
-        f"game steps at {GAME_LR:g}), mean [95% CI] "
-        "over seeds; avg@k at temperature 1, top-p 0.9 (math k=4, game k=2)",
-        ["run", "math greedy", "math avg@k", "game greedy", "game avg@k"],
-        rows,
+        f"game steps at {GAME_LR:g}), mean [95% CI] over seeds",
     )
     single = _arm_table(
         a,
@@ -179,6 +172,22 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
         "run's own final evaluation on the same held-out prompts and games."
     )
     return a
+
+
+def two_task_table(a: Analysis, s: Settings, variants: list[str], title: str) -> None:
+    """Greedy and avg@k on both tasks of each variant's runs (the student's evaluation too), over seeds."""
+    rows = []
+    for variant in variants:
+        got = {task: scores(s, variant, task) for task in (MATH, GAME)}
+        cells = [
+            mean_ci([r[key] for r in got[t]]).fmt(1, 100) for t in (MATH, GAME) for key in ("accuracy", "avg_at_k")
+        ]
+        rows.append([variant, *cells])
+    a.table(
+        f"{title}; avg@k at temperature 1, top-p 0.9 (math k=4, game k=2)",
+        ["run", "math greedy", "math avg@k", "game greedy", "game avg@k"],
+        rows,
+    )
 
 
 def _arm_table(a: Analysis, s: Settings, arm: dict, title: str, k: str) -> dict[str, list[dict]]:
