@@ -66,7 +66,7 @@ MATH, GAME = "math", "alfworld"  # the task names: metric prefixes (math/train/l
 STUDENT_MATH = demo.STUDENT_TRAIN_SIZE
 STUDENT_GAMES = demo_agentic.STUDENT_GAMES  # expert episodes it clones (of 400; the game teacher learns from all)
 MATH_EVAL, GAME_EVAL = 300, 50  # held-out prompts and games
-# What the demo runs, two at a time in about 8 minutes: the comparison its aim reads (issue 45), LSM
+# What the demo runs, side by side in about 10 minutes: the comparison its aim reads (issue 45), LSM
 # with the tail against sampled-token OPD. LSM without the tail and with the student's top-K would
 # cost a second round; they are arms of `opd experiment multitask` and `multitask-tail`.
 OBJECTIVES: dict[str, dict[str, Any]] = {
