@@ -131,3 +131,43 @@ def test_readme_commands_are_verbatim_in_a_bash_block(command):
     assert command in lines, f"README.md lost the line {command!r}"
     i = lines.index(command)
     assert lines[i - 1] == "```bash" and lines[i + 1] == "```", f"{command!r} is not alone in a ```bash block"
+
+
+# ----------------------------------------------------------------------------- quoted intervals
+
+RESULTS_MD = ROOT / "docs" / "RESULTS.md"
+INTERVAL = re.compile(r"\[(-?\d+(?:\.\d+)?)%?, (-?\d+(?:\.\d+)?)%?\]")
+# Intervals a page quotes that RESULTS.md does not print, each said to be so where it is quoted.
+NOT_IN_RESULTS = {
+    ("docs/cross-tokenizer.md", "[64.2, 69.4]"): "gold-bytelevel's earlier CPU run, before its run data",
+    ("docs/cross-tokenizer.md", "[4.6, 16.1]"): "gold-bytelevel's earlier CPU run, before its run data",
+    ("docs/experiments.md", "[4.6, 16.1]"): "the disclosure of that earlier CPU run",
+    ("docs/experiments.md", "[2.4, 40.0]"): "the wording rule's example",
+    ("docs/demos.md", "[-42.2, 12.2]"): "agentic's earlier run, whose commit was not recorded",
+}
+
+
+def quoted_intervals(page: Path) -> list[tuple[str, str]]:
+    """Every "[lo, hi]" of a page's prose as (lo, hi), inline code and code blocks left out."""
+    return INTERVAL.findall("\n".join(prose_lines(page.read_text(encoding="utf-8"))))
+
+
+def test_intervals_the_docs_quote_are_the_ones_results_md_makes():
+    """An interval in the README or docs/ is one docs/RESULTS.md prints (which `opd results` makes from
+    the committed run data), either way round ("B beats A by [-hi, -lo]"), or a listed earlier run."""
+    printed = set(quoted_intervals(RESULTS_MD))
+    flip = lambda x: x[1:] if x.startswith("-") else f"-{x}"  # noqa: E731
+    stale = []
+    for page in PAGES:
+        if page == RESULTS_MD:
+            continue
+        name = str(page.relative_to(ROOT))
+        for lo, hi in quoted_intervals(page):
+            known = (lo, hi) in printed or (flip(hi), flip(lo)) in printed
+            if not known and (name, f"[{lo}, {hi}]") not in NOT_IN_RESULTS:
+                stale.append(f"{name}: [{lo}, {hi}]")
+    assert stale == [], "intervals quoted that docs/RESULTS.md does not print (stale, or list them):\n" + "\n".join(
+        stale
+    )
+    for name, interval in NOT_IN_RESULTS:
+        assert interval in (ROOT / name).read_text(encoding="utf-8"), f"{name} no longer quotes {interval}: unlist it"

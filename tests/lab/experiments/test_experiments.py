@@ -99,6 +99,33 @@ def test_verdict_rules():
     assert noninferior([0.3], 0.05)[0] == INCONCLUSIVE  # one seed decides nothing
 
 
+def test_curves_by_count_align_seeds_whose_tasks_took_other_steps(tmp_path):
+    """Two multi-task seeds: one trains the game on even steps, the other on odd ones. By OPD step
+    the seeds share no step (no curve, no plot); by the game's own count they align value by value."""
+    from opd.lab.experiments.common import diagnostics_plots, mean_curve
+    from opd.lab.experiments.core import Analysis
+
+    s = Settings(tmp_path, seeds=2, quick=True)
+    game = {"seed0": [0.1, 0.3, 0.5], "seed1": [0.3, 0.5, 0.9]}
+    for name, values in game.items():
+        first = 0 if name == "seed0" else 1
+        records = [{"step": first + 2 * i, "alfworld/rollout/accuracy": v} for i, v in enumerate(values)]
+        records += [{"step": 1 - first + 2 * i, "math/rollout/accuracy": 0.5} for i in range(3)]
+        s.run_dir(name).mkdir(parents=True)
+        (s.run_dir(name) / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    key, names = "alfworld/rollout/accuracy", list(game)
+    assert mean_curve(s, names, key)[0] == []
+    steps, mean, lo, hi = mean_curve(s, names, key, by_count=True)
+    assert steps == [0, 1, 2] and mean == pytest.approx([0.2, 0.4, 0.7])
+    half = t975(1) * (0.4 / math.sqrt(2)) / math.sqrt(2)  # sd of 0.5 and 0.9, over sqrt(2 seeds)
+    assert hi[2] - mean[2] == pytest.approx(half) and mean[2] - lo[2] == pytest.approx(half)
+    by_step, by_count = Analysis(), Analysis()
+    diagnostics_plots(by_step, s, {"lsm": names}, {key: "game success"}, "mt")
+    diagnostics_plots(by_count, s, {"lsm": names}, {key: "game success"}, "mt", by_count=True)
+    assert by_step.plots == [] and by_count.plots == ["mt_alfworld_rollout_accuracy.png"]
+    assert (tmp_path / "mt_alfworld_rollout_accuracy.png").stat().st_size > 0
+
+
 # ----------------------------------------------------------------------------- runner
 
 
