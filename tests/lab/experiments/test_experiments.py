@@ -503,8 +503,14 @@ def test_depth_buckets_and_reformatted_solutions():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name", [n for n in NAMES if n not in ("variance", "multitask", "multitask-game", "vllm-rollouts", "collapse")]
-)  # multitask(-game): lab/demos/test_demo_multitask.py; vllm-rollouts: rollout/test_vllm.py (it needs vLLM); collapse: below
+    "name",
+    [
+        n
+        for n in NAMES
+        if n not in ("variance", "multitask", "multitask-game", "vllm-rollouts", "collapse", "new-knowledge")
+    ],
+)  # multitask(-game): lab/demos/test_demo_multitask.py; vllm-rollouts: rollout/test_vllm.py (it needs vLLM);
+# collapse and new-knowledge: below
 def test_model_experiment_quick(name, tmp_path):
     res = run(name, tmp_path, seeds=1, quick=True, show_progress=False)
     assert res["quick"] and res["tables"] and res["claims"]
@@ -513,6 +519,27 @@ def test_model_experiment_quick(name, tmp_path):
         assert (tmp_path / name / p).is_file()
     commands = (tmp_path / name / "commands.txt").read_text()
     assert "opd train" in commands or "# python step" in commands
+
+
+@pytest.mark.slow
+def test_new_knowledge_quick_tests_its_claims_only_where_the_same_pipeline_teacher_leads(tmp_path):
+    """The quick run's tables and plots; then its claims, made again from the same runs with the
+    scores before OPD set on either side of the premise (a same-pipeline teacher above the student)."""
+    from opd.lab.experiments.core import Analysis
+    from opd.lab.experiments.new_knowledge import NEW, SAME, _claims
+
+    res = run("new-knowledge", tmp_path, seeds=1, quick=True, show_progress=False)
+    assert res["quick"] and [len(t["rows"]) for t in res["tables"]] == [3, 2]
+    assert all((tmp_path / "new-knowledge" / p).is_file() for p in res["plots"]) and res["plots"]
+    assert all(c["verdict"] == INCONCLUSIVE for c in res["claims"])  # one seed decides nothing
+    s = Settings(tmp_path / "new-knowledge", seeds=1, quick=True)
+    scores = lambda x: {"accuracy": x, "avg_at_k": x}  # noqa: E731
+    below, above = Analysis(), Analysis()
+    _claims(below, s, scores(0.5), {SAME: scores(0.5), NEW: scores(0.9)})  # no gap to recover: not tested
+    assert not below.claims and "not tested" in below.notes[0]
+    _claims(above, s, scores(-1.0), {SAME: scores(1.0), NEW: scores(3.0)})
+    assert [c.verdict for c in above.claims] == [INCONCLUSIVE, INCONCLUSIVE]
+    assert "gap recovery" in above.claims[1].claim
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ NAMES = (
     "tokenizer-mismatch",
     "teacher-choice",
     "depth",
+    "new-knowledge",
     "agentic",
     "cross-tokenizer",
     "gold-bytelevel",

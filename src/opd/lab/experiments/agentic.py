@@ -68,6 +68,10 @@ def make_quick_models(p: dict, run_dir: Path) -> dict:
     return make_agentic_models(Path(p["out"]), quick=True)
 
 
+def eval_games(quick: bool) -> int:
+    return 8 if quick else 50  # the held-out games each final model plays
+
+
 def run_name(variant: str, seed: int) -> str:
     return f"{variant}/seed{seed}"
 
@@ -104,7 +108,7 @@ def run_specs(
         lr=DEMO_LR,
         warmup_steps=2 if s.quick else 5,
         eval_every=0,  # the final model's evaluation is the run after it
-        eval_size=8 if s.quick else 50,
+        eval_size=eval_games(s.quick),
         eval_samples=0,
         ckpt_every=2 if s.quick else steps // 2,
         log_rollouts=2 if s.quick else 4,
@@ -113,19 +117,25 @@ def run_specs(
         **LIMITS,
     )
     cfg = TrainConfig(**{**base, **change})  # ``change`` may override any of them (a longer warm-up, say)
+    return [RunSpec(name, "train", cfg, needs=needs), eval_spec(s, name, str(s.run_dir(name) / "final"), seed)]
+
+
+def eval_spec(s: Settings, name: str, model: str, seed: int, needs: tuple[str, ...] | None = None) -> RunSpec:
+    """``NAME/eval``: ``model``'s greedy success and avg@2 on the held-out games (after ``needs``;
+    by default the run ``name``)."""
     evaluation = EvalConfig(
-        student=str(s.run_dir(name) / "final"),
+        student=model,
         env=ENV,
         env_level=LEVEL,
         env_args=env_args(s.quick),
         seed=seed,
         out=str(s.run_dir(name + "/eval")),
-        eval_size=cfg.eval_size,
+        eval_size=eval_games(s.quick),
         samples=EVAL_SAMPLES,
         top_p=TOP_P,
         **LIMITS,
     )
-    return [RunSpec(name, "train", cfg, needs=needs), RunSpec(name + "/eval", "eval", evaluation, needs=(name,))]
+    return RunSpec(name + "/eval", "eval", evaluation, needs=(name,) if needs is None else needs)
 
 
 def _out_of_support(s: Settings, variant: str) -> list[float]:
