@@ -171,3 +171,19 @@ def test_intervals_the_docs_quote_are_the_ones_results_md_makes():
     )
     for name, interval in NOT_IN_RESULTS:
         assert interval in (ROOT / name).read_text(encoding="utf-8"), f"{name} no longer quotes {interval}: unlist it"
+
+
+def test_the_claim_count_docs_experiments_gives_is_results_md_s():
+    """docs/experiments.md's "How many claims" counts the rows of RESULTS.md's summary table by verdict."""
+    summary = RESULTS_MD.read_text(encoding="utf-8").split("## Summary of verdicts", 1)[1].split("\n## ", 1)[0]
+    verdicts = Counter(re.findall(r"\| \*\*(reproduced|not reproduced|inconclusive)\*\* \|", summary))
+    text = " ".join((ROOT / "docs" / "experiments.md").read_text(encoding="utf-8").split())
+    said = re.search(
+        r"tests (\d+) claims \(the rows of its summary table: (\d+) reproduced, (\d+) not reproduced, (\d+) "
+        r"inconclusive\).*?about (\d+) of the (\d+) verdicts could be chance",
+        text,
+    )
+    assert said, "docs/experiments.md lost its 'How many claims' sentence"
+    total, yes, no, undecided, chance, total_again = map(int, said.groups())
+    assert (yes, no, undecided) == (verdicts["reproduced"], verdicts["not reproduced"], verdicts["inconclusive"])
+    assert total == total_again == sum(verdicts.values()) and chance == round(total / 20)
