@@ -126,6 +126,15 @@ def test_curves_by_count_align_seeds_whose_tasks_took_other_steps(tmp_path):
     assert (tmp_path / "mt_alfworld_rollout_accuracy.png").stat().st_size > 0
 
 
+def test_made_at_names_the_commits_and_shortens_full_hashes():
+    from opd.lab.experiments.core import made_at
+
+    full = "68ae776d2d21095e1783849a06aadaf777e32768"
+    made = [{"commit": full, "date": "2026-11-28"}, {"commit": "ea7af09-dirty", "date": ""}]
+    assert made_at({"runs_made_at": made}) == "runs made at 68ae776 (2026-11-28), ea7af09-dirty (date not recorded)"
+    assert made_at({"runs_made_at": [{"commit": "unknown", "date": ""}], "measured_at": "stamped"}) == "stamped"
+
+
 # ----------------------------------------------------------------------------- runner
 
 

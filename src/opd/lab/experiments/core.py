@@ -416,7 +416,9 @@ def made_at(res: dict) -> str:
     made = [m for m in res.get("runs_made_at", []) if m["commit"] != "unknown"]
     if not made:  # runs made before they recorded their commit: a stamp written with the result, if any
         return res.get("measured_at", "the commit its runs were made at was not recorded")
-    return "runs made at " + ", ".join(f"{m['commit']} ({m['date'] or 'date not recorded'})" for m in made)
+    # a full hash (OPD_COMMIT set from `git rev-parse HEAD`) is shown as git's short one
+    short = lambda c: c[:7] if re.fullmatch(r"[0-9a-f]{40}", c) else c  # noqa: E731
+    return "runs made at " + ", ".join(f"{short(m['commit'])} ({m['date'] or 'date not recorded'})" for m in made)
 
 
 def render_markdown(res: dict, plot_prefix: str = "") -> str:
