@@ -540,12 +540,18 @@ def test_new_knowledge_quick_tests_its_claims_only_where_the_same_pipeline_teach
     res = run("new-knowledge", tmp_path, seeds=1, quick=True, show_progress=False)
     assert res["quick"] and [len(t["rows"]) for t in res["tables"]] == [3, 2]
     assert all((tmp_path / "new-knowledge" / p).is_file() for p in res["plots"]) and res["plots"]
+    tested = len(res["claims"]) == 2 and not any("not tested" in n for n in res["notes"])
+    untested = not res["claims"] and any("not tested" in n for n in res["notes"])
+    assert tested != untested  # claims where the teachers lead the student, else a note saying why not
     assert all(c["verdict"] == INCONCLUSIVE for c in res["claims"])  # one seed decides nothing
     s = Settings(tmp_path / "new-knowledge", seeds=1, quick=True)
     scores = lambda x: {"accuracy": x, "avg_at_k": x}  # noqa: E731
     below, above = Analysis(), Analysis()
     _claims(below, s, scores(0.5), {SAME: scores(0.5), NEW: scores(0.9)})  # no gap to recover: not tested
-    assert not below.claims and "not tested" in below.notes[0]
+    assert not below.claims and "not tested" in below.notes[0] and "same-pipeline teacher's" in below.notes[0]
+    behind_new = Analysis()
+    _claims(behind_new, s, scores(0.5), {SAME: scores(0.9), NEW: scores(0.4)})
+    assert not behind_new.claims and "new-knowledge teacher's" in behind_new.notes[0]
     _claims(above, s, scores(-1.0), {SAME: scores(1.0), NEW: scores(3.0)})
     assert [c.verdict for c in above.claims] == [INCONCLUSIVE, INCONCLUSIVE]
     assert "gap recovery" in above.claims[1].claim
