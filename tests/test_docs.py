@@ -136,7 +136,8 @@ def test_readme_commands_are_verbatim_in_a_bash_block(command):
 # ----------------------------------------------------------------------------- quoted intervals
 
 RESULTS_MD = ROOT / "docs" / "RESULTS.md"
-INTERVAL = re.compile(r"\[(-?\d+(?:\.\d+)?)%?, (-?\d+(?:\.\d+)?)%?\]")
+# "[lo, hi]", and the mean just before it where there is one ("+3.3 [-16.7, 23.4]"; not "avg@2 [...]")
+INTERVAL = re.compile(r"(?:(?<![\w@.])([+-]?\d+(?:\.\d+)?)%?\s+)?\[(-?\d+(?:\.\d+)?)%?, (-?\d+(?:\.\d+)?)%?\]")
 # Intervals a page quotes that RESULTS.md does not print, each said to be so where it is quoted.
 NOT_IN_RESULTS = {
     ("docs/cross-tokenizer.md", "[64.2, 69.4]"): "gold-bytelevel's earlier CPU run, before its run data",
@@ -147,25 +148,35 @@ NOT_IN_RESULTS = {
 }
 
 
-def quoted_intervals(page: Path) -> list[tuple[str, str]]:
-    """Every "[lo, hi]" of a page's prose as (lo, hi), inline code and code blocks left out."""
-    return INTERVAL.findall("\n".join(prose_lines(page.read_text(encoding="utf-8"))))
+def quoted_intervals(page: Path) -> list[tuple[str, str, str]]:
+    """Every "[lo, hi]" of a page's prose as (mean or "", lo, hi), inline code and code blocks left out
+    (the prose's lines joined, so a quote may wrap)."""
+    prose = " ".join(" ".join(prose_lines(page.read_text(encoding="utf-8"))).split())
+    return [(m.lstrip("+"), lo, hi) for m, lo, hi in INTERVAL.findall(prose)]
+
+
+def _flip(x: str) -> str:
+    return x[1:] if x.startswith("-") else f"-{x}"
 
 
 def test_intervals_the_docs_quote_are_the_ones_results_md_makes():
     """An interval in the README or docs/ is one docs/RESULTS.md prints (which `opd results` makes from
-    the committed run data), either way round ("B beats A by [-hi, -lo]"), or a listed earlier run."""
-    printed = set(quoted_intervals(RESULTS_MD))
-    flip = lambda x: x[1:] if x.startswith("-") else f"-{x}"  # noqa: E731
+    the committed run data), with the mean quoted beside it, either way round ("B beats A by -m [-hi,
+    -lo]"), or a listed earlier run."""
+    printed = {(m, lo, hi) for m, lo, hi in quoted_intervals(RESULTS_MD) if m}
+    pairs = {(lo, hi) for _, lo, hi in quoted_intervals(RESULTS_MD)}
     stale = []
     for page in PAGES:
         if page == RESULTS_MD:
             continue
         name = str(page.relative_to(ROOT))
-        for lo, hi in quoted_intervals(page):
-            known = (lo, hi) in printed or (flip(hi), flip(lo)) in printed
+        for m, lo, hi in quoted_intervals(page):
+            if m:
+                known = (m, lo, hi) in printed or (_flip(m), _flip(hi), _flip(lo)) in printed
+            else:
+                known = (lo, hi) in pairs or (_flip(hi), _flip(lo)) in pairs
             if not known and (name, f"[{lo}, {hi}]") not in NOT_IN_RESULTS:
-                stale.append(f"{name}: [{lo}, {hi}]")
+                stale.append(f"{name}: {m} [{lo}, {hi}]")
     assert stale == [], "intervals quoted that docs/RESULTS.md does not print (stale, or list them):\n" + "\n".join(
         stale
     )
