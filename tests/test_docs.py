@@ -163,8 +163,9 @@ def test_intervals_the_docs_quote_are_the_ones_results_md_makes():
     """An interval in the README or docs/ is one docs/RESULTS.md prints (which `opd results` makes from
     the committed run data), with the mean quoted beside it, either way round ("B beats A by -m [-hi,
     -lo]"), or a listed earlier run."""
-    printed = {(m, lo, hi) for m, lo, hi in quoted_intervals(RESULTS_MD) if m}
-    pairs = {(lo, hi) for _, lo, hi in quoted_intervals(RESULTS_MD)}
+    in_results = quoted_intervals(RESULTS_MD)
+    printed = {(m, lo, hi) for m, lo, hi in in_results if m}
+    pairs = {(lo, hi) for _, lo, hi in in_results}
     stale = []
     for page in PAGES:
         if page == RESULTS_MD:

@@ -531,9 +531,9 @@ def test_model_experiment_quick(name, tmp_path):
 
 
 @pytest.mark.slow
-def test_new_knowledge_quick_tests_its_claims_only_where_the_same_pipeline_teacher_leads(tmp_path):
+def test_new_knowledge_quick_tests_its_claims_only_where_both_teachers_lead(tmp_path):
     """The quick run's tables and plots; then its claims, made again from the same runs with the
-    scores before OPD set on either side of the premise (a same-pipeline teacher above the student)."""
+    scores before OPD set on either side of the premise (both teachers above the student)."""
     from opd.lab.experiments.core import Analysis
     from opd.lab.experiments.new_knowledge import NEW, SAME, _claims
 
