@@ -172,6 +172,9 @@ def main() -> None:
         "torch": version("torch"),
         "start_method": "spawn",
     }
+    from opd.lab.experiments.core import machine_info, source_commit  # after the timings: this parent stays as it was
+
+    entry |= {"commit": source_commit(), "machine": machine_info()}
     results = json.loads(args.json.read_text()) if args.json.exists() else {}
     results[args.label] = entry
     args.json.parent.mkdir(parents=True, exist_ok=True)

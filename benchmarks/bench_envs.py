@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 
 from opd.envs import get_env
+from opd.lab.experiments.core import machine_info, source_commit
 
 
 def expert_episode(env, game):
@@ -114,7 +116,14 @@ def compare_caches(n_games, out_json):
     print(f"| with opd's caches | {cached_s[0]:.1f} | {cached_s[1]:.1f} |")
     print(f"| ratio | {plain_s[0] / cached_s[0]:.2f}x | {plain_s[1] / cached_s[1]:.2f}x |")
     print(f"identical observations, rewards and admissible commands: {same}")
-    result = {"games": n_games, "plain_s": plain_s, "cached_s": cached_s, "identical": same}
+    result = {
+        "games": n_games,
+        "plain_s": plain_s,
+        "cached_s": cached_s,
+        "identical": same,
+        "commit": source_commit(),
+        "machine": {**machine_info(), "load1_end": os.getloadavg()[0]},
+    }
     Path(out_json).parent.mkdir(parents=True, exist_ok=True)
     Path(out_json).write_text(json.dumps(result, indent=2) + "\n")
 

@@ -66,6 +66,7 @@ from pathlib import Path
 import torch
 
 from opd import losses as L
+from opd.lab.experiments.core import machine_info, source_commit
 
 HERE = Path(__file__).resolve().parent
 VARIANTS = {
@@ -550,7 +551,8 @@ def main(argv=None) -> None:
             "the peak; (e) TRL projects the teacher head itself; (f) topk_from_hidden on the teacher, "
             "chunked, no grad, inside the timing",
         },
-        "machine": machine,
+        "commit": source_commit(),
+        "machine": {**machine_info(), **machine},
         "results": rows,
         "ratios": ratio_rows,
         "targets": targets(ratio_rows, a),

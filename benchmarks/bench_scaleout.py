@@ -400,7 +400,15 @@ def run_all(args, model_root: Path) -> dict:
             print(f"    round {r + 1}: {runs[key][-1]}", flush=True)
     rows = [combine(runs[k]) for k in keys]
     add_ratios(rows, [runs[k] for k in keys], keys)
-    return {"plan": {**base, "rounds": args.rounds}, "rows": rows, "rounds": runs, "machine": machine()}
+    from opd.lab.experiments.core import machine_info, source_commit  # not in the timed processes
+
+    return {
+        "plan": {**base, "rounds": args.rounds},
+        "rows": rows,
+        "rounds": runs,
+        "commit": source_commit(),
+        "machine": {**machine_info(), **machine()},
+    }
 
 
 def combine(rounds: list[dict]) -> dict:

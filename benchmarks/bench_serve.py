@@ -250,6 +250,9 @@ def main() -> None:
     text = table(result)
     print("\n" + text)
     args.json.parent.mkdir(parents=True, exist_ok=True)
+    from opd.lab.experiments.core import machine_info, source_commit  # after the load: the clients stay light
+
+    result = {**result, "commit": source_commit(), "machine": {**machine_info(), **result["machine"]}}
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {args.json}")
 

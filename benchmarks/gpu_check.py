@@ -246,6 +246,14 @@ def _version(pkg: str):
         return None
 
 
+def machine_from_env(env: dict) -> dict:
+    """The GPU and torch the env section found (nothing where it did not run)."""
+    items = env.get("items", {})
+    versions, gpu = items.get("versions", {}), items.get("gpu", {})
+    found = {"gpu": gpu.get("name"), "torch": versions.get("torch"), "torch_cuda": versions.get("torch_cuda")}
+    return {k: v for k, v in found.items() if v}
+
+
 def opd_commit() -> str | None:
     if os.environ.get("OPD_COMMIT"):
         return os.environ["OPD_COMMIT"]
@@ -1603,6 +1611,9 @@ def main_parent(a) -> int:
         "tool": "benchmarks/gpu_check.py",
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "opd_commit": opd_commit(),
+        "commit": opd_commit(),  # the key every benchmark JSON has (tests/test_docs.py)
+        # the GPU and torch are added from the env section when it has run (machine_from_env)
+        "machine": {"cpu_count": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
         "settings": {"device": a.device, "small": a.small, "global_budget_s": global_budget, "budgets_s": budgets},
         "sections": {},
     }
@@ -1610,6 +1621,7 @@ def main_parent(a) -> int:
 
     def flush() -> str:
         report["wall_s"] = round(time.perf_counter() - t0, 1)
+        report["machine"].update(machine_from_env(report["sections"].get("env", {})))
         with contextlib.suppress(Exception):
             write_json(a.out, report)
         try:

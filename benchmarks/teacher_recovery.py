@@ -26,6 +26,7 @@ import torch
 
 from opd.envs import normal_command
 from opd.lab.demos.agentic import ASSETS, LIMITS, TOP_P, environment
+from opd.lab.experiments.core import machine_info, source_commit
 from opd.models.loading import load_model, load_tokenizer
 from opd.rollout.episodes import ChatFormat, EpisodeRollout
 from opd.training.cloning import mistake_command
@@ -128,7 +129,16 @@ def main() -> None:
         print(f"| {t} | " + " | ".join(row) + " |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
-        json.dumps({"args": {**vars(args), "out": str(args.out)}, "student": student, "expert": expert}, indent=1)
+        json.dumps(
+            {
+                "args": {**vars(args), "out": str(args.out)},
+                "commit": source_commit(),
+                "machine": machine_info(),
+                "student": student,
+                "expert": expert,
+            },
+            indent=1,
+        )
     )
     print(f"wrote {args.out}")
 

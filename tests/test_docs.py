@@ -8,6 +8,7 @@ External http(s) links are not fetched. Code blocks and inline code are not read
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 from pathlib import Path
@@ -186,7 +187,8 @@ def test_intervals_the_docs_quote_are_the_ones_results_md_makes():
 
 
 def test_the_claim_count_docs_experiments_gives_is_results_md_s():
-    """docs/experiments.md's "How many claims" counts the rows of RESULTS.md's summary table by verdict."""
+    """docs/experiments.md's "How many claims" counts the rows of RESULTS.md's summary table by verdict,
+    and those that survive its Benjamini-Hochberg correction or are true by construction."""
     summary = RESULTS_MD.read_text(encoding="utf-8").split("## Summary of verdicts", 1)[1].split("\n## ", 1)[0]
     verdicts = Counter(re.findall(r"\| \*\*(reproduced|not reproduced|inconclusive)\*\* \|", summary))
     text = " ".join((ROOT / "docs" / "experiments.md").read_text(encoding="utf-8").split())
@@ -199,3 +201,143 @@ def test_the_claim_count_docs_experiments_gives_is_results_md_s():
     total, yes, no, undecided, chance, total_again = map(int, said.groups())
     assert (yes, no, undecided) == (verdicts["reproduced"], verdicts["not reproduced"], verdicts["inconclusive"])
     assert total == total_again == sum(verdicts.values()) and chance == round(total / 20)
+    # ... and what survives the false-discovery-rate correction, and the claims true by construction
+    fdr = re.search(
+        r"Benjamini-Hochberg false-discovery-rate correction at q = 0.05 over all (\d+) claims.*?: (\d+) of the (\d+) "
+        r"decided verdicts survive it\. The (\d+) that do not.*? (\d+) claims are true by construction",
+        text,
+    )
+    assert fdr, "docs/experiments.md lost its false-discovery-rate sentences"
+    family, survive, decided, not_surviving, by_construction = map(int, fdr.groups())
+    after_bh = re.findall(r"\| (survives|does not survive) \(adjusted p [^)]*\) \|", summary)
+    assert (family, decided) == (total, yes + no)
+    assert (survive, not_surviving) == (after_bh.count("survives"), after_bh.count("does not survive"))
+    assert survive + not_surviving == decided
+    assert by_construction == len(re.findall(r"^\|[^\n]*\*true by construction\*", summary, re.MULTILINE))
+
+
+# ----------------------------------------------------------------------------- the map of the code
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+CODE_SPAN = re.compile(r"`([^`]+)`")
+ROOT_DIRS = ("src/", "benchmarks/", "tests/", "docs/", "examples/")
+
+
+def files_table(page: Path) -> list[tuple[str, str]]:
+    """The (path, what it is) rows of a page's "## Files" table."""
+    text = page.read_text(encoding="utf-8").split("\n## Files\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| path |")]
+    return [tuple(c.strip() for c in re.split(r"(?<!\\)\|", row)[1:3]) for row in rows]  # type: ignore[misc]
+
+
+def table_paths(page: Path, root: Path = ROOT) -> tuple[set[Path], list[str]]:
+    """The files and folders the Files table names, resolved, and a line for each name that is not there.
+
+    A row's path cell names files or folders from the repository root (`src/opd/losses/`,
+    `src/opd/teachers/client.py`), and may add bare names beside its first (`server.py`); the row's
+    folder is the first one's (or its parent). A source file a row's text names (`lsm.py`,
+    `teachers/crosstok.py`, `src/opd/losses/cross.py`) is read from that folder, the package root
+    (src/opd) or the repository root."""
+    src = root / "src" / "opd"
+    named, missing = set(), []
+    for path_cell, what in files_table(page):
+        names = CODE_SPAN.findall(path_cell)
+        if not names:
+            missing.append(f"a row without a path: {path_cell!r}")
+            continue
+        folder = root / names[0] if names[0].endswith("/") else (root / names[0]).parent
+        for name in [*names, *(n for n in CODE_SPAN.findall(what) if re.fullmatch(r"[\w/]+\.(py|js|css)", n))]:
+            candidates = [root / name] if name.startswith(ROOT_DIRS) else [folder / name, src / name]
+            found = next((c for c in candidates if c.exists()), None)
+            if found is None:
+                missing.append(f"{path_cell}: names {name}, which is not at {candidates[0].relative_to(root)}")
+            else:
+                named.add(found.resolve())
+    return named, missing
+
+
+def unlisted_modules(page: Path, root: Path = ROOT) -> list[str]:
+    """The modules of src/opd (every .py file but a package's __init__.py) the Files table does not name."""
+    named, _ = table_paths(page, root)
+    modules = [
+        p for p in (root / "src" / "opd").rglob("*.py") if p.name != "__init__.py" and "__pycache__" not in p.parts
+    ]
+    return sorted(str(p.relative_to(root)) for p in modules if p.resolve() not in named)
+
+
+def test_the_architecture_table_names_only_paths_that_exist():
+    _, missing = table_paths(ARCHITECTURE)
+    assert missing == [], "docs/architecture.md's Files table names paths that are not there:\n" + "\n".join(missing)
+
+
+def test_every_module_is_in_the_architecture_table():
+    """Read from the tree as it is when the test runs: a module added or renamed without its row fails here."""
+    unlisted = unlisted_modules(ARCHITECTURE)
+    assert unlisted == [], (
+        "modules docs/architecture.md's Files table does not name (add a row, or the file's name to its package's "
+        "row):\n" + "\n".join(unlisted)
+    )
+
+
+def test_a_module_missing_from_the_table_or_a_stale_path_is_reported(tmp_path):
+    for name in ("a/one.py", "a/two.py", "a/__init__.py", "b.py", "a/__pycache__/one.cpython-311.pyc"):
+        (tmp_path / "src" / "opd" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "src" / "opd" / name).write_text("")
+    page = tmp_path / "architecture.md"
+    page.write_text(
+        "# A\n\n## Files\n\n| path | what it is |\n|---|---|\n"
+        "| `src/opd/a/` | the a package: `one.py` (one), `gone.py` (renamed since) |\n"
+        "| `src/opd/b.py`, `c.py` | b and c |\n\n## Next\n\n`src/opd/a/two.py` outside the table\n"
+    )
+    named, missing = table_paths(page, tmp_path)
+    assert named == {(tmp_path / p).resolve() for p in ("src/opd/a", "src/opd/a/one.py", "src/opd/b.py")}
+    assert missing == [
+        "`src/opd/a/`: names gone.py, which is not at src/opd/a/gone.py",
+        "`src/opd/b.py`, `c.py`: names c.py, which is not at src/opd/c.py",
+    ]
+    assert unlisted_modules(page, tmp_path) == ["src/opd/a/two.py"]
+
+
+# ----------------------------------------------------------------------------- benchmark results
+
+BENCHMARK_RESULTS = ROOT / "benchmarks" / "results"
+# A hash (git's short or full, "-dirty"/"+dirty" or a note after it), or, for a result measured before its script
+# recorded one, the commit that committed it: the code it measured was no later than that.
+COMMIT = re.compile(r"[0-9a-f]{7,40}\b|unrecorded \(committed in [0-9a-f]{7,40}, \d{4}-\d\d-\d\d\)")
+
+
+def provenance_problems(results: Path) -> list[str]:
+    """What each benchmark JSON lacks of the commit and machine it was measured at: at its top level, or in
+    every run a file gathers (an object of runs, each an object with both)."""
+    problems = []
+    for path in sorted(results.glob("*.json")):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        runs = isinstance(data, dict) and "commit" not in data and all(isinstance(v, dict) for v in data.values())
+        for where, entry in data.items() if runs else [("", data)]:
+            name = f"{path.name}{f' ({where})' if where else ''}"
+            commit = entry.get("commit") if isinstance(entry, dict) else None
+            if not isinstance(commit, str) or not COMMIT.match(commit):
+                problems.append(f"{name}: no commit (a 'commit' field: the hash it was measured at)")
+            if not (isinstance(entry, dict) and entry.get("machine")):
+                problems.append(f"{name}: no machine (a 'machine' field)")
+    return problems
+
+
+def test_every_benchmark_result_records_its_commit_and_machine():
+    assert provenance_problems(BENCHMARK_RESULTS) == []
+
+
+def test_a_benchmark_result_without_a_commit_is_reported(tmp_path):
+    (tmp_path / "ok.json").write_text(json.dumps({"commit": "aaff9eb-dirty", "machine": {"cpu_cores": 2}, "rows": []}))
+    (tmp_path / "runs.json").write_text(json.dumps({"before": {"commit": "f59a700", "machine": "m"}, "after": {}}))
+    (tmp_path / "old.json").write_text(json.dumps({"unrecorded": True, "machine": {"cpus": 2}, "rows": [1]}))
+    (tmp_path / "marked.json").write_text(
+        json.dumps({"commit": "unrecorded (committed in 789f6a9, 2026-11-22)", "machine": "m"})
+    )
+    (tmp_path / "vague.json").write_text(json.dumps({"commit": "HEAD", "machine": "m"}))
+    assert provenance_problems(tmp_path) == [
+        "old.json: no commit (a 'commit' field: the hash it was measured at)",
+        "runs.json (after): no commit (a 'commit' field: the hash it was measured at)",
+        "runs.json (after): no machine (a 'machine' field)",
+        "vague.json: no commit (a 'commit' field: the hash it was measured at)",
+    ]

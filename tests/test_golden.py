@@ -4,7 +4,12 @@
   torchtune habit): any change to sampling, scoring, the loss or the optimizer that moves the
   numbers shows up here, even when every unit test still passes. The figures were recorded with
   the torch version stored beside them; under another version the test is skipped, since kernels
-  may round differently. A change that moves them on purpose re-records them, and says why:
+  may round differently. The CPU capability torch used (its kernels' instruction set, AVX2 or
+  AVX512, ``torch.backends.cpu.get_cpu_capability()``) is stored too and shown beside the result
+  (in the test's id): another capability rounds differently (3 steps stay within the tolerance;
+  the demo's 200 steps part visibly), and ``ATEN_CPU_CAPABILITY=avx2`` reproduces an AVX2
+  recording on a CPU that has AVX-512. A change that moves them on purpose re-records them, and
+  says why:
 
       python tests/test_golden.py --record
 
@@ -26,6 +31,10 @@ from opd.training import loop as train_mod
 
 GOLDEN = Path(__file__).parent / "golden" / "lsm_demo_steps.json"
 KEYS = ("train/loss", "train/grad_norm", "rollout/response_len", "train/loss_tokens")
+HERE = torch.backends.cpu.get_cpu_capability()
+RECORDED = json.loads(GOLDEN.read_text()).get("cpu_capability", "not recorded")
+# beside the result: the capability here, and the recording's where it differs
+CPU = f"cpu {HERE}" + ("" if RECORDED == HERE else f", recorded under {RECORDED}")
 
 
 def golden_config(out: Path, **changes) -> TrainConfig:
@@ -59,7 +68,8 @@ def run_steps(out: Path) -> list[dict]:
     return [{"step": r["step"], **{k: r[k] for k in KEYS}} for r in records if "train/loss" in r]
 
 
-def test_lsm_steps_match_the_recorded_trajectory(tmp_path):
+@pytest.mark.parametrize("cpu", [CPU])
+def test_lsm_steps_match_the_recorded_trajectory(tmp_path, cpu):
     golden = json.loads(GOLDEN.read_text())
     if golden["torch"] != torch.__version__:
         pytest.skip(
@@ -73,7 +83,7 @@ def test_lsm_steps_match_the_recorded_trajectory(tmp_path):
         assert have["rollout/response_len"] == pytest.approx(want["rollout/response_len"], abs=1e-9), want["step"]
         # Thread counts reorder float sums; anything beyond that is a change in behaviour.
         for key in ("train/loss", "train/grad_norm"):
-            assert have[key] == pytest.approx(want[key], rel=1e-4), (want["step"], key)
+            assert have[key] == pytest.approx(want[key], rel=1e-4), (want["step"], key, cpu)
 
 
 @pytest.mark.slow
@@ -103,8 +113,14 @@ if __name__ == "__main__":
     GOLDEN.parent.mkdir(exist_ok=True)
     GOLDEN.write_text(
         json.dumps(
-            {"torch": torch.__version__, "config": "tests/test_golden.py:golden_config", "steps": steps}, indent=2
+            {
+                "torch": torch.__version__,
+                "cpu_capability": HERE,
+                "config": "tests/test_golden.py:golden_config",
+                "steps": steps,
+            },
+            indent=2,
         )
         + "\n"
     )
-    print(f"recorded {len(steps)} steps into {GOLDEN}")
+    print(f"recorded {len(steps)} steps into {GOLDEN} (torch {torch.__version__}, CPU capability {HERE})")

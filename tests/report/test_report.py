@@ -13,16 +13,17 @@ import math
 import re
 import shutil
 
+import matplotlib.pyplot as plt
 import pytest
 from report_runs import LOG_ROLLOUTS, STEPS, K, make_report_runs
 from typer.testing import CliRunner
 
 from opd.cli import app
 from opd.errors import UserError
-from opd.report import write_report
+from opd.report import png, write_report
 from opd.report.charts import build_charts, ema, summary_rows
 from opd.report.inspector import PROB_SCALE, display_token, inspector_data, pick_steps
-from opd.report.load import load_run, load_runs
+from opd.report.load import RunData, load_run, load_runs
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +162,53 @@ def test_eval_chart_and_summary_rows(runs):
         assert row["gap_recovery"] == f"{100 * (after - 0.1) / (0.9 - 0.1):.0f}%"
         assert row["teacher"] == "90.0%" and row["before"] == "10.0%" and row["steps"] == "3 / 3"
     assert rows[0]["wall"] == "12s" and rows[0]["objective"] == "sampled" and "K=8 teacher_topk" in rows[1]["settings"]
+
+
+def _evaluated(tmp_path, evals_by_run: dict) -> list[RunData]:
+    return [
+        RunData(tmp_path / name, name, evals=evals, summary={"teacher_acc": 0.94, "student_init_acc": 0.3})
+        for name, evals in evals_by_run.items()
+    ]
+
+
+def test_runs_evaluated_once_show_their_values_as_bars_not_a_point_on_a_step_axis(tmp_path):
+    once = lambda acc, avg: [{"step": 400, "eval/accuracy": acc, "eval/avg_at_k": avg}]  # noqa: E731
+    runs = _evaluated(tmp_path, {"sampled": once(0.46, 0.44), "lsm": once(0.62, 0.55)})
+    ev = by_id(build_charts(runs))["eval-accuracy"]
+    assert ev["kind"] == "bar" and ev["xlabel"] == "evaluated once, at step 400"
+    assert [(b["label"], b["value"], b["dashed"], b["step"]) for b in ev["bars"]] == [
+        ("sampled greedy", 0.46, False, 400),
+        ("sampled avg@k", 0.44, True, 400),
+        ("lsm greedy", 0.62, False, 400),
+        ("lsm avg@k", 0.55, True, 400),
+    ]
+    assert ev["hlines"] == [{"y": 0.94, "label": "teacher"}, {"y": 0.3, "label": "student before"}]
+    fig, ax = plt.subplots()
+    png._bars(ax, ev)
+    assert [t.get_text() for t in ax.get_xticklabels()] == [b["label"] for b in ev["bars"]]
+    assert sorted(t.get_text() for t in ax.texts if t.get_text()[0].isdigit()) == ["0.44", "0.46", "0.55", "0.62"]
+    assert ax.get_ylim()[0] == 0 and ax.get_ylim()[1] >= 1
+    plt.close(fig)
+    assert png.draw(ev, tmp_path / "ev.png").read_bytes()[:4] == b"\x89PNG"
+    # a run evaluated twice keeps the line over steps (the other's one point on it)
+    runs[1].evals.insert(0, {"step": 200, "eval/accuracy": 0.5, "eval/avg_at_k": 0.48})
+    assert by_id(build_charts(runs))["eval-accuracy"]["kind"] == "line"
+
+
+def test_a_share_that_stays_0_says_none_on_a_0_to_1_axis(tmp_path):
+    steps = [
+        {"step": i, "train/loss": 1.0 - i / 10, "rollout/repetition_rate": 0.0, "rollout/eos_rate": 0.5 + i / 10}
+        for i in range(3)
+    ]
+    charts = by_id(build_charts([RunData(tmp_path, "run", steps=steps)]))
+    rep, eos, loss = charts["repetition"], charts["eos-rate"], charts["loss"]
+    assert (rep["ymin"], rep["ymax"], rep["none"]) == (0.0, 1.0, "none: 0 at every logged step")
+    assert eos["ymin"] == 0.0 and "ymax" not in eos and "none" not in eos  # a share that moved: from 0, to its data
+    assert not {"ymin", "ymax", "none"} & loss.keys()  # not a share: its axis follows its data
+    fig, ax = plt.subplots()
+    png._line(ax, rep)
+    assert ax.get_ylim() == (0.0, 1.0) and rep["none"] in [t.get_text() for t in ax.texts]
+    plt.close(fig)
 
 
 def test_heatmaps_and_scatter_are_fed_depth_and_sampled_tokens(runs):

@@ -189,7 +189,8 @@ def test_every_chart_renders_its_data(page):
         const box = c.querySelector('svg').getBoundingClientRect();
         return {id: c.dataset.id, kind: c.dataset.kind, w: box.width, h: box.height,
                 paths: Array.from(c.querySelectorAll('path.series')).map(p => (p.getAttribute('d').match(/L/g) || []).length),
-                cells: c.querySelectorAll('rect.cell').length, points: c.querySelectorAll('circle.pt').length};
+                cells: c.querySelectorAll('rect.cell').length, points: c.querySelectorAll('circle.pt').length,
+                bars: c.querySelectorAll('rect.bar').length};
     })""")
     specs = {c["id"]: c for c in browser.js("DATA.charts")}
     assert [c["id"] for c in charts] == list(specs) and len(charts) == 15 + 3 * 2 + 3
@@ -198,10 +199,47 @@ def test_every_chart_renders_its_data(page):
         assert c["w"] > 200 and c["h"] > 150, c
         if c["kind"] == "line":  # one path per series, through every logged point
             assert c["paths"] == [len(s["x"]) - 1 for s in spec["series"]] and all(n >= 1 for n in c["paths"]), c
+        elif c["kind"] == "bar":
+            assert c["bars"] == len(spec["bars"]) > 0, c
         elif c["kind"] == "heatmap":
             assert c["cells"] == len(spec["x"]) * spec["buckets"] > 0, c
         else:
             assert c["points"] == len(spec["positive"]) + len(spec["negative"]) > 0, c
+
+
+@pytest.fixture(scope="module")
+def once_page(tmp_path_factory):
+    """A run evaluated once, at its end, whose rollouts never repeat (written by hand: no training needed)."""
+    root = tmp_path_factory.mktemp("report_once")
+    run = root / "once"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"steps": 3, "objective": "lsm"}))
+    records = [{"step": i, "train/loss": 1 - i / 10, "rollout/repetition_rate": 0.0} for i in range(3)]
+    records.append({"step": 2, "eval/accuracy": 0.62, "eval/avg_at_k": 0.55})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    path = write_report([run], root / "report", show_progress=False)
+    browser = Browser(root / "profile")
+    browser.open(path.as_uri())
+    yield browser
+    browser.close()
+
+
+def test_a_run_evaluated_once_shows_bars_and_a_share_never_seen_says_none(once_page):
+    browser = once_page
+    view = browser.js("""(() => {
+        const card = (id) => document.querySelector(`.card.chart[data-id="${id}"]`);
+        const ticks = (c) => Array.from(c.querySelectorAll('svg > text[text-anchor=end]')).map(t => +t.textContent);
+        return {kind: card('eval-accuracy').dataset.kind,
+                bars: card('eval-accuracy').querySelectorAll('rect.bar').length,
+                values: Array.from(card('eval-accuracy').querySelectorAll('text.value')).map(t => t.textContent),
+                none: Array.from(card('repetition').querySelectorAll('text.none')).map(t => t.textContent),
+                ticks: ticks(card('repetition'))};
+    })()""")
+    assert view["kind"] == "bar" and view["bars"] == 2 and view["values"] == ["0.62", "0.55"]
+    assert view["none"] == ["none: 0 at every logged step"]
+    assert min(view["ticks"]) == 0 and max(view["ticks"]) == 1  # 0..1, not a flat 0 on -1..1
+    browser.drain()
+    assert browser.errors() == []
 
 
 def inspector_state(browser):

@@ -4,8 +4,10 @@ One spec per chart, read by both renderers -- the page's inline JavaScript (``re
 matplotlib for the PNGs (:mod:`opd.report.png`) -- so the two always show the same numbers.
 Kinds: ``line`` (runs overlaid over steps; a thin raw line with an exponential moving average on
 top when a run has many steps; ``marks`` flag steps such as clipped gradients; ``hlines`` are
-reference levels), ``heatmap`` (a value by position bucket over steps), ``scatter`` (student vs
-teacher probability of sampled tokens, split by the sign of the reward).
+reference levels; a share's axis starts at 0, ``ymin``/``ymax``, and ``none`` says a share was 0
+throughout), ``bar`` (the eval chart when every run was evaluated once: its values, not one point on a
+step axis), ``heatmap`` (a value by position bucket over steps), ``scatter`` (student vs teacher
+probability of sampled tokens, split by the sign of the reward).
 
 A multi-task run (``tasks`` in its config) logs each task's metrics under the task's name
 (``math/train/loss``, ``eval/math/accuracy``): its line charts draw one series per task ("run ·
@@ -237,7 +239,18 @@ def line_chart(runs: list[RunData], cid: str, title: str, keys, ylabel: str, not
         "keys": [k for k, _, _ in keys],
         "series": series,
         "hlines": hlines,
+        **share_axis(series, ylabel),
     }
+
+
+def share_axis(series: list[dict], ylabel: str) -> dict:
+    """A share's axis starts at 0 (``ymin``), and a share that is 0 at every logged step of every run says
+    "none" (``none``) on a 0..1 axis (``ymax``): not a flat line on an axis padded to -1..1."""
+    if ylabel != "share":
+        return {}
+    if any(y for s in series for y in s["y"]):
+        return {"ymin": 0.0}
+    return {"ymin": 0.0, "ymax": 1.0, "none": "none: 0 at every logged step"}
 
 
 def _plays_games(run: RunData) -> set[bool]:
@@ -293,7 +306,7 @@ def eval_chart(runs: list[RunData]) -> dict:
                 hlines.append({"y": v, "label": label})
     word = rate_word(runs)
     held_out = "Held-out accuracy" if word == "accuracy" else f"Held-out {word} (games won)"
-    return {
+    chart = {
         "id": "eval-accuracy",
         "kind": "line",
         "group": "training",
@@ -305,6 +318,25 @@ def eval_chart(runs: list[RunData]) -> dict:
         "student before OPD.",
         "series": series,
         "hlines": hlines,
+    }
+    return once_as_bars(chart) if series and all(len(s["x"]) == 1 for s in series) else chart
+
+
+def once_as_bars(chart: dict) -> dict:
+    """A line chart whose every series has one point (each run evaluated once, at its end) as bars with
+    their values: one point on a step axis padded around it shows neither the value nor a trend."""
+    bars = [
+        {k: s[k] for k in ("run", "label", "color", "dashed")} | {"value": s["y"][0], "step": s["x"][0]}
+        for s in chart["series"]
+    ]
+    steps = sorted({b["step"] for b in bars})
+    at = f"step {steps[0]}" if len(steps) == 1 else "steps " + ", ".join(map(str, steps))
+    return {
+        **chart,
+        "kind": "bar",
+        "xlabel": f"evaluated once, at {at}",
+        "note": chart["note"].replace("(solid)", "(solid bars)").replace("(dashed)", "(hatched)"),
+        "bars": bars,
     }
 
 
@@ -389,6 +421,42 @@ def build_charts(runs: list[RunData]) -> list[dict]:
     return [c for c in charts if c["kind"] != "line" or c["series"]]
 
 
+def _graded_keys(record: dict, suffix: str) -> bool:
+    """Whether ``record`` holds ``suffix`` (``rollout/accuracy``) for the run or one of its tasks."""
+    return any(k == suffix or k.endswith("/" + suffix) for k in record)
+
+
+def _nothing_graded(run: RunData) -> bool:
+    """A run with steps and no accuracy anywhere: its prompts had no reference answers."""
+    return bool(run.steps) and not run.evals and not any(_graded_keys(r, "rollout/accuracy") for r in run.steps)
+
+
+def grading_notes(runs: list[RunData]) -> list[tuple[str, str]]:
+    """(run name, note) for each run whose prompts lack reference answers: with none graded it has no
+    accuracy to show; with some, its accuracies are over the graded prompts only."""
+    notes = []
+    for run in runs:
+        if not run.steps:
+            continue
+        if _nothing_graded(run):
+            notes.append(
+                (
+                    run.name,
+                    "no accuracy to show: its prompts have no reference answers, so nothing was graded and there is "
+                    "no evaluation (the loss and the diagnostics still show how the distillation went)",
+                )
+            )
+        elif any(_graded_keys(r, "rollout/ungraded") for r in run.steps):
+            notes.append(
+                (
+                    run.name,
+                    "some of its prompts have no reference answer: rollout accuracy is over the graded rollouts only "
+                    "(rollout/ungraded counts the others), and evaluation over the graded held-out prompts",
+                )
+            )
+    return notes
+
+
 def _fmt_pct(v) -> str:
     return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{100 * v:.1f}%"
 
@@ -455,7 +523,7 @@ def summary_rows(runs: list[RunData]) -> list[dict]:
                 "wall": _fmt_duration(wall),
                 "teacher": _fmt_pct(teacher),
                 "before": _fmt_pct(before),
-                "after": _fmt_pct(after)
+                "after": ("none: no reference answers" if _nothing_graded(run) else _fmt_pct(after))
                 + (f" (step {last_eval['step']})" if last_eval else "")
                 + (f"; {', '.join(per_task)}" if per_task else ""),
                 "avg_at_k": _fmt_pct(last_eval.get("eval/avg_at_k")) + (f" (k={k})" if last_eval and k else ""),

@@ -85,7 +85,7 @@ def _rollout(r: dict) -> dict:
     return {
         "prompt": str(r.get("prompt", "")),
         "answer": str(r.get("answer", "")),
-        "correct": bool(r.get("correct")),
+        "correct": None if r.get("correct") is None else bool(r.get("correct")),  # None: no answer, not graded
         "ids": r["token_ids"],
         "mask": [1 if m else 0 for m in r["loss_mask"]],
         "s": _each(r["student_logprobs"], lambda x: round(x, 3)),

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from opd.errors import UserError
-from opd.runs.records import PER_TOKEN_FIELDS, ROLLOUT_FIELDS
+from opd.runs.records import MAPPING_OPTIONS, PER_TOKEN_FIELDS, ROLLOUT_FIELDS
 
 
 @dataclass
@@ -115,10 +115,10 @@ def _read_json(path: Path, skipped: list[str]) -> dict:
 def _options(config: dict) -> dict:
     """config.json's options by name. opd writes them nested by section (``{"eval": {"eval_every": 50}}``,
     opd.config.sections), runs made before sections flat; an option's name is unique across sections and
-    no option holds a mapping, so merging the mappings gives the flat options either way."""
+    only the options of MAPPING_OPTIONS hold a mapping, so merging the others' gives the flat options either way."""
     flat: dict = {}
     for key, value in config.items():
-        flat.update(value if isinstance(value, dict) else {key: value})
+        flat.update(value if isinstance(value, dict) and key not in MAPPING_OPTIONS else {key: value})
     return flat
 
 

@@ -12,6 +12,8 @@ import json
 from datetime import UTC, datetime
 from pathlib import Path
 
+from opd.report.charts import grading_notes
+
 HERE = Path(__file__).parent
 
 SECTIONS = [
@@ -46,9 +48,13 @@ SECTIONS = [
 
 def _notices(runs) -> str:
     items = [f"<li><b>{html.escape(r.name)}</b>: {html.escape(note)}</li>" for r in runs for note in r.skipped]
-    if not items:
-        return ""
-    return f'<div class="notice" id="skipped"><b>Left out of this report</b><ul>{"".join(items)}</ul></div>'
+    graded = [f"<li><b>{html.escape(name)}</b>: {html.escape(note)}</li>" for name, note in grading_notes(runs)]
+    out = ""
+    if graded:
+        out += f'<div class="notice" id="grading"><b>Accuracy</b><ul>{"".join(graded)}</ul></div>'
+    if items:
+        out += f'<div class="notice" id="skipped"><b>Left out of this report</b><ul>{"".join(items)}</ul></div>'
+    return out
 
 
 def render_page(

@@ -39,6 +39,13 @@ def _line(ax, chart: dict) -> None:
         if s.get("marks"):
             ys = dict(zip(s["x"], s["y"]))
             ax.plot(s["marks"], [ys[m] for m in s["marks"]], "x", color=color, ms=4, alpha=0.8)
+    _hlines(ax, chart)
+    _share_axis(ax, chart)
+    ax.legend(fontsize=8, frameon=False)
+    ax.grid(alpha=0.25)
+
+
+def _hlines(ax, chart: dict) -> None:
     for h in chart["hlines"]:
         ax.axhline(h["y"], color="#888", lw=1, ls=":")
         ax.annotate(
@@ -50,8 +57,36 @@ def _line(ax, chart: dict) -> None:
             fontsize=8,
             color="#555",
         )
-    ax.legend(fontsize=8, frameon=False)
-    ax.grid(alpha=0.25)
+
+
+def _share_axis(ax, chart: dict) -> None:
+    """A share's axis from 0; "none" written across a share that was 0 throughout (charts.share_axis)."""
+    if "ymin" in chart:
+        ax.set_ylim(bottom=chart["ymin"])
+    if "ymax" in chart:
+        ax.set_ylim(top=max(chart["ymax"], ax.get_ylim()[1]))
+    if chart.get("none"):
+        ax.text(0.5, 0.5, chart["none"], transform=ax.transAxes, ha="center", va="center", color="#555")
+
+
+def _bars(ax, chart: dict) -> None:
+    """Each run's one evaluation as a bar with its value (avg@k hatched), the references as lines."""
+    bars = chart["bars"]
+    drawn = ax.bar(
+        range(len(bars)),
+        [b["value"] for b in bars],
+        color=[PALETTE[b["color"] % len(PALETTE)] for b in bars],
+        alpha=0.85,
+        edgecolor="white",
+    )
+    for patch, b in zip(drawn, bars, strict=True):
+        if b["dashed"]:
+            patch.set_hatch("//")
+    ax.bar_label(drawn, labels=[f"{b['value']:.3g}" for b in bars], fontsize=8)
+    ax.set_xticks(range(len(bars)), [b["label"] for b in bars], fontsize=8, rotation=15, ha="right")
+    _hlines(ax, chart)
+    ax.set_ylim(0, max([1.0, *(b["value"] for b in bars), *(h["y"] for h in chart["hlines"])]) * 1.05)
+    ax.grid(alpha=0.25, axis="y")
 
 
 def _heatmap(fig, ax, chart: dict) -> None:
@@ -97,6 +132,8 @@ def draw(chart: dict, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(5, 5) if square else (6.4, 3.6), dpi=120)
     if chart["kind"] == "line":
         _line(ax, chart)
+    elif chart["kind"] == "bar":
+        _bars(ax, chart)
     elif chart["kind"] == "heatmap":
         _heatmap(fig, ax, chart)
     else:

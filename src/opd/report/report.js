@@ -56,11 +56,55 @@ function extent(values, pad) {
   return [lo - (hi - lo) * pad, hi + (hi - lo) * pad];
 }
 
+// A share's axis from 0 (spec.ymin), and 0..1 where it was 0 throughout (spec.ymax; charts.share_axis).
+function shareAxis(yd, spec) {
+  const lo = spec.ymin === undefined ? yd[0] : spec.ymin;
+  const hi = spec.ymax === undefined ? yd[1] : Math.max(yd[1], spec.ymax);
+  return [lo, hi > lo ? hi : lo + 1];
+}
+
+// The eval chart when every run was evaluated once: a bar per series with its value (avg@k hatched).
+function barChart(card, spec) {
+  const W = 460, H = 250, m = {l: 54, r: 14, t: 16, b: 34};
+  const svg = el("svg:svg", {viewBox: `0 0 ${W} ${H}`}, card);
+  const hatch = el("svg:pattern", {id: "hatch-" + spec.id, width: 6, height: 6, patternUnits: "userSpaceOnUse", patternTransform: "rotate(45)"}, el("svg:defs", {}, svg));
+  el("svg:line", {x1: 0, y1: 0, x2: 0, y2: 6, stroke: "#fff", "stroke-width": 3}, hatch);
+  const top = Math.max(1, ...spec.bars.map((b) => b.value), ...spec.hlines.map((h) => h.y));
+  const sy = (y) => H - m.b - y / top * (H - m.t - m.b), slot = (W - m.l - m.r) / spec.bars.length;
+  for (const t of niceTicks(0, top, 5)) {
+    el("svg:line", {class: "gridline", x1: m.l, x2: W - m.r, y1: sy(t), y2: sy(t)}, svg);
+    el("svg:text", {x: m.l - 5, y: sy(t) + 4, "text-anchor": "end"}, svg, fmt(t));
+  }
+  el("svg:line", {class: "axis", x1: m.l, x2: W - m.r, y1: H - m.b, y2: H - m.b}, svg);
+  el("svg:line", {class: "axis", x1: m.l, x2: m.l, y1: m.t, y2: H - m.b}, svg);
+  el("svg:text", {x: (m.l + W - m.r) / 2, y: H - 3, "text-anchor": "middle"}, svg, spec.xlabel);
+  el("svg:text", {x: 11, y: (m.t + H - m.b) / 2, "text-anchor": "middle", transform: `rotate(-90 11 ${(m.t + H - m.b) / 2})`}, svg, spec.ylabel);
+  spec.bars.forEach((b, i) => {
+    const x = m.l + i * slot + slot * 0.2, w = slot * 0.6, y = sy(b.value);
+    const bar = el("svg:rect", {class: "bar", x, y, width: w, height: H - m.b - y, fill: color(b.color), "data-run": b.run}, svg);
+    if (b.dashed) el("svg:rect", {x, y, width: w, height: H - m.b - y, fill: `url(#hatch-${spec.id})`, "pointer-events": "none"}, svg);
+    el("svg:text", {class: "value", x: x + w / 2, y: y - 4, "text-anchor": "middle"}, svg, fmt(b.value));
+    bar.addEventListener("mousemove", (evt) => showTip(evt, [`${b.label}: ${fmt(b.value)}`, `step ${b.step}`]));
+    bar.addEventListener("mouseleave", hideTip);
+  });
+  for (const h of spec.hlines) {
+    el("svg:line", {x1: m.l, x2: W - m.r, y1: sy(h.y), y2: sy(h.y), stroke: "#888", "stroke-dasharray": "2 3"}, svg);
+    el("svg:text", {x: W - m.r - 2, y: sy(h.y) - 3, "text-anchor": "end"}, svg, h.label);
+  }
+  const legend = el("div", {class: "legend"}, card);
+  for (const b of spec.bars) {
+    const chip = el("span", {class: "chip"}, legend);
+    el("span", {class: "swatch" + (b.dashed ? " dashed" : ""), style: `background:${color(b.color)};border-color:${color(b.color)}`}, chip);
+    el("span", {}, chip, `${b.label}: ${fmt(b.value)}`);
+  }
+}
+
 function lineChart(card, spec) {
   const W = 460, H = 250, m = {l: 54, r: 14, t: 10, b: 34};
   const svg = el("svg:svg", {viewBox: `0 0 ${W} ${H}`}, card);
   const xs = spec.series.flatMap((s) => s.x), ys = spec.series.flatMap((s) => s.y.concat(s.smooth || []));
-  const {sx, sy} = frame(svg, W, H, m, extent(xs, 0), extent(ys.concat(spec.hlines.map((h) => h.y)), 0.05), spec);
+  const {sx, sy} = frame(svg, W, H, m, extent(xs, 0), shareAxis(extent(ys.concat(spec.hlines.map((h) => h.y)), 0.05), spec), spec);
+  if (spec.none) el("svg:text", {class: "none", x: (m.l + W - m.r) / 2, y: (m.t + H - m.b) / 2, "text-anchor": "middle"}, svg, spec.none);
   for (const h of spec.hlines) {
     el("svg:line", {x1: m.l, x2: W - m.r, y1: sy(h.y), y2: sy(h.y), stroke: "#888", "stroke-dasharray": "2 3"}, svg);
     el("svg:text", {x: W - m.r - 2, y: sy(h.y) - 3, "text-anchor": "end"}, svg, h.label);
@@ -159,7 +203,7 @@ function renderCharts() {
     const card = el("div", {class: "card chart", "data-id": spec.id, "data-kind": spec.kind}, grid);
     el("h3", {}, card, spec.title);
     el("div", {class: "note"}, card, spec.note || (spec.kind === "heatmap" ? `${spec.zlabel}; hover a cell for its value.` : ""));
-    ({line: lineChart, heatmap, scatter})[spec.kind](card, spec);
+    ({line: lineChart, bar: barChart, heatmap, scatter})[spec.kind](card, spec);
   }
   for (const g of document.querySelectorAll(".grid")) {
     if (!g.children.length) el("div", {class: "card"}, g, "").appendChild(el("div", {class: "empty"}, null, "No data logged for these charts."));
@@ -222,7 +266,8 @@ function setStep(step) {
   INS.step = step;
   const ins = DATA.runs[INS.run].inspector;
   const rs = step === null ? [] : ins.rollouts[String(step)];
-  fillSelect($("inspector-rollout"), rs.map((r, j) => [j, `#${j + 1} ${r.correct ? "✓" : "✗"} ${r.prompt.slice(0, 40)}`]), 0);
+  const mark = (r) => r.correct === null ? "·" : r.correct ? "✓" : "✗";  // null: no reference answer
+  fillSelect($("inspector-rollout"), rs.map((r, j) => [j, `#${j + 1} ${mark(r)} ${r.prompt.slice(0, 40)}`]), 0);
   setRollout(0);
 }
 
@@ -252,7 +297,8 @@ function renderHeader(r) {
   el("b", {}, p, r.outcome ? "Goal: " : "Prompt: ");
   el("span", {}, p, r.prompt);
   el("span", {class: "outcome", style: "margin-left:12px;color:var(--muted)"}, p,
-    r.outcome ? episodeOutcome(r.outcome) : `answer ${r.answer} · ${r.correct ? "✓ correct" : "✗ wrong"}`);
+    r.outcome ? episodeOutcome(r.outcome) : r.correct === null ? "no reference answer: not graded"
+      : `answer ${r.answer} · ${r.correct ? "✓ correct" : "✗ wrong"}`);
 }
 
 // Turn boundaries of an episode: a label where each turn starts, its reward where it ends.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from helpers import run_options
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -12,7 +13,7 @@ from opd.errors import UserError
 from opd.lab.demos.demo import make_demo_models, run_demo
 
 
-def test_make_demo_models_and_quick_demo(tmp_path):
+def test_make_demo_models_and_quick_demo(tmp_path, capsys):
     assets = tmp_path / "assets"
     made = make_demo_models(assets, quick=True)
     assert set(made) == {"teacher", "student"} and all(m["steps"] == 10 for m in made.values())
@@ -35,6 +36,10 @@ def test_make_demo_models_and_quick_demo(tmp_path):
     saved = json.loads((tmp_path / "demo" / "summary.json").read_text())
     assert saved == summary
     assert {"teacher_acc", "student_init_acc", "objectives"} <= set(saved)
+    # what the figures depend on besides the seeds, printed and kept: torch and the CPU kernels it picked
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert (saved["torch"], saved["cpu_capability"]) == (torch.__version__, capability)
+    assert f"CPU capability {capability}" in " ".join(capsys.readouterr().out.split())
     report = tmp_path / "demo" / "report"
     assert (report / "report.html").is_file()
     assert {p.name for p in (report / "charts").glob("scatter-*.png")} == {"scatter-sampled.png", "scatter-lsm.png"}

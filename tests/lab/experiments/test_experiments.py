@@ -26,12 +26,15 @@ from opd.lab.experiments.stats import (
     NOT_REPRODUCED,
     REPRODUCED,
     auroc,
+    benjamini_hochberg,
     equivalence,
     fit_power_law,
     mean_ci,
     noninferior,
     t975,
+    t_sf,
     verdict,
+    worst_p,
 )
 
 # ----------------------------------------------------------------------------- statistics
@@ -97,6 +100,77 @@ def test_verdict_rules():
     assert noninferior([-0.2, -0.21, -0.19], 0.05)[0] == NOT_REPRODUCED
     assert noninferior([-0.2, 0.1, 0.0], 0.05)[0] == INCONCLUSIVE
     assert noninferior([0.3], 0.05)[0] == INCONCLUSIVE  # one seed decides nothing
+
+
+def _t_sf_by_integration(t: float, df: int, steps: int = 20_000) -> float:
+    """P(T > t) by Simpson's rule over the t density, on u = atan(x) so the tail is finite."""
+    c = math.gamma((df + 1) / 2) / (math.sqrt(df * math.pi) * math.gamma(df / 2))
+    f = lambda u: c * (1 + math.tan(u) ** 2 / df) ** (-(df + 1) / 2) / math.cos(u) ** 2  # noqa: E731
+    a, b = math.atan(t), math.pi / 2 - 1e-9
+    h = (b - a) / steps
+    return h / 3 * sum((1 if i in (0, steps) else 4 if i % 2 else 2) * f(a + i * h) for i in range(steps + 1))
+
+
+@pytest.mark.parametrize("df", [1, 2, 3, 4, 7, 9, 30])
+def test_t_tail_matches_numerical_integration(df):
+    for t in (0.0, 0.4, 1.0, 2.5, 4.0, 11.0):
+        assert t_sf(t, df) == pytest.approx(_t_sf_by_integration(t, df), abs=1e-9)
+        assert t_sf(-t, df) == pytest.approx(1 - t_sf(t, df), abs=1e-12)
+    assert 2 * t_sf(t975(df), df) == pytest.approx(0.05, abs=1e-4)  # the table's quantiles, to its 3 digits
+
+
+def test_a_verdicts_p_is_below_alpha_exactly_when_its_interval_decides():
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.choice([3, 5, 10])
+        diffs = [rng.gauss(rng.uniform(-2, 2), rng.uniform(0.1, 3)) for _ in range(n)]
+        m = sum(diffs) / n
+        se = math.sqrt(sum((x - m) ** 2 for x in diffs) / (n - 1) / n)
+        for rule, margin, v, ci in (
+            ("verdict", 0.0, *verdict(diffs)),
+            ("noninferior", 0.5, *noninferior(diffs, 0.5)),
+            ("equivalence", 1.0, *equivalence(diffs, 1.0)),
+        ):
+            # the p of a one-sample t-test against the nearest boundary the rule decides at
+            bounds = {"verdict": [0.0], "noninferior": [-margin], "equivalence": [-margin, margin]}[rule]
+            t = min(abs(m - b) for b in bounds) / se
+            assert ci.p == pytest.approx(2 * _t_sf_by_integration(t, n - 1, 2000), abs=1e-6), rule
+            if abs(ci.p - 0.05) > 1e-3:  # away from the table's rounding of the quantile
+                assert (v != INCONCLUSIVE) == (ci.p < 0.05), (rule, diffs)
+    assert verdict([5.0])[1].p == 1.0  # one seed decides nothing
+    assert verdict([1.0, 1.0, 1.0])[1].p == 0.0 and verdict([0.0, 0.0])[1].p == 1.0  # no spread
+    assert math.isnan(mean_ci([1.0, 2.0]).p)  # a plain interval tests nothing
+
+
+def test_a_combined_verdict_takes_the_weakest_needed_part():
+    parts = [verdict(d) for d in ([1.0, 1.1, 0.9], [0.5, 0.7, 0.6], [1.0, -0.2, 0.6])]
+    cis, vs = [ci for _, ci in parts], [v for v, _ in parts]
+    assert vs == [REPRODUCED, REPRODUCED, INCONCLUSIVE]
+    assert worst_p(cis[:2], vs[:2]) == max(cis[0].p, cis[1].p)  # every part must hold: the largest p
+    against = verdict([-1.0, -1.1, -0.8])
+    assert worst_p([*cis, against[1]], [*vs, against[0]]) == against[1].p  # one part against decides it
+    assert worst_p(cis, vs) == cis[2].p  # inconclusive: the largest
+
+
+def _bh_by_definition(ps, q):
+    """The survivors as Benjamini and Hochberg (1995) define them: the k smallest p, k the largest rank
+    with p_(k) <= k q / m."""
+    m = len(ps)
+    ranked = sorted(ps)
+    k = max([i for i in range(1, m + 1) if ranked[i - 1] <= i * q / m], default=0)
+    return [p <= ranked[k - 1] if k else False for p in ps]
+
+
+def test_benjamini_hochberg_keeps_the_tests_its_definition_keeps():
+    assert benjamini_hochberg([0.01, 0.04, 0.03, 0.5]) == pytest.approx([0.04, 0.0533333, 0.0533333, 0.5])
+    rng = random.Random(1)
+    for _ in range(500):
+        ps = [rng.random() ** rng.choice([1, 3, 6]) for _ in range(rng.randint(1, 40))]
+        ps += ps[: rng.randint(0, 3)]  # ties
+        adjusted = benjamini_hochberg(ps)
+        for q in (0.05, 0.1):
+            assert [a <= q for a in adjusted] == _bh_by_definition(ps, q)
+        assert all(p - 1e-12 <= a <= 1 for p, a in zip(ps, adjusted))  # up to float rounding
 
 
 def test_curves_by_count_align_seeds_whose_tasks_took_other_steps(tmp_path):

@@ -32,7 +32,7 @@ from opd.config import SFTConfig, TrainConfig
 from opd.envs import Environment
 from opd.errors import UserError
 from opd.evaluation.game_eval import evaluate_agent
-from opd.lab.demos.demo import run_objectives, summary_table, train_models
+from opd.lab.demos.demo import machine_fields, machine_line, run_objectives, summary_table, train_models
 from opd.lab.demos.parallel import demo_workers
 from opd.models.loading import load_model, load_tokenizer, resolve_device
 from opd.models.tokenizer import train_tokenizer
@@ -249,6 +249,7 @@ def run_agentic_demo(out: Path, steps: int = 0, quick: bool = False, assets: Pat
     env = environment(quick)
     games = GameSet.build(env, "test")
     console.print(f"[bold]opd demo --agentic[/bold]: the teacher and the student play {len(games)} held-out games")
+    console.print(machine_line())
     teacher_res = _eval(assets / "teacher", games, tok, seed)
     student_res = _eval(assets / "student", games, tok, seed)
     base = opd_config(assets, seed, steps, quick, eval_size=len(games))
@@ -265,6 +266,7 @@ def run_agentic_demo(out: Path, steps: int = 0, quick: bool = False, assets: Pat
         "k": EVAL_SAMPLES,
         "objectives": results,
         "wall_s": round(time.time() - t0, 1),
+        **machine_fields(),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     title = (

@@ -25,6 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import cast
 
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -180,6 +181,7 @@ def run_demo(out: Path, steps: int = 200, quick: bool = False, assets: Path | No
     eval_size = 64 if quick else EVAL_SIZE
     prompts = PromptSet.build(task.examples("test")[:eval_size], tok, 256, "test prompts")
     console.print(f"[bold]opd demo[/bold]: evaluating the teacher and the student on {eval_size} test prompts")
+    console.print(machine_line())
     teacher_res = _eval(assets / "teacher", prompts, task, tok, seed)
     student_res = _eval(assets / "student", prompts, task, tok, seed)
     base = opd_config(assets, seed, steps, quick, eval_size=eval_size)
@@ -192,12 +194,29 @@ def run_demo(out: Path, steps: int = 200, quick: bool = False, assets: Path | No
         "eval_size": eval_size,
         "k": EVAL_SAMPLES,
         "objectives": results,
+        **machine_fields(),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     console.print(summary_table(summary))
     report = write_report([out / name for name in results], out / "report")
     console.print(f"report: {report}  (open it in a browser; the charts are also PNGs in {report.parent / PNG_DIR})")
     return summary
+
+
+def machine_fields() -> dict:
+    """What a demo's figures depend on besides its seeds and code: torch's version and the instruction set
+    of the CPU kernels it picked (its CPU capability). Kernels for another instruction set round floats
+    differently and 200 steps amplify it: the same commit prints other figures on another CPU, or with
+    ATEN_CPU_CAPABILITY set (the README's demo section has the sets measured)."""
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def machine_line() -> str:
+    m = machine_fields()
+    return (
+        f"torch {m['torch']}, CPU capability {m['cpu_capability']}: the figures depend on the CPU's kernels "
+        "(they repeat on this machine; another CPU may print others: the README's demo section)"
+    )
 
 
 def opd_config(assets: Path, seed: int = 0, steps: int = 200, quick: bool = False, **change) -> TrainConfig:

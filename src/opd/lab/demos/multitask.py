@@ -336,6 +336,7 @@ def run_multitask_demo(
         f"[bold]opd demo --multitask[/bold]: evaluating the teachers and the student on "
         f"{len(sets[MATH][0])} math prompts and {len(sets[GAME][0])} held-out games"
     )
+    console.print(demo.machine_line())
     workers = demo_workers()
     models = evaluate_models(assets, base, seed, workers, console)
     t0 = time.time()
@@ -346,6 +347,7 @@ def run_multitask_demo(
         "models": models,
         "objectives": results,
         "wall_s": round(time.time() - t0, 1),
+        **demo.machine_fields(),
     }
     console.print(summary_table(summary))
     report = write_report([out / name for name in results], out / "report")

@@ -107,6 +107,7 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
                 f"CI of the paired {metric} difference (S = 1 - S = 0) above -{100 * MARGIN:.0f} points",
                 verdict,
                 f"{ci.fmt(1, 100)} points",
+                ci.p,
             )
         )
     return a

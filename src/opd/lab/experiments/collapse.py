@@ -161,6 +161,7 @@ def confirmation(a: Analysis, s: Settings, remedy: str) -> None:
             f"CI of the paired difference ({remedy} - lsm) above 0",
             v,
             f"{ci.fmt(1, 100)} points",
+            ci.p,
         )
     )
     v, ci = noninferior([x - y for x, y in zip(scores[remedy], scores["lsm"], strict=True)], MARGIN)
@@ -171,6 +172,7 @@ def confirmation(a: Analysis, s: Settings, remedy: str) -> None:
             f"CI of the paired greedy-success difference ({remedy} - lsm) above -{100 * MARGIN:.0f} points",
             v,
             f"{ci.fmt(1, 100)} points",
+            ci.p,
         )
     )
 

@@ -202,14 +202,22 @@ def generate_batches(engine, prompt_ids: list[list[int]], seeds: list[int], batc
 
 
 def avg_at_k_claim(
-    a: Analysis, s: Settings, source: str, claim: str, hi: str, lo: str, hi_runs: list[str], lo_runs: list[str]
+    a: Analysis,
+    s: Settings,
+    source: str,
+    claim: str,
+    hi: str,
+    lo: str,
+    hi_runs: list[str],
+    lo_runs: list[str],
+    *,
+    by_construction: str = "",
 ) -> None:
     """Claim "hi beats lo": the verdict on the paired (same seed) differences of final avg@k."""
     diffs = [final_scores(s, hi)["avg_at_k"] - final_scores(s, lo)["avg_at_k"] for hi, lo in zip(hi_runs, lo_runs)]
     v, ci = verdict(diffs)
-    a.claims.append(
-        Claim(source, claim, f"CI of paired avg@k difference ({hi} - {lo}) above 0", v, f"{ci.fmt(1, 100)} points")
-    )
+    rule = f"CI of paired avg@k difference ({hi} - {lo}) above 0"
+    a.claims.append(Claim(source, claim, rule, v, f"{ci.fmt(1, 100)} points", ci.p, by_construction))
 
 
 def demo_models(

@@ -97,6 +97,10 @@ class Claim:
     rule: str
     verdict: str
     evidence: str
+    # the verdict's p-value (stats.with_p: the smallest alpha at which the (1 - alpha) interval gives it),
+    # for the false-discovery-rate correction over all claims; None where it was not recorded
+    p: float | None = None
+    by_construction: str = ""  # why the claim holds whatever the runs do (a test that cannot fail), if it does
 
 
 @dataclass
@@ -356,6 +360,8 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch_threads": torch.get_num_threads(),
+        # the CPU kernels torch picked (AVX512, AVX2, ...): float rounding, and so a run's figures, differ by it
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         # runs compute on the GPU when torch sees one (--device auto, every run's default)
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
@@ -404,6 +410,12 @@ def _md_table(t: dict) -> str:
     return "\n".join(lines)
 
 
+def claim_text(claim: dict) -> str:
+    """A claim as the tables show it: a claim true by construction says so, and why."""
+    why = claim.get("by_construction")
+    return f"{claim['claim']} (*true by construction*: {why})" if why else claim["claim"]
+
+
 def verdict_cell(res: dict, claim: dict) -> str:
     """The verdict as shown: a --quick run's verdict is marked, since a few steps decide nothing."""
     if res["quick"]:
@@ -437,7 +449,9 @@ def render_markdown(res: dict, plot_prefix: str = "") -> str:
         out += ["**Claims**", "", "| source | claim | rule | verdict | numbers |", "|---|---|---|---|---|"]
         out += [
             "| "
-            + " | ".join(md_cell(x) for x in (c["source"], c["claim"], c["rule"], verdict_cell(res, c), c["evidence"]))
+            + " | ".join(
+                md_cell(x) for x in (c["source"], claim_text(c), c["rule"], verdict_cell(res, c), c["evidence"])
+            )
             + " |"
             for c in res["claims"]
         ]

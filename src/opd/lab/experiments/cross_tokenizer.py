@@ -284,6 +284,7 @@ def _claims(a: Analysis, s: Settings) -> None:
             f"{RECOVERY_GOAL} above 0 (a seed where same-lsm gains nothing gives no ratio)",
             v,
             f"ratio {mean_ci(ratios).fmt(2)}",
+            ci.p,
         )
     )
     runs = lambda v: [f"{v}/seed{k}" for k in seeds]

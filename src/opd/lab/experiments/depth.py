@@ -33,6 +33,7 @@ from opd.lab.experiments.stats import auroc, mean_ci, verdict
 from opd.rollout.prompt_set import PromptSet, load_task
 from opd.runs.progress import progress_bar
 from opd.tasks.grading import grade
+from opd.tasks.task import reference_of
 from opd.teachers.scoring import HFTeacher
 
 BUCKET = 4  # tokens per depth bucket
@@ -79,7 +80,7 @@ def measure(p: dict, run_dir: Path) -> dict:
             rows.append(
                 {
                     "prompt": ex_i,
-                    "correct": grade(texts[r], examples[ex_i].answer),
+                    "correct": grade(texts[r], reference_of(examples[ex_i])),
                     "ids": batch.response_ids_NT[r, :n].tolist(),
                     "reward": (q[r, :n] - batch.logprobs_NT[r, :n]).tolist(),
                 }
@@ -88,7 +89,7 @@ def measure(p: dict, run_dir: Path) -> dict:
     with progress_bar("depth: continuations", total=len(p["depths"])) as bar:
         for d in p["depths"]:
             jobs = [
-                (prompts.prompt_ids[r["prompt"]], r["ids"][:d], examples[r["prompt"]].answer)
+                (prompts.prompt_ids[r["prompt"]], r["ids"][:d], reference_of(examples[r["prompt"]]))
                 for r in rows
                 if len(r["ids"]) > d
                 for _ in range(p["continuations"])
@@ -270,6 +271,7 @@ def _claims(a, s, buckets, n_b, depths, adv, summed) -> None:
             f"CI of (mean AUROC of the first {half} buckets - mean AUROC of the rest), paired by seed, above 0",
             v,
             ci.fmt(3),
+            ci.p,
         )
     )
     if len(depths) >= 2:
@@ -281,6 +283,7 @@ def _claims(a, s, buckets, n_b, depths, adv, summed) -> None:
                 "CI of minus the least-squares slope of advantage against d above 0",
                 v,
                 f"slope {(-ci.mean):.4f} per token (CI of minus slope {ci.fmt(4)})",
+                ci.p,
             )
         )
     v, ci = verdict([x - 0.5 for x in summed])
@@ -291,6 +294,7 @@ def _claims(a, s, buckets, n_b, depths, adv, summed) -> None:
             "CI of AUROC - 0.5 above 0",
             v,
             f"AUROC {mean_ci(summed).fmt(3)}",
+            ci.p,
         )
     )
 

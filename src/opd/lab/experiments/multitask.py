@@ -185,13 +185,13 @@ def format_table(a: Analysis, s: Settings, variants: list[str]) -> None:
 def better(a: Analysis, s: Settings, source: str, claim: str, task: str, hi: str, lo: str) -> None:
     v, ci = verdict(diffs(s, task, hi, lo))
     rule = f"CI of paired {task} avg@k difference ({hi} - {lo}) above 0"
-    a.claims.append(Claim(source, claim, rule, v, f"{ci.fmt(1, 100)} points"))
+    a.claims.append(Claim(source, claim, rule, v, f"{ci.fmt(1, 100)} points", ci.p))
 
 
 def close(a: Analysis, s: Settings, source: str, claim: str, task: str, hi: str, lo: str) -> None:
     v, ci = equivalence(diffs(s, task, hi, lo), MARGIN)
     rule = f"CI of paired {task} avg@k difference ({hi} - {lo}) inside +-{MARGIN * 100:g} points"
-    a.claims.append(Claim(source, claim, rule, v, f"{ci.fmt(1, 100)} points"))
+    a.claims.append(Claim(source, claim, rule, v, f"{ci.fmt(1, 100)} points", ci.p))
 
 
 def _claims(a: Analysis, s: Settings) -> None:
@@ -223,6 +223,7 @@ def _claims(a: Analysis, s: Settings) -> None:
             "CI of the paired difference of the two math avg@k gaps (lsm - lsm-student-topk, two tasks minus one) above 0",
             v,
             f"{ci.fmt(1, 100)} points",
+            ci.p,
         )
     )
     within = f"within +-{MARGIN * 100:g} points of"

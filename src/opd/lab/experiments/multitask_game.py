@@ -63,7 +63,7 @@ def at_least(a: Analysis, s: Settings, claim: str, task: str, hi: str, lo: str, 
     """A claim that ``hi`` ends at least ``points`` of greedy score above ``lo`` on ``task`` (paired)."""
     v, ci = noninferior(greedy_diffs(s, task, hi, lo), -points)
     rule = f"CI of paired {task} greedy difference ({hi} - {lo}) above {points * 100:g} points"
-    a.claims.append(Claim(SOURCE, claim, rule, v, f"{ci.fmt(1, 100)} points"))
+    a.claims.append(Claim(SOURCE, claim, rule, v, f"{ci.fmt(1, 100)} points", ci.p))
 
 
 def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:

@@ -166,7 +166,7 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
         v, ci = judge(paired, margin)
         bound = f"inside +-{margin * 100:g}" if judge is equivalence else f"above -{margin * 100:g}"
         rule = f"CI of paired avg@k difference ({hi} - {lo}) {bound} points"
-        a.claims.append(Claim("issue 30 (tail bucket)", claim, rule, v, f"{ci.fmt(1, 100)} points"))
+        a.claims.append(Claim("issue 30 (tail bucket)", claim, rule, v, f"{ci.fmt(1, 100)} points", ci.p))
     a.notes.append(
         "The student's row is its evaluation before any OPD with each seed's sampling; every other row is a "
         "run's own final evaluation on the same held-out prompts and games."
@@ -217,7 +217,7 @@ def _claims(a: Analysis, s: Settings) -> None:
                 f"CI of paired (start - end) share of game actions with a format token ({variant}) above "
                 f"-{FORMAT_MARGIN * 100:g} points"
             )
-        a.claims.append(Claim(src, claim, rule, v, f"{ci.fmt(1, 100)} points"))
+        a.claims.append(Claim(src, claim, rule, v, f"{ci.fmt(1, 100)} points", ci.p))
     v, ci = noninferior(diffs(s, GAME, "lsm-tail", STUDENT), MARGIN)
     a.claims.append(
         Claim(
@@ -227,6 +227,7 @@ def _claims(a: Analysis, s: Settings) -> None:
             f"CI of paired {GAME} avg@k difference (lsm-tail - student) above -{MARGIN * 100:g} points",
             v,
             f"{ci.fmt(1, 100)} points",
+            ci.p,
         )
     )
     better(a, s, src, "(f) on the game, LSM with the tail beats LSM without", GAME, "lsm-tail", "lsm")

@@ -128,7 +128,8 @@ def _claims(a: Analysis, s: Settings, before: dict, teacher: dict) -> None:
         a,
         s,
         SOURCE,
-        "a teacher with new knowledge distils better than a higher-scoring same-pipeline teacher",
+        "a teacher with new knowledge distils better than a same-pipeline teacher (the student's kind of data at "
+        "a larger scale)",
         NEW,
         SAME,
         runs(s, NEW),
@@ -143,6 +144,7 @@ def _claims(a: Analysis, s: Settings, before: dict, teacher: dict) -> None:
             f"CI of the paired difference in gap recovery on avg@{EVAL_SAMPLES} ({NEW} - {SAME}) above 0",
             v,
             f"{ci.fmt(2)} ({NEW} {mean_ci(new).fmt(2)}, {SAME} {mean_ci(same).fmt(2)})",
+            ci.p,
         )
     )
 

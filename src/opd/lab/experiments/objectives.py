@@ -60,6 +60,13 @@ SECOND_LR = ("sampled", "lsm", "lsm-no-renorm", "full-kl")
 QUICK_VARIANTS = ("sampled", "sampled+mask", "lsm", "lsm-no-renorm", "full-kl", "off-policy-sft", "sft-continue")
 STEPS, BATCH = 100, 32
 MARGIN = 0.03  # equivalence margin for "performs the same" claims: 3 accuracy points
+# Why "top-4 beats top-1" cannot fail here: renormalized over a one-token support, student and teacher
+# both put probability 1 on it, so the loss and its gradient are 0 at every step and a K = 1 run ends
+# as the student it started from (its logged grad norm is 0.0); the claim only asks whether top-4 moves it.
+K1_NEVER_MOVES = (
+    "over a one-token support student and teacher both renormalize to 1, so the loss and its gradient are 0 "
+    "and the K = 1 run stays the untrained student"
+)
 
 
 def run_name(variant: str, lr: float, seed: int) -> str:
@@ -177,7 +184,9 @@ def _has(s: Settings, *variants: str, lr: float = LRS[0]) -> bool:
     return all((v, lr) in _grid(s.quick) for v in variants)
 
 
-def _better(a: Analysis, s: Settings, source: str, claim: str, hi: str, lo: str, lrs=LRS) -> None:
+def _better(
+    a: Analysis, s: Settings, source: str, claim: str, hi: str, lo: str, lrs=LRS, by_construction: str = ""
+) -> None:
     for lr in lrs:
         if not _has(s, hi, lo, lr=lr):
             continue
@@ -189,6 +198,7 @@ def _better(a: Analysis, s: Settings, source: str, claim: str, hi: str, lo: str,
             hi,
             lo,
             *([run_name(v, lr, k) for k in range(s.seeds)] for v in (hi, lo)),
+            by_construction=by_construction,
         )
 
 
@@ -218,6 +228,7 @@ def _claims(a: Analysis, s: Settings) -> None:
         "lsm-k4",
         "lsm-k1",
         (lr,),
+        by_construction=K1_NEVER_MOVES,
     )
     _better(
         a,
@@ -236,6 +247,7 @@ def _claims(a: Analysis, s: Settings) -> None:
                 f"CI of paired avg@k difference inside +-{MARGIN * 100:g} points",
                 v,
                 f"{ci.fmt(1, 100)} points",
+                ci.p,
             )
         )
     if _has(s, "student-topk"):
@@ -247,6 +259,7 @@ def _claims(a: Analysis, s: Settings) -> None:
                 f"CI of paired avg@k difference inside +-{MARGIN * 100:g} points",
                 v,
                 f"{ci.fmt(1, 100)} points",
+                ci.p,
             )
         )
     _student_k_claims(a, s)
@@ -262,6 +275,7 @@ def _claims(a: Analysis, s: Settings) -> None:
                 f"{ci.fmt(2)}; entropy at the end "
                 f"{mean_ci([y['entropy_end'] for y in raw]).fmt(2)} without vs "
                 f"{mean_ci([x['entropy_end'] for x in lsm]).fmt(2)} with renormalization",
+                ci.p,
             )
         )
     for metric, label in (
@@ -277,6 +291,7 @@ def _claims(a: Analysis, s: Settings) -> None:
                 "CI of paired difference (sampled - lsm) above 0",
                 v,
                 ci.fmt(3),
+                ci.p,
             )
         )
 
@@ -293,6 +308,7 @@ def _student_k_claims(a: Analysis, s: Settings) -> None:
                 f"CI of paired avg@k difference (sampled - student-topk-k{k}) inside +-{MARGIN * 100:g} points",
                 v,
                 f"{ci.fmt(1, 100)} points",
+                ci.p,
             )
         )
     if _has(s, "student-topk-k1", "student-topk-k4"):
@@ -304,6 +320,7 @@ def _student_k_claims(a: Analysis, s: Settings) -> None:
             "student-topk-k4",
             "student-topk-k1",
             (lr,),
+            by_construction=K1_NEVER_MOVES,
         )
 
 

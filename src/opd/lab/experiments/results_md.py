@@ -5,8 +5,10 @@ from the copy kept beside the document (``docs/results/NAME/results.json``), pre
 full-size result over a ``--quick`` one (a quick result is labelled as such); copies the plots,
 the results.json and the run data (``data.json``) to ``docs/results/NAME/`` and writes one
 document: a summary of every claim's verdict, then each experiment's tables, plots, wall time,
-machine and the command that made it. Where the run data is there, the tables, claims and notes are
-not copied from results.json but recomputed: the experiment's analysis runs again on the data
+machine and the command that made it. The summary also gives each verdict's p-value and says which
+decided verdicts survive a Benjamini-Hochberg false-discovery-rate correction over all claims
+(:data:`FDR_Q`). Where the run data is there, the tables, claims and notes are not copied from
+results.json but recomputed: the experiment's analysis runs again on the data
 (:mod:`opd.lab.experiments.rundata`), so every interval and verdict follows from committed numbers.
 An experiment with no results.json anywhere (or only a quick one, where the document holds a full
 result) keeps its summary rows and section from the document as it was (documents written before
@@ -25,8 +27,20 @@ from typing import cast
 
 from opd.errors import UserError
 from opd.lab.experiments import NAMES, get_experiment
-from opd.lab.experiments.core import DATA, Settings, machine_words, md_cell, render_markdown, verdict_cell
+from opd.lab.experiments.core import (
+    DATA,
+    Settings,
+    claim_text,
+    machine_words,
+    md_cell,
+    render_markdown,
+    verdict_cell,
+)
 from opd.lab.experiments.rundata import RunData
+from opd.lab.experiments.stats import INCONCLUSIVE, benjamini_hochberg
+
+FDR_Q = 0.05  # the false-discovery rate the summary's correction controls
+SUMMARY_HEAD = f"| experiment | size | seeds | source | claim | verdict | numbers | p | after BH (q = {FDR_Q:g}) |"
 
 
 def _pick(dirs: list[Path], name: str) -> dict | None:
@@ -60,6 +74,60 @@ def _kept(doc: Path) -> dict[str, tuple[list[str], str]]:
         if rows and match:
             kept[name] = rows, match.group(0).rstrip("\n") + "\n"
     return kept
+
+
+def _p_cell(p: float | None) -> str:
+    return "-" if p is None else ("<0.001" if p < 0.001 else f"{p:.3f}")
+
+
+def _summary(rows: list[dict]) -> list[str]:
+    """The summary table: each claim's row, its p and whether a decided verdict survives the
+    Benjamini-Hochberg correction over every full-size claim with a p (the family), then what that says.
+
+    A row is {"cells": the first seven cells, "p": float or None, "decided": bool, "quick": bool,
+    "by_construction": bool}."""
+    family = [i for i, r in enumerate(rows) if r["p"] is not None and not r["quick"]]
+    adjusted = dict(zip(family, benjamini_hochberg([rows[i]["p"] for i in family]), strict=True))
+    lines = [SUMMARY_HEAD, "|" + "---|" * 9]
+    for i, r in enumerate(rows):
+        if i not in adjusted or not r["decided"]:
+            after = "-"
+        else:
+            after = f"{'survives' if adjusted[i] <= FDR_Q else 'does not survive'} (adjusted p {_p_cell(adjusted[i])})"
+        lines.append("| " + " | ".join(map(md_cell, [*r["cells"], _p_cell(r["p"]), after])) + " |")
+    decided = [i for i in family if rows[i]["decided"]]
+    survive = sum(adjusted[i] <= FDR_Q for i in decided)
+    by_construction = sum(r["by_construction"] for r in rows)
+    return [
+        *lines,
+        "",
+        f"**Many claims at once.** Each verdict above reads its own 95% interval; with {len(rows)} claims some "
+        "decided verdicts are expected by chance alone. *p* is a verdict's p-value: the smallest alpha at which "
+        "the (1 - alpha) t-interval still gives that verdict (a decided verdict has p < 0.05; a verdict combined "
+        "from several intervals takes the weakest needed part's). *After BH* applies the Benjamini-Hochberg "
+        f"false-discovery-rate correction at q = {FDR_Q:g} over all {len(family)} full-size claims with a p "
+        "(inconclusive ones and those true by construction included): rank the p-values, find the largest rank i "
+        f"with p_(i) <= i q / {len(family)}, and the decided verdicts ranked at or before it survive (adjusted p <= "
+        f"q). {survive} of the {len(decided)} decided verdicts survive; the other {len(decided) - survive} hold at "
+        f"95% on their own but not once the number of claims is allowed for. {by_construction} claims are *true "
+        "by construction* (marked in the claim): they hold whatever the runs do and test nothing.",
+        "",
+    ]
+
+
+def _kept_row(line: str) -> dict:
+    """A summary row kept from the document, its p read back (rows written before the p column have none)."""
+    cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+    p = None
+    if len(cells) == 9 and cells[7] not in ("-", ""):
+        p = 0.0 if cells[7] == "<0.001" else float(cells[7])
+    return {
+        "cells": cells[:7],
+        "p": p,
+        "decided": INCONCLUSIVE not in cells[5],
+        "quick": "quick" in cells[1],
+        "by_construction": "*true by construction*" in cells[4],
+    }
 
 
 def _section_wall_and_machine(section: str) -> tuple[float, str]:
@@ -103,12 +171,12 @@ def build_results_md(dirs: list[Path], doc: Path, log=print) -> Path:
     }
     if not any(picked.values()) and not kept:
         raise UserError(f"no experiment results under {', '.join(map(str, dirs))}; run `opd experiment NAME` first")
-    summary = ["| experiment | size | seeds | source | claim | verdict | numbers |", "|---|---|---|---|---|---|---|"]
+    summary: list[dict] = []
     sections, wall, machines = [], 0.0, set()
     for name, res in picked.items():
         if name in kept:
             rows, section = kept[name]
-            summary += rows
+            summary += [_kept_row(row) for row in rows]
             sections.append(section)
             minutes, machine = _section_wall_and_machine(section)
             wall += minutes
@@ -125,8 +193,16 @@ def build_results_md(dirs: list[Path], doc: Path, log=print) -> Path:
         else:
             log(f"{name}: no {DATA} (run before run data was kept): tables as its results.json holds them")
         for c in res["claims"]:
-            cells = (name, size, res["seeds"], c["source"], c["claim"], verdict_cell(res, c), c["evidence"])
-            summary.append("| " + " | ".join(map(md_cell, cells)) + " |")
+            cells = [name, size, res["seeds"], c["source"], claim_text(c), verdict_cell(res, c), c["evidence"]]
+            summary.append(
+                {
+                    "cells": cells,
+                    "p": c.get("p"),
+                    "decided": c["verdict"] != INCONCLUSIVE,
+                    "quick": bool(res["quick"]),
+                    "by_construction": bool(c.get("by_construction")),
+                }
+            )
         sections.append(
             f"## {res['title']}\n\nMade with `{res['command']}`.\n\n"
             + render_markdown(res, plot_prefix=f"results/{name}/")
@@ -147,8 +223,7 @@ def build_results_md(dirs: list[Path], doc: Path, log=print) -> Path:
         "",
         "## Summary of verdicts",
         "",
-        *summary,
-        "",
+        *_summary(summary),
     ]
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text("\n".join(head) + "\n" + "\n".join(sections))

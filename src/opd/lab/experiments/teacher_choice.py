@@ -187,6 +187,7 @@ def _overlap_mass_claim(a: Analysis, last) -> None:
             "compatible teacher, above 0 (below 0: not reproduced)",
             v,
             f"student {mean_ci(student).fmt(3)}, teacher {mean_ci(teacher).fmt(3)}; min - {OVERLAP_MASS}: {ci.fmt(3)}",
+            ci.p,
         )
     )
 
@@ -198,7 +199,7 @@ def _claims(a: Analysis, s: Settings, recs: dict) -> None:
 
     def claim(text: str, rule: str, diffs: list[float]) -> None:
         v, ci = verdict(diffs)
-        a.claims.append(Claim("2604.13016", text, rule, v, ci.fmt(3)))
+        a.claims.append(Claim("2604.13016", text, rule, v, ci.fmt(3), ci.p))
 
     runs = lambda c: [f"{c}/seed{k}" for k in seeds]
     avg_at_k_claim(

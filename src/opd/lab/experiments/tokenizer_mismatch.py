@@ -267,6 +267,7 @@ def _claims(a: Analysis, s: Settings, probes: list[dict]) -> None:
             "CI of the paired drop in mean reward at special positions (matched - mismatched teacher) above 0",
             v,
             ci.fmt(3),
+            ci.p,
         )
     )
     v, ci = verdict(
@@ -283,6 +284,7 @@ def _claims(a: Analysis, s: Settings, probes: list[dict]) -> None:
             "CI of (drop at special) - (drop at other positions) above 0",
             v,
             ci.fmt(3),
+            ci.p,
         )
     )
     for hi, lo, text in (

@@ -30,7 +30,15 @@ import torch
 
 from opd.lab.experiments.core import Analysis, Claim, Experiment, RunSpec, Settings, read_run_file
 from opd.lab.experiments.plots import line_plot
-from opd.lab.experiments.stats import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, fit_power_law, mean_ci, verdict
+from opd.lab.experiments.stats import (
+    INCONCLUSIVE,
+    NOT_REPRODUCED,
+    REPRODUCED,
+    fit_power_law,
+    mean_ci,
+    verdict,
+    worst_p,
+)
 from opd.losses import sampled_token_advantages, sampled_token_pg_loss
 
 GAMMAS = (0.0, 0.5, 0.9, 1.0)
@@ -352,6 +360,7 @@ def _claims(a: Analysis, s: Settings, runs, expo, p) -> None:
             "95% CI of log10(var gamma=1 / var gamma=0), paired by seed, above 0 at every measured iteration",
             _all([v for v, _ in per_point.values()]),
             f"mean gap {mean_orders:.2f} orders of magnitude; smallest at iter {worst[0]}: {worst[1][1].fmt(2)}",
+            worst_p([ci for _, ci in per_point.values()], [v for v, _ in per_point.values()]),
         )
     )
     mono = []
@@ -368,10 +377,11 @@ def _claims(a: Analysis, s: Settings, runs, expo, p) -> None:
             "each step up in gamma: CI of the paired log10 variance ratio at initialisation above 0",
             _all([m[2] for m in mono]),
             "; ".join(f"{lo}->{hi}: {ci.fmt(2)}" for lo, hi, _, ci in mono),
+            worst_p([m[3] for m in mono], [m[2] for m in mono]),
         )
     )
     for g, bound in ((0.0, 2.0), (1.0, 4.0)):
-        v, _ = verdict([bound - e for e in expo[g]])  # the module's one rule, on "bound > exponent"
+        v, tested = verdict([bound - e for e in expo[g]])  # the module's one rule, on "bound > exponent"
         a.claims.append(
             Claim(
                 "2603.25562 Sec. 3 (bounds)",
@@ -380,6 +390,7 @@ def _claims(a: Analysis, s: Settings, runs, expo, p) -> None:
                 f"reproduced; T in {p['horizons']})",
                 v,
                 f"exponent {mean_ci(expo[g]).fmt(2)}",
+                tested.p,
             )
         )
     v, ci = verdict([b1 - b0 for b1, b0 in zip(expo[1.0], expo[0.0])])
@@ -390,6 +401,7 @@ def _claims(a: Analysis, s: Settings, runs, expo, p) -> None:
             "CI of the paired exponent difference (gamma=1 minus gamma=0) above 0",
             v,
             f"difference {ci.fmt(2)}",
+            ci.p,
         )
     )
     for lr, train_lr in runs.items():
@@ -402,6 +414,7 @@ def _claims(a: Analysis, s: Settings, runs, expo, p) -> None:
                 "CI of the paired difference in final exact KL (gamma=1 minus gamma=0) above 0",
                 v,
                 f"final KL difference {ci.fmt(4)}",
+                ci.p,
             )
         )
         r1, r0 = (mean_ci([_rises(train_lr, g, k) for k in seeds]) for g in (1.0, 0.0))

@@ -93,6 +93,7 @@ def analyze(s: Settings, specs: list[RunSpec]) -> Analysis:
             f"CI of the paired greedy-accuracy difference (vllm - hf) inside ±{100 * MARGIN:.0f} points",
             verdict,
             f"{ci.fmt(1, 100)} points",
+            ci.p,
         )
     )
     games = {e: final_scores(s, agentic_run(e)) for e in ENGINES}
