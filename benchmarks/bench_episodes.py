@@ -8,8 +8,9 @@ ALFWorld level-1 training games (``batch`` of those after the 100 the student cl
 limits (prompt 180, episode 320 and turn 16 tokens, the level's 12 turns) and sampling (T 1,
 top-p 0.9); the environment is included in every time. Rows:
 
-  kv              opd's engine (:class:`opd.rollout.episodes.EpisodeRollout`): the game's reply is
-                  appended to the KV cache, the games step in this process
+  kv              opd's episode loop (:class:`opd.rollout.episodes.EpisodeRollout`) on its HF engine's
+                  sessions (:class:`opd.rollout.sampling.HFSession`): the game's reply is appended
+                  to the KV cache, the games step in this process
   re-encode       the same episodes, but every turn re-runs the model over the whole history
                   (prompt, every action and reply so far) and samples the next action from that
                   fresh cache: what a trainer that calls ``generate`` on the transcript each turn
@@ -52,31 +53,48 @@ import torch
 
 from opd.envs.workers import EnvWorkers
 from opd.lab.demos.agentic import ASSETS, ENV, LEVEL, LIMITS, STUDENT_GAMES, TOP_P, env_args
+from opd.lab.experiments.core import machine_info, source_commit
 from opd.models.loading import load_model, load_tokenizer
 from opd.rollout.episodes import EpisodeRollout
 from opd.rollout.game_set import make_env
-from opd.rollout.sampling import left_pad, prefill
+from opd.rollout.sampling import HFRollout, HFSession, left_pad, prefill
 
 RESULTS = Path(__file__).parent / "results"
 PROJECT_EPISODES, PROJECT_CORES = 128, 16
 FIRST_GAME = STUDENT_GAMES  # the training games after those the student cloned: what OPD's steps mostly play
 
 
-class ReencodeRollout(EpisodeRollout):
+class ReencodeSession(HFSession):
     """The comparison mode: after each turn, the model re-reads every playing episode's whole
-    history instead of appending the game's reply to its cache (the reply is already in the
-    episode's tokens when ``_feed_replies`` is called)."""
+    history (its prompt, turns and replies) instead of appending the game's reply to its cache."""
 
-    def _play(self, episodes, *args):
-        self._episodes = episodes
-        return super()._play(episodes, *args)
+    def __init__(self, engine, prompts, seeds, budget, sampling):
+        super().__init__(engine, prompts, seeds, budget, sampling)
+        self.history = [list(p) for p in prompts]
 
-    def _feed_replies(self, state, replies) -> None:
-        rows = state.rows_R.tolist()
-        ids, attn = left_pad([self._episodes[i].prompt + self._episodes[i].tokens for i in rows], self.pad_id)
-        out, positions = prefill(self.model, ids.to(state.rows_R.device), attn.to(state.rows_R.device))
-        state.cache, state.attn_RL = out.cache, attn.to(state.rows_R.device)
+    def turn(self, caps, written) -> None:
+        def kept(done):
+            for i, sample in done:
+                self.history[i] += sample.ids
+            written(done)
+
+        super().turn(caps, kept)
+
+    def extend(self, tokens) -> None:
+        for i, ids in tokens.items():
+            self.history[i] += ids
+        state, dev = self.state, self.state.rows_R.device
+        ids, attn = left_pad([self.history[i] for i in state.rows_R.tolist()], self.pad_id)
+        out, positions = prefill(self.model, ids.to(dev), attn.to(dev))
+        state.cache, state.attn_RL = out.cache, attn.to(dev)
         state.next_pos_R, state.logits_RV = positions[:, -1] + 1, out.logits[:, -1]
+
+
+class ReencodeEngine(HFRollout):
+    """opd's HF engine with :class:`ReencodeSession` episodes."""
+
+    def episodes(self, prompts, seeds, *, budget, sampling):
+        return ReencodeSession(self, prompts, seeds, budget, sampling)
 
 
 class Timed:
@@ -129,7 +147,8 @@ def run_batch(model, tok, env, batch: int, workers: list[int], rounds: int) -> d
     games = env.games("train")[FIRST_GAME : FIRST_GAME + batch]
     for g in games:  # generated (first time on this machine) and their engines' caches warm, outside the timings
         env.open(g).close()
-    kv, reencode = EpisodeRollout(model, tok), ReencodeRollout(model, tok)
+    kv = EpisodeRollout(model, tok)
+    reencode = EpisodeRollout(ReencodeEngine(model, tok.eos_token_id, tok.pad_token_id), tok)
     timed = Timed(env)
     pools, started = {}, {}
     for w in workers:
@@ -273,6 +292,8 @@ def main() -> None:
         "python": platform.python_version(),
         "loadavg_start_end": [load0, os.getloadavg()],
         "shared_machine": "the machine may run other work: compare rows of one batch, and read load1",
+        "commit": source_commit(),
+        "machine": machine_info(),
         "batches": batches,
     }
     result["projection"] = projection(result)

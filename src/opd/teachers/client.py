@@ -7,7 +7,8 @@ followed by its response, and the answer's entry at position ``p + t`` (p = that
 length) gives response token t's teacher top-K and the teacher's log-prob of the sampled token.
 Rollouts go in several requests at once, so the server can batch them. A server that stops
 answering (refused or reset connections, timeouts, answers cut short, 5xx) is waited for, with
-capped exponential backoff, for up to ``--teacher-wait`` seconds (:class:`Patience`): a restart
+capped exponential backoff, for up to ``--teacher-wait`` seconds (:class:`~opd.service.Patience` of
+:class:`~opd.service.Client`, the HTTP client the vLLM rollout engine uses too): a restart
 is waited out, at startup too (a trainer launched before its server), and a server that stays
 down raises :class:`~opd.teachers.scoring.TeacherUnavailable`, on which the trainer checkpoints the last
 completed step before it stops. A 4xx answer (408 and 429 aside) is the request's fault: an
@@ -36,29 +37,24 @@ variable) goes in every request as ``Authorization: Bearer KEY``, as vLLM's ``--
 from __future__ import annotations
 
 import hashlib
-import http.client
-import itertools
 import json
-import os
-import sys
-import threading
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import cast
 
 import torch
 
+from opd.chat import render_chat
 from opd.errors import UserError
 from opd.objectives import SERVED_GIVES, usable_with
-from opd.rollout.sampling import RolloutBatch
+from opd.rollout.engine import RolloutBatch
+from opd.service import TEACHER_KEY_ENV, Client, Patience, stderr_line
 from opd.teachers import wire
 from opd.teachers.scoring import TeacherScores, TeacherUnavailable, filler_scores
 
+__all__ = ["HTTPTeacher", "Patience", "probe_texts", "vocab_info"]
+
 SERVED_OBJECTIVES = usable_with(SERVED_GIVES)
-API_KEY_ENV = "OPD_TEACHER_API_KEY"
+API_KEY_ENV = TEACHER_KEY_ENV
 KEY_HINT = f"set the server's key in the environment variable {API_KEY_ENV} (or --teacher-api-key)"
 
 
@@ -67,78 +63,6 @@ def vocab_info(tokenizer, head_rows: int) -> dict:
     items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     digest = hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()
     return {"tokens": len(items), "head_rows": int(head_rows), "sha256": digest}
-
-
-def _stderr(line: str) -> None:
-    # every rank of a torchrun/accelerate launch waits on its own: say which one speaks
-    rank = f"rank {os.environ.get('RANK')}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-    print(rank + line, file=sys.stderr, flush=True)
-
-
-class Patience:
-    """How the client waits for a server that stopped answering.
-
-    A failed request is tried again after ``backoff`` seconds, doubling up to ``max_backoff``, until
-    ``wait`` seconds have passed since its first failure (or after ``retries`` retries, when given);
-    the last try lands on the deadline. One line goes to ``log`` when the server goes down, one every
-    ``log_every`` seconds while it stays down, one when it is back: the client's request threads
-    share them, so an outage reads as one story, not one per thread. ``clock`` and ``sleep`` are
-    injectable so that tests need not wait.
-    """
-
-    def __init__(
-        self,
-        url: str,
-        wait: float = 600.0,
-        retries: int | None = None,
-        *,
-        backoff: float = 0.5,
-        max_backoff: float = 15.0,
-        log_every: float = 30.0,
-        clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
-        log: Callable[[str], None] = _stderr,
-    ):
-        self.url, self.wait, self.retries = url, wait, retries
-        self.backoff, self.max_backoff, self.log_every = backoff, max_backoff, log_every
-        self.clock, self.sleep, self.log = clock, sleep, log
-        self._lock = threading.Lock()
-        self._down_since: float | None = None
-        self._next_log = 0.0
-
-    def retry(self, attempt: int, first_failure: float, reason: str) -> bool:
-        """After failed try ``attempt`` (0: the first) of a request that first failed at ``first_failure``
-        (a ``clock()`` time): sleep and say True to try again, or say False once patience is spent."""
-        now = self.clock()
-        left = self.wait - (now - first_failure)
-        if left <= 0 or (self.retries is not None and attempt >= self.retries):
-            return False
-        with self._lock:
-            if self._down_since is None:
-                self._down_since, self._next_log = now, now + self.log_every
-                self.log(
-                    f"teacher server {self.url} unreachable ({reason}); waiting up to {self.wait:g} s (--teacher-wait)"
-                )
-            elif now >= self._next_log:
-                self._next_log = now + self.log_every
-                self.log(
-                    f"teacher server {self.url} unreachable ({reason}); waiting, "
-                    f"{now - self._down_since:.0f} s of {self.wait:g} s"
-                )
-        self.sleep(min(self.backoff * 2**attempt, self.max_backoff, left))
-        return True
-
-    def answered(self) -> None:
-        """The server answered a request: back, if it was down."""
-        with self._lock:
-            if self._down_since is not None:
-                self.log(f"teacher server {self.url} is back after {self.clock() - self._down_since:.0f} s")
-                self._down_since = None
-
-    def spent(self, attempts: int) -> str:
-        """The option that ran out after ``attempts`` tries, to name in the error."""
-        capped = self.retries is not None and attempts > self.retries
-        return f"--teacher-retries {self.retries}" if capped else f"--teacher-wait {self.wait:g}"
 
 
 class HTTPTeacher:
@@ -163,111 +87,31 @@ class HTTPTeacher:
         api_key: str = "",
         **patience,
     ):
-        if not url.startswith(("http://", "https://")):
-            raise UserError(f"--teacher-url {url!r} must start with http:// or https:// (e.g. http://127.0.0.1:8000)")
-        self.url = url.rstrip("/").removesuffix("/v1")
-        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.vocab_rows = vocab_rows
-        self.timeout, self.patience = timeout, Patience(self.url, **patience)
+        self.client = _TeacherClient(
+            url,
+            "--teacher-url",
+            key=api_key,
+            timeout=timeout,
+            timeout_option="--teacher-timeout",
+            patience=Patience(url, **patience),
+        )
+        self.url, self.vocab_rows, self.patience = self.client.url, vocab_rows, self.client.patience
         self.prompts_per_request, self.concurrency = prompts_per_request, concurrency
-        models = self._request("GET", "/v1/models")
-        try:
-            self.model_name = models["data"][0]["id"]
-        except (KeyError, IndexError, TypeError):
-            raise UserError(
-                f"{self.url}/v1/models did not list a model; is --teacher-url an OpenAI-compatible server?"
-            ) from None
+        self.model_name = self.client.model_name()
         theirs = self._check_vocab(tokenizer)
         self.vocab_verified = theirs is not None
         offered = theirs.get("answer_media_types") if theirs is not None else None
         # opd's binary answers (opd.teachers.wire) only from a server that offers them; vLLM's JSON otherwise
         self.binary = binary and isinstance(offered, list) and wire.MEDIA_TYPE in offered
 
-    # ------------------------------------------------------------------ HTTP
-
-    def _fetch(
-        self, method: str, path: str, data: bytes | None = None, accept: str | None = None, missing_ok: bool = False
-    ) -> tuple[str, bytes] | None:
-        """One request, tried again while the server does not answer (:class:`Patience`): the answer's
-        media type and body; ``None`` for a 404 when ``missing_ok``."""
-        headers = {"Content-Type": "application/json", **self._auth, **({"Accept": accept} if accept else {})}
-        first_failure = None
-        for attempt in itertools.count():
-            req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
-            try:
-                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                    got = resp.headers.get_content_type(), resp.read()
-                self.patience.answered()
-                return got
-            except urllib.error.HTTPError as err:
-                # the request's fault, so asking again gets the same answer; 408 and 429 ask for later
-                if err.code < 500 and err.code not in (408, 429):
-                    self.patience.answered()
-                    if err.code == 404 and missing_ok:
-                        return None
-                    raise self._refused(path, err.code, _error_message(err)) from None
-                reason = f"HTTP {err.code}: {_error_message(err)}"
-            # refused, reset, timed out, or a body cut short: the server may be restarting
-            except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
-                reason = _reason(err)
-            first_failure = self.patience.clock() if first_failure is None else first_failure
-            if not self.patience.retry(attempt, first_failure, reason):
-                raise self._gave_up(path, attempt + 1, self.patience.clock() - first_failure, reason)
-        raise AssertionError("unreachable: the loop returns or raises")
-
-    def _refused(self, path: str, code: int, message: str) -> UserError:
-        """A 4xx answer as an error that says how to fix what is known to cause it."""
-        said = f"teacher server {self.url}{path} answered HTTP {code}: {message}"
-        if code == 401:
-            sent = "the API key sent was refused" if self._auth else "no API key was sent"
-            return UserError(f"{said}; {sent}: {KEY_HINT}")
-        lowered = message.lower()
-        if "logprobs" in lowered and "max" in lowered:  # vLLM: "... greater than max allowed: 20"
-            return UserError(
-                f"{said}; start the server with a larger --max-logprobs (at least --k; vLLM's default is 20) or lower --k"
-            )
-        if "max_model_len" in lowered or "context length" in lowered:
-            return UserError(
-                f"{said}; a prompt and its response must fit the server's context: start it with a larger "
-                "--max-model-len, or lower --max-new-tokens"
-            )
-        return UserError(said)
-
-    def _gave_up(self, path: str, attempts: int, seconds: float, reason: str) -> TeacherUnavailable:
-        spent = self.patience.spent(attempts)
-        if reason.startswith("HTTP "):  # the server runs but fails: its own log says why
-            return TeacherUnavailable(
-                f"teacher server {self.url}{path} answered {reason}; still failing after {attempts} attempts "
-                f"over {seconds:.0f} s ({spent}); check the server's log, or raise {spent.split()[0]}"
-            )
-        return TeacherUnavailable(
-            f"teacher server {self.url} is unreachable after {attempts} attempts over {seconds:.0f} s ({reason}, "
-            f"{spent}); start it (opd serve-teacher TEACHER_DIR --port PORT) or fix --teacher-url {self.url}"
-        )
-
-    def _request(self, method: str, path: str, payload: dict | None = None, missing_ok: bool = False):
-        """One JSON request with retries; ``None`` for a 404 when ``missing_ok``."""
-        data = None if payload is None else json.dumps(payload).encode()
-        got = self._fetch(method, path, data, missing_ok=missing_ok)
-        return None if got is None else self._json(got[1], path)
-
-    def _json(self, body: bytes, path: str):
-        try:
-            return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise UserError(
-                f"teacher server {self.url}{path} answered something that is not JSON; "
-                "is --teacher-url a vLLM-compatible server?"
-            ) from None
-
     def _check_vocab(self, tokenizer) -> dict | None:
         """opd's server's ``/opd/vocab`` answer once it matches the student's; ``None`` from a foreign server
         (whose tokenizer is probed through ``/tokenize`` where it has one, as vLLM's has)."""
-        theirs = self._request("GET", "/opd/vocab", missing_ok=True)
+        theirs = self.client.request("GET", "/opd/vocab", missing_ok=True)
         if theirs is None:
             self.vocab_rows = self.vocab_rows or len(tokenizer)
             if not self._probe_tokenizer(tokenizer):
-                _stderr(
+                stderr_line(
                     f"opd train: warning: teacher server {self.url} reports no vocabulary (/opd/vocab) and has no "
                     "/tokenize endpoint, so its tokenizer could not be checked; make sure it serves a model with "
                     "the student's tokenizer"
@@ -291,7 +135,7 @@ class HTTPTeacher:
         False when the server has no such endpoint. A difference is an error naming both sides."""
         for text in probe_texts(tokenizer):
             payload = {"model": self.model_name, "prompt": text, "add_special_tokens": False}
-            answer = self._request("POST", "/tokenize", payload, missing_ok=True)
+            answer = self.client.request("POST", "/tokenize", payload, missing_ok=True)
             if answer is None:
                 return False
             theirs = answer.get("tokens") if isinstance(answer, dict) else None
@@ -363,7 +207,7 @@ class HTTPTeacher:
         accept = wire.MEDIA_TYPE if self.binary else None
         # None only for a 404 with missing_ok
         media, body = cast(
-            tuple[str, bytes], self._fetch("POST", "/v1/completions", json.dumps(payload).encode(), accept=accept)
+            tuple[str, bytes], self.client.fetch("POST", "/v1/completions", json.dumps(payload).encode(), accept=accept)
         )
         if self.binary and media == wire.MEDIA_TYPE:
             try:
@@ -380,7 +224,7 @@ class HTTPTeacher:
                 ) from None
             ids_NTK[answered_NT], lps_NTK[answered_NT], sampled_NT[answered_NT] = top_ids, top_lps, given
             return
-        answer = self._json(body, "/v1/completions")
+        answer = self.client.decode(body, "/v1/completions")
         try:
             choices = sorted(answer["choices"], key=lambda c: c["index"])
             out = [c["prompt_logprobs"] for c in choices]
@@ -443,7 +287,7 @@ def probe_texts(tokenizer, spread: int = 256) -> list[str]:
     if getattr(tokenizer, "chat_template", None):
         chat = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"}]
         try:
-            texts.append(tokenizer.apply_chat_template(chat, tokenize=False))
+            texts.append(render_chat(tokenizer, chat, add_generation_prompt=False))
         except Exception:  # a template that needs other roles or fields: the other probes still run
             pass
     step = max(len(tokenizer) // spread, 1)
@@ -451,25 +295,34 @@ def probe_texts(tokenizer, spread: int = 256) -> list[str]:
     return texts
 
 
-def _reason(err: BaseException) -> str:
-    """Why a request got no answer, in words (urllib wraps the socket's error in a URLError)."""
-    cause = getattr(err, "reason", err)
-    for kind, words in (
-        (ConnectionRefusedError, "connection refused"),
-        (http.client.RemoteDisconnected, "connection closed without an answer"),
-        (ConnectionResetError, "connection reset"),
-        (TimeoutError, "no answer within --teacher-timeout"),
-        (http.client.IncompleteRead, "answer cut short"),
-    ):
-        if isinstance(cause, kind):
-            return words
-    return str(cause) or type(cause).__name__
+class _TeacherClient(Client):
+    """The served teacher's requests, with errors that say how to fix what is known to cause them."""
 
+    def refused(self, path: str, code: int, message: str) -> UserError:
+        said = f"teacher server {self.url}{path} answered HTTP {code}: {message}"
+        if code == 401:
+            sent = "the API key sent was refused" if self.auth else "no API key was sent"
+            return UserError(f"{said}; {sent}: {KEY_HINT}")
+        lowered = message.lower()
+        if "logprobs" in lowered and "max" in lowered:  # vLLM: "... greater than max allowed: 20"
+            return UserError(
+                f"{said}; start the server with a larger --max-logprobs (at least --k; vLLM's default is 20) or lower --k"
+            )
+        if "max_model_len" in lowered or "context length" in lowered:
+            return UserError(
+                f"{said}; a prompt and its response must fit the server's context: start it with a larger "
+                "--max-model-len, or lower --max-new-tokens"
+            )
+        return UserError(said)
 
-def _error_message(err: urllib.error.HTTPError) -> str:
-    """The server's own message: OpenAI's {"error": {"message"}} or older vLLM's {"message"}."""
-    try:
-        body = json.loads(err.read())
-        return body["error"]["message"] if isinstance(body.get("error"), dict) else body["message"]
-    except Exception:  # a foreign server's error page: report its status line only
-        return str(err.reason)
+    def gave_up(self, path: str, attempts: int, seconds: float, reason: str) -> TeacherUnavailable:
+        spent = self.patience.spent(attempts)
+        if reason.startswith("HTTP "):  # the server runs but fails: its own log says why
+            return TeacherUnavailable(
+                f"teacher server {self.url}{path} answered {reason}; still failing after {attempts} attempts "
+                f"over {seconds:.0f} s ({spent}); check the server's log, or raise {spent.split()[0]}"
+            )
+        return TeacherUnavailable(
+            f"teacher server {self.url} is unreachable after {attempts} attempts over {seconds:.0f} s ({reason}, "
+            f"{spent}); start it (opd serve-teacher TEACHER_DIR --port PORT) or fix --teacher-url {self.url}"
+        )

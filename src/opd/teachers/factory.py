@@ -11,11 +11,13 @@ import os
 import sys
 from typing import cast
 
+from opd.chat import set_chat_options
 from opd.config import check_cross_tokenizer, parse_special_map
 from opd.errors import UserError
 from opd.models.loading import check_same_vocab, head_weight, load_model, load_tokenizer, model_device
 from opd.objectives import SERVED_GIVES, refusal
-from opd.teachers.client import API_KEY_ENV, SERVED_OBJECTIVES, HTTPTeacher
+from opd.service import TEACHER_KEY_ENV, api_key
+from opd.teachers.client import SERVED_OBJECTIVES, HTTPTeacher
 from opd.teachers.crosstok import CrossTokenizerTeacher
 from opd.teachers.scoring import HFTeacher, TeacherScorer
 
@@ -25,7 +27,7 @@ def make_teacher(cfg, student, tokenizer):
     for cross-tokenizer OPD when its tokenizer differs (``cfg.cross_tokenizer``)."""
     if not cfg.teacher_url:
         teacher_model = load_model(cfg.teacher, "teacher", cfg.teacher_dtype or cfg.dtype, model_device(student))
-        teacher_tok = load_tokenizer(cfg.teacher_tokenizer or cfg.teacher, "teacher")
+        teacher_tok = teacher_tokenizer(cfg, cfg.teacher_tokenizer or cfg.teacher)
         if not uses_cross_tokenizer(cfg, tokenizer, teacher_tok):
             check_same_vocab(tokenizer, teacher_tok, student, teacher_model)
             return HFTeacher(teacher_model)
@@ -35,15 +37,21 @@ def make_teacher(cfg, student, tokenizer):
     why = refusal(cfg, SERVED_GIVES, "a vLLM-format server does not return")
     if why:
         raise UserError(f"{why}; with --teacher-url use {SERVED_OBJECTIVES}, or use --teacher DIR")
-    key = cfg.teacher_api_key or os.environ.get(API_KEY_ENV, "")
+    key = api_key(TEACHER_KEY_ENV, cfg.teacher_api_key)
     client = dict(timeout=cfg.teacher_timeout, wait=cfg.teacher_wait, retries=cfg.teacher_retries, api_key=key)
     if cfg.teacher_tokenizer:
-        teacher_tok = load_tokenizer(cfg.teacher_tokenizer, "teacher")
+        teacher_tok = teacher_tokenizer(cfg, cfg.teacher_tokenizer)
         if uses_cross_tokenizer(cfg, tokenizer, teacher_tok):
             # The server scores teacher-token sequences; its head size comes from its /opd/vocab answer.
             inner = HTTPTeacher(cfg.teacher_url, teacher_tok, None, **client)
             return cross_tokenizer_teacher(cfg, inner, tokenizer, teacher_tok)
     return HTTPTeacher(cfg.teacher_url, tokenizer, head_weight(student).shape[0], **client)
+
+
+def teacher_tokenizer(cfg, path: str):
+    """The teacher's tokenizer, with its chat template options (``--teacher-chat-template-kwargs``, by
+    default the student's): used where the teacher renders prompts itself (cross-tokenizer)."""
+    return set_chat_options(load_tokenizer(path, "teacher"), cfg.teacher_chat_options())
 
 
 def is_served(teacher: TeacherScorer) -> bool:

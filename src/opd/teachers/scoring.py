@@ -1,7 +1,8 @@
 """Teacher scoring: the teacher's view of every position of the student's rollouts.
 
 :class:`TeacherScorer` is the protocol (a served teacher speaking vLLM's ``prompt_logprobs``
-format can implement it later); :class:`HFTeacher` is the in-process default. The teacher sees
+format implements it: :class:`opd.teachers.client.HTTPTeacher`, ``--teacher-url``); :class:`HFTeacher`
+is the in-process default. The teacher sees
 exactly the student's token ids and returns, per position the student wrote (a multi-turn
 episode's environment tokens are read as context but not scored), its top-K tokens with
 full-vocabulary log-probs, its log-prob of the sampled token, and optionally its log-probs of
@@ -52,7 +53,7 @@ class TeacherScores:
     position_mask_NT: torch.Tensor | None = None
     metrics: dict = field(default_factory=dict)
 
-    def select(self, rows: slice) -> TeacherScores:
+    def select(self, rows: slice | torch.Tensor) -> TeacherScores:
         """The rows of a micro-batch (diagnostic logits and metrics are not per row and are dropped)."""
         q = None if self.query_logprobs_NTQ is None else self.query_logprobs_NTQ[rows]
         pos = None if self.position_mask_NT is None else self.position_mask_NT[rows]

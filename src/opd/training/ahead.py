@@ -20,6 +20,13 @@ and updates step t, as the async modes of TRL, verl and NeMo-RL do. What that me
 * **A worker that dies** is started again and every request in flight sent again (each keeps its
   weights until its rollouts are taken), so nothing is lost; the restarts are counted
   (``rollout/worker_restarts``), and a request that kills :data:`RESTARTS` workers in a row stops the run.
+* **The engine** is the trainer's (``--rollout-engine``, :mod:`opd.rollout.registry`): the worker reaches
+  it through its handle, sent with each request (opd's own loop runs on the worker's copy of the
+  student; a vLLM server is synced with the request's weights and checked against them). An engine the
+  worker finds gone is the owner's to bring back, as on-policy: the trainer restarts it (the server opd
+  started) or waits for it (``--vllm-wait``) and sends the request again, with the engine's address
+  now; one that cannot be brought back stops the run at the step, checkpointing the step before, whose
+  checkpoint then holds the requests not yet made (their weights), made again on ``--resume``.
 * What staleness does to the objectives: the divergences (LSM, full KL) are computed exactly on
   states an older policy visited, and need no correction; the sampled-token policy gradient is
   corrected with a truncated importance weight (:func:`opd.losses.truncated_importance_weight`).
@@ -28,17 +35,16 @@ and updates step t, as the async modes of TRL, verl and NeMo-RL do. What that me
 from __future__ import annotations
 
 import multiprocessing
-import os
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, cast
 
 import torch
 
 from opd.errors import UserError
+from opd.rollout.engine import EngineContext, EngineDown, EngineHandle, EngineUnavailable, RolloutEngine
 
 # Workers a single request may take down in a row before the run stops (a request that always kills its
 # worker, out of memory say, would otherwise restart it for ever).
@@ -57,16 +63,18 @@ class Request:
     weights: dict[str, torch.Tensor] | None  # dropped once the rollouts are back
     future: Future | None = None
     result: tuple[list, dict[str, float]] | None = None  # per part (batch, rows, records); the worker's metrics
+    handle: EngineHandle | None = None  # the engine it was sent to
+    downs: int = 0  # times the worker found the engine gone making it
 
     def made(self) -> tuple[list, dict[str, float]] | None:
         """The rollouts once made, waited for without touching the worker (so another thread may ask
-        while the trainer works); None where the worker died making them (:meth:`AheadRollouts.take`
-        has them made again)."""
+        while the trainer works); None where the worker died or found the engine gone making them
+        (:meth:`AheadRollouts.take` has them made again)."""
         if self.result is not None:
             return self.result
         try:
             return cast(Future, self.future).result()
-        except BrokenProcessPool:
+        except (BrokenProcessPool, EngineDown):
             return None
 
 
@@ -79,16 +87,15 @@ def split_threads(total: int) -> tuple[int, int]:
 class AheadRollouts:
     """The worker and the requests in flight (see the module docstring)."""
 
-    def __init__(self, cfg, threads: int, vllm=None):
-        """``vllm``: with --rollout-engine vllm, the trainer's engine (the server it started or was given),
-        whose server the worker syncs and samples from; closed with this."""
-        self.cfg, self.threads, self.vllm = cfg, threads, vllm
-        engine = None if vllm is None else (vllm.url, str(vllm.weights_dir), vllm.max_gap)
+    def __init__(self, cfg, threads: int, engine: RolloutEngine):
+        """``engine``: the trainer's, which the worker reaches (its handle) and the trainer brings back."""
+        self.cfg, self.threads, self.engine = cfg, threads, engine
         self.pending: dict[int, Request] = {}  # sent, not yet taken
         self.taken: dict[int, Request] = {}  # the last taken: its step may end before a checkpoint covers it
         self.last = -1
         self.restarts = 0
-        self.initargs = (cfg, threads, engine)
+        self.gone = False  # the engine could not be brought back: the run stops (see in_flight)
+        self.initargs = (cfg, threads)
         self.pool = self._start()
 
     def _start(self) -> ProcessPoolExecutor:
@@ -101,9 +108,14 @@ class AheadRollouts:
 
     def submit(self, step: int, policy_step: int, parts: Parts, weights: dict[str, torch.Tensor]) -> None:
         req = Request(step, policy_step, parts, weights)
-        req.future = self.pool.submit(_generate, weights, parts)
+        self._send(req)
         self.pending[step] = req
         self.last = max(self.last, step)
+
+    def _send(self, req: Request) -> None:
+        """To the worker, for the engine as it is now (sent, a request holds its weights until taken)."""
+        req.handle = self.engine.handle()
+        req.future = self.pool.submit(_generate, cast(dict, req.weights), req.parts, req.handle)
 
     def take(self, step: int) -> tuple[list, int, dict[str, float]]:
         """Step ``step``'s rollouts (per part: batch, rows, records), the step of the policy that made
@@ -117,20 +129,36 @@ class AheadRollouts:
         return parts, req.policy_step, stats
 
     def _wait(self, req: Request) -> tuple[list, dict[str, float]]:
-        for attempt in range(RESTARTS + 1):
-            if req.result is not None:
-                break
+        deaths = 0
+        while req.result is None:
             try:
                 req.result = req.future.result()  # type: ignore[union-attr]  # sent: it has a future
             except BrokenProcessPool:
-                if attempt == RESTARTS:
+                if deaths == RESTARTS:
                     raise UserError(
                         f"the rollout worker died {RESTARTS + 1} times making step {req.step}'s rollouts (out of "
                         "memory, or it failed to start: its error is printed above); the last checkpoint is kept: "
                         "fix that and --resume, or train with --max-staleness 0"
                     ) from None
+                deaths += 1
                 self._restart()
-        return req.result  # type: ignore[return-value]  # set by the loop above
+            except EngineDown as down:
+                self._resend(req, down)
+        return req.result
+
+    def _resend(self, req: Request, down: EngineDown) -> None:
+        """The worker found the engine gone making ``req``: its owner brings it back (once for all the
+        requests sent to that address), then the request goes again, to the engine as it is now."""
+        req.downs += 1
+        try:
+            if req.downs > RESTARTS:  # the engine answers its owner but never the worker
+                raise EngineUnavailable(f"{down}; the rollout worker found it gone {req.downs} times in a row")
+            if req.handle == self.engine.handle():
+                self.engine.recover(down)
+        except EngineUnavailable:
+            self.gone = True
+            raise
+        self._send(req)
 
     def _restart(self) -> None:
         """A new worker; the requests in flight whose rollouts did not come back are sent to it again."""
@@ -144,25 +172,32 @@ class AheadRollouts:
         for step in sorted(self.pending):
             req = self.pending[step]
             if req.result is None:  # sent, so it holds its weights (only a loaded request has none, and is made)
-                req.future = self.pool.submit(_generate, cast(dict, req.weights), req.parts)
+                self._send(req)
 
-    def in_flight(self, after: int) -> dict[int, tuple[int, tuple[list, dict[str, float]]]]:
+    def in_flight(self, after: int) -> dict[int, tuple[int, Any]]:
         """What a checkpoint of step ``after`` holds: the rollouts of the steps after it that were asked
         for with weights it has seen (up to ``after`` + S), waited for: step -> (policy step, (rollouts,
-        the worker's metrics of them))."""
+        the worker's metrics of them)). Once the engine is gone for good, a request the worker could not
+        make is held as it was asked, ``{"parts", "weights"}``, for the resumed run to make."""
         self.taken = {s: r for s, r in self.taken.items() if s > after}
-        out = {}
+        out: dict[int, tuple[int, Any]] = {}
         for step in sorted({*self.taken, *self.pending}):
             if step > after + self.cfg.max_staleness:
                 continue  # asked for with weights newer than the checkpoint's: a resume asks again
             req = self.taken.get(step) or self.pending[step]
-            out[step] = (req.policy_step, self._wait(req))
+            made = req.made() if self.gone else self._wait(req)
+            out[step] = (req.policy_step, made if made is not None else {"parts": req.parts, "weights": req.weights})
         return out
 
-    def load(self, saved: dict[int, tuple[int, tuple[list, dict[str, float]]]]) -> None:
-        """The rollouts a checkpoint held, in flight again (made: the worker need not make them)."""
+    def load(self, saved: dict[int, tuple[int, Any]]) -> None:
+        """The rollouts a checkpoint held, in flight again (made: the worker need not make them; the
+        requests the engine could not make: sent to the worker again)."""
         for step, (policy_step, result) in saved.items():
-            self.pending[step] = Request(step, policy_step, [], None, result=result)
+            if isinstance(result, dict):
+                self.pending[step] = Request(step, policy_step, result["parts"], result["weights"])
+                self._send(self.pending[step])
+            else:
+                self.pending[step] = Request(step, policy_step, [], None, result=result)
             self.last = max(self.last, step)
 
     def worker_pids(self) -> list[int]:
@@ -170,8 +205,6 @@ class AheadRollouts:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
-        if self.vllm is not None:
-            self.vllm.close()
 
 
 # ----------------------------------------------------------------------------- in the worker
@@ -179,49 +212,57 @@ class AheadRollouts:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(cfg, threads: int, vllm: tuple[str, str, float] | None) -> None:
-    """The student, and each task's training source and engine, built as the trainer builds them; with
-    ``vllm`` (the server's URL, the weights folder it reads, the policy check's bound) the engines sample
-    from that server, synced with this process's model: the request's weights, so the policy check
-    compares the engine with the policy that sampled, not the trainer's newer one."""
+def _init_worker(cfg, threads: int) -> None:
+    """The student and each task's training source, built as the trainer builds them; the engine is
+    reached with the first request (:func:`_engine`)."""
     from dataclasses import replace
 
+    from opd.chat import set_chat_options
     from opd.config import resolve_tasks
     from opd.models.loading import load_model, load_tokenizer, resolve_device
+    from opd.models.precision import compute_in, trained_weights_dtype
     from opd.training.sources import task_data, train_source
 
     torch.set_num_threads(threads)
-    tok = load_tokenizer(cfg.student, "student")
-    model = load_model(cfg.student, "student", cfg.dtype, resolve_device(cfg.device))
+    tok = set_chat_options(load_tokenizer(cfg.student, "student"), cfg.chat_template_kwargs)  # as the trainer's
+    # as the trainer's student (float32 masters, its body in --dtype), so a rollout computes what the trainer would
+    weights_dtype = trained_weights_dtype(cfg.dtype, bool(cfg.lora_r))
+    model = compute_in(load_model(cfg.student, "student", weights_dtype, resolve_device(cfg.device)), cfg.dtype)
     model.eval()
     # the games step here, in this process (a game's result does not depend on where it steps)
     cfgs = [replace(s.cfg, env_workers=0) if s.cfg.env else s.cfg for s in resolve_tasks(cfg)]
     sources = [train_source(c, tok, task_data(c)[0]) for c in cfgs]
-    engines = [s.engine(model, tok) for s in sources]
-    server = None
-    if vllm is not None:
-        from opd.rollout.vllm_engine import VLLMRollout
-
-        url, weights, max_gap = vllm
-        key = os.environ.get("OPD_VLLM_API_KEY", "")
-        server = VLLMRollout(model, tok, Path(weights), url=url, api_key=key, max_gap=max_gap)
-        server.watched = True  # synced once a request (_generate), not before every task's batch
-        engines = [s.on_vllm(server, tok) for s in sources]
-    _WORKER.update(model=model, cfgs=cfgs, sources=sources, engines=engines, vllm=server)
+    _WORKER.update(cfg=cfg, model=model, tok=tok, cfgs=cfgs, sources=sources, engine=None, handle=None)
 
 
-def _generate(weights: dict[str, torch.Tensor], parts: Parts) -> tuple[list, dict[str, float]]:
+def _engine(handle: EngineHandle) -> RolloutEngine:
+    """The trainer's engine as this worker reaches it (made again when its handle changed: a restarted
+    server's new address), on this process's model: an engine with weights of its own is synced with
+    each request's weights and checked against them, not the trainer's newer ones."""
+    from opd.rollout.registry import make_engine
+
+    w = _WORKER
+    if w["handle"] != handle:
+        if w["engine"] is not None:
+            w["engine"].close()
+        ctx = EngineContext(w["model"], w["tok"], w["cfg"], w["cfg"].student, w["cfgs"], attach=handle.address)
+        w["engine"], w["handle"] = make_engine(handle.name, ctx), handle
+        w["engine"].watch(None)  # synced once a request (_generate), not before every task's batch
+    return w["engine"]
+
+
+def _generate(weights: dict[str, torch.Tensor], parts: Parts, handle: EngineHandle) -> tuple[list, dict[str, float]]:
     t0 = time.perf_counter()
     w = _WORKER
     w["model"].load_state_dict(weights)
-    if w["vllm"] is not None:
-        w["vllm"].stale = True
+    engine = _engine(handle)
+    engine.weights_changed()
     out, gaps = [], []
     for task, rows, seeds in parts:
-        batch, records = w["sources"][task].rollout(w["engines"][task], rows, seeds, w["cfgs"][task])
+        batch, records = w["sources"][task].rollout(engine, rows, seeds, w["cfgs"][task])
         out.append((batch, rows, records))
-        if w["vllm"] is not None:
-            gaps.append(w["vllm"].last_gap)
+        if engine.policy_gap is not None:
+            gaps.append(engine.policy_gap)
     stats = {"time/worker_generate": time.perf_counter() - t0}
     if gaps:  # the policy check against the request's weights (the largest over the step's tasks)
         stats["rollout/engine_logprob_gap"] = max(gaps)

@@ -20,8 +20,8 @@ from opd import losses as L
 from opd.config import TrainConfig
 from opd.models.loading import head_weight
 from opd.objectives import FULL, QUERY, ObjectiveInputs, lookup
+from opd.rollout.engine import RolloutBatch
 from opd.rollout.forward import response_hidden
-from opd.rollout.sampling import RolloutBatch
 from opd.teachers.scoring import TeacherScores
 
 

@@ -2,8 +2,9 @@
 
 A :class:`Source` is one split of a task: single-turn prompts graded by the task's reward
 (:class:`PromptSource`), or an environment's games played as multi-turn episodes whose reward is
-the game's (:class:`GameSource`). It knows what differs between the two: the engine that rolls a
-batch out, how the rollouts are graded and what a step logs of them, how a model is evaluated on
+the game's (:class:`GameSource`). It knows what differs between the two: how the run's rollout engine
+(:class:`~opd.rollout.engine.RolloutEngine`, whichever it is) rolls a batch out -- single-turn batches,
+or episodes played over its sessions --, how the rollouts are graded and what a step logs of them, how a model is evaluated on
 it, and how it is listed in the run directory. As in tinker-cookbook, a single-turn problem is an
 environment of one turn; :func:`make_sources` is the one place that looks at ``--env``.
 """
@@ -11,17 +12,18 @@ environment of one turn; :func:`make_sources` is the one place that looks at ``-
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Protocol, cast
 
 from opd.config import TrainConfig
 from opd.evaluation.game_eval import evaluate_agent, write_eval_games
 from opd.evaluation.model_eval import decode_responses, evaluate_model
-from opd.rollout.episodes import EpisodeRecord, EpisodeRollout
+from opd.rollout.engine import RolloutBatch, RolloutEngine, check_count
+from opd.rollout.episodes import ChatFormat, EpisodeRecord, EpisodeRollout
 from opd.rollout.game_set import GameSet, check_episode_context, episode_metrics, episode_outcomes, play_env
-from opd.rollout.prompt_set import PromptSet, load_tasks
-from opd.rollout.sampling import HFRollout, RolloutBatch
-from opd.tasks import Example, Task
+from opd.rollout.prompt_set import PromptSet, eval_prompts, load_tasks
+from opd.tasks import Example, Task, reward_of
 
 
 class Source(Protocol):
@@ -34,20 +36,18 @@ class Source(Protocol):
     def batch_indices(self, step: int, batch_size: int, seed: int) -> list[int]:
         """The items of batch ``step``: a seeded order that depends only on the step."""
 
-    def engine(self, model, tok) -> Any:
-        """What rolls this source's items out with ``model`` (built once per run)."""
-
-    def on_vllm(self, engine, tok) -> Any:
-        """What rolls this source's items out with a vLLM engine (:class:`~opd.rollout.vllm_engine.VLLMRollout`)."""
-
     def check_model(self, model, cfg: TrainConfig) -> None:
         """Before any work: a model that cannot hold this source's rollouts is refused."""
 
-    def rollout(self, engine, rows: list[int], seeds: list[int], cfg) -> tuple[RolloutBatch, list | None]:
-        """The rollouts of items ``rows`` with per-rollout seeds, and each episode's record (None for prompts)."""
+    def rollout(
+        self, engine: RolloutEngine, rows: list[int], seeds: list[int], cfg
+    ) -> tuple[RolloutBatch, list | None]:
+        """The rollouts of items ``rows`` by ``engine``, with per-rollout seeds, and each episode's record
+        (None for prompts)."""
 
-    def grade(self, tok, examples, batch: RolloutBatch, records) -> tuple[list[str], list[float], dict]:
-        """Each rollout's text (for the logs) and reward, and what a step logs beyond the common metrics."""
+    def grade(self, tok, examples, batch: RolloutBatch, records) -> tuple[list[str], list[float | None], dict]:
+        """Each rollout's text (for the logs) and reward (None: a prompt without a reference answer, not
+        graded), and what a step logs beyond the common metrics."""
 
     def evaluate(self, model, tok, cfg, seed: int, show_progress: bool = False) -> dict:
         """A model on this (held-out) split with a config's sampling and lengths: ``accuracy`` and avg@k."""
@@ -74,26 +74,21 @@ class PromptSource:
     def batch_indices(self, step: int, batch_size: int, seed: int) -> list[int]:
         return self.prompts.batch_indices(step, batch_size, seed)
 
-    def engine(self, model, tok) -> HFRollout:
-        return HFRollout(model, tok.eos_token_id, tok.pad_token_id)
-
-    def on_vllm(self, engine, tok):
-        return engine  # a VLLMRollout generates as HFRollout does
-
     def check_model(self, model, cfg: TrainConfig) -> None:
         return None  # a prompt longer than the context is refused when the prompt set is built
 
-    def rollout(self, engine: HFRollout, rows, seeds, cfg) -> tuple[RolloutBatch, None]:
+    def rollout(self, engine: RolloutEngine, rows, seeds, cfg) -> tuple[RolloutBatch, None]:
         ids = [self.prompts.prompt_ids[i] for i in rows]
         batch = engine.generate(
             ids, seeds, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p
         )
+        check_count(engine.name, batch.num_rollouts, len(ids))
         return batch, None
 
-    def grade(self, tok, examples, batch, records) -> tuple[list[str], list[float], dict]:
-        """Decoded responses and their task rewards (1 = correct), graded once per step."""
+    def grade(self, tok, examples, batch, records) -> tuple[list[str], list[float | None], dict]:
+        """Decoded responses and their task rewards (1 = correct; None: no reference answer), graded once per step."""
         texts = decode_responses(tok, batch.response_ids_NT, batch.response_mask_NT)
-        return texts, [self.task.reward(t, e) for t, e in zip(texts, examples, strict=True)], {}
+        return texts, [reward_of(self.task, t, e) for t, e in zip(texts, examples, strict=True)], {}
 
     def evaluate(self, model, tok, cfg, seed: int, show_progress: bool = False) -> dict:
         common = dict(samples=cfg.eval_samples, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
@@ -116,11 +111,18 @@ class PromptSource:
 
 @dataclass
 class GameSource:
-    """An environment's games, played as multi-turn episodes; an episode's reward is 1 if won."""
+    """An environment's games, played as multi-turn episodes; an episode's reward is 1 if won.
+    ``tokenizer``: the student's, whose chat template renders the episodes."""
 
     games: GameSet
+    tokenizer: Any
 
     examples = property(lambda self: self.games.examples)
+
+    @cached_property
+    def chat(self) -> ChatFormat:
+        """The episodes' chat format (the template checked once, when the run is set up)."""
+        return ChatFormat(self.tokenizer, self.tokenizer.eos_token_id)
 
     def __len__(self) -> int:
         return len(self.games)
@@ -128,25 +130,21 @@ class GameSource:
     def batch_indices(self, step: int, batch_size: int, seed: int) -> list[int]:
         return self.games.batch_indices(step, batch_size, seed)
 
-    def engine(self, model, tok) -> EpisodeRollout:
-        return EpisodeRollout(model, tok)
-
-    def on_vllm(self, engine, tok) -> EpisodeRollout:
-        from opd.rollout.vllm_episodes import VLLMEpisodeRollout
-
-        return VLLMEpisodeRollout(engine, tok)
-
     def check_model(self, model, cfg: TrainConfig) -> None:
         check_episode_context(model, cfg.max_prompt_tokens, cfg.max_new_tokens)
+        self.chat  # noqa: B018 -- a template episodes cannot use is refused now, not at the first step
 
-    def rollout(self, engine: EpisodeRollout, rows, seeds, cfg) -> tuple[RolloutBatch, list[EpisodeRecord]]:
+    def rollout(self, engine: RolloutEngine, rows, seeds, cfg) -> tuple[RolloutBatch, list[EpisodeRecord]]:
         games = [self.games.games[i] for i in rows]
         limits = cfg.episode_limits()
-        played = engine.play(self.games.env, games, seeds, temperature=cfg.temperature, top_p=cfg.top_p, **limits)
+        player = EpisodeRollout(engine, self.tokenizer, chat=self.chat)
+        played = player.play(self.games.env, games, seeds, temperature=cfg.temperature, top_p=cfg.top_p, **limits)
         return played.batch, played.records
 
-    def grade(self, tok, examples, batch, records) -> tuple[list[str], list[float], dict]:
-        return (*episode_outcomes(records), episode_metrics(records))
+    def grade(self, tok, examples, batch, records) -> tuple[list[str], list[float | None], dict]:
+        texts, won = episode_outcomes(records)
+        rewards: list[float | None] = list(won)  # every episode is graded: won or not
+        return texts, rewards, episode_metrics(records)
 
     def evaluate(self, model, tok, cfg, seed: int, show_progress: bool = False) -> dict:
         common = dict(samples=cfg.eval_samples, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
@@ -168,17 +166,20 @@ def task_data(cfg: TrainConfig) -> tuple[Task | None, Task | None]:
     return (None, None) if cfg.env else load_tasks(cfg)
 
 
-def make_sources(cfg: TrainConfig, tok, task: Task | None, eval_task: Task | None) -> tuple[Source, Source]:
+def make_sources(cfg: TrainConfig, tok, task: Task | None, eval_task: Task | None) -> tuple[Source, Source | None]:
     """The training source and the held-out one: the task's prompts (--eval-task's test prompts
-    held out), or the environment's training and held-out games (--env)."""
+    held out), or the environment's training and held-out games (--env); None: no evaluation
+    (--no-eval, or prompts without reference answers: :func:`opd.rollout.prompt_set.load_tasks`)."""
     train = train_source(cfg, tok, task)
+    if not cfg.eval or not (cfg.env or eval_task):
+        return train, None
     return train, held_out(cfg, tok, eval_task, train.games.env if isinstance(train, GameSource) else None)
 
 
 def train_source(cfg: TrainConfig, tok, task: Task | None) -> Source:
     """The training split alone: the task's training prompts, or the environment's training games."""
     if cfg.env:
-        return GameSource(GameSet.build(play_env(cfg), "train"))
+        return GameSource(GameSet.build(play_env(cfg), "train"), tok)
     task = cast(Task, task)  # None only with --env (task_data)
     return PromptSource(PromptSet.build(task.examples("train"), tok, cfg.max_prompt_tokens, "training prompts"), task)
 
@@ -187,7 +188,7 @@ def held_out(cfg: TrainConfig, tok, grader: Task | None, env=None) -> Source:
     """The held-out split alone (what training evaluates; the demos evaluate their models on it)."""
     if cfg.env:
         env = env or play_env(cfg)
-        return GameSource(GameSet.build(env, "test", cfg.eval_size))
-    grader = cast(Task, grader)  # None only with --env (task_data)
-    examples = grader.examples("test")[: cfg.eval_size]
+        return GameSource(GameSet.build(env, "test", cfg.eval_size), tok)
+    grader = cast(Task, grader)  # None only with --env (task_data) or without evaluation (make_sources)
+    examples = eval_prompts(grader, cfg.eval_size)
     return PromptSource(PromptSet.build(examples, tok, cfg.max_prompt_tokens, "test prompts"), grader)

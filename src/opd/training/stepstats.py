@@ -1,7 +1,7 @@
 """What a training step logs: metrics (``metrics.jsonl``) and sample rollouts (``rollouts.jsonl``).
 
 Metric keys are namespaced: ``train/`` (loss, grad norm, clipping, lr), ``rollout/`` (length, EOS
-rate, repetition, accuracy), ``diag/`` (the papers' diagnostics), ``depth/`` (per-position values
+rate, repetition, accuracy over the rollouts with a reference answer), ``diag/`` (the papers' diagnostics), ``depth/`` (per-position values
 in equal-width depth buckets, for drift with depth), ``time/``, and with a cross-tokenizer teacher
 ``cross/`` (one-to-one share, mapped top-K mass, dropped loss positions). The full-vocabulary diagnostics
 use the student and teacher logits at the step's sampled diagnostic positions; the cheap ones
@@ -19,7 +19,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from opd import metrics as M
-from opd.rollout.sampling import RolloutBatch
+from opd.rollout.engine import RolloutBatch
 from opd.runs.records import MODEL_FIELDS
 from opd.tasks import Example
 from opd.teachers.scoring import TeacherScores
@@ -71,7 +71,7 @@ def _full_vocab_diagnostics(s_MV: torch.Tensor, t_MV: torch.Tensor, k: int) -> d
 
 def step_metrics(
     batch: RolloutBatch,
-    correct: list[float],
+    correct: list[float | None],
     scores: TeacherScores,
     upd: StepUpdate,
     mask_NT: torch.Tensor,
@@ -81,7 +81,9 @@ def step_metrics(
     format_ids: list[int],
 ) -> dict:
     """One rank's metrics of a step; ``horizon`` (max new tokens) fixes the depth buckets;
-    ``format_ids``: the special tokens whose share of responses or actions is logged (not EOS)."""
+    ``format_ids``: the special tokens whose share of responses or actions is logged (not EOS).
+    ``correct``: each rollout's reward, None for a prompt without a reference answer: the accuracy
+    is over the graded rollouts (absent when there is none) and ``rollout/ungraded`` counts the others."""
     resp = cast(torch.Tensor, batch.action_mask_NT)  # set by RolloutBatch.__post_init__
     reward_NT = (scores.sampled_logprobs_NT - batch.logprobs_NT) * resp
     s_MV = upd.diag_hidden_MD.float() @ head_VD.float().T
@@ -97,7 +99,7 @@ def step_metrics(
         "rollout/response_len": float(resp.sum(-1).float().mean()),
         "rollout/eos_rate": float(batch.finished_N.float().mean()),
         "rollout/repetition_rate": M.repetition_rate(batch.response_ids_NT, resp),
-        "rollout/accuracy": sum(correct) / len(correct),
+        **_accuracy(correct),
         "rollout/format_token_rate": _share(*M.format_token_share(batch.response_ids_NT, resp, format_ids)),
         "diag/reward_mean": M.masked_mean(reward_NT, resp),
         "diag/negative_reward": M.negative_reward_share(batch.logprobs_NT, scores.sampled_logprobs_NT, resp),
@@ -113,6 +115,15 @@ def step_metrics(
         "depth/reward": depth_reward.tolist(),
         "depth/loss": depth_loss.tolist(),
         **scores.metrics,  # cross/ diagnostics of a cross-tokenizer teacher
+    }
+
+
+def _accuracy(correct: list[float | None]) -> dict:
+    graded = [c for c in correct if c is not None]
+    ungraded = len(correct) - len(graded)
+    return {
+        **({"rollout/accuracy": sum(graded) / len(graded)} if graded else {}),
+        **({"rollout/ungraded": ungraded} if ungraded else {}),
     }
 
 
@@ -135,14 +146,19 @@ FULL_VOCAB_KEYS = (
 )
 
 
-def metric_weights(batch, mask_NT: torch.Tensor, n_diag: int, horizon: int) -> dict:
+def metric_weights(
+    batch, mask_NT: torch.Tensor, n_diag: int, horizon: int, correct: list[float | None] | None = None
+) -> dict:
     """What each of :func:`step_metrics`' values is a mean over, for merging ranks' records
-    (:func:`opd.training.distributed.merge_metrics`): rollouts, response tokens, diagnostic positions, or
-    per depth bucket its positions; loss tokens add up, timings take the slowest rank, and the
-    loss, gradient norm and learning rate are already global."""
+    (:func:`opd.training.distributed.merge_metrics`): rollouts (accuracy: the graded ones), response
+    tokens, diagnostic positions, or per depth bucket its positions; loss tokens and ungraded rollouts add
+    up (a rank without the count had none), timings take the slowest rank, and the loss, gradient norm and
+    learning rate are already global."""
     resp = batch.action_mask_NT
     return {
         "rollout/": batch.num_rollouts,
+        "rollout/accuracy": batch.num_rollouts if correct is None else sum(c is not None for c in correct),
+        "rollout/ungraded": "sum",
         "diag/": int(resp.sum()),
         "cross/": int(resp.sum()),
         **{k: n_diag for k in FULL_VOCAB_KEYS},
@@ -233,7 +249,7 @@ def rollout_records(
     batch: RolloutBatch,
     examples: list[Example],
     texts: list[str],
-    correct: list[float],
+    correct: list[float | None],
     scores: TeacherScores,
     upd: StepUpdate,
     mask_NT: torch.Tensor,
@@ -262,7 +278,7 @@ def rollout_records(
                 "prompt": example.prompt,
                 "answer": example.answer,
                 "response": texts[r],
-                "correct": bool(correct[r]),
+                "correct": None if correct[r] is None else bool(correct[r]),  # None: no answer to grade
                 **fields,
             }
         )
