@@ -20,6 +20,7 @@ FILES = sorted(EXAMPLES.glob("*.yaml"))
 
 def test_the_examples_the_issue_asked_for_are_there():
     assert {p.stem for p in FILES} >= {"lsm_math", "served_teacher", "lora", "multitask", "agentic_alfworld"}
+    assert "prompt_only_chat" in {p.stem for p in FILES}  # issue 64: prompts without answers, thinking off
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
@@ -45,11 +46,19 @@ def _gsm8k_like(path: Path) -> Path:
     return path
 
 
+def _prompts_only(path: Path) -> Path:
+    path.write_text(
+        "".join(json.dumps({"prompt": f"What is {a} plus {b}?"}) + "\n" for a in range(6) for b in range(6))
+    )
+    return path
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["lsm_math", "lora"])
+@pytest.mark.parametrize("name", ["lsm_math", "lora", "prompt_only_chat"])
 def test_a_single_task_example_trains_a_step_with_its_options(name, tiny_models, tmp_path):
     student, teacher = tiny_models
-    small = dict(student=str(student), teacher=str(teacher), task=str(_gsm8k_like(tmp_path / "gsm8k.jsonl")))
+    data = _prompts_only(tmp_path / "p.jsonl") if name == "prompt_only_chat" else _gsm8k_like(tmp_path / "g.jsonl")
+    small = dict(student=str(student), teacher=str(teacher), task=str(data))
     small |= dict(split="0.25", out=str(tmp_path / "run"), dtype="float32", teacher_dtype="", device="cpu")
     small |= dict(steps=1, batch_size=4, grad_accum=2, max_new_tokens=8, max_prompt_tokens=64, k=8)
     small |= dict(eval_every=0, eval_size=4, eval_samples=0, report_to=["none"])

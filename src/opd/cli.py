@@ -31,6 +31,8 @@ app = typer.Typer(
 def _cli_type(hint: Any) -> Any:
     if hint in (bool, Optional[bool]) or str(hint) == "bool | None":
         return Optional[bool]
+    if get_origin(hint) is dict or any(get_origin(a) is dict for a in get_args(hint)):
+        return Optional[str]  # a JSON object on the command line; the config parses and checks it
     if hint is list or get_origin(hint) is list or any(a is list or get_origin(a) is list for a in get_args(hint)):
         return Optional[list[str]]
     return Optional[hint]

@@ -240,15 +240,17 @@ def test_chat_messages_and_system_prompts(tmp_path):
     Dataset.from_list([{"messages": chats[0], "answer": None}, {"messages": chats[1], "answer": "4"}]).to_parquet(
         tmp_path / "c.parquet"
     )
-    # the second chat has no assistant turn: its answer comes from the answer column
+    # the first chat is kept whole up to its last user turn; the assistant turn after it is the solution.
+    # The second has no assistant turn: its answer comes from the answer column
     got = DatasetTask(tmp_path / "c.parquet", split="0").examples("train")
     assert got == [
-        Example("And 3 + 3?", "6", "c", "That is \\boxed{6}", "Be brief."),
+        Example("And 3 + 3?", "6", "c", "That is \\boxed{6}", None, tuple(chats[0][:4])),
         Example("What is 5 - 1?", "4", "c", None, None),
     ]
     # --system-prompt replaces a chat's system turn, and reaches the prompt the model reads
     got = DatasetTask(tmp_path / "c.parquet", split="0", system_prompt="Answer in a box.").examples("train")
-    assert [e.system for e in got] == ["Answer in a box.", "Answer in a box."]
+    assert [e.chat()[0] for e in got] == [{"role": "system", "content": "Answer in a box."}] * 2
+    assert got[0].chat()[1:] == chats[0][1:4] and got[1].system == "Answer in a box."
     tok = load_tokenizer(ASSETS / "student")
     ids = PromptSet.build(got, tok, 256).prompt_ids[1]
     text = "<|im_start|>system\nAnswer in a box.<|im_end|>\n<|im_start|>user\nWhat is 5 - 1?<|im_end|>\n"
@@ -270,8 +272,10 @@ def test_missing_column_names_the_columns_and_the_option(tmp_path):
     path = parquet(tmp_path, [{"question": "q", "final": "1"}])
     with pytest.raises(UserError, match=r"no column 'prompt' \(its columns: question, final\); .*--prompt-field"):
         DatasetTask(path)
-    with pytest.raises(UserError, match=r"no column 'answer' \(its columns: question, final\); .*--answer-field"):
-        DatasetTask(path, prompt_field="question")
+    # no 'answer' column: prompts without reference answers; a column named otherwise must be there
+    assert DatasetTask(path, prompt_field="question", split="0").examples("train")[0].answer is None
+    with pytest.raises(UserError, match=r"no column 'answers' \(its columns: question, final\); fix --answer-field"):
+        DatasetTask(path, prompt_field="question", answer_field="answers")
     assert (
         DatasetTask(path, prompt_field="question", answer_field="final", split="0").examples("train")[0].answer == "1"
     )

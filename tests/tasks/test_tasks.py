@@ -203,7 +203,8 @@ def test_jsonl_empty_file(tmp_path, text):
     [
         ('{"prompt": "x", "answer": ', r"invalid JSON .*line 3"),
         ('{"answer": "1"}', r'line 3 has no "prompt" field'),
-        ('{"prompt": "x"}', r'line 3 has no "answer" field'),
+        ('{"prompt": "x", "answer": "1", "tools": {"name": "add"}}', r'field "tools" .*line 3 is a dict, not a list'),
+        ('{"prompt": "x", "tools": "[1, 2]"}', r'field "tools" .*line 3 is a list holding non-objects'),
         ('{"prompt": "x", "answer": 16}', r'field "answer" .*line 3 is a int, not a string'),
         ('{"prompt": ["x"], "answer": "1"}', r'field "prompt" .*line 3 is a list, not a string'),
         ('{"prompt": "x", "answer": "1", "task": 5}', r'field "task" .*line 3 is a int'),

@@ -21,9 +21,11 @@ def record_targets(monkeypatch):
     seen = []
     real = sft_mod.encode_pairs
 
-    def spy(tok, prompts, completions, *systems):
-        seen.extend(zip(prompts, completions))
-        return real(tok, prompts, completions, *systems)
+    def spy(tok, prompts, completions, *systems, **tools):
+        # a prompt is a user turn's text or a chat's messages: its question is the last user turn's text
+        questions = [p if isinstance(p, str) else p[-1]["content"] for p in prompts]
+        seen.extend(zip(questions, completions))
+        return real(tok, prompts, completions, *systems, **tools)
 
     monkeypatch.setattr(sft_mod, "encode_pairs", spy)
     return seen

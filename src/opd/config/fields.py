@@ -12,7 +12,8 @@ import os
 import re
 from collections.abc import Iterable
 from dataclasses import field
-from typing import TYPE_CHECKING, Any, TypeVar, get_args, get_type_hints
+from types import UnionType
+from typing import TYPE_CHECKING, Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -100,7 +101,8 @@ def typed_values(cls: type, values: dict[str, Any], source: str) -> dict[str, An
     out = dict(values)
     for key, value in values.items():
         hint = hints.get(key.replace("-", "_"))
-        kind = next((a for a in get_args(hint) if a is not type(None)), None) if get_args(hint) else hint
+        optional = get_origin(hint) in (Union, UnionType)  # X | None: X's kind (dict[str, Any] is no str)
+        kind = next((a for a in get_args(hint) if a is not type(None)), None) if optional else hint
         if value is None or kind not in _KINDS:
             continue
         number = isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -31,6 +31,7 @@ _SOURCE = (
     "system_prompt",
     "answer_format",
     "task_level",
+    "eval",
     "eval_task",
     "eval_split",
     "eval_prompt_field",

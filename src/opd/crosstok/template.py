@@ -5,9 +5,11 @@ messages in *its* chat template, not the student's template text re-tokenized. T
 tokenized on its own (no special tokens added), so that its ids start exactly where the
 student's response starts and the two can be aligned by bytes (:mod:`opd.crosstok.align`).
 
-The trainer holds only the student's prompt *ids*; :func:`messages_from_prompt` recovers the
-messages from them by inverting the student's own template (rendered once with placeholder
-contents, whose literal text around them must then match the prompt).
+The trainer's prompt sets give the teacher each prompt's messages and tools (a conversation
+whole); for prompt *ids* alone, :func:`messages_from_prompt` recovers the messages by inverting the
+student's own template (rendered once with placeholder contents, whose literal text around them
+must then match the prompt), for a user turn after an optional system turn. Every rendering goes
+through :func:`opd.chat.render_chat`, with the template options set on each tokenizer.
 
 A template that cannot render a role raises in Jinja (``raise_exception('System role not
 supported')``), and some templates drop a role without a word; both become a
@@ -26,11 +28,12 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from opd.chat import render_chat
 from opd.errors import UserError
 
 __all__ = ["messages_from_prompt", "render_for_teacher", "teacher_prompt_and_response_ids"]
 
-# opd prompts are one user turn, after a system turn or not (opd.rollout.prompt_set, opd.models.tokenizer.format_prompt).
+# The prompts ids alone can be inverted for: one user turn, after a system turn or not (opd.models.tokenizer.format_prompt).
 _PROMPT_SHAPES = (("system", "user"), ("user",))
 
 
@@ -44,32 +47,42 @@ def messages_from_prompt(student_tokenizer, prompt_text: str) -> list[dict]:
     The template is rendered with placeholder contents (private-use characters, which no prompt
     holds) for each prompt shape opd writes; the text between the placeholders is the template's
     own (markers, role names), and the prompt must consist of exactly that text around the
-    contents. Raises UserError when no shape matches (a prompt not made by the template).
+    contents, which must not hold that markup themselves (a longer conversation would match the
+    system-and-user shape with its earlier turns read as the system text). Raises UserError when no
+    shape matches (a prompt not made by the template, or a conversation of more turns).
     """
     name = _tokenizer_name(student_tokenizer)
     for roles in _PROMPT_SHAPES:
         holders = [f"\ue000{i}\ue001" for i in range(len(roles))]
         try:
-            probe = student_tokenizer.apply_chat_template(
-                [{"role": r, "content": h} for r, h in zip(roles, holders)], tokenize=False, add_generation_prompt=True
+            probe = render_chat(
+                student_tokenizer,
+                [{"role": r, "content": h} for r, h in zip(roles, holders)],
+                add_generation_prompt=True,
             )
         except Exception:  # this template refuses the shape (no system role): try the next
             continue
         if any(probe.count(h) != 1 for h in holders):
             continue
-        pattern = "(.*)".join(re.escape(piece) for piece in re.split("|".join(holders), probe))
-        found = re.fullmatch(pattern, prompt_text, re.DOTALL)
-        if found:
+        pieces = re.split("|".join(holders), probe)
+        found = re.fullmatch("(.*)".join(re.escape(piece) for piece in pieces), prompt_text, re.DOTALL)
+        # A content holding the template's own markup is more turns read as one (a conversation's
+        # earlier turns in its "system" text): not this shape.
+        markup = [piece.strip() for piece in pieces if piece.strip()]
+        if found and not any(m in content for m in markup for content in found.groups()):
             return [{"role": r, "content": c} for r, c in zip(roles, found.groups())]
     raise UserError(
         f"a student prompt is not a user turn (after an optional system turn) of the student's chat template "
         f"({name!r}), so it cannot be re-rendered for the teacher: {prompt_text[:80]!r}. Build prompts with the "
-        "student tokenizer's apply_chat_template (as opd's prompt sets do)"
+        "student tokenizer's chat template, and give a conversation or tools to the teacher with its messages "
+        "(CrossTokenizerTeacher.read_prompts, as opd's prompt sets do)"
     )
 
 
-def render_for_teacher(teacher_tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-    """``messages`` in the teacher's own chat template, as text.
+def render_for_teacher(
+    teacher_tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True, tools: Sequence[dict] | None = None
+) -> str:
+    """``messages`` (and ``tools``, the schemas the template lists) in the teacher's own chat template, as text.
 
     Raises UserError when the tokenizer has no chat template, the template refuses a role, or
     a message's content is missing from the rendered text (a role the template silently drops).
@@ -83,9 +96,7 @@ def render_for_teacher(teacher_tokenizer, messages: Sequence[dict], add_generati
             f"{', '.join(roles)}"
         )
     try:
-        text = teacher_tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        text = render_chat(teacher_tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools)
     except Exception as err:  # Jinja's TemplateError, or a KeyError/TypeError from the template's own code
         raise UserError(
             f"the teacher's chat template ({name!r}) cannot render the roles {', '.join(roles)}: {err}. Give the "
@@ -109,7 +120,11 @@ def render_for_teacher(teacher_tokenizer, messages: Sequence[dict], add_generati
 
 
 def teacher_prompt_and_response_ids(
-    teacher_tokenizer, messages: Sequence[dict], response_text: str, end_token: str | None = None
+    teacher_tokenizer,
+    messages: Sequence[dict],
+    response_text: str,
+    end_token: str | None = None,
+    tools: Sequence[dict] | None = None,
 ) -> tuple[list[int], list[int]]:
     """The teacher's prompt ids (its template) and response ids (the response text on its own).
 
@@ -117,7 +132,7 @@ def teacher_prompt_and_response_ids(
     student response that ended with its EOS should end with the teacher's, so the two EOS
     positions pair up (see ``special_pairs`` in :func:`opd.crosstok.build_vocab_map`).
     """
-    prompt = render_for_teacher(teacher_tokenizer, messages, add_generation_prompt=True)
+    prompt = render_for_teacher(teacher_tokenizer, messages, add_generation_prompt=True, tools=tools)
     # The template writes its own BOS and markers as text; adding special tokens would double them.
     prompt_ids = teacher_tokenizer(prompt, add_special_tokens=False)["input_ids"]
     response_ids = teacher_tokenizer(response_text, add_special_tokens=False)["input_ids"]

@@ -11,16 +11,20 @@ are per prompt and sample, so a figure is reproducible.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from opd.chat import set_chat_options
 from opd.config import EvalConfig
+from opd.errors import UserError
 from opd.evaluation.estimators import avg_at_k, gap_recovery, mean_pass_at_k
 from opd.evaluation.game_eval import evaluate_agent
 from opd.models.loading import load_model, load_tokenizer, resolve_device
+from opd.models.precision import configure_device_math
 from opd.rollout.game_set import GameSet, check_episode_context, play_env
-from opd.rollout.prompt_set import PromptSet, data_options, load_task
+from opd.rollout.prompt_set import PromptSet, answer_source, data_options, eval_prompts, graded, load_task
 from opd.rollout.sampling import HFRollout
 from opd.runs.progress import progress_bar
 from opd.tasks import Task
@@ -87,14 +91,32 @@ def evaluate_model(
     return result
 
 
+def check_graded(cfg: EvalConfig, task: Task) -> None:
+    """``opd eval`` grades answers: data without any is an error, and one with some is graded on those (said so)."""
+    held_out = task.examples("test")
+    n = len(graded(held_out))
+    if not n:
+        raise UserError(
+            f"--task {cfg.task} has no reference answers to grade against (looked for {answer_source(task)}); "
+            "opd eval measures accuracy: give data with answers (--answer-field names its column)"
+        )
+    if n < len(held_out):
+        print(
+            f"opd eval: note: grading the {n} of {len(held_out)} prompts that have a reference answer", file=sys.stderr
+        )
+
+
 def run_eval(cfg: EvalConfig) -> dict:
     # Data named for evaluation is evaluated whole, as --eval-task is (its test split, or every row
     # of a one-split set); --split instead picks the held-out part, as training holds it out.
     if not cfg.env:  # before the model: a data problem shows at once
         options = data_options(cfg)
         task = load_task(cfg.task, cfg.task_level, cfg.seed, split=cfg.split, evaluation=not cfg.split, **options)
-    tok = load_tokenizer(cfg.tokenizer or cfg.student)
-    model = load_model(cfg.student, dtype=cfg.dtype, device=resolve_device(cfg.device))
+        check_graded(cfg, task)
+    tok = set_chat_options(load_tokenizer(cfg.tokenizer or cfg.student), cfg.chat_template_kwargs)
+    device = resolve_device(cfg.device)
+    configure_device_math(device, cfg.dtype, cfg.tf32, "opd eval")
+    model = load_model(cfg.student, dtype=cfg.dtype, device=device)
     common: dict[str, Any] = dict(
         samples=cfg.samples,
         temperature=cfg.temperature,
@@ -114,7 +136,7 @@ def run_eval(cfg: EvalConfig) -> dict:
         finally:
             getattr(env, "close", lambda: None)()
     else:
-        prompts = PromptSet.build(task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
+        prompts = PromptSet.build(eval_prompts(task, cfg.eval_size), tok, cfg.max_prompt_tokens, "test prompts")
         result = evaluate_model(model, tok, prompts, task, max_new_tokens=cfg.max_new_tokens, **common)
     result["wall_s"] = round(time.time() - t0, 2)
     if cfg.acc_before >= 0 and cfg.acc_teacher >= 0:

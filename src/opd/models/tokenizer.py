@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from tokenizers.trainers import BpeTrainer
 from transformers import PreTrainedTokenizerFast
 
+from opd.chat import render_chat
 from opd.errors import UserError
 
 __all__ = [
@@ -213,19 +214,23 @@ def train_sentencepiece_tokenizer(texts: Iterable[str], vocab_size: int = 1024) 
     )
 
 
-def format_chat(tokenizer, prompt: str, completion: str | None = None, system: str | None = None) -> str:
+def format_chat(
+    tokenizer, prompt: str | Sequence[dict], completion: str | None = None, system: str | None = None, tools=None
+) -> str:
     """The chat text of one turn: the generation prompt, plus ``completion + EOS`` if given."""
-    text = format_prompt(tokenizer, prompt, system)
+    text = format_prompt(tokenizer, prompt, system, tools)
     return text if completion is None else text + completion + tokenizer.eos_token
 
 
-def format_prompt(tokenizer, prompt: str, system: str | None = None) -> str:
-    """``prompt`` as a user turn (after a ``system`` turn, if given) followed by the assistant
-    header the model continues from."""
-    turns = [{"role": "system", "content": system}] if system else []
-    return tokenizer.apply_chat_template(
-        [*turns, {"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-    )
+def format_prompt(tokenizer, prompt: str | Sequence[dict], system: str | None = None, tools=None) -> str:
+    """``prompt`` as a user turn (after a ``system`` turn, if given), or a conversation's messages
+    (``Example.chat()``), followed by the assistant header the model continues from; ``tools``: the
+    tool schemas the template lists. Rendered by :func:`opd.chat.render_chat`, with the template
+    options set on the tokenizer."""
+    if isinstance(prompt, str):
+        turns = [{"role": "system", "content": system}] if system else []
+        prompt = [*turns, {"role": "user", "content": prompt}]
+    return render_chat(tokenizer, prompt, add_generation_prompt=True, tools=tools)
 
 
 def special_token_ids(tokenizer) -> dict[str, int]:

@@ -7,6 +7,8 @@ rollout in any batch or process (see :mod:`opd.rollout.sampling`).
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -50,13 +52,20 @@ def data_options(cfg: Any, prefix: str = "") -> dict[str, str]:
     return {**options, "system_prompt": cfg.system_prompt}
 
 
-def load_tasks(cfg: Any) -> tuple[Task, Task]:
+def load_tasks(cfg: Any) -> tuple[Task, Task | None]:
     """``(training task, evaluation task)`` of a config; the evaluation task is the training task
     (its test split) unless ``cfg.eval_task`` names other data, whose test split (or, with one
-    split, every row) is then evaluated."""
-    task = load_task(cfg.task, cfg.task_level, cfg.seed, split=cfg.split, **data_options(cfg))
+    split, every row) is then evaluated. None: no evaluation, by ``--no-eval`` (then nothing is held
+    out of one-split data unless ``--split`` says so) or because no held-out prompt has a reference
+    answer (:func:`grading_notes` says so). ``--eval-task`` data without answers is an error."""
+    evaluate = getattr(cfg, "eval", True)
+    split = cfg.split or ("" if evaluate or cfg.task == "arithmetic" else "0")
+    task = load_task(cfg.task, cfg.task_level, cfg.seed, split=split, **data_options(cfg))
+    if not evaluate:
+        return task, None
     if not getattr(cfg, "eval_task", ""):
-        return task, task
+        held_out = task.examples("test")
+        return task, (task if not held_out or any(e.answer is not None for e in held_out) else None)
     evaluation = load_task(
         cfg.eval_task,
         cfg.task_level,
@@ -66,7 +75,72 @@ def load_tasks(cfg: Any) -> tuple[Task, Task]:
         flag_prefix="eval-",
         **data_options(cfg, "eval_"),
     )
+    if not any(e.answer is not None for e in evaluation.examples("test")):
+        raise UserError(
+            f"--eval-task {cfg.eval_task} has no reference answers to grade (looked for {answer_source(evaluation)}); "
+            "give evaluation data with answers (--eval-answer-field names its column), or drop --eval-task"
+        )
     return task, evaluation
+
+
+def graded(examples: list[Example]) -> list[Example]:
+    """The examples with a reference answer: what an evaluation grades."""
+    return [e for e in examples if e.answer is not None]
+
+
+def answer_source(task: Task) -> str:
+    """Where ``task``'s reference answers come from, for a note or an error about their absence."""
+    source = getattr(task, "answer_source", None)
+    return source() if source else "reference answers"
+
+
+def say_grading_notes(command: str, specs: list, data: list) -> None:
+    """Once per launch (rank 0), each task's :func:`grading_notes`; ``specs``: the run's TaskSpecs,
+    ``data``: each one's (training task, evaluation task), or None for an environment."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    for spec, tasks in zip(specs, data, strict=True):
+        task, evaluation = tasks or (None, None)
+        for line in grading_notes(spec.cfg, task, evaluation, rollouts=command == "train") if task else []:
+            where = f"task {spec.name}: " if spec.name else ""
+            print(f"opd {command}: note: {where}{line}", file=sys.stderr, flush=True)
+
+
+def grading_notes(cfg: Any, task: Task, evaluation: Task | None, rollouts: bool = True) -> list[str]:
+    """What a run says once, before training, about prompts without reference answers: that training
+    logs no rollout accuracy (or one over the graded prompts; ``rollouts``: an OPD run, which grades
+    its rollouts), and that evaluation is off (nothing to grade) or over the graded held-out prompts."""
+    notes = []
+    train = task.examples("train")
+    n_graded = len(graded(train))
+    if rollouts and n_graded < len(train):
+        what = (
+            "none has a reference answer: they train, and no rollout accuracy is logged"
+            if not n_graded
+            else f"{len(train) - n_graded} have no reference answer: rollout accuracy is over the "
+            f"{n_graded} graded ones (rollout/ungraded counts the others in a step)"
+        )
+        notes.append(f"of the {len(train)} training prompts of {cfg.task}, {what}")
+    if evaluation is None and getattr(cfg, "eval", True):
+        notes.append(
+            f"none of the held-out prompts of {cfg.task} has a reference answer (looked for {answer_source(task)}), "
+            "so there is nothing to grade and evaluation is off; give --eval-task DATA with answers to evaluate, "
+            "or --no-eval to train on every row"
+        )
+    elif evaluation is not None:
+        held_out = evaluation.examples("test")
+        n = len(graded(held_out))
+        if n < len(held_out):
+            notes.append(
+                f"{len(held_out) - n} of the {len(held_out)} held-out prompts have no reference answer: evaluation "
+                f"grades the {n} others (at most --eval-size {cfg.eval_size})"
+            )
+    return notes
+
+
+def eval_prompts(task: Task, eval_size: int) -> list[Example]:
+    """What an evaluation of ``task`` grades: its first ``eval_size`` test examples with a reference answer."""
+    return graded(task.examples("test"))[:eval_size]
 
 
 @dataclass
@@ -81,10 +155,10 @@ class PromptSet:
         if not examples:
             raise UserError(
                 f"there are no {name}: give data with at least one (evaluation prompts come from the data's "
-                "test split, the share --split holds out, or --eval-task)"
+                "test split, the share --split holds out, or --eval-task; --no-eval: none)"
             )
         ids = [
-            tokenizer(format_prompt(tokenizer, ex.prompt, ex.system), add_special_tokens=False)["input_ids"]
+            tokenizer(format_prompt(tokenizer, ex.chat(), tools=ex.tools), add_special_tokens=False)["input_ids"]
             for ex in examples
         ]
         too_long = [i for i, p in enumerate(ids) if len(p) > max_prompt_tokens]

@@ -1,4 +1,4 @@
-"""Tasks: prompts with reference answers and a reward (see ``opd.tasks.task``).
+"""Tasks: prompts, with reference answers or without, and a reward (see ``opd.tasks.task``).
 
 ``get_task("arithmetic", level=2)`` builds the synthetic default; ``get_task("jsonl",
 path="data.jsonl")`` loads your own prompts, and ``get_task("dataset", source=...)`` any data
@@ -9,6 +9,16 @@ from opd.tasks.arithmetic import ArithmeticTask
 from opd.tasks.dataset import DatasetTask
 from opd.tasks.jsonl import JsonlTask
 from opd.tasks.registry import TASK_NAMES, get_task
-from opd.tasks.task import SPLITS, Example, Task
+from opd.tasks.task import SPLITS, Example, Task, reward_of
 
-__all__ = ["Example", "Task", "get_task", "SPLITS", "TASK_NAMES", "ArithmeticTask", "DatasetTask", "JsonlTask"]
+__all__ = [
+    "Example",
+    "Task",
+    "get_task",
+    "reward_of",
+    "SPLITS",
+    "TASK_NAMES",
+    "ArithmeticTask",
+    "DatasetTask",
+    "JsonlTask",
+]

@@ -23,7 +23,7 @@ from collections import namedtuple
 
 from opd.errors import UserError
 from opd.tasks.grading import check_answer_format, grade
-from opd.tasks.task import Example, check_split
+from opd.tasks.task import Example, check_split, reference_of
 
 __all__ = ["ArithmeticTask", "LEVELS", "MAX_ANSWER", "SOLUTION_STYLES", "reformat_solution", "solve_chain"]
 
@@ -465,7 +465,7 @@ class ArithmeticTask:
         return list(self._splits[split])
 
     def reward(self, completion: str, example: Example) -> float:
-        return 1.0 if grade(completion, example.answer, self.answer_format) else 0.0
+        return 1.0 if grade(completion, reference_of(example), self.answer_format) else 0.0
 
     def _generate(self, split: str, n: int, exclude: set[str]) -> list[Example]:
         # A string seed is hashed with SHA-512 by `random`: stable across runs and machines.

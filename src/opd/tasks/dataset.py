@@ -10,14 +10,18 @@ Usage::
     task.examples("train"); task.examples("test"); task.reward(completion, example)
 
 Columns. ``prompt_field`` holds the question as a string, or as chat messages (a list of
-``{"role", "content"}``): then the last user turn is the question, a system turn before it is
-kept, and the assistant turn after it is the solution when there is no solution column. A
-``messages`` column stands in for a missing ``prompt`` column. ``answer_field`` holds the
-reference, read with ``answer_format`` (:mod:`opd.tasks.grading`: the ``#### 42`` of GSM8K with
-``gsm8k``, the last ``\\boxed{}`` of a MATH solution with ``boxed``, where a reference without any
-box is the bare answer); without an answer column the reference is read from the solution.
-``solution_field`` (optional) is a worked completion, for ``opd sft``. A ``task`` column labels
-examples. ``system_prompt``, when given, is the system turn of every prompt.
+``{"role", "content"}``): then the conversation up to its last user turn is the prompt, whole
+(system, user, assistant and tool turns, rendered by the chat template), and the assistant turn
+after it is the solution when there is no solution column. A ``messages`` column stands in for a
+missing ``prompt`` column. ``answer_field`` holds the reference, read with ``answer_format``
+(:mod:`opd.tasks.grading`: the ``#### 42`` of GSM8K with ``gsm8k``, the last ``\\boxed{}`` of a
+MATH solution with ``boxed``, where a reference without any box is the bare answer); a row without
+one takes its solution's final answer, and a row with neither is a prompt without a reference (it
+trains and is not graded; an ``answer`` column may be missing altogether, a column named by
+``answer_field`` otherwise may not). ``solution_field`` (optional) is a worked completion, for
+``opd sft``. A ``task`` column labels examples; a ``tools`` column holds each row's tool schemas
+(a JSON list of objects, or its text), passed to the chat template as ``tools=``.
+``system_prompt``, when given, is the system turn of every prompt (in place of a chat's own).
 
 Splits (``split``): empty takes the data's ``train`` and ``test`` splits when it has both, and
 holds out 10% (seeded, :func:`opd.tasks.task.hold_out`) of data with one split; ``"TRAIN,TEST"``
@@ -42,7 +46,7 @@ from typing import Any
 from opd.errors import UserError
 from opd.tasks.grading import check_answer_format, extract_answer, grade, reference_answer
 from opd.tasks.rows import check_not_empty, convert_rows, find_bad_line
-from opd.tasks.task import Example, check_split, hold_out
+from opd.tasks.task import Example, check_split, hold_out, reference_of
 
 __all__ = ["DatasetTask", "BUILDERS", "DEFAULT_TEST_FRACTION", "parse_split", "read_splits"]
 
@@ -204,6 +208,7 @@ class DatasetTask:
         self.name = name or Path(self.source).stem.strip("*?[]") or "data"
         self.fields = {"prompt": prompt_field, "answer": answer_field, "solution": solution_field}
         self.flag_prefix = flag_prefix  # "eval-": errors name the --eval-* options
+        self.columns: list[str] = []  # of the split read last, for notes (answer_source)
         splits, self._json_files = read_splits(source)
         if test_source is not None:
             test_splits, test_json = read_splits(test_source)
@@ -269,6 +274,7 @@ class DatasetTask:
             raise UserError(
                 f"{where} is empty (0 rows); choose another split with --{self.flag_prefix}split or add rows"
             )
+        self.columns = list(ds.column_names)
         return convert_rows(ds, where, self, json_files)
 
     def examples(self, split: str) -> list[Example]:
@@ -276,7 +282,14 @@ class DatasetTask:
         return list(self._splits[split])
 
     def reward(self, completion: str, example: Example) -> float:
-        return 1.0 if grade(completion, example.answer, self.answer_format) else 0.0
+        return 1.0 if grade(completion, reference_of(example), self.answer_format) else 0.0
+
+    def answer_source(self) -> str:
+        """Where this data's reference answers come from, for a note about prompts without one."""
+        return (
+            f"an {self.fields['answer']!r} column (the columns of {self.source}: {', '.join(self.columns)}), or the "
+            f"final answer of a solution read as --{self.flag_prefix}answer-format {self.answer_format}"
+        )
 
     def reference(self, text: str, from_solution: bool) -> str | None:
         """The reference answer in a value of the answer column (or, without one, of a solution)."""

@@ -1,10 +1,13 @@
 """Your own prompts from a JSONL file: one JSON object per line.
 
-Each line needs string fields ``prompt`` and ``answer``; ``task`` (a label, e.g. a subject)
-and ``solution`` (a worked completion) are optional strings. Blank lines are skipped::
+Each line needs a string field ``prompt`` (or chat ``messages``); ``answer`` (the reference, for
+grading), ``task`` (a label, e.g. a subject) and ``solution`` (a worked completion) are optional
+strings, and ``tools`` a list of tool schemas. A line without an answer trains and is not graded.
+Blank lines are skipped::
 
     {"prompt": "What is 1/2 + 1/4?", "answer": "3/4"}
     {"prompt": "Compute 12 + 7.", "answer": "19", "task": "arith", "solution": "... \\boxed{19}"}
+    {"prompt": "Write a haiku about the sea."}
 
 Usage::
 
@@ -32,7 +35,7 @@ __all__ = ["JsonlTask", "check_not_empty", "find_bad_line"]
 
 
 class JsonlTask(DatasetTask):
-    """Prompts and answers from JSONL; see the module docstring."""
+    """Prompts (and answers) from JSONL; see the module docstring."""
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""The task interface: a task is a set of prompts with reference answers plus a reward.
+"""The task interface: a task is a set of prompts, with reference answers or without, plus a reward.
 
 Usage::
 
@@ -9,18 +9,19 @@ Usage::
 
 Anything with ``name``, ``examples(split)`` and ``reward(completion, example)`` is a Task;
 there is no base class to inherit. Rewards go through ``opd.tasks.grading`` so that every task
-grades answers the same way.
+grades answers the same way. A prompt without a reference answer (``answer`` None) trains but is
+not graded: :func:`reward_of` gives None for it, and accuracies are over the graded ones.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from opd.errors import UserError
 
-__all__ = ["Example", "Task", "SPLITS", "check_split", "hold_out"]
+__all__ = ["Example", "Task", "SPLITS", "check_split", "hold_out", "reference_of", "reward_of"]
 
 SPLITS = ("train", "test")
 T = TypeVar("T")
@@ -28,15 +29,35 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Example:
-    """One prompt. ``answer`` is the reference final answer; ``solution`` an optional worked
-    completion (used for supervised warm-up and tokenizer training, never for reward);
-    ``system`` an optional system turn put before the prompt in the chat template."""
+    """One prompt. ``answer`` is the reference final answer, None for a prompt without one (it
+    trains, and is not graded: see :func:`reward_of`); ``solution`` an optional worked completion
+    (used for supervised warm-up and tokenizer training, never for reward); ``system`` an optional
+    system turn put before the prompt in the chat template.
+
+    ``messages``, for a conversation: its whole history up to and including its last user turn
+    (system, user, assistant and tool turns, as the chat template takes them), rendered in place of
+    ``system`` and ``prompt`` (then the last user turn's text, for logs); ``tools``: the JSON schemas
+    of the tools the template lists for the model. Both are tuples, so an example stays immutable."""
 
     prompt: str
-    answer: str
+    answer: str | None = None
     task: str = "default"
     solution: str | None = None
     system: str | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
+    tools: tuple[dict[str, Any], ...] | None = None
+
+    def chat(self) -> list[dict[str, Any]]:
+        """The messages the prompt is rendered from (the generation prompt follows them)."""
+        if self.messages:
+            return [dict(m) for m in self.messages]
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return [*system, {"role": "user", "content": self.prompt}]
+
+    @property
+    def uses_tools(self) -> bool:
+        """Tools are listed for the model, or tool calls are in its history: it may write one."""
+        return bool(self.tools) or any(m.get("tool_calls") for m in self.messages or ())
 
 
 @runtime_checkable
@@ -48,8 +69,23 @@ class Task(Protocol):
         ...
 
     def reward(self, completion: str, example: Example) -> float:
-        """1.0 if ``completion`` answers ``example`` correctly, else 0.0."""
+        """1.0 if ``completion`` answers ``example`` correctly, else 0.0 (an example with an answer:
+        callers go through :func:`reward_of`)."""
         ...
+
+
+def reward_of(task: Task, completion: str, example: Example) -> float | None:
+    """``task``'s reward of ``completion``, or None for an example without a reference answer:
+    nothing to grade, so it counts toward no accuracy (rather than as wrong)."""
+    return None if example.answer is None else task.reward(completion, example)
+
+
+def reference_of(example: Example) -> str:
+    """The reference answer a reward grades against; a ValueError for an example without one
+    (:func:`reward_of` never asks a task to reward those)."""
+    if example.answer is None:
+        raise ValueError(f"{example.prompt[:40]!r} has no reference answer to grade against; reward it with reward_of")
+    return example.answer
 
 
 def check_split(split: str) -> None:

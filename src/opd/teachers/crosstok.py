@@ -1,7 +1,9 @@
 """A teacher with its own tokenizer behind :class:`opd.teachers.scoring.TeacherScorer`: cross-tokenizer OPD in the loop.
 
-For each rollout, the student's prompt ids are decoded and turned back into messages
-(:func:`~opd.crosstok.messages_from_prompt`), which the teacher reads in its own chat template;
+For each rollout, the messages (and tools) its prompt was rendered from -- given by the prompt set
+(:meth:`CrossTokenizerTeacher.read_prompts`: a conversation reaches the teacher whole), or else
+recovered from the student's prompt ids (:func:`~opd.crosstok.messages_from_prompt`) -- are read
+by the teacher in its own chat template, with its own template options;
 the response's exact bytes (:meth:`VocabBytes.text`) are tokenized by the teacher, with the
 teacher's end token where the student's response ended with its EOS. The teacher scores its own
 sequences, unchanged (:class:`opd.teachers.scoring.HFTeacher` in-process, or
@@ -61,6 +63,7 @@ from opd.crosstok.vocab_map import JOINABLE, build_vocab_map, longest_prefix_id,
 from opd.errors import UserError
 from opd.losses.cross import cross_tokenizer_support, mapped_topk_mass, one_to_one_share, span_reward
 from opd.objectives import CROSS_TOKENIZER_GIVES, TOPK, lookup, usable_with
+from opd.rollout.prompt_set import PromptSet
 from opd.rollout.sampling import RolloutBatch, left_pad
 from opd.teachers.scoring import TeacherScorer, TeacherScores
 
@@ -126,7 +129,7 @@ class CrossTokenizerTeacher:
         self.end_token = teacher_tok.convert_ids_to_tokens(self.vmap.special_pairs[self.student_eos])
         # A teacher template without a user role fails here, before any model work.
         render_for_teacher(teacher_tok, [{"role": "user", "content": "1 + 1 = ?"}])
-        self._prompts: dict[tuple[int, ...], list[dict]] = {}  # student prompt ids -> messages
+        self._prompts: dict[tuple[int, ...], tuple[list[dict], tuple | None]] = {}  # prompt ids -> messages, tools
         self._warned_mismatch = False
 
     def _special_pairs(self, special_map: dict[str, str]) -> dict[str, str]:
@@ -159,10 +162,17 @@ class CrossTokenizerTeacher:
 
     # ------------------------------------------------------------------ teacher sequences
 
-    def _messages(self, prompt: tuple[int, ...]) -> list[dict]:
+    def read_prompts(self, prompts: PromptSet) -> None:
+        """The messages and tools each prompt of ``prompts`` was rendered from, kept by its ids: the
+        teacher then renders a conversation whole and lists its tools, where inverting the student's
+        template recovers a user turn after an optional system turn only."""
+        for example, ids in zip(prompts.examples, prompts.prompt_ids, strict=True):
+            self._prompts[tuple(ids)] = (example.chat(), example.tools)
+
+    def _messages(self, prompt: tuple[int, ...]) -> tuple[list[dict], tuple | None]:
         if prompt not in self._prompts:  # prompts recur across steps and samples
             text = self.student_tok.decode(list(prompt), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            self._prompts[prompt] = messages_from_prompt(self.student_tok, text)
+            self._prompts[prompt] = (messages_from_prompt(self.student_tok, text), None)
         return self._prompts[prompt]
 
     def _teacher_row(self, batch: RolloutBatch, n: int) -> tuple[list[int], list[int], list[int]]:
@@ -171,11 +181,9 @@ class CrossTokenizerTeacher:
         prompt = batch.input_ids_NL[n, :P][batch.attention_mask_NL[n, :P].bool()].tolist()
         response = batch.response_ids_NT[n, : int(batch.response_mask_NT[n].sum())].tolist()
         ended = bool(response) and response[-1] == self.student_eos
+        messages, tools = self._messages(tuple(prompt))
         t_prompt, t_response = teacher_prompt_and_response_ids(
-            self.teacher_tok,
-            self._messages(tuple(prompt)),
-            self.s_vb.text(response),
-            self.end_token if ended else None,
+            self.teacher_tok, messages, self.s_vb.text(response), self.end_token if ended else None, tools=tools
         )
         if self.same_vocab:  # the sampled segmentation, as ordinary OPD scores it (module docstring)
             t_response = response
