@@ -144,6 +144,21 @@ def test_fsdp_matches_one_process_and_resumes(single, tiny_models, tmp_path):
         )
 
 
+def test_fsdp_trains_in_mixed_precision(tiny_models, tmp_path):
+    """--fsdp --dtype bfloat16: FSDP's policy gathers the blocks in bfloat16 and reduces in float32 onto
+    float32 shards; checkpoints hold the float32 masters, final/ is bfloat16."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    launch("torchrun", cli_args(tiny_models, out, batch_size=2, steps=2, fsdp=True, dtype="bfloat16"))
+    steps = step_records(out)
+    assert [r["step"] for r in steps] == [0, 1]
+    assert all(torch.isfinite(torch.tensor([r["train/loss"], r["train/grad_norm"]])).all() for r in steps)
+    masters = load_file(str(out / "checkpoints" / "step_0000001" / "model" / "model.safetensors"))
+    assert {t.dtype for t in masters.values()} == {torch.float32}
+    assert {t.dtype for t in load_file(str(out / "final" / "model.safetensors")).values()} == {torch.bfloat16}
+
+
 def test_fsdp_needs_several_processes(tiny_models, tmp_path):
     from opd.errors import UserError
 

@@ -16,6 +16,7 @@ from opd.config.files import build_config, config_record, dump_config, read_conf
 from opd.config.options import (
     CROSS_TOKENIZER,
     DEFAULT_SPECIAL_TOKENS,
+    STATIC_CACHE,
     EvalConfig,
     SFTConfig,
     TrainConfig,
@@ -39,6 +40,7 @@ __all__ = [
     "PER_TASK",
     "REPORT_TO",
     "SFT_PER_TASK",
+    "STATIC_CACHE",
     "TEACHER_SCORING",
     "TASK_MODES",
     "ConfigError",

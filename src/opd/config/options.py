@@ -12,15 +12,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from opd.config.fields import DTYPES, REPORT_TO_HELP, ConfigError, check_report_to, opt, require
-from opd.config.sources import EnvSource, ModelSource, TrainingSource
+from opd.config.sources import EnvSource, ModelSource, TrainingSource, chat_options
 from opd.config.tasks import read_task_list, resolve_tasks
 from opd.crosstok.align import PAIRINGS
 from opd.crosstok.vocab_map import JOINABLE, UNMAPPED
 from opd.losses import SUPPORT_KINDS
 from opd.objectives import CROSS_TOKENIZER_GIVES, REGISTRY, objectives_help, refusal, usable_with
+from opd.service import url_problem
 
 DEFAULT_SPECIAL_TOKENS = ("<|im_end|>", "<think>", "</think>")
-ROLLOUT_ENGINES = ("hf", "vllm")
 # Rollouts run at most this many steps ahead of the trainer (--max-staleness): each step in flight holds a
 # copy of the weights, and a policy older than this is no longer distillation from the student's own samples.
 MAX_STALENESS = 4
@@ -38,6 +38,12 @@ class TrainConfig(EnvSource, TrainingSource):
         "Teacher tokenizer directory (default: the --teacher directory). With --teacher-url, the served "
         "model's tokenizer: given and different from the student's, the server scores the teacher's own "
         "tokenization (cross-tokenizer OPD).",
+    )
+    teacher_chat_template_kwargs: dict[str, Any] | None = opt(
+        None,
+        "Options for the teacher's chat template, a JSON object, where the teacher renders the prompts itself "
+        "(a teacher with another tokenizer: --cross-tokenizer); a teacher with the student's tokenizer reads the "
+        "student's rendering. Unset: --chat-template-kwargs; '{}': none.",
     )
     cross_tokenizer: str = opt(
         "auto",
@@ -117,6 +123,19 @@ class TrainConfig(EnvSource, TrainingSource):
     )
     samples_per_prompt: int = opt(1, "Rollouts per prompt.")
     grad_accum: int = opt(1, "Micro-batches per optimizer step; the batch is split evenly.")
+    micro_batch_tokens: int = opt(
+        0,
+        "Micro-batches by token budget instead of --grad-accum: the step's sequences (long and short responses "
+        "together, longest first) packed so each micro-batch's rows x its longest sequence (prompt and response "
+        "tokens) stays within N; a longer sequence goes alone. The step's loss and gradient are the unsplit "
+        "step's. 0: off. Not with --grad-accum > 1.",
+    )
+    gradient_checkpointing: bool = opt(
+        False,
+        "Activation checkpointing per decoder layer in the student's update: each layer's activations are "
+        "recomputed in the backward instead of kept, for long responses (docs/training.md, 'Long responses'). "
+        "The rollout and the teacher are untouched.",
+    )
     updates_per_batch: int = opt(
         1,
         "Optimizer steps per rollout batch. > 1 reuses the batch: sampled corrects with "
@@ -177,8 +196,17 @@ class TrainConfig(EnvSource, TrainingSource):
     )
     rollout_engine: str = opt(
         "hf",
-        "What generates the rollouts: hf (opd's own sampling loop: per-prompt seeded, resumable exactly) or vllm "
-        "(a vLLM server given the student's weights before every batch; opd vllm-setup; docs/scale-out.md).",
+        "What generates the rollouts: hf (opd's own sampling loop: per-prompt seeded, resumable exactly), vllm "
+        "(a vLLM server given the student's weights before every batch; opd vllm-setup; docs/scale-out.md), or "
+        "an engine registered with opd.rollout.registry.register (docs/architecture.md).",
+    )
+    static_cache: str = opt(
+        "off",
+        "opd's own sampling loop (--rollout-engine hf) with a static KV cache: preallocated for the batch and its "
+        "token budget, its decode step captured once as a CUDA graph and replayed (the same samples as the dynamic "
+        "cache, which grows every step). auto: on a GPU (not with --fsdp); on: on the CPU too, without a graph; off: "
+        "the dynamic cache. Off by default until its speed on a GPU is measured (benchmarks/bench_decode.py, "
+        "docs/benchmarks.md): then auto becomes the default if it is faster.",
     )
     max_staleness: int = opt(
         0,
@@ -204,6 +232,11 @@ class TrainConfig(EnvSource, TrainingSource):
         "student's, in nats per token on average, before the run stops (0: 1e-3 in float32, 0.05 otherwise).",
     )
     vllm_start_timeout: float = opt(600.0, "Seconds to wait for the vLLM server opd starts to become healthy.")
+    vllm_wait: float = opt(
+        600.0,
+        "Seconds to wait for a vLLM engine that stops answering (at startup too), then checkpoint and stop; a "
+        "server opd started that exits is restarted at once instead.",
+    )
     fsdp: bool = opt(
         False, "Shard the student with FSDP across the launched processes (torchrun/accelerate) instead of DDP."
     )
@@ -226,6 +259,12 @@ class TrainConfig(EnvSource, TrainingSource):
         "With tasks: alternate (each step trains on one task, chosen by share, seed and step) or mix "
         "(every step holds every task's sub-batch, each scored by its own teacher, one optimizer step).",
     )
+
+    def teacher_chat_options(self) -> dict[str, Any]:
+        """The teacher's chat template options: its own, or the student's when unset."""
+        if self.teacher_chat_template_kwargs is None:
+            return self.chat_template_kwargs
+        return self.teacher_chat_template_kwargs
 
     def __post_init__(self) -> None:
         self._check_common()
@@ -280,6 +319,12 @@ def _check_optimizer(cfg: TrainConfig) -> None:
         f"grad_accum={cfg.grad_accum} must divide batch_size*samples_per_prompt={cfg.batch_size * cfg.samples_per_prompt}",
     )
     _check_counts(cfg, updates_per_batch=1, warmup_steps=0)
+    require(cfg.micro_batch_tokens >= 0, f"micro_batch_tokens={cfg.micro_batch_tokens} must be >= 1 (0: off)")
+    require(
+        not (cfg.micro_batch_tokens and cfg.grad_accum > 1),
+        f"micro_batch_tokens={cfg.micro_batch_tokens} and grad_accum={cfg.grad_accum} both split the step; "
+        "keep one (--grad-accum 1 with a token budget)",
+    )
     require(cfg.lr > 0, f"lr={cfg.lr} must be > 0")
     require(cfg.weight_decay >= 0, f"weight_decay={cfg.weight_decay} must be >= 0 (0: none)")
     require(cfg.clip_eps > 0, f"clip_eps={cfg.clip_eps} must be > 0 (0.2 is PPO's usual clip)")
@@ -291,10 +336,20 @@ def _check_rollout(cfg: TrainConfig) -> None:
     require(0.0 < cfg.top_p <= 1.0, f"top_p={cfg.top_p} must lie in (0, 1] (0.9 is the paper's setting)")
     _check_staleness(cfg)
     require(cfg.temperature > 0, f"temperature={cfg.temperature} must be > 0")
-    require(cfg.rollout_engine in ROLLOUT_ENGINES, f"rollout_engine={cfg.rollout_engine!r}: hf or vllm")
-    require(cfg.vllm_max_gap >= 0 and cfg.vllm_start_timeout > 0, "vllm_max_gap must be >= 0, vllm_start_timeout > 0")
-    if cfg.rollout_engine == "hf":
-        require(not cfg.vllm_url, "vllm_url is set but rollout_engine is hf; add --rollout-engine vllm")
+    # the engine's name is checked against the registry (opd.rollout.registry) when the run is set up
+    require(bool(cfg.rollout_engine), "rollout_engine is empty: give hf, vllm or a registered engine's name")
+    _check_static_cache(cfg)
+    require(
+        cfg.vllm_max_gap >= 0 and cfg.vllm_start_timeout > 0 and cfg.vllm_wait >= 0,
+        "vllm_max_gap must be >= 0, vllm_start_timeout > 0 and vllm_wait >= 0",
+    )
+    problem = url_problem(cfg.vllm_url, "--vllm-url") if cfg.vllm_url else ""
+    require(not problem, problem)
+    if cfg.rollout_engine != "vllm":
+        require(
+            not cfg.vllm_url,
+            f"vllm_url is set but rollout_engine is {cfg.rollout_engine}; add --rollout-engine vllm",
+        )
         return
     require(
         not cfg.fsdp,
@@ -303,6 +358,25 @@ def _check_rollout(cfg: TrainConfig) -> None:
     )
     if not cfg.vllm_max_gap:
         cfg.vllm_max_gap = 1e-3 if cfg.dtype == "float32" else 0.05
+
+
+def _check_static_cache(cfg: TrainConfig) -> None:
+    require(
+        cfg.static_cache in STATIC_CACHE,
+        f"static_cache={cfg.static_cache!r}: choose one of {', '.join(STATIC_CACHE)}",
+    )
+    if cfg.static_cache != "on":  # auto does what the engine and the launch allow
+        return
+    require(
+        cfg.rollout_engine == "hf",
+        f"static_cache=on is a setting of opd's own sampling loop (--rollout-engine hf), not of {cfg.rollout_engine}; "
+        "drop --static-cache on",
+    )
+    require(
+        not cfg.fsdp,
+        "static_cache=on does not run with --fsdp (the sharded forward gathers the weights in hooks that a CUDA graph "
+        "cannot capture); use --static-cache auto or off",
+    )
 
 
 def _check_staleness(cfg: TrainConfig) -> None:
@@ -324,6 +398,8 @@ def _check_staleness(cfg: TrainConfig) -> None:
 
 def _check_teacher(cfg: TrainConfig) -> None:
     require(cfg.teacher_dtype in ("", *DTYPES), f"teacher_dtype={cfg.teacher_dtype!r}: use {', '.join(DTYPES)}")
+    problem = url_problem(cfg.teacher_url, "--teacher-url") if cfg.teacher_url else ""
+    require(not problem, problem)
     require(
         not (cfg.teacher_dtype and cfg.teacher_url),
         "teacher_dtype applies to an in-process teacher "
@@ -334,6 +410,10 @@ def _check_teacher(cfg: TrainConfig) -> None:
         cfg.teacher_timeout > 0 and cfg.teacher_wait >= 0 and (cfg.teacher_retries or 0) >= 0,
         "teacher_timeout must be > 0, teacher_wait >= 0 and teacher_retries >= 0 (or unset)",
     )
+    if cfg.teacher_chat_template_kwargs is not None:
+        cfg.teacher_chat_template_kwargs = chat_options(
+            cfg.teacher_chat_template_kwargs, "teacher_chat_template_kwargs"
+        )
 
 
 def _check_cross_tokenizer_options(cfg: TrainConfig) -> None:
@@ -376,6 +456,7 @@ def _check_counts(cfg: object, **least: int) -> None:
 
 
 CROSS_TOKENIZER = ("auto", "on", "off")
+STATIC_CACHE = ("auto", "on", "off")  # --static-cache (opd.rollout.static_cache)
 
 
 def parse_special_map(items: list[str]) -> dict[str, str]:

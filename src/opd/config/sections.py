@@ -8,10 +8,10 @@ and ``--help`` shows one panel per section. A file may give its options nested, 
 ``config.json`` written before sections), or both; an option in a section it does not belong to is an
 error naming its section, so a nested file cannot silently set nothing.
 
-A mapping under a section's name is that section. Five sections share their name with an option
-(``data``, ``env``, ``teacher``, ``cross_tokenizer``, ``objective``); the option holds a string,
-never a mapping, so ``teacher: /models/t`` is the option and ``teacher: {teacher: /models/t}`` the
-section.
+A mapping under a section's name is that section. Six sections share their name with an option
+(``data``, ``env``, ``teacher``, ``cross_tokenizer``, ``objective``, ``eval``); the option holds a
+string (``eval``: true or false), never a mapping, so ``teacher: /models/t`` is the option and
+``teacher: {teacher: /models/t}`` the section.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from opd.config.fields import ConfigError
 # (section, its title in --help, its options in order). One table for every command's config: an
 # option name means the same thing in train, sft and eval (EVAL_ONLY below: eval's own batch).
 LAYOUT: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("model", "Student model", ("student", "init", "arch", "tokenizer", "dtype", "device")),
+    ("model", "Student model", ("student", "init", "arch", "tokenizer", "dtype", "tf32", "device")),
     (
         "data",
         "Data: prompts and answers",
@@ -35,6 +35,7 @@ LAYOUT: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "answer_field",
             "solution_field",
             "system_prompt",
+            "chat_template_kwargs",
             "answer_format",
             "task_level",
             "max_prompt_tokens",
@@ -64,6 +65,7 @@ LAYOUT: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         (
             "teacher",
             "teacher_tokenizer",
+            "teacher_chat_template_kwargs",
             "teacher_dtype",
             "teacher_url",
             "teacher_timeout",
@@ -103,11 +105,13 @@ LAYOUT: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "top_p",
             "samples_per_prompt",
             "rollout_engine",
+            "static_cache",
             "max_staleness",
             "rollout_worker_threads",
             "vllm_url",
             "vllm_max_gap",
             "vllm_start_timeout",
+            "vllm_wait",
         ),
     ),
     (
@@ -117,6 +121,8 @@ LAYOUT: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "steps",
             "batch_size",
             "grad_accum",
+            "micro_batch_tokens",
+            "gradient_checkpointing",
             "updates_per_batch",
             "clip_eps",
             "stale_weight_cap",
@@ -132,6 +138,7 @@ LAYOUT: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "eval",
         "Evaluation",
         (
+            "eval",
             "eval_task",
             "eval_split",
             "eval_prompt_field",

@@ -8,8 +8,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from opd.config.fields import DTYPES, check_device, opt, require
+from opd.chat import template_kwargs
+from opd.config.fields import DTYPES, ConfigError, check_device, opt, require
 from opd.envs.workers import AUTO_WORKERS, MAX_WORKERS
+from opd.errors import UserError
 from opd.tasks.arithmetic import LEVELS
 from opd.tasks.dataset import parse_split
 from opd.tasks.grading import check_answer_format
@@ -34,13 +36,15 @@ class ModelSource:
     )
     prompt_field: str = opt(
         "prompt",
-        "Column of prompts: strings, or chat messages (the last user turn is the question, a system "
-        "turn is kept). A 'messages' column is used when there is no 'prompt' column.",
+        "Column of prompts: strings, or chat messages (a conversation, kept whole up to its last user turn: "
+        "system, user, assistant and tool turns). A 'messages' column is used when there is no 'prompt' column; "
+        "a 'tools' column (a JSON list of tool schemas per row) is passed to the chat template.",
     )
     answer_field: str = opt(
         "answer",
-        "Column of reference answers, read with --answer-format; without such a column the answer is "
-        "read from the solution (--solution-field, or a chat's assistant turn).",
+        "Column of reference answers, read with --answer-format; a row without one takes its solution's final "
+        "answer (--solution-field, or a chat's assistant turn), and a row with neither trains without being "
+        "graded. Data without an 'answer' column is prompts only.",
     )
     solution_field: str = opt(
         "solution",
@@ -48,6 +52,11 @@ class ModelSource:
         "the question serves when there is no such column.",
     )
     system_prompt: str = opt("", "System turn before every prompt (replaces a system turn of chat messages).")
+    chat_template_kwargs: dict[str, Any] = opt(
+        {},
+        "Options for the student's chat template, a JSON object (e.g. '{\"enable_thinking\": false}' for "
+        "Qwen3's thinking switch): passed wherever opd renders a chat (prompts, SFT pairs, episodes, evaluation).",
+    )
     answer_format: str = opt(
         "boxed",
         "How the final answer is read, from reference answers and model outputs alike: boxed (the "
@@ -63,8 +72,16 @@ class ModelSource:
     out: str = opt("runs/run", "Run directory (config.json, metrics.jsonl, rollouts.jsonl, checkpoints).")
     dtype: str = opt(
         "float32",
-        "Model dtype: float32, bfloat16 or float16 (bfloat16 pays off on GPUs and on CPUs "
-        "with bf16 matrix instructions, e.g. AVX512-BF16 or AMX).",
+        "The dtype the student computes in: float32, bfloat16 or float16 (opd eval only). Training in bfloat16 "
+        "is mixed precision: float32 master weights, gradients and AdamW state, the transformer blocks under "
+        "bfloat16 autocast, the head and losses in float32 (with --lora-r the frozen base in bfloat16). It pays off on "
+        "GPUs and on CPUs with bfloat16 matrix instructions (AVX512-BF16, AMX). The final model is saved in it.",
+    )
+    tf32: bool | None = opt(
+        None,
+        "TF32 for the float32 matmuls on NVIDIA GPUs (the head, the losses; every matmul of a float32 run). "
+        "Unset: on (Ampere and later run them several times faster); --no-tf32 keeps them exact. The CPU has "
+        "no TF32: ignored there, with a note.",
     )
     device: str = opt(
         "auto",
@@ -82,11 +99,20 @@ class ModelSource:
 
     def _check_common(self) -> None:
         self._check_data()
+        self.chat_template_kwargs = chat_options(self.chat_template_kwargs, "chat_template_kwargs")
         require(self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens} must be >= 1")
         require(self.max_prompt_tokens >= 1, f"max_prompt_tokens={self.max_prompt_tokens} must be >= 1")
         require(self.task_level in LEVELS, f"task_level={self.task_level} must be one of {sorted(LEVELS)}")
         require(self.dtype in DTYPES, f"dtype={self.dtype!r}: use {', '.join(DTYPES)}")
         check_device(self.device)
+
+
+def chat_options(value: Any, option: str) -> dict[str, Any]:
+    """A chat-template options value (a mapping, or its JSON text from the command line), checked."""
+    try:
+        return template_kwargs(value, option)
+    except UserError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 @dataclass
@@ -144,10 +170,15 @@ class EnvSource(ModelSource):
 class TrainingSource(ModelSource):
     """A model source that trains, with an optional evaluation set of its own (train and sft)."""
 
+    eval: bool = opt(
+        True,
+        "Evaluate the model (--no-eval: never; data is then not held out for it unless --split says so). "
+        "Evaluation needs reference answers: without any in the held-out prompts it is off, with a note.",
+    )
     eval_task: str = opt(
         "",
-        "Evaluate on other data than --task (the same kinds of source): its test split, or every "
-        "row when it has one split. Default: the held-out part of --task.",
+        "Evaluate on other data than --task (the same kinds of source; it must have reference answers): its "
+        "test split, or every row when it has one split. Default: the held-out part of --task.",
     )
     eval_split: str = opt("", "Split of --eval-task to evaluate on (default: test, or its only split).")
     eval_prompt_field: str = opt("", "--prompt-field of --eval-task (default: --prompt-field).")
@@ -156,6 +187,14 @@ class TrainingSource(ModelSource):
     eval_answer_format: str = opt(
         "", "--answer-format for --eval-task, its references and the model's outputs (default: --answer-format)."
     )
+
+    def _check_common(self) -> None:
+        super()._check_common()
+        require(
+            self.dtype != "float16",
+            "dtype=float16: training in float16 needs loss scaling, which opd does not do; use bfloat16 (NVIDIA "
+            "GPUs from Ampere on, recent CPUs) or float32 (float16 still serves --teacher-dtype and opd eval)",
+        )
 
     def _check_data(self) -> None:
         super()._check_data()
@@ -170,3 +209,7 @@ class TrainingSource(ModelSource):
             f"{', '.join(given)} set without eval_task; give --eval-task DATA, or drop the eval options",
         )
         require("," not in self.eval_split, f"eval_split={self.eval_split!r}: name one split, e.g. test")
+        require(
+            self.eval or not self.eval_task,
+            f"eval_task={self.eval_task!r} is set with evaluation off (--no-eval); drop one of them",
+        )

@@ -208,8 +208,22 @@ def head_weight(model: PreTrainedModel) -> torch.Tensor:
 def final_hidden(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Hidden states after the final norm, i.e. what the LM head multiplies (B, L, D)."""
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    decoder = model.get_decoder()
+    out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return out.last_hidden_state
+
+
+def checkpoint_layers(model: PreTrainedModel) -> None:
+    """Activation checkpointing per decoder layer (``--gradient-checkpointing``): transformers' own, whose
+    layers recompute their forward in the backward whenever the model trains, however it is called (the
+    LSM path calls the decoder, not the model). Non-reentrant: it needs no input that requires grad (LoRA's
+    frozen embeddings), and keeps the autocast of mixed precision in the recomputation."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise UserError(
+            f"--gradient-checkpointing: {type(model).__name__} does not support gradient checkpointing in "
+            "transformers; drop the flag (or lower --max-new-tokens / use --micro-batch-tokens to fit)"
+        )
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
 def tiny_qwen2(

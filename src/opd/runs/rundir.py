@@ -192,15 +192,28 @@ class RunDir:
             ) from exc
 
 
-def save_final_model(path: Path, model, tokenizer, enabled: bool = True, model_state: dict | None = None) -> None:
+def save_final_model(
+    path: Path, model, tokenizer, enabled: bool = True, model_state: dict | None = None, dtype: torch.dtype | None = None
+) -> None:
     """Write a Hugging Face model directory loadable with AutoModelForCausalLM/AutoTokenizer (a LoRA
-    student writes its adapter: see :mod:`opd.models.lora`)."""
+    student writes its adapter: see :mod:`opd.models.lora`). ``dtype``: the floating-point weights are
+    written in it, and config.json says so (a mixed-precision run's float32 masters saved in its --dtype)."""
     if not enabled:
         return
+    if dtype is not None:
+        state = model.state_dict() if model_state is None else model_state
+        # one cast per tensor: a tied head stays one tensor under two names, which save_pretrained writes once
+        same = lambda v: (v.device, v.data_ptr(), v.shape, v.stride())  # state_dict detaches each name anew
+        cast = {same(v): v.to(dtype) if v.is_floating_point() else v for v in state.values()}
+        model_state = {k: cast[same(v)] for k, v in state.items()}
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
     with quiet_transformers():
         model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
         tokenizer.save_pretrained(tmp)
+    if dtype is not None:  # save_pretrained records the dtype of the model's parameters, not of what it wrote
+        config = json.loads((tmp / "config.json").read_text())
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     _usual_modes(tmp)
     if path.exists():
         shutil.rmtree(path)

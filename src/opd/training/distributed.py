@@ -68,6 +68,7 @@ class Dist:
     world: int = 1
     fsdp: bool = False
     device: torch.device = torch.device("cpu")  # where this rank computes (and its collectives' tensors live)
+    dtype: str = "float32"  # the student's compute dtype (--dtype): FSDP's blocks gather their weights in it
     model: torch.nn.Module | None = None  # the wrapped StudentModule, set by :meth:`wrap`
 
     @property
@@ -93,7 +94,7 @@ class Dist:
             block_names = set(getattr(_base_model(student), "_no_split_modules", None) or ())
             for sub in student.modules():
                 if type(sub).__name__ in block_names:
-                    fully_shard(sub, mesh=mesh)
+                    fully_shard(sub, mesh=mesh, **_mixed_precision(self.dtype))
             fully_shard(module, mesh=mesh)
         elif self.active:
             # All parameters take part in every loss, so no unused-parameter search; buffers are
@@ -194,7 +195,21 @@ class Dist:
         return items[self.rank * n : (self.rank + 1) * n]
 
 
-def init_distributed(fsdp: bool = False, device: torch.device = torch.device("cpu")) -> Dist:
+def _mixed_precision(dtype: str) -> dict:
+    """FSDP's policy for a block under --dtype ``dtype``: weights gathered in the compute dtype, gradients
+    reduced in float32 onto the float32 shards (the masters), as the autocast of the non-FSDP path
+    computes them; the root (embeddings, final norm, head) stays float32 as it does there
+    (:mod:`opd.models.precision`)."""
+    if dtype == "float32":
+        return {}
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from opd.models.precision import COMPUTE_DTYPES
+
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPES[dtype], reduce_dtype=torch.float32)}
+
+
+def init_distributed(fsdp: bool = False, device: torch.device = torch.device("cpu"), dtype: str = "float32") -> Dist:
     """Join the process group a launcher set up (``WORLD_SIZE`` > 1), or stay single-process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
@@ -203,12 +218,12 @@ def init_distributed(fsdp: bool = False, device: torch.device = torch.device("cp
                 "--fsdp needs several processes; launch with torchrun --nproc_per_node N "
                 "(or accelerate launch) or drop --fsdp"
             )
-        return Dist(device=device)
+        return Dist(device=device, dtype=dtype)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # nccl and the object collectives use the current device
     if not tdist.is_initialized():
         tdist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return Dist(rank=tdist.get_rank(), world=tdist.get_world_size(), fsdp=fsdp, device=device)
+    return Dist(rank=tdist.get_rank(), world=tdist.get_world_size(), fsdp=fsdp, device=device, dtype=dtype)
 
 
 OUTLIVED = "opd: the wrapped student outlives shutdown; the exit may deadlock (opd.training.distributed.shutdown)"

@@ -47,10 +47,11 @@ from opd import metrics as M
 from opd.config import TrainConfig, config_record
 from opd.errors import ServiceUnavailable, UserError
 from opd.models.loading import head_weight
+from opd.models.lora import merged_weights
+from opd.models.precision import precision_record, saved_dtype
+from opd.rollout.engine import EngineUnavailable, RolloutBatch
 from opd.rollout.episodes import EpisodeRecord
 from opd.rollout.prompt_set import sample_seed
-from opd.rollout.sampling import RolloutBatch
-from opd.rollout.vllm_engine import EngineUnavailable, merged_weights
 from opd.runs.progress import progress_bar
 from opd.runs.rundir import save_final_model
 from opd.teachers.factory import is_served
@@ -68,9 +69,11 @@ from opd.training.loss import (
     scored_loss_mask,
     student_topk_ids,
 )
+from opd.training.microbatch import MicroBatch, in_row_order, pad_to, split_rows
 from opd.training.optim import rng_state
 from opd.training.schedule import for_task, prefixed
 from opd.training.setup import Run, TaskRun, setup
+from opd.training.sources import Source
 from opd.training.stepstats import StepUpdate, metric_weights, rollout_records, step_metrics
 
 
@@ -132,6 +135,17 @@ def rollout_stage(run: Run, step: int, at: Assignment) -> tuple[RolloutBatch, li
     rows, seeds = rollout_request(run, step, at)
     batch, records = run.dist.full_call(lambda _: task.source.rollout(task.engine, rows, seeds, task.cfg))
     return batch, rows, records
+
+
+def rollouts_here(run: Run, step: int, tasks: list[Assignment]) -> tuple[list, dict[str, float]]:
+    """Every task's rollouts of the step, generated here, and the engine's policy check of them (where
+    it has one: the largest gap over the step's tasks)."""
+    rollouts, gaps = [], []
+    for at in tasks:
+        rollouts.append(rollout_stage(run, step, at))
+        if at.task.engine.policy_gap is not None:
+            gaps.append(at.task.engine.policy_gap)
+    return rollouts, ({"rollout/engine_logprob_gap": max(gaps)} if gaps else {})
 
 
 def rollouts_ahead(run: Run, step: int) -> tuple[list, dict[str, float]]:
@@ -236,7 +250,7 @@ def score_ahead(run: Run, step: int) -> Future | None:
 
 @contextmanager
 def stop_if_service_down(run: Run, step: int, rng: dict, kind: type[ServiceUnavailable], service: str):
-    """Around a step's rollouts or scoring: a served teacher (or vLLM rollout engine) that stayed
+    """Around a step's rollouts or scoring: a served teacher (or a rollout engine) that stayed
     unreachable stops the run, every rank together (the checkpoint is collective), once step - 1 is
     checkpointed. Nothing of this step has reached the weights, so --resume redoes it from its rollouts
     on and loses nothing. ``rng``: the generators' state as the step began, which is the one a
@@ -280,13 +294,24 @@ def _objective(student, run: Run, teacher: TeacherScorer, *args):
     return objective_loss(run.cfg, student, teacher, *args)
 
 
-def _micro_batches(parts: list[StepPart], grad_accum: int) -> list[tuple[int, slice]]:
-    """(part, rows) of every micro-batch of the step: each part split into ``grad_accum`` pieces."""
-    out = []
-    for i, p in enumerate(parts):
-        N = p.mask_NT.shape[0]
-        out += [(i, slice(start, start + N // grad_accum)) for start in range(0, N, N // grad_accum)]
-    return out
+def micro_batches_of(run: Run, parts: list[StepPart]) -> list[MicroBatch]:
+    """The step's micro-batches on this rank (:mod:`opd.training.microbatch`), padded to the busiest rank's count."""
+    lengths = [p.batch.attention_mask_NL.sum(-1).cpu() for p in parts]  # prompt and response tokens per row
+    micro = split_rows(lengths, run.cfg.grad_accum, run.cfg.micro_batch_tokens)
+    return pad_to(micro, max(run.dist.gather(len(micro)))) if run.dist.active else micro
+
+
+def micro_step(run: Run, parts: list[StepPart], m: MicroBatch, totals: LossTotals, old, now, last: bool):
+    """One micro-batch's forward and backward: its per-token loss, hidden states and share of the step's loss
+    (gradients reduced across ranks only after the ``last``; a padding micro-batch's loss counts zero)."""
+    p, rows = parts[m.part], m.rows
+    ids_rows = None if p.student_ids is None else p.student_ids[rows]
+    with run.dist.sync_gradients(last):
+        args = (p.batch.select(rows), p.scores.select(rows), p.mask_NT[rows], ids_rows, old, now)
+        loss_NT, h = run.dist.train_call(_objective, run, p.task.teacher, *args)
+        loss = reduce_loss(run.cfg.reduction, loss_NT, p.mask_NT[rows], totals) * float(m.counted)
+        loss.backward()
+    return loss_NT.detach(), h.detach(), float(loss.detach())
 
 
 def update_stage(run: Run, step: int, parts: list[StepPart]) -> list[StepUpdate]:
@@ -298,31 +323,24 @@ def update_stage(run: Run, step: int, parts: list[StepPart]) -> list[StepUpdate]
     an older policy visited. Only the first update's loss is logged (the on-policy one).
     """
     cfg = run.cfg
-    masks = [p.mask_NT for p in parts]
-    totals = global_totals(run, masks, [p.task.cfg.max_new_tokens for p in parts])
-    micro = _micro_batches(parts, cfg.grad_accum)
+    totals = global_totals(run, [p.mask_NT for p in parts], [p.task.cfg.max_new_tokens for p in parts])
+    micro = micro_batches_of(run, parts)
     scale = task_lr_scale(run, parts)
     policy = policy_logprobs_of(run, parts, micro)
     first: list[StepUpdate] = []
     for update in range(cfg.updates_per_batch):
         run.optimizer.zero_grad(set_to_none=True)
         loss_value = 0.0
-        loss_rows: list[list[torch.Tensor]] = [[] for _ in parts]
-        hidden_rows: list[list[torch.Tensor]] = [[] for _ in parts]
-        for j, (i, rows) in enumerate(micro):
-            p, mask_NT = parts[i], masks[i]
+        kept: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [[] for _ in parts]  # rows, loss, h
+        for j, m in enumerate(micro):
             now = None if policy is None else policy[j]  # stale rollouts: the trainer's, before the first update
-            old = (p.batch.logprobs_NT[rows] if now is None else now) if cfg.updates_per_batch > 1 else None
-            ids_rows = None if p.student_ids is None else p.student_ids[rows]
-            with run.dist.sync_gradients(j == len(micro) - 1):  # reduce across ranks once, after the last micro-batch
-                args = (p.batch.select(rows), p.scores.select(rows), mask_NT[rows], ids_rows, old, now)
-                loss_NT, h = run.dist.train_call(_objective, run, p.task.teacher, *args)
-                loss = reduce_loss(cfg.reduction, loss_NT, mask_NT[rows], totals)
-                loss.backward()
-            loss_value += float(loss.detach())
-            if update == 0:
-                loss_rows[i].append(loss_NT.detach())
-                hidden_rows[i].append(h.detach())
+            old = (
+                (parts[m.part].batch.logprobs_NT[m.rows] if now is None else now) if cfg.updates_per_batch > 1 else None
+            )
+            loss_NT, h, value = micro_step(run, parts, m, totals, old, now, last=j == len(micro) - 1)
+            loss_value += value
+            if update == 0 and m.counted:
+                kept[m.part].append((m.rows, loss_NT, h))
         loss_value = run.dist.all_sum([loss_value])[0] / run.dist.world  # see reduce_loss
         norm_t = torch.nn.utils.clip_grad_norm_(run.dist.module.parameters(), cfg.max_grad_norm or float("inf"))
         norm = float(norm_t.full_tensor() if hasattr(norm_t, "full_tensor") else norm_t)  # FSDP: a DTensor
@@ -334,20 +352,20 @@ def update_stage(run: Run, step: int, parts: list[StepPart]) -> list[StepUpdate]
         if update == 0:
             clipped = bool(cfg.max_grad_norm and norm > cfg.max_grad_norm)
             first = [
-                _first_update(p, torch.cat(ls), torch.cat(hs), loss_value, norm, clipped, cfg.log_rollouts)
-                for p, ls, hs in zip(parts, loss_rows, hidden_rows, strict=True)
+                _first_update(p, k, loss_value, norm, clipped, cfg.log_rollouts)
+                for p, k in zip(parts, kept, strict=True)
             ]
     for u in first:
         u.lr = cast(float, run.scheduler.get_last_lr()[0]) * scale  # our schedules' lrs are floats
     return first
 
 
-def policy_logprobs_of(run: Run, parts: list[StepPart], micro: list[tuple[int, slice]]) -> list[torch.Tensor] | None:
+def policy_logprobs_of(run: Run, parts: list[StepPart], micro: list[MicroBatch]) -> list[torch.Tensor] | None:
     """Per micro-batch, the trainer's log-probs of the sampled tokens before the step's first update,
     when a policy-gradient objective's rollouts come from an older policy (--max-staleness); else None."""
     if not reads_policy_logprobs(run.cfg):
         return None
-    return [run.dist.full_call(lambda s, i=i, r=r: policy_logprobs(s, parts[i].batch.select(r))) for i, r in micro]
+    return [run.dist.full_call(lambda s, m=m: policy_logprobs(s, parts[m.part].batch.select(m.rows))) for m in micro]
 
 
 def task_lr_scale(run: Run, parts: list[StepPart]) -> float:
@@ -355,7 +373,10 @@ def task_lr_scale(run: Run, parts: list[StepPart]) -> float:
     return parts[0].task.cfg.lr / run.cfg.lr if len(parts) == 1 else 1.0
 
 
-def _first_update(p: StepPart, loss_NT, h_all, loss: float, norm: float, clipped: bool, log_rollouts: int):
+def _first_update(p: StepPart, kept: list, loss: float, norm: float, clipped: bool, log_rollouts: int):
+    """The part's by-products of the first update, its micro-batches' rows put back in row order."""
+    rows = [r for r, _, _ in kept]
+    loss_NT, h_all = (in_row_order([k[i] for k in kept], rows) for i in (1, 2))
     return StepUpdate(
         loss=loss,
         grad_norm=norm,
@@ -391,7 +412,7 @@ def part_metrics(run: Run, step: int, p: StepPart, upd: StepUpdate, W: torch.Ten
     format_ids = [i for i in run.special_ids if i != run.tokenizer.eos_token_id]
     stats = step_metrics(p.batch, correct, scores, upd, mask_NT, W, k=cfg.k, horizon=horizon, format_ids=format_ids)
     metrics = {**stats, **p.score_metrics, **episodes}
-    weights = metric_weights(p.batch, mask_NT, upd.diag_hidden_MD.shape[0], horizon)
+    weights = metric_weights(p.batch, mask_NT, upd.diag_hidden_MD.shape[0], horizon, correct)
     if p.task.name:  # a task's own loss: the token mean of its per-token loss (the step's loss is global)
         metrics["train/loss"] = M.masked_mean(upd.loss_NT, mask_NT)
         weights["train/loss"] = int(mask_NT.sum())
@@ -420,9 +441,6 @@ def log_stage(run: Run, step: int, parts: list[StepPart], upds: list[StepUpdate]
     every = [mw for rank in ranks for mw in rank]
     record = {"step": step, **merge_metrics([m for m, _ in every], [w for _, w in every]), **slowest}
     record.update({k: getattr(upds[0], k.split("/")[1]) for k in STEP_KEYS})
-    gaps = [p.task.engine.last_gap for p in parts if hasattr(p.task.engine, "last_gap")]
-    if gaps:  # the vLLM engine's policy check, over the step's tasks: the largest of the ranks'
-        record["rollout/engine_logprob_gap"] = max(run.dist.gather(max(gaps)))
     for i, p in enumerate(parts):
         if p.task.name:
             own = merge_metrics([r[i][0] for r in ranks], [r[i][1] for r in ranks])
@@ -434,25 +452,30 @@ def log_stage(run: Run, step: int, parts: list[StepPart], upds: list[StepUpdate]
     return record
 
 
-def evaluate_task(student, tok, task: TaskRun, seed: int) -> dict:
-    """One task's evaluation on its held-out prompts (accuracy, avg@k) or games (success rate)."""
-    return task.test.evaluate(student, tok, task.cfg, seed)
+def evaluated_tasks(run: Run) -> list[tuple[TaskRun, Source]]:
+    """The tasks with held-out data to evaluate, and that data (none: --no-eval, or nothing to grade)."""
+    return [(t, t.test) for t in run.tasks if t.test is not None]
 
 
 def eval_stage(run: Run, step: int) -> dict:
-    """Rank 0 evaluates every task (with FSDP, on weights all ranks gathered); the others wait for it.
+    """Rank 0 evaluates every task with held-out data (with FSDP, on weights all ranks gathered) on its
+    prompts (accuracy, avg@k) or games (success rate); the others wait for it. Nothing to evaluate:
+    nothing logged.
 
     A multi-task run logs ``eval/<name>/...`` per task and, as ``eval/accuracy`` and
-    ``eval/avg_at_k``, the unweighted mean over its tasks."""
-    evaluate = lambda s: [evaluate_task(s, run.tokenizer, t, run.cfg.seed) for t in run.tasks]
+    ``eval/avg_at_k``, the unweighted mean over its evaluated tasks."""
+    tasks = evaluated_tasks(run)
+    if not tasks:
+        return {}
+    evaluate = lambda s: [test.evaluate(s, run.tokenizer, t.cfg, run.cfg.seed) for t, test in tasks]
     results = run.dist.full_call(lambda s: evaluate(s) if run.dist.is_main else None)
     run.student.train()
     if results is None:
         return {}
     record: dict = {"step": step}
-    for t, res in zip(run.tasks, results, strict=True):
+    for (t, test), res in zip(tasks, results, strict=True):
         if not (run.rundir.path / t.files / "eval.jsonl").is_file():  # listed once played (once)
-            listed = cast(list[dict], t.test.listing(run.rundir.path / t.files, played=True))  # played: listed
+            listed = cast(list[dict], test.listing(run.rundir.path / t.files, played=True))  # played: listed
             run.rundir.write_jsonl(f"{t.files}eval.jsonl", listed)
         record.update({(f"eval/{t.name}/{k}" if t.name else f"eval/{k}"): v for k, v in res.items()})
     if run.tasks[0].name:
@@ -473,6 +496,7 @@ def checkpoint_stage(run: Run, step: int, rng: dict | None = None) -> None:
         "scheduler": run.scheduler.state_dict(),
         "rng": rngs if run.dist.active else rngs[0],
         "fsdp": run.dist.fsdp,
+        "precision": precision_record(run.cfg.dtype, bool(run.cfg.lora_r)),
         "config": config_record(run.cfg),
         "max_staleness": run.cfg.max_staleness,
     }
@@ -496,9 +520,9 @@ def train_steps(run: Run, show_progress: bool) -> dict:
             t0, rng = time.perf_counter(), rng_state(run.dist.device)
             tasks = step_tasks(run, step)
             ahead: dict[str, float] = {}
-            with stop_if_service_down(run, step, rng, EngineUnavailable, "the vLLM engine"):
+            with stop_if_service_down(run, step, rng, EngineUnavailable, "the rollout engine"):
                 if run.ahead is None:
-                    rollouts = [rollout_stage(run, step, at) for at in tasks]
+                    rollouts, ahead = rollouts_here(run, step, tasks)
                 else:
                     rollouts, ahead = rollouts_ahead(run, step)
             t1 = time.perf_counter()
@@ -511,7 +535,8 @@ def train_steps(run: Run, show_progress: bool) -> dict:
             timings.update(ahead | scored_ahead)
             record = log_stage(run, step, parts, upds, timings)
             bar.advance(1)
-            bar.describe(f"loss {record['train/loss']:.4f}  acc {record['rollout/accuracy']:.2f}")
+            acc = record.get("rollout/accuracy")  # absent where no rollout had a reference answer
+            bar.describe(f"loss {record['train/loss']:.4f}" + ("" if acc is None else f"  acc {acc:.2f}"))
             last = step == cfg.steps - 1
             if last or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
                 last_eval = eval_stage(run, step)
@@ -526,10 +551,12 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
     try:
         last_eval = train_steps(run, show_progress)
     finally:
-        for t in run.tasks:  # an environment's worker processes, a vLLM server
+        for t in run.tasks:  # an environment's worker processes
             t.source.close()
-            t.test.close()
-            getattr(t.engine, "close", lambda: None)()
+            if t.test is not None:
+                t.test.close()
+        for engine in {id(t.engine): t.engine for t in run.tasks}.values():  # a vLLM server; tasks share one
+            engine.close()
         if run.ahead is not None:
             run.ahead.close()
         if run.score_pool is not None:
@@ -540,6 +567,7 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
         run.tokenizer,
         run.rundir.enabled,
         model_state=run.dist.full_state_dict(run.student),
+        dtype=saved_dtype(cfg.dtype, bool(cfg.lora_r)),
     )
     shutdown(run.dist)
     return last_eval

@@ -6,27 +6,44 @@ The loop's stages (:mod:`opd.training.loop`) read everything from the :class:`Ru
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from opd.chat import set_chat_options, tool_call_marker_ids
 from opd.config import TEACHER_SCORING, TaskSpec, TrainConfig, resolve_tasks
 from opd.errors import UserError
-from opd.models.loading import disable_dropout, head_weight, load_model, load_tokenizer, resolve_device
+from opd.models.loading import (
+    checkpoint_layers,
+    disable_dropout,
+    head_weight,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+)
 from opd.models.lora import apply_lora, load_weights
+from opd.models.precision import (
+    check_resumable,
+    compute_in,
+    configure_device_math,
+    precision_record,
+    trained_weights_dtype,
+)
+from opd.rollout.engine import EngineContext, RolloutEngine
+from opd.rollout.prompt_set import say_grading_notes
+from opd.rollout.registry import check_engine, make_engine
 from opd.runs.rundir import RunDir
+from opd.teachers.crosstok import CrossTokenizerTeacher
 from opd.teachers.factory import is_served, make_teacher
 from opd.teachers.scoring import TeacherScorer
 from opd.training.ahead import AheadRollouts, split_threads
 from opd.training.distributed import Dist, init_distributed
 from opd.training.optim import make_optimizer, make_scheduler, set_rng_state
 from opd.training.schedule import for_task, task_schedule
-from opd.training.sources import Source, make_sources, task_data
+from opd.training.sources import PromptSource, Source, make_sources, task_data
 
 
 @dataclass
@@ -38,8 +55,9 @@ class TaskRun:
     share: float  # its normalised share of the steps (alternate) or of the batch (mix)
     teacher: TeacherScorer
     source: Source  # its training prompts, or an environment's games (--env)
-    test: Source  # held out: what evaluation measures (--eval-task's test prompts, or held-out games)
-    engine: Any  # the source's engine on the student: single-turn sampling, or episodes
+    test: Source | None  # held out: what evaluation measures (--eval-task's test prompts, held-out games), or None
+    # what rolls its source out: the run's engine (--rollout-engine), set by setup once the student is final
+    engine: RolloutEngine = field(init=False)
 
     @property
     def files(self) -> str:
@@ -71,21 +89,28 @@ class Run:
 def setup(cfg: TrainConfig) -> Run:
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
-    dist = init_distributed(cfg.fsdp, device)
+    configure_device_math(device, cfg.dtype, cfg.tf32, "opd train")
+    dist = init_distributed(cfg.fsdp, device, cfg.dtype)
     rundir = RunDir(cfg.out, report_to=cfg.report_to)
     rundir.require_fresh(cfg.resume)
     specs = resolve_tasks(cfg)
+    check_engine(cfg.rollout_engine)
     # before the models: a data problem shows at once
     data = [for_task(s.name, task_data, s.cfg) for s in specs]
-    tok = load_tokenizer(cfg.student, "student")
-    student = load_model(cfg.student, "student", cfg.dtype, device)
+    say_grading_notes("train", specs, data)
+    tok = set_chat_options(load_tokenizer(cfg.student, "student"), cfg.chat_template_kwargs)
+    student = compute_in(
+        load_model(cfg.student, "student", trained_weights_dtype(cfg.dtype, bool(cfg.lora_r)), device), cfg.dtype
+    )
     tasks = build_tasks(specs, data, student, tok)
     V = head_weight(student).shape[0]
     if cfg.k > V:
         raise UserError(f"k={cfg.k} is larger than the vocabulary ({V} tokens); choose --k <= {V}")
-    special_ids = special_token_ids(tok, cfg.special_tokens)
+    special_ids = list(dict.fromkeys(special_token_ids(tok, cfg.special_tokens) + tool_marker_ids(tok, tasks)))
     if not cfg.keep_dropout:  # before LoRA, so --lora-dropout still applies to the adapter
         disable_dropout(student)
+    if cfg.gradient_checkpointing:
+        checkpoint_layers(student)
     if cfg.lora_r:
         student = apply_lora(student, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout, cfg.student)
     ckpt = rundir.latest_checkpoint() if cfg.resume else None
@@ -93,7 +118,9 @@ def setup(cfg: TrainConfig) -> Run:
         load_weights(student, ckpt / "model")  # before wrapping: FSDP shards the weights it is given
     student.train()
     optimizer = make_optimizer(dist.wrap(student), cfg.lr, cfg.weight_decay)
-    engine = use_vllm(cfg, tasks, student, tok, rundir, dist, optimizer) if cfg.rollout_engine == "vllm" else None
+    engine = start_engine(cfg, specs, student, tok, rundir, dist, optimizer)
+    for t in tasks:
+        t.engine = engine
     scheduler = make_scheduler(optimizer, cfg.warmup_steps, cfg.steps * cfg.updates_per_batch, cfg.schedule)
     schedule = task_schedule(cfg.steps, [t.share for t in tasks], cfg.seed) if cfg.task_mode == "alternate" else []
     run = Run(cfg, student, tok, tasks, optimizer, scheduler, rundir, special_ids, dist, schedule=schedule)
@@ -107,43 +134,34 @@ def setup(cfg: TrainConfig) -> Run:
         rundir.truncate_logs_after(-1)
     rundir.write_config(cfg)
     for t in tasks:  # an environment's games are listed once played (eval_stage)
-        listed = t.test.listing(rundir.path / t.files, played=False)
+        listed = t.test.listing(rundir.path / t.files, played=False) if t.test is not None else None
         if listed is not None:
             rundir.write_jsonl(f"{t.files}eval.jsonl", listed)
     return run
 
 
-def use_vllm(cfg: TrainConfig, tasks: list[TaskRun], student, tok, rundir: RunDir, dist: Dist, optimizer):
-    """``--rollout-engine vllm``: every task rolls out from one vLLM server that is given the student's
-    weights (LoRA's wrapper included) after each optimizer step; under torchrun/accelerate, one server
-    per rank (its own folder), as each rank rolls out its own share of the batch. With --max-staleness
-    the rollout worker syncs and samples it instead (opd.training.ahead): the tasks keep their own engines."""
-    from opd.rollout.vllm_engine import start_engine
-
-    if dist.world > 1 and cfg.vllm_url:
-        raise UserError(
-            "--vllm-url names one engine, and each of the launch's ranks needs its own: leave --vllm-url out "
-            "and opd starts one per rank, or run in one process"
-        )
-    folder = rundir.path / "vllm" / (f"rank{dist.rank}" if dist.world > 1 else "")
-    key = os.environ.get("OPD_VLLM_API_KEY", "")
-    engine = start_engine(student, tok, cfg.student, folder, cfg, [t.cfg for t in tasks], api_key=key)
-    if cfg.max_staleness:
-        return engine
-    engine.watch(optimizer)
-    for t in tasks:
-        t.engine = t.source.on_vllm(engine, tok)
+def start_engine(cfg: TrainConfig, specs: list[TaskSpec], student, tok, rundir: RunDir, dist: Dist, optimizer):
+    """``--rollout-engine``: the one engine every task rolls out from (:mod:`opd.rollout.registry`; opd's own
+    sampling loop by default), on the student (LoRA's wrapper included); one with weights of its own is
+    given them after each optimizer step. Under torchrun/accelerate each rank has its own (its files in a
+    folder of its own), as each rolls out its share of the batch. With --max-staleness the rollout worker
+    samples instead, reaching the engine through its handle (opd.training.ahead)."""
+    folder = rundir.path / cfg.rollout_engine / (f"rank{dist.rank}" if dist.world > 1 else "")
+    ctx = EngineContext(student, tok, cfg, cfg.student, [s.cfg for s in specs], folder, dist.world)
+    engine = make_engine(cfg.rollout_engine, ctx)
+    if not cfg.max_staleness:
+        engine.watch(optimizer)
     return engine
 
 
-def start_ahead(cfg: TrainConfig, vllm=None) -> AheadRollouts:
-    """The rollout worker of --max-staleness (sampling from ``vllm``, the trainer's vLLM engine, if any) with
+def start_ahead(cfg: TrainConfig, engine: RolloutEngine) -> AheadRollouts:
+    """The rollout worker of --max-staleness (reaching ``engine``, the trainer's) with
     --rollout-worker-threads, or with its share of the cores' torch threads (the rest are the trainer's)."""
     if cfg.rollout_worker_threads:
-        return AheadRollouts(cfg, cfg.rollout_worker_threads, vllm)
+        return AheadRollouts(cfg, cfg.rollout_worker_threads, engine)
     trainer, worker = split_threads(torch.get_num_threads())
     torch.set_num_threads(trainer)
-    return AheadRollouts(cfg, worker, vllm)
+    return AheadRollouts(cfg, worker, engine)
 
 
 def _teacher_key(c: TrainConfig) -> tuple:
@@ -155,7 +173,7 @@ def _teacher_key(c: TrainConfig) -> tuple:
 
 
 def build_tasks(specs: list[TaskSpec], data: list[tuple], student, tok) -> list[TaskRun]:
-    """Each task's teacher, sources and engine. A teacher that several tasks name (the
+    """Each task's teacher and sources. A teacher that several tasks name (the
     same directory or URL, with the same dtype and tokenizer settings) is loaded once and shared."""
     teachers: dict[tuple, TeacherScorer] = {}
     out = []
@@ -166,8 +184,16 @@ def build_tasks(specs: list[TaskSpec], data: list[tuple], student, tok) -> list[
             teachers[key] = for_task(spec.name, make_teacher, c, student, tok)
         source, test = for_task(spec.name, make_sources, c, tok, task, eval_task)
         for_task(spec.name, source.check_model, student, c)
-        out.append(TaskRun(spec.name, c, spec.share, teachers[key], source, test, source.engine(student, tok)))
+        teacher = teachers[key]
+        if isinstance(teacher, CrossTokenizerTeacher) and isinstance(source, PromptSource):
+            teacher.read_prompts(source.prompts)  # conversations and tools reach it whole
+        out.append(TaskRun(spec.name, c, spec.share, teachers[key], source, test))
     return out
+
+
+def tool_marker_ids(tok, tasks: list[TaskRun]) -> list[int]:
+    """The template's tool-call markers, masked with the special tokens, when a task's prompts offer tools."""
+    return tool_call_marker_ids(tok) if any(e.uses_tools for t in tasks for e in t.source.examples) else []
 
 
 def special_token_ids(tok, tokens: list[str]) -> list[int]:
@@ -186,6 +212,8 @@ def resume(run: Run, ckpt: Path) -> None:
     if state.get("fsdp", False) != run.dist.fsdp:  # the two keep the optimizer state in different layouts
         was = "with" if state.get("fsdp") else "without"
         raise UserError(f"checkpoint {ckpt} was written {was} --fsdp; resume {was} --fsdp as well")
+    pure = {"compute": state["config"].get("dtype", "float32"), "weights": state["config"].get("dtype", "float32")}
+    check_resumable(state.get("precision", pure), precision_record(run.cfg.dtype, bool(run.cfg.lora_r)), ckpt)
     saved_world = len(state["rng"]) if isinstance(state["rng"], list) else 1
     if saved_world != run.dist.world:  # the global batch, and so each step's prompts, would change
         raise UserError(

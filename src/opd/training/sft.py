@@ -19,6 +19,10 @@ padding of short solutions to an episode's length) and the loss is the token mea
 label tokens together; ``alternate`` trains one task per step, as ``opd train`` does. Each task is
 evaluated on its own test set (``eval/<name>/accuracy``); ``eval/accuracy``, which picks the kept
 model, is their unweighted mean.
+
+Prompts without reference answers train as well (SFT reads their solutions); a task whose held-out
+prompts have none is not evaluated (a note says so), nor is any with ``--no-eval``: the model is then
+chosen on the other tasks, or, with none evaluated, the last one is kept.
 """
 
 from __future__ import annotations
@@ -26,19 +30,30 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 
+from opd.chat import set_chat_options
 from opd.config import SFTConfig, TaskSpec, resolve_tasks
 from opd.errors import UserError
 from opd.evaluation.model_eval import decode_responses, evaluate_model
 from opd.models.loading import load_model, load_tokenizer, model_device, parse_arch, resolve_device, tiny_qwen2
+from opd.models.precision import compute_in, configure_device_math, saved_dtype, trained_weights_dtype
 from opd.models.tokenizer import format_prompt
-from opd.rollout.prompt_set import PromptSet, batch_indices, load_tasks, sample_seed
-from opd.rollout.sampling import HFRollout
+from opd.rollout.engine import RolloutEngine
+from opd.rollout.prompt_set import (
+    PromptSet,
+    batch_indices,
+    eval_prompts,
+    graded,
+    load_tasks,
+    sample_seed,
+    say_grading_notes,
+)
+from opd.rollout.registry import local_engine
 from opd.runs.progress import progress_bar
 from opd.runs.rundir import RunDir, save_final_model
 from opd.tasks import Example
@@ -70,8 +85,12 @@ def load_sft_examples(path: str) -> list[Example]:
 
 
 def build_model(cfg: SFTConfig):
+    """The model to train (float32 masters, its body computing in --dtype: opd.models.precision) and its tokenizer."""
+    device = resolve_device(cfg.device)
+    configure_device_math(device, cfg.dtype, cfg.tf32, "opd sft")
     if cfg.init:
-        return load_model(cfg.init, "init", cfg.dtype, resolve_device(cfg.device)), load_tokenizer(cfg.init, "init")
+        model = load_model(cfg.init, "init", trained_weights_dtype(cfg.dtype), device)
+        return compute_in(model, cfg.dtype), load_tokenizer(cfg.init, "init")
     if not cfg.tokenizer:
         raise UserError("a new model (--arch) needs --tokenizer DIR (a tokenizer saved with save_pretrained)")
     tok = load_tokenizer(cfg.tokenizer, "tokenizer")
@@ -79,17 +98,23 @@ def build_model(cfg: SFTConfig):
     torch.manual_seed(cfg.seed)
     model = tiny_qwen2(len(tok), layers, width, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
     # transformers wraps PreTrainedModel.to in functools.wraps, which mypy does not bind as a method
-    return model.to(resolve_device(cfg.device)), tok  # type: ignore[arg-type]
+    return compute_in(model.to(device), cfg.dtype), tok  # type: ignore[arg-type]
 
 
 def encode_pairs(
-    tok, prompts: list[str], completions: list[str], systems: list[str | None] | None = None
+    tok,
+    prompts: Sequence[str | Sequence[dict]],
+    completions: list[str],
+    systems: list[str | None] | None = None,
+    tools: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded prompt+completion+EOS ids, attention mask, and labels (-100 off the completion);
-    ``systems``: each prompt's system turn (None: none)."""
+    a prompt is a user turn's text or a conversation's messages (``Example.chat()``); ``systems``: each
+    text prompt's system turn (None: none); ``tools``: each prompt's tool schemas (None: none)."""
     seqs, labels = [], []
-    for prompt, completion, system in zip(prompts, completions, systems or [None] * len(prompts)):
-        p = tok(format_prompt(tok, prompt, system), add_special_tokens=False)["input_ids"]
+    n = len(prompts)
+    for prompt, completion, system, listed in zip(prompts, completions, systems or [None] * n, tools or [None] * n):
+        p = tok(format_prompt(tok, prompt, system, listed), add_special_tokens=False)["input_ids"]
         c = tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         seqs.append(p + c)
         labels.append([-100] * len(p) + c)
@@ -111,7 +136,7 @@ def pad_right(
 
 
 def teacher_completions(
-    engine: HFRollout, tok, prompts: PromptSet, idx: list[int], step: int, cfg: SFTConfig
+    engine: RolloutEngine, tok, prompts: PromptSet, idx: list[int], step: int, cfg: SFTConfig
 ) -> list[str]:
     batch = engine.generate(
         [prompts.prompt_ids[i] for i in idx],
@@ -136,14 +161,21 @@ def held_out_for_validation(items: list, cfg: SFTConfig, what: str) -> tuple[lis
     return items[:-n], items[-n:]
 
 
-def prompt_source(cfg: SFTConfig, tok, model, task, eval_task) -> tuple[Callable, Callable, Callable]:
+def prompt_source(cfg: SFTConfig, tok, model, task, eval_task) -> tuple[Callable, Callable | None, Callable | None]:
     """The batch of a step (ids, attention mask, labels), and the greedy accuracy on the validation
-    prompts (what the checkpoint is chosen on) and on the test prompts, for prompts."""
+    prompts (what the checkpoint is chosen on) and on the test prompts, for prompts; no accuracy
+    (None) without an evaluation task (--no-eval, or nothing to grade: load_tasks)."""
     if cfg.data:  # --system-prompt applies to these prompts too
         examples = [dataclasses.replace(e, system=cfg.system_prompt or None) for e in load_sft_examples(cfg.data)]
     else:
         examples = task.examples("train")
-    examples, validation = held_out_for_validation(examples, cfg, "examples")
+    examples, validation = held_out_for_validation(examples, cfg, "examples") if eval_task else (examples, [])
+    validation = graded(validation)
+    if cfg.validation_size and eval_task and not validation:
+        raise UserError(
+            f"--validation-size {cfg.validation_size} holds out training examples to choose the checkpoint on, and "
+            "none of them has a reference answer; pass --validation-size 0 (choose on the test set) or --no-eval"
+        )
     if cfg.train_size > len(examples):
         raise UserError(
             f"--train-size {cfg.train_size} is more than the {len(examples)} training examples; "
@@ -155,22 +187,20 @@ def prompt_source(cfg: SFTConfig, tok, model, task, eval_task) -> tuple[Callable
             "some training examples have no solution; give --data with solutions or --teacher to sample them"
         )
     train_set = PromptSet.build(examples, tok, cfg.max_prompt_tokens, "SFT prompts")
-    test = PromptSet.build(eval_task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
     teacher_engine = None
     if cfg.teacher:
         teacher = load_model(cfg.teacher, "teacher", cfg.dtype, model_device(model))
-        teacher_engine = HFRollout(teacher, tok.eos_token_id, tok.pad_token_id)
+        teacher_engine = local_engine(teacher, tok)
 
     def batch(step: int) -> tuple:
         idx = train_set.batch_indices(step, cfg.batch_size, cfg.seed)
-        prompts = [train_set.examples[i].prompt for i in idx]
-        systems = [train_set.examples[i].system for i in idx]
+        chosen = [train_set.examples[i] for i in idx]
         targets = (
             teacher_completions(teacher_engine, tok, train_set, idx, step, cfg)
             if teacher_engine
-            else cast(list[str], [train_set.examples[i].solution for i in idx])  # all given, as checked above
+            else cast(list[str], [e.solution for e in chosen])  # all given, as checked above
         )
-        return encode_pairs(tok, prompts, targets, systems)
+        return encode_pairs(tok, [e.chat() for e in chosen], targets, tools=[e.tools for e in chosen])
 
     def accuracy_on(prompts: PromptSet) -> Callable[[object], float]:
         def accuracy(m) -> float:
@@ -179,13 +209,17 @@ def prompt_source(cfg: SFTConfig, tok, model, task, eval_task) -> tuple[Callable
 
         return accuracy
 
-    on_test = accuracy_on(test)
+    if eval_task is None:
+        return batch, None, None
+    on_test = accuracy_on(
+        PromptSet.build(eval_prompts(eval_task, cfg.eval_size), tok, cfg.max_prompt_tokens, "test prompts")
+    )
     if not validation:
         return batch, on_test, on_test
     return batch, accuracy_on(PromptSet.build(validation, tok, cfg.max_prompt_tokens, "validation prompts")), on_test
 
 
-def episode_source(cfg: SFTConfig, tok, model) -> tuple[Callable, Callable, Callable]:
+def episode_source(cfg: SFTConfig, tok, model) -> tuple[Callable, Callable | None, Callable | None]:
     """The same for an environment: its expert episodes, and the greedy success rate on validation games
     (training games never trained on) and on the held-out games."""
     from opd.evaluation.game_eval import evaluate_agent
@@ -196,7 +230,8 @@ def episode_source(cfg: SFTConfig, tok, model) -> tuple[Callable, Callable, Call
         raise UserError("--env trains on the environment's expert episodes; --teacher and --data are for prompts")
     check_episode_context(model, cfg.max_prompt_tokens, cfg.max_new_tokens)
     env = play_env(cfg)  # sessions opened by hand (the expert's) stay here; played episodes go to its workers
-    games, validation = held_out_for_validation(GameSet.build(env, "train").games, cfg, "games")
+    games = GameSet.build(env, "train").games
+    games, validation = held_out_for_validation(games, cfg, "games") if cfg.eval else (games, [])
     games = games[: cfg.train_size or None]
     seqs, labels, skipped = expert_sequences(
         env, games, tok, cfg.max_new_tokens + cfg.max_prompt_tokens, mistakes=cfg.expert_mistakes, seed=cfg.seed
@@ -206,7 +241,6 @@ def episode_source(cfg: SFTConfig, tok, model) -> tuple[Callable, Callable, Call
             f"none of the {len(games)} training games of {env.name!r} gave an expert episode that wins within "
             f"{cfg.max_new_tokens + cfg.max_prompt_tokens} tokens; raise --max-new-tokens or check the environment"
         )
-    test = GameSet.build(env, "test", cfg.eval_size)
     if skipped:
         print(f"opd sft: {skipped} of {len(games)} training games left out (no winning expert episode that fits)")
     for player in cfg.dagger_from:
@@ -217,13 +251,16 @@ def episode_source(cfg: SFTConfig, tok, model) -> tuple[Callable, Callable, Call
         idx = batch_indices(len(seqs), step, cfg.batch_size, cfg.seed)
         return pad_right([seqs[i] for i in idx], [labels[i] for i in idx], tok.pad_token_id)
 
+    if not cfg.eval:
+        return batch, None, None
+
     def success_on(games: GameSet) -> Callable[[object], float]:
         def success(m) -> float:
             return evaluate_agent(m, tok, games, seed=cfg.seed, **cfg.episode_limits())["success_rate"]
 
         return success
 
-    on_test = success_on(test)
+    on_test = success_on(GameSet.build(env, "test", cfg.eval_size))
     if not validation:
         return batch, on_test, on_test
     examples = [Example(prompt=g.goal or g.id, answer="", task=env.name) for g in validation]
@@ -260,9 +297,9 @@ def dagger_data(cfg: SFTConfig, env, games: list, tok, player: str, device) -> t
     return seqs, labels
 
 
-def task_sources(specs: list[TaskSpec], data: list, tok, model) -> list[tuple[str, Callable, Callable, Callable]]:
+def task_sources(specs: list[TaskSpec], data: list, tok, model) -> list[tuple]:
     """Each task's (name, batch of its k-th step, greedy validation accuracy, greedy test accuracy; the
-    two accuracies are one function with --validation-size 0): one task named "" unless
+    two accuracies are one function with --validation-size 0, None without evaluation): one task named "" unless
     the config lists several (each resolved into its own checked SFTConfig by opd.config.tasks).
     ``data``: each prompt task's (training task, evaluation task), None for an environment."""
     out = []
@@ -326,8 +363,11 @@ def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
     specs = resolve_tasks(cfg)
     # before the model: a data problem shows at once
     data = [None if spec.cfg.env else for_task(spec.name, load_tasks, spec.cfg) for spec in specs]
+    say_grading_notes("sft", specs, data)
     model, tok = build_model(cfg)
+    set_chat_options(tok, cfg.chat_template_kwargs)
     sources = task_sources(specs, data, tok, model)
+    graded_sources = [s for s in sources if s[2] is not None]  # the others: --no-eval, or nothing to grade
     names = [spec.name for spec in specs]
     multi = cfg.tasks is not None
     alternate = multi and cfg.task_mode == "alternate"
@@ -352,25 +392,31 @@ def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
             record.update({f"{names[i]}/train/loss": v for i, v in own.items() if names[i]})
             rundir.log_metrics(record)
             bar.advance(1)
-            bar.describe(f"loss {loss:.3f}  best acc {max(best, 0):.3f}")
-            if (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step == cfg.steps - 1:
+            bar.describe(f"loss {loss:.3f}" + (f"  best acc {max(best, 0):.3f}" if graded_sources else ""))
+            due = (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step == cfg.steps - 1
+            if graded_sources and due:
                 # several tasks: the model is chosen by the unweighted mean of their accuracies
-                accs = {name: accuracy(model) for name, _, accuracy, _ in sources}
+                accs = {name: accuracy(model) for name, _, accuracy, _ in graded_sources}
                 acc = sum(accs.values()) / len(accs)
                 model.train()
                 rundir.log_metrics(accuracy_record(step, acc, accs, "validation/" if cfg.validation_size else ""))
                 if acc > best:
                     best, best_by_task, stale = acc, accs, 0
-                    save_final_model(rundir.path / "final", model, tok)
+                    save_final_model(rundir.path / "final", model, tok, dtype=saved_dtype(cfg.dtype))
                 else:
                     stale += 1
                 if cfg.patience and stale >= cfg.patience:
                     break
-    summary: dict[str, Any] = {"best_accuracy": best, "steps": step + 1, "wall_s": round(time.time() - t0, 1)}
-    if multi:
+    summary: dict[str, Any] = {"steps": step + 1, "wall_s": round(time.time() - t0, 1)}
+    if not graded_sources:  # no evaluation to choose on: the last model is kept
+        save_final_model(rundir.path / "final", model, tok, dtype=saved_dtype(cfg.dtype))
+        summary["chosen_on"] = "last step"
+    else:
+        summary["best_accuracy"] = best
+    if multi and graded_sources:
         summary["best_by_task"] = best_by_task
-    if cfg.validation_size:  # chosen on validation data; the kept model's test accuracy is reported
+    if cfg.validation_size and graded_sources:  # chosen on validation data; the kept model's test accuracy is reported
         summary["chosen_on"] = "validation"
-        summary.update(kept_on_test(cfg, rundir, sources, step, multi))
+        summary.update(kept_on_test(cfg, rundir, graded_sources, step, multi))
     rundir.write_json("summary.json", summary)
     return summary
