@@ -64,6 +64,12 @@ def files(tmp_path_factory):
     (d / "fraction.yaml").write_text("k: 1.5\n")
     (d / "task_typo.yaml").write_text("tasks:\n  - name: math\n    stepz: 3\n")
     (d / "task_words.yaml").write_text("tasks:\n  - name: math\n    eval_size: lots\n")
+    # prompts without answers, and tools that are not a list of tool schemas (issue 64)
+    (d / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"What is {i} + 1?"}) + "\n" for i in range(4)))
+    (d / "graded.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"{i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(4))
+    )
+    (d / "bad_tools.jsonl").write_text(json.dumps({"prompt": "What is 1 + 1?", "tools": {"name": "add"}}) + "\n")
     # What opd writes, minus the content the checks do not read: a finished run, an unfinished one.
     (d / "run" / "final").mkdir(parents=True)
     (d / "run" / "metrics.jsonl").write_text("")
@@ -319,6 +325,33 @@ CASES = [
         r"vllm_url is set but rollout_engine is hf; add --rollout-engine vllm",
     ),
     (
+        "vllm-url-not-a-url",
+        f"{TRAIN} --rollout-engine vllm --vllm-url notaurl",
+        r"--vllm-url 'notaurl' must start with http:// or https:// and name a host \(e.g. http://127.0.0.1:8000\)",
+    ),
+    (
+        "static-cache-not-a-mode",
+        f"{TRAIN} --static-cache yes",
+        r"static_cache='yes': choose one of auto, on, off",
+    ),
+    (
+        "static-cache-on-with-vllm",
+        f"{TRAIN} --rollout-engine vllm --static-cache on",
+        r"static_cache=on is a setting of opd's own sampling loop \(--rollout-engine hf\), not of vllm; drop "
+        r"--static-cache on",
+    ),
+    (
+        "teacher-url-not-a-url",
+        "train --student <S> --teacher-url 127.0.0.1:8000 --out <OUT>",
+        r"--teacher-url '127.0.0.1:8000' must start with http:// or https:// and name a host \(e.g. http://127.0.0.1:8000\)",
+    ),
+    (
+        "rollout-engine-not-registered",
+        f"{TRAIN} --rollout-engine sglang",
+        r"rollout_engine='sglang' is not a registered rollout engine; choose one of hf, vllm \(or register yours with "
+        r"opd.rollout.registry.register\)",
+    ),
+    (
         "eval-split-without-eval-task",
         f"{TRAIN} --eval-split test",
         r"eval_split set without eval_task; give --eval-task DATA, or drop the eval options",
@@ -413,6 +446,44 @@ CASES = [
     ),
     ("unknown-device", f"{TRAIN} --device tpu", r"device='tpu': use auto, cpu, cuda or cuda:N"),
     ("serve-unknown-dtype", "serve-teacher <T> --dtype float64", r"--dtype 'float64': use float32, bfloat16, float16"),
+    # data as users have it: prompts without answers, chat-template options, tools (issue 64)
+    (
+        "tools-not-a-list-of-objects",
+        f"{TRAIN} --task <D>/bad_tools.jsonl",
+        r'field "tools" in <D>/bad_tools\.jsonl, line 1 is a dict, not a list of objects; write a JSON list of tool '
+        r'schemas, e\.g\. \[\{"type": "function", "function": \{"name": "add", "parameters": \{\.\.\.\}\}\}\], or null',
+    ),
+    (
+        "chat-template-kwargs-not-an-object",
+        f"{TRAIN} --chat-template-kwargs enable_thinking=false",
+        r"chat_template_kwargs='enable_thinking=false' is not JSON \(Expecting value, column 1\); write a JSON object, "
+        r"e\.g\. '\{\"enable_thinking\": false\}'",
+    ),
+    (
+        "teacher-chat-template-kwargs-a-list",
+        f"{TRAIN} --teacher-chat-template-kwargs '[1]'",
+        r"teacher_chat_template_kwargs='\[1\]' is a list, not a JSON object; write an object of template options, "
+        r"e\.g\. '\{\"enable_thinking\": false\}'",
+    ),
+    (
+        "eval-task-without-answers",
+        f"{TRAIN} --task <D>/graded.jsonl --eval-task <D>/prompts.jsonl",
+        r"--eval-task <D>/prompts\.jsonl has no reference answers to grade \(looked for an 'answer' column \(the "
+        r"columns of <D>/prompts\.jsonl: prompt\), or the final answer of a solution read as --eval-answer-format "
+        r"boxed\); give evaluation data with answers \(--eval-answer-field names its column\), or drop --eval-task",
+    ),
+    (
+        "no-eval-with-an-eval-task",
+        f"{TRAIN} --no-eval --eval-task <D>/graded.jsonl",
+        r"eval_task='<D>/graded\.jsonl' is set with evaluation off \(--no-eval\); drop one of them",
+    ),
+    (
+        "eval-of-prompts-without-answers",
+        f"{EVAL} --task <D>/prompts.jsonl",
+        r"--task <D>/prompts\.jsonl has no reference answers to grade against \(looked for an 'answer' column \(the "
+        r"columns of <D>/prompts\.jsonl: prompt\), or the final answer of a solution read as --answer-format "
+        r"boxed\); opd eval measures accuracy: give data with answers \(--answer-field names its column\)",
+    ),
     # report and results
     (
         "report-on-a-folder-without-runs",

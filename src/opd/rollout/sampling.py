@@ -1,8 +1,9 @@
-"""Rollouts: the student samples responses, recording the log-prob of every sampled token.
+"""opd's own rollout engine (``--rollout-engine hf``, the default): the student samples with its KV cache,
+recording the log-prob of every sampled token.
 
-:class:`RolloutEngine` is the protocol a backend implements (a vLLM engine can be added behind
-it); :class:`HFRollout` is the default, an explicit sampling loop over any Hugging Face causal LM
-with its KV cache. Writing the loop ourselves (rather than calling ``generate``) gives three
+:class:`HFRollout` implements :class:`opd.rollout.engine.RolloutEngine` over any Hugging Face causal LM:
+single-turn batches (:meth:`HFRollout.generate`) and episode sessions (:class:`HFSession`, the KV cache
+continued turn by turn). Writing the loop ourselves (rather than calling ``generate``) gives three
 things the trainer relies on:
 
 * the log-prob of each sampled token under the *unmodified* policy (temperature 1, no top-p), the
@@ -10,88 +11,54 @@ things the trainer relies on:
 * exact nucleus sampling by inverse CDF on the sorted, truncated distribution, so a token outside
   the top-p nucleus can never be drawn (and no hidden default top_k=50);
 * one uniform random number per prompt and position, drawn from a generator seeded by that
-  prompt's own seed: a prompt gets the same rollout whatever batch or process it lands in, which
-  makes resumed and data-parallel runs reproduce single-process ones.
+  prompt's own seed (an episode: one stream for all its turns): a prompt gets the same rollout
+  whatever batch or process it lands in, which makes resumed and data-parallel runs reproduce
+  single-process ones.
 
 The response mask covers tokens up to and including the first EOS: a model may emit the pad
 token mid-response, so padding is never inferred from token values. A batch also carries an
 action mask, the tokens the model sampled: in a single-turn rollout it equals the response mask;
 multi-turn episodes (:mod:`opd.rollout.episodes`) interleave the model's turns with environment tokens
 that are real (response mask) but not the model's (action mask), and only the latter are trained.
+
+Episode sessions never re-encode the KV cache: a turn's sampled tokens are fed as they are drawn
+(rows whose turn is over wait with attention 0), and the replies of all episodes still playing go in
+one forward, left-padded to the longest with per-row positions. Episodes that end leave the batch
+(their cache rows are dropped) where the cache allows it (:func:`_can_drop_rows`).
+
+With ``--static-cache`` (:mod:`opd.rollout.static_cache`) both keep their batch in a cache of fixed shape
+instead, its decode step a CUDA graph on a GPU: every row stays in the model's batch (a finished one writes
+nowhere it is read), the sampler draws for the rows still writing, and the samples are the same.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
 
 from opd.errors import UserError
 from opd.models.loading import model_device
+from opd.rollout.engine import (
+    EngineBase,
+    EngineContext,
+    RolloutBatch,
+    Sample,
+    Sampling,
+    Written,
+    check_context,
+    check_sampling,
+    left_pad,
+)
+from opd.rollout.static_cache import StaticDecoder, StaticPool
 
+if TYPE_CHECKING:
+    from transformers import Cache
 
-@dataclass
-class RolloutBatch:
-    """N rollouts: left-padded prompts of common length P followed by T response slots.
-
-    ``response_mask_NT`` marks the real tokens of the response region (a prefix of each row: the
-    region is compact, so positions and attention come from it); ``action_mask_NT`` the tokens the
-    model sampled (EOS included), which are what trains and what the metrics measure. Left out, it
-    is the response mask (a single-turn rollout). ``logprobs_NT`` is 0 outside the action mask.
-
-    Shapes:
-        input_ids_NL, attention_mask_NL: (N, P + T)
-        response_ids_NT, response_mask_NT, logprobs_NT, action_mask_NT: (N, T)
-        finished_N: (N,) -- an EOS was produced (episodes: the game ended the episode)
-    """
-
-    input_ids_NL: torch.Tensor
-    attention_mask_NL: torch.Tensor
-    prompt_len: int
-    response_ids_NT: torch.Tensor
-    response_mask_NT: torch.Tensor
-    logprobs_NT: torch.Tensor
-    finished_N: torch.Tensor
-    action_mask_NT: torch.Tensor | None = None
-
-    def __post_init__(self):
-        if self.action_mask_NT is None:
-            self.action_mask_NT = self.response_mask_NT
-
-    @property
-    def num_rollouts(self) -> int:
-        return self.response_ids_NT.shape[0]
-
-    def select(self, rows: torch.Tensor | slice) -> RolloutBatch:
-        """A sub-batch (micro-batches for gradient accumulation)."""
-        return RolloutBatch(
-            self.input_ids_NL[rows],
-            self.attention_mask_NL[rows],
-            self.prompt_len,
-            self.response_ids_NT[rows],
-            self.response_mask_NT[rows],
-            self.logprobs_NT[rows],
-            self.finished_N[rows],
-            cast(torch.Tensor, self.action_mask_NT)[rows],  # set by __post_init__
-        )
-
-
-class RolloutEngine(Protocol):
-    """What the trainer needs from a generation backend."""
-
-    def generate(
-        self,
-        prompt_ids: Sequence[Sequence[int]],
-        seeds: Sequence[int],
-        *,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        greedy: bool = False,
-    ) -> RolloutBatch: ...
+__all__ = ["HFRollout", "HFSession", "RolloutBatch", "left_pad", "nucleus_sample", "prefill", "start_hf"]
 
 
 # Finished rows leave the decoding batch (their KV-cache rows are dropped) once the rows still
@@ -163,19 +130,6 @@ def _can_drop_rows(cache) -> bool:
     )
 
 
-def left_pad(prompt_ids: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token lists to one length: (ids_NP, mask_NP)."""
-    if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
-        raise UserError("empty prompt: every prompt must have at least one token")
-    P = max(len(p) for p in prompt_ids)
-    ids = torch.full((len(prompt_ids), P), pad_id, dtype=torch.long, device="cpu")
-    mask = torch.zeros((len(prompt_ids), P), dtype=torch.long, device="cpu")
-    for i, p in enumerate(prompt_ids):
-        ids[i, P - len(p) :] = torch.as_tensor(list(p), dtype=torch.long, device="cpu")
-        mask[i, P - len(p) :] = 1
-    return ids, mask
-
-
 def prompt_uniforms(seeds: Sequence[int], steps: int) -> torch.Tensor:
     """One uniform per (prompt, position), each prompt from its own seeded generator: (N, steps).
 
@@ -185,23 +139,6 @@ def prompt_uniforms(seeds: Sequence[int], steps: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(int(s) % (2**63 - 1))
         rows.append(torch.rand(steps, generator=g, dtype=torch.float64, device="cpu"))
     return torch.stack(rows)
-
-
-def check_sampling(max_new_tokens: int, temperature: float, greedy: bool) -> None:
-    """ValueError for a token budget or temperature no sampler can use."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    if not greedy and not temperature > 0:
-        raise ValueError(f"temperature={temperature} must be > 0; pass greedy=True for argmax decoding")
-
-
-def check_context(prompt_len: int, max_new_tokens: int, max_context: int | None, fix: str) -> None:
-    """UserError when the longest prompt plus the token budget cannot fit the model's positions."""
-    if max_context and prompt_len + max_new_tokens > max_context:
-        raise UserError(
-            f"a prompt of {prompt_len} tokens plus max_new_tokens={max_new_tokens} exceeds the model's context of "
-            f"{max_context} positions; {fix}"
-        )
 
 
 def sample_next(
@@ -226,14 +163,41 @@ def prefill(model: PreTrainedModel, ids_NP: torch.Tensor, attn_NP: torch.Tensor)
     return out, positions
 
 
-class HFRollout:
-    """Sampling with the KV cache from a Hugging Face causal LM (the default backend)."""
+def start_hf(ctx: EngineContext) -> HFRollout:
+    """The registry's ``hf`` engine: this process's student (the trainer's, or a staleness worker's copy), with
+    the run's ``--static-cache`` (``auto``, unless FSDP shards the weights: its forward gathers them in hooks
+    that a CUDA graph cannot hold, and the configuration refuses ``on`` with it)."""
+    mode = getattr(ctx.cfg, "static_cache", "off")
+    if getattr(ctx.cfg, "fsdp", False) and mode == "auto":
+        mode = "off"
+    return HFRollout(ctx.model, ctx.tokenizer.eos_token_id, ctx.tokenizer.pad_token_id, static_cache=mode)
 
-    def __init__(self, model: PreTrainedModel, eos_id: int, pad_id: int, max_context: int | None = None):
+
+class HFRollout(EngineBase):
+    """Sampling with the KV cache from a Hugging Face causal LM (the default engine). It samples the
+    trainer's own model object: nothing to sync, no policy check (``policy_gap`` stays None)."""
+
+    name = "hf"
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        eos_id: int,
+        pad_id: int,
+        max_context: int | None = None,
+        static_cache: str = "off",
+    ):
         self.model = model
         self.eos_id = eos_id
         self.pad_id = pad_id
         self.max_context = max_context or getattr(model.config, "max_position_embeddings", None)
+        # --static-cache: a KV cache of fixed shape, its decode step a CUDA graph on a GPU (opd.rollout.static_cache)
+        self.static = StaticPool(model, static_cache)
+
+    def episodes(
+        self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], *, budget: int, sampling: Sampling
+    ) -> HFSession:
+        return HFSession(self, prompts, seeds, budget, sampling)
 
     @torch.no_grad()
     def generate(self, prompt_ids, seeds, *, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False) -> RolloutBatch:
@@ -247,42 +211,259 @@ class HFRollout:
         was_training = self.model.training
         self.model.eval()
         u = prompt_uniforms(seeds, max_new_tokens).to(dev)
-        out, positions = prefill(self.model, ids, attn)
-        cache = out.cache
-        compact = _can_drop_rows(cache)
         resp = torch.full((N, max_new_tokens), self.pad_id, dtype=torch.long, device=dev)
         logp = torch.zeros(N, max_new_tokens, device=dev)
         resp_mask = torch.zeros(N, max_new_tokens, dtype=torch.bool, device=dev)
         finished = torch.zeros(N, dtype=torch.bool, device=dev)
-        # rows still in the model's batch (global indices), with their attention mask and next position
-        live, live_attn, live_pos = torch.arange(N, device=dev), attn, positions[:, -1] + 1
-        for t in range(max_new_tokens):
-            tok, lp = sample_next(out.logits[:, -1], u[live, t], temperature, top_p, greedy)
-            alive = ~finished[live]
-            tok = torch.where(alive, tok, torch.full_like(tok, self.pad_id))
-            resp[live, t], resp_mask[live, t] = tok, alive
-            logp[live, t] = torch.where(alive, lp, 0.0)
-            finished[live] = finished[live] | (alive & (tok == self.eos_id))
-            still = ~finished[live]
-            n_still = int(still.sum())  # rows outside the batch are finished: one count serves both tests below
-            if n_still == 0 or t == max_new_tokens - 1:
-                break
-            if compact and n_still <= COMPACT_BELOW * live.numel():
-                keep = still.nonzero().squeeze(-1)
-                cache.batch_select_indices(keep)
-                live, live_attn, live_pos, tok = live[keep], live_attn[keep], live_pos[keep], tok[keep]
-                still = still[keep]
-            live_attn = torch.cat([live_attn, still.long().unsqueeze(-1)], dim=-1)
-            out = self.model(
-                input_ids=tok.unsqueeze(-1),
-                attention_mask=live_attn,
-                position_ids=live_pos.unsqueeze(-1),
-                cache=cache,
-                use_cache=True,
-            )
-            live_pos = live_pos + 1
-        self.model.train(was_training)
+        steps: _DynamicSteps | _StaticSteps | None = None
+        try:
+            steps = self._steps(ids, attn, max_new_tokens)
+            live, logits = torch.arange(N, device=dev), steps.logits  # the rows the sampler draws for (global indices)
+            for t in range(max_new_tokens):
+                tok, lp = sample_next(logits, u[live, t], temperature, top_p, greedy)
+                alive = ~finished[live]
+                tok = torch.where(alive, tok, torch.full_like(tok, self.pad_id))
+                resp[live, t], resp_mask[live, t] = tok, alive
+                logp[live, t] = torch.where(alive, lp, 0.0)
+                finished[live] = finished[live] | (alive & (tok == self.eos_id))
+                still = ~finished[live]
+                n_still = int(still.sum())  # rows outside the batch are finished: one count serves both tests
+                if n_still == 0 or t == max_new_tokens - 1:
+                    break
+                live, logits = steps.advance(live, tok, still, n_still)
+        finally:
+            if steps is not None:
+                steps.close()
+            self.model.train(was_training)
         resp, logp, resp_mask = resp[:, : t + 1], logp[:, : t + 1], resp_mask[:, : t + 1]
         full_ids = torch.cat([ids, resp], dim=1)
         full_mask = torch.cat([attn, resp_mask.long()], dim=1)
         return RolloutBatch(full_ids, full_mask, P, resp, resp_mask, logp, finished, action_mask_NT=resp_mask)
+
+    def _steps(self, ids_NP: torch.Tensor, attn_NP: torch.Tensor, max_new_tokens: int) -> _DynamicSteps | _StaticSteps:
+        """generate()'s decoding batch, its prompts prefilled: the static cache where --static-cache and the
+        model allow it and it fits, else the dynamic one."""
+        dec = self.static.take(ids_NP.shape[0], ids_NP.shape[1] + max_new_tokens)
+        logits = self.static.prefill(dec, ids_NP, attn_NP, max_new_tokens) if dec is not None else None
+        if dec is not None and logits is not None:
+            return _StaticSteps(self, dec, logits)
+        return _DynamicSteps(self.model, ids_NP, attn_NP)
+
+
+class _DynamicSteps:
+    """generate()'s decoding with the dynamic cache: finished rows leave the model's batch (their KV-cache
+    rows dropped) once few enough are still generating (COMPACT_BELOW)."""
+
+    def __init__(self, model: PreTrainedModel, ids_NP: torch.Tensor, attn_NP: torch.Tensor):
+        out, positions = prefill(model, ids_NP, attn_NP)
+        self.model, self.cache, self.logits = model, out.cache, out.logits[:, -1]
+        self.compact = _can_drop_rows(self.cache)
+        # the rows' attention mask and next position, for the rows still in the model's batch
+        self.attn, self.pos = attn_NP, positions[:, -1] + 1
+
+    def advance(self, live, tok, still, n_still: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed each live row's token (rows no longer ``still`` writing with attention 0): (live, their logits)."""
+        if self.compact and n_still <= COMPACT_BELOW * live.numel():
+            keep = still.nonzero().squeeze(-1)
+            self.cache.batch_select_indices(keep)
+            live, self.attn, self.pos, tok, still = live[keep], self.attn[keep], self.pos[keep], tok[keep], still[keep]
+        self.attn = torch.cat([self.attn, still.long().unsqueeze(-1)], dim=-1)
+        out = self.model(
+            input_ids=tok.unsqueeze(-1),
+            attention_mask=self.attn,
+            position_ids=self.pos.unsqueeze(-1),
+            cache=self.cache,
+            use_cache=True,
+        )
+        self.pos = self.pos + 1
+        return live, out.logits[:, -1]
+
+    def close(self) -> None:
+        return None
+
+
+class _StaticSteps:
+    """generate()'s decoding with the static cache (:mod:`opd.rollout.static_cache`): the model's batch keeps
+    every row at its fixed shape (a finished row writes to the trash slot); the sampler draws for the live
+    rows only, which drop out under the same rule as the dynamic cache's rows."""
+
+    def __init__(self, engine: HFRollout, dec: StaticDecoder, logits_NV: torch.Tensor):
+        self.engine, self.dec, self.logits = engine, dec, logits_NV
+        self.ids_N1 = torch.full((dec.rows, 1), engine.pad_id, dtype=torch.long, device=logits_NV.device)
+        self.writing_N1 = torch.zeros(dec.rows, 1, dtype=torch.long, device=logits_NV.device)
+
+    def advance(self, live, tok, still, n_still: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.ids_N1[live, 0], self.writing_N1[live, 0] = tok, still.long()
+        logits = self.dec.feed(self.ids_N1, self.writing_N1)
+        if n_still <= COMPACT_BELOW * live.numel():
+            live = live[still]
+        return live, logits[live]
+
+    def close(self) -> None:
+        self.engine.static.give(self.dec)
+
+
+@dataclass
+class _Rows:
+    """The model's batch in a session: which episodes its rows are, their attention mask and next positions.
+
+    ``cache`` is the dynamic cache, or a static decoder (which keeps its own masks and positions, and all its rows).
+
+    Shapes: rows_R, next_pos_R: (R,); attn_RL: (R, L); logits_RV: (R, V) the next-token logits
+    """
+
+    rows_R: torch.Tensor
+    attn_RL: torch.Tensor
+    next_pos_R: torch.Tensor
+    cache: Cache | StaticDecoder
+    logits_RV: torch.Tensor
+    can_drop: bool
+
+
+class HFSession:
+    """Episodes continued in one KV cache (see the module docstring): the prompts prefilled together,
+    each episode drawing its uniforms from one stream seeded by its seed, ``budget`` of them (one per
+    token it may write). The model is in eval mode until :meth:`close`."""
+
+    @torch.no_grad()
+    def __init__(
+        self, engine: HFRollout, prompts: Sequence[Sequence[int]], seeds: Sequence[int], budget: int, sampling: Sampling
+    ):
+        self.model, self.pad_id, self.eos_id = engine.model, engine.pad_id, engine.eos_id
+        self.budget, self.sampling, self.static = budget, sampling, engine.static
+        self.was_training = self.model.training
+        self.model.eval()
+        dev = model_device(self.model)
+        self.u_NB = prompt_uniforms(seeds, budget).to(dev)
+        self.sampled = [0] * len(prompts)  # tokens each episode has drawn: the index of its next uniform
+        self.fed = [0] * len(prompts)  # tokens of each episode's response region in the cache (turns and replies)
+        self.ended: set[int] = set()
+        self.closed = False
+        ids, attn = (t.to(dev) for t in left_pad(prompts, self.pad_id))
+        rows = torch.arange(len(prompts), device=dev)
+        dec = engine.static.take(len(prompts), ids.shape[1] + budget)
+        try:
+            logits = engine.static.prefill(dec, ids, attn, budget) if dec is not None else None
+        except UserError:  # --static-cache on, and the cache does not fit: no session to close
+            self.model.train(self.was_training)
+            raise
+        if dec is not None and logits is not None:
+            self.state = _Rows(rows, attn, attn.sum(-1), dec, logits, can_drop=False)
+            return
+        out, positions = prefill(self.model, ids, attn)
+        self.state = _Rows(rows, attn, positions[:, -1] + 1, out.cache, out.logits[:, -1], _can_drop_rows(out.cache))
+
+    @torch.no_grad()
+    def turn(self, caps: dict[int, int], written: Written) -> None:
+        """Sample until each episode of ``caps`` writes EOS or reaches its cap; rows whose turn is over are
+        reported at once, while the others may still be writing."""
+        state, budget, how = self.state, self.budget, self.sampling
+        dev, rows = state.rows_R.device, state.rows_R.tolist()
+        playing = [i in caps for i in rows]
+        cap_R = torch.tensor([caps.get(i, 0) for i in rows], device=dev)
+        sampled_R = torch.tensor([self.sampled[i] for i in rows], device=dev)
+        writing_R = torch.tensor(playing, dtype=torch.bool, device=dev) & (cap_R > 0)
+        R, A = len(rows), max(caps.values(), default=0)
+        ids_RA = torch.full((R, A), self.pad_id, dtype=torch.long, device=dev)
+        lps_RA = torch.zeros(R, A, device=dev)
+        eos_R = torch.zeros(R, dtype=torch.bool, device=dev)
+        n_R = torch.zeros(R, dtype=torch.long, device=dev)
+        unreported = {r for r in range(R) if playing[r]}
+        self._check_room({i: cap for i, cap in caps.items() if i not in self.ended})
+
+        def report(rows_done: list[int]) -> None:
+            if not rows_done:
+                return
+            ns, eos = n_R[rows_done].tolist(), eos_R[rows_done].tolist()
+            ids, lps = ids_RA[rows_done].tolist(), lps_RA[rows_done].tolist()
+            done = [(rows[r], Sample(ids[j][: ns[j]], lps[j][: ns[j]], eos[j])) for j, r in enumerate(rows_done)]
+            for i, sample in done:
+                self.sampled[i] += len(sample.ids)
+                self.fed[i] += len(sample.ids)
+            written(done)
+            unreported.difference_update(rows_done)
+
+        report([r for r in sorted(unreported) if not bool(writing_R[r])])  # no room left to write
+        for t in range(A):
+            if not unreported:
+                break
+            u_R = self.u_NB[state.rows_R, (sampled_R + t).clamp(max=budget - 1)]
+            tok, lp = sample_next(state.logits_RV, u_R, how.temperature, how.top_p, how.greedy)
+            tok = torch.where(writing_R, tok, torch.full_like(tok, self.pad_id))
+            ids_RA[:, t], lps_RA[:, t] = tok, torch.where(writing_R, lp, 0.0)
+            n_R += writing_R
+            # The written token joins the cache even when it ends the turn: the reply comes after it.
+            self._feed(tok.unsqueeze(-1), writing_R.long().unsqueeze(-1))
+            eos_R |= writing_R & (tok == self.eos_id)
+            was_R = writing_R.clone()
+            writing_R &= (tok != self.eos_id) & (n_R < cap_R)
+            report((was_R & ~writing_R).nonzero().squeeze(-1).tolist())
+
+    @torch.no_grad()
+    def extend(self, tokens: dict[int, list[int]]) -> None:
+        """All the episodes' replies in one forward, left-padded to the longest."""
+        state = self.state
+        rows = state.rows_R.tolist()
+        self._check_room({i: len(t) for i, t in tokens.items()})
+        for i, t in tokens.items():
+            self.fed[i] += len(t)
+        C = max(len(r) for r in tokens.values())
+        ids = torch.full((len(rows), C), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), C), dtype=torch.long)
+        for r, i in enumerate(rows):
+            if i in tokens:
+                ids[r, C - len(tokens[i]) :], mask[r, C - len(tokens[i]) :] = torch.tensor(tokens[i]), 1
+        self._feed(ids.to(state.rows_R.device), mask.to(state.rows_R.device))
+
+    def end(self, episodes: Iterable[int]) -> None:
+        """Drop the rows of ended episodes from the model's batch, where the cache allows it."""
+        self.ended.update(episodes)
+        state = self.state
+        playing = torch.tensor([i not in self.ended for i in state.rows_R.tolist()], dtype=torch.bool)
+        if state.can_drop and not bool(playing.all()):
+            assert not isinstance(state.cache, StaticDecoder)  # it keeps every row: never can_drop
+            keep = playing.nonzero().squeeze(-1).to(state.rows_R.device)
+            state.cache.batch_select_indices(keep)
+            state.rows_R, state.attn_RL = state.rows_R[keep], state.attn_RL[keep]
+            state.next_pos_R, state.logits_RV = state.next_pos_R[keep], state.logits_RV[keep]
+
+    def close(self) -> None:
+        self.model.train(self.was_training)
+        if isinstance(self.state.cache, StaticDecoder) and not self.closed:
+            self.static.give(self.state.cache)
+        self.closed = True
+
+    def _check_room(self, adding: dict[int, int]) -> None:
+        """A ValueError before an episode's turns and replies would pass the session's ``budget``: a static
+        cache has no room past it (the dynamic one grows, but the session's contract is the same)."""
+        if not isinstance(self.state.cache, StaticDecoder):
+            return
+        over = [i for i, n in adding.items() if self.fed[i] + n > self.budget]
+        if over:
+            i = over[0]
+            raise ValueError(
+                f"episode {i} would hold {self.fed[i] + adding[i]} tokens after its prompt, more than the session's "
+                f"budget of {self.budget} (a caller must keep every episode's turns and replies within it)"
+            )
+
+    def _feed(self, ids_RC: torch.Tensor, mask_RC: torch.Tensor) -> None:
+        """Append tokens to the cache (left-padded, mask 0 where a row has none) and keep the
+        next-token logits of each row's last real token (the last column)."""
+        state = self.state
+        if isinstance(state.cache, StaticDecoder):
+            logits = state.cache.feed(ids_RC, mask_RC)
+        else:
+            positions = state.next_pos_R.unsqueeze(-1) + (mask_RC.cumsum(-1) - 1).clamp(min=0)
+            state.attn_RL = torch.cat([state.attn_RL, mask_RC], dim=-1)
+            out = self.model(
+                input_ids=ids_RC,
+                attention_mask=state.attn_RL,
+                position_ids=positions,
+                cache=state.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            state.next_pos_R = state.next_pos_R + mask_RC.sum(-1)
+            state.cache, logits = out.cache, out.logits[:, -1]
+        # rows that added nothing keep their logits: they were computed at their last real token
+        state.logits_RV = torch.where(mask_RC.any(-1, keepdim=True), logits, state.logits_RV)
