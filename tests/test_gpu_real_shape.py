@@ -33,6 +33,6 @@ def test_real_shape_check_dry_run(tmp_path):
     assert all(got["nan_cause"][k]["finite"] for k in ("cudnn_allowed", "cudnn_off"))  # no cuDNN on a CPU
     for objective in ("lsm", "sampled", "full_kl"):
         r = got[f"replay_{objective}"]
-        assert r["finite"] and r["within_tolerance"], (objective, r["summary"])
+        assert r["finite"] and r["within_tolerance"] is (None if objective == "sampled" else True), r["summary"]
     assert got["step_split"]["rollout_tokens_per_s"] > 0
     assert "| replay_lsm | ok |" in out.with_suffix(".md").read_text()

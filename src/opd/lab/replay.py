@@ -34,16 +34,15 @@ class Replayed:
         """(how far the reference's weights moved, how far apart the two runs' weights ended)."""
         return float((self.ends[0] - self.start).norm()), float((self.ends[1] - self.ends[0]).norm())
 
-    def within_bf16_bound(self, check_loss: bool = True) -> bool:
-        """The tolerance of bfloat16 mixed precision against float32, derived: bfloat16's relative spacing
-        u = 2^-8 bounds what one step's rounding changes in a loss or an update relative to its size; after
-        t steps the weights have also parted, each step's update differing by at most that much, so the
-        difference grows at most linearly: each step's loss within u (t + 1) of the reference's, and after T
-        steps the weights' gap within u T of the reference's own displacement. ``check_loss`` False for an
-        objective whose loss value reads the batch alone (sampled-token OPD)."""
-        moved, gap = self.weight_gap()
-        losses_ok = all(abs(b - a) <= BF16_EPS * (t + 1) * abs(a) for t, (a, b) in enumerate(self.losses) if check_loss)
-        return losses_ok and gap <= BF16_EPS * len(self.losses) * moved
+    def within_bf16_bound(self) -> bool:
+        """The tolerance of bfloat16 mixed precision against float32 on the losses, derived: bfloat16's relative
+        spacing u = 2^-8 bounds what one step's rounding changes in a loss relative to its size (the roundings
+        of separate products partly cancel); after t steps the weights have also parted, each step's update
+        differing by about that much, so the difference grows at most linearly: each step's loss within
+        u (t + 1) of the reference's. (Not for an objective whose loss value reads the batch alone, as
+        sampled-token OPD's does. The weights' gap is reported, not bounded: Adam's update is about lr times
+        the gradient's sign, so an element whose gradient is near zero may step the other way in one run.)"""
+        return all(abs(b - a) <= BF16_EPS * (t + 1) * abs(a) for t, (a, b) in enumerate(self.losses))
 
 
 def _flat(run: Run) -> torch.Tensor:
