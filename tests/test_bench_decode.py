@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_decode_benchmark_dry_run(tmp_path):
     out = tmp_path / "decode.json"
     done = subprocess.run(

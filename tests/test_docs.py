@@ -22,9 +22,10 @@ README_MAX_LINES = 300
 
 # The lines .ci/run (the test command) and a newcomer (the main job) copy from the README, verbatim.
 TEST_COMMAND = (
-    "pip install torch==2.13.0 && pip install -e '.[dev]' && opd vllm-setup && ruff check . && ruff format --check . "
-    "&& lint-imports && mypy && python -m pytest -q -n 2 --dist loadgroup"
+    "pip install torch==2.13.0 && pip install -e '.[dev]' && ruff check . && ruff format --check . "
+    '&& lint-imports && mypy && python -m pytest -q -n 2 --dist loadgroup -m "not slow"'
 )
+SLOW_COMMAND = "opd vllm-setup && python -m pytest -q -n 2 --dist loadgroup -m slow"  # CI's second step
 MAIN_JOB = "pip install torch==2.13.0 && pip install -e . && opd demo"
 
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -125,9 +126,10 @@ def test_readme_is_short():
     assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES}): move detail into docs/"
 
 
-@pytest.mark.parametrize("command", [TEST_COMMAND, MAIN_JOB], ids=["test-command", "main-job"])
+@pytest.mark.parametrize("command", [TEST_COMMAND, SLOW_COMMAND, MAIN_JOB], ids=["test-command", "slow", "main-job"])
 def test_readme_commands_are_verbatim_in_a_bash_block(command):
-    """.ci/run greps README.md for the test command's line and runs it; the main job is copied by hand."""
+    """.ci/run greps README.md for the test command's line and runs it, then the slow tests' line; the main job
+    is copied by hand."""
     lines = README.read_text(encoding="utf-8").splitlines()
     assert command in lines, f"README.md lost the line {command!r}"
     i = lines.index(command)
@@ -341,3 +343,12 @@ def test_a_benchmark_result_without_a_commit_is_reported(tmp_path):
         "runs.json (after): no machine (a 'machine' field)",
         "vague.json: no commit (a 'commit' field: the hash it was measured at)",
     ]
+
+
+def test_ci_runs_the_readme_commands_between_them_every_test():
+    """The README's command leaves out the slow tests and CI's second step runs them: between them, all."""
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert "readme_cmd" in ci and SLOW_COMMAND.split(" && ")[0] in ci
+    slow_line = next(line for line in README.read_text(encoding="utf-8").splitlines() if line == SLOW_COMMAND)
+    assert '-m "not slow"' in TEST_COMMAND and slow_line.endswith("-m slow")
+    assert "slow_cmd" in ci and "-m slow" in ci

@@ -34,7 +34,7 @@ MAX_LOGPROBS = 32
 # float32 on both sides, different kernels: the largest gap seen was 4.6e-5 nats over 504 positions x 32
 TOL = 2e-4
 
-pytestmark = pytest.mark.xdist_group("vllm")
+pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.slow]  # slow: CI's second step runs it
 
 
 @pytest.fixture(scope="module")

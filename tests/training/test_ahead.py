@@ -83,6 +83,7 @@ def test_step_t_rolls_out_the_policy_of_step_t_minus_s(tiny_models, tmp_path, mo
     assert changed, "no update changed a rollout: the check cannot tell the policies apart"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("objective,S", [("lsm", 1), ("sampled", 2)])
 def test_a_stale_run_killed_and_resumed_equals_the_uninterrupted_run(tiny_models, tmp_path, monkeypatch, objective, S):
     """The checkpoint holds the rollouts in flight, so the resumed run takes the ones the uninterrupted
@@ -97,6 +98,7 @@ def test_a_stale_run_killed_and_resumed_equals_the_uninterrupted_run(tiny_models
     same_steps(step_records(tmp_path / "b" / "run"), want)
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_replaced_and_its_rollouts_made_again(tiny_models, tmp_path, monkeypatch):
     kw = dict(steps=4, eval_samples=0, max_staleness=1)
     train_mod.train(cfg_for(tiny_models, tmp_path / "a", **kw), show_progress=False)

@@ -328,7 +328,7 @@ def test_per_task_metrics_add_up_to_the_overall_ones_in_mix_mode(tiny_models, te
         assert "a/train/lr" not in r and r["train/lr"] > 0
 
 
-@pytest.mark.parametrize("mode,S", [("alternate", 0), ("mix", 0), ("alternate", 1)])
+@pytest.mark.parametrize("mode,S", [("alternate", 0), ("mix", 0), pytest.param("alternate", 1, marks=pytest.mark.slow)])
 def test_resume_equals_uninterrupted_with_two_tasks_and_two_teachers(
     tiny_models, teacher2, tmp_path, monkeypatch, mode, S
 ):

@@ -13,6 +13,7 @@ from opd.errors import UserError
 from opd.lab.demos.demo import make_demo_models, run_demo
 
 
+@pytest.mark.slow
 def test_make_demo_models_and_quick_demo(tmp_path, capsys):
     assets = tmp_path / "assets"
     made = make_demo_models(assets, quick=True)

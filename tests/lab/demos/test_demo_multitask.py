@@ -61,9 +61,17 @@ def test_packaged_models_come_from_the_recipe_as_written():
         logged = run_options(ASSETS / "runs" / name, SFTConfig)
         expected = dataclasses.asdict(recipe(Path(logged["out"]), logged["tokenizer"]))
         # Options added since the models were made are not in their logs: where the games ran (the
-        # same episodes with 0, 1 or N env workers), and validation_size, which the recipe keeps at 0
-        # (the checkpoint chosen on the test set, as when these models were made).
-        added = {"env_workers": None, "env_step_timeout": None, "validation_size": 0}
+        # same episodes with 0, 1 or N env workers), validation_size, which the recipe keeps at 0
+        # (the checkpoint chosen on the test set, as when these models were made), and options whose
+        # defaults are what ran then: no chat-template options, evaluation on, TF32 (a GPU's; made on a CPU).
+        added = {
+            "env_workers": None,
+            "env_step_timeout": None,
+            "validation_size": 0,
+            "chat_template_kwargs": {},
+            "eval": True,
+            "tf32": None,
+        }
         for k in set(expected) - set(logged):
             assert k in added and added[k] in (None, expected[k]), k
         expected = {k: v for k, v in expected.items() if k in logged}

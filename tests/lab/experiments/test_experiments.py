@@ -314,6 +314,7 @@ def _statuses(specs, s, capsys, workers=1) -> dict:
     return {r["run"]: r["status"] == "ran" for r in log}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_run_is_reused_only_while_what_it_reads_is_unchanged(tmp_path, capsys, workers):
     """Runs keyed by their command and the files they read, chained through the runs they read from:
@@ -508,6 +509,7 @@ def test_sequence_kl_is_exact():
     assert sequence_kl(theta, teacher) == pytest.approx(total, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_variance_quick_end_to_end(tmp_path):
     res = run("variance", tmp_path, seeds=2, quick=True, show_progress=False)
     out = tmp_path / "variance"

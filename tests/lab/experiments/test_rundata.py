@@ -95,6 +95,7 @@ def test_a_replay_that_reads_more_than_was_recorded_says_so(tmp_path):
         read_done(_runs(tmp_path / "other"), "c/seed0")
 
 
+@pytest.mark.slow
 def test_variance_quick_is_recomputed_from_its_run_data(tmp_path):
     res = run("variance", tmp_path, seeds=2, quick=True, show_progress=False)
     data = tmp_path / "variance" / DATA
@@ -179,6 +180,7 @@ def _calls(out: Path) -> list[str]:
     return calls.read_text().split() if calls.is_file() else []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [1, 2])
 def test_recorded_runs_are_read_from_the_recording_and_new_seeds_are_made(tmp_path, capsys, workers):
     """`opd experiment --recorded`: seeds added to committed run data, without the runs' folders."""
