@@ -34,10 +34,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BODY = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-            intermediate_size=4864)
-QUICK_BODY = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
-                  intermediate_size=256)
+BODY = dict(
+    hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864
+)
+QUICK_BODY = dict(
+    hidden_size=128, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256
+)
 PROMPT, VOCAB, K = 64, 2048, 32
 STEP_LENGTHS = list(range(32, 513, 32))  # 16 responses; the batch of 32 holds each twice
 
@@ -78,8 +80,16 @@ def batch_of(lengths: list[int], device: str):
     ids = torch.cat([torch.randint(3, VOCAB, (N, PROMPT), generator=g), resp], 1)
     attn = torch.cat([torch.ones(N, PROMPT, dtype=torch.long), resp_mask.long()], 1)
     d = lambda t: t.to(device)
-    batch = RolloutBatch(d(ids), d(attn), PROMPT, d(resp), d(resp_mask), d(torch.zeros(N, T)),
-                         d(torch.ones(N, dtype=torch.bool)), action_mask_NT=d(resp_mask))
+    batch = RolloutBatch(
+        d(ids),
+        d(attn),
+        PROMPT,
+        d(resp),
+        d(resp_mask),
+        d(torch.zeros(N, T)),
+        d(torch.ones(N, dtype=torch.bool)),
+        action_mask_NT=d(resp_mask),
+    )
     top_logprobs = torch.log_softmax(torch.randn(N, T, K, generator=g), -1)
     scores = TeacherScores(d(torch.randint(0, VOCAB, (N, T, K), generator=g)), d(top_logprobs), d(torch.zeros(N, T)))
     return batch, scores
@@ -97,8 +107,14 @@ def cell(spec: dict) -> dict:
 
     device = spec["device"]
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=VOCAB, max_position_embeddings=8192, tie_word_embeddings=True, eos_token_id=1,
-                      pad_token_id=0, **(QUICK_BODY if spec["quick"] else BODY))
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        eos_token_id=1,
+        pad_token_id=0,
+        **(QUICK_BODY if spec["quick"] else BODY),
+    )
     model = Qwen2ForCausalLM(cfg).to(device)
     model.train()
     if spec["checkpointing"]:
@@ -121,13 +137,23 @@ def cell(spec: dict) -> dict:
         loss_NT, _ = objective_loss(train, model, None, batch.select(rows), scores.select(rows), mask[rows])
         reduce_loss("token_mean", loss_NT, mask[rows], totals).backward()
     seconds = time.perf_counter() - t0
-    return {**spec, "micro_batches": len(micro), "baseline_bytes": baseline,
-            "above_baseline_bytes": memory_now(device, peak=True) - baseline, "seconds": seconds}
+    return {
+        **spec,
+        "micro_batches": len(micro),
+        "baseline_bytes": baseline,
+        "above_baseline_bytes": memory_now(device, peak=True) - baseline,
+        "seconds": seconds,
+    }
 
 
 def run_cell(spec: dict) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--cell", json.dumps(spec)], capture_output=True, text=True,
-                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    out = subprocess.run(
+        [sys.executable, __file__, "--cell", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
     if out.returncode:
         return {**spec, "error": out.stderr[-1500:]}
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -135,32 +161,43 @@ def run_cell(spec: dict) -> dict:
 
 def commit() -> str:
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     return done.stdout.strip() + ("-dirty" if dirty else "")
 
 
 def machine(device: str) -> dict:
     import torch
 
-    return {"device": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or "cpu",
-            "cpu_cores": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    return {
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or "cpu",
+        "cpu_cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
 
 
 def table(result: dict) -> str:
     mib = lambda b: f"{b / 2**20:,.0f}"
-    rows = ["| cell | response tokens | checkpointing | budget | micro-batches | above baseline (MiB) | seconds |",
-            "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| cell | response tokens | checkpointing | budget | micro-batches | above baseline (MiB) | seconds |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for c in result["cells"]:
         if "error" in c:
             rows.append(f"| {c['kind']} | {c['label']} | {c['checkpointing']} | {c['budget']} | | error | |")
             continue
-        rows.append(f"| {c['kind']} | {c['label']} | {c['checkpointing']} | {c['budget'] or '-'} | "
-                    f"{c['micro_batches']} | {mib(c['above_baseline_bytes'])} | {c['seconds']:.1f} |")
-    head = (f"# Memory of an OPD update (benchmarks/bench_memory.py)\n\nAt {result['commit']}, "
-            f"{result['machine']['device']} ({result['machine']['cpu_cores']} cores, torch {result['machine']['torch']})"
-            f", {'quick shapes' if result['quick'] else 'the 0.36B body'}.\n\n")
+        rows.append(
+            f"| {c['kind']} | {c['label']} | {c['checkpointing']} | {c['budget'] or '-'} | "
+            f"{c['micro_batches']} | {mib(c['above_baseline_bytes'])} | {c['seconds']:.1f} |"
+        )
+    head = (
+        f"# Memory of an OPD update (benchmarks/bench_memory.py)\n\nAt {result['commit']}, "
+        f"{result['machine']['device']} ({result['machine']['cpu_cores']} cores, torch {result['machine']['torch']})"
+        f", {'quick shapes' if result['quick'] else 'the 0.36B body'}.\n\n"
+    )
     return head + "\n".join(rows) + "\n\n" + "\n".join(f"- {s}" for s in result["summary"]) + "\n"
 
 
@@ -170,16 +207,20 @@ def summary(cells: list[dict]) -> list[str]:
     for length in sorted({k[0] for k in act}):
         if (length, False) in act and (length, True) in act:
             a, b = act[(length, False)], act[(length, True)]
-            out.append(f"{length} response tokens: checkpointing cuts activation memory "
-                       f"{a['above_baseline_bytes'] / max(b['above_baseline_bytes'], 1):.1f}x, at "
-                       f"{b['seconds'] / a['seconds']:.2f}x the time")
+            out.append(
+                f"{length} response tokens: checkpointing cuts activation memory "
+                f"{a['above_baseline_bytes'] / max(b['above_baseline_bytes'], 1):.1f}x, at "
+                f"{b['seconds'] / a['seconds']:.2f}x the time"
+            )
     step = [c for c in cells if c["kind"] == "step" and "error" not in c]
     plain = next((c for c in step if not c["budget"]), None)
     for c in step:
         if c["budget"] and plain:
-            out.append(f"batch {len(c['lengths'])}, --micro-batch-tokens {c['budget']}: peak "
-                       f"{c['above_baseline_bytes'] / 2**20:,.0f} MiB vs {plain['above_baseline_bytes'] / 2**20:,.0f} "
-                       f"MiB for batch 16 in one piece; {c['seconds'] / plain['seconds']:.2f}x its time")
+            out.append(
+                f"batch {len(c['lengths'])}, --micro-batch-tokens {c['budget']}: peak "
+                f"{c['above_baseline_bytes'] / 2**20:,.0f} MiB vs {plain['above_baseline_bytes'] / 2**20:,.0f} "
+                f"MiB for batch 16 in one piece; {c['seconds'] / plain['seconds']:.2f}x its time"
+            )
     return out
 
 
@@ -194,20 +235,39 @@ def main() -> None:
         print(json.dumps(cell(json.loads(a.cell))))
         return
     scale = 8 if a.quick else 1
-    specs = [dict(kind="act", label=n // scale, lengths=[n // scale], checkpointing=ck, budget=0)
-             for n in (512, 1024, 2048, 4096) for ck in (False, True)]
+    specs = [
+        dict(kind="act", label=n // scale, lengths=[n // scale], checkpointing=ck, budget=0)
+        for n in (512, 1024, 2048, 4096)
+        for ck in (False, True)
+    ]
     lengths = [n // scale for n in STEP_LENGTHS]
     for n, budgets in ((1, (0, 1024, 2048)), (2, (1024, 2048))):
-        specs += [dict(kind="step", label=f"{16 * n} of {min(lengths)}-{max(lengths)}", lengths=lengths * n,
-                       checkpointing=True, budget=b // scale) for b in budgets]
+        specs += [
+            dict(
+                kind="step",
+                label=f"{16 * n} of {min(lengths)}-{max(lengths)}",
+                lengths=lengths * n,
+                checkpointing=True,
+                budget=b // scale,
+            )
+            for b in budgets
+        ]
     cells = []
     for spec in specs:
         got = run_cell({**spec, "device": a.device, "quick": a.quick})
         cells.append(got)
-        print(f"{spec['kind']} {spec['label']} ckpt={spec['checkpointing']} budget={spec['budget']}: "
-              f"{got.get('above_baseline_bytes', 0) / 2**20:,.0f} MiB, {got.get('seconds', 0):.1f} s", flush=True)
-    result = {"commit": commit(), "machine": machine(a.device), "quick": a.quick, "cells": cells,
-              "summary": summary(cells)}
+        print(
+            f"{spec['kind']} {spec['label']} ckpt={spec['checkpointing']} budget={spec['budget']}: "
+            f"{got.get('above_baseline_bytes', 0) / 2**20:,.0f} MiB, {got.get('seconds', 0):.1f} s",
+            flush=True,
+        )
+    result = {
+        "commit": commit(),
+        "machine": machine(a.device),
+        "quick": a.quick,
+        "cells": cells,
+        "summary": summary(cells),
+    }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1) + "\n")
     a.out.with_suffix(".md").write_text(table(result))

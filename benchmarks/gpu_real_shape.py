@@ -52,16 +52,20 @@ from opd.training.setup import setup  # noqa: E402
 
 DEMO = ROOT / "src" / "opd" / "assets" / "demo"
 REAL = {
-    "student": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                    intermediate_size=4864),
-    "teacher": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                    intermediate_size=8960),
+    "student": dict(
+        hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864
+    ),
+    "teacher": dict(
+        hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960
+    ),
 }
 SMALL = {
-    "student": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                    intermediate_size=128),
-    "teacher": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                    intermediate_size=256),
+    "student": dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=128
+    ),
+    "teacher": dict(
+        hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256
+    ),
 }
 SHARP = 4.0  # the teacher's final-norm scale: logits 4x a random model's, a peaked distribution to learn
 
@@ -114,9 +118,15 @@ def make_models(root: Path, shapes: dict) -> tuple[Path, Path]:
     base = json.loads((DEMO / "student" / "config.json").read_text())
     dirs = []
     for role, shape in shapes.items():
-        cfg = Qwen2Config(vocab_size=base["vocab_size"], max_position_embeddings=2048, tie_word_embeddings=True,
-                          bos_token_id=base.get("bos_token_id"), eos_token_id=base.get("eos_token_id"),
-                          pad_token_id=base.get("pad_token_id"), **shape)
+        cfg = Qwen2Config(
+            vocab_size=base["vocab_size"],
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+            bos_token_id=base.get("bos_token_id"),
+            eos_token_id=base.get("eos_token_id"),
+            pad_token_id=base.get("pad_token_id"),
+            **shape,
+        )
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(cfg)
         if role == "teacher":
@@ -130,8 +140,13 @@ def make_models(root: Path, shapes: dict) -> tuple[Path, Path]:
 
 def env_item() -> dict:
     info = machine_info()
-    return {**info, "commit": source_commit(), "cudnn": torch.backends.cudnn.version(), "cuda": torch.version.cuda,
-            "summary": f"{info.get('gpu') or 'CPU'}"}
+    return {
+        **info,
+        "commit": source_commit(),
+        "cudnn": torch.backends.cudnn.version(),
+        "cuda": torch.version.cuda,
+        "summary": f"{info.get('gpu') or 'CPU'}",
+    }
 
 
 def sdpa_item(device: str) -> dict:
@@ -173,14 +188,34 @@ def run_steps(cfg: TrainConfig, cudnn: bool) -> dict:
         torch.backends.cuda.enable_cudnn_sdp(False)
     recs = [json.loads(x) for x in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "train/loss" in r]
-    return {"finite": all(math.isfinite(r["train/loss"]) and math.isfinite(r["train/grad_norm"]) for r in steps),
-            "steps": [{k: r[k] for k in r if k.startswith(("time/", "train/loss", "train/grad_norm"))
-                       or k in ("rollout/response_len", "rollout/eos_rate")} for r in steps]}
+    return {
+        "finite": all(math.isfinite(r["train/loss"]) and math.isfinite(r["train/grad_norm"]) for r in steps),
+        "steps": [
+            {
+                k: r[k]
+                for k in r
+                if k.startswith(("time/", "train/loss", "train/grad_norm"))
+                or k in ("rollout/response_len", "rollout/eos_rate")
+            }
+            for r in steps
+        ],
+    }
 
 
 def base_cfg(student: Path, teacher: Path, out: Path, device: str, **kw) -> TrainConfig:
-    settings = dict(student=str(student), teacher=str(teacher), out=str(out), device=device, k=32,
-                    eval_every=0, eval_size=1, eval_samples=0, ckpt_every=0, log_rollouts=0, warmup_steps=1)
+    settings = dict(
+        student=str(student),
+        teacher=str(teacher),
+        out=str(out),
+        device=device,
+        k=32,
+        eval_every=0,
+        eval_size=1,
+        eval_samples=0,
+        ckpt_every=0,
+        log_rollouts=0,
+        warmup_steps=1,
+    )
     return TrainConfig(**{**settings, **kw})
 
 
@@ -195,38 +230,62 @@ def nan_item(models, work: Path, device: str, size: dict) -> dict:
 
 def replay_item(models, work: Path, device: str, objective: str, size: dict, steps: int) -> dict:
     kw = dict(objective=objective, steps=steps, lr=1e-5, tf32=False, teacher_dtype="bfloat16", **size)
-    got = replay(base_cfg(*models, work / f"r32_{objective}", device, **kw),
-                 base_cfg(*models, work / f"r16_{objective}", device, dtype="bfloat16", **kw), steps=steps)
+    got = replay(
+        base_cfg(*models, work / f"r32_{objective}", device, **kw),
+        base_cfg(*models, work / f"r16_{objective}", device, dtype="bfloat16", **kw),
+        steps=steps,
+    )
     finite = all(math.isfinite(x) for pair in got.losses + got.grad_norms for x in pair)
     # the sampled-token loss's value reads the batch alone: nothing to bound (equal by construction)
     within = None if objective == "sampled" else got.within_bf16_bound()
     moved, gap = got.weight_gap()
     worst = max(abs(b - a) / max(abs(a), 1e-12) for a, b in got.losses)
-    return {"losses": got.losses, "grad_norms": got.grad_norms, "finite": finite, "within_tolerance": within,
-            "weights_moved": moved, "weights_gap": gap,
-            "summary": f"finite {finite}, losses within tolerance {within}; worst loss gap {worst:.2%}, weights' "
-                       f"gap {gap / max(moved, 1e-30):.2%} of their displacement"}
+    return {
+        "losses": got.losses,
+        "grad_norms": got.grad_norms,
+        "finite": finite,
+        "within_tolerance": within,
+        "weights_moved": moved,
+        "weights_gap": gap,
+        "summary": f"finite {finite}, losses within tolerance {within}; worst loss gap {worst:.2%}, weights' "
+        f"gap {gap / max(moved, 1e-30):.2%} of their displacement",
+    }
 
 
 def split_item(models, work: Path, device: str, size: dict) -> dict:
     cfg = base_cfg(*models, work / "split", device, dtype="bfloat16", steps=4, **size)
     got = run_steps(cfg, cudnn=False)
     later = got["steps"][1:] or got["steps"]  # the first step includes warm-up
-    med = {k: statistics.median(s[k] for s in later) for k in ("time/generate", "time/score", "time/update", "time/step")}
+    med = {
+        k: statistics.median(s[k] for s in later) for k in ("time/generate", "time/score", "time/update", "time/step")
+    }
     tokens = statistics.median(s["rollout/response_len"] for s in later) * cfg.batch_size
     got.update(median=med, rollout_tokens_per_s=tokens / med["time/generate"])
-    got["summary"] = (f"finite {got['finite']}; step {med['time/step']:.2f} s (generate {med['time/generate']:.2f}, "
-                      f"score {med['time/score']:.2f}, update {med['time/update']:.2f}); "
-                      f"rollout {got['rollout_tokens_per_s']:.0f} tokens/s")
+    got["summary"] = (
+        f"finite {got['finite']}; step {med['time/step']:.2f} s (generate {med['time/generate']:.2f}, "
+        f"score {med['time/score']:.2f}, update {med['time/update']:.2f}); "
+        f"rollout {got['rollout_tokens_per_s']:.0f} tokens/s"
+    )
     return got
 
 
 def demo_item(work: Path, device: str, steps: int) -> dict:
     out = {}
-    for name, dtype, cudnn in (("float32", "float32", False), ("bfloat16", "bfloat16", False),
-                               ("bfloat16_cudnn", "bfloat16", True)):
-        cfg = base_cfg(DEMO / "student", DEMO / "teacher", work / f"demo_{name}", device, dtype=dtype, steps=steps,
-                       batch_size=16, objective="lsm")
+    for name, dtype, cudnn in (
+        ("float32", "float32", False),
+        ("bfloat16", "bfloat16", False),
+        ("bfloat16_cudnn", "bfloat16", True),
+    ):
+        cfg = base_cfg(
+            DEMO / "student",
+            DEMO / "teacher",
+            work / f"demo_{name}",
+            device,
+            dtype=dtype,
+            steps=steps,
+            batch_size=16,
+            objective="lsm",
+        )
         got = run_steps(cfg, cudnn)
         times = [s["time/step"] for s in got["steps"]]
         out[name] = {"finite": got["finite"], "step_s": times, "median_s": statistics.median(times) if times else None}

@@ -193,7 +193,12 @@ class RunDir:
 
 
 def save_final_model(
-    path: Path, model, tokenizer, enabled: bool = True, model_state: dict | None = None, dtype: torch.dtype | None = None
+    path: Path,
+    model,
+    tokenizer,
+    enabled: bool = True,
+    model_state: dict | None = None,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """Write a Hugging Face model directory loadable with AutoModelForCausalLM/AutoTokenizer (a LoRA
     student writes its adapter: see :mod:`opd.models.lora`). ``dtype``: the floating-point weights are
