@@ -126,8 +126,8 @@ def launch_command(launcher: str, args: list[str]) -> list[str]:
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "_TYPER_STANDARD_TRACEBACK": "1"}
 
 
-def launch(launcher: str, args: list[str], timeout: int = 300) -> str:
-    """Run a 2-rank launch of ``opd ARGS`` to its end; its stderr."""
+def launch(launcher: str, args: list[str], timeout: int = 300, env: dict | None = None) -> str:
+    """Run a 2-rank launch of ``opd ARGS`` to its end (``env``: more environment variables); its stderr."""
     # its own process group, so a launch that hangs is killed with its ranks (killing only the
     # launcher would leave the ranks running into the next tests)
     proc = subprocess.Popen(
@@ -135,7 +135,7 @@ def launch(launcher: str, args: list[str], timeout: int = 300) -> str:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=ENV,
+        env={**ENV, **(env or {})},
         start_new_session=True,
     )
     try:

@@ -127,7 +127,8 @@ def test_the_report_reads_nested_and_flat_config_json_alike(tmp_path):
 
 def test_train_help_groups_its_flags_by_section():
     out = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "200"}).output
-    positions = [out.index(TITLES[s]) for s in SECTION_NAMES]
+    # a panel's header, not its title's words in some option's help text ("a LoRA run")
+    positions = [out.index(f"╭─ {TITLES[s]} ") for s in SECTION_NAMES]
     assert positions == sorted(positions)  # the panels, in the sections' order
-    lora = out[out.index(TITLES["lora"]) :]
+    lora = out[out.index(f"╭─ {TITLES['lora']} ") :]
     assert lora.index("--lora-r") < lora.index(TITLES["multitask"])  # each flag in its section's panel

@@ -37,10 +37,9 @@ TOL = 2e-4
 pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.slow]  # slow: CI's second step runs it
 
 
-@pytest.fixture(scope="module")
-def vllm_teacher(tmp_path_factory):
-    """The URL of a vLLM server on the demo teacher (float32, --max-logprobs 32, --api-key KEY)."""
-    from opd.rollout.vllm_server import start_vllm_server, vllm_python
+def needs_vllm() -> None:
+    """Skip without vLLM's environment (fail under OPD_REQUIRE_VLLM=1, as in CI)."""
+    from opd.rollout.vllm_server import vllm_python
 
     try:
         vllm_python()
@@ -48,6 +47,14 @@ def vllm_teacher(tmp_path_factory):
         if os.environ.get("OPD_REQUIRE_VLLM") == "1":
             pytest.fail(f"OPD_REQUIRE_VLLM=1 but {exc}")
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def vllm_teacher(tmp_path_factory):
+    """The URL of a vLLM server on the demo teacher (float32, --max-logprobs 32, --api-key KEY)."""
+    from opd.rollout.vllm_server import start_vllm_server
+
+    needs_vllm()
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     server = start_vllm_server(
         DEMO / "teacher", log, max_model_len=512, max_logprobs=MAX_LOGPROBS, api_key=KEY, timeout=900
@@ -176,7 +183,9 @@ def test_vllm_rollouts_follow_the_trained_policy(vllm_teacher, tmp_path):
     # float32 engine and trainer: 7.6e-7 nats per token seen; a stale policy is about 1e-2 (next test)
     assert all(r["rollout/engine_logprob_gap"] < 1e-4 for r in steps), [r["rollout/engine_logprob_gap"] for r in steps]
     assert all(0 <= r["rollout/accuracy"] <= 1 for r in steps)
-    assert (out / "vllm" / "weights" / "model.safetensors").is_file() and (out / "vllm" / "server.log").is_file()
+    assert all(r["time/weight_sync"] > 0 for r in steps)  # synced before every step's rollouts
+    # opd's own server on this machine: the weights travel through /dev/shm (--vllm-sync auto), not the run folder
+    assert (out / "vllm" / "server.log").is_file() and not (out / "vllm" / "weights").exists()
     rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     assert len(rollouts) == 6 and all(r["response"] for r in rollouts)
 
@@ -190,7 +199,6 @@ def test_rollouts_run_ahead_from_vllm_checked_against_the_policy_that_sampled(vl
     steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r]
     assert [r["rollout/staleness"] for r in steps] == [0.0, 1.0, 1.0, 1.0]
     assert all(r["rollout/engine_logprob_gap"] < 1e-4 for r in steps), [r["rollout/engine_logprob_gap"] for r in steps]
-    assert (out / "vllm" / "weights" / "model.safetensors").is_file()
 
 
 def test_a_skipped_weight_sync_trips_the_policy_check(vllm_student, tmp_path, monkeypatch):
@@ -221,6 +229,44 @@ def test_vllm_rollouts_of_a_lora_student_carry_the_merged_weights(vllm_student, 
     train_mod.train(cfg, show_progress=False)
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout/engine_logprob_gap"] < 1e-4 for r in steps if "train/loss" in r] == [True] * 3
+
+
+def test_a_lora_students_adapter_alone_reaches_the_engine(tmp_path):
+    """--vllm-sync adapter (auto's choice for a LoRA run on opd's own server on GPUs): the server starts with
+    --enable-lora, each sync loads the adapter in place under one name and the rollouts come from it: the
+    policy check holds with a drawn adapter and again once it is drawn anew (reloaded in place), and fails
+    for the base model alone (so the adapter is what made the difference)."""
+    from opd.models.lora import apply_lora
+    from opd.rollout.engine import EngineContext
+    from opd.rollout.vllm_engine import start_vllm
+
+    needs_vllm()
+    tok = load_tokenizer(DEMO / "student", "student")
+    cfg = TrainConfig(out=str(tmp_path / "run"), lora_r=4, vllm_sync="adapter", **ROLLOUT_RUN)
+    model = apply_lora(load_model(DEMO / "student", "student"), 4, 16.0, ["all-linear"], 0.0, DEMO / "student")
+
+    def draw_adapter():  # a trained-looking adapter: B is zero at initialisation
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05)
+
+    engine = start_vllm(EngineContext(model, tok, cfg, cfg.student, folder=tmp_path / "engine"))
+    try:
+        assert engine.way.name == "adapter" and "--enable-lora --max-lora-rank 8" in engine.server.log_path.read_text()
+        ids = [tok(f"Compute {i} + {i * 7}.")["input_ids"] for i in range(8)]
+        engine.watch(None)  # synced when told (weights_changed), not before every rollout
+        for _ in range(2):
+            draw_adapter()
+            engine.weights_changed()
+            engine.generate(ids, list(range(8)), max_new_tokens=24, top_p=0.9)
+            assert engine.model_name == "opd-student" and engine.policy_gap < 1e-4, engine.policy_gap
+        engine.model_name, engine.max_gap = engine.base_name, float("inf")
+        engine.generate(ids, list(range(8)), max_new_tokens=24, top_p=0.9)
+        assert engine.policy_gap > 1e-2, engine.policy_gap  # the base model alone serves another policy
+    finally:
+        engine.close()
+    assert (tmp_path / "engine" / "adapter" / "adapter_model.safetensors").is_file()
 
 
 def closed_port_url() -> str:
@@ -448,23 +494,91 @@ def test_episodes_and_a_second_task_roll_out_from_one_engine(vllm_student, tmp_p
     assert episodes and all(1 <= len(e["turns"]) <= 4 and e["end"] for e in episodes)  # --max-turns 4
 
 
-def test_two_ranks_roll_out_from_an_engine_each(vllm_teacher, tmp_path):
-    """torchrun with 2 ranks (DDP, gloo): each rank starts its own engine (its own folder and log) and
-    rolls out its share of the batch there; both pass the policy check at every step."""
-    from helpers import launch
-
-    out = tmp_path / "ddp"
+def two_rank_args(out, *more: str) -> list[str]:
+    """``opd train`` with vLLM rollouts for a 2-rank launch: 2 steps of batch 2 per rank."""
     args = ["train", "--student", str(DEMO / "student"), "--teacher", str(DEMO / "teacher"), "--out", str(out)]
     args += ["--rollout-engine", "vllm", "--steps", "2", "--batch-size", "2", "--max-new-tokens", "24"]
-    args += ["--eval-every", "0", "--eval-size", "4", "--eval-samples", "0", "--lr", "1e-3", "--device", "cpu"]
-    launch("torchrun", args, timeout=900)
-    steps = [
-        r for r in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r
+    return [
+        *args,
+        "--eval-every",
+        "0",
+        "--eval-size",
+        "4",
+        "--eval-samples",
+        "0",
+        "--lr",
+        "1e-3",
+        "--device",
+        "cpu",
+        *more,
     ]
+
+
+def checked_steps(out) -> list[dict]:
+    """A run's steps, each with the policy check held on every rank (the largest rank's gap is logged; past
+    --vllm-max-gap, 1e-3, the rank would have stopped the run)."""
+    steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r]
     assert len(steps) == 2 and all(r["rollout/engine_logprob_gap"] < 1e-4 for r in steps), steps
+    return steps
+
+
+def test_two_fsdp_ranks_roll_out_from_an_engine_each(tmp_path):
+    """torchrun with 2 ranks under FSDP (gloo): each rank starts its own engine (its own folder, log and port,
+    no GPU to give on this machine), gives it the full weights gathered for the rollout and rolls out its
+    share of the batch there; the policy check holds on both at every step."""
+    from helpers import launch
+
+    needs_vllm()
+    out = tmp_path / "fsdp"
+    launch("torchrun", two_rank_args(out, "--fsdp"), timeout=900)
+    assert all(r["time/weight_sync"] > 0 for r in checked_steps(out))  # the gathered weights, through /dev/shm
+    ports = set()
     for rank in ("rank0", "rank1"):
-        assert (out / "vllm" / rank / "server.log").is_file(), rank
-        assert (out / "vllm" / rank / "weights" / "model.safetensors").is_file(), rank
+        started = (out / "vllm" / rank / "server.log").read_text().splitlines()[0]
+        assert started.startswith("opd: starting ") and started.endswith("(no GPU given)"), started
+        ports.add(started.split("--port ")[1].split()[0])
+    assert len(ports) == 2
+
+
+def test_two_fsdp_ranks_share_one_engine(vllm_student, tmp_path):
+    """--vllm-url with 2 ranks under FSDP: one server for both; rank 0 gives it the gathered weights after
+    each step while rank 1 waits, each rank sends its own share of the prompts, and the policy check holds on
+    both ranks (rank 1 checks rollouts from weights rank 0 synced)."""
+    from helpers import launch
+
+    out = tmp_path / "shared"
+    launch(
+        "torchrun", two_rank_args(out, "--fsdp", "--vllm-url", vllm_student), timeout=900, env={"OPD_VLLM_API_KEY": KEY}
+    )
+    checked_steps(out)
+    assert (out / "vllm" / "rank0" / "weights" / "model.safetensors").is_file()
+    assert not (out / "vllm" / "rank1").exists()  # rank 1 neither writes weights nor starts a server
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        ("--no-such-option", "api_server.py: error: unrecognized arguments: --no-such-option"),
+        ("--max-num-seqs 0", "max_num_seqs\n  Input should be greater than or equal to 1"),
+    ],
+)
+def test_vllm_args_the_engine_refuses_stop_it_with_its_error_line(tmp_path, args, said):
+    """--vllm-args pass vLLM's own options through; one it refuses (an unknown option, a value out of range)
+    is an error holding vLLM's own lines, as soon as the server exits (seconds, not --vllm-start-timeout)."""
+    import time
+
+    from opd.rollout.engine import EngineContext
+    from opd.rollout.vllm_engine import start_vllm
+
+    needs_vllm()
+    tok = load_tokenizer(DEMO / "student", "student")
+    cfg = TrainConfig(
+        student=str(DEMO / "student"), teacher=str(DEMO / "teacher"), rollout_engine="vllm", vllm_args=args
+    )
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match=r"the vLLM server exited \(status \d+\) before it was ready") as err:
+        start_vllm(EngineContext(load_model(DEMO / "student", "student"), tok, cfg, cfg.student, folder=tmp_path))
+    assert said in str(err.value) and time.monotonic() - t0 < 120
 
 
 def test_the_vllm_rollouts_experiment_runs_quick(vllm_teacher, tmp_path):

@@ -14,8 +14,9 @@ import torch
 
 from opd.config import ConfigError, TrainConfig
 from opd.errors import UserError
+from opd.models.export import merged_weights
 from opd.models.loading import load_model
-from opd.models.lora import apply_lora, merged_weights
+from opd.models.lora import apply_lora
 from opd.rollout.engine import EngineContext, Sample
 from opd.rollout.served import ServerEngine
 from opd.rollout.vllm_engine import VLLMRollout, start_vllm
@@ -93,8 +94,7 @@ def test_rollout_engine_options_are_checked(tiny_models):
         TrainConfig(**base, rollout_engine="vllm", vllm_url="http://host:port")
     with pytest.raises(ConfigError, match="vllm_wait >= 0"):
         TrainConfig(**base, rollout_engine="vllm", vllm_wait=-1.0)
-    with pytest.raises(ConfigError, match="does not run with --fsdp yet"):
-        TrainConfig(**base, rollout_engine="vllm", fsdp=True)
+    assert TrainConfig(**base, rollout_engine="vllm", fsdp=True).fsdp  # each rank's engine gets the gathered weights
     assert TrainConfig(**base, rollout_engine="vllm").vllm_max_gap == 1e-3
     assert TrainConfig(**base, rollout_engine="vllm", dtype="bfloat16").vllm_max_gap == 0.05
 
@@ -228,3 +228,202 @@ def test_the_log_tail_holds_the_engines_error_not_the_leak_noise(tmp_path):
     assert server.log_tail(3).splitlines() == FAILED_LOG.splitlines()[-3:]  # the message's indented lines kept
     log.write_text("INFO: starting\nINFO: loading\n")
     assert server.log_tail(1) == "INFO: loading"  # no error: the plain tail
+
+
+# ----------------------------------------------------------------------------- each rank's engine, placed
+
+
+@pytest.mark.parametrize(
+    "ranks, gpus, args, trainer_on_gpu, visible, want",
+    [
+        # one trainer and one engine per GPU: the engine gets opd's share of the GPU's memory
+        (8, 8, "", True, "", [(f"{r}",) for r in range(8)]),
+        # room for every trainer and engine apart: engines on the GPUs after the trainers', all their memory
+        (4, 8, "", True, "", [(f"{4 + r}",) for r in range(4)]),
+        # tensor parallel 2 on 8 GPUs for 4 ranks: engine r on GPUs 2r, 2r+1; ranks 0-1 share with trainers
+        (4, 8, "--tensor-parallel-size 2", True, "", [("0", "1"), ("2", "3"), ("4", "5"), ("6", "7")]),
+        # the launch's own CUDA_VISIBLE_DEVICES: the engine is given the machine's numbers
+        (2, 2, "-tp=1", True, "5,7", [("5",), ("7",)]),
+        # a trainer on the CPU shares no GPU; the user's memory share is kept
+        (2, 2, "--gpu-memory-utilization 0.8", False, "", [("0",), ("1",)]),
+        (2, 0, "", True, "", [(), ()]),  # the CPU build: no GPU to give
+    ],
+)
+def test_each_ranks_engine_gets_its_own_gpus(ranks, gpus, args, trainer_on_gpu, visible, want):
+    from opd.config.engines import vllm_arg_list
+    from opd.rollout.vllm_server import SHARED_GPU_MEMORY, place_engine
+
+    placed = [
+        place_engine(r, ranks, gpus, trainer_on_gpu=trainer_on_gpu, vllm_args=vllm_arg_list(args), visible=visible)
+        for r in range(ranks)
+    ]
+    assert [p.devices for p in placed] == want
+    names = visible.split(",") if visible else [str(i) for i in range(gpus)]
+    trainers = set(names[:ranks]) if trainer_on_gpu else set()  # local rank r's trainer on the r-th GPU
+    for p in placed:
+        shares = bool(trainers & set(p.devices))
+        assert p.args == (("--gpu-memory-utilization", str(SHARED_GPU_MEMORY)) if shares else ())
+        assert p.env == ({"CUDA_VISIBLE_DEVICES": ",".join(p.devices)} if p.devices else {})
+
+
+@pytest.mark.parametrize(
+    "ranks, gpus, args, counts",
+    [
+        (4, 2, "", "4 ranks .* of 1 GPU\\(s\\), 4 GPUs in all, and this machine has 2"),
+        (4, 8, "--tensor-parallel-size 2 --pipeline-parallel-size=2", "of 4 GPU\\(s\\), 16 GPUs in all, .* has 8"),
+    ],
+)
+def test_more_engines_than_gpus_is_an_error_naming_both_counts(ranks, gpus, args, counts):
+    from opd.config.engines import vllm_arg_list
+    from opd.rollout.vllm_server import place_engine
+
+    with pytest.raises(UserError, match=counts + r".*--nproc_per_node"):
+        place_engine(0, ranks, gpus, trainer_on_gpu=True, vllm_args=vllm_arg_list(args))
+
+
+def test_vllm_args_are_checked(tiny_models):
+    base = dict(student=str(tiny_models[0]), teacher=str(tiny_models[1]))
+    with pytest.raises(ConfigError, match="--vllm-args set but rollout_engine is hf; add --rollout-engine vllm"):
+        TrainConfig(**base, vllm_args="--enable-sleep-mode")
+    with pytest.raises(ConfigError, match="--vllm-args --dtype: opd sets it on the servers it starts, from --dtype"):
+        TrainConfig(**base, rollout_engine="vllm", vllm_args="--enforce-eager --dtype=bfloat16")
+    with pytest.raises(ConfigError, match="cannot be split into options.*check its quotes"):
+        TrainConfig(**base, rollout_engine="vllm", vllm_args="--served-model-name 'x")
+    with pytest.raises(ConfigError, match="--vllm-url names your own: start yours with them"):
+        TrainConfig(**base, rollout_engine="vllm", vllm_args="-tp 2", vllm_url="http://127.0.0.1:8000")
+
+
+# A stand-in for vLLM's Python: it writes what it was started with, then refuses an option as vLLM's
+# argument parser does and exits.
+REFUSING = """#!/bin/sh
+echo "args: $*"
+echo "gpus: ${CUDA_VISIBLE_DEVICES-unset} rank: $RANK"
+echo "api_server.py: error: unrecognized arguments: --made-up 3"
+exit 2
+"""
+
+
+def test_two_ranks_start_their_own_engines_with_the_vllm_args(tiny_models, tmp_path):
+    """torchrun, 2 CPU ranks: each rank starts its own server (its own port and log) with --vllm-args passed
+    through; a server that refuses one stops the launch with vLLM's error line, at once, not a hang."""
+    import subprocess
+
+    from helpers import ENV, cli_args, launch_command
+
+    fake = tmp_path / "python"
+    fake.write_text(REFUSING)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "run"
+    args = cli_args(tiny_models, out, batch_size=2, rollout_engine="vllm", vllm_args="--enable-sleep-mode --made-up 3")
+    env = {k: v for k, v in ENV.items() if k != "CUDA_VISIBLE_DEVICES"}
+    done = subprocess.run(
+        launch_command("torchrun", args),
+        env={**env, "OPD_VLLM_PYTHON": str(fake)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode != 0
+    assert "error: unrecognized arguments: --made-up 3" in done.stderr and "exited (status 2)" in done.stderr
+    ports = set()
+    for rank in (0, 1):
+        log = (out / "vllm" / f"rank{rank}" / "server.log").read_text()
+        assert f"rank: {rank}" in log and "gpus: unset" in log and "(no GPU given)" in log
+        started = log.splitlines()[0]
+        assert started.endswith("--no-enable-chunked-prefill --enable-sleep-mode --made-up 3 (no GPU given)"), started
+        ports.add(started.split("--port ")[1].split()[0])
+    assert len(ports) == 2  # a server each
+
+
+# ----------------------------------------------------------------------------- how the weights travel
+
+
+def test_weights_are_written_as_safetensors_reads_them_in_place_too(tmp_path):
+    from safetensors.torch import load_file
+
+    from opd.models.export import write_weights
+
+    tensors = {
+        "w": torch.randn(3, 4),
+        "half": torch.randn(5).to(torch.bfloat16),
+        "scalar": torch.tensor(3),
+        "empty": torch.zeros(0),
+        "mask": torch.tensor([True, False]),
+        "strided": torch.arange(6).reshape(2, 3)[:, 1],  # not contiguous: written as its values
+    }
+    path = tmp_path / "model.safetensors"
+    assert write_weights(tensors, path) == path.stat().st_size and [p.name for p in tmp_path.iterdir()] == [path.name]
+    got = load_file(str(path))
+    assert got.keys() == tensors.keys() and all(torch.equal(got[k], tensors[k]) for k in tensors)
+    inode = path.stat().st_ino
+    tensors["w"] += 1
+    write_weights(tensors, path, in_place=True)
+    assert path.stat().st_ino == inode and torch.equal(
+        load_file(str(path))["w"], tensors["w"]
+    )  # rewritten where it lay
+    write_weights(tensors, path)
+    assert path.stat().st_ino != inode  # written beside and renamed over it
+    tensors["w"].untyped_storage().resize_(0)  # as FSDP frees a gathered parameter: the write did not pin it
+
+
+def test_the_weight_sync_way_is_chosen_and_checked(tiny_models, tmp_path, monkeypatch):
+    from opd.rollout import vllm_sync
+
+    plain = load_model(tiny_models[0], "student")
+    lora = apply_lora(load_model(tiny_models[0], "student"), 4, 16.0, ["all-linear"], 0.0, tiny_models[0])
+    monkeypatch.setattr(vllm_sync, "SHM", tmp_path / "shm")
+    (tmp_path / "shm").mkdir()
+    pick = lambda way, model, own=True, gpu=True: vllm_sync.choose(way, model, tmp_path / "run", own, None, gpu)
+    assert pick("auto", lora).name == "adapter" and pick("auto", lora, own=False).name == "file"
+    assert pick("auto", lora, gpu=False).name == "shm"  # vLLM's CPU build: merged weights (see vllm_sync)
+    shm = pick("auto", plain)
+    assert shm.name == "shm" and shm.folder.parent == tmp_path / "shm" and pick("auto", plain, own=False).name == "file"
+    shm.close()
+    assert not shm.folder.exists()  # the engine's memory-backed folder goes with it
+    assert pick("file", plain).folder == tmp_path / "run" / "weights"
+    with pytest.raises(UserError, match="--vllm-sync adapter sends a LoRA adapter, and this run trains no adapter"):
+        pick("adapter", plain)
+    monkeypatch.setattr(vllm_sync, "SHM", tmp_path / "none")
+    assert pick("auto", plain).name == "file"  # no /dev/shm: the run's folder
+    with pytest.raises(UserError, match=r"--vllm-sync shm: .*none is missing or has no room.*--vllm-sync file"):
+        pick("shm", plain)
+    adapter = pick("adapter", lora)
+    assert vllm_sync.server_options(adapter, 4, []) == (
+        ["--enable-lora", "--max-lora-rank", "8"],
+        {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
+    )
+    assert vllm_sync.server_options(adapter, 4, ["--enable-lora", "--max-lora-rank=32"])[0] == []  # the user's kept
+    assert vllm_sync.server_options(shm, 4, []) == ([], {})
+    with pytest.raises(ConfigError, match="vllm_sync='disk': choose one of auto, file, shm, adapter"):
+        TrainConfig(student=str(tiny_models[0]), rollout_engine="vllm", vllm_sync="disk")
+    with pytest.raises(ConfigError, match="--vllm-sync adapter sends the LoRA adapter alone.*add --lora-r"):
+        TrainConfig(student=str(tiny_models[0]), rollout_engine="vllm", vllm_sync="adapter")
+
+
+def test_a_killed_runs_memory_folder_is_removed_by_the_next(tmp_path, monkeypatch):
+    import os
+    import subprocess
+
+    from opd.rollout import vllm_sync
+
+    monkeypatch.setattr(vllm_sync, "SHM", tmp_path)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    for pid in (gone.pid, os.getpid()):
+        (tmp_path / f"opd-vllm-{pid}-x1").mkdir()
+    (tmp_path / "someone-else").mkdir()
+    vllm_sync.remove_orphans()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"opd-vllm-{os.getpid()}-x1", "someone-else"]
+
+
+def test_lora_adapter_exported_as_peft_saves_it(tiny_models):
+    from peft import get_peft_model_state_dict
+
+    from opd.models.export import adapter_weights
+
+    model = apply_lora(load_model(tiny_models[0], "student"), 4, 16.0, ["all-linear"], 0.0, tiny_models[0])
+    want = get_peft_model_state_dict(model)
+    got = adapter_weights(model)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    with pytest.raises(ValueError, match="no LoRA adapter"):
+        adapter_weights(load_model(tiny_models[0], "student"))

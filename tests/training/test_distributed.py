@@ -18,10 +18,13 @@ runs part ways -- float32 chaos in the policy gradient under Adam, not a differe
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,6 +37,7 @@ from helpers import (
     final_weights,
     launch,
     launch_command,
+    read_metrics,
     step_records,
 )
 
@@ -78,6 +82,9 @@ def test_ddp_two_ranks_match_one_process_lsm(single, ddp_lsm):
     # The merged rollout metrics are those of the whole batch, not of rank 0's half.
     assert [r["rollout/response_len"] for r in got] == pytest.approx([r["rollout/response_len"] for r in want])
     assert_close_weights(final_weights(ddp_lsm), final_weights(single / "lsm"))
+    # the last step's evaluation, each rank a share of the held-out prompts: all of them counted
+    evals = [[r for r in read_metrics(run) if "eval/n" in r] for run in (ddp_lsm, single / "lsm")]
+    assert evals[0] == evals[1] and evals[0][0]["eval/n"] == SMALL["eval_size"], evals
 
 
 def test_accelerate_two_ranks_match_one_process_sampled(single, tiny_models, tmp_path):
@@ -167,6 +174,59 @@ def test_fsdp_needs_several_processes(tiny_models, tmp_path):
     )
     with pytest.raises(UserError, match="--fsdp needs several processes"):
         train_mod.setup(cfg)
+
+
+def test_evaluation_shared_by_two_ranks_equals_one_process(tmp_path):
+    """Held-out prompts (greedy accuracy, avg@2, pass@2) and games (success, turns, avg@2) evaluated by
+    2 gloo ranks, each its share, give every rank the figures of one process evaluating them all."""
+    script = str(Path(__file__).with_name("shared_eval.py"))
+    alone, shared = tmp_path / "alone", tmp_path / "shared"
+    for out, cmd in ((alone, [sys.executable]), (shared, launch_command("torchrun", [])[:-2])):
+        out.mkdir()
+        subprocess.run([*cmd, script, str(out)], env=ENV, check=True, capture_output=True, timeout=300)
+    want = json.loads((alone / "figures0.json").read_text())
+    assert 0 < want["prompts"]["accuracy"] < 1 and 0 < want["games"]["success_rate"] < 1, want  # not all alike
+    assert want["prompts"]["avg_at_k"] != want["prompts"]["accuracy"] and "mean_turns_to_success" in want["games"]
+    for rank in (0, 1):
+        assert json.loads((shared / f"figures{rank}.json").read_text()) == want, rank
+
+
+# Rank 0 waits at a barrier that rank 1 never reaches (it sleeps, then leaves).
+LATE_RANK = """
+import sys, time
+from opd.training.distributed import init_distributed
+dist = init_distributed(timeout=float(sys.argv[1]))
+if dist.rank == 1:
+    time.sleep(8)
+    sys.exit(0)
+t0 = time.monotonic()
+try:
+    dist.barrier()
+    print("passed")
+except RuntimeError as exc:
+    print(f"failed after {time.monotonic() - t0:.1f} s: {exc}")
+"""
+
+
+def test_dist_timeout_bounds_a_wait_for_a_missing_rank():
+    """--dist-timeout is the process group's: a rank waiting for one that never comes fails after it."""
+    from helpers import free_port
+
+    from opd.config import ConfigError, TrainConfig
+
+    assert TrainConfig().dist_timeout == 1800.0
+    with pytest.raises(ConfigError, match="dist_timeout=0.0 must be > 0"):
+        TrainConfig(dist_timeout=0.0)
+    env = {**ENV, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", LATE_RANK, "2"], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, text=True
+        )
+        for r in (0, 1)
+    ]
+    out = [p.communicate(timeout=120)[0] for p in ranks]
+    seconds = float(out[0].split("failed after ")[1].split(" s")[0])
+    assert "Timed out" in out[0] and 1.5 < seconds < 6, out[0]
 
 
 def test_merge_metrics_rules():

@@ -118,3 +118,28 @@ def test_an_engine_not_registered_lists_the_registered_ones(registered, tiny_mod
         train_mod.train(cfg_for(tiny_models, tmp_path, rollout_engine="sglang"), show_progress=False)
     with pytest.raises(ValueError, match="a rollout engine named 'hf' is already registered"):
         registry.register("hf", start(ReencodingEngine))
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_one_ranks_engine_dying_checkpoints_and_stops_every_rank(tiny_models, tmp_path, fsdp):
+    """torchrun, 2 ranks: rank 1's engine goes at step 2 while rank 0's lives. Every rank stops at that step,
+    together (no rank left waiting at a collective), after the checkpoint of step 1; --resume goes on from it."""
+    import subprocess
+    from pathlib import Path
+
+    from helpers import ENV, cli_args, launch_command
+
+    out = tmp_path / "run"
+    args = cli_args(tiny_models, out, batch_size=2, steps=4, ckpt_every=0, rollout_engine="dies", fsdp=fsdp)
+    script = str(Path(__file__).with_name("engine_dies.py"))
+    cmd = [*launch_command("torchrun", [])[:-2], script, *args]  # the launcher's own part, then the script
+    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    err = done.stderr
+    assert "the rollout engine of rank 1 died (connection refused); checkpoint of step 1 written" in err, err[-3000:]
+    assert "the rollout engine of another rank stayed unreachable; checkpoint of step 1 written" in err, err[-3000:]
+    assert [r["step"] for r in step_records(out)] == [0, 1]
+    assert (out / "checkpoints" / "step_0000001").is_dir() and not (out / "final").exists()
+    resumed = subprocess.run([*cmd, "--resume"], env=ENV, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]  # rank 1's engine answers again (a new process)
+    assert [r["step"] for r in step_records(out)] == [0, 1, 2, 3] and (out / "final").is_dir()

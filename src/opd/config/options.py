@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from opd.config.engines import VLLMOptions, check_vllm
 from opd.config.fields import DTYPES, REPORT_TO_HELP, ConfigError, check_report_to, opt, require
 from opd.config.sources import EnvSource, ModelSource, TrainingSource, chat_options
 from opd.config.tasks import read_task_list, resolve_tasks
@@ -27,7 +28,7 @@ MAX_STALENESS = 4
 
 
 @dataclass
-class TrainConfig(EnvSource, TrainingSource):
+class TrainConfig(EnvSource, TrainingSource, VLLMOptions):
     """On-policy distillation: the student samples, the teacher scores, the student moves toward it."""
 
     teacher: str = opt(
@@ -220,25 +221,13 @@ class TrainConfig(EnvSource, TrainingSource):
         "(OMP_NUM_THREADS). 0: the cores' threads are split, half to the worker (benchmarks/bench_async.py "
         "measures the splits).",
     )
-    vllm_url: str = opt(
-        "",
-        "With --rollout-engine vllm: a vLLM server you started (in dev mode, VLLM_SERVER_DEV_MODE=1, reading "
-        "--out at the same path; its API key, if any, from OPD_VLLM_API_KEY); unset, opd starts one on the "
-        "student from opd vllm-setup's environment.",
-    )
-    vllm_max_gap: float = opt(
-        0.0,
-        "The policy check: the most the vLLM engine's log-probs of the sampled tokens may differ from the "
-        "student's, in nats per token on average, before the run stops (0: 1e-3 in float32, 0.05 otherwise).",
-    )
-    vllm_start_timeout: float = opt(600.0, "Seconds to wait for the vLLM server opd starts to become healthy.")
-    vllm_wait: float = opt(
-        600.0,
-        "Seconds to wait for a vLLM engine that stops answering (at startup too), then checkpoint and stop; a "
-        "server opd started that exits is restarted at once instead.",
-    )
     fsdp: bool = opt(
         False, "Shard the student with FSDP across the launched processes (torchrun/accelerate) instead of DDP."
+    )
+    dist_timeout: float = opt(
+        1800.0,
+        "Seconds a rank waits for the others at a collective (the process group's timeout) before the run fails "
+        "(torchrun/accelerate). Default 30 minutes, for nccl and gloo alike (torch's own: 10 and 30).",
     )
     lora_r: int = opt(0, "LoRA rank: > 0 trains a peft LoRA adapter on the student instead of all its weights.")
     lora_alpha: float = opt(16.0, "LoRA scaling alpha (the update is scaled by alpha / r).")
@@ -278,6 +267,7 @@ class TrainConfig(EnvSource, TrainingSource):
         ):
             check(self)
         _check_counts(self, eval_every=0, eval_size=1, eval_samples=0, ckpt_every=0, log_rollouts=0, diag_positions=0)
+        require(self.dist_timeout > 0, f"dist_timeout={self.dist_timeout} must be > 0 (seconds)")
         self.report_to = check_report_to(self.report_to)
         _check_lora(self)
         _check_tasks(self)
@@ -339,25 +329,7 @@ def _check_rollout(cfg: TrainConfig) -> None:
     # the engine's name is checked against the registry (opd.rollout.registry) when the run is set up
     require(bool(cfg.rollout_engine), "rollout_engine is empty: give hf, vllm or a registered engine's name")
     _check_static_cache(cfg)
-    require(
-        cfg.vllm_max_gap >= 0 and cfg.vllm_start_timeout > 0 and cfg.vllm_wait >= 0,
-        "vllm_max_gap must be >= 0, vllm_start_timeout > 0 and vllm_wait >= 0",
-    )
-    problem = url_problem(cfg.vllm_url, "--vllm-url") if cfg.vllm_url else ""
-    require(not problem, problem)
-    if cfg.rollout_engine != "vllm":
-        require(
-            not cfg.vllm_url,
-            f"vllm_url is set but rollout_engine is {cfg.rollout_engine}; add --rollout-engine vllm",
-        )
-        return
-    require(
-        not cfg.fsdp,
-        "--rollout-engine vllm does not run with --fsdp yet (the engine needs the whole weights at every sync); "
-        "use DDP (torchrun without --fsdp: one engine per rank) or --rollout-engine hf",
-    )
-    if not cfg.vllm_max_gap:
-        cfg.vllm_max_gap = 1e-3 if cfg.dtype == "float32" else 0.05
+    check_vllm(cfg, cfg.rollout_engine, cfg.dtype, bool(cfg.lora_r))
 
 
 def _check_static_cache(cfg: TrainConfig) -> None:

@@ -109,6 +109,8 @@ LAYOUT: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "max_staleness",
             "rollout_worker_threads",
             "vllm_url",
+            "vllm_args",
+            "vllm_sync",
             "vllm_max_gap",
             "vllm_start_timeout",
             "vllm_wait",
@@ -160,7 +162,7 @@ LAYOUT: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "run",
         "Run directory, logging, checkpoints, processes",
-        ("out", "seed", "resume", "ckpt_every", "log_rollouts", "report_to", "diag_positions", "fsdp"),
+        ("out", "seed", "resume", "ckpt_every", "log_rollouts", "report_to", "diag_positions", "fsdp", "dist_timeout"),
     ),
 )
 SECTION_NAMES = tuple(name for name, _, _ in LAYOUT)

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 from opd.evaluation.estimators import avg_at_k, mean_pass_at_k
+from opd.evaluation.sharing import ALONE, Share
 from opd.rollout.episodes import EpisodeRecord, EpisodeRollout
 from opd.rollout.game_set import GameSet, invalid_action_rate
 from opd.runs.progress import progress_bar
@@ -35,19 +37,24 @@ def evaluate_agent(
     batch_size: int = 64,
     seed: int = 0,
     show_progress: bool = False,
+    share: Share = ALONE,
 ) -> dict:
     """Greedy success rate over ``games``; with ``samples`` > 0 also avg@k and pass@k (k = samples).
 
     Also the mean number of turns of the won greedy episodes (when one is won), the invalid-action
     rate (when the game lists its admissible commands) and the episodes a game error or a prompt longer than
     ``max_prompt_tokens`` ended (they count as lost).
-    Seeds are per game and sample, as in :func:`opd.evaluation.model_eval.evaluate_model`.
+    Seeds are per game and sample, as in :func:`opd.evaluation.model_eval.evaluate_model`; ``share``: this
+    process's games when several evaluate together (:mod:`opd.evaluation.sharing`).
     """
     engine = EpisodeRollout(model, tokenizer)
-    n = len(games)
-    greedy: list[EpisodeRecord] = []
-    sampled_ok: list[list[bool]] = [[] for _ in range(n)]
-    jobs = [(i, -1) for i in range(n)] + [(i, s) for s in range(samples) for i in range(n)]
+    mine = share.items(len(games))
+    greedy: dict[int, EpisodeRecord] = {}
+    sampled_ok: dict[int, list[bool]] = {i: [] for i in mine}
+    jobs = [(i, -1) for i in mine] + [(i, s) for s in range(samples) for i in mine]
+    limits: dict[str, Any] = dict(
+        max_new_tokens=max_new_tokens, max_action_tokens=max_action_tokens, max_turns=max_turns
+    )
     with progress_bar("playing held-out games", total=len(jobs), enabled=show_progress) as bar:
         for start in range(0, len(jobs), batch_size):
             chunk = jobs[start : start + batch_size]
@@ -59,17 +66,25 @@ def evaluate_agent(
                     games.env,
                     [games.games[i] for i, _ in part],
                     [seed * 7919 + i * 131 + s for i, s in part],
-                    max_new_tokens=max_new_tokens,
-                    max_action_tokens=max_action_tokens,
-                    max_turns=max_turns,
+                    **limits,
                     temperature=temperature,
                     top_p=top_p,
                     greedy=is_greedy,
                     max_prompt_tokens=max_prompt_tokens,
                 )
                 for (i, _), rec in zip(part, played.records, strict=True):
-                    (greedy.append(rec) if is_greedy else sampled_ok[i].append(rec.won))
+                    if is_greedy:
+                        greedy[i] = rec
+                    else:
+                        sampled_ok[i].append(rec.won)
             bar.advance(len(chunk))
+    return game_figures(share.merged(len(games), [(greedy[i], sampled_ok[i]) for i in mine]), samples)
+
+
+def game_figures(outcomes: list[tuple[EpisodeRecord, list[bool]]], samples: int) -> dict:
+    """The figures of each game's outcome: its greedy episode, and whether each sampled one was won."""
+    n = len(outcomes)
+    greedy = [rec for rec, _ in outcomes]
     won = [r for r in greedy if r.won]
     invalid = invalid_action_rate(greedy)
     result = {"success_rate": len(won) / n, "accuracy": len(won) / n, "n": n}
@@ -80,9 +95,8 @@ def evaluate_agent(
         result["invalid_action_rate"] = invalid
     result["env_errors"] = sum(r.error is not None for r in greedy)
     if samples > 0:
-        result.update(
-            {"avg_at_k": avg_at_k(sampled_ok), "pass_at_k": mean_pass_at_k(sampled_ok, samples), "k": samples}
-        )
+        sampled = [oks for _, oks in outcomes]
+        result.update({"avg_at_k": avg_at_k(sampled), "pass_at_k": mean_pass_at_k(sampled, samples), "k": samples})
     return result
 
 

@@ -21,6 +21,7 @@ from opd.config import EvalConfig
 from opd.errors import UserError
 from opd.evaluation.estimators import avg_at_k, gap_recovery, mean_pass_at_k
 from opd.evaluation.game_eval import evaluate_agent
+from opd.evaluation.sharing import ALONE, Share
 from opd.models.loading import load_model, load_tokenizer, resolve_device
 from opd.models.precision import configure_device_math
 from opd.rollout.game_set import GameSet, check_episode_context, play_env
@@ -55,17 +56,20 @@ def evaluate_model(
     batch_size: int = 128,
     seed: int = 0,
     show_progress: bool = False,
+    share: Share = ALONE,
 ) -> dict:
     """Greedy accuracy over ``prompts``; with ``samples`` > 0 also avg@k and pass@k (k = samples).
 
-    A response counts as correct when ``task.reward`` gives it 1, the same test as training's.
+    A response counts as correct when ``task.reward`` gives it 1, the same test as training's. ``share``:
+    this process's part when several evaluate together (:mod:`opd.evaluation.sharing`); every one of them
+    returns the figures of all the prompts.
     """
     engine = HFRollout(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    n = len(prompts)
-    greedy_ok: list[bool] = []
-    sampled_ok: list[list[bool]] = [[] for _ in range(n)]
-    greedy_jobs = [(i, -1) for i in range(n)]
-    sampled_jobs = [(i, s) for s in range(samples) for i in range(n)]
+    mine = share.items(len(prompts))
+    greedy_ok: dict[int, bool] = {}
+    sampled_ok: dict[int, list[bool]] = {i: [] for i in mine}
+    greedy_jobs = [(i, -1) for i in mine]
+    sampled_jobs = [(i, s) for s in range(samples) for i in mine]
     with progress_bar("evaluating", total=len(greedy_jobs) + len(sampled_jobs), enabled=show_progress) as bar:
         for jobs, greedy in ((greedy_jobs, True), (sampled_jobs, False)):
             for start in range(0, len(jobs), batch_size):
@@ -81,13 +85,22 @@ def evaluate_model(
                 texts = decode_responses(tokenizer, batch.response_ids_NT, batch.response_mask_NT)
                 for (i, _), text in zip(chunk, texts, strict=True):
                     ok = task.reward(text, prompts.examples[i]) == 1.0
-                    (greedy_ok.append(ok) if greedy else sampled_ok[i].append(ok))
+                    if greedy:
+                        greedy_ok[i] = ok
+                    else:
+                        sampled_ok[i].append(ok)
                 bar.advance(len(chunk))
-    result = {"accuracy": sum(greedy_ok) / n, "n": n}
+    outcomes = share.merged(len(prompts), [(greedy_ok[i], sampled_ok[i]) for i in mine])
+    return prompt_figures(outcomes, samples)
+
+
+def prompt_figures(outcomes: list[tuple[bool, list[bool]]], samples: int) -> dict:
+    """Accuracy (and avg@k, pass@k) of each prompt's outcome: (greedy answer correct, each sample's)."""
+    n = len(outcomes)
+    result = {"accuracy": sum(ok for ok, _ in outcomes) / n, "n": n}
     if samples > 0:
-        result.update(
-            {"avg_at_k": avg_at_k(sampled_ok), "pass_at_k": mean_pass_at_k(sampled_ok, samples), "k": samples}
-        )
+        sampled = [oks for _, oks in outcomes]
+        result.update({"avg_at_k": avg_at_k(sampled), "pass_at_k": mean_pass_at_k(sampled, samples), "k": samples})
     return result
 
 

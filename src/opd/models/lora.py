@@ -29,43 +29,6 @@ def is_lora(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config")
 
 
-def merged_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The student's weights under their Hugging Face names, as a plain model would save them, with a LoRA
-    adapter's update added to the weights it adapts: what a rollout engine with weights of its own and the
-    ``--max-staleness`` worker are given. Computed beside the model (peft's ``get_delta_weight``), not by
-    merging and unmerging it in place, whose float rounding would creep into the trained base weights at
-    every sync. ``dtype``: the floating-point weights cast to it (an engine computing in bfloat16 gets
-    bfloat16, not a mixed-precision run's float32 masters)."""
-    state = _merged(model)
-    if dtype is None:
-        return state
-    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-
-
-def _merged(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    state = _plain_state(model)
-    if not is_lora(model):
-        return state
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer"):
-                for adapter in module.active_adapters:
-                    state[f"{name}.base_layer.weight"] += module.get_delta_weight(adapter).to(
-                        "cpu", state[f"{name}.base_layer.weight"].dtype
-                    )
-    return {
-        k.removeprefix("base_model.model.").replace(".base_layer.", "."): v
-        for k, v in state.items()
-        if ".lora_" not in k
-    }
-
-
-def _plain_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    # Tied copies (the head of a tied model) are written too, each its own tensor: vLLM's in-place reload
-    # refills its head from lm_head.weight and leaves it stale without it ("ParallelLMHead: Failed to load").
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
-
-
 def _check_targets(student: PreTrainedModel, targets: list[str]) -> None:
     names = {n.rsplit(".", 1)[-1] for n, m in student.named_modules() if isinstance(m, torch.nn.Linear)}
     head = student.get_output_embeddings()

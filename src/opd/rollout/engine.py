@@ -174,6 +174,7 @@ class RolloutEngine(Protocol):
     pad_id: int
     max_context: int | None  # positions a prompt plus its response may take (None: unknown)
     policy_gap: float | None  # the last policy check's gap, nats per sampled token; None: nothing to check
+    sync_seconds: float | None  # what the last rollout spent giving the engine the weights; None: nothing to sync
 
     @property
     def device(self) -> torch.device: ...
@@ -220,6 +221,7 @@ class EngineBase:
     name = "engine"
     model: Any
     policy_gap: float | None = None
+    sync_seconds: float | None = None
 
     @property
     def device(self) -> torch.device:

@@ -14,8 +14,8 @@ of it:
   cache stands in for opd's KV continuation. Turn k of an episode draws with the seed
   ``(episode seed * TURN_SEED_STRIDE + k) mod 2**63``, so an episode's sampling does not depend on the
   others' in the batch (a server's numbers may still: vLLM's depend on which requests run together);
-* the weights: synced before a rollout when the student changed since the last sync (after each step of
-  the optimizer :meth:`~ServerEngine.watch` was given; without one, before every rollout);
+* the weights: synced as a rollout begins when the student changed since the last sync (after each step
+  of the optimizer :meth:`~ServerEngine.watch` was given; without one, before every rollout);
 * **the policy check**: an engine could serve other weights than the trainer's (a failed or skipped
   sync, another dtype, a kernel bug) and nothing else would fail: the run would train on another
   policy's samples. So after each rollout the student scores the sampled tokens itself (one forward
@@ -26,6 +26,7 @@ of it:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -93,17 +94,21 @@ class ServerEngine(EngineBase):
         self.watched = True
 
     def begin(self) -> None:
-        """A rollout starts: without an optimizer watched, the weights may have changed since the last."""
+        """A rollout starts: the engine is given the current weights when they changed since its last sync
+        (without an optimizer watched, they may have). Here, where every rank's rollout starts, rather than
+        at its first request: an engine that several ranks share syncs collectively."""
         if not self.watched:
             self.stale = True
-
-    def answer(self, requests: list[Request]) -> list[Sample]:
-        """Each request's sample, cut after its first EOS, once the engine has the current weights."""
-        if not requests:
-            return []
+        t0 = time.perf_counter()
         if self.stale:
             self.sync()
             self.stale = False
+        self.sync_seconds = time.perf_counter() - t0
+
+    def answer(self, requests: list[Request]) -> list[Sample]:
+        """Each request's sample, cut after its first EOS (the rollout began: the engine has the weights)."""
+        if not requests:
+            return []
         samples = self.complete(requests)
         check_count(self.name, len(samples), len(requests))
         return [self._cut(s, r.max_tokens) for s, r in zip(samples, requests, strict=True)]

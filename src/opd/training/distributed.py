@@ -31,6 +31,7 @@ import sys
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -131,11 +132,14 @@ class Dist:
         if not self.fsdp:
             return fn(_unwrap(self.module).student)
         try:
-            return self.module(_with_gathered_blocks, self.module, fn)
+            value, error = self.module(_with_gathered_blocks, self.module, fn)
         finally:
             # The root stays gathered after a forward (it expects a backward); shard it again so
             # its registered parameters are the sharded ones the optimizer and state dicts know.
             cast("FSDPModule", self.module).reshard()
+        if error is not None:
+            raise error
+        return value
 
     # ------------------------------------------------------------------ collectives
     def all_sum(self, values: list[float]) -> list[float]:
@@ -209,8 +213,12 @@ def _mixed_precision(dtype: str) -> dict:
     return {"mp_policy": MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPES[dtype], reduce_dtype=torch.float32)}
 
 
-def init_distributed(fsdp: bool = False, device: torch.device = torch.device("cpu"), dtype: str = "float32") -> Dist:
-    """Join the process group a launcher set up (``WORLD_SIZE`` > 1), or stay single-process."""
+def init_distributed(
+    fsdp: bool = False, device: torch.device = torch.device("cpu"), dtype: str = "float32", timeout: float = 1800.0
+) -> Dist:
+    """Join the process group a launcher set up (``WORLD_SIZE`` > 1), or stay single-process. ``timeout``
+    (``--dist-timeout``): seconds a collective waits for the other ranks before it fails, whatever the
+    backend (torch's defaults differ: nccl 10 minutes, gloo 30)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         if fsdp:
@@ -222,7 +230,7 @@ def init_distributed(fsdp: bool = False, device: torch.device = torch.device("cp
     if device.type == "cuda":
         torch.cuda.set_device(device)  # nccl and the object collectives use the current device
     if not tdist.is_initialized():
-        tdist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        tdist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout))
     return Dist(rank=tdist.get_rank(), world=tdist.get_world_size(), fsdp=fsdp, device=device, dtype=dtype)
 
 
@@ -288,15 +296,23 @@ def _fsdp_no_sync(root: FSDPModule) -> Iterator[None]:
         root.set_requires_gradient_sync(True)
 
 
-def _with_gathered_blocks(student: torch.nn.Module, root: torch.nn.Module, fn: Callable) -> Any:
+def _with_gathered_blocks(
+    student: torch.nn.Module, root: torch.nn.Module, fn: Callable
+) -> tuple[Any, Exception | None]:
     """Inside the root's forward (its own parameters are gathered): gather every block once, keep
-    them whole for ``fn``, then shard again. No collective happens while ``fn`` runs."""
+    them whole for ``fn``, then shard again. No collective happens while ``fn`` runs. Returns ``fn``'s
+    value, or the error it raised, for the caller to raise once the forward is over: raised through the
+    root's forward, it would leave the root in its forward state, which no reshard leaves, and the
+    checkpoint that follows a rollout engine's failure would find the root's whole parameters in place
+    of the optimizer's shards."""
     units = _fsdp_units(root)
     for u in units:
         u.set_reshard_after_forward(False)
         u.unshard()
     try:
-        return fn(student)
+        return fn(student), None
+    except Exception as error:
+        return None, error
     finally:
         for u in units:
             u.reshard()

@@ -46,8 +46,9 @@ import torch
 from opd import metrics as M
 from opd.config import TrainConfig, config_record
 from opd.errors import ServiceUnavailable, UserError
+from opd.evaluation.sharing import Share
+from opd.models.export import merged_weights
 from opd.models.loading import head_weight
-from opd.models.lora import merged_weights
 from opd.models.precision import precision_record, saved_dtype
 from opd.rollout.engine import EngineUnavailable, RolloutBatch
 from opd.rollout.episodes import EpisodeRecord
@@ -138,14 +139,19 @@ def rollout_stage(run: Run, step: int, at: Assignment) -> tuple[RolloutBatch, li
 
 
 def rollouts_here(run: Run, step: int, tasks: list[Assignment]) -> tuple[list, dict[str, float]]:
-    """Every task's rollouts of the step, generated here, and the engine's policy check of them (where
-    it has one: the largest gap over the step's tasks)."""
-    rollouts, gaps = [], []
+    """Every task's rollouts of the step, generated here, the engine's policy check of them (where it has
+    one: the largest gap over the step's tasks) and the time its weight sync took (where it has one)."""
+    rollouts, gaps, syncs = [], [], []
     for at in tasks:
         rollouts.append(rollout_stage(run, step, at))
         if at.task.engine.policy_gap is not None:
             gaps.append(at.task.engine.policy_gap)
-    return rollouts, ({"rollout/engine_logprob_gap": max(gaps)} if gaps else {})
+        if at.task.engine.sync_seconds is not None:
+            syncs.append(at.task.engine.sync_seconds)
+    return rollouts, {
+        **({"rollout/engine_logprob_gap": max(gaps)} if gaps else {}),
+        **({"time/weight_sync": sum(syncs)} if syncs else {}),
+    }
 
 
 def rollouts_ahead(run: Run, step: int) -> tuple[list, dict[str, float]]:
@@ -458,8 +464,9 @@ def evaluated_tasks(run: Run) -> list[tuple[TaskRun, Source]]:
 
 
 def eval_stage(run: Run, step: int) -> dict:
-    """Rank 0 evaluates every task with held-out data (with FSDP, on weights all ranks gathered) on its
-    prompts (accuracy, avg@k) or games (success rate); the others wait for it. Nothing to evaluate:
+    """Every task with held-out data evaluated on its prompts (accuracy, avg@k) or games (success rate),
+    every rank a share of them (with FSDP, on weights all ranks gathered), the outcomes gathered: the
+    figures of one process (:mod:`opd.evaluation.sharing`), which rank 0 logs. Nothing to evaluate:
     nothing logged.
 
     A multi-task run logs ``eval/<name>/...`` per task and, as ``eval/accuracy`` and
@@ -467,10 +474,11 @@ def eval_stage(run: Run, step: int) -> dict:
     tasks = evaluated_tasks(run)
     if not tasks:
         return {}
-    evaluate = lambda s: [test.evaluate(s, run.tokenizer, t.cfg, run.cfg.seed) for t, test in tasks]
-    results = run.dist.full_call(lambda s: evaluate(s) if run.dist.is_main else None)
+    share = Share(run.dist.rank, run.dist.world, run.dist.gather)
+    evaluate = lambda s: [test.evaluate(s, run.tokenizer, t.cfg, run.cfg.seed, share=share) for t, test in tasks]
+    results = run.dist.full_call(evaluate)
     run.student.train()
-    if results is None:
+    if not run.dist.is_main:
         return {}
     record: dict = {"step": step}
     for (t, test), res in zip(tasks, results, strict=True):

@@ -90,7 +90,7 @@ def setup(cfg: TrainConfig) -> Run:
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
     configure_device_math(device, cfg.dtype, cfg.tf32, "opd train")
-    dist = init_distributed(cfg.fsdp, device, cfg.dtype)
+    dist = init_distributed(cfg.fsdp, device, cfg.dtype, cfg.dist_timeout)
     rundir = RunDir(cfg.out, report_to=cfg.report_to)
     rundir.require_fresh(cfg.resume)
     specs = resolve_tasks(cfg)
@@ -144,7 +144,8 @@ def start_engine(cfg: TrainConfig, specs: list[TaskSpec], student, tok, rundir: 
     """``--rollout-engine``: the one engine every task rolls out from (:mod:`opd.rollout.registry`; opd's own
     sampling loop by default), on the student (LoRA's wrapper included); one with weights of its own is
     given them after each optimizer step. Under torchrun/accelerate each rank has its own (its files in a
-    folder of its own), as each rolls out its share of the batch. With --max-staleness the rollout worker
+    folder of its own), or reaches one that all share (``--vllm-url``), and rolls out its share of the batch.
+    Under FSDP it is given the weights gathered for the rollout. With --max-staleness the rollout worker
     samples instead, reaching the engine through its handle (opd.training.ahead)."""
     folder = rundir.path / cfg.rollout_engine / (f"rank{dist.rank}" if dist.world > 1 else "")
     ctx = EngineContext(student, tok, cfg, cfg.student, [s.cfg for s in specs], folder, dist.world)

@@ -19,6 +19,7 @@ from typing import Any, Protocol, cast
 from opd.config import TrainConfig
 from opd.evaluation.game_eval import evaluate_agent, write_eval_games
 from opd.evaluation.model_eval import decode_responses, evaluate_model
+from opd.evaluation.sharing import ALONE, Share
 from opd.rollout.engine import RolloutBatch, RolloutEngine, check_count
 from opd.rollout.episodes import ChatFormat, EpisodeRecord, EpisodeRollout
 from opd.rollout.game_set import GameSet, check_episode_context, episode_metrics, episode_outcomes, play_env
@@ -49,8 +50,9 @@ class Source(Protocol):
         """Each rollout's text (for the logs) and reward (None: a prompt without a reference answer, not
         graded), and what a step logs beyond the common metrics."""
 
-    def evaluate(self, model, tok, cfg, seed: int, show_progress: bool = False) -> dict:
-        """A model on this (held-out) split with a config's sampling and lengths: ``accuracy`` and avg@k."""
+    def evaluate(self, model, tok, cfg, seed: int, show_progress: bool = False, share: Share = ALONE) -> dict:
+        """A model on this (held-out) split with a config's sampling and lengths: ``accuracy`` and avg@k
+        (``share``: this rank's items when the ranks evaluate together; every rank gets the figures)."""
 
     def listing(self, run_dir: Path, played: bool) -> list[dict] | None:
         """The lines of its ``eval.jsonl``; None until it can be listed (a game's files exist once played)."""
@@ -90,8 +92,8 @@ class PromptSource:
         texts = decode_responses(tok, batch.response_ids_NT, batch.response_mask_NT)
         return texts, [reward_of(self.task, t, e) for t, e in zip(texts, examples, strict=True)], {}
 
-    def evaluate(self, model, tok, cfg, seed: int, show_progress: bool = False) -> dict:
-        common = dict(samples=cfg.eval_samples, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
+    def evaluate(self, model, tok, cfg, seed: int, show_progress: bool = False, share: Share = ALONE) -> dict:
+        common = dict(samples=cfg.eval_samples, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed, share=share)
         return evaluate_model(
             model,
             tok,
@@ -146,8 +148,8 @@ class GameSource:
         rewards: list[float | None] = list(won)  # every episode is graded: won or not
         return texts, rewards, episode_metrics(records)
 
-    def evaluate(self, model, tok, cfg, seed: int, show_progress: bool = False) -> dict:
-        common = dict(samples=cfg.eval_samples, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
+    def evaluate(self, model, tok, cfg, seed: int, show_progress: bool = False, share: Share = ALONE) -> dict:
+        common = dict(samples=cfg.eval_samples, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed, share=share)
         return evaluate_agent(model, tok, self.games, **cfg.episode_limits(), **common, show_progress=show_progress)
 
     def listing(self, run_dir: Path, played: bool) -> list[dict] | None:

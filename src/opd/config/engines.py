@@ -1,0 +1,107 @@
+"""The vLLM rollout engine's options (``opd train --rollout-engine vllm``) and their checks: which server
+(one opd starts per rank, or one shared server, ``--vllm-url``), vLLM's own options for the servers opd
+starts (``--vllm-args``), the policy check's bound and how long to wait for the engine."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+from opd.config.fields import ConfigError, opt, require
+from opd.service import url_problem
+
+# vLLM options opd sets on the servers it starts, from the run's own settings: given in --vllm-args they
+# would make the engine serve another model, dtype or length than the trainer's, or put the key on a
+# command line any user of the machine can read.
+OPD_SETS = {
+    "--model": "--student",
+    "--dtype": "--dtype",
+    "--max-model-len": "--max-prompt-tokens and --max-new-tokens",
+    "--host": "opd (loopback)",
+    "--port": "opd (a free port)",
+    "--api-key": "OPD_VLLM_API_KEY (opd passes it in the server's environment)",
+}
+
+
+@dataclass
+class VLLMOptions:
+    """Options of ``--rollout-engine vllm`` (section "rollout")."""
+
+    vllm_url: str = opt(
+        "",
+        "With --rollout-engine vllm: a vLLM server you started (in dev mode, VLLM_SERVER_DEV_MODE=1, reading "
+        "--out at the same path; its API key, if any, from OPD_VLLM_API_KEY), shared by every rank: rank 0 "
+        "gives it the weights, each rank sends its share of the prompts. Unset, opd starts one per rank on the "
+        "student from opd vllm-setup's environment, on the rank's GPU(s).",
+    )
+    vllm_args: str = opt(
+        "",
+        "vLLM's own server options for the servers opd starts, passed through as a shell would split them, "
+        "e.g. '--tensor-parallel-size 2 --enable-sleep-mode' or '--gpu-memory-utilization 0.5' (which replaces "
+        "opd's 0.3 where an engine shares a GPU with a trainer); a server that refuses one stops the run with "
+        "its error line.",
+    )
+    vllm_sync: str = opt(
+        "auto",
+        "How the weights reach the vLLM engine after each update: file (a safetensors file in RUN/vllm/weights, "
+        "reloaded in place), shm (the same in /dev/shm, memory-backed, for a server on this machine), adapter (a "
+        "LoRA run: the adapter alone, loaded by a server with --enable-lora), or auto: adapter for a LoRA run on a "
+        "server opd starts on GPUs, else shm where /dev/shm has room and opd starts the server, else file.",
+    )
+    vllm_max_gap: float = opt(
+        0.0,
+        "The policy check: the most the vLLM engine's log-probs of the sampled tokens may differ from the "
+        "student's, in nats per token on average, before the run stops (0: 1e-3 in float32, 0.05 otherwise).",
+    )
+    vllm_start_timeout: float = opt(600.0, "Seconds to wait for the vLLM server opd starts to become healthy.")
+    vllm_wait: float = opt(
+        600.0,
+        "Seconds to wait for a vLLM engine that stops answering (at startup too), then checkpoint and stop; a "
+        "server opd started that exits is restarted at once instead.",
+    )
+
+
+def vllm_arg_list(args: str) -> list[str]:
+    """``--vllm-args`` split as a shell would split it."""
+    try:
+        return shlex.split(args)
+    except ValueError as exc:
+        raise ConfigError(f"vllm_args={args!r} cannot be split into options ({exc}); check its quotes") from None
+
+
+SYNC_WAYS = ("auto", "file", "shm", "adapter")  # opd.rollout.vllm_sync's
+
+
+def check_vllm(cfg: VLLMOptions, engine: str, dtype: str, lora: bool) -> None:
+    """The vLLM options of a run whose engine is ``engine``, compute dtype ``dtype`` and that trains a LoRA
+    adapter or not; sets the policy check's bound where it is left at 0."""
+    require(
+        cfg.vllm_max_gap >= 0 and cfg.vllm_start_timeout > 0 and cfg.vllm_wait >= 0,
+        "vllm_max_gap must be >= 0, vllm_start_timeout > 0 and vllm_wait >= 0",
+    )
+    problem = url_problem(cfg.vllm_url, "--vllm-url") if cfg.vllm_url else ""
+    require(not problem, problem)
+    require(cfg.vllm_sync in SYNC_WAYS, f"vllm_sync={cfg.vllm_sync!r}: choose one of {', '.join(SYNC_WAYS)}")
+    require(
+        lora or cfg.vllm_sync != "adapter",
+        "--vllm-sync adapter sends the LoRA adapter alone, and this run trains none: add --lora-r, or drop it",
+    )
+    if engine != "vllm":
+        given = [f"--{name.replace('_', '-')}" for name in ("vllm_url", "vllm_args") if getattr(cfg, name)]
+        given += ["--vllm-sync"] if cfg.vllm_sync != "auto" else []
+        require(not given, f"{' and '.join(given)} set but rollout_engine is {engine}; add --rollout-engine vllm")
+        return
+    args = vllm_arg_list(cfg.vllm_args)
+    require(
+        not (args and cfg.vllm_url),
+        "--vllm-args are the options of the servers opd starts, and --vllm-url names your own: start yours with "
+        "them, and drop --vllm-args",
+    )
+    for arg in args:
+        name = arg.split("=", 1)[0]
+        require(
+            name not in OPD_SETS,
+            f"--vllm-args {name}: opd sets it on the servers it starts, from {OPD_SETS.get(name)}; drop it there",
+        )
+    if not cfg.vllm_max_gap:
+        cfg.vllm_max_gap = 1e-3 if dtype == "float32" else 0.05
