@@ -29,7 +29,8 @@ Run (repository root, after ``opd vllm-setup``; about 30 minutes):
   python benchmarks/bench_weight_sync.py            # both shapes
   python benchmarks/bench_weight_sync.py --quick    # the demo student only, 2 syncs, 3 steps (a dry run)
   python benchmarks/bench_weight_sync.py --lora-rollouts  # a LoRA student's rollouts, adapter against merged
-Writes benchmarks/results/weight_sync.json (``--json``) and a Markdown table beside it.
+Writes benchmarks/results/weight_sync.json (``--json``; ``weight_sync_quick.json`` with ``--quick``) and a
+Markdown table beside it.
 """
 
 from __future__ import annotations
@@ -144,6 +145,21 @@ def with_lora(model_dir: Path):
     return model
 
 
+def bench_server(model_dir: Path, log: Path, way):
+    """A float32 vLLM server on ``model_dir`` in dev mode, with the options ``way`` needs (LoRA for an adapter)."""
+    args, env = vllm_sync.server_options(way, LORA_R, [])
+    return start_vllm_server(
+        model_dir,
+        log,
+        dtype="float32",
+        max_model_len=512,
+        dev_mode=True,
+        extra_args=[*SEEDED_ON_CPU, *args],
+        extra_env=env,
+        timeout=1800,
+    )
+
+
 def sync_rows(shape: str, model_dir: Path, tmp: Path, repeats: int, rollouts: int) -> list[dict]:
     """Every way's sync against a running server, and a rollout from it: full weights on a plain server,
     a LoRA student's on one started with --enable-lora."""
@@ -162,18 +178,8 @@ def sync_rows(shape: str, model_dir: Path, tmp: Path, repeats: int, rollouts: in
                 vllm_sync.FolderSync("shm", Path(tempfile.mkdtemp(prefix="opd-bench-", dir="/dev/shm")), owned=True),
             ]
         )
-        args, env = vllm_sync.server_options(ways[0], LORA_R, [])
         t0 = time.perf_counter()
-        server = start_vllm_server(
-            model_dir,
-            tmp / f"{shape}-{lora}.log",
-            dtype="float32",
-            max_model_len=512,
-            dev_mode=True,
-            extra_args=[*SEEDED_ON_CPU, *args],
-            extra_env=env,
-            timeout=1800,
-        )
+        server = bench_server(model_dir, tmp / f"{shape}-{lora}.log", ways[0])
         started = time.perf_counter() - t0
         try:
             client = Client(server.url, "--vllm-url", timeout=600)
@@ -200,17 +206,7 @@ def lora_rollout_rows(shape: str, model_dir: Path, tmp: Path, repeats: int) -> l
     tok, model = load_tokenizer(model_dir, "student"), with_lora(model_dir)
     ids = prompts(tok, 16)
     adapter, merged = vllm_sync.AdapterSync(tmp / "lora-adapter"), vllm_sync.FolderSync("file", tmp / "lora-merged")
-    args, env = vllm_sync.server_options(adapter, LORA_R, [])
-    server = start_vllm_server(
-        model_dir,
-        tmp / f"{shape}-lora-rollouts.log",
-        dtype="float32",
-        max_model_len=512,
-        dev_mode=True,
-        extra_args=[*SEEDED_ON_CPU, *args],
-        extra_env=env,
-        timeout=1800,
-    )
+    server = bench_server(model_dir, tmp / f"{shape}-lora-rollouts.log", adapter)
     rows = []
     try:
         client = Client(server.url, "--vllm-url", timeout=600)
@@ -349,8 +345,13 @@ def main() -> None:
         help="only a LoRA student's rollouts from its adapter and from its merged weights, in turn, at 0.36B "
         "(writes weight_sync_lora_rollouts.json beside --json)",
     )
-    ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "weight_sync.json"))
+    ap.add_argument(
+        "--json",
+        help="where to write (default benchmarks/results/weight_sync.json; with --quick weight_sync_quick.json, "
+        "so that a dry run leaves the committed results alone)",
+    )
     args = ap.parse_args()
+    args.json = args.json or str(ROOT / "benchmarks" / "results" / f"weight_sync{'_quick' if args.quick else ''}.json")
     torch.set_num_threads(2)
     load, measured_at = os.getloadavg(), commit()  # the commit whose modules this process imports, now
     if args.lora_rollouts:
