@@ -322,7 +322,7 @@ CASES = [
     (
         "vllm-url-without-vllm",
         f"{TRAIN} --vllm-url http://127.0.0.1:9",
-        r"vllm_url is set but rollout_engine is hf; add --rollout-engine vllm",
+        r"--vllm-url set but rollout_engine is hf; add --rollout-engine vllm",
     ),
     (
         "vllm-url-not-a-url",

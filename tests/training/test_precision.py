@@ -184,7 +184,7 @@ def test_bfloat16_on_a_cpu_without_bfloat16_instructions_names_the_cost(monkeypa
 
 
 def test_an_engine_gets_the_compute_dtype_not_the_masters(tiny_models, tmp_path):
-    from opd.models.lora import merged_weights
+    from opd.models.export import merged_weights
     from opd.models.precision import engine_dtype
 
     run = setup(cfg_for(tiny_models, tmp_path, dtype="bfloat16", lora_r=4))
