@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from opd.config import ConfigError, SFTConfig
 from opd.errors import UserError
@@ -173,3 +174,30 @@ def test_the_kept_model_is_chosen_on_validation_data_and_reported_on_test(tiny_m
     )
     with pytest.raises(UserError, match=r"--validation-size 9 leaves none of the 4 training examples"):
         sft_mod.sft(dataclasses.replace(cfg, data=str(data), validation_size=9, out=str(tmp_path / "b")))
+
+
+def test_gradient_checkpointing_gives_the_plain_sft_step(tiny_models, tmp_path):
+    """--gradient-checkpointing in opd sft: each decoder layer recomputes its forward in the backward, and the
+    step's loss and gradient are the plain step's (float64, so that only a real difference shows)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    student, _ = tiny_models
+    tok = sft_mod.load_tokenizer(str(student))
+    cfg = SFTConfig(init=str(student), out=str(tmp_path))
+    examples = load_task(cfg.task, cfg.task_level, cfg.seed).examples("train")[:3]
+    ids, att, lab = sft_mod.encode_pairs(tok, [e.prompt for e in examples], [e.solution for e in examples])
+    got = {}
+    for ckpt in (False, True):
+        model, _ = sft_mod.build_model(dataclasses.replace(cfg, gradient_checkpointing=ckpt))
+        model = model.double().train()
+        layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+        assert bool(layers) == ckpt
+        calls: list[int] = []
+        model.model.layers[0].mlp.register_forward_pre_hook(lambda *a, seen=calls: seen.append(1))
+        loss, _ = sft_mod.parts_loss(model, [(0, (ids, att, lab))], 0)
+        assert len(calls) == (2 if ckpt else 1)  # the forward, and with checkpointing its recomputation
+        got[ckpt] = loss, {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert got[True][0] == pytest.approx(got[False][0], rel=1e-12)
+    assert got[True][1].keys() == got[False][1].keys()
+    for name, grad in got[False][1].items():
+        assert torch.allclose(got[True][1][name], grad, rtol=1e-10, atol=1e-14), name

@@ -525,6 +525,12 @@ class SFTConfig(EnvSource, TrainingSource):
         "them, and the test set only reports the kept model's accuracy (0: choose on the test set).",
     )
     max_grad_norm: float = opt(1.0, "Gradient clipping norm.")
+    gradient_checkpointing: bool = opt(
+        False,
+        "Activation checkpointing per decoder layer: each layer's activations are recomputed in the backward "
+        "instead of kept, for long solutions or episodes (docs/training.md, 'Long responses'). The teacher "
+        "that samples the targets is untouched.",
+    )
     report_to: list[Any] = opt(["none"], REPORT_TO_HELP)
     tasks: list[Any] | None = opt(
         None,

@@ -40,7 +40,15 @@ from opd.chat import set_chat_options
 from opd.config import SFTConfig, TaskSpec, resolve_tasks
 from opd.errors import UserError
 from opd.evaluation.model_eval import decode_responses, evaluate_model
-from opd.models.loading import load_model, load_tokenizer, model_device, parse_arch, resolve_device, tiny_qwen2
+from opd.models.loading import (
+    checkpoint_layers,
+    load_model,
+    load_tokenizer,
+    model_device,
+    parse_arch,
+    resolve_device,
+    tiny_qwen2,
+)
 from opd.models.precision import compute_in, configure_device_math, saved_dtype, trained_weights_dtype
 from opd.models.tokenizer import format_prompt
 from opd.rollout.engine import RolloutEngine
@@ -90,15 +98,20 @@ def build_model(cfg: SFTConfig):
     configure_device_math(device, cfg.dtype, cfg.tf32, "opd sft")
     if cfg.init:
         model = load_model(cfg.init, "init", trained_weights_dtype(cfg.dtype), device)
-        return compute_in(model, cfg.dtype), load_tokenizer(cfg.init, "init")
-    if not cfg.tokenizer:
-        raise UserError("a new model (--arch) needs --tokenizer DIR (a tokenizer saved with save_pretrained)")
-    tok = load_tokenizer(cfg.tokenizer, "tokenizer")
-    layers, width = parse_arch(cfg.arch)
-    torch.manual_seed(cfg.seed)
-    model = tiny_qwen2(len(tok), layers, width, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
-    # transformers wraps PreTrainedModel.to in functools.wraps, which mypy does not bind as a method
-    return compute_in(model.to(device), cfg.dtype), tok  # type: ignore[arg-type]
+        tok = load_tokenizer(cfg.init, "init")
+    else:
+        if not cfg.tokenizer:
+            raise UserError("a new model (--arch) needs --tokenizer DIR (a tokenizer saved with save_pretrained)")
+        tok = load_tokenizer(cfg.tokenizer, "tokenizer")
+        layers, width = parse_arch(cfg.arch)
+        torch.manual_seed(cfg.seed)
+        built = tiny_qwen2(len(tok), layers, width, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+        # transformers wraps PreTrainedModel.to in functools.wraps, which mypy does not bind as a method
+        model = built.to(device)  # type: ignore[arg-type]
+    model = compute_in(model, cfg.dtype)
+    if cfg.gradient_checkpointing:  # as opd train does it, after the body is set to compute in --dtype
+        checkpoint_layers(model)
+    return model, tok
 
 
 def encode_pairs(
