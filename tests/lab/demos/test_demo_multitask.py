@@ -63,7 +63,8 @@ def test_packaged_models_come_from_the_recipe_as_written():
         # Options added since the models were made are not in their logs: where the games ran (the
         # same episodes with 0, 1 or N env workers), validation_size, which the recipe keeps at 0
         # (the checkpoint chosen on the test set, as when these models were made), and options whose
-        # defaults are what ran then: no chat-template options, evaluation on, TF32 (a GPU's; made on a CPU).
+        # defaults are what ran then: no chat-template options, evaluation on, TF32 (a GPU's; made on a CPU),
+        # no activation checkpointing.
         added = {
             "env_workers": None,
             "env_step_timeout": None,
@@ -71,6 +72,7 @@ def test_packaged_models_come_from_the_recipe_as_written():
             "chat_template_kwargs": {},
             "eval": True,
             "tf32": None,
+            "gradient_checkpointing": False,
         }
         for k in set(expected) - set(logged):
             assert k in added and added[k] in (None, expected[k]), k
