@@ -34,6 +34,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from opd.lab.experiments.core import machine_info, source_commit  # noqa: E402
+
 BODY = dict(
     hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864
 )
@@ -159,24 +163,11 @@ def run_cell(spec: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    return done.stdout.strip() + ("-dirty" if dirty else "")
-
-
 def machine(device: str) -> dict:
     import torch
 
-    return {
-        "device": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or "cpu",
-        "cpu_cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-    }
+    device_name = torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or "cpu"
+    return {"device": device_name, **machine_info()}
 
 
 def table(result: dict) -> str:
@@ -262,7 +253,7 @@ def main() -> None:
             flush=True,
         )
     result = {
-        "commit": commit(),
+        "commit": source_commit(),
         "machine": machine(a.device),
         "quick": a.quick,
         "cells": cells,

