@@ -46,6 +46,7 @@ import torch
 from opd import metrics as M
 from opd.config import TrainConfig, config_record
 from opd.errors import ServiceUnavailable, UserError
+from opd.evaluation.records import step_records, write_records
 from opd.evaluation.sharing import Share
 from opd.models.export import merged_weights
 from opd.models.loading import head_weight
@@ -74,7 +75,7 @@ from opd.training.microbatch import MicroBatch, in_row_order, pad_to, split_rows
 from opd.training.optim import rng_state
 from opd.training.schedule import for_task, prefixed
 from opd.training.setup import Run, TaskRun, setup
-from opd.training.sources import Source
+from opd.training.sources import Source, eval_plan
 from opd.training.stepstats import StepUpdate, metric_weights, rollout_records, step_metrics
 
 
@@ -475,16 +476,23 @@ def eval_stage(run: Run, step: int) -> dict:
     if not tasks:
         return {}
     share = Share(run.dist.rank, run.dist.world, run.dist.gather)
-    evaluate = lambda s: [test.evaluate(s, run.tokenizer, t.cfg, run.cfg.seed, share=share) for t, test in tasks]
-    results = run.dist.full_call(evaluate)
+    # Through the run's engine (opd's loop, its static cache, vLLM): the engine has the weights of this step.
+    plans = [eval_plan(t.cfg, run.cfg.seed, share) for t, _ in tasks]
+    evaluate = lambda _: [test.evaluate(t.engine, run.tokenizer, t.cfg, p) for (t, test), p in zip(tasks, plans)]
+    done = run.dist.full_call(evaluate)
+    results = [d.figures for d in done]
     run.student.train()
     if not run.dist.is_main:
         return {}
     record: dict = {"step": step}
-    for (t, test), res in zip(tasks, results, strict=True):
+    for (t, test), d in zip(tasks, done, strict=True):
+        res = d.figures
         if not (run.rundir.path / t.files / "eval.jsonl").is_file():  # listed once played (once)
             listed = cast(list[dict], test.listing(run.rundir.path / t.files, played=True))  # played: listed
             run.rundir.write_jsonl(f"{t.files}eval.jsonl", listed)
+        if t.cfg.eval_record_chars and run.rundir.enabled:
+            write_records(step_records(run.rundir.path / t.files, step), d.records)
+        res = {k: v for k, v in res.items() if k != "sampling"}  # a setting, not a metric (config.json has it)
         record.update({(f"eval/{t.name}/{k}" if t.name else f"eval/{k}"): v for k, v in res.items()})
     if run.tasks[0].name:
         for key in ("accuracy", "avg_at_k"):
