@@ -140,6 +140,8 @@ class Rollout:
 class Items(Protocol):
     """What is evaluated: prompts or games, each played through the engine."""
 
+    answers: bool  # its rollouts have answers to vote on (maj@k): prompts do, games do not
+
     def __len__(self) -> int: ...
 
     def tokens_per_rollout(self) -> int:
@@ -192,10 +194,9 @@ def _figures(items: Items, outcomes: list[list[Rollout]], plan: EvalPlan) -> dic
     result["accuracy"] = sum(row[0].correct for row in outcomes) / n if greedy else avg_at_k(ok)
     if plan.samples:
         result.update(avg_at_k=avg_at_k(ok), pass_at_k=mean_pass_at_k(ok, plan.samples), k=plan.samples)
-    if plan.maj_k:
+    if plan.maj_k and items.answers:
         answers = [[r.answer for r in row] for row in sampled]
-        if any(a is not None for row in answers for a in row):  # games have no answers to vote on
-            result.update(maj_at_k=maj_at_k(answers, ok, plan.maj_k), maj_k=plan.maj_k)
+        result.update(maj_at_k=maj_at_k(answers, ok, plan.maj_k), maj_k=plan.maj_k)
     every = [r for row in outcomes for r in row]
     result["response_tokens_mean"] = sum(r.tokens for r in every) / len(every)
     result["response_tokens_max"] = max(r.tokens for r in every)

@@ -36,6 +36,7 @@ class GameItems:
     tokenizer: Any
     limits: dict[str, Any]
     chat: ChatFormat | None = None
+    answers = False  # an episode has no answer to vote on: no maj@k
 
     def __len__(self) -> int:
         return len(self.games)
@@ -62,11 +63,13 @@ class GameItems:
 
 def _rollout(rec: EpisodeRecord, goal: str) -> Rollout:
     """An episode's outcome; its record: the goal as the prompt, the actions as the response, how it ended."""
-    record = {"prompt": goal, "response": " | ".join(rec.actions), "answer": None, "reference": None}
+    record: dict[str, Any] = {"prompt": goal, "response": " | ".join(rec.actions), "answer": None, "reference": None}
     record.update(end=rec.end, turns=rec.turns, error=rec.error)
     # The episode's observations stay out of the gathered outcome: the figures read the rest.
-    light = EpisodeRecord(rec.game_id, rec.seed, actions=rec.actions, won=rec.won, end=rec.end, error=rec.error)
-    light.invalid_actions = rec.invalid_actions
+    light = EpisodeRecord(
+        rec.game_id, rec.seed, actions=rec.actions, won=rec.won, end=rec.end, invalid_actions=rec.invalid_actions
+    )
+    light.error = rec.error
     return Rollout(rec.won, sum(e - s for s, e in rec.spans), rec.truncated, record, extra=light)
 
 

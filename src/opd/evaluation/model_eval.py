@@ -56,6 +56,7 @@ class PromptItems:
     task: Task
     tokenizer: Any
     max_new_tokens: int
+    answers = True
 
     def __len__(self) -> int:
         return len(self.prompts)
