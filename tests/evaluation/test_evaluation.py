@@ -258,3 +258,32 @@ def test_each_training_evaluation_writes_its_records(tiny_models, tmp_path):
         assert len(records) == 4 * 3
         assert sum(x["correct"] for x in records if x["sample"] == GREEDY) / 4 == r["eval/accuracy"]
         assert "eval/maj_at_k" in r and "eval/truncation_rate" in r and "eval/sampling" not in r
+
+
+def test_training_evaluates_through_the_runs_engine(tiny_models, tmp_path, monkeypatch):
+    """Every evaluation response comes from the engine --rollout-engine names (here a registered one that
+    counts its greedy calls): evaluation no longer builds opd's own loop behind the run's back."""
+    from helpers import cfg_for
+
+    from opd.rollout import registry
+    from opd.rollout.sampling import start_hf
+    from opd.training import loop
+
+    greedy_rows = []
+
+    def counting(ctx):
+        engine = start_hf(ctx)
+        generate = engine.generate
+
+        def counted(prompt_ids, seeds, **kw):
+            if kw.get("greedy"):
+                greedy_rows.append(len(prompt_ids))
+            return generate(prompt_ids, seeds, **kw)
+
+        engine.generate = counted
+        return engine
+
+    monkeypatch.setitem(registry.ENGINES, "counting", counting)
+    cfg = cfg_for(tiny_models, tmp_path, steps=1, eval_size=5, eval_samples=0, rollout_engine="counting")
+    loop.train(cfg, show_progress=False)
+    assert sum(greedy_rows) == 5  # the one evaluation's greedy responses: training's rollouts sample

@@ -583,7 +583,7 @@ class EvalConfig(EnvSource, ModelSource, EvalOptions):
     samples: int = opt(8, "Samples per prompt for avg@k / pass@k / maj@k (0: greedy only).")
     temperature: float = opt(1.0, "Sampling temperature of the samples (--eval-sampling greedy or explicit).")
     top_p: float = opt(1.0, "Top-p of the samples (--eval-sampling greedy or explicit).")
-    batch_size: int = opt(128, "Prompts per generation batch.")
+    batch_size: int = opt(128, "Rollouts per generation batch at most (--eval-batch-tokens bounds it too).")
     acc_before: float = opt(-1.0, "Student accuracy before OPD (for gap recovery; -1: not given).")
     acc_teacher: float = opt(-1.0, "Teacher accuracy (for gap recovery; -1: not given).")
     tokenizer: str = opt(
