@@ -55,6 +55,7 @@ def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("bad_input")
     (d / "empty.jsonl").write_text("")
     (d / "long.jsonl").write_text((json.dumps({"prompt": LONG_PROMPT, "answer": "2"}) + "\n") * 4)
+    (d / "a_file").write_text("a file where a folder is asked for\n")
     (d / "bad.yaml").write_text("steps: [1\n")
     (d / "bad.json").write_text('{"steps": 1,\n')
     (d / "list.yaml").write_text("- steps\n")
@@ -145,6 +146,22 @@ CASES = [
         "serve-teacher <D>/run --port 0",
         r"<D>/run is an opd run directory; its trained model is <D>/run/final: pass <D>/run/final as the model "
         r"argument \(opd serve-teacher MODEL_DIR\)",
+    ),
+    (
+        "maj-at-k-without-samples",
+        f"{EVAL} --maj-k 4",
+        r"maj_k=4 votes over samples, and --samples is 0: set --samples to 4 or more",
+    ),
+    (
+        "train-maj-at-k-over-samples",
+        f"{TRAIN} --eval-samples 2 --maj-k 4",
+        r"maj_k=4 needs as many samples per prompt; --eval-samples is 2: raise it or lower --maj-k",
+    ),
+    (
+        "eval-records-unwritable",  # the output folder is a file: found before the model loads
+        "eval --student <S> --out <D>/a_file/out --device cpu --eval-size 2 --samples 0",
+        r"cannot write the evaluation records <D>/a_file/out/eval_samples\.jsonl \(.*\); choose a writable --out, "
+        r"or --eval-record-chars 0 to keep no records",
     ),
     (
         "run-dir-to-eval",
