@@ -54,6 +54,7 @@ from opd.models.precision import precision_record, saved_dtype
 from opd.rollout.engine import EngineUnavailable, RolloutBatch
 from opd.rollout.episodes import EpisodeRecord
 from opd.rollout.prompt_set import sample_seed
+from opd.rollout.registry import local_engine
 from opd.runs.progress import progress_bar
 from opd.runs.rundir import save_final_model
 from opd.teachers.factory import is_served
@@ -476,9 +477,14 @@ def eval_stage(run: Run, step: int) -> dict:
     if not tasks:
         return {}
     share = Share(run.dist.rank, run.dist.world, run.dist.gather)
-    # Through the run's engine (opd's loop, its static cache, vLLM): the engine has the weights of this step.
+    # Through the run's engine (opd's loop, its static cache, vLLM), which has this step's weights; with rollouts
+    # ahead (--max-staleness) a worker may load older weights into a shared engine between two batches, so the
+    # trainer's own model is evaluated with opd's loop instead.
     plans = [eval_plan(t.cfg, run.cfg.seed, share) for t, _ in tasks]
-    evaluate = lambda _: [test.evaluate(t.engine, run.tokenizer, t.cfg, p) for (t, test), p in zip(tasks, plans)]
+    engine_of = lambda s, t: t.engine if run.ahead is None else local_engine(s, run.tokenizer)
+    evaluate = lambda s: [
+        test.evaluate(engine_of(s, t), run.tokenizer, t.cfg, p) for (t, test), p in zip(tasks, plans, strict=True)
+    ]
     done = run.dist.full_call(evaluate)
     results = [d.figures for d in done]
     run.student.train()
