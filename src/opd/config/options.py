@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from opd.config.checkpoints import CheckpointOptions, check_checkpoint_options
 from opd.config.engines import VLLMOptions, check_vllm
 from opd.config.fields import DTYPES, REPORT_TO_HELP, ConfigError, check_report_to, opt, require
 from opd.config.sources import EnvSource, ModelSource, TrainingSource, chat_options
@@ -28,7 +29,7 @@ MAX_STALENESS = 4
 
 
 @dataclass
-class TrainConfig(EnvSource, TrainingSource, VLLMOptions):
+class TrainConfig(EnvSource, TrainingSource, VLLMOptions, CheckpointOptions):
     """On-policy distillation: the student samples, the teacher scores, the student moves toward it."""
 
     teacher: str = opt(
@@ -271,6 +272,7 @@ class TrainConfig(EnvSource, TrainingSource, VLLMOptions):
         self.report_to = check_report_to(self.report_to)
         _check_lora(self)
         _check_tasks(self)
+        check_checkpoint_options(self)
 
 
 # One check per section of TrainConfig (opd.config.sections), each naming the option and the fix.

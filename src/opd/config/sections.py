@@ -165,7 +165,20 @@ LAYOUT: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "run",
         "Run directory, logging, checkpoints, processes",
-        ("out", "seed", "resume", "ckpt_every", "log_rollouts", "report_to", "diag_positions", "fsdp", "dist_timeout"),
+        (
+            "out",
+            "seed",
+            "resume",
+            "ckpt_every",
+            "keep_checkpoints",
+            "keep_best",
+            "final_best",
+            "log_rollouts",
+            "report_to",
+            "diag_positions",
+            "fsdp",
+            "dist_timeout",
+        ),
     ),
 )
 SECTION_NAMES = tuple(name for name, _, _ in LAYOUT)

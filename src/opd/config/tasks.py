@@ -182,8 +182,11 @@ def _overrides(entry: dict[str, Any], cfg: Any, mode: str, share: float) -> dict
         out.setdefault("teacher", "")
         out.setdefault("teacher_url", "")
         out.setdefault("teacher_tokenizer", "")  # the global teacher's tokenizer is not this teacher's
+        out.setdefault("teacher_revision", "")  # nor its revision
         if out["teacher_url"]:
             out.setdefault("teacher_dtype", "")
+    if _is_opd(cfg):  # the run keeps checkpoints by its own figures (eval/<task>/...), not a task's view
+        out.update(keep_best="", final_best=False)
     if "task" in given:
         out.setdefault("env", "")
     if mode == "mix" and "batch_size" not in given:
