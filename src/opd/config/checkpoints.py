@@ -11,6 +11,7 @@ newest (NeMo-RL's keep_top_k with metric_name, TRL's save_total_limit with load_
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from opd.config.fields import opt, require
 
@@ -47,7 +48,7 @@ def parse_keep_best(spec: str) -> tuple[str, str]:
     return (metric if metric.startswith("eval/") else f"eval/{metric}"), (mode.strip() or "max")
 
 
-def check_checkpoint_options(cfg) -> None:
+def check_checkpoint_options(cfg: Any) -> None:
     """The keep rules of a TrainConfig (its tasks resolved): counts, and a --keep-best the run can meet."""
     require(cfg.keep_checkpoints >= 1, f"keep_checkpoints={cfg.keep_checkpoints} must be >= 1 (resume needs one)")
     require(not cfg.final_best or bool(cfg.keep_best), "final_best needs --keep-best METRIC (which checkpoint is best)")
@@ -72,12 +73,12 @@ def check_checkpoint_options(cfg) -> None:
     )
 
 
-def evaluated_figures(cfg) -> set[str]:
+def evaluated_figures(cfg: Any) -> set[str]:
     """The ``eval/`` names a run's evaluations log (by its tasks, environments and --eval-samples); a
     multi-task run logs each task's under ``eval/<task>/`` and the means of accuracy and avg_at_k."""
     from opd.config.tasks import resolve_tasks
 
-    def own(c) -> tuple[str, ...]:
+    def own(c: Any) -> tuple[str, ...]:
         return (*GREEDY, *(SAMPLED if c.eval_samples > 0 else ()), *(GAMES if c.env else ()))
 
     specs = resolve_tasks(cfg)
