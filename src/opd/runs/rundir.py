@@ -26,7 +26,7 @@ from opd.config import check_report_to, config_record, dump_config
 from opd.errors import UserError
 from opd.runs.progress import is_main_process
 from opd.runs.quiet import quiet_transformers
-from opd.runs.tracking import Tracking, check_installed
+from opd.runs.tracking import Tracking, check_installed, rollout_rows
 
 CKPT_DIR = "checkpoints"
 SCORE_FILE = "score.json"  # a checkpoint's evaluation figure under --keep-best
@@ -107,6 +107,13 @@ class RunDir:
 
     def log_rollouts(self, records: list[dict]) -> None:
         self._append("rollouts.jsonl", records)
+        if self.tracking is not None and records:  # the trackers' table of them (opd.runs.tracking)
+            self.tracking.log_samples("rollouts", rollout_rows(records), records[0].get("step"))
+
+    def log_samples(self, key: str, rows: list[dict], step: int | None) -> None:
+        """Rows (an evaluation's samples) to the trackers as a table; the caller writes its own file."""
+        if self.tracking is not None:
+            self.tracking.log_samples(key, rows, step)
 
     def write_json(self, name: str, data: Any) -> None:
         if self.enabled:
