@@ -238,7 +238,7 @@ class Wandb:
     def samples(self, key: str, columns: list[str], data: list[list[Any]], step: int | None) -> None:
         import wandb
 
-        self.run.log({key: wandb.Table(columns=columns, data=data)}, step=step)
+        self.run.log({key: wandb.Table(columns=list[str | int](columns), data=data)}, step=step)
 
     def close(self, failed: bool) -> None:
         self.run.finish(exit_code=1 if failed else 0)
