@@ -89,6 +89,7 @@ def test_a_training_run_takes_hub_names_and_records_them(hub, tiny_models, tmp_p
         "r1",
     )
     assert (tmp_path / "run" / "final" / "config.json").is_file()
+    assert "base_model: acme/student\n" in (tmp_path / "run" / "final" / "README.md").read_text()  # the card
     shutil.rmtree(hub / "models--acme--teacher")  # the teacher is read from the cache, not copied
     with pytest.raises(UserError, match="acme/teacher"):
         train_mod.train(

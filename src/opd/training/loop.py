@@ -53,6 +53,7 @@ from opd.models.precision import precision_record, saved_dtype
 from opd.rollout.engine import EngineUnavailable, RolloutBatch
 from opd.rollout.episodes import EpisodeRecord
 from opd.rollout.prompt_set import sample_seed
+from opd.runs.card import run_card, write_card
 from opd.runs.progress import progress_bar
 from opd.runs.rundir import save_final_model
 from opd.teachers.factory import is_served
@@ -586,5 +587,7 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
         dtype=saved_dtype(cfg.dtype, bool(cfg.lora_r)),
     )
     write_summary(cfg, run.rundir, cfg.steps, last_eval)
+    if run.rundir.enabled:
+        write_card(run.rundir.path / "final", run_card(cfg, run.rundir.path.name, last_eval))
     shutdown(run.dist)
     return last_eval
