@@ -33,7 +33,7 @@ class TrainConfig(EnvSource, TrainingSource, VLLMOptions, CheckpointOptions):
     """On-policy distillation: the student samples, the teacher scores, the student moves toward it."""
 
     teacher: str = opt(
-        "", "Teacher model directory (its own tokenizer too: see --cross-tokenizer and --teacher-tokenizer)."
+        "", "Teacher model: a directory or a Hub name (its own tokenizer too: --cross-tokenizer, --teacher-tokenizer)."
     )
     teacher_tokenizer: str = opt(
         "",
@@ -488,7 +488,7 @@ class SFTConfig(EnvSource, TrainingSource):
     """Supervised fine-tuning on (prompt, solution) pairs: makes teachers/students, off-policy cold start."""
 
     data: str = opt("", "JSONL with prompt and solution (or completion); empty: the task's own solutions.")
-    init: str = opt("", "Model to start from; empty with --arch builds a new model.")
+    init: str = opt("", "Model to start from (a directory or a Hub name); empty with --arch builds a new model.")
     arch: str = opt("", "New tiny model 'qwen2:LAYERS:WIDTH' (e.g. qwen2:4:256) when --init is empty.")
     tokenizer: str = opt("", "Tokenizer directory for a new model (the demo trains one).")
     teacher: str = opt(

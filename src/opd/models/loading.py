@@ -3,9 +3,9 @@
 Any Hugging Face causal-LM directory works (``from_pretrained``): a local folder, or a Hub name
 (``Qwen/Qwen3-1.7B``, with a revision) resolved to its snapshot in huggingface_hub's cache by
 :func:`opd.hub.resolve_model` (downloaded where the network allows, read from the cache under
-``HF_HUB_OFFLINE=1``); transformers then reads that folder only (``local_files_only``). The trainer needs a model's final hidden states and its output
-embedding separately (the LSM fast path gathers K rows of that weight instead of computing all V
-logits); :func:`head_weight` and :func:`final_hidden` provide them and refuse models whose logits
+``HF_HUB_OFFLINE=1``); transformers then reads that folder only (``local_files_only``). The
+trainer needs a model's final hidden states and its output embedding separately (the LSM fast
+path gathers K rows of that weight instead of computing all V logits); :func:`head_weight` and :func:`final_hidden` provide them and refuse models whose logits
 are not plain ``hidden @ W.T`` (logit scaling or soft-capping), rather than silently diverging.
 """
 
