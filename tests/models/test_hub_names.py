@@ -3,6 +3,7 @@ folder winning, revisions honoured, and one-line errors naming the cache and the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -96,3 +97,26 @@ def test_a_training_run_takes_hub_names_and_records_them(hub, tiny_models, tmp_p
             cfg_for(("acme/student", "acme/teacher"), tmp_path / "2", steps=1, eval=False), show_progress=False
         )
     assert commit_of("acme/student@main") in str(resolve_model("acme/student"))
+
+
+def test_an_engine_of_its_own_is_given_the_folder_the_students_name_resolved_to(hub, tiny_models, tmp_path):
+    """A vLLM engine reads the student's files itself: it gets the snapshot folder, not a name to look up."""
+    from helpers import cfg_for
+
+    from opd.rollout import registry
+    from opd.training import loop as train_mod
+
+    seen = []
+
+    def recording(ctx):
+        seen.append(ctx.model_dir)
+        return registry.ENGINES["hf"](ctx)
+
+    snap = cache_repo(hub, "acme/student", tiny_models[0], revision="r2")
+    registry.register("recording", recording)
+    try:
+        cfg = cfg_for(("acme/student", tiny_models[1]), tmp_path, student_revision="r2", steps=1, eval=False)
+        train_mod.train(dataclasses.replace(cfg, rollout_engine="recording"), show_progress=False)
+    finally:
+        registry.ENGINES.pop("recording")
+    assert seen == [str(snap)]
