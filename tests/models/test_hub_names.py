@@ -120,3 +120,26 @@ def test_an_engine_of_its_own_is_given_the_folder_the_students_name_resolved_to(
     finally:
         registry.ENGINES.pop("recording")
     assert seen == [str(snap)]
+
+
+def test_serve_teacher_serves_a_hub_name_under_that_name(hub, tiny_models, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from opd.teachers import server
+
+    cache_repo(hub, "acme/teacher", tiny_models[1], revision="r3")
+    served = []
+
+    def fake_server(app, sock, verbose):  # uvicorn left out: the app is what the name reaches
+        served.append(app)
+
+        def stop(sockets):
+            raise KeyboardInterrupt
+
+        return SimpleNamespace(server_address=sock.getsockname()[:2], run=stop)
+
+    monkeypatch.setattr(server, "_server", fake_server)
+    server.serve("acme/teacher", port=0, device="cpu", revision="r3")
+    assert served[0].model_name == "acme/teacher"
+    with pytest.raises(UserError, match=r"acme/teacher at revision 'main' is not in the cache"):
+        server.serve("acme/teacher", port=0, device="cpu", revision="main")
