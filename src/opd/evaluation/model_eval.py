@@ -24,6 +24,7 @@ from opd.evaluation.estimators import gap_recovery
 from opd.evaluation.game_eval import GameItems
 from opd.evaluation.records import check_writable, write_records
 from opd.evaluation.sharing import ALONE, Share
+from opd.hub import resolve_model
 from opd.models.loading import load_model, load_tokenizer, resolve_device
 from opd.models.precision import configure_device_math
 from opd.rollout.engine import RolloutEngine, Sampling, check_count
@@ -146,11 +147,15 @@ def run_eval(cfg: EvalConfig) -> dict:
         options = data_options(cfg)
         task = load_task(cfg.task, cfg.task_level, cfg.seed, split=cfg.split, evaluation=not cfg.split, **options)
         check_graded(cfg, task)
-    tok = set_chat_options(load_tokenizer(cfg.tokenizer or cfg.student), cfg.chat_template_kwargs)
+    rev = cfg.student_revision
+    tok = set_chat_options(
+        load_tokenizer(cfg.tokenizer or cfg.student, revision="" if cfg.tokenizer else rev), cfg.chat_template_kwargs
+    )
     device = resolve_device(cfg.device)
     configure_device_math(device, cfg.dtype, cfg.tf32, "opd eval")
-    model = load_model(cfg.student, dtype=cfg.dtype, device=device)
-    sampling = resolve_sampling(cfg.eval_sampling, cfg.temperature, cfg.top_p, cfg.student)
+    model = load_model(cfg.student, dtype=cfg.dtype, device=device, revision=rev)
+    model_dir = str(resolve_model(cfg.student, rev)) if cfg.eval_sampling == "model" else ""
+    sampling = resolve_sampling(cfg.eval_sampling, cfg.temperature, cfg.top_p, model_dir)
     plan = EvalPlan.of(cfg, cfg.samples, sampling, cfg.seed, max_batch=cfg.batch_size, show_progress=True)
     engine = local_engine(model, tok)
     t0 = time.time()

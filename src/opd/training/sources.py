@@ -21,6 +21,7 @@ from opd.evaluation.core import EvalPlan, Evaluation, evaluate, resolve_sampling
 from opd.evaluation.game_eval import GameItems, write_eval_games
 from opd.evaluation.model_eval import PromptItems, decode_responses
 from opd.evaluation.sharing import ALONE, Share
+from opd.hub import resolve_model
 from opd.rollout.engine import RolloutBatch, RolloutEngine, check_count
 from opd.rollout.episodes import ChatFormat, EpisodeRecord, EpisodeRollout
 from opd.rollout.game_set import GameSet, check_episode_context, episode_metrics, episode_outcomes, play_env
@@ -158,7 +159,8 @@ def eval_plan(cfg: TrainConfig, seed: int, share: Share = ALONE, show_progress: 
     """How a (task's) config evaluates: its samples, its sampling (--eval-sampling; greedy and explicit
     sample at --eval-temperature / --eval-top-p, else the rollouts'), maj@k, batch budget and records."""
     temperature, top_p = cfg.eval_temperature or cfg.temperature, cfg.eval_top_p or cfg.top_p
-    sampling = resolve_sampling(cfg.eval_sampling, temperature, top_p, cfg.student)
+    model_dir = str(resolve_model(cfg.student, cfg.student_revision)) if cfg.eval_sampling == "model" else ""
+    sampling = resolve_sampling(cfg.eval_sampling, temperature, top_p, model_dir)
     return EvalPlan.of(cfg, cfg.eval_samples, sampling, seed, share=share, show_progress=show_progress)
 
 
