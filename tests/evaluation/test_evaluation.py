@@ -258,6 +258,8 @@ def test_each_training_evaluation_writes_its_records(tiny_models, tmp_path):
         assert len(records) == 4 * 3
         assert sum(x["correct"] for x in records if x["sample"] == GREEDY) / 4 == r["eval/accuracy"]
         assert "eval/maj_at_k" in r and "eval/truncation_rate" in r and "eval/sampling" not in r
+    used = json.loads((run / "eval_sampling.json").read_text())
+    assert used == {"mode": "greedy", "greedy_response": True, "samples": 2, "temperature": 1.0, "top_p": cfg.top_p}
 
 
 def test_training_evaluates_through_the_runs_engine(tiny_models, tmp_path, monkeypatch):

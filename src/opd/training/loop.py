@@ -34,6 +34,7 @@ Run: ``opd train --student DIR --teacher DIR --objective lsm --k 32 --out runs/x
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from concurrent.futures import Future
@@ -500,7 +501,11 @@ def eval_stage(run: Run, step: int) -> dict:
             run.rundir.write_jsonl(f"{t.files}eval.jsonl", listed)
         if t.cfg.eval_record_chars and run.rundir.enabled:
             write_records(step_records(run.rundir.path / t.files, step), d.records)
-        res = {k: v for k, v in res.items() if k != "sampling"}  # a setting, not a metric (config.json has it)
+        # The decoding used (--eval-sampling model: what the generation config said) is a setting, not a metric.
+        if run.rundir.enabled:
+            (run.rundir.path / t.files).mkdir(parents=True, exist_ok=True)
+            (run.rundir.path / t.files / "eval_sampling.json").write_text(json.dumps(res["sampling"], indent=2) + "\n")
+        res = {k: v for k, v in res.items() if k != "sampling"}
         record.update({(f"eval/{t.name}/{k}" if t.name else f"eval/{k}"): v for k, v in res.items()})
     if run.tasks[0].name:
         for key in ("accuracy", "avg_at_k"):
