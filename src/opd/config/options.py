@@ -13,7 +13,7 @@ from typing import Any
 
 from opd.config.engines import VLLMOptions, check_vllm
 from opd.config.fields import DTYPES, REPORT_TO_HELP, ConfigError, check_report_to, opt, require
-from opd.config.sources import EnvSource, ModelSource, TrainingSource, chat_options
+from opd.config.sources import EnvSource, ModelSource, TrainingSource, chat_options, out_option
 from opd.config.tasks import read_task_list, resolve_tasks
 from opd.crosstok.align import PAIRINGS
 from opd.crosstok.vocab_map import JOINABLE, UNMAPPED
@@ -30,6 +30,8 @@ MAX_STALENESS = 4
 @dataclass
 class TrainConfig(EnvSource, TrainingSource, VLLMOptions):
     """On-policy distillation: the student samples, the teacher scores, the student moves toward it."""
+
+    out: str = out_option("train")
 
     teacher: str = opt(
         "", "Teacher model directory (its own tokenizer too: see --cross-tokenizer and --teacher-tokenizer)."
@@ -485,6 +487,8 @@ def _check_tasks(cfg: TrainConfig | SFTConfig) -> None:
 class SFTConfig(EnvSource, TrainingSource):
     """Supervised fine-tuning on (prompt, solution) pairs: makes teachers/students, off-policy cold start."""
 
+    out: str = out_option("sft")
+
     data: str = opt("", "JSONL with prompt and solution (or completion); empty: the task's own solutions.")
     init: str = opt("", "Model to start from; empty with --arch builds a new model.")
     arch: str = opt("", "New tiny model 'qwen2:LAYERS:WIDTH' (e.g. qwen2:4:256) when --init is empty.")
@@ -576,6 +580,8 @@ class SFTConfig(EnvSource, TrainingSource):
 @dataclass
 class EvalConfig(EnvSource, ModelSource):
     """Accuracy, avg@k and pass@k of a model; gap recovery when the before/teacher accuracies are given."""
+
+    out: str = out_option("eval")
 
     eval_size: int = opt(500, "Test prompts.")
     samples: int = opt(8, "Samples per prompt for avg@k / pass@k (0: greedy only).")

@@ -17,6 +17,20 @@ from opd.tasks.dataset import parse_split
 from opd.tasks.grading import check_answer_format
 
 
+OUT_HELP = {
+    "train": "Run folder (config.json, metrics.jsonl, rollouts.jsonl, checkpoints, final/): a new or empty folder, "
+    "or with --resume an opd train run's (docs/training.md, 'Run folders and --resume').",
+    "sft": "Run folder (config.json, metrics.jsonl, final/): a new or empty folder (opd sft has no --resume).",
+    "eval": "Folder for eval.json: a new or empty folder, or an earlier opd eval's (its eval.json is replaced).",
+}
+
+
+def out_option(command: str) -> Any:
+    """The ``out`` field of ``command``'s config: a default of its own, runs/COMMAND, so that one command's
+    run never lands in another's folder."""
+    return opt(f"runs/{command}", OUT_HELP[command])
+
+
 @dataclass
 class ModelSource:
     """Where a run's models and prompts come from (shared by train, sft and eval)."""
@@ -69,7 +83,7 @@ class ModelSource:
         f"Difficulty level of the built-in arithmetic task ({min(LEVELS)}-{max(LEVELS)}; see ArithmeticTask.from_level).",
     )
     seed: int = opt(0, "Seed for data order, sampling and initialisation.")
-    out: str = opt("runs/run", "Run directory (config.json, metrics.jsonl, rollouts.jsonl, checkpoints).")
+    out: str = out_option("train")  # each command sets its own (out_option)
     dtype: str = opt(
         "float32",
         "The dtype the student computes in: float32, bfloat16 or float16 (opd eval only). Training in bfloat16 "

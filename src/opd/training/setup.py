@@ -91,8 +91,8 @@ def setup(cfg: TrainConfig) -> Run:
     device = resolve_device(cfg.device)
     configure_device_math(device, cfg.dtype, cfg.tf32, "opd train")
     dist = init_distributed(cfg.fsdp, device, cfg.dtype, cfg.dist_timeout)
-    rundir = RunDir(cfg.out, report_to=cfg.report_to)
-    rundir.require_fresh(cfg.resume)
+    models = {"student": cfg.student, "teacher": cfg.teacher, "teacher-tokenizer": cfg.teacher_tokenizer}
+    rundir = RunDir(cfg.out, report_to=cfg.report_to, command="train", resume=cfg.resume, models=models)
     specs = resolve_tasks(cfg)
     check_engine(cfg.rollout_engine)
     # before the models: a data problem shows at once

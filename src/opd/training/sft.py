@@ -370,8 +370,8 @@ def kept_on_test(cfg: SFTConfig, rundir: RunDir, sources: list, step: int, multi
 
 
 def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
-    rundir = RunDir(cfg.out, report_to=cfg.report_to)
-    rundir.require_fresh()
+    models = {"init": cfg.init, "teacher": cfg.teacher, "tokenizer": cfg.tokenizer}
+    rundir = RunDir(cfg.out, report_to=cfg.report_to, command="sft", models=models)
     rundir.write_config(cfg)
     specs = resolve_tasks(cfg)
     # before the model: a data problem shows at once
