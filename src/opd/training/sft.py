@@ -27,8 +27,6 @@ chosen on the other tasks, or, with none evaluated, the last one is kept.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -51,12 +49,14 @@ from opd.models.loading import (
 )
 from opd.models.precision import compute_in, configure_device_math, saved_dtype, trained_weights_dtype
 from opd.models.tokenizer import format_prompt
-from opd.rollout.engine import RolloutEngine
+from opd.rollout.engine import RolloutEngine, check_context
 from opd.rollout.prompt_set import (
     PromptSet,
     batch_indices,
+    data_options,
     eval_prompts,
     graded,
+    load_task,
     load_tasks,
     sample_seed,
     say_grading_notes,
@@ -65,31 +65,36 @@ from opd.rollout.registry import local_engine
 from opd.runs.progress import progress_bar
 from opd.runs.rundir import RunDir, save_final_model
 from opd.tasks import Example
+from opd.tasks.rows import check_utf8
 from opd.training.optim import make_optimizer, make_scheduler
 from opd.training.schedule import for_task, task_schedule
 
 
-def load_sft_examples(path: str) -> list[Example]:
-    p = Path(path)
+def load_sft_examples(cfg: SFTConfig) -> list[Example]:
+    """``--data``, every row trained on: read as ``--task`` data is (:func:`opd.rollout.prompt_set.load_task`,
+    with its checks: the encoding, empty prompts, the columns' types), its targets the ``--solution-field``
+    column, or a 'completion' column when the data has no such column."""
+    p = Path(cfg.data)
     if not p.is_file():
         raise UserError(f"SFT data file {p} does not exist; pass a JSONL file with prompt and solution per line")
-    out = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{p}:{n} is not valid JSON ({exc.msg}); fix or remove that line") from exc
-        target = row.get("solution") or row.get("completion")
-        if "prompt" not in row or not target:
-            raise UserError(f"{p}:{n} needs a 'prompt' and a 'solution' (or 'completion') field")
-        out.append(Example(prompt=row["prompt"], answer=str(row.get("answer", "")), solution=target))
-    if not out:
+    check_utf8(p)
+    if not any(line.strip() for line in p.read_text(encoding="utf-8").splitlines()):
         raise UserError(
             f'SFT data file {p} has no examples; write one {{"prompt": ..., "solution": ...}} object per line'
         )
-    return out
+    options = data_options(cfg)
+    task = load_task(str(p), cfg.task_level, cfg.seed, split="0", **options)
+    columns = getattr(task, "columns", [])
+    if cfg.solution_field not in columns and "completion" in columns:
+        task = load_task(str(p), cfg.task_level, cfg.seed, split="0", **{**options, "solution_field": "completion"})
+    examples = task.examples("train")
+    missing = [i for i, e in enumerate(examples, 1) if not e.solution]
+    if missing:
+        raise UserError(
+            f"{p}: {len(missing)} of {len(examples)} rows have no solution, e.g. row {missing[0]}; give each a "
+            f"'{cfg.solution_field}' (or 'completion') field"
+        )
+    return examples
 
 
 def build_model(cfg: SFTConfig):
@@ -178,8 +183,8 @@ def prompt_source(cfg: SFTConfig, tok, model, task, eval_task) -> tuple[Callable
     """The batch of a step (ids, attention mask, labels), and the greedy accuracy on the validation
     prompts (what the checkpoint is chosen on) and on the test prompts, for prompts; no accuracy
     (None) without an evaluation task (--no-eval, or nothing to grade: load_tasks)."""
-    if cfg.data:  # --system-prompt applies to these prompts too
-        examples = [dataclasses.replace(e, system=cfg.system_prompt or None) for e in load_sft_examples(cfg.data)]
+    if cfg.data:
+        examples = load_sft_examples(cfg)  # --system-prompt applied by the reader, as for --task
     else:
         examples = task.examples("train")
     examples, validation = held_out_for_validation(examples, cfg, "examples") if eval_task else (examples, [])
@@ -200,6 +205,10 @@ def prompt_source(cfg: SFTConfig, tok, model, task, eval_task) -> tuple[Callable
             "some training examples have no solution; give --data with solutions or --teacher to sample them"
         )
     train_set = PromptSet.build(examples, tok, cfg.max_prompt_tokens, "SFT prompts")
+    # as opd train's rollouts are checked: the longest prompt and the token budget must fit the model's positions
+    longest = max(len(ids) for ids in train_set.prompt_ids)
+    positions = getattr(model.config, "max_position_embeddings", None)
+    check_context(longest, cfg.max_new_tokens, positions, "shorten the prompts or lower --max-new-tokens")
     teacher_engine = None
     if cfg.teacher:
         teacher = load_model(cfg.teacher, "teacher", cfg.dtype, model_device(model))
