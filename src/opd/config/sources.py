@@ -16,7 +16,6 @@ from opd.tasks.arithmetic import LEVELS
 from opd.tasks.dataset import parse_split
 from opd.tasks.grading import check_answer_format
 
-
 OUT_HELP = {
     "train": "Run folder (config.json, metrics.jsonl, rollouts.jsonl, checkpoints, final/): a new or empty folder, "
     "or with --resume an opd train run's (docs/training.md, 'Run folders and --resume').",
