@@ -25,6 +25,8 @@ DEFAULT_SPECIAL_TOKENS = ("<|im_end|>", "<think>", "</think>")
 # Rollouts run at most this many steps ahead of the trainer (--max-staleness): each step in flight holds a
 # copy of the weights, and a policy older than this is no longer distillation from the student's own samples.
 MAX_STALENESS = 4
+# --dist-timeout's bound: torch accepted 1e12 s here and garbled 8e13 s (an overflowed timer); inf raised
+MAX_DIST_TIMEOUT = 1e9
 
 
 @dataclass
@@ -229,7 +231,7 @@ class TrainConfig(EnvSource, TrainingSource, VLLMOptions):
     dist_timeout: float = opt(
         1800.0,
         "Seconds a rank waits for the others at a collective (the process group's timeout) before the run fails "
-        "(torchrun/accelerate). Default 30 minutes, for nccl and gloo alike (torch's own: 10 and 30).",
+        "(torchrun/accelerate). Default 30 minutes, for nccl and gloo alike (torch's own: 10 and 30); at most 1e9.",
     )
     lora_r: int = opt(0, "LoRA rank: > 0 trains a peft LoRA adapter on the student instead of all its weights.")
     lora_alpha: float = opt(16.0, "LoRA scaling alpha (the update is scaled by alpha / r).")
@@ -269,7 +271,11 @@ class TrainConfig(EnvSource, TrainingSource, VLLMOptions):
         ):
             check(self)
         _check_counts(self, eval_every=0, eval_size=1, eval_samples=0, ckpt_every=0, log_rollouts=0, diag_positions=0)
-        require(self.dist_timeout > 0, f"dist_timeout={self.dist_timeout} must be > 0 (seconds)")
+        require(
+            0 < self.dist_timeout <= MAX_DIST_TIMEOUT,  # NaN and inf fail too: torch's timedelta cannot hold them
+            f"dist_timeout={self.dist_timeout} must be > 0 and at most {MAX_DIST_TIMEOUT:.0e} seconds (about 31 "
+            "years: a larger wait overflows torch's process-group timers)",
+        )
         self.report_to = check_report_to(self.report_to)
         _check_lora(self)
         _check_tasks(self)
