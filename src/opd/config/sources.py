@@ -70,6 +70,12 @@ class ModelSource:
         "Options for the student's chat template, a JSON object (e.g. '{\"enable_thinking\": false}' for "
         "Qwen3's thinking switch): passed wherever opd renders a chat (prompts, SFT pairs, episodes, evaluation).",
     )
+    check_chat_template_kwargs: bool = opt(
+        True,
+        "Refuse a --chat-template-kwargs (or --teacher-chat-template-kwargs) key that the template never reads "
+        "(found with jinja2's parser; a typo would leave the template's default on). --no-check-chat-template-kwargs: "
+        "for a template that reads its options indirectly.",
+    )
     answer_format: str = opt(
         "boxed",
         "How the final answer is read, from reference answers and model outputs alike: boxed (the "

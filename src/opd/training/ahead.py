@@ -224,7 +224,9 @@ def _init_worker(cfg, threads: int) -> None:
     from opd.training.sources import task_data, train_source
 
     torch.set_num_threads(threads)
-    tok = set_chat_options(load_tokenizer(cfg.student, "student"), cfg.chat_template_kwargs)  # as the trainer's
+    tok = set_chat_options(
+        load_tokenizer(cfg.student, "student"), cfg.chat_template_kwargs, check=False
+    )  # as the trainer's
     # as the trainer's student (float32 masters, its body in --dtype), so a rollout computes what the trainer would
     weights_dtype = trained_weights_dtype(cfg.dtype, bool(cfg.lora_r))
     model = compute_in(load_model(cfg.student, "student", weights_dtype, resolve_device(cfg.device)), cfg.dtype)

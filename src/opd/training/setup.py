@@ -98,7 +98,9 @@ def setup(cfg: TrainConfig) -> Run:
     # before the models: a data problem shows at once
     data = [for_task(s.name, task_data, s.cfg) for s in specs]
     say_grading_notes("train", specs, data)
-    tok = set_chat_options(load_tokenizer(cfg.student, "student"), cfg.chat_template_kwargs)
+    tok = set_chat_options(
+        load_tokenizer(cfg.student, "student"), cfg.chat_template_kwargs, check=cfg.check_chat_template_kwargs
+    )
     student = compute_in(
         load_model(cfg.student, "student", trained_weights_dtype(cfg.dtype, bool(cfg.lora_r)), device), cfg.dtype
     )

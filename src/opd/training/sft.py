@@ -387,7 +387,7 @@ def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
     data = [None if spec.cfg.env else for_task(spec.name, load_tasks, spec.cfg) for spec in specs]
     say_grading_notes("sft", specs, data)
     model, tok = build_model(cfg)
-    set_chat_options(tok, cfg.chat_template_kwargs)
+    set_chat_options(tok, cfg.chat_template_kwargs, check=cfg.check_chat_template_kwargs)
     sources = task_sources(specs, data, tok, model)
     graded_sources = [s for s in sources if s[2] is not None]  # the others: --no-eval, or nothing to grade
     names = [spec.name for spec in specs]
