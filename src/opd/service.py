@@ -44,7 +44,9 @@ def url_problem(url: str, option: str) -> str:
         parts.port  # noqa: B018 -- parsing the port is the check ("host:abc" and "host:99999" raise here)
     except ValueError:
         port = parts.netloc.rpartition(":")[2]
-        return f"{option} {url!r} has the port {port!r}; a port is a number from 0 to 65535 (e.g. http://127.0.0.1:8000)"
+        return (
+            f"{option} {url!r} has the port {port!r}; a port is a number from 0 to 65535 (e.g. http://127.0.0.1:8000)"
+        )
     return ""
 
 

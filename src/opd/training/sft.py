@@ -381,7 +381,6 @@ def kept_on_test(cfg: SFTConfig, rundir: RunDir, sources: list, step: int, multi
 def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
     models = {"init": cfg.init, "teacher": cfg.teacher, "tokenizer": cfg.tokenizer}
     rundir = RunDir(cfg.out, report_to=cfg.report_to, command="sft", models=models)
-    rundir.write_config(cfg)
     specs = resolve_tasks(cfg)
     # before the model: a data problem shows at once
     data = [None if spec.cfg.env else for_task(spec.name, load_tasks, spec.cfg) for spec in specs]
@@ -389,6 +388,7 @@ def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
     model, tok = build_model(cfg)
     set_chat_options(tok, cfg.chat_template_kwargs, check=cfg.check_chat_template_kwargs)
     sources = task_sources(specs, data, tok, model)
+    rundir.write_config(cfg)  # once data and model passed their checks: a refused run leaves only the marker
     graded_sources = [s for s in sources if s[2] is not None]  # the others: --no-eval, or nothing to grade
     names = [spec.name for spec in specs]
     multi = cfg.tasks is not None
