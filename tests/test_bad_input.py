@@ -953,3 +953,11 @@ def test_a_read_only_out_is_refused(tiny_models, tmp_path, monkeypatch, capsys):
     code, out, err = run_opd(monkeypatch, capsys, args)
     assert_one_line_error(code, out, err, rf"cannot write in --out {re.escape(str(ro))} \(Permission denied\); .+")
     assert list(ro.iterdir()) == []
+
+
+def test_a_task_left_out_of_evaluation_is_no_eval_every_contradiction():
+    from opd.config import TrainConfig, resolve_tasks
+
+    # the run's --eval-every is for the tasks that evaluate; one with eval: false is not refused for it
+    cfg = TrainConfig(teacher="t", eval_every=5, tasks=[{"name": "a", "eval": False}, {"name": "b"}])
+    assert [(s.cfg.eval, s.cfg.eval_every) for s in resolve_tasks(cfg)] == [(False, 0), (True, 5)]
