@@ -65,7 +65,6 @@ from opd.rollout.registry import local_engine
 from opd.runs.progress import progress_bar
 from opd.runs.rundir import RunDir, save_final_model
 from opd.tasks import Example
-from opd.tasks.rows import check_utf8
 from opd.training.optim import make_optimizer, make_scheduler
 from opd.training.schedule import for_task, task_schedule
 
@@ -77,8 +76,7 @@ def load_sft_examples(cfg: SFTConfig) -> list[Example]:
     p = Path(cfg.data)
     if not p.is_file():
         raise UserError(f"SFT data file {p} does not exist; pass a JSONL file with prompt and solution per line")
-    check_utf8(p)
-    if not any(line.strip() for line in p.read_text(encoding="utf-8").splitlines()):
+    if not p.read_bytes().strip():  # bytes: the reader below names an encoding problem
         raise UserError(
             f'SFT data file {p} has no examples; write one {{"prompt": ..., "solution": ...}} object per line'
         )
