@@ -1,9 +1,11 @@
 """Loading and building causal LMs, with the checks OPD needs before any work starts.
 
-Any local Hugging Face causal-LM directory works (``from_pretrained``); hubs are never
-contacted (``local_files_only``). The trainer needs a model's final hidden states and its output
-embedding separately (the LSM fast path gathers K rows of that weight instead of computing all V
-logits); :func:`head_weight` and :func:`final_hidden` provide them and refuse models whose logits
+Any Hugging Face causal-LM directory works (``from_pretrained``): a local folder, or a Hub name
+(``Qwen/Qwen3-1.7B``, with a revision) resolved to its snapshot in huggingface_hub's cache by
+:func:`opd.hub.resolve_model` (downloaded where the network allows, read from the cache under
+``HF_HUB_OFFLINE=1``); transformers then reads that folder only (``local_files_only``). The
+trainer needs a model's final hidden states and its output embedding separately (the LSM fast
+path gathers K rows of that weight instead of computing all V logits); :func:`head_weight` and :func:`final_hidden` provide them and refuse models whose logits
 are not plain ``hidden @ W.T`` (logit scaling or soft-capping), rather than silently diverging.
 """
 
@@ -17,20 +19,28 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from opd.config import check_device
 from opd.errors import UserError
+from opd.hub import resolve_model
 from opd.runs.quiet import quiet_transformers
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _check_model_dir(path: str | Path, role: str, required: str = "config.json", option: str | None = None) -> Path:
-    """``option`` is where the user gave the path (default ``--ROLE``), for the hints: ``opd serve-teacher``
+def _check_model_dir(
+    path: str | Path, role: str, required: str = "config.json", option: str | None = None, revision: str = ""
+) -> Path:
+    """The local folder of a model given as a folder or a Hub name (at ``revision``), checked.
+
+    ``option`` is where the user gave the path (default ``--ROLE``), for the hints: ``opd serve-teacher``
     takes its model as an argument, so "pass --teacher ..." would send its user to an option it lacks."""
     option = option or f"--{role}"
     if not path:
-        raise UserError(f"no {role} model given; {_pass(option, 'DIR')} (a local Hugging Face model directory)")
-    p = Path(path)
+        raise UserError(f"no {role} model given; {_pass(option, 'DIR')} (a Hugging Face model directory or Hub name)")
+    p = resolve_model(path, revision, f"{role} model ({option})")
     if not p.is_dir():
-        raise UserError(f"{role} model directory {p} does not exist; pass a local directory written by save_pretrained")
+        raise UserError(
+            f"{role} model directory {p} does not exist; pass a local directory written by save_pretrained, or a "
+            "Hub name (ORG/NAME)"
+        )
     mistake = _not_a_model(p, option, wants_weights=required == "config.json")
     if mistake:
         raise UserError(mistake)
@@ -85,8 +95,10 @@ def _not_a_model(p: Path, option: str, wants_weights: bool) -> str | None:
     return None
 
 
-def load_tokenizer(path: str | Path, role: str = "student", option: str | None = None) -> PreTrainedTokenizerBase:
-    p = _check_model_dir(path, role, "tokenizer_config.json", option)
+def load_tokenizer(
+    path: str | Path, role: str = "student", option: str | None = None, revision: str = ""
+) -> PreTrainedTokenizerBase:
+    p = _check_model_dir(path, role, "tokenizer_config.json", option, revision)
     with quiet_transformers():
         tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
     if tok.eos_token_id is None:
@@ -103,8 +115,9 @@ def load_model(
     dtype: str = "float32",
     device: torch.device | str = "cpu",
     option: str | None = None,
+    revision: str = "",
 ) -> PreTrainedModel:
-    p = _check_model_dir(path, role, option=option)
+    p = _check_model_dir(path, role, option=option, revision=revision)
     with quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(p, dtype=_DTYPES[dtype], local_files_only=True)
     check_plain_head(model, p)
