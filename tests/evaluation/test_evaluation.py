@@ -4,6 +4,7 @@ engines (its loop with and without the static cache) and ``opd eval``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -226,20 +227,24 @@ def test_a_read_only_records_place_is_found_before_the_model_loads(tmp_path, mon
     loaded = []
     monkeypatch.setattr("opd.evaluation.model_eval.load_model", lambda *a, **k: loaded.append(1))
     try:
-        with pytest.raises(UserError, match="cannot write the evaluation records"):
+        with pytest.raises(UserError, match="cannot write"):  # the run folder's check or the records'
             run_eval(EvalConfig(out=str(locked / "out"), student=str(DEMO / "student"), device="cpu"))
     finally:
         locked.chmod(0o700)
     assert not loaded
 
 
-def test_a_read_only_records_place_as_root_is_found_too(tmp_path, monkeypatch):
-    """Root ignores permissions: a records folder that is a file is found before the model loads as well."""
-    (tmp_path / "out").write_text("a file where the output folder should be")
+def test_a_records_place_that_cannot_be_a_file_is_found_before_the_model_loads(tmp_path, monkeypatch):
+    """Root ignores permissions: a folder where the records file should be, in an earlier opd eval's output
+    folder (which opd eval takes again), is the case any user can make."""
+    cfg = EvalConfig(out=str(tmp_path / "out"), student=str(DEMO / "student"), device="cpu", eval_size=2, samples=0)
+    run_eval(dataclasses.replace(cfg, max_new_tokens=4))
+    (tmp_path / "out" / "eval_samples.jsonl").unlink()
+    (tmp_path / "out" / "eval_samples.jsonl").mkdir()
     loaded = []
     monkeypatch.setattr("opd.evaluation.model_eval.load_model", lambda *a, **k: loaded.append(1))
-    with pytest.raises(UserError, match="cannot write the evaluation records"):
-        run_eval(EvalConfig(out=str(tmp_path / "out"), student=str(DEMO / "student"), device="cpu"))
+    with pytest.raises(UserError, match="cannot write the evaluation records .*eval_samples.jsonl: it is a folder"):
+        run_eval(cfg)
     assert not loaded
 
 

@@ -37,6 +37,7 @@ LAYOUT: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "solution_field",
             "system_prompt",
             "chat_template_kwargs",
+            "check_chat_template_kwargs",
             "answer_format",
             "task_level",
             "max_prompt_tokens",

@@ -16,6 +16,19 @@ from opd.tasks.arithmetic import LEVELS
 from opd.tasks.dataset import parse_split
 from opd.tasks.grading import check_answer_format
 
+OUT_HELP = {
+    "train": "Run folder (config.json, metrics.jsonl, rollouts.jsonl, checkpoints, final/): a new or empty folder, "
+    "or with --resume an opd train run's (docs/training.md, 'Run folders and --resume').",
+    "sft": "Run folder (config.json, metrics.jsonl, final/): a new or empty folder (opd sft has no --resume).",
+    "eval": "Folder for eval.json: a new or empty folder, or an earlier opd eval's (its eval.json is replaced).",
+}
+
+
+def out_option(command: str) -> Any:
+    """The ``out`` field of ``command``'s config: a default of its own, runs/COMMAND, so that one command's
+    run never lands in another's folder."""
+    return opt(f"runs/{command}", OUT_HELP[command])
+
 
 @dataclass
 class ModelSource:
@@ -66,6 +79,12 @@ class ModelSource:
         "Options for the student's chat template, a JSON object (e.g. '{\"enable_thinking\": false}' for "
         "Qwen3's thinking switch): passed wherever opd renders a chat (prompts, SFT pairs, episodes, evaluation).",
     )
+    check_chat_template_kwargs: bool = opt(
+        True,
+        "Refuse a --chat-template-kwargs (or --teacher-chat-template-kwargs) key that the template never reads "
+        "(found with jinja2's parser; a typo would leave the template's default on). --no-check-chat-template-kwargs: "
+        "for a template that reads its options indirectly.",
+    )
     answer_format: str = opt(
         "boxed",
         "How the final answer is read, from reference answers and model outputs alike: boxed (the "
@@ -78,7 +97,7 @@ class ModelSource:
         f"Difficulty level of the built-in arithmetic task ({min(LEVELS)}-{max(LEVELS)}; see ArithmeticTask.from_level).",
     )
     seed: int = opt(0, "Seed for data order, sampling and initialisation.")
-    out: str = opt("runs/run", "Run directory (config.json, metrics.jsonl, rollouts.jsonl, checkpoints).")
+    out: str = out_option("train")  # each command sets its own (out_option)
     dtype: str = opt(
         "float32",
         "The dtype the student computes in: float32, bfloat16 or float16 (opd eval only). Training in bfloat16 "
@@ -223,4 +242,11 @@ class TrainingSource(ModelSource):
         require(
             self.eval or not self.eval_task,
             f"eval_task={self.eval_task!r} is set with evaluation off (--no-eval); drop one of them",
+        )
+        # a schedule of evaluations with evaluation off is a contradiction (the default and 0, "at the end", are not)
+        default = next((f.default for f in dataclasses.fields(self) if f.name == "eval_every"), None)
+        every = getattr(self, "eval_every", default)
+        require(
+            self.eval or every in (0, default),
+            f"eval_every={every} is set with evaluation off (--no-eval); drop one of them",
         )

@@ -189,6 +189,8 @@ def _overrides(entry: dict[str, Any], cfg: Any, mode: str, share: float) -> dict
         out.update(keep_best="", final_best=False)
     if "task" in given:
         out.setdefault("env", "")
+    if out.get("eval") is False and hasattr(cfg, "eval_every"):
+        out["eval_every"] = 0  # a task left out of evaluation has no schedule of its own: the run's is the others'
     if mode == "mix" and "batch_size" not in given:
         out["batch_size"] = round(share * cfg.batch_size)
         if out["batch_size"] < 1:

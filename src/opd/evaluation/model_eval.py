@@ -13,7 +13,6 @@ import json
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from opd.chat import set_chat_options
@@ -31,6 +30,7 @@ from opd.rollout.engine import RolloutEngine, Sampling, check_count
 from opd.rollout.game_set import GameSet, check_episode_context, play_env
 from opd.rollout.prompt_set import PromptSet, answer_source, data_options, eval_prompts, graded, load_task
 from opd.rollout.registry import local_engine
+from opd.runs.rundir import RunDir
 from opd.tasks import Task
 from opd.tasks.grading import extract_answer
 from opd.tasks.task import reference_of
@@ -138,9 +138,11 @@ def check_graded(cfg: EvalConfig, task: Task) -> None:
 
 def run_eval(cfg: EvalConfig) -> dict:
     """``opd eval``: the figures in ``OUT/eval.json`` and every response in ``OUT/eval_samples.jsonl``."""
-    records = Path(cfg.out) / "eval_samples.jsonl"
+    # Where the figures go is checked (and claimed) first: a folder that cannot take them would lose a whole evaluation.
+    rundir = RunDir(cfg.out, command="eval", models={"student": cfg.student, "tokenizer": cfg.tokenizer})
+    records = rundir.path / "eval_samples.jsonl"
     if cfg.eval_record_chars:
-        check_writable(records)  # before any work: a read-only place shows at once
+        check_writable(records)  # likewise the records
     # Data named for evaluation is evaluated whole, as --eval-task is (its test split, or every row
     # of a one-split set); --split instead picks the held-out part, as training holds it out.
     if not cfg.env:  # before the model: a data problem shows at once
@@ -149,7 +151,9 @@ def run_eval(cfg: EvalConfig) -> dict:
         check_graded(cfg, task)
     rev = cfg.student_revision
     tok = set_chat_options(
-        load_tokenizer(cfg.tokenizer or cfg.student, revision="" if cfg.tokenizer else rev), cfg.chat_template_kwargs
+        load_tokenizer(cfg.tokenizer or cfg.student, revision="" if cfg.tokenizer else rev),
+        cfg.chat_template_kwargs,
+        check=cfg.check_chat_template_kwargs,
     )
     device = resolve_device(cfg.device)
     configure_device_math(device, cfg.dtype, cfg.tf32, "opd eval")
@@ -163,9 +167,8 @@ def run_eval(cfg: EvalConfig) -> dict:
         check_episode_context(model, cfg.max_prompt_tokens, cfg.max_new_tokens)
         env = play_env(cfg)
         try:
-            done = evaluate(
-                engine, GameItems(GameSet.build(env, "test", cfg.eval_size), tok, cfg.episode_limits()), plan
-            )
+            games = GameItems(GameSet.build(env, "test", cfg.eval_size), tok, cfg.episode_limits())
+            done = evaluate(engine, games, plan)
         finally:
             getattr(env, "close", lambda: None)()
     else:
@@ -175,11 +178,9 @@ def run_eval(cfg: EvalConfig) -> dict:
     result["wall_s"] = round(time.time() - t0, 2)
     if cfg.acc_before >= 0 and cfg.acc_teacher >= 0:
         result["gap_recovery"] = gap_recovery(cfg.acc_before, result["accuracy"], cfg.acc_teacher)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     if cfg.eval_record_chars:
         write_records(records, done.records)
         result["records"] = records.name
-    (out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    rundir.write_json("eval.json", result)
     print(json.dumps(result, indent=2))
     return result

@@ -40,6 +40,10 @@ def check_writable(path: Path) -> None:
     """A UserError naming ``path`` when its folder cannot be made or written: found before an evaluation
     spends its time."""
     folder = path.parent
+    if path.exists() and not path.is_file():
+        raise UserError(
+            f"cannot write the evaluation records {path}: it is a folder; remove it or choose another --out"
+        )
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".opd-write-check-{os.getpid()}"

@@ -8,6 +8,11 @@ the new checkpoint, never half of one. Only rank 0 writes (``enabled=False`` els
 Experiment trackers (``--report-to``, :mod:`opd.runs.tracking`) are fed from here: they start when the
 config is written, get each metrics record as it is logged, and stop at :meth:`RunDir.close`
 (or at the end of a ``with RunDir(...)`` block).
+
+A run folder says it is opd's: :data:`MARKER` (``opd-run.json``, the command that made it: train, sft or
+eval) is its first file. :func:`claim` checks ``--out`` before any work: a command writes only into a new or
+empty folder or a run of its own (train resumes only its own run with a checkpoint). Folders written before
+the marker existed are recognised by their layout (:func:`run_owner`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from opd.runs.quiet import quiet_transformers
 from opd.runs.tracking import Tracking, check_installed, rollout_rows
 
 CKPT_DIR = "checkpoints"
+MARKER = "opd-run.json"  # written first: the command whose run this folder holds
+STARTED = "STARTED.json"  # opd experiment's record of how it began a train run (opd.lab.experiments.core)
 SCORE_FILE = "score.json"  # a checkpoint's evaluation figure under --keep-best
 
 
@@ -56,11 +63,24 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 
 class RunDir:
-    def __init__(self, path: str | Path, enabled: bool | None = None, report_to: Iterable[str] | str = ()):
+    """``command`` (train, sft, eval): the folder is claimed for it (:func:`claim`, with ``resume`` and the
+    ``models`` the command reads) before anything is written; None: a plain handle on the folder."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        enabled: bool | None = None,
+        report_to: Iterable[str] | str = (),
+        command: str | None = None,
+        resume: bool = False,
+        models: dict[str, str] | None = None,
+    ):
         self.path = Path(path)
         self.enabled = is_main_process() if enabled is None else enabled
         trackers = [n for n in check_report_to(report_to) if n != "none"] if report_to else []
         check_installed(trackers)  # on every rank, so that all of them stop alike, before any work
+        if self.enabled and command is not None:
+            claim(self.path, command, resume, models or {})
         self.tracking = Tracking(self.path, trackers) if self.enabled and trackers else None
         if self.enabled:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -75,14 +95,6 @@ class RunDir:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(failed=exc_type is not None)
-
-    def require_fresh(self, resume: bool = False) -> None:
-        """Refuse to start a new run over an earlier one: its logs would be appended to, not replaced."""
-        if self.enabled and not resume and (self.path / "metrics.jsonl").exists():
-            raise UserError(
-                f"{self.path} already holds a run (metrics.jsonl); pass --resume to continue it, "
-                "or choose a new --out (or delete that directory) to start over"
-            )
 
     # ------------------------------------------------------------------ logs
     def write_config(self, cfg: Any) -> None:
@@ -272,3 +284,120 @@ def save_final_model(
     if path.exists():
         shutil.rmtree(path)
     os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- ownership of --out
+
+
+def mark_run(path: Path, command: str, by: str = "") -> None:
+    """Write ``path``'s marker: the folder holds a run of opd ``command`` (``by``: what ran it, e.g. experiment)."""
+    record = {"command": command, **({"by": by} if by else {})}
+    path.mkdir(parents=True, exist_ok=True)
+    _atomic_write_text(path / MARKER, json.dumps(record) + "\n")
+
+
+def run_owner(path: Path) -> str | None:
+    """The command whose run ``path`` holds (train, sft, eval), or None for a folder that is not an opd run.
+    The marker says so; a folder written before it existed is known by its layout: a config.json with a
+    train or sft config beside its metrics.jsonl or checkpoints, an eval.json alone, or an experiment's
+    STARTED.json (a train run it began)."""
+    marker = path / MARKER
+    if marker.is_file():
+        try:
+            command = json.loads(marker.read_text())["command"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return command if isinstance(command, str) else None
+    config = path / "config.json"
+    if config.is_file() and ((path / "metrics.jsonl").is_file() or (path / CKPT_DIR).is_dir()):
+        keys = _config_keys(config)
+        if "objective" in keys:  # TrainConfig's, not SFTConfig's
+            return "train"
+        if "arch" in keys or "patience" in keys:  # SFTConfig's, not TrainConfig's
+            return "sft"
+    if (path / "eval.json").is_file() and not config.exists() and not (path / "metrics.jsonl").exists():
+        return "eval"
+    if (path / STARTED).is_file():
+        return "train"
+    return None
+
+
+def _config_keys(config: Path) -> set[str]:
+    """The option names of a run's config.json, nested by section or flat (runs written before sections)."""
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return set()
+    if not isinstance(data, dict):
+        return set()
+    return set(data) | {k for v in data.values() if isinstance(v, dict) for k in v}
+
+
+def _listing(path: Path) -> str:
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def claim(path: Path, command: str, resume: bool = False, models: dict[str, str] | None = None) -> None:
+    """Before any work, make ``path`` the run folder of opd ``command`` and write its marker, or raise
+    UserError saying what is there: a file, a model the command reads (``models``: option -> directory), a
+    folder that is not an opd run, another command's run, a run of its own it would overwrite; with
+    ``resume`` (train), anything but a run of its own with a checkpoint (one stopped before its first
+    checkpoint starts over, said so). The marker's write is the check that the folder is writable."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"--out {path} is a file; --out must be a folder (a new one, or a run of opd {command})")
+    for option, model in (models or {}).items():
+        if model and path.is_dir() and Path(model).is_dir() and path.resolve() == Path(model).resolve():
+            raise UserError(
+                f"--out {path} is the model given as --{option}; the run would overwrite its files: choose another --out"
+            )
+    found = path.is_dir() and any(path.iterdir())
+    owner = run_owner(path) if found else None
+    if resume:
+        _check_resumable(path, command, owner, found)
+    elif found and owner is None:
+        raise UserError(
+            f"--out {path} is not an opd run folder (it holds {_listing(path)}); choose a new or empty folder"
+        )
+    if owner is not None and owner != command:
+        raise UserError(f"--out {path} holds an opd {owner} run; opd {command} writes its own: choose another --out")
+    if not resume and owner == command and (path / "metrics.jsonl").exists():
+        fix = (
+            "pass --resume to continue it, or choose a new --out (or delete that folder) to start over"
+            if command == "train"
+            else f"opd {command} has no --resume: choose a new --out (or delete that folder) to start over"
+        )
+        raise UserError(f"{path} already holds a run of opd {command} (metrics.jsonl); {fix}")
+    try:
+        mark_run(path, command)
+    except OSError as exc:
+        raise UserError(f"cannot write in --out {path} ({exc.strerror}); choose a folder you can write to") from None
+
+
+def _check_resumable(path: Path, command: str, owner: str | None, found: bool) -> None:
+    """``--resume`` continues a run of ``command`` from its checkpoint; anything else is named."""
+    if not path.is_dir():
+        raise UserError(
+            f"--resume: {path} does not exist, so there is no run to resume; check --out, or drop --resume to start "
+            "a new run there"
+        )
+    if not found:
+        raise UserError(f"--resume: {path} is empty, so there is no run to resume; drop --resume to start one there")
+    if owner is None:
+        raise UserError(
+            f"--resume: {path} is not an opd run folder (it holds {_listing(path)}); point --out at an opd "
+            f"{command} run, or choose a new folder without --resume"
+        )
+    if owner != command:
+        raise UserError(
+            f"--resume: {path} holds an opd {owner} run, not an opd {command} run; resume a {command} run, or "
+            "choose a new --out without --resume"
+        )
+    if (path / CKPT_DIR / "latest").is_file():
+        return
+    if (path / "final").exists() or (path / "summary.json").exists():
+        raise UserError(
+            f"--resume: {path} holds a finished opd {command} run without checkpoints (no {CKPT_DIR}/latest), so "
+            "there is nothing to resume; choose a new --out to train again"
+        )
+    print(f"opd {command}: note: {path} has no checkpoint yet (the run stopped before its first); starting it over")

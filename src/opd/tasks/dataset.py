@@ -49,7 +49,7 @@ from opd.errors import UserError
 from opd.hub import load_hub_dataset, looks_like_repo_id, split_config
 from opd.tasks.grading import check_answer_format, extract_answer, grade, reference_answer
 from opd.tasks.presets import PRESETS
-from opd.tasks.rows import check_not_empty, convert_rows, find_bad_line
+from opd.tasks.rows import check_not_empty, check_utf8, convert_rows, find_bad_line
 from opd.tasks.task import Example, check_split, hold_out, reference_of
 
 __all__ = ["DatasetTask", "BUILDERS", "DEFAULT_TEST_FRACTION", "parse_split", "read_splits"]
@@ -133,6 +133,9 @@ def read_splits(source: str | Path, revision: str = "", flag: str = "--task") ->
             raise
         except Exception as e:  # noqa: BLE001 - datasets raises many types; the user needs one line
             _raise_if_empty(e, source)
+            for f in sorted(path.rglob("*")):  # its text data files: a byte that is not UTF-8 is named
+                if f.is_file() and BUILDERS.get(f.suffix.lower()) in ("json", "csv"):
+                    check_utf8(f)
             raise UserError(
                 f"could not read the directory {path} with datasets ({_first_line(e)}); give a "
                 "save_to_disk directory, a folder of data files, or a file"
@@ -181,9 +184,11 @@ def _read_files(source: str, files: list[Path]) -> tuple[dict[str, Any], list[Pa
         )
     builder = kinds.pop()
     json_files = files if builder == "json" else []
-    if json_files:
-        for f in json_files:
-            check_not_empty(f)
+    for f in files if builder in ("json", "csv") else []:  # text: a byte that is not UTF-8 is named, not a traceback
+        if json_files:
+            check_not_empty(f)  # which checks the encoding first
+        else:
+            check_utf8(f)
     try:
         loaded = datasets.load_dataset(builder, data_files=[str(f) for f in files])
     except Exception as e:  # noqa: BLE001 - datasets raises many types; the user needs one line

@@ -52,7 +52,10 @@ def make_teacher(cfg, student, tokenizer):
 def teacher_tokenizer(cfg, path: str, revision: str = ""):
     """The teacher's tokenizer, with its chat template options (``--teacher-chat-template-kwargs``, by
     default the student's): used where the teacher renders prompts itself (cross-tokenizer)."""
-    return set_chat_options(load_tokenizer(path, "teacher", revision=revision), cfg.teacher_chat_options())
+    own = cfg.teacher_chat_template_kwargs is not None  # the student's options are checked on the student's template
+    check = own and cfg.check_chat_template_kwargs
+    tok = load_tokenizer(path, "teacher", revision=revision)
+    return set_chat_options(tok, cfg.teacher_chat_options(), "teacher_chat_template_kwargs", check=check)
 
 
 def is_served(teacher: TeacherScorer) -> bool:

@@ -226,7 +226,9 @@ def _init_worker(cfg, threads: int) -> None:
 
     torch.set_num_threads(threads)
     rev = cfg.student_revision
-    tok = set_chat_options(load_tokenizer(cfg.student, "student", revision=rev), cfg.chat_template_kwargs)
+    tok = set_chat_options(  # as the trainer's (checked there)
+        load_tokenizer(cfg.student, "student", revision=rev), cfg.chat_template_kwargs, check=False
+    )
     # as the trainer's student (float32 masters, its body in --dtype), so a rollout computes what the trainer would
     weights_dtype = trained_weights_dtype(cfg.dtype, bool(cfg.lora_r))
     model = compute_in(

@@ -93,15 +93,19 @@ def setup(cfg: TrainConfig) -> Run:
     device = resolve_device(cfg.device)
     configure_device_math(device, cfg.dtype, cfg.tf32, "opd train")
     dist = init_distributed(cfg.fsdp, device, cfg.dtype, cfg.dist_timeout)
-    rundir = RunDir(cfg.out, report_to=cfg.report_to)
-    rundir.require_fresh(cfg.resume)
+    models = {"student": cfg.student, "teacher": cfg.teacher, "teacher-tokenizer": cfg.teacher_tokenizer}
+    rundir = RunDir(cfg.out, report_to=cfg.report_to, command="train", resume=cfg.resume, models=models)
     specs = resolve_tasks(cfg)
     check_engine(cfg.rollout_engine)
     # before the models: a data problem shows at once
     data = [for_task(s.name, task_data, s.cfg) for s in specs]
     say_grading_notes("train", specs, data)
     rev = cfg.student_revision
-    tok = set_chat_options(load_tokenizer(cfg.student, "student", revision=rev), cfg.chat_template_kwargs)
+    tok = set_chat_options(
+        load_tokenizer(cfg.student, "student", revision=rev),
+        cfg.chat_template_kwargs,
+        check=cfg.check_chat_template_kwargs,
+    )
     weights_dtype = trained_weights_dtype(cfg.dtype, bool(cfg.lora_r))
     student = compute_in(load_model(cfg.student, "student", weights_dtype, device, revision=rev), cfg.dtype)
     tasks = build_tasks(specs, data, student, tok)

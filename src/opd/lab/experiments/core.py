@@ -33,9 +33,10 @@ from opd.lab.demos.parallel import process_pool, threads_per_worker, with_thread
 from opd.lab.experiments.keys import Keys
 from opd.lab.experiments.rundata import RunData
 from opd.runs.provenance import source_commit
+from opd.runs.rundir import STARTED
 
 DONE = "DONE.json"
-STARTED = "STARTED.json"  # the command a train run was begun with: resume only that one
+# STARTED (opd.runs.rundir): the command a train run was begun with: resume only that one
 DATA = "data.json"  # what the analysis read of the runs (opd.lab.experiments.rundata)
 
 
@@ -144,7 +145,7 @@ def _started_as(run_dir: Path) -> dict | None:
 
 def _execute(spec: RunSpec, run_dir: Path, show_progress: bool, command: str, key: str) -> dict:
     if spec.kind == "train":
-        from opd.runs.rundir import RunDir
+        from opd.runs.rundir import RunDir, mark_run
         from opd.training.loop import train
 
         started = (run_dir / "metrics.jsonl").exists()
@@ -152,7 +153,7 @@ def _execute(spec: RunSpec, run_dir: Path, show_progress: bool, command: str, ke
         if started and (_started_as(run_dir) != begun_as or RunDir(run_dir).latest_checkpoint() is None):
             shutil.rmtree(run_dir)  # begun with other settings or inputs, or killed before its first checkpoint
             started = False
-        run_dir.mkdir(parents=True, exist_ok=True)
+        mark_run(run_dir, "train", by="experiment")  # the experiment's folder: opd train's checks let it in
         (run_dir / STARTED).write_text(json.dumps(begun_as) + "\n")
         cfg = dataclasses.replace(spec.config, out=str(run_dir), resume=started)
         return train(cfg, show_progress=show_progress) or {}
