@@ -502,10 +502,11 @@ def eval_stage(run: Run, step: int) -> dict:
         if t.cfg.eval_record_chars and run.rundir.enabled:
             write_records(step_records(run.rundir.path / t.files, step), d.records)
         # The decoding used (--eval-sampling model: what the generation config said) is a setting, not a metric.
-        if run.rundir.enabled:
+        res = dict(res)
+        sampling = res.pop("sampling", None)
+        if sampling is not None and run.rundir.enabled:
             (run.rundir.path / t.files).mkdir(parents=True, exist_ok=True)
-            (run.rundir.path / t.files / "eval_sampling.json").write_text(json.dumps(res["sampling"], indent=2) + "\n")
-        res = {k: v for k, v in res.items() if k != "sampling"}
+            (run.rundir.path / t.files / "eval_sampling.json").write_text(json.dumps(sampling, indent=2) + "\n")
         record.update({(f"eval/{t.name}/{k}" if t.name else f"eval/{k}"): v for k, v in res.items()})
     if run.tasks[0].name:
         for key in ("accuracy", "avg_at_k"):
