@@ -1036,7 +1036,10 @@ PUBLIC_NAMES = [  # the public API before the package split, then the names adde
     "local_support_kl_tail",
     "local_support_kl_tail_from_hidden",
     "truncated_importance_weight",
-] + ["Head", "HeadLike", "as_head"]
+    "Head",
+    "HeadLike",
+    "as_head",
+]
 
 
 @pytest.mark.parametrize("name", PUBLIC_NAMES)
