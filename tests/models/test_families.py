@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as T
-from helpers import step_records
+from helpers import SMALL, assert_close_weights, assert_same_trajectory, cli_args, launch, step_records
 
 from opd import losses as L
 from opd.models.head import model_head
@@ -222,14 +222,17 @@ def test_a_forward_opd_cannot_reproduce_is_refused_at_load(tmp_path):
 
 
 OBJECTIVES = ("lsm", "full_kl", "sampled")
-TRAIN_CASES = [(f, o, "float32") for f in INSTALLED for o in OBJECTIVES] + [
-    (f, "lsm", "bfloat16") for f in ("gemma2", "phi") if f in INSTALLED
-]
+TRAIN_CASES = (
+    [(f, o, "float32") for f in INSTALLED for o in OBJECTIVES]
+    + [(f, "lsm", "bfloat16") for f in ("gemma2", "phi") if f in INSTALLED]
+    + [(f, o, "lora") for f in ("gemma2", "phi") if f in INSTALLED for o in ("lsm", "full_kl")]
+)
 
 
 @pytest.mark.parametrize("family,objective,dtype", TRAIN_CASES)
 def test_every_objective_trains(pairs, family, objective, dtype, tmp_path):
-    """Two steps of ``opd train`` (in process); bfloat16 runs also checkpoint layers and split micro-batches."""
+    """Two steps of ``opd train`` (in process); bfloat16 runs also checkpoint layers and split
+    micro-batches; "lora" trains a LoRA adapter in float32, the head (and phi's bias) frozen."""
     from opd.config import TrainConfig
     from opd.training import loop
 
@@ -255,12 +258,45 @@ def test_every_objective_trains(pairs, family, objective, dtype, tmp_path):
         log_rollouts=1,
         diag_positions=4,
         warmup_steps=0,
-        dtype=dtype,
+        dtype="float32" if dtype == "lora" else dtype,
         gradient_checkpointing=low,
         **({"micro_batch_tokens": 128} if low else {}),
+        **({"lora_r": 4} if dtype == "lora" else {}),
     )
     loop.train(cfg, show_progress=False)
     steps = step_records(tmp_path / "run")
     assert len(steps) == 2
     for rec in steps:
         assert math.isfinite(rec["train/loss"]) and rec["train/grad_norm"] > 0, rec
+
+
+@pytest.mark.slow
+def test_fsdp_shards_a_biased_head_like_one_process(pairs, tmp_path):
+    """Two FSDP ranks (gloo) of phi, whose head has a bias: the root unit holds the head and its bias,
+    gathered in the loss's forward; the trajectory and the final weights (bias included) equal one
+    process's."""
+    from opd.config import TrainConfig
+    from opd.training import loop
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "Compute {i} + {i + 3}.", "answer": "{2 * i + 3}"}}\n' for i in range(8)))
+    models = pairs["phi"]
+    run = dict(steps=2, task=str(prompts), split="0.25", eval_size=2, objective="lsm")
+    one = tmp_path / "one"
+    cfg = {**SMALL, **run, "batch_size": 4}
+    loop.train(TrainConfig(student=str(models[0]), teacher=str(models[1]), out=str(one), **cfg), show_progress=False)
+    two = tmp_path / "fsdp"
+    launch("torchrun", cli_args(models, two, batch_size=2, fsdp=True, **run))
+    assert_same_trajectory(step_records(two), step_records(one))
+    from safetensors.torch import load_file
+
+    got, want = (load_file(str(d / "final" / "model.safetensors")) for d in (two, one))
+    assert "lm_head.bias" in want and not torch.equal(want["lm_head.bias"], build_bias(models[0]))
+    assert_close_weights(got, want)
+
+
+def build_bias(model_dir):
+    """The student's head bias as saved before training."""
+    from safetensors.torch import load_file
+
+    return load_file(str(model_dir / "model.safetensors"))["lm_head.bias"]
