@@ -221,6 +221,26 @@ def test_a_forward_opd_cannot_reproduce_is_refused_at_load(tmp_path):
     assert check_head(model, tmp_path).bias_V is None  # the family itself passes
 
 
+def test_remote_code_is_refused_without_running_it(pairs, tmp_path):
+    """A model directory whose config points at its own modeling code: a one-line error naming the
+    class, no prompt and no import of that code (it would raise here)."""
+    import json
+    import shutil
+
+    from opd.errors import UserError
+
+    d = tmp_path / "remote"
+    shutil.copytree(pairs["llama"][0], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(model_type="mine", architectures=["MineForCausalLM"])
+    cfg["auto_map"] = {"AutoConfig": "configuration_mine.MineConfig", "AutoModelForCausalLM": "modeling_mine.Mine"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    for name in ("configuration_mine.py", "modeling_mine.py"):
+        (d / name).write_text("raise RuntimeError('remote code ran')\n")
+    with pytest.raises(UserError, match="MineForCausalLM is remote code"):
+        load_model(d, "student")
+
+
 OBJECTIVES = ("lsm", "full_kl", "sampled")
 TRAIN_CASES = (
     [(f, o, "float32") for f in INSTALLED for o in OBJECTIVES]

@@ -10,6 +10,7 @@ own logits that head does not reproduce, rather than train on numbers that are n
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -108,13 +109,33 @@ def load_model(
     option: str | None = None,
 ) -> PreTrainedModel:
     p = _check_model_dir(path, role, option=option)
-    with quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(p, dtype=_DTYPES[dtype], local_files_only=True)
+    try:
+        with quiet_transformers():
+            # never remote code: its forward is unknown to opd's head, and unasked transformers would prompt
+            model = AutoModelForCausalLM.from_pretrained(
+                p, dtype=_DTYPES[dtype], local_files_only=True, trust_remote_code=False
+            )
+    except ValueError as err:
+        if "trust_remote_code" not in str(err):
+            raise
+        raise UserError(_remote_code_message(p, role)) from None
     # transformers wraps PreTrainedModel.to in functools.wraps, which mypy does not bind as a method
     model = model.to(device)  # type: ignore[arg-type]
     check_finite_weights(model, p, role, dtype)  # on the device: one fast pass over the weights on a GPU
     check_head(model, p)  # after the finite check: NaN weights would fail the probe less clearly
     return model
+
+
+def _remote_code_message(p: Path, role: str) -> str:
+    try:
+        arch = (json.loads((p / "config.json").read_text()).get("architectures") or ["its model class"])[0]
+    except (OSError, ValueError):
+        arch = "its model class"
+    return (
+        f"{role} model {p}: {arch} is remote code (config.json's auto_map), which opd does not run: opd computes "
+        "log-probs from the model's head and can check only the families transformers ships; use one "
+        "(docs/training.md, Model families)"
+    )
 
 
 def check_finite_weights(model: PreTrainedModel, where: str | Path, role: str, dtype: str) -> None:
