@@ -108,27 +108,46 @@ CASES = [
     (
         "missing-student",
         "train --student <D>/nope --teacher <T> --out <OUT>",
-        r"student model directory <D>/nope does not exist; pass a local directory written by save_pretrained",
+        r"student model directory <D>/nope does not exist; pass a local directory written by save_pretrained, or a Hub name \(ORG/NAME\)",
     ),
     (
         "missing-teacher",
         "train --student <S> --teacher <D>/nope --out <OUT>",
-        r"teacher model directory <D>/nope does not exist; pass a local directory written by save_pretrained",
+        r"teacher model directory <D>/nope does not exist; pass a local directory written by save_pretrained, or a Hub name \(ORG/NAME\)",
+    ),
+    (
+        "hub-student-not-cached",
+        "train --student acme/absent --teacher <T> --out <OUT>",
+        r"student model \(--student\) 'acme/absent' is no local path, and the Hub model acme/absent is not in the "
+        r"cache .*hub and could not be fetched offline \(HF_HUB_OFFLINE=1\) \(not cached\); fetch it where the "
+        r"network allows with `hf download acme/absent` \(same HF_HOME\), or give a local path",
+    ),
+    (
+        "hub-task-revision-not-cached",
+        "train --student <S> --teacher <T> --out <OUT> --task acme/sums --task-revision v2",
+        r"--task 'acme/sums' is no local path, 'arithmetic' or a preset \(gsm8k, math500, aime24, aime25\), and the "
+        r"Hub dataset acme/sums at revision 'v2' is not in the cache .*`hf download acme/sums --repo-type dataset "
+        r"--revision v2` \(same HF_HOME\), or give a local path",
+    ),
+    (
+        "keep-best-never-evaluated",
+        "train --student <S> --teacher <T> --out <OUT> --keep-best eval/pass_at_k --eval-samples 0",
+        r"keep_best='eval/pass_at_k': this run never evaluates eval/pass_at_k; it logs eval/accuracy",
     ),
     (
         "no-student",
         "train --teacher <T> --out <OUT>",
-        r"no student model given; pass --student DIR \(a local Hugging Face model directory\)",
+        r"no student model given; pass --student DIR \(a Hugging Face model directory or Hub name\)",
     ),
     (
         "missing-init",
         "sft --init <D>/nope --out <OUT>",
-        r"init model directory <D>/nope does not exist; pass a local directory written by save_pretrained",
+        r"init model directory <D>/nope does not exist; pass a local directory written by save_pretrained, or a Hub name \(ORG/NAME\)",
     ),
     (
         "serve-missing-model",
         "serve-teacher <D>/nope --port 0",
-        r"teacher model directory <D>/nope does not exist; pass a local directory written by save_pretrained",
+        r"teacher model directory <D>/nope does not exist; pass a local directory written by save_pretrained, or a Hub name \(ORG/NAME\)",
     ),
     (
         "run-dir-as-student",
@@ -184,8 +203,8 @@ CASES = [
     (
         "missing-task-file",
         f"{TRAIN} --task <D>/nope.jsonl",
-        r"--task '<D>/nope\.jsonl' is neither 'arithmetic' nor an existing file, glob or directory; check the "
-        r"path \(it is read relative to .+\)",
+        r"--task '<D>/nope\.jsonl' is neither an existing file, glob or directory \(read relative to .+\), nor "
+        r"'arithmetic', a preset \(gsm8k, math500, aime24, aime25\) or a Hub dataset name \(ORG/NAME\); check the path",
     ),
     (
         "empty-sft-data",
@@ -271,7 +290,7 @@ CASES = [
     (
         "unknown-task-key",
         f"{TRAIN} --tasks <D>/task_typo.yaml",
-        r"task 'math': 'stepz' is not a setting; a task may set teacher, teacher_url, .*, eval_samples",
+        r"task 'math': 'stepz' is not a setting; a task may set teacher, teacher_revision, teacher_url, .*, eval_samples",
     ),
     (
         "words-for-a-task-count",

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from opd.config.checkpoints import CheckpointOptions, check_checkpoint_options
 from opd.config.engines import VLLMOptions, check_vllm
 from opd.config.fields import DTYPES, REPORT_TO_HELP, ConfigError, check_report_to, opt, require
 from opd.config.sources import EnvSource, ModelSource, TrainingSource, chat_options
@@ -28,11 +29,11 @@ MAX_STALENESS = 4
 
 
 @dataclass
-class TrainConfig(EnvSource, TrainingSource, VLLMOptions):
+class TrainConfig(EnvSource, TrainingSource, VLLMOptions, CheckpointOptions):
     """On-policy distillation: the student samples, the teacher scores, the student moves toward it."""
 
     teacher: str = opt(
-        "", "Teacher model directory (its own tokenizer too: see --cross-tokenizer and --teacher-tokenizer)."
+        "", "Teacher model: a directory or a Hub name (its own tokenizer too: --cross-tokenizer, --teacher-tokenizer)."
     )
     teacher_tokenizer: str = opt(
         "",
@@ -271,6 +272,7 @@ class TrainConfig(EnvSource, TrainingSource, VLLMOptions):
         self.report_to = check_report_to(self.report_to)
         _check_lora(self)
         _check_tasks(self)
+        check_checkpoint_options(self)
 
 
 # One check per section of TrainConfig (opd.config.sections), each naming the option and the fix.
@@ -486,7 +488,7 @@ class SFTConfig(EnvSource, TrainingSource):
     """Supervised fine-tuning on (prompt, solution) pairs: makes teachers/students, off-policy cold start."""
 
     data: str = opt("", "JSONL with prompt and solution (or completion); empty: the task's own solutions.")
-    init: str = opt("", "Model to start from; empty with --arch builds a new model.")
+    init: str = opt("", "Model to start from (a directory or a Hub name); empty with --arch builds a new model.")
     arch: str = opt("", "New tiny model 'qwen2:LAYERS:WIDTH' (e.g. qwen2:4:256) when --init is empty.")
     tokenizer: str = opt("", "Tokenizer directory for a new model (the demo trains one).")
     teacher: str = opt(

@@ -21,13 +21,22 @@ from opd.tasks.grading import check_answer_format
 class ModelSource:
     """Where a run's models and prompts come from (shared by train, sft and eval)."""
 
-    student: str = opt("", "Student model: a local Hugging Face causal-LM directory (from_pretrained).")
+    student: str = opt(
+        "",
+        "Student model: a local Hugging Face causal-LM directory, or a Hub name (ORG/NAME) read from the Hugging Face "
+        "cache (downloaded where the network allows; HF_HOME, HF_HUB_OFFLINE honoured).",
+    )
+    student_revision: str = opt(
+        "", "Hub revision (branch, tag or commit) of --student given by name (opd sft: of --init). Default: main."
+    )
     task: str = opt(
         "arithmetic",
-        "Prompts and answers: 'arithmetic' (the built-in task), or your data, read with Hugging Face "
-        "datasets: a save_to_disk directory, a folder of data files, or parquet, arrow, JSON/JSONL or "
-        "CSV files or a glob ('data/*.parquet').",
+        "Prompts and answers, resolved in this order: a local path (a save_to_disk directory, a folder of data "
+        "files, parquet, arrow, JSON/JSONL or CSV files or a glob 'data/*.parquet'), 'arithmetic' (the built-in "
+        "task), a benchmark preset (gsm8k, math500, aime24, aime25), or a Hub dataset name (ORG/NAME, or "
+        "ORG/NAME:CONFIG) read with datasets.load_dataset (HF_HUB_OFFLINE: from the Hugging Face cache).",
     )
+    task_revision: str = opt("", "Hub revision (branch, tag or commit) of a --task given by Hub name. Default: main.")
     split: str = opt(
         "",
         "Which part of --task data trains and which is evaluated: TRAIN,TEST (two split names, e.g. "
@@ -181,6 +190,8 @@ class TrainingSource(ModelSource):
         "test split, or every row when it has one split. Default: the held-out part of --task.",
     )
     eval_split: str = opt("", "Split of --eval-task to evaluate on (default: test, or its only split).")
+    eval_revision: str = opt("", "Hub revision of an --eval-task given by Hub name (default: main).")
+    teacher_revision: str = opt("", "Hub revision (branch, tag or commit) of --teacher given by name (default: main).")
     eval_prompt_field: str = opt("", "--prompt-field of --eval-task (default: --prompt-field).")
     eval_answer_field: str = opt("", "--answer-field of --eval-task (default: --answer-field).")
     eval_solution_field: str = opt("", "--solution-field of --eval-task (default: --solution-field).")

@@ -126,10 +126,13 @@ def run_eval(cfg: EvalConfig) -> dict:
         options = data_options(cfg)
         task = load_task(cfg.task, cfg.task_level, cfg.seed, split=cfg.split, evaluation=not cfg.split, **options)
         check_graded(cfg, task)
-    tok = set_chat_options(load_tokenizer(cfg.tokenizer or cfg.student), cfg.chat_template_kwargs)
+    rev = cfg.student_revision
+    tok = set_chat_options(
+        load_tokenizer(cfg.tokenizer or cfg.student, revision="" if cfg.tokenizer else rev), cfg.chat_template_kwargs
+    )
     device = resolve_device(cfg.device)
     configure_device_math(device, cfg.dtype, cfg.tf32, "opd eval")
-    model = load_model(cfg.student, dtype=cfg.dtype, device=device)
+    model = load_model(cfg.student, dtype=cfg.dtype, device=device, revision=rev)
     common: dict[str, Any] = dict(
         samples=cfg.samples,
         temperature=cfg.temperature,

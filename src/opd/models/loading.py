@@ -1,11 +1,14 @@
 """Loading and building causal LMs, with the checks OPD needs before any work starts.
 
-Any local Hugging Face causal-LM directory works (``from_pretrained``); hubs are never
-contacted (``local_files_only``). The trainer needs a model's final hidden states and its output
-embedding separately (the LSM fast path gathers K rows of that weight instead of computing all V
-logits); :func:`final_hidden` and :func:`~opd.models.head.model_head` (the head as the model computes
-it: bias, logit scale, soft-cap) provide them, and :func:`check_head` refuses at load a model whose
-own logits that head does not reproduce, rather than train on numbers that are not the model's.
+Any Hugging Face causal-LM directory works (``from_pretrained``): a local folder, or a Hub name
+(``Qwen/Qwen3-1.7B``, with a revision) resolved to its snapshot in huggingface_hub's cache by
+:func:`opd.hub.resolve_model` (downloaded where the network allows, read from the cache under
+``HF_HUB_OFFLINE=1``); transformers then reads that folder only (``local_files_only``). The
+trainer needs a model's final hidden states and its output embedding separately (the LSM fast
+path gathers K rows of that weight instead of computing all V logits); :func:`final_hidden` and
+:func:`~opd.models.head.model_head` (the head as the model computes it: bias, logit scale,
+soft-cap) provide them, and :func:`check_head` refuses at load a model whose own logits that head
+does not reproduce, rather than train on numbers that are not the model's.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from opd.config import check_device
 from opd.errors import UserError
+from opd.hub import resolve_model
 from opd.losses import Head
 from opd.models.head import DIVIDE, MULTIPLY, SOFTCAP, describe, model_head
 from opd.runs.quiet import quiet_transformers
@@ -26,15 +30,22 @@ from opd.runs.quiet import quiet_transformers
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _check_model_dir(path: str | Path, role: str, required: str = "config.json", option: str | None = None) -> Path:
-    """``option`` is where the user gave the path (default ``--ROLE``), for the hints: ``opd serve-teacher``
+def _check_model_dir(
+    path: str | Path, role: str, required: str = "config.json", option: str | None = None, revision: str = ""
+) -> Path:
+    """The local folder of a model given as a folder or a Hub name (at ``revision``), checked.
+
+    ``option`` is where the user gave the path (default ``--ROLE``), for the hints: ``opd serve-teacher``
     takes its model as an argument, so "pass --teacher ..." would send its user to an option it lacks."""
     option = option or f"--{role}"
     if not path:
-        raise UserError(f"no {role} model given; {_pass(option, 'DIR')} (a local Hugging Face model directory)")
-    p = Path(path)
+        raise UserError(f"no {role} model given; {_pass(option, 'DIR')} (a Hugging Face model directory or Hub name)")
+    p = resolve_model(path, revision, f"{role} model ({option})")
     if not p.is_dir():
-        raise UserError(f"{role} model directory {p} does not exist; pass a local directory written by save_pretrained")
+        raise UserError(
+            f"{role} model directory {p} does not exist; pass a local directory written by save_pretrained, or a "
+            "Hub name (ORG/NAME)"
+        )
     mistake = _not_a_model(p, option, wants_weights=required == "config.json")
     if mistake:
         raise UserError(mistake)
@@ -89,8 +100,10 @@ def _not_a_model(p: Path, option: str, wants_weights: bool) -> str | None:
     return None
 
 
-def load_tokenizer(path: str | Path, role: str = "student", option: str | None = None) -> PreTrainedTokenizerBase:
-    p = _check_model_dir(path, role, "tokenizer_config.json", option)
+def load_tokenizer(
+    path: str | Path, role: str = "student", option: str | None = None, revision: str = ""
+) -> PreTrainedTokenizerBase:
+    p = _check_model_dir(path, role, "tokenizer_config.json", option, revision)
     with quiet_transformers():
         tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
     if tok.eos_token_id is None:
@@ -107,8 +120,9 @@ def load_model(
     dtype: str = "float32",
     device: torch.device | str = "cpu",
     option: str | None = None,
+    revision: str = "",
 ) -> PreTrainedModel:
-    p = _check_model_dir(path, role, option=option)
+    p = _check_model_dir(path, role, option=option, revision=revision)
     try:
         with quiet_transformers():
             # never remote code: its forward is unknown to opd's head, and unasked transformers would prompt

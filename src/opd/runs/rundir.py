@@ -26,9 +26,10 @@ from opd.config import check_report_to, config_record, dump_config
 from opd.errors import UserError
 from opd.runs.progress import is_main_process
 from opd.runs.quiet import quiet_transformers
-from opd.runs.tracking import Tracking, check_installed
+from opd.runs.tracking import Tracking, check_installed, rollout_rows
 
 CKPT_DIR = "checkpoints"
+SCORE_FILE = "score.json"  # a checkpoint's evaluation figure under --keep-best
 
 
 def _usual_modes(path: Path) -> None:
@@ -106,6 +107,13 @@ class RunDir:
 
     def log_rollouts(self, records: list[dict]) -> None:
         self._append("rollouts.jsonl", records)
+        if self.tracking is not None and records:  # the trackers' table of them (opd.runs.tracking)
+            self.tracking.log_samples("rollouts", rollout_rows(records), records[0].get("step"))
+
+    def log_samples(self, key: str, rows: list[dict], step: int | None) -> None:
+        """Rows (an evaluation's samples) to the trackers as a table; the caller writes its own file."""
+        if self.tracking is not None:
+            self.tracking.log_samples(key, rows, step)
 
     def write_json(self, name: str, data: Any) -> None:
         if self.enabled:
@@ -145,10 +153,18 @@ class RunDir:
         return self.path / CKPT_DIR
 
     def save_checkpoint(
-        self, step: int, model, state: dict, keep: int = 2, model_state: dict | None = None
+        self,
+        step: int,
+        model,
+        state: dict,
+        keep: int = 2,
+        model_state: dict | None = None,
+        score: float | None = None,
+        best: tuple[str, str] | None = None,
     ) -> Path | None:
         """Atomically write ``model`` (save_pretrained; ``model_state`` replaces its own state dict, e.g.
-        the gathered weights of an FSDP-sharded model) and ``state`` (optimizer, RNG, ...)."""
+        the gathered weights of an FSDP-sharded model) and ``state`` (optimizer, RNG, ...), then keep the
+        ``keep`` newest checkpoints and, with ``best`` (metric, "max" or "min"), the best ``score``d one."""
         if not self.enabled:
             return None
         root = self.ckpt_root
@@ -158,16 +174,49 @@ class RunDir:
         with quiet_transformers():
             model.save_pretrained(tmp / "model", safe_serialization=True, state_dict=model_state)
         torch.save(state, tmp / "state.pt")
+        if score is not None and best is not None:  # inside the checkpoint: written with it, atomically
+            (tmp / SCORE_FILE).write_text(json.dumps({"metric": best[0], "value": score, "step": step}) + "\n")
         (tmp / "COMPLETE").write_text(str(step))
         _usual_modes(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         _atomic_write_text(root / "latest", final.name)
-        older = sorted(p for p in root.glob("step_*") if p != final)
-        for old in older[: max(len(older) - (keep - 1), 0)]:
-            shutil.rmtree(old, ignore_errors=True)
+        kept = set(sorted(root.glob("step_*"))[-keep:])
+        winner = self._best_of(root, best) if best is not None else None
+        if winner is not None:
+            kept.add(winner)
+            _atomic_write_text(root / "best", winner.name)
+        for old in root.glob("step_*"):
+            if old not in kept:
+                shutil.rmtree(old, ignore_errors=True)
         return final
+
+    @staticmethod
+    def _best_of(root: Path, best: tuple[str, str]) -> Path | None:
+        """The checkpoint with the best score of ``best[0]`` (the earliest of a tie), or None."""
+        metric, mode = best
+        winner, top = None, None
+        for ckpt in sorted(root.glob("step_*")):
+            try:
+                record = json.loads((ckpt / SCORE_FILE).read_text())
+            except (OSError, ValueError):
+                continue  # unscored (a --ckpt-every checkpoint between evaluations)
+            value = record.get("value")
+            if record.get("metric") != metric or not isinstance(value, (int, float)) or value != value:
+                continue
+            if top is None or (value > top if mode == "max" else value < top):
+                winner, top = ckpt, value
+        return winner
+
+    def best_checkpoint(self) -> dict | None:
+        """The best checkpoint's path and score (``checkpoints/best``), or None when there is none."""
+        pointer = self.ckpt_root / "best"
+        if not pointer.exists():
+            return None
+        ckpt = self.ckpt_root / pointer.read_text().strip()
+        score = json.loads((ckpt / SCORE_FILE).read_text())
+        return {"path": str(ckpt), "model": str(ckpt / "model"), **score}
 
     def latest_checkpoint(self) -> Path | None:
         pointer = self.ckpt_root / "latest"

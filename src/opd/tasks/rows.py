@@ -197,6 +197,9 @@ def _row_example(record: dict, row: int, cols: _Columns, task: Any, problems: di
         problems["tools"].add(row, f"{TOOLS!r} {e}")
         return None
     messages, system = _plain(history, task.system_prompt)
+    template = getattr(task, "prompt_template", "")
+    if template and history is None:  # a preset's wording around a plain question (str.replace: \boxed{} has braces)
+        prompt = template.replace("{prompt}", prompt)
     solution = _text(record.get(cols.solution), row, cols.solution, problems) or chat_solution
     raw = record[cols.answer] if cols.answer else None
     ref_text = _text(raw, row, cols.answer, problems)

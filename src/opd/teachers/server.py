@@ -634,8 +634,10 @@ def serve(
     verbose: bool = False,
     device: str = "auto",
     api_keys: list[str] | tuple = (),
+    revision: str = "",
 ) -> None:
-    """``opd serve-teacher``: load the model, serve until interrupted (Ctrl-C or SIGTERM)."""
+    """``opd serve-teacher``: load the model, serve until interrupted (Ctrl-C or SIGTERM). A Hub name is
+    served under that name (as vLLM does), its files read from the Hugging Face cache."""
     keys = KeyCheck(api_keys)  # a bad key is refused before the model loads
     if not keys and not is_loopback(host):
         print(
@@ -647,10 +649,9 @@ def serve(
     if port:  # a taken port fails now, not after the model's load (minutes for a large model)
         _listen(host, port).close()
     where = "the model argument (opd serve-teacher MODEL_DIR)"
-    model = load_model(model_dir, "teacher", dtype, resolve_device(device), option=where)
-    app = TeacherApp(
-        model, load_tokenizer(model_dir, "teacher", option=where), served_model_name or str(model_dir), limits, api_keys
-    )
+    model = load_model(model_dir, "teacher", dtype, resolve_device(device), option=where, revision=revision)
+    tok = load_tokenizer(model_dir, "teacher", option=where, revision=revision)
+    app = TeacherApp(model, tok, served_model_name or str(model_dir), limits, api_keys)
     sock = _listen(host, port)
     server = _server(app, sock, verbose)
     url = "http://{}:{}".format(*server.server_address)

@@ -97,8 +97,8 @@ def build_model(cfg: SFTConfig):
     device = resolve_device(cfg.device)
     configure_device_math(device, cfg.dtype, cfg.tf32, "opd sft")
     if cfg.init:
-        model = load_model(cfg.init, "init", trained_weights_dtype(cfg.dtype), device)
-        tok = load_tokenizer(cfg.init, "init")
+        model = load_model(cfg.init, "init", trained_weights_dtype(cfg.dtype), device, revision=cfg.student_revision)
+        tok = load_tokenizer(cfg.init, "init", revision=cfg.student_revision)
     else:
         if not cfg.tokenizer:
             raise UserError("a new model (--arch) needs --tokenizer DIR (a tokenizer saved with save_pretrained)")
@@ -202,7 +202,7 @@ def prompt_source(cfg: SFTConfig, tok, model, task, eval_task) -> tuple[Callable
     train_set = PromptSet.build(examples, tok, cfg.max_prompt_tokens, "SFT prompts")
     teacher_engine = None
     if cfg.teacher:
-        teacher = load_model(cfg.teacher, "teacher", cfg.dtype, model_device(model))
+        teacher = load_model(cfg.teacher, "teacher", cfg.dtype, model_device(model), revision=cfg.teacher_revision)
         teacher_engine = local_engine(teacher, tok)
 
     def batch(step: int) -> tuple:
