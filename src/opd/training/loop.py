@@ -49,8 +49,9 @@ from opd.config import TrainConfig, config_record
 from opd.errors import ServiceUnavailable, UserError
 from opd.evaluation.records import step_records, write_records
 from opd.evaluation.sharing import Share
+from opd.losses import Head
 from opd.models.export import merged_weights
-from opd.models.loading import head_weight
+from opd.models.head import model_head
 from opd.models.precision import precision_record, saved_dtype
 from opd.rollout.engine import EngineUnavailable, RolloutBatch
 from opd.rollout.episodes import EpisodeRecord
@@ -413,7 +414,7 @@ def check_finite(run: Run, step: int, **values: float) -> None:
 STEP_KEYS = ("train/loss", "train/grad_norm", "train/clipped", "train/lr")  # the step's, never a part's
 
 
-def part_metrics(run: Run, step: int, p: StepPart, upd: StepUpdate, W: torch.Tensor) -> tuple[dict, dict, list]:
+def part_metrics(run: Run, step: int, p: StepPart, upd: StepUpdate, W: Head) -> tuple[dict, dict, list]:
     """One rank's metrics of one part, what each is a mean over, and (rank 0) its sample rollouts."""
     cfg, c = run.cfg, p.task.cfg
     mask_NT, scores = p.mask_NT, p.scores
@@ -440,7 +441,7 @@ def log_stage(run: Run, step: int, parts: list[StepPart], upds: list[StepUpdate]
     name in a multi-task run, and rank 0's sample rollouts."""
 
     def local(student):
-        W = head_weight(student).detach()
+        W = model_head(student).detach()
         return [part_metrics(run, step, p, u, W) for p, u in zip(parts, upds, strict=True)]
 
     mine = run.dist.full_call(local)
