@@ -168,6 +168,16 @@ CASES = [
         r"argument \(opd serve-teacher MODEL_DIR\)",
     ),
     (
+        "maj-at-k-without-samples",
+        f"{EVAL} --maj-k 4",
+        r"maj_k=4 votes over samples, and --samples is 0: set --samples to 4 or more",
+    ),
+    (
+        "train-maj-at-k-over-samples",
+        f"{TRAIN} --eval-samples 2 --maj-k 4",
+        r"maj_k=4 needs as many samples per prompt; --eval-samples is 2: raise it or lower --maj-k",
+    ),
+    (
         "run-dir-to-eval",
         "eval --student <D>/run --out <OUT>",
         r"<D>/run is an opd run directory; its trained model is <D>/run/final: pass --student <D>/run/final",

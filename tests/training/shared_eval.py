@@ -17,8 +17,9 @@ from opd.config import TrainConfig
 from opd.envs import Game, StepResult, register_env
 from opd.evaluation.sharing import Share
 from opd.models.loading import load_model, load_tokenizer
+from opd.rollout.registry import local_engine
 from opd.training.distributed import init_distributed, shutdown
-from opd.training.sources import held_out, task_data
+from opd.training.sources import eval_plan, held_out, task_data
 
 DEMO = Path(opd.__file__).parent / "assets" / "demo"
 COMMON = dict(student=str(DEMO / "student"), teacher=str(DEMO / "teacher"), device="cpu", eval_samples=2)
@@ -73,7 +74,8 @@ def main(out: Path) -> None:
     for name, options in (("prompts", PROMPTS), ("games", GAMES)):
         cfg = TrainConfig(**COMMON, **options)
         source = held_out(cfg, tok, task_data(cfg)[1])
-        figures[name] = source.evaluate(model, tok, cfg, seed=3, share=share)
+        plan = eval_plan(cfg, seed=3, share=share)
+        figures[name] = source.evaluate(local_engine(model, tok), tok, cfg, plan).figures
         source.close()
     (out / f"figures{dist.rank}.json").write_text(json.dumps(figures, sort_keys=True))
     shutdown(dist)

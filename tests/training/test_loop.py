@@ -14,6 +14,7 @@ import torch
 from helpers import cfg_for, first_rollout, step_records, train_killed_at
 
 from opd.errors import UserError
+from opd.evaluation.core import Evaluation
 from opd.evaluation.model_eval import evaluate_model
 from opd.models.loading import disable_dropout, load_model, load_tokenizer
 from opd.tasks import ArithmeticTask
@@ -180,11 +181,11 @@ def test_updates_per_batch_with_an_analytic_loss(tiny_models, tmp_path, objectiv
 def test_periodic_eval_follows_the_configured_temperature(tiny_models, tmp_path, monkeypatch):
     seen = []
 
-    def fake_eval(*args, **kw):
-        seen.append(kw["temperature"])
-        return {"accuracy": 0.0, "n": 1}
+    def fake_eval(engine, items, plan):
+        seen.append(plan.sampling.temperature)
+        return Evaluation({"accuracy": 0.0, "n": 1}, [])
 
-    monkeypatch.setattr(sources_mod, "evaluate_model", fake_eval)
+    monkeypatch.setattr(sources_mod, "evaluate", fake_eval)
     train_mod.train(cfg_for(tiny_models, tmp_path, temperature=0.7, steps=1), show_progress=False)
     assert seen == [0.7]
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from opd.config.checkpoints import CheckpointOptions, check_checkpoint_options
 from opd.config.engines import VLLMOptions, check_vllm
+from opd.config.evaluation import EvalOptions, TrainEvalOptions, check_eval_options
 from opd.config.fields import DTYPES, REPORT_TO_HELP, ConfigError, check_report_to, opt, require
 from opd.config.sources import EnvSource, ModelSource, TrainingSource, chat_options, out_option
 from opd.config.tasks import read_task_list, resolve_tasks
@@ -31,7 +32,7 @@ MAX_DIST_TIMEOUT = 1e9
 
 
 @dataclass
-class TrainConfig(EnvSource, TrainingSource, VLLMOptions, CheckpointOptions):
+class TrainConfig(EnvSource, TrainingSource, VLLMOptions, CheckpointOptions, TrainEvalOptions):
     """On-policy distillation: the student samples, the teacher scores, the student moves toward it."""
 
     out: str = out_option("train")
@@ -272,6 +273,7 @@ class TrainConfig(EnvSource, TrainingSource, VLLMOptions, CheckpointOptions):
         ):
             check(self)
         _check_counts(self, eval_every=0, eval_size=1, eval_samples=0, ckpt_every=0, log_rollouts=0, diag_positions=0)
+        check_eval_options(self, self.eval_samples, "--eval-samples")
         require(
             0 < self.dist_timeout <= MAX_DIST_TIMEOUT,  # NaN and inf fail too: torch's timedelta cannot hold them
             f"dist_timeout={self.dist_timeout} must be > 0 and at most {MAX_DIST_TIMEOUT:.0e} seconds (about 31 "
@@ -586,16 +588,16 @@ class SFTConfig(EnvSource, TrainingSource):
 
 
 @dataclass
-class EvalConfig(EnvSource, ModelSource):
+class EvalConfig(EnvSource, ModelSource, EvalOptions):
     """Accuracy, avg@k and pass@k of a model; gap recovery when the before/teacher accuracies are given."""
 
     out: str = out_option("eval")
 
     eval_size: int = opt(500, "Test prompts.")
-    samples: int = opt(8, "Samples per prompt for avg@k / pass@k (0: greedy only).")
-    temperature: float = opt(1.0, "Sampling temperature for avg@k.")
-    top_p: float = opt(1.0, "Top-p for avg@k sampling.")
-    batch_size: int = opt(128, "Prompts per generation batch.")
+    samples: int = opt(8, "Samples per prompt for avg@k / pass@k / maj@k (0: greedy only).")
+    temperature: float = opt(1.0, "Sampling temperature of the samples (--eval-sampling greedy or explicit).")
+    top_p: float = opt(1.0, "Top-p of the samples (--eval-sampling greedy or explicit).")
+    batch_size: int = opt(128, "Rollouts per generation batch at most (--eval-batch-tokens bounds it too).")
     acc_before: float = opt(-1.0, "Student accuracy before OPD (for gap recovery; -1: not given).")
     acc_teacher: float = opt(-1.0, "Teacher accuracy (for gap recovery; -1: not given).")
     tokenizer: str = opt(
@@ -609,6 +611,8 @@ class EvalConfig(EnvSource, ModelSource):
         self._check_env()
         require(0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must lie in (0, 1]")
         _check_counts(self, samples=0, eval_size=1, batch_size=1)
+        check_eval_options(self, self.samples, "--samples")
         require(
-            self.temperature > 0, f"temperature={self.temperature} must be > 0 (greedy accuracy is always reported)"
+            self.temperature > 0,
+            f"temperature={self.temperature} must be > 0 (greedy decoding: --eval-sampling greedy)",
         )

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["pass_at_k", "mean_pass_at_k", "avg_at_k", "gap_recovery"]
+__all__ = ["pass_at_k", "mean_pass_at_k", "avg_at_k", "maj_at_k", "gap_recovery"]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -45,6 +45,27 @@ def avg_at_k(correct_matrix: Sequence[Sequence[bool]]) -> float:
     """
     _check_matrix(correct_matrix)
     return sum(sum(map(bool, row)) / len(row) for row in correct_matrix) / len(correct_matrix)
+
+
+def maj_at_k(answers: Sequence[Sequence[str | None]], correct: Sequence[Sequence[bool]], k: int) -> float:
+    """maj@k averaged over prompts: the verdict of the most frequent answer among each prompt's first ``k``
+    samples (answers compared as written, whitespace ignored; a tie goes to the answer seen first; a
+    sample without an answer does not vote, and a prompt with no answer at all counts as wrong).
+
+    ``answers[i][s]`` is sample s's extracted answer for prompt i, ``correct[i][s]`` its verdict: one
+    answer has one verdict, so the majority answer's verdict is that of any sample that gave it."""
+    _check_matrix(correct)
+    total = 0
+    for i, (row_answers, row_correct) in enumerate(zip(answers, correct, strict=True)):
+        if not 1 <= k <= len(row_correct):
+            raise ValueError(f"maj@{k} needs at least {k} samples; prompt {i} has {len(row_correct)}")
+        votes: dict[str, list[int]] = {}
+        for s in range(k):
+            if row_answers[s] is not None:
+                votes.setdefault(" ".join(str(row_answers[s]).split()), []).append(s)
+        if votes:  # max keeps the first of equal counts: dicts keep the order answers were first seen
+            total += bool(row_correct[max(votes.values(), key=len)[0]])
+    return total / len(correct)
 
 
 def gap_recovery(acc_before: float, acc_after: float, acc_teacher: float) -> float:

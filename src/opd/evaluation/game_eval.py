@@ -1,7 +1,10 @@
-"""Success-rate evaluation on an environment's held-out games.
+"""Evaluation on an environment's held-out games.
 
-* :func:`evaluate_agent`: greedy success rate on held-out games, avg@k / pass@k over sampled
-  episodes, mean turns to success, invalid-action rate;
+* :class:`GameItems`: the game side of the one evaluation (:mod:`opd.evaluation.core`): games played
+  as episodes through a rollout engine; a won episode is correct. Its own figures, from each game's
+  headline episode (greedy, else its first sample): ``success_rate``, mean turns to success,
+  invalid-action rate, the episodes a game error ended;
+* :func:`evaluate_agent`: the same with opd's own loop on a model (the demos, SFT);
 * :func:`write_eval_games`: the held-out games and their list (``eval_games/``, ``eval.jsonl``) in
   the run directory, so the figures can be checked by replaying them.
 
@@ -12,14 +15,62 @@ key for prompt tasks and environments alike.
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from opd.evaluation.estimators import avg_at_k, mean_pass_at_k
+from opd.evaluation.core import EvalPlan, EvalSampling, Rollout, evaluate
 from opd.evaluation.sharing import ALONE, Share
-from opd.rollout.episodes import EpisodeRecord, EpisodeRollout
+from opd.rollout.engine import RolloutEngine, Sampling
+from opd.rollout.episodes import ChatFormat, EpisodeRecord, EpisodeRollout
 from opd.rollout.game_set import GameSet, invalid_action_rate
-from opd.runs.progress import progress_bar
+from opd.rollout.registry import local_engine
+
+
+@dataclass
+class GameItems:
+    """Games played by an engine; ``limits``: the episode limits (``cfg.episode_limits()``); ``chat``: the
+    episodes' chat format when already checked (else made from ``tokenizer``)."""
+
+    games: GameSet
+    tokenizer: Any
+    limits: dict[str, Any]
+    chat: ChatFormat | None = None
+    answers = False  # an episode has no answer to vote on: no maj@k
+
+    def __len__(self) -> int:
+        return len(self.games)
+
+    def tokens_per_rollout(self) -> int:
+        return int(self.limits.get("max_prompt_tokens") or 0) + int(self.limits["max_new_tokens"])
+
+    def run(self, engine: RolloutEngine, items: list[int], seeds: list[int], sampling: Sampling) -> list[Rollout]:
+        player = EpisodeRollout(engine, self.tokenizer, chat=self.chat)
+        played = player.play(
+            self.games.env,
+            [self.games.games[i] for i in items],
+            seeds,
+            **self.limits,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            greedy=sampling.greedy,
+        )
+        return [_rollout(rec, self.games.games[i].goal) for i, rec in zip(items, played.records, strict=True)]
+
+    def figures(self, headline: list[Rollout]) -> dict:
+        return game_figures([r.extra for r in headline])
+
+
+def _rollout(rec: EpisodeRecord, goal: str) -> Rollout:
+    """An episode's outcome; its record: the goal as the prompt, the actions as the response, how it ended."""
+    record: dict[str, Any] = {"prompt": goal, "response": " | ".join(rec.actions), "answer": None, "reference": None}
+    record.update(end=rec.end, turns=rec.turns, error=rec.error)
+    # The episode's observations stay out of the gathered outcome: the figures read the rest.
+    light = EpisodeRecord(
+        rec.game_id, rec.seed, actions=rec.actions, won=rec.won, end=rec.end, invalid_actions=rec.invalid_actions
+    )
+    light.error = rec.error
+    return Rollout(rec.won, sum(e - s for s, e in rec.spans), rec.truncated, record, extra=light)
 
 
 def evaluate_agent(
@@ -39,64 +90,38 @@ def evaluate_agent(
     show_progress: bool = False,
     share: Share = ALONE,
 ) -> dict:
-    """Greedy success rate over ``games``; with ``samples`` > 0 also avg@k and pass@k (k = samples).
-
-    Also the mean number of turns of the won greedy episodes (when one is won), the invalid-action
-    rate (when the game lists its admissible commands) and the episodes a game error or a prompt longer than
-    ``max_prompt_tokens`` ended (they count as lost).
-    Seeds are per game and sample, as in :func:`opd.evaluation.model_eval.evaluate_model`; ``share``: this
-    process's games when several evaluate together (:mod:`opd.evaluation.sharing`).
-    """
-    engine = EpisodeRollout(model, tokenizer)
-    mine = share.items(len(games))
-    greedy: dict[int, EpisodeRecord] = {}
-    sampled_ok: dict[int, list[bool]] = {i: [] for i in mine}
-    jobs = [(i, -1) for i in mine] + [(i, s) for s in range(samples) for i in mine]
+    """Greedy success rate over ``games`` with opd's own loop on ``model``; with ``samples`` > 0 also avg@k
+    and pass@k (k = samples): the figures of :func:`opd.evaluation.core.evaluate`."""
     limits: dict[str, Any] = dict(
-        max_new_tokens=max_new_tokens, max_action_tokens=max_action_tokens, max_turns=max_turns
+        max_new_tokens=max_new_tokens,
+        max_action_tokens=max_action_tokens,
+        max_turns=max_turns,
+        max_prompt_tokens=max_prompt_tokens,
     )
-    with progress_bar("playing held-out games", total=len(jobs), enabled=show_progress) as bar:
-        for start in range(0, len(jobs), batch_size):
-            chunk = jobs[start : start + batch_size]
-            for is_greedy in (True, False):
-                part = [(i, s) for i, s in chunk if (s < 0) == is_greedy]
-                if not part:
-                    continue
-                played = engine.play(
-                    games.env,
-                    [games.games[i] for i, _ in part],
-                    [seed * 7919 + i * 131 + s for i, s in part],
-                    **limits,
-                    temperature=temperature,
-                    top_p=top_p,
-                    greedy=is_greedy,
-                    max_prompt_tokens=max_prompt_tokens,
-                )
-                for (i, _), rec in zip(part, played.records, strict=True):
-                    if is_greedy:
-                        greedy[i] = rec
-                    else:
-                        sampled_ok[i].append(rec.won)
-            bar.advance(len(chunk))
-    return game_figures(share.merged(len(games), [(greedy[i], sampled_ok[i]) for i in mine]), samples)
+    plan = EvalPlan(
+        samples=samples,
+        sampling=EvalSampling("greedy", temperature, top_p),
+        max_batch=batch_size,
+        seed=seed,
+        record_chars=0,
+        share=share,
+        show_progress=show_progress,
+    )
+    return evaluate(local_engine(model, tokenizer), GameItems(games, tokenizer, limits), plan).figures
 
 
-def game_figures(outcomes: list[tuple[EpisodeRecord, list[bool]]], samples: int) -> dict:
-    """The figures of each game's outcome: its greedy episode, and whether each sampled one was won."""
-    n = len(outcomes)
-    greedy = [rec for rec, _ in outcomes]
+def game_figures(greedy: list[EpisodeRecord]) -> dict:
+    """The figures of each game's headline episode."""
+    n = len(greedy)
     won = [r for r in greedy if r.won]
     invalid = invalid_action_rate(greedy)
-    result = {"success_rate": len(won) / n, "accuracy": len(won) / n, "n": n}
+    result: dict[str, Any] = {"success_rate": len(won) / n}
     # Figures that are undefined (no game won; a game that lists no commands) are left out, not NaN.
     if won:
         result["mean_turns_to_success"] = sum(r.turns for r in won) / len(won)
     if invalid is not None:
         result["invalid_action_rate"] = invalid
     result["env_errors"] = sum(r.error is not None for r in greedy)
-    if samples > 0:
-        sampled = [oks for _, oks in outcomes]
-        result.update({"avg_at_k": avg_at_k(sampled), "pass_at_k": mean_pass_at_k(sampled, samples), "k": samples})
     return result
 
 

@@ -3,6 +3,7 @@
 Reads run directories only (never the trainer): :mod:`.load` reads them, tolerant of runs in
 progress and damaged lines; :mod:`.charts` turns them into chart specs; :mod:`.png` draws the
 specs with matplotlib; :mod:`.inspector` packs logged rollouts for the token inspector;
+:mod:`.samples` picks the evaluation records (wrong, truncated, flipped);
 :mod:`.page` writes the page (inline SVG drawn by ``report.js``; it opens offline).
 
 Usage::
@@ -22,6 +23,7 @@ from opd.report.inspector import inspector_data
 from opd.report.load import load_runs
 from opd.report.page import render_page
 from opd.report.png import write_pngs
+from opd.report.samples import samples_data
 
 __all__ = ["write_report", "default_out"]
 
@@ -48,9 +50,8 @@ def write_report(run_dirs: list[Path], out: Path, inspector_steps: int = 24, sho
     out.mkdir(parents=True, exist_ok=True)
     charts = build_charts(runs)
     write_pngs(charts, out / PNG_DIR, show_progress=show_progress)
-    page = render_page(
-        runs, charts, summary_rows(runs), [inspector_data(r, inspector_steps) for r in runs], PALETTE, PNG_DIR
-    )
+    inspectors = [inspector_data(r, inspector_steps) for r in runs]
+    page = render_page(runs, charts, summary_rows(runs), inspectors, PALETTE, PNG_DIR, samples_data(runs))
     path = out / "report.html"
     path.write_text(page, encoding="utf-8")
     return path

@@ -58,13 +58,24 @@ def _notices(runs) -> str:
 
 
 def render_page(
-    runs, charts: list[dict], summary: list[dict], inspectors: list[dict], palette: list[str], png_dir: str
+    runs,
+    charts: list[dict],
+    summary: list[dict],
+    inspectors: list[dict],
+    palette: list[str],
+    png_dir: str,
+    samples: list[dict] | None = None,
 ) -> str:
+    """The page; ``samples``: each run's evaluation records (:func:`opd.report.samples.samples_data`)."""
+    samples = samples or [{} for _ in runs]
     data = {
         "palette": palette,
         "charts": charts,
         "summary": summary,
-        "runs": [{"name": r.name, "path": str(r.path), "inspector": ins} for r, ins in zip(runs, inspectors)],
+        "runs": [
+            {"name": r.name, "path": str(r.path), "inspector": ins, "samples": sam}
+            for r, ins, sam in zip(runs, inspectors, samples)
+        ],
     }
     # "</" inside the JSON would end the script element early; JSON allows "<\/" for it.
     blob = json.dumps(data, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
@@ -111,8 +122,20 @@ not scored, not trained.</p>
 <div class="card"><div class="prompt" id="prompt"></div><div class="tokens" id="tokens"></div><div class="scale" id="scale"></div></div>
 <div class="card" id="dist"><div class="dist-head" id="dist-head"></div><div class="bars" id="bars"></div></div>
 </div></section>
+<section id="sec-samples"><h2>Evaluation samples</h2>
+<p class="lead">What the model wrote at its last evaluation (<code>eval_samples/</code>): each response, the answer read
+from it, the reference and the verdict, so that a grader's mistake shows. Filter the wrong or truncated responses, or the
+prompts whose verdict (greedy, else the first sample) flipped since the run's previous evaluation or against the first
+run's last evaluation.</p>
+<div class="controls">
+<label>run <select id="samples-run"></select></label>
+<label>show <select id="samples-filter"><option value="all">all</option><option value="wrong">wrong</option>
+<option value="truncated">truncated</option><option value="since">flipped since the previous evaluation</option>
+<option value="first">flipped against the first run</option></select></label>
+<span class="sub" id="samples-count"></span></div>
+<div class="card"><table class="samples" id="samples"></table></div></section>
 </main>
-<footer>Made by opd from run directories only (config.json, metrics.jsonl, rollouts.jsonl); opens offline.</footer>
+<footer>Made by opd from run directories only (config.json, metrics.jsonl, rollouts.jsonl, eval_samples/); opens offline.</footer>
 <div class="tooltip" id="tooltip"></div>
 <script type="application/json" id="opd-data">{blob}</script>
 <script>{(HERE / "report.js").read_text()}</script>

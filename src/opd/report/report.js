@@ -411,7 +411,44 @@ function renderInspector() {
   setRun(0);
 }
 
+// ---------------------------------------------------------------- evaluation samples
+
+function renderSampleRows() {
+  const sam = DATA.runs[+$("samples-run").value].samples || {}, how = $("samples-filter").value;
+  const flipped = new Set(how === "since" ? sam.flipped_since || [] : how === "first" ? sam.flipped_vs_first || [] : []);
+  const keep = (r) => how === "all" || (how === "wrong" && !r.correct) || (how === "truncated" && r.truncated)
+    || ((how === "since" || how === "first") && flipped.has(r.item));
+  const rows = (sam.records || []).filter(keep), table = $("samples");
+  table.textContent = "";
+  const head = el("tr", {}, el("thead", {}, table));
+  ["#", "sample", "verdict", "tokens", "answer", "reference", "prompt and response"].forEach((h) => el("th", {}, head, h));
+  const body = el("tbody", {}, table);
+  for (const r of rows) {
+    const tr = el("tr", {class: r.correct ? "right" : "wrong"}, body);
+    el("td", {class: "num"}, tr, String(r.item));
+    el("td", {class: "num"}, tr, r.sample < 0 ? "greedy" : String(r.sample));
+    el("td", {}, tr, (r.correct ? "right" : "wrong") + (r.truncated ? ", truncated" : ""));
+    el("td", {class: "num"}, tr, String(r.tokens));
+    el("td", {}, tr, r.answer == null ? "(none)" : String(r.answer));
+    el("td", {}, tr, r.reference == null ? "" : String(r.reference));
+    const det = el("details", {}, el("td", {}, tr));
+    el("summary", {}, det, String(r.prompt).slice(0, 80));
+    el("pre", {class: "response"}, det, `${r.prompt}\n\n${r.response}`);
+  }
+  const step = sam.steps && sam.steps.length ? sam.steps[sam.steps.length - 1] : null;
+  const where = step == null ? "" : ` at step ${step}`;
+  $("samples-count").textContent = sam.records ? `${rows.length} of ${sam.total} responses${where}` : "no evaluation records";
+}
+
+function renderSamples() {
+  fillSelect($("samples-run"), DATA.runs.map((r, i) => [i, r.name]), 0);
+  $("samples-run").addEventListener("change", renderSampleRows);
+  $("samples-filter").addEventListener("change", renderSampleRows);
+  renderSampleRows();
+}
+
 renderSummary();
 renderCharts();
 renderInspector();
+renderSamples();
 document.body.dataset.rendered = "yes";

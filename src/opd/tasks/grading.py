@@ -66,16 +66,23 @@ for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_drop_timeout_warning)
 
 _BOXED = "\\boxed"
+# A box: \boxed or \fbox (LaTeX's own box, which math-verify does not read), then braces or one bare token.
+_BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+# \boxed 7: the bare form math-verify's default parse reads; a number or a single letter, so that prose
+# naming \boxed ("put it in \boxed form") is not read as an answer.
+_BARE = re.compile(r"\s+(-?\d[\d,]*(?:\.\d+)?|[A-Za-z](?![A-Za-z]))")
 
 
 def extract_boxed(text: str) -> str | None:
-    """Return the content of the LAST ``\\boxed{...}`` in ``text`` (nested braces kept), or None.
+    """Return the content of the LAST box in ``text``: ``\\boxed{...}`` (nested braces kept), ``\\fbox{...}``
+    or ``\\boxed 7`` (a bare number or letter), or None.
 
-    An unclosed last box (a truncated generation) returns None rather than a partial answer.
+    The last box, as MATH's reference code and most reasoning evaluations take it: a model that corrects
+    itself boxes its final answer last (math-verify's default reads every box as a set instead). An
+    unclosed last box (a truncated generation) returns None rather than a partial answer.
     """
-    start = text.rfind(_BOXED)
-    while start != -1:
-        i = start + len(_BOXED)
+    for box in reversed(list(_BOX.finditer(text))):
+        i = box.end()
         while i < len(text) and text[i] == " ":
             i += 1
         if i < len(text) and text[i] == "{":
@@ -88,8 +95,10 @@ def extract_boxed(text: str) -> str | None:
                     if depth == 0:
                         return text[i + 1 : j].strip()
             return None
-        # "\boxed" not followed by "{" (e.g. prose mentioning \boxed): look further left.
-        start = text.rfind(_BOXED, 0, start)
+        bare = _BARE.match(text, box.end())
+        if bare:
+            return bare.group(1)
+        # "\boxed" followed by neither (prose mentioning \boxed): look further left.
     return None
 
 
@@ -110,8 +119,9 @@ def _symbolic_match(predicted: str, reference: str) -> bool:
 
 
 def answers_match(predicted: str, reference: str) -> bool:
-    """True if ``predicted`` equals ``reference`` as a math answer ("1/2" == "0.5")."""
-    p, r = _normalize(predicted), _normalize(reference)
+    """True if ``predicted`` equals ``reference`` as a math answer ("1/2" == "0.5"); a sentence's full stop
+    after the answer ("7.") is not part of it (math-verify reads "7." as no number)."""
+    p, r = _normalize(predicted).removesuffix("."), _normalize(reference)
     if not p or not r:
         return False
     if p == r:

@@ -34,6 +34,7 @@ Run: ``opd train --student DIR --teacher DIR --objective lsm --k 32 --out runs/x
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from concurrent.futures import Future
@@ -46,6 +47,7 @@ import torch
 from opd import metrics as M
 from opd.config import TrainConfig, config_record
 from opd.errors import ServiceUnavailable, UserError
+from opd.evaluation.records import step_records, write_records
 from opd.evaluation.sharing import Share
 from opd.losses import Head
 from opd.models.export import merged_weights
@@ -54,6 +56,7 @@ from opd.models.precision import precision_record, saved_dtype
 from opd.rollout.engine import EngineUnavailable, RolloutBatch
 from opd.rollout.episodes import EpisodeRecord
 from opd.rollout.prompt_set import sample_seed
+from opd.rollout.registry import local_engine
 from opd.runs.card import run_card, write_card
 from opd.runs.progress import progress_bar
 from opd.runs.rundir import save_final_model
@@ -77,7 +80,7 @@ from opd.training.microbatch import MicroBatch, in_row_order, pad_to, split_rows
 from opd.training.optim import rng_state
 from opd.training.schedule import for_task, prefixed
 from opd.training.setup import Run, TaskRun, setup
-from opd.training.sources import Source
+from opd.training.sources import Source, eval_plan
 from opd.training.stepstats import StepUpdate, metric_weights, rollout_records, step_metrics
 
 
@@ -478,16 +481,33 @@ def eval_stage(run: Run, step: int) -> dict:
     if not tasks:
         return {}
     share = Share(run.dist.rank, run.dist.world, run.dist.gather)
-    evaluate = lambda s: [test.evaluate(s, run.tokenizer, t.cfg, run.cfg.seed, share=share) for t, test in tasks]
-    results = run.dist.full_call(evaluate)
+    # Through the run's engine (opd's loop, its static cache, vLLM), which has this step's weights; with rollouts
+    # ahead (--max-staleness) a worker may load older weights into a shared engine between two batches, so the
+    # trainer's own model is evaluated with opd's loop instead.
+    plans = [eval_plan(t.cfg, run.cfg.seed, share) for t, _ in tasks]
+    engine_of = lambda s, t: t.engine if run.ahead is None else local_engine(s, run.tokenizer)
+    evaluate = lambda s: [
+        test.evaluate(engine_of(s, t), run.tokenizer, t.cfg, p) for (t, test), p in zip(tasks, plans, strict=True)
+    ]
+    done = run.dist.full_call(evaluate)
+    results = [d.figures for d in done]
     run.student.train()
     if not run.dist.is_main:
         return {}
     record: dict = {"step": step}
-    for (t, test), res in zip(tasks, results, strict=True):
+    for (t, test), d in zip(tasks, done, strict=True):
+        res = d.figures
         if not (run.rundir.path / t.files / "eval.jsonl").is_file():  # listed once played (once)
             listed = cast(list[dict], test.listing(run.rundir.path / t.files, played=True))  # played: listed
             run.rundir.write_jsonl(f"{t.files}eval.jsonl", listed)
+        if t.cfg.eval_record_chars and run.rundir.enabled:
+            write_records(step_records(run.rundir.path / t.files, step), d.records)
+        # The decoding used (--eval-sampling model: what the generation config said) is a setting, not a metric.
+        res = dict(res)
+        sampling = res.pop("sampling", None)
+        if sampling is not None and run.rundir.enabled:
+            (run.rundir.path / t.files).mkdir(parents=True, exist_ok=True)
+            (run.rundir.path / t.files / "eval_sampling.json").write_text(json.dumps(sampling, indent=2) + "\n")
         record.update({(f"eval/{t.name}/{k}" if t.name else f"eval/{k}"): v for k, v in res.items()})
     if run.tasks[0].name:
         for key in ("accuracy", "avg_at_k"):

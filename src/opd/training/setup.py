@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from opd.chat import set_chat_options, tool_call_marker_ids
 from opd.config import TEACHER_SCORING, TaskSpec, TrainConfig, resolve_tasks
 from opd.errors import UserError
+from opd.evaluation.records import check_writable, step_records
 from opd.hub import resolve_model
 from opd.models.loading import (
     checkpoint_layers,
@@ -139,6 +140,8 @@ def setup(cfg: TrainConfig) -> Run:
         rundir.truncate_logs_after(-1)
     rundir.write_config(cfg)
     for t in tasks:  # an environment's games are listed once played (eval_stage)
+        if t.test is not None and t.cfg.eval_record_chars and rundir.enabled:
+            check_writable(step_records(rundir.path / t.files, 0))  # before any step: a read-only place shows now
         listed = t.test.listing(rundir.path / t.files, played=False) if t.test is not None else None
         if listed is not None:
             rundir.write_jsonl(f"{t.files}eval.jsonl", listed)

@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 from opd.config import TrainConfig
-from opd.evaluation.game_eval import evaluate_agent, write_eval_games
-from opd.evaluation.model_eval import decode_responses, evaluate_model
+from opd.evaluation.core import EvalPlan, Evaluation, evaluate, resolve_sampling
+from opd.evaluation.game_eval import GameItems, write_eval_games
+from opd.evaluation.model_eval import PromptItems, decode_responses
 from opd.evaluation.sharing import ALONE, Share
+from opd.hub import resolve_model
 from opd.rollout.engine import RolloutBatch, RolloutEngine, check_count
 from opd.rollout.episodes import ChatFormat, EpisodeRecord, EpisodeRollout
 from opd.rollout.game_set import GameSet, check_episode_context, episode_metrics, episode_outcomes, play_env
@@ -50,9 +52,10 @@ class Source(Protocol):
         """Each rollout's text (for the logs) and reward (None: a prompt without a reference answer, not
         graded), and what a step logs beyond the common metrics."""
 
-    def evaluate(self, model, tok, cfg, seed: int, show_progress: bool = False, share: Share = ALONE) -> dict:
-        """A model on this (held-out) split with a config's sampling and lengths: ``accuracy`` and avg@k
-        (``share``: this rank's items when the ranks evaluate together; every rank gets the figures)."""
+    def evaluate(self, engine: RolloutEngine, tok, cfg, plan: EvalPlan) -> Evaluation:
+        """The model ``engine`` samples, on this (held-out) split with a config's lengths and ``plan``
+        (:func:`eval_plan`): the figures (``accuracy``, avg@k, ...) and the per-sample records; every rank
+        gets all of them (``plan.share``: this rank's items when the ranks evaluate together)."""
 
     def listing(self, run_dir: Path, played: bool) -> list[dict] | None:
         """The lines of its ``eval.jsonl``; None until it can be listed (a game's files exist once played)."""
@@ -92,17 +95,8 @@ class PromptSource:
         texts = decode_responses(tok, batch.response_ids_NT, batch.response_mask_NT)
         return texts, [reward_of(self.task, t, e) for t, e in zip(texts, examples, strict=True)], {}
 
-    def evaluate(self, model, tok, cfg, seed: int, show_progress: bool = False, share: Share = ALONE) -> dict:
-        common = dict(samples=cfg.eval_samples, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed, share=share)
-        return evaluate_model(
-            model,
-            tok,
-            self.prompts,
-            self.task,
-            max_new_tokens=cfg.max_new_tokens,
-            **common,
-            show_progress=show_progress,
-        )
+    def evaluate(self, engine: RolloutEngine, tok, cfg, plan: EvalPlan) -> Evaluation:
+        return evaluate(engine, PromptItems(self.prompts, self.task, tok, cfg.max_new_tokens), plan)
 
     def listing(self, run_dir: Path, played: bool) -> list[dict]:
         return [{"prompt": e.prompt, "answer": e.answer} for e in self.prompts.examples]
@@ -148,9 +142,8 @@ class GameSource:
         rewards: list[float | None] = list(won)  # every episode is graded: won or not
         return texts, rewards, episode_metrics(records)
 
-    def evaluate(self, model, tok, cfg, seed: int, show_progress: bool = False, share: Share = ALONE) -> dict:
-        common = dict(samples=cfg.eval_samples, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed, share=share)
-        return evaluate_agent(model, tok, self.games, **cfg.episode_limits(), **common, show_progress=show_progress)
+    def evaluate(self, engine: RolloutEngine, tok, cfg, plan: EvalPlan) -> Evaluation:
+        return evaluate(engine, GameItems(self.games, self.tokenizer, cfg.episode_limits(), self.chat), plan)
 
     def listing(self, run_dir: Path, played: bool) -> list[dict] | None:
         # Generated games have their files once opened: copied into the run directory after they are played.
@@ -160,6 +153,15 @@ class GameSource:
         close = getattr(self.games.env, "close", None)  # EnvWorkers (the training and held-out games share it)
         if close is not None:
             close()
+
+
+def eval_plan(cfg: TrainConfig, seed: int, share: Share = ALONE, show_progress: bool = False) -> EvalPlan:
+    """How a (task's) config evaluates: its samples, its sampling (--eval-sampling; greedy and explicit
+    sample at --eval-temperature / --eval-top-p, else the rollouts'), maj@k, batch budget and records."""
+    temperature, top_p = cfg.eval_temperature or cfg.temperature, cfg.eval_top_p or cfg.top_p
+    model_dir = str(resolve_model(cfg.student, cfg.student_revision)) if cfg.eval_sampling == "model" else ""
+    sampling = resolve_sampling(cfg.eval_sampling, temperature, top_p, model_dir)
+    return EvalPlan.of(cfg, cfg.eval_samples, sampling, seed, share=share, show_progress=show_progress)
 
 
 def task_data(cfg: TrainConfig) -> tuple[Task | None, Task | None]:

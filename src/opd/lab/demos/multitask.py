@@ -55,8 +55,9 @@ from opd.lab.demos.parallel import demo_workers, process_pool, threads_per_worke
 from opd.models.loading import load_model, load_tokenizer, resolve_device
 from opd.report import PNG_DIR, write_report
 from opd.rollout.prompt_set import load_task
+from opd.rollout.registry import local_engine
 from opd.training.schedule import task_schedule
-from opd.training.sources import held_out
+from opd.training.sources import eval_plan, held_out
 
 ASSETS = Path(__file__).parents[2] / "assets" / "multitask"
 MATH, GAME = "math", "alfworld"  # the task names: metric prefixes (math/train/loss, eval/alfworld/success_rate)
@@ -258,7 +259,7 @@ def evaluate(model_dir: Path, tok, sets: dict, names: tuple[str, ...], seed: int
     out = {}
     for name in names:
         test, c = sets[name]
-        res = test.evaluate(model, tok, c, seed, show_progress=show_progress)
+        res = test.evaluate(local_engine(model, tok), tok, c, eval_plan(c, seed, show_progress=show_progress)).figures
         out[name] = {"final_acc": res["accuracy"], "avg_at_k": res.get("avg_at_k")}
     return out
 
