@@ -84,14 +84,27 @@ def test_token_budget_step_equals_the_unsplit_step(tiny_models, tmp_path, object
     _assert_same_step(updates, grads)
 
 
-def test_padding_micro_batches_add_nothing(tiny_models, tmp_path, monkeypatch):
-    """As on a rank with fewer micro-batches than the busiest: two padding ones run, and count for nothing."""
-    real = loop.micro_batches_of
+@pytest.mark.parametrize("objective", ["lsm", "full_kl"])
+def test_padding_micro_batches_add_nothing(tiny_models, tmp_path, monkeypatch, objective):
+    """As on a rank with fewer micro-batches than the busiest: two padding ones run, and count for nothing;
+    each is one row of two tokens (the prompt's last, the first response token), never a real micro-batch
+    again (full_kl: the teacher's forward sees the narrowed batch too)."""
+    real, inputs = loop.micro_batches_of, loop.micro_inputs
     monkeypatch.setattr(
         loop, "micro_batches_of", lambda run, parts: pad_to(real(run, parts), len(real(run, parts)) + 2)
     )
-    updates, grads, _ = _one_step(tiny_models, tmp_path, "lsm", "token_mean", {"micro_batch_tokens": 40})
+    padding_shapes = []
+
+    def seen(p, m):
+        out = inputs(p, m)
+        if not m.counted:
+            padding_shapes.append((tuple(out[0].input_ids_NL.shape), tuple(out[1].topk_ids_NTK.shape[:2])))
+        return out
+
+    monkeypatch.setattr(loop, "micro_inputs", seen)
+    updates, grads, _ = _one_step(tiny_models, tmp_path, objective, "token_mean", {"micro_batch_tokens": 40})
     _assert_same_step(updates, grads)
+    assert padding_shapes == [((1, 2), (1, 1))] * 4  # two in each run (the patch pads both)
 
 
 @pytest.mark.parametrize("objective", ["lsm", "sampled", "full_kl"])
