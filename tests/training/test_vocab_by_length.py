@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import step_records
 
 from opd.config import TrainConfig

@@ -25,8 +25,8 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 QWEN3_VOCAB = 151_936
 PAD_ENTRY = "xpad{}"  # ASCII: its own byte-level form, so it decodes to itself

@@ -66,7 +66,12 @@ class TeacherScores:
         cut = lambda t: None if t is None else t[:, :width]
         q, pos = cut(self.query_logprobs_NTQ), cut(self.position_mask_NT)
         return TeacherScores(
-            self.topk_ids_NTK[:, :width], self.topk_logprobs_NTK[:, :width], self.sampled_logprobs_NT[:, :width], q, None, pos
+            self.topk_ids_NTK[:, :width],
+            self.topk_logprobs_NTK[:, :width],
+            self.sampled_logprobs_NT[:, :width],
+            q,
+            None,
+            pos,
         )
 
 
