@@ -173,3 +173,17 @@ def test_fsdp_with_token_budget_and_checkpointing_follows_one_process(tiny_model
     launch("torchrun", cli_args(tiny_models, out, **args))
     assert_same_trajectory(step_records(out), step_records(single))
     assert_close_weights(final_weights(out), final_weights(single))
+
+
+def test_a_sequence_over_the_token_budget_goes_alone_said_once(tiny_models, tmp_path, capsys):
+    """--micro-batch-tokens smaller than a row: that row alone in its micro-batch, and one note in the run."""
+    cfg = cfg_for(tiny_models, tmp_path, micro_batch_tokens=8, steps=2, eval_samples=0)
+    run = setup(cfg)
+    for step in range(2):
+        (at,) = loop.step_tasks(run, step)
+        batch, rows, records = loop.rollout_stage(run, step, at)
+        part = loop.scored_part(run, step, {}, at.task, batch, rows, records)
+        micro = loop.micro_batches_of(run, [part])
+        assert sorted(len(m.rows) for m in micro) == [1] * batch.num_rollouts  # every row is over 8 tokens
+    err = capsys.readouterr().err
+    assert err.count("is longer than --micro-batch-tokens 8") == 1

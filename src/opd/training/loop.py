@@ -35,6 +35,7 @@ Run: ``opd train --student DIR --teacher DIR --objective lsm --k 32 --out runs/x
 from __future__ import annotations
 
 import math
+import sys
 import time
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -70,7 +71,7 @@ from opd.training.loss import (
     scored_loss_mask,
     student_topk_ids,
 )
-from opd.training.microbatch import MicroBatch, in_row_order, pad_to, split_rows
+from opd.training.microbatch import MicroBatch, in_row_order, over_budget, pad_to, split_rows
 from opd.training.optim import rng_state
 from opd.training.schedule import for_task, prefixed
 from opd.training.setup import Run, TaskRun, setup
@@ -303,6 +304,11 @@ def _objective(student, run: Run, teacher: TeacherScorer, *args):
 def micro_batches_of(run: Run, parts: list[StepPart]) -> list[MicroBatch]:
     """The step's micro-batches on this rank (:mod:`opd.training.microbatch`), padded to the busiest rank's count."""
     lengths = [p.batch.attention_mask_NL.sum(-1).cpu() for p in parts]  # prompt and response tokens per row
+    note = over_budget(lengths, run.cfg.micro_batch_tokens)
+    if note and "budget" not in run.said:
+        run.said.add("budget")
+        if run.dist.is_main:
+            print(f"opd train: note: {note}", file=sys.stderr, flush=True)
     micro = split_rows(lengths, run.cfg.grad_accum, run.cfg.micro_batch_tokens)
     return pad_to(micro, max(run.dist.gather(len(micro)))) if run.dist.active else micro
 

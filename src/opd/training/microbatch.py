@@ -61,6 +61,17 @@ def split_rows(lengths_per_part: list[torch.Tensor], grad_accum: int, budget: in
     return out
 
 
+def over_budget(lengths_per_part: list[torch.Tensor], budget: int) -> str | None:
+    """What a run says (once) when a sequence is longer than the token ``budget``; None when none is."""
+    longest = max(int(n.max()) for n in lengths_per_part)
+    if not budget or longest <= budget:
+        return None
+    return (
+        f"a sequence of {longest} tokens is longer than --micro-batch-tokens {budget}: each such sequence "
+        "goes alone in its micro-batch (said once)"
+    )
+
+
 def pad_to(micro: list[MicroBatch], count: int) -> list[MicroBatch]:
     """``micro`` and padding micro-batches up to ``count`` (the most any rank runs): one row, one
     response position each."""
