@@ -452,7 +452,16 @@ CASES = [
         r"unknown environment 'nosuch': use one of alfworld, textworld, toy(, [\w-]+)*",
     ),
     ("unknown-device", f"{TRAIN} --device tpu", r"device='tpu': use auto, cpu, cuda or cuda:N"),
-    ("serve-unknown-dtype", "serve-teacher <T> --dtype float64", r"--dtype 'float64': use float32, bfloat16, float16"),
+    (
+        "serve-unknown-dtype",
+        "serve-teacher <T> --dtype float64",
+        r"--dtype 'float64': use auto, float32, bfloat16, float16",
+    ),
+    (
+        "serve-negative-prompt-limit",
+        "serve-teacher <T> --max-prompt-tokens -1",
+        r"--max-prompt-tokens -1 must be >= 0 \(0: the model's context length\)",
+    ),
     # data as users have it: prompts without answers, chat-template options, tools (issue 64)
     (
         "tools-not-a-list-of-objects",

@@ -34,6 +34,7 @@ Ctrl-C or SIGTERM stops it after answering the requests in flight. In Python: :f
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import hmac
 import ipaddress
@@ -62,6 +63,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from opd.errors import UserError
 from opd.losses import topk_and_gather_from_hidden
 from opd.models.loading import final_hidden, head_weight, load_model, load_tokenizer, model_device, resolve_device
+from opd.models.precision import auto_dtype
 from opd.rollout.forward import ROWS_PER_CHUNK
 from opd.teachers import wire
 from opd.teachers.client import vocab_info
@@ -78,12 +80,16 @@ class RequestError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.status}}
 
 
+FALLBACK_CONTEXT = 4096  # the request limit for a model whose config states no context length
+
+
 @dataclass
 class Limits:
-    """Bounds on one request and on one forward pass."""
+    """Bounds on one request and on one forward pass (``max_prompt_tokens`` 0: :func:`serve` sets the
+    model's context length)."""
 
     max_k: int = 128
-    max_prompt_tokens: int = 4096
+    max_prompt_tokens: int = FALLBACK_CONTEXT
     max_prompts: int = 256
     max_batch_tokens: int = 16384
     batch_wait_ms: float = 5.0
@@ -627,7 +633,7 @@ def serve(
     model_dir: str,
     host: str = "127.0.0.1",
     port: int = 8000,
-    dtype: str = "float32",
+    dtype: str = "auto",
     served_model_name: str = "",
     limits: Limits | None = None,
     verbose: bool = False,
@@ -646,7 +652,13 @@ def serve(
     if port:  # a taken port fails now, not after the model's load (minutes for a large model)
         _listen(host, port).close()
     where = "the model argument (opd serve-teacher MODEL_DIR)"
-    model = load_model(model_dir, "teacher", dtype, resolve_device(device), option=where)
+    on = resolve_device(device)
+    dtype = auto_dtype(model_dir, dtype, on)
+    model = load_model(model_dir, "teacher", dtype, on, option=where)
+    limits = limits or Limits()
+    if not limits.max_prompt_tokens:
+        context = getattr(model.config, "max_position_embeddings", None) or FALLBACK_CONTEXT
+        limits = dataclasses.replace(limits, max_prompt_tokens=context)
     app = TeacherApp(
         model, load_tokenizer(model_dir, "teacher", option=where), served_model_name or str(model_dir), limits, api_keys
     )
@@ -659,7 +671,7 @@ def serve(
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         keyed = f", {len(keys.digests)} API key(s)" if keys else ""
-        about = f"model {app.model_name}, vocabulary {app.vocab_rows}{keyed}"
+        about = f"model {app.model_name}, vocabulary {app.vocab_rows}, {dtype}, requests up to {limits.max_prompt_tokens} tokens{keyed}"
         print(f"opd teacher server: {url} ({about}); train with --teacher-url {url}", flush=True)
         server.run(sockets=[sock])
     except KeyboardInterrupt:
