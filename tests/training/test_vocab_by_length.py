@@ -25,6 +25,20 @@ def wide_vocab_pair(tmp_path_factory):
     return narrow_pair(tmp_path_factory.mktemp("v32768"), V, max_len=1024)
 
 
+def test_the_padded_tokenizer_reloads_with_the_demos_ids_and_every_id_once(wide_vocab_pair):
+    """Saved next to a Qwen3 model and loaded back: V distinct ids, the demo's encoding, the padding decodes."""
+    from importlib import resources
+
+    from opd.models.loading import load_tokenizer
+
+    tok = load_tokenizer(wide_vocab_pair[0])
+    demo = load_tokenizer(str(resources.files("opd") / "assets" / "demo" / "tokenizer"))
+    assert len(tok) == V and len(set(tok.get_vocab().values())) == V
+    text = "<think>Compute 12 + 7.</think> 19"
+    assert tok(text)["input_ids"] == demo(text)["input_ids"]
+    assert tok.decode([V - 1]) == f"xpad{V - 1}"
+
+
 def test_the_recorder_sees_a_full_logits_tensor():
     """The guard can fail: a (B, T, V) tensor made under the mode is recorded, and a view of it is not."""
     with LargestTensor() as seen:

@@ -40,8 +40,10 @@ def padded_tokenizer(out: Path, vocab_size: int) -> Path:
         shutil.copy(f, out / f.name)
     spec = json.loads((demo / "tokenizer.json").read_text())
     vocab = spec["model"]["vocab"]
-    taken = set(vocab.values()) | {a["id"] for a in spec["added_tokens"]}
-    start = max(taken) + 1
+    # Added tokens (<think>, </think>) take ids past the BPE's own; tokenizers renumbers an added token
+    # that is not in the model's vocabulary to len(vocabulary) + i on reload, so they join it at their ids.
+    vocab.update({a["content"]: a["id"] for a in spec["added_tokens"]})
+    start = max(vocab.values()) + 1
     if vocab_size < start:
         raise ValueError(f"vocab_size={vocab_size} is below the demo tokenizer's {start} ids")
     vocab.update({PAD_ENTRY.format(i): i for i in range(start, vocab_size)})
