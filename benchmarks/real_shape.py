@@ -275,7 +275,8 @@ def main() -> None:
     vocabs = [int(x) for x in a.vocabs.split(",")] if a.vocabs else list(VOCABS)
     cells = []
     for V in vocabs:
-        student, teacher = narrow_pair(a.models / f"v{V}", V, max_len=max(lengths) + 1024)
+        context = max(lengths) + 1024  # the prompts' room too
+        student, teacher = narrow_pair(a.models / f"v{V}-context{context}", V, max_len=context)
         for T in lengths:
             for kind in a.kinds.split(","):
                 spec = dict(kind=kind, vocab=V, length=T, student=str(student), teacher=str(teacher))
