@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# No test reaches the Hub: Hub names resolve from caches the tests lay out themselves (tests/hub_cache.py).
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # opd_warnings: a deprecation warning that opd's own code causes fails the test.
-pytest_plugins = ["opd_warnings", "pytester"]
+pytest_plugins = ["opd_warnings", "pytester", "hub_cache"]
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)

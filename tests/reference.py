@@ -523,3 +523,58 @@ def ref_local_support_kl_tail_from_hidden(
         ref_logits(hidden_BTD, weight_VD), ids_BTK, tlp_BTK, mask_BT, support_mask_BTK, direction, gout_BT
     )
     return (kl, *ref_hidden_grads(hidden_BTD, weight_VD, g_logits))
+
+
+# --------------------------------------------------------------------------- heads with a bias, scale and cap
+
+
+def _capped(u, scale, softcap):
+    """One logit from its raw value u = h . W_v + b_v: scale, then c tanh(z / c)."""
+    z = scale * u
+    return z if softcap is None else softcap * math.tanh(z / softcap)
+
+
+def _capped_slope(u, scale, softcap):
+    """d logit / du: scale, times 1 - tanh(z / c)^2 under a cap (0 at u = -inf: tanh is flat there)."""
+    if softcap is None:
+        return scale
+    if not math.isfinite(u):
+        return 0.0
+    return scale * (1.0 - math.tanh(scale * u / softcap) ** 2)
+
+
+def _raw_logits(h, w, b):
+    """u[b][t][v] = h . W_v + b_v as Python floats, as ``ref_logits`` sums them."""
+    V = len(w)
+    return [
+        [[sum(x * y for x, y in zip(hv, w[v])) + (b[v] if b is not None else 0.0) for v in range(V)] for hv in seq]
+        for seq in h
+    ]
+
+
+def ref_head_logits(hidden_BTD, weight_VD, bias_V=None, scale=1.0, softcap=None):
+    """softcap(scale * (hidden @ W.T + bias)) with explicit loops, float64 (B, T, V)."""
+    b = None if bias_V is None else _f(bias_V)
+    raw = _raw_logits(_f(hidden_BTD), _f(weight_VD), b)
+    return _t([[[_capped(u, scale, softcap) for u in row] for row in seq] for seq in raw])
+
+
+def ref_head_grads(hidden_BTD, weight_VD, bias_V, scale, softcap, grad_logits_BTV):
+    """Chain rule through the head: (grad hidden, grad weight, grad bias) from d/d logits.
+
+    d/du = d/dz * dz/du (``_capped_slope``), then u = h . W_v + b_v as in ``ref_hidden_grads``; the
+    bias gets the sum over positions of d/du."""
+    b = None if bias_V is None else _f(bias_V)
+    raw = _raw_logits(_f(hidden_BTD), _f(weight_VD), b)
+    g = _f(grad_logits_BTV)
+    du = [
+        [
+            [gv * _capped_slope(u, scale, softcap) if gv != 0.0 else 0.0 for gv, u in zip(gr, ur)]
+            for gr, ur in zip(gs, us)
+        ]
+        for gs, us in zip(g, raw)
+    ]
+    gh, gw = ref_hidden_grads(hidden_BTD, weight_VD, _t(du))
+    V = len(raw[0][0]) if raw and raw[0] else 0
+    gb = [sum(du[i][t][v] for i in range(len(du)) for t in range(len(du[i]))) for v in range(V)]
+    return gh, gw, _t(gb)

@@ -9,7 +9,9 @@ terminal) fails the case with that exception.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import shlex
 import shutil
@@ -108,27 +110,46 @@ CASES = [
     (
         "missing-student",
         "train --student <D>/nope --teacher <T> --out <OUT>",
-        r"student model directory <D>/nope does not exist; pass a local directory written by save_pretrained",
+        r"student model directory <D>/nope does not exist; pass a local directory written by save_pretrained, or a Hub name \(ORG/NAME\)",
     ),
     (
         "missing-teacher",
         "train --student <S> --teacher <D>/nope --out <OUT>",
-        r"teacher model directory <D>/nope does not exist; pass a local directory written by save_pretrained",
+        r"teacher model directory <D>/nope does not exist; pass a local directory written by save_pretrained, or a Hub name \(ORG/NAME\)",
+    ),
+    (
+        "hub-student-not-cached",
+        "train --student acme/absent --teacher <T> --out <OUT>",
+        r"student model \(--student\) 'acme/absent' is no local path, and the Hub model acme/absent is not in the "
+        r"cache .*hub and could not be fetched offline \(HF_HUB_OFFLINE=1\) \(not cached\); fetch it where the "
+        r"network allows with `hf download acme/absent` \(same HF_HOME\), or give a local path",
+    ),
+    (
+        "hub-task-revision-not-cached",
+        "train --student <S> --teacher <T> --out <OUT> --task acme/sums --task-revision v2",
+        r"--task 'acme/sums' is no local path, 'arithmetic' or a preset \(gsm8k, math500, aime24, aime25\), and the "
+        r"Hub dataset acme/sums at revision 'v2' is not in the cache .*`hf download acme/sums --repo-type dataset "
+        r"--revision v2` \(same HF_HOME\), or give a local path",
+    ),
+    (
+        "keep-best-never-evaluated",
+        "train --student <S> --teacher <T> --out <OUT> --keep-best eval/pass_at_k --eval-samples 0",
+        r"keep_best='eval/pass_at_k': this run never evaluates eval/pass_at_k; it logs eval/accuracy",
     ),
     (
         "no-student",
         "train --teacher <T> --out <OUT>",
-        r"no student model given; pass --student DIR \(a local Hugging Face model directory\)",
+        r"no student model given; pass --student DIR \(a Hugging Face model directory or Hub name\)",
     ),
     (
         "missing-init",
         "sft --init <D>/nope --out <OUT>",
-        r"init model directory <D>/nope does not exist; pass a local directory written by save_pretrained",
+        r"init model directory <D>/nope does not exist; pass a local directory written by save_pretrained, or a Hub name \(ORG/NAME\)",
     ),
     (
         "serve-missing-model",
         "serve-teacher <D>/nope --port 0",
-        r"teacher model directory <D>/nope does not exist; pass a local directory written by save_pretrained",
+        r"teacher model directory <D>/nope does not exist; pass a local directory written by save_pretrained, or a Hub name \(ORG/NAME\)",
     ),
     (
         "run-dir-as-student",
@@ -184,8 +205,8 @@ CASES = [
     (
         "missing-task-file",
         f"{TRAIN} --task <D>/nope.jsonl",
-        r"--task '<D>/nope\.jsonl' is neither 'arithmetic' nor an existing file, glob or directory; check the "
-        r"path \(it is read relative to .+\)",
+        r"--task '<D>/nope\.jsonl' is neither an existing file, glob or directory \(read relative to .+\), nor "
+        r"'arithmetic', a preset \(gsm8k, math500, aime24, aime25\) or a Hub dataset name \(ORG/NAME\); check the path",
     ),
     (
         "empty-sft-data",
@@ -278,7 +299,7 @@ CASES = [
     (
         "unknown-task-key",
         f"{TRAIN} --tasks <D>/task_typo.yaml",
-        r"task 'math': 'stepz' is not a setting; a task may set teacher, teacher_url, .*, eval_samples",
+        r"task 'math': 'stepz' is not a setting; a task may set teacher, teacher_revision, teacher_url, .*, eval_samples",
     ),
     (
         "words-for-a-task-count",
@@ -711,3 +732,267 @@ def test_a_mistyped_option_gets_the_parsers_usage_error(command, problem, fix, m
     said = " ".join(re.sub(r"[│╭╮╰╯─]", " ", out + err).split())
     assert "Traceback" not in said and code == 2, said
     assert problem in said and fix in said and "--help" in said, said
+
+
+# ----------------------------------------------------------------------------- run folders and data reads (issue 70)
+
+T0 = f"train --student <S> --teacher <T> {SHORT}"
+E0 = "eval --student <S> --device cpu --eval-size 2 --samples 0"
+S0 = "sft --init <S> --device cpu --steps 1 --batch-size 2 --eval-size 2 --validation-size 0"
+NOT_UTF8 = r", line {line}, column \d+: byte 0xe9 is not UTF-8 \(the file is in another encoding, e\.g\. latin-1 or cp1252\); re-save it as UTF-8"
+NO_CHECK = r"fix the name, or pass --no-check-chat-template-kwargs for a template that reads its options indirectly"
+
+
+def latin1_line(row: dict) -> bytes:
+    return json.dumps(row, ensure_ascii=False).encode("latin-1") + b"\n"
+
+
+@pytest.fixture(scope="module")
+def found(tiny_models, tiny_tokenizer, tmp_path_factory):
+    """What users have where they point --out and --data (<F>), written once: no case may change a byte of it."""
+    from chat_templates import with_tools_template
+
+    from opd.models.loading import load_tokenizer, tiny_qwen2
+
+    student, _ = tiny_models
+    f = tmp_path_factory.mktemp("found")
+    shutil.copytree(student, f / "hf_model")
+    (f / "notes").mkdir()
+    (f / "notes" / "config.json").write_text('{"mine": 1}\n')
+    (f / "notes" / "todo.txt").write_text("keep\n")
+    sft_run = f / "sft_run"  # an opd sft run, and one written before the marker (the packaged demo student's files)
+    (sft_run / "final").mkdir(parents=True)
+    (sft_run / "opd-run.json").write_text('{"command": "sft"}\n')
+    (sft_run / "metrics.jsonl").write_text('{"step": 0, "train/loss": 1.0}\n')
+    (sft_run / "final" / "model.safetensors").write_bytes(b"weights")
+    shutil.copytree(Path(__file__).parents[1] / "src/opd/assets/demo/runs/student", f / "old_sft_run")
+    finished = f / "finished"  # a finished train run whose checkpoints/ were deleted
+    (finished / "final").mkdir(parents=True)
+    (finished / "opd-run.json").write_text('{"command": "train"}\n')
+    (finished / "config.json").write_text('{"objective": "lsm"}\n')
+    (finished / "metrics.jsonl").write_text('{"step": 0, "train/loss": 1.0}\n')
+    (finished / "summary.json").write_text("{}\n")
+    (finished / "final" / "model.safetensors").write_bytes(b"weights")
+    (f / "a_file").write_text("not a folder\n")
+    (f / "latin1.jsonl").write_bytes(latin1_line({"prompt": "Caf\u00e9: 1 + 1?", "answer": "2"}))
+    (f / "latin1_sft.jsonl").write_bytes(latin1_line({"prompt": "Caf\u00e9: 1 + 1?", "solution": "\\boxed{2}"}))
+    (f / "latin1.csv").write_bytes("prompt,answer\nCaf\u00e9: 1 + 1?,2\n".encode("latin-1"))
+    (f / "long_sft.jsonl").write_text((json.dumps({"prompt": LONG_PROMPT, "solution": "\\boxed{2}"}) + "\n") * 4)
+    (f / "empty_prompt_sft.jsonl").write_text(
+        json.dumps({"prompt": "1 + 1?", "solution": "\\boxed{2}"})
+        + "\n"
+        + json.dumps({"prompt": "", "solution": "x"})
+        + "\n"
+    )
+    tok = with_tools_template(load_tokenizer(tiny_tokenizer, "tokenizer"))  # its template reads enable_thinking
+    tiny_qwen2(len(tok), 1, 32, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id).save_pretrained(f / "thinking")
+    tok.save_pretrained(f / "thinking")
+    return f
+
+
+def tree(*roots: Path) -> dict[str, str]:
+    """Every file's sha256 and every folder under ``roots``: what a case must leave as it found it."""
+    return {
+        str(p): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
+        for root in roots
+        for p in sorted(root.rglob("*"))
+    }
+
+
+OWNED = [
+    # --out: a folder opd does not own, or a model it reads
+    (
+        "out-at-a-model-folder",
+        f"{T0} --out <F>/hf_model",
+        r"--out <F>/hf_model is not an opd run folder \(it holds chat_template\.jinja, config\.json, .*model\.safetensors, "
+        r".+\); choose a new or empty folder",
+    ),
+    (
+        "out-is-the-student",
+        f"{T0} --out <S>",
+        r"--out <S> is the model given as --student; the run would overwrite its files: choose another --out",
+    ),
+    (
+        "eval-out-is-the-student",
+        f"{E0} --out <S>",
+        r"--out <S> is the model given as --student; the run would overwrite its files: choose another --out",
+    ),
+    (
+        "out-at-a-folder-with-a-config",
+        f"{T0} --out <F>/notes",
+        r"--out <F>/notes is not an opd run folder \(it holds config\.json, todo\.txt\); choose a new or empty folder",
+    ),
+    (
+        "resume-at-a-folder-with-a-config",
+        f"{T0} --resume --out <F>/notes",
+        r"--resume: <F>/notes is not an opd run folder \(it holds config\.json, todo\.txt\); point --out at an opd "
+        r"train run, or choose a new folder without --resume",
+    ),
+    (
+        "resume-at-an-sft-run",
+        f"{T0} --resume --out <F>/sft_run",
+        r"--resume: <F>/sft_run holds an opd sft run, not an opd train run; resume a train run, or choose a new "
+        r"--out without --resume",
+    ),
+    (
+        "resume-at-an-sft-run-from-before-the-marker",
+        f"{T0} --resume --out <F>/old_sft_run",
+        r"--resume: <F>/old_sft_run holds an opd sft run, not an opd train run; resume a train run, or choose a new "
+        r"--out without --resume",
+    ),
+    (
+        "resume-a-finished-run-without-checkpoints",
+        f"{T0} --resume --out <F>/finished",
+        r"--resume: <F>/finished holds a finished opd train run without checkpoints \(no checkpoints/latest\), so "
+        r"there is nothing to resume; choose a new --out to train again",
+    ),
+    (
+        "resume-a-missing-folder",
+        f"{T0} --resume --out <F>/nope",
+        r"--resume: <F>/nope does not exist, so there is no run to resume; check --out, or drop --resume to start a "
+        r"new run there",
+    ),
+    (
+        "sft-at-a-train-run",
+        f"{S0} --out <F>/finished",
+        r"--out <F>/finished holds an opd train run; opd sft writes its own: choose another --out",
+    ),
+    (
+        "sft-over-its-own-run",  # sft has no --resume: the message must not advise one
+        f"{S0} --out <F>/sft_run",
+        r"<F>/sft_run already holds a run of opd sft \(metrics\.jsonl\); opd sft has no --resume: choose a new --out "
+        r"\(or delete that folder\) to start over",
+    ),
+    (
+        "eval-at-a-train-run",
+        f"{E0} --out <F>/finished",
+        r"--out <F>/finished holds an opd train run; opd eval writes its own: choose another --out",
+    ),
+    (
+        "out-at-a-file",
+        f"{T0} --out <F>/a_file",
+        r"--out <F>/a_file is a file; --out must be a folder \(a new one, or a run of opd train\)",
+    ),
+    (
+        "eval-out-at-a-file",
+        f"{E0} --out <F>/a_file",
+        r"--out <F>/a_file is a file; --out must be a folder \(a new one, or a run of opd eval\)",
+    ),
+    # data that is not UTF-8: one reader for train, eval, sft --task and sft --data
+    (
+        "train-task-not-utf8",
+        f"{T0} --out <OUT> --task <F>/latin1.jsonl",
+        "<F>/latin1\\.jsonl" + NOT_UTF8.format(line=1),
+    ),
+    ("eval-task-not-utf8", f"{E0} --out <OUT> --task <F>/latin1.jsonl", "<F>/latin1\\.jsonl" + NOT_UTF8.format(line=1)),
+    ("sft-task-not-utf8", f"{S0} --out <OUT> --task <F>/latin1.jsonl", "<F>/latin1\\.jsonl" + NOT_UTF8.format(line=1)),
+    (
+        "sft-data-not-utf8",
+        f"{S0} --out <OUT> --data <F>/latin1_sft.jsonl",
+        "<F>/latin1_sft\\.jsonl" + NOT_UTF8.format(line=1),
+    ),
+    ("csv-not-utf8", f"{T0} --out <OUT> --task <F>/latin1.csv", "<F>/latin1\\.csv" + NOT_UTF8.format(line=2)),
+    # sft --data gets the checks of --task
+    (
+        "sft-data-over-context",
+        f"{S0} --out <OUT> --data <F>/long_sft.jsonl --max-prompt-tokens 4096",
+        r"a prompt of \d{4} tokens plus max_new_tokens=64 exceeds the model's context of 512 positions; shorten "
+        r"the prompts or lower --max-new-tokens",
+    ),
+    (
+        "sft-data-empty-prompt",
+        f"{S0} --out <OUT> --data <F>/empty_prompt_sft.jsonl",
+        r"1 of 2 prompts are not usable in <F>/empty_prompt_sft\.jsonl, e\.g\. row 2: 'prompt' is empty; --prompt-field "
+        r"must name a column of non-empty strings or of chat messages with a user turn",
+    ),
+    # settings accepted silently or ending in a traceback
+    (
+        "dist-timeout-inf",
+        f"{T0} --out <OUT> --dist-timeout inf",
+        r"dist_timeout=inf must be > 0 and at most 1e\+09 seconds \(about 31 years: a larger wait overflows torch's "
+        r"process-group timers\)",
+    ),
+    (
+        "dist-timeout-huge",
+        f"{T0} --out <OUT> --dist-timeout 1e15",
+        r"dist_timeout=1000000000000000\.0 must be > 0 and at most 1e\+09 seconds .+",
+    ),
+    (
+        "template-option-never-read",
+        "train --student <F>/thinking --teacher <T> --out <OUT> --chat-template-kwargs '{\"enable_thinkin\": false}'",
+        r"chat_template_kwargs: the chat template never reads 'enable_thinkin' \(the variables it reads: "
+        r"enable_thinking\); " + NO_CHECK,
+    ),
+    (
+        "eval-template-option-never-read",
+        "eval --student <S> --out <OUT> --chat-template-kwargs '{\"enable_thinking\": false}'",
+        r"chat_template_kwargs: the chat template never reads 'enable_thinking' \(the variables it reads: none\); "
+        + NO_CHECK,
+    ),
+    (
+        "no-eval-with-eval-every",
+        "train --student <S> --teacher <T> --out <OUT> --no-eval --eval-every 5",
+        r"eval_every=5 is set with evaluation off \(--no-eval\); drop one of them",
+    ),
+    # messages that named another problem
+    (
+        "vllm-url-port-out-of-range",
+        f"{T0} --out <OUT> --rollout-engine vllm --vllm-url http://127.0.0.1:99999",
+        r"--vllm-url 'http://127\.0\.0\.1:99999' has the port '99999'; a port is a number from 0 to 65535 \(e\.g\. "
+        r"http://127\.0\.0\.1:8000\)",
+    ),
+    (
+        "teacher-url-port-out-of-range",
+        "train --student <S> --teacher-url http://127.0.0.1:99999 --out <OUT>",
+        r"--teacher-url 'http://127\.0\.0\.1:99999' has the port '99999'; a port is a number from 0 to 65535 .+",
+    ),
+]
+
+
+@pytest.mark.parametrize(("command", "pattern"), [c[1:] for c in OWNED], ids=[c[0] for c in OWNED])
+def test_a_bad_out_or_data_is_refused_and_nothing_found_changes(
+    command, pattern, tiny_models, found, tmp_path, monkeypatch, capsys
+):
+    student, teacher = tiny_models
+    out = tmp_path / "out"
+    places = {"S": student, "T": teacher, "F": found, "OUT": out}
+    before = tree(found, student, teacher)
+    check_case(monkeypatch, capsys, places, command, pattern)
+    assert tree(found, student, teacher) == before
+    # a new --out holds at most opd's marker, written before the data was read
+    assert not out.exists() or [p.name for p in out.iterdir()] in ([], ["opd-run.json"])
+
+
+def test_eval_out_that_cannot_be_written_is_refused_before_the_evaluation(tiny_models, tmp_path, monkeypatch, capsys):
+    import opd.evaluation.model_eval as eval_mod
+    import opd.runs.rundir as rundir_mod
+
+    def read_only(path, text):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    loads = []
+    monkeypatch.setattr(rundir_mod, "_atomic_write_text", read_only)  # what a read-only folder does, even as root
+    monkeypatch.setattr(eval_mod, "load_model", lambda *a, **kw: loads.append(a))
+    args = shlex.split(expand(E0, {"S": tiny_models[0]}, escape=False)) + ["--out", str(tmp_path / "ro")]
+    code, out, err = run_opd(monkeypatch, capsys, args)
+    pattern = rf"cannot write in --out {re.escape(str(tmp_path / 'ro'))} \(Permission denied\); choose a folder you can write to"
+    assert_one_line_error(code, out, err, pattern)
+    assert loads == []  # refused before the model loaded, so before any evaluation
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_out_is_refused(tiny_models, tmp_path, monkeypatch, capsys):
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o555)
+    args = shlex.split(expand(E0, {"S": tiny_models[0]}, escape=False)) + ["--out", str(ro)]
+    code, out, err = run_opd(monkeypatch, capsys, args)
+    assert_one_line_error(code, out, err, rf"cannot write in --out {re.escape(str(ro))} \(Permission denied\); .+")
+    assert list(ro.iterdir()) == []
+
+
+def test_a_task_left_out_of_evaluation_is_no_eval_every_contradiction():
+    from opd.config import TrainConfig, resolve_tasks
+
+    # the run's --eval-every is for the tasks that evaluate; one with eval: false is not refused for it
+    cfg = TrainConfig(teacher="t", eval_every=5, tasks=[{"name": "a", "eval": False}, {"name": "b"}])
+    assert [(s.cfg.eval, s.cfg.eval_every) for s in resolve_tasks(cfg)] == [(False, 0), (True, 5)]

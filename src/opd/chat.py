@@ -27,7 +27,16 @@ from typing import Any
 
 from opd.errors import UserError
 
-__all__ = ["RESERVED", "chat_options", "render_chat", "set_chat_options", "template_kwargs", "tool_call_marker_ids"]
+__all__ = [
+    "RESERVED",
+    "chat_options",
+    "check_template_reads",
+    "template_variables",
+    "render_chat",
+    "set_chat_options",
+    "template_kwargs",
+    "tool_call_marker_ids",
+]
 
 # apply_chat_template's own arguments (and the template's `messages`): opd sets them, so an option
 # of that name would clash with opd's value (transformers' "got multiple values") or silently win.
@@ -80,10 +89,55 @@ def template_kwargs(value: Any, option: str) -> dict[str, Any]:
     return dict(value)
 
 
-def set_chat_options(tokenizer: Any, options: dict[str, Any] | None) -> Any:
-    """Have every :func:`render_chat` with ``tokenizer`` pass ``options`` to its template; returns it."""
+def set_chat_options(
+    tokenizer: Any, options: dict[str, Any] | None, option: str = "chat_template_kwargs", check: bool = True
+) -> Any:
+    """Have every :func:`render_chat` with ``tokenizer`` pass ``options`` to its template; returns it.
+    ``check``: an option the template never reads is an error naming ``option`` (:func:`check_template_reads`)."""
+    if check:
+        check_template_reads(tokenizer, options or {}, option)
     setattr(tokenizer, _ATTRIBUTE, dict(options or {}))
     return tokenizer
+
+
+def template_variables(tokenizer: Any) -> set[str] | None:
+    """The variables the tokenizer's chat template(s) read, found by jinja2's parser in the template's syntax
+    tree (not by running it); None without a template, or with one the parser cannot read."""
+    import jinja2
+    from jinja2 import meta
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    templates = getattr(tokenizer, "chat_template", None)
+    templates = list(templates.values()) if isinstance(templates, dict) else [templates]
+    found: set[str] = set()
+    for template in templates:
+        if not isinstance(template, str) or not template:
+            return None
+        try:  # transformers' own environment knows its tags ({% generation %}); it is private API, hence the fallback
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            env = _compile_jinja_template(template).environment
+        except Exception:  # noqa: BLE001 - any failure there: parse with jinja2's loop controls, as transformers does
+            env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+        try:
+            found |= meta.find_undeclared_variables(env.parse(template))
+        except jinja2.TemplateError:
+            return None
+    return found
+
+
+def check_template_reads(tokenizer: Any, options: dict[str, Any], option: str) -> None:
+    """UserError for an option the chat template never reads (a typo such as enable_thinkin leaves the
+    template's own default in force, silently), naming the options it does read."""
+    reads = template_variables(tokenizer) if options else None
+    unread = [k for k in options if reads is not None and k not in reads]
+    if not unread:
+        return
+    own = sorted(reads - set(RESERVED) - {"bos_token", "eos_token", "raise_exception", "strftime_now"})  # type: ignore[operator]
+    raise UserError(
+        f"{option}: the chat template never reads {unread[0]!r} (the variables it reads: {', '.join(own) or 'none'}); "
+        "fix the name, or pass --no-check-chat-template-kwargs for a template that reads its options indirectly"
+    )
 
 
 def chat_options(tokenizer: Any) -> dict[str, Any]:

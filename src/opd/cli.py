@@ -152,7 +152,11 @@ def _demo(
 
 @app.command("serve-teacher")
 def _serve_teacher(
-    model: Path = typer.Argument(..., help="Teacher model directory (a local Hugging Face causal LM)."),
+    model: str = typer.Argument(
+        ...,
+        help="Teacher model: a local Hugging Face causal-LM directory, or a Hub name read from the Hugging Face cache.",
+    ),
+    revision: str = typer.Option("", help="Hub revision (branch, tag or commit) of a MODEL given by name."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(8000, help="Port (0 picks a free one and prints it)."),
     dtype: str = typer.Option(
@@ -197,7 +201,7 @@ def _serve_teacher(
     if batch_wait_ms < 0:
         raise UserError(f"--batch-wait-ms {batch_wait_ms} must be >= 0 (0: no waiting for more requests)")
     limits = Limits(max_k, max_prompt_tokens, max_prompts, max_batch_tokens, batch_wait_ms)
-    serve(str(model), host, port, dtype, served_model_name, limits, verbose, device, api_key or ())
+    serve(model, host, port, dtype, served_model_name, limits, verbose, device, api_key or (), revision)
 
 
 @app.command("vllm-setup")

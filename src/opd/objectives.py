@@ -60,7 +60,8 @@ class ObjectiveInputs:
 
     Shapes:
         hidden_NTD: (N, T, D) the student's final hidden states at the response positions
-            (gradients flow through them); head_VD: (V, D) its output head
+            (gradients flow through them); head_VD: its output head, a :class:`~opd.losses.Head`
+            (bias, scale, soft-cap; gradients reach weight and bias) or a plain (V, D) weight
         response_ids_NT: (N, T) the sampled tokens; behaviour_logprobs_NT: (N, T) their
             log-probs under the policy that sampled them; action_mask_NT: (N, T) bool, the tokens
             the model wrote (environment turns of an episode are False)
@@ -75,11 +76,11 @@ class ObjectiveInputs:
         policy_logprobs_NT: (N, T) or None, for rollouts an older policy sampled
             (``--max-staleness`` > 0, a policy-gradient objective): the trainer's log-probs of the
             sampled tokens under the policy of the batch's first update
-        teacher_hidden_NTE, teacher_head_VE: (N, T, E), (V, E) or None (needs FULL)
+        teacher_hidden_NTE, teacher_head_VE: (N, T, E) and the teacher's head, or None (needs FULL)
     """
 
     hidden_NTD: torch.Tensor
-    head_VD: torch.Tensor
+    head_VD: L.HeadLike
     response_ids_NT: torch.Tensor
     behaviour_logprobs_NT: torch.Tensor
     action_mask_NT: torch.Tensor
@@ -92,7 +93,7 @@ class ObjectiveInputs:
     old_logprobs_NT: torch.Tensor | None = None
     policy_logprobs_NT: torch.Tensor | None = None
     teacher_hidden_NTE: torch.Tensor | None = None
-    teacher_head_VE: torch.Tensor | None = None
+    teacher_head_VE: L.HeadLike | None = None
 
 
 # The options an objective reads come from the run's config; typed loosely here because the
@@ -177,7 +178,7 @@ def _lsm_loss(x: ObjectiveInputs, cfg: Options) -> torch.Tensor:
     if cfg.renormalize:
         share = cfg.forward_kl_share
         return L.local_support_kl_from_hidden(h, W, ids, t_lp, mask, support_mask=smask, forward_share=share)
-    return L.local_support_kl(h @ W.T, ids, t_lp, mask, renormalize=False, support_mask=smask)
+    return L.local_support_kl(L.as_head(W).logits(h), ids, t_lp, mask, renormalize=False, support_mask=smask)
 
 
 def _lsm_needs(cfg: Options) -> frozenset[str]:
@@ -230,7 +231,7 @@ register(
 def _full_kl_loss(x: ObjectiveInputs, cfg: Options) -> torch.Tensor:
     h, W = x.hidden_NTD, x.head_VD
     # The entry needs FULL, so the trainer gave the teacher's hidden states and head.
-    h_t, W_t = cast(torch.Tensor, x.teacher_hidden_NTE), cast(torch.Tensor, x.teacher_head_VE)
+    h_t, W_t = cast(torch.Tensor, x.teacher_hidden_NTE), cast(L.HeadLike, x.teacher_head_VE)
     return L.full_vocab_kl_from_hidden(h, W, h_t, W_t, x.mask_NT, cfg.kl_direction, chunk_size=256)
 
 

@@ -38,14 +38,16 @@ def url_problem(url: str, option: str) -> str:
     """What is wrong with ``url`` as the value of ``option`` ("" when nothing): anything but an http(s) URL
     with a host and, if given, a numeric port. The config checks every URL option with it, the clients too."""
     parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"{option} {url!r} must start with http:// or https:// and name a host (e.g. http://127.0.0.1:8000)"
     try:
-        parts.port  # noqa: B018 -- parsing the port is the check ("host:abc" raises here)
-        port_ok = True
+        parts.port  # noqa: B018 -- parsing the port is the check ("host:abc" and "host:99999" raise here)
     except ValueError:
-        port_ok = False
-    if parts.scheme in ("http", "https") and parts.hostname and port_ok:
-        return ""
-    return f"{option} {url!r} must start with http:// or https:// and name a host (e.g. http://127.0.0.1:8000)"
+        port = parts.netloc.rpartition(":")[2]
+        return (
+            f"{option} {url!r} has the port {port!r}; a port is a number from 0 to 65535 (e.g. http://127.0.0.1:8000)"
+        )
+    return ""
 
 
 def check_url(url: str, option: str) -> str:

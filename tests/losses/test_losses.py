@@ -1036,6 +1036,9 @@ PUBLIC_NAMES = [  # the public API before the package split, then the names adde
     "local_support_kl_tail",
     "local_support_kl_tail_from_hidden",
     "truncated_importance_weight",
+    "Head",
+    "HeadLike",
+    "as_head",
 ]
 
 

@@ -96,6 +96,10 @@ def test_merge_lora_gives_a_plain_model_with_the_adapted_outputs(tiny_models, lo
     result = CliRunner().invoke(app, ["merge-lora", str(final), "--out", str(merged_dir)])
     assert result.exit_code == 0, result.output + repr(result.exception)
     assert not (merged_dir / "adapter_config.json").exists()
+    adapter_card, card = (final / "README.md").read_text(), (merged_dir / "README.md").read_text()
+    assert "library_name: peft" in adapter_card and "- lora" in adapter_card  # the run's card of its adapter
+    assert "library_name: transformers" in card and "- merged-lora" in card and "## Method and options" in card
+    assert "base_model" not in card  # a local base: no Hub link to a model that is not there
     merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
     base = AutoModelForCausalLM.from_pretrained(tiny_models[0]).eval()
     tok = AutoTokenizer.from_pretrained(merged_dir)

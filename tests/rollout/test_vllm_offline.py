@@ -90,7 +90,7 @@ def test_rollout_engine_options_are_checked(tiny_models):
         TrainConfig(**base, vllm_url="http://127.0.0.1:8000")
     with pytest.raises(ConfigError, match=r"--vllm-url 'notaurl' must start with http:// or https:// and name a host"):
         TrainConfig(**base, rollout_engine="vllm", vllm_url="notaurl")
-    with pytest.raises(ConfigError, match=r"--vllm-url 'http://host:port' must start with"):
+    with pytest.raises(ConfigError, match=r"--vllm-url 'http://host:port' has the port 'port'; a port is a number"):
         TrainConfig(**base, rollout_engine="vllm", vllm_url="http://host:port")
     with pytest.raises(ConfigError, match="vllm_wait >= 0"):
         TrainConfig(**base, rollout_engine="vllm", vllm_wait=-1.0)

@@ -118,7 +118,10 @@ def test_report_to_is_parsed_like_other_lists():
 @pytest.mark.parametrize(
     "value, match",
     [
-        (["tensorbord"], r"report_to=tensorbord: unknown tracker; choose from none, tensorboard, wandb, trackio"),
+        (
+            ["tensorbord"],
+            r"report_to=tensorbord: unknown tracker; choose from none, tensorboard, wandb, trackio, mlflow",
+        ),
         (["none,wandb"], r"none turns tracking off, so it cannot be combined"),
         (["none", "tensorboard"], r"none turns tracking off"),
         ([], r"report_to is empty"),
@@ -140,8 +143,8 @@ def test_cli_takes_repeated_and_comma_separated_report_to(monkeypatch, tmp_path)
         result = CliRunner().invoke(app, ["train", "--out", str(tmp_path / "run"), *args])
         assert result.exit_code == 0, result.output + repr(result.exception)
     assert seen == [["tensorboard", "wandb"]] * 2
-    result = CliRunner().invoke(app, ["train", "--report-to", "mlflow"])
-    assert isinstance(result.exception, ConfigError) and "choose from none, tensorboard, wandb, trackio" in str(
+    result = CliRunner().invoke(app, ["train", "--report-to", "comet"])
+    assert isinstance(result.exception, ConfigError) and "choose from none, tensorboard, wandb, trackio, mlflow" in str(
         result.exception
     )
 

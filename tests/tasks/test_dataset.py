@@ -351,7 +351,10 @@ def test_glob_without_match_and_missing_paths(tmp_path):
         DatasetTask(str(tmp_path / "nothing-*.parquet"))
     with pytest.raises(UserError, match="data file not found"):
         DatasetTask(tmp_path / "missing.parquet")
-    with pytest.raises(UserError, match=r"--task 'arithmetik' is neither 'arithmetic' nor an existing file"):
+    with pytest.raises(
+        UserError,
+        match=r"--task 'arithmetik' is no local path, 'arithmetic' or a preset \(gsm8k, .*hf download arithmetik",
+    ):
         load_task("arithmetik")
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(

@@ -63,8 +63,15 @@ def test_data_file_and_its_errors(tiny_models, tmp_path, monkeypatch):
     with pytest.raises(UserError, match="--train-size 5 is more than the 1 training examples"):
         sft_mod.sft(SFTConfig(init=str(student), data=str(data), train_size=5, out=str(tmp_path / "b"), **SMALL))
     data.write_text(json.dumps({"prompt": "no target"}) + "\n")
-    with pytest.raises(UserError, match=r"sft.jsonl:1 needs a 'prompt' and a 'solution'"):
+    with pytest.raises(
+        UserError, match=r"sft\.jsonl: 1 of 1 rows have no solution, e\.g\. row 1; give each a 'solution'"
+    ):
         sft_mod.sft(SFTConfig(init=str(student), data=str(data), out=str(tmp_path / "c"), **SMALL))
+    data.write_text(json.dumps({"prompt": "What is 2 + 2?", "completion": "\\boxed{4}"}) + "\n")
+    seen.clear()
+    sft_mod.sft(SFTConfig(init=str(student), data=str(data), out=str(tmp_path / "d"), **SMALL), show_progress=False)
+    assert set(seen) == {("What is 2 + 2?", "\\boxed{4}")}  # a 'completion' column serves without 'solution'
+
     with pytest.raises(ConfigError, match="train_size"):
         SFTConfig(init=str(student), train_size=-1)
 

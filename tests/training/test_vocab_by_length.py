@@ -61,7 +61,7 @@ def test_no_stage_allocates_rows_by_length_by_vocabulary(wide_vocab_pair, tmp_pa
         batch_size=B,
         max_new_tokens=T,
         k=8,
-        log_rollouts=0,  # rollout logging takes the full log-softmax of its rows until issue 69's chunked one
+        log_rollouts=B,  # rollout logging too (issue 69 made it chunked)
         diag_positions=16,
         eval_size=2,
         eval_samples=1,  # greedy and sampled

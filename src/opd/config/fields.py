@@ -53,11 +53,12 @@ def check_device(spec: str) -> None:
     require(bool(re.fullmatch(DEVICE_PATTERN, spec)), f"device={spec!r}: use auto, cpu, cuda or cuda:N")
 
 
-REPORT_TO = ("none", "tensorboard", "wandb", "trackio")
+REPORT_TO = ("none", "tensorboard", "wandb", "trackio", "mlflow")
 REPORT_TO_HELP = (
     "Experiment trackers that also get the metrics of metrics.jsonl, per step, and the config: none, "
-    "tensorboard (RUN/tensorboard), wandb (RUN/wandb; offline without an API key), trackio; "
-    "several comma-separated or repeated."
+    "tensorboard (RUN/tensorboard), wandb (RUN/wandb; offline without an API key), trackio, mlflow "
+    "(MLFLOW_TRACKING_URI, else RUN/mlruns); several comma-separated or repeated. Each also gets the logged "
+    "rollouts (prompt, response, verdict, KL) as a table at their step."
 )
 
 

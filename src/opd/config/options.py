@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from opd.config.checkpoints import CheckpointOptions, check_checkpoint_options
 from opd.config.engines import VLLMOptions, check_vllm
 from opd.config.fields import DTYPES, REPORT_TO_HELP, ConfigError, check_report_to, opt, require
-from opd.config.sources import EnvSource, ModelSource, TrainingSource, chat_options
+from opd.config.sources import EnvSource, ModelSource, TrainingSource, chat_options, out_option
 from opd.config.tasks import read_task_list, resolve_tasks
 from opd.crosstok.align import PAIRINGS
 from opd.crosstok.vocab_map import JOINABLE, UNMAPPED
@@ -25,14 +26,18 @@ DEFAULT_SPECIAL_TOKENS = ("<|im_end|>", "<think>", "</think>")
 # Rollouts run at most this many steps ahead of the trainer (--max-staleness): each step in flight holds a
 # copy of the weights, and a policy older than this is no longer distillation from the student's own samples.
 MAX_STALENESS = 4
+# --dist-timeout's bound: torch accepted 1e12 s here and garbled 8e13 s (an overflowed timer); inf raised
+MAX_DIST_TIMEOUT = 1e9
 
 
 @dataclass
-class TrainConfig(EnvSource, TrainingSource, VLLMOptions):
+class TrainConfig(EnvSource, TrainingSource, VLLMOptions, CheckpointOptions):
     """On-policy distillation: the student samples, the teacher scores, the student moves toward it."""
 
+    out: str = out_option("train")
+
     teacher: str = opt(
-        "", "Teacher model directory (its own tokenizer too: see --cross-tokenizer and --teacher-tokenizer)."
+        "", "Teacher model: a directory or a Hub name (its own tokenizer too: --cross-tokenizer, --teacher-tokenizer)."
     )
     teacher_tokenizer: str = opt(
         "",
@@ -232,7 +237,7 @@ class TrainConfig(EnvSource, TrainingSource, VLLMOptions):
     dist_timeout: float = opt(
         1800.0,
         "Seconds a rank waits for the others at a collective (the process group's timeout) before the run fails "
-        "(torchrun/accelerate). Default 30 minutes, for nccl and gloo alike (torch's own: 10 and 30).",
+        "(torchrun/accelerate). Default 30 minutes, for nccl and gloo alike (torch's own: 10 and 30); at most 1e9.",
     )
     lora_r: int = opt(0, "LoRA rank: > 0 trains a peft LoRA adapter on the student instead of all its weights.")
     lora_alpha: float = opt(16.0, "LoRA scaling alpha (the update is scaled by alpha / r).")
@@ -272,10 +277,15 @@ class TrainConfig(EnvSource, TrainingSource, VLLMOptions):
         ):
             check(self)
         _check_counts(self, eval_every=0, eval_size=1, eval_samples=0, ckpt_every=0, log_rollouts=0, diag_positions=0)
-        require(self.dist_timeout > 0, f"dist_timeout={self.dist_timeout} must be > 0 (seconds)")
+        require(
+            0 < self.dist_timeout <= MAX_DIST_TIMEOUT,  # NaN and inf fail too: torch's timedelta cannot hold them
+            f"dist_timeout={self.dist_timeout} must be > 0 and at most {MAX_DIST_TIMEOUT:.0e} seconds (about 31 "
+            "years: a larger wait overflows torch's process-group timers)",
+        )
         self.report_to = check_report_to(self.report_to)
         _check_lora(self)
         _check_tasks(self)
+        check_checkpoint_options(self)
 
 
 # One check per section of TrainConfig (opd.config.sections), each naming the option and the fix.
@@ -491,8 +501,10 @@ def _check_tasks(cfg: TrainConfig | SFTConfig) -> None:
 class SFTConfig(EnvSource, TrainingSource):
     """Supervised fine-tuning on (prompt, solution) pairs: makes teachers/students, off-policy cold start."""
 
+    out: str = out_option("sft")
+
     data: str = opt("", "JSONL with prompt and solution (or completion); empty: the task's own solutions.")
-    init: str = opt("", "Model to start from; empty with --arch builds a new model.")
+    init: str = opt("", "Model to start from (a directory or a Hub name); empty with --arch builds a new model.")
     arch: str = opt("", "New tiny model 'qwen2:LAYERS:WIDTH' (e.g. qwen2:4:256) when --init is empty.")
     tokenizer: str = opt("", "Tokenizer directory for a new model (the demo trains one).")
     teacher: str = opt(
@@ -582,6 +594,8 @@ class SFTConfig(EnvSource, TrainingSource):
 @dataclass
 class EvalConfig(EnvSource, ModelSource):
     """Accuracy, avg@k and pass@k of a model; gap recovery when the before/teacher accuracies are given."""
+
+    out: str = out_option("eval")
 
     eval_size: int = opt(500, "Test prompts.")
     samples: int = opt(8, "Samples per prompt for avg@k / pass@k (0: greedy only).")

@@ -24,18 +24,20 @@ from opd.config.fields import ConfigError
 # (section, its title in --help, its options in order). One table for every command's config: an
 # option name means the same thing in train, sft and eval (EVAL_ONLY below: eval's own batch).
 LAYOUT: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("model", "Student model", ("student", "init", "arch", "tokenizer", "dtype", "tf32", "device")),
+    ("model", "Student model", ("student", "student_revision", "init", "arch", "tokenizer", "dtype", "tf32", "device")),
     (
         "data",
         "Data: prompts and answers",
         (
             "task",
+            "task_revision",
             "split",
             "prompt_field",
             "answer_field",
             "solution_field",
             "system_prompt",
             "chat_template_kwargs",
+            "check_chat_template_kwargs",
             "answer_format",
             "task_level",
             "max_prompt_tokens",
@@ -65,6 +67,7 @@ LAYOUT: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "Teacher: in-process or served",
         (
             "teacher",
+            "teacher_revision",
             "teacher_tokenizer",
             "teacher_chat_template_kwargs",
             "teacher_dtype",
@@ -144,6 +147,7 @@ LAYOUT: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "eval",
             "eval_task",
             "eval_split",
+            "eval_revision",
             "eval_prompt_field",
             "eval_answer_field",
             "eval_solution_field",
@@ -163,7 +167,20 @@ LAYOUT: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         "run",
         "Run directory, logging, checkpoints, processes",
-        ("out", "seed", "resume", "ckpt_every", "log_rollouts", "report_to", "diag_positions", "fsdp", "dist_timeout"),
+        (
+            "out",
+            "seed",
+            "resume",
+            "ckpt_every",
+            "keep_checkpoints",
+            "keep_best",
+            "final_best",
+            "log_rollouts",
+            "report_to",
+            "diag_positions",
+            "fsdp",
+            "dist_timeout",
+        ),
     ),
 )
 SECTION_NAMES = tuple(name for name, _, _ in LAYOUT)

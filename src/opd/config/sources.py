@@ -16,18 +16,40 @@ from opd.tasks.arithmetic import LEVELS
 from opd.tasks.dataset import parse_split
 from opd.tasks.grading import check_answer_format
 
+OUT_HELP = {
+    "train": "Run folder (config.json, metrics.jsonl, rollouts.jsonl, checkpoints, final/): a new or empty folder, "
+    "or with --resume an opd train run's (docs/training.md, 'Run folders and --resume').",
+    "sft": "Run folder (config.json, metrics.jsonl, final/): a new or empty folder (opd sft has no --resume).",
+    "eval": "Folder for eval.json: a new or empty folder, or an earlier opd eval's (its eval.json is replaced).",
+}
+
+
+def out_option(command: str) -> Any:
+    """The ``out`` field of ``command``'s config: a default of its own, runs/COMMAND, so that one command's
+    run never lands in another's folder."""
+    return opt(f"runs/{command}", OUT_HELP[command])
+
 
 @dataclass
 class ModelSource:
     """Where a run's models and prompts come from (shared by train, sft and eval)."""
 
-    student: str = opt("", "Student model: a local Hugging Face causal-LM directory (from_pretrained).")
+    student: str = opt(
+        "",
+        "Student model: a local Hugging Face causal-LM directory, or a Hub name (ORG/NAME) read from the Hugging Face "
+        "cache (downloaded where the network allows; HF_HOME, HF_HUB_OFFLINE honoured).",
+    )
+    student_revision: str = opt(
+        "", "Hub revision (branch, tag or commit) of --student given by name (opd sft: of --init). Default: main."
+    )
     task: str = opt(
         "arithmetic",
-        "Prompts and answers: 'arithmetic' (the built-in task), or your data, read with Hugging Face "
-        "datasets: a save_to_disk directory, a folder of data files, or parquet, arrow, JSON/JSONL or "
-        "CSV files or a glob ('data/*.parquet').",
+        "Prompts and answers, resolved in this order: a local path (a save_to_disk directory, a folder of data "
+        "files, parquet, arrow, JSON/JSONL or CSV files or a glob 'data/*.parquet'), 'arithmetic' (the built-in "
+        "task), a benchmark preset (gsm8k, math500, aime24, aime25), or a Hub dataset name (ORG/NAME, or "
+        "ORG/NAME:CONFIG) read with datasets.load_dataset (HF_HUB_OFFLINE: from the Hugging Face cache).",
     )
+    task_revision: str = opt("", "Hub revision (branch, tag or commit) of a --task given by Hub name. Default: main.")
     split: str = opt(
         "",
         "Which part of --task data trains and which is evaluated: TRAIN,TEST (two split names, e.g. "
@@ -57,6 +79,12 @@ class ModelSource:
         "Options for the student's chat template, a JSON object (e.g. '{\"enable_thinking\": false}' for "
         "Qwen3's thinking switch): passed wherever opd renders a chat (prompts, SFT pairs, episodes, evaluation).",
     )
+    check_chat_template_kwargs: bool = opt(
+        True,
+        "Refuse a --chat-template-kwargs (or --teacher-chat-template-kwargs) key that the template never reads "
+        "(found with jinja2's parser; a typo would leave the template's default on). --no-check-chat-template-kwargs: "
+        "for a template that reads its options indirectly.",
+    )
     answer_format: str = opt(
         "boxed",
         "How the final answer is read, from reference answers and model outputs alike: boxed (the "
@@ -69,7 +97,7 @@ class ModelSource:
         f"Difficulty level of the built-in arithmetic task ({min(LEVELS)}-{max(LEVELS)}; see ArithmeticTask.from_level).",
     )
     seed: int = opt(0, "Seed for data order, sampling and initialisation.")
-    out: str = opt("runs/run", "Run directory (config.json, metrics.jsonl, rollouts.jsonl, checkpoints).")
+    out: str = out_option("train")  # each command sets its own (out_option)
     dtype: str = opt(
         "float32",
         "The dtype the student computes in: float32, bfloat16 or float16 (opd eval only). Training in bfloat16 "
@@ -185,6 +213,8 @@ class TrainingSource(ModelSource):
         "test split, or every row when it has one split. Default: the held-out part of --task.",
     )
     eval_split: str = opt("", "Split of --eval-task to evaluate on (default: test, or its only split).")
+    eval_revision: str = opt("", "Hub revision of an --eval-task given by Hub name (default: main).")
+    teacher_revision: str = opt("", "Hub revision (branch, tag or commit) of --teacher given by name (default: main).")
     eval_prompt_field: str = opt("", "--prompt-field of --eval-task (default: --prompt-field).")
     eval_answer_field: str = opt("", "--answer-field of --eval-task (default: --answer-field).")
     eval_solution_field: str = opt("", "--solution-field of --eval-task (default: --solution-field).")
@@ -216,4 +246,11 @@ class TrainingSource(ModelSource):
         require(
             self.eval or not self.eval_task,
             f"eval_task={self.eval_task!r} is set with evaluation off (--no-eval); drop one of them",
+        )
+        # a schedule of evaluations with evaluation off is a contradiction (the default and 0, "at the end", are not)
+        default = next((f.default for f in dataclasses.fields(self) if f.name == "eval_every"), None)
+        every = getattr(self, "eval_every", default)
+        require(
+            self.eval or every in (0, default),
+            f"eval_every={every} is set with evaluation off (--no-eval); drop one of them",
         )

@@ -24,6 +24,7 @@ TASK_MODES = ("alternate", "mix")
 # (OPD) its teacher and sampling, or (SFT) its targets and how many of its examples it learns from.
 _SOURCE = (
     "task",
+    "task_revision",
     "split",
     "prompt_field",
     "answer_field",
@@ -34,6 +35,7 @@ _SOURCE = (
     "eval",
     "eval_task",
     "eval_split",
+    "eval_revision",
     "eval_prompt_field",
     "eval_answer_field",
     "eval_solution_field",
@@ -61,6 +63,7 @@ TEACHER_SCORING = (
 )
 PER_TASK = (
     "teacher",
+    "teacher_revision",
     "teacher_url",
     *TEACHER_SCORING,
     "mask_special",  # per task: a teacher's special-token conventions belong to it
@@ -71,7 +74,16 @@ PER_TASK = (
     "eval_samples",
 )
 # teacher: where its targets are sampled from
-SFT_PER_TASK = (*_SOURCE, "data", "teacher", "train_size", "expert_mistakes", "dagger_from", "dagger_branches")
+SFT_PER_TASK = (
+    *_SOURCE,
+    "data",
+    "teacher",
+    "teacher_revision",
+    "train_size",
+    "expert_mistakes",
+    "dagger_from",
+    "dagger_branches",
+)
 # Metric namespaces a task name would collide with.
 RESERVED = ("train", "rollout", "diag", "depth", "time", "eval", "step", "tasks")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -170,10 +182,15 @@ def _overrides(entry: dict[str, Any], cfg: Any, mode: str, share: float) -> dict
         out.setdefault("teacher", "")
         out.setdefault("teacher_url", "")
         out.setdefault("teacher_tokenizer", "")  # the global teacher's tokenizer is not this teacher's
+        out.setdefault("teacher_revision", "")  # nor its revision
         if out["teacher_url"]:
             out.setdefault("teacher_dtype", "")
+    if _is_opd(cfg):  # the run keeps checkpoints by its own figures (eval/<task>/...), not a task's view
+        out.update(keep_best="", final_best=False)
     if "task" in given:
         out.setdefault("env", "")
+    if out.get("eval") is False and hasattr(cfg, "eval_every"):
+        out["eval_every"] = 0  # a task left out of evaluation has no schedule of its own: the run's is the others'
     if mode == "mix" and "batch_size" not in given:
         out["batch_size"] = round(share * cfg.batch_size)
         if out["batch_size"] < 1:

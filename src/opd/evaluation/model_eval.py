@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from opd.chat import set_chat_options
@@ -28,6 +27,7 @@ from opd.rollout.game_set import GameSet, check_episode_context, play_env
 from opd.rollout.prompt_set import PromptSet, answer_source, data_options, eval_prompts, graded, load_task
 from opd.rollout.sampling import HFRollout
 from opd.runs.progress import progress_bar
+from opd.runs.rundir import RunDir
 from opd.tasks import Task
 
 __all__ = ["decode_responses", "evaluate_model", "run_eval"]
@@ -120,16 +120,23 @@ def check_graded(cfg: EvalConfig, task: Task) -> None:
 
 
 def run_eval(cfg: EvalConfig) -> dict:
+    # Where the figures go is checked (and claimed) first: a folder that cannot take them would lose a whole evaluation.
+    rundir = RunDir(cfg.out, command="eval", models={"student": cfg.student, "tokenizer": cfg.tokenizer})
     # Data named for evaluation is evaluated whole, as --eval-task is (its test split, or every row
     # of a one-split set); --split instead picks the held-out part, as training holds it out.
     if not cfg.env:  # before the model: a data problem shows at once
         options = data_options(cfg)
         task = load_task(cfg.task, cfg.task_level, cfg.seed, split=cfg.split, evaluation=not cfg.split, **options)
         check_graded(cfg, task)
-    tok = set_chat_options(load_tokenizer(cfg.tokenizer or cfg.student), cfg.chat_template_kwargs)
+    rev = cfg.student_revision
+    tok = set_chat_options(
+        load_tokenizer(cfg.tokenizer or cfg.student, revision="" if cfg.tokenizer else rev),
+        cfg.chat_template_kwargs,
+        check=cfg.check_chat_template_kwargs,
+    )
     device = resolve_device(cfg.device)
     configure_device_math(device, cfg.dtype, cfg.tf32, "opd eval")
-    model = load_model(cfg.student, dtype=cfg.dtype, device=device)
+    model = load_model(cfg.student, dtype=cfg.dtype, device=device, revision=rev)
     common: dict[str, Any] = dict(
         samples=cfg.samples,
         temperature=cfg.temperature,
@@ -154,8 +161,6 @@ def run_eval(cfg: EvalConfig) -> dict:
     result["wall_s"] = round(time.time() - t0, 2)
     if cfg.acc_before >= 0 and cfg.acc_teacher >= 0:
         result["gap_recovery"] = gap_recovery(cfg.acc_before, result["accuracy"], cfg.acc_teacher)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    rundir.write_json("eval.json", result)
     print(json.dumps(result, indent=2))
     return result

@@ -6,6 +6,10 @@ batch B, positions T, vocabulary V; ``ids_BTK``: K support slots; ``hidden_BTD``
 
 The package, by concern (everything is importable from ``opd.losses`` itself):
 
+* :mod:`~opd.losses.head` -- :class:`Head`, the output head as the model computes it: logits =
+  softcap(scale * (hidden @ W.T + bias)) (phi's bias, Granite's and Cohere's scaling, Gemma 2's
+  soft-cap). Every ``*_from_hidden`` function takes a Head, or a plain (V, D) weight for the plain
+  head; gradients reach the weight and the bias.
 * :mod:`~opd.losses.support` -- top-K from logits or hidden states (:func:`topk_from_hidden`, for
   teacher and student alike; ``teacher_topk_from_hidden`` is its old name) and the LSM supports.
 * :mod:`~opd.losses.lsm` -- :func:`local_support_kl`, teacher top-K local support matching (LSM,
@@ -37,6 +41,7 @@ error). Gradients come back in each input's own dtype.
 """
 
 from opd.losses.full_vocab import full_vocab_kl, full_vocab_kl_from_hidden, generalized_jsd
+from opd.losses.head import Head, HeadLike, as_head
 from opd.losses.lsm import local_support_kl, local_support_kl_from_hidden
 from opd.losses.reductions import constant_sum, sequence_mean, special_token_mask, token_mean
 from opd.losses.sampled import (
@@ -58,6 +63,9 @@ from opd.losses.tail import local_support_kl_tail, local_support_kl_tail_from_hi
 
 __all__ = [
     "SUPPORT_KINDS",
+    "Head",
+    "HeadLike",
+    "as_head",
     "build_support",
     "constant_sum",
     "full_vocab_kl",

@@ -31,6 +31,10 @@ from opd.losses._common import (
     head_for_grad_h,
     position_chunks,
 )
+from opd.losses.head import Head, HeadLike, as_head, cast_head, chunk_logits, head_dtype, raw_grad_
+
+# A head's weight and bias in the compute dtype, and the head (its scale and cap): chunk_logits' arguments.
+_Parts = tuple[torch.Tensor, torch.Tensor | None, Head]
 
 DIRECTIONS = ("reverse", "forward")
 
@@ -160,13 +164,16 @@ def generalized_jsd(
 
 
 def _chunk_logprobs(
-    hs_cD: torch.Tensor, ws_VD: torch.Tensor, ht_cE: torch.Tensor, wt_VE: torch.Tensor, bufs_3MV: torch.Tensor
+    hs_cD: torch.Tensor, s_head: _Parts, ht_cE: torch.Tensor, t_head: _Parts, bufs_3MV: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Both models' log-softmax of one chunk, in reused buffers: (scratch, logp_cV, logq_cV)."""
+    """Both models' log-softmax of one chunk, in reused buffers: (the student's logits, logp_cV, logq_cV).
+
+    The teacher's logits go through the scratch buffer first, so it holds the student's at the end
+    (a soft-capped student head's backward needs them)."""
     n = hs_cD.shape[0]
-    z, logp, logq = (b[:n] for b in bufs_3MV)
-    torch.log_softmax(torch.mm(hs_cD, ws_VD.T, out=z), dim=-1, out=logp)
-    torch.log_softmax(torch.mm(ht_cE, wt_VE.T, out=z), dim=-1, out=logq)
+    z, logp, logq = (b[:n] for b in bufs_3MV[:3])
+    torch.log_softmax(chunk_logits(ht_cE, *t_head, out=z), dim=-1, out=logq)
+    torch.log_softmax(chunk_logits(hs_cD, *s_head, out=z), dim=-1, out=logp)
     return z, logp, logq
 
 
@@ -205,12 +212,14 @@ def _kl_grad_chunk(
 
 
 class _FullKLFromHidden(torch.autograd.Function):
-    """Full-vocabulary KL over the active rows ``rows_A``, from both models' hidden states.
+    """Full-vocabulary KL over the active rows ``rows_A``, from both models' hidden states and heads.
 
     Nothing V-sized is saved: the forward and the backward each compute one chunk's student and
     teacher logits at a time (the backward recomputes them, two extra GEMMs per chunk, which is
-    the price of never holding (rows, V) logits). The weight gradient accumulates into one (V, D)
-    buffer with addmm_, and rows whose upstream gradient is zero are skipped.
+    the price of never holding (rows, V) logits). The student's logit gradient is taken back
+    through its head's cap and scale (:func:`~opd.losses.head.raw_grad_`); the weight gradient
+    accumulates into one (V, D) buffer with addmm_ (the bias's into a (V,) one), and rows whose
+    upstream gradient is zero are skipped.
     """
 
     @staticmethod
@@ -218,73 +227,91 @@ class _FullKLFromHidden(torch.autograd.Function):
         ctx: Any,
         hs_ND: torch.Tensor,
         ws_VD: torch.Tensor,
+        bs_V: torch.Tensor | None,
         ht_NE: torch.Tensor,
-        wt_VE: torch.Tensor,
+        heads: tuple[Head, Head],
         rows_A: torch.Tensor,
         reverse: bool,
         chunk_size: int | None,
     ) -> torch.Tensor:
-        dtype = compute_dtype(hs_ND, ws_VD, ht_NE, wt_VE)
-        ws, wt = ws_VD.to(dtype), wt_VE.to(dtype)
+        s_head, t_head = heads
+        dtype = head_dtype(s_head, hs_ND, ht_NE, *_head_tensors(t_head))
+        s_parts, t_parts = (*cast_head(s_head, dtype), s_head), (*cast_head(t_head, dtype), t_head)
         A = rows_A.numel()
         kl_A = torch.empty(A, dtype=dtype, device=hs_ND.device)
         if A:  # no buffers for no rows
-            bufs = chunk_buffers(3, A, chunk_size, ws.shape[0], dtype, hs_ND.device)
+            bufs = chunk_buffers(3, A, chunk_size, s_head.vocab, dtype, hs_ND.device)
             for sl in position_chunks(A, chunk_size):
                 r = rows_A[sl]
-                _, logp, logq = _chunk_logprobs(hs_ND[r].to(dtype), ws, ht_NE[r].to(dtype), wt, bufs)
+                _, logp, logq = _chunk_logprobs(hs_ND[r].to(dtype), s_parts, ht_NE[r].to(dtype), t_parts, bufs)
                 kl_A[sl] = _kl_chunk(logp, logq, reverse)
-        ctx.save_for_backward(hs_ND, ws_VD, ht_NE, wt_VE, rows_A)
-        ctx.reverse, ctx.chunk_size = reverse, chunk_size
+        ctx.save_for_backward(hs_ND, ws_VD, bs_V, ht_NE, rows_A)
+        ctx.heads, ctx.reverse, ctx.chunk_size = heads, reverse, chunk_size
         return kl_A
 
     @staticmethod
     @once_differentiable  # the backward writes into reused buffers; no graph of it is needed
     def backward(
         ctx: Any, grad_A: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None, None]:
-        hs_ND, ws_VD, ht_NE, wt_VE, rows_A = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dtype = compute_dtype(hs_ND, ws_VD, ht_NE, wt_VE)
-        ws, wt = ws_VD.to(dtype), wt_VE.to(dtype)
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None, None, None, None]:
+        hs_ND, ws_VD, bs_V, ht_NE, rows_A = ctx.saved_tensors
+        s_head, t_head = ctx.heads
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        dtype = head_dtype(s_head, hs_ND, ht_NE, *_head_tensors(t_head))
+        s_parts, t_parts = (*cast_head(s_head, dtype), s_head), (*cast_head(t_head, dtype), t_head)
+        ws = s_parts[0]
         grad_h = torch.zeros(hs_ND.shape, dtype=dtype, device=hs_ND.device) if need_h else None
         grad_w = torch.zeros(ws.shape, dtype=dtype, device=ws.device) if need_w else None
+        grad_b = torch.zeros(ws.shape[0], dtype=dtype, device=ws.device) if need_b else None
         grad_A = grad_A.to(dtype)
         keep = grad_A.nonzero().squeeze(-1)
         ws_h = head_for_grad_h(ws) if need_h else ws
+        capped = s_head.softcap is not None
         if keep.numel():  # no buffers for no rows
-            bufs = chunk_buffers(3, keep.numel(), ctx.chunk_size, ws.shape[0], dtype, hs_ND.device)
+            bufs = chunk_buffers(4 if capped else 3, keep.numel(), ctx.chunk_size, ws.shape[0], dtype, hs_ND.device)
             for sl in position_chunks(keep.numel(), ctx.chunk_size):
                 a = keep[sl]
                 r = rows_A[a]
                 hs_cD = hs_ND[r].to(dtype)
-                scratch, logp, logq = _chunk_logprobs(hs_cD, ws, ht_NE[r].to(dtype), wt, bufs)
-                dz_cV = _kl_grad_chunk(scratch, logp, logq, grad_A[a], ctx.reverse)
+                scratch, logp, logq = _chunk_logprobs(hs_cD, s_parts, ht_NE[r].to(dtype), t_parts, bufs)
+                # the grad below overwrites every buffer: keep the capped logits the cap's derivative reads
+                z = bufs[3, : a.numel()].copy_(scratch) if capped else None
+                dz_cV = raw_grad_(_kl_grad_chunk(scratch, logp, logq, grad_A[a], ctx.reverse), z, s_head)
                 if grad_h is not None:  # need_h
                     grad_h[r] = dz_cV @ ws_h
                 if grad_w is not None:  # need_w
                     grad_w.addmm_(dz_cV.T, hs_cD)
+                if grad_b is not None:  # need_b
+                    grad_b.add_(dz_cV.sum(0))
         grad_h = None if grad_h is None else grad_h.to(hs_ND.dtype)
         grad_w = None if grad_w is None else grad_w.to(ws_VD.dtype)
-        return grad_h, grad_w, None, None, None, None, None
+        grad_b = None if grad_b is None else grad_b.to(bs_V.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def _head_tensors(head: Head) -> list[torch.Tensor]:
+    return [head.weight_VD] if head.bias_V is None else [head.weight_VD, head.bias_V]
 
 
 def full_vocab_kl_from_hidden(
     student_hidden_BTD: torch.Tensor,
-    student_head_VD: torch.Tensor,
+    student_head_VD: HeadLike,
     teacher_hidden_BTE: torch.Tensor,
-    teacher_head_VE: torch.Tensor,
+    teacher_head_VE: HeadLike,
     mask_BT: torch.Tensor,
     direction: str = "reverse",
     chunk_size: int | None = 128,
 ) -> torch.Tensor:
-    """:func:`full_vocab_kl` of ``h_s @ W_s.T`` and ``h_t @ W_t.T`` without either (B, T, V) tensor.
+    """:func:`full_vocab_kl` of both models' logits from their hidden states, without either (B, T, V) tensor.
+
+    Each head is the model's :class:`~opd.losses.Head` (bias, scale, soft-cap) or a plain (V, D)
+    weight (logits = hidden @ W.T).
 
     ``reverse`` is KL(p || q), ``forward`` KL(q || p), with p the student and q the teacher.
     Only unmasked positions are computed, ``chunk_size`` at a time (None: all at once); the
     extra memory is three (chunk_size, V) buffers in the compute dtype plus the student head's
-    gradient. Values and gradients (of the student's hidden states and head) equal
-    ``full_vocab_kl(h_s @ W_s.T, h_t @ W_t.T, mask_BT, direction)``, including its rule for
+    gradient. Values and gradients (of the student's hidden states, head weight and bias) equal
+    ``full_vocab_kl(head_s.logits(h_s), head_t.logits(h_t), mask_BT, direction)``, including its rule for
     zero-probability tokens (see the module docstring). The teacher's inputs are constants.
 
     A -inf logit here comes from a -inf entry in a head (a banned or padded token, against a
@@ -292,25 +319,26 @@ def full_vocab_kl_from_hidden(
     states get a finite gradient (the banned token's logit does not move), where autograd
     through ``h_s @ W_s.T`` gives NaN (0 * inf); all else matches.
 
-    The two models may differ in width (D vs E) but must share the vocabulary. It assumes
-    logits = hidden @ W.T: models that scale or soft-cap their logits need that done first.
+    The two models may differ in width (D vs E) but must share the vocabulary.
     Masked positions are exactly 0 with zero gradient; an all-masked batch still returns a
     tensor connected to the student's inputs. Low-precision inputs are computed in float32, so
     a bfloat16 head is copied to float32 in the forward and again in the backward.
 
     Shapes:
-        student_hidden_BTD: (B, T, D); student_head_VD: (V, D)
-        teacher_hidden_BTE: (B, T, E); teacher_head_VE: (V, E)
+        student_hidden_BTD: (B, T, D); student_head_VD: (V, D) or a Head
+        teacher_hidden_BTE: (B, T, E); teacher_head_VE: (V, E) or a Head
         mask_BT: (B, T)
         returns kl_BT: (B, T)
     """
     _check_direction(direction)
+    s_head, t_head = as_head(student_head_VD), as_head(teacher_head_VE).detach()
     B, T, D = student_hidden_BTD.shape
     E = teacher_hidden_BTE.shape[-1]
-    V = student_head_VD.shape[0]
-    if tuple(student_head_VD.shape) != (V, D) or tuple(teacher_head_VE.shape) != (V, E):
+    V = s_head.vocab
+    ws, wt = s_head.weight_VD, t_head.weight_VD
+    if tuple(ws.shape) != (V, D) or tuple(wt.shape) != (V, E):
         raise ValueError(
-            f"heads {tuple(student_head_VD.shape)} (student) and {tuple(teacher_head_VE.shape)} (teacher) "
+            f"heads {tuple(ws.shape)} (student) and {tuple(wt.shape)} (teacher) "
             f"do not fit hidden widths {D} and {E}, or differ in vocabulary; both models must share one vocabulary"
         )
     if teacher_hidden_BTE.shape[:2] != (B, T) or tuple(mask_BT.shape) != (B, T):
@@ -318,16 +346,17 @@ def full_vocab_kl_from_hidden(
             f"student hidden {tuple(student_hidden_BTD.shape)}, teacher hidden {tuple(teacher_hidden_BTE.shape)} "
             f"and mask {tuple(mask_BT.shape)} must share (B, T)"
         )
-    dtype = compute_dtype(student_hidden_BTD, student_head_VD, teacher_hidden_BTE, teacher_head_VE)
+    dtype = head_dtype(s_head, student_hidden_BTD, teacher_hidden_BTE, *_head_tensors(t_head))
     active = as_bool(mask_BT).reshape(-1).nonzero().squeeze(-1)
     # With no active row the Function still runs (on nothing), so the result stays connected
     # to the student's inputs and backward() hands them zero gradients.
     # torch's Function.apply is unannotated, hence the ignore
     kl_active = _FullKLFromHidden.apply(  # type: ignore[no-untyped-call]
         student_hidden_BTD.reshape(B * T, D),
-        student_head_VD,
+        ws,
+        s_head.bias_V,
         teacher_hidden_BTE.detach().reshape(B * T, E),
-        teacher_head_VE.detach(),
+        (s_head, t_head),
         active,
         direction == "reverse",
         chunk_size,

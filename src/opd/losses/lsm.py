@@ -20,6 +20,7 @@ import torch
 
 from opd.losses._common import NEG_INF, as_bool, compute_dtype, position_chunks
 from opd.losses._row_kernels import support_logits, weighted_rows
+from opd.losses.head import Head, HeadLike, as_head, head_dtype, raw_grad_, transform_
 
 
 def _support_kl_terms(
@@ -122,7 +123,8 @@ def local_support_kl(
 class _SupportKLFromHidden(torch.autograd.Function):
     """LSM from hidden states over the active positions ``rows_A``, with an analytic backward.
 
-    The forward stores only dKL/dz for the K support logits of each active position. The K
+    The forward stores only dKL/du for the K raw support logits u = h . W[v] + b[v] of each active
+    position (the head's scale and cap are folded in, :func:`~opd.losses.head.raw_grad_`). The K
     logits and grad_h come from embedding-bag kernels that read each weight row once, index the
     hidden states in place (no copy of the active rows) and write grad_h at full size directly;
     the weight gradient is accumulated a chunk at a time into one reused buffer, so peak extra
@@ -134,6 +136,8 @@ class _SupportKLFromHidden(torch.autograd.Function):
         ctx: Any,
         hidden_ND: torch.Tensor,
         weight_VD: torch.Tensor,
+        bias_V: torch.Tensor | None,
+        head: Head,
         rows_A: torch.Tensor,
         ids_AK: torch.Tensor,
         t_lp_AK: torch.Tensor,
@@ -141,25 +145,30 @@ class _SupportKLFromHidden(torch.autograd.Function):
         chunk_size: int | None,
         forward_share: float,
     ) -> torch.Tensor:
-        dtype = compute_dtype(hidden_ND, weight_VD, t_lp_AK)
+        dtype = compute_dtype(hidden_ND, weight_VD, t_lp_AK, *([] if bias_V is None else [bias_V]))
         everyone = torch.ones(ids_AK.shape[0], dtype=torch.bool, device=hidden_ND.device)
         z_AK = support_logits(hidden_ND, weight_VD, rows_A, ids_AK, dtype, chunk_size)
+        if bias_V is not None:
+            z_AK += bias_V.to(dtype)[ids_AK]
+        transform_(z_AK, head)
         terms = _support_kl_terms(z_AK, t_lp_AK.to(dtype), valid_AK, everyone)
         # slots that do not count have p_j = q_j = 0, so no gradient
         kl_A, dz_AK = _mixed_kl(*terms, share=forward_share)
-        ctx.save_for_backward(hidden_ND, weight_VD, rows_A, ids_AK, dz_AK)
+        raw_grad_(dz_AK, z_AK, head)
+        ctx.save_for_backward(hidden_ND, weight_VD, bias_V, rows_A, ids_AK, dz_AK)
         ctx.chunk_size = chunk_size
         return kl_A
 
     @staticmethod
     def backward(
         ctx: Any, grad_kl_A: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None, None, None]:
-        hidden_ND, weight_VD, rows_A, ids_AK, dz_AK = ctx.saved_tensors
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None, None, None, None, None, None]:
+        hidden_ND, weight_VD, bias_V, rows_A, ids_AK, dz_AK = ctx.saved_tensors
         dtype = dz_AK.dtype
         g_AK = grad_kl_A.to(dtype).unsqueeze(-1) * dz_AK
         grad_h: torch.Tensor | None = None
         grad_w: torch.Tensor | None = None
+        grad_b: torch.Tensor | None = None
         if ctx.needs_input_grad[0]:
             grad_h = weighted_rows(weight_VD, rows_A, ids_AK, g_AK, hidden_ND.shape[0], ctx.chunk_size)
             grad_h = grad_h.to(hidden_ND.dtype)
@@ -174,12 +183,15 @@ class _SupportKLFromHidden(torch.autograd.Function):
                 contrib = torch.mul(g_AK[sl].unsqueeze(-1), h_cD.unsqueeze(1), out=buf[:n])
                 grad_w.index_add_(0, ids_AK[sl].reshape(-1), contrib.view(n * K, D))
             grad_w = grad_w.to(weight_VD.dtype)
-        return grad_h, grad_w, None, None, None, None, None, None
+        if ctx.needs_input_grad[2]:
+            grad_b = torch.zeros(bias_V.shape, dtype=dtype, device=bias_V.device)
+            grad_b = grad_b.index_add_(0, ids_AK.reshape(-1), g_AK.reshape(-1)).to(bias_V.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def local_support_kl_from_hidden(
     hidden_BTD: torch.Tensor,
-    lm_head_weight_VD: torch.Tensor,
+    lm_head_weight_VD: HeadLike,
     support_ids_BTK: torch.Tensor,
     teacher_logprobs_BTK: torch.Tensor,
     mask_BT: torch.Tensor,
@@ -190,20 +202,21 @@ def local_support_kl_from_hidden(
     """:func:`local_support_kl` (renormalized, with its ``forward_share``) from the student's final hidden states.
 
     Renormalizing over S cancels the student's full-vocabulary normalizer, so only the K logits
-    ``hidden_t . W[v]`` (v in S) are computed, chunk by chunk over the unmasked positions; the
-    (B, T, V) logits are never formed. Values and gradients (of hidden and weight) equal
-    ``local_support_kl(hidden @ W.T, ...)``. Models that scale or soft-cap their logits need
-    that applied before calling this (it assumes logits = hidden @ W.T).
+    of S are computed, chunk by chunk over the unmasked positions; the (B, T, V) logits are never
+    formed. ``lm_head_weight_VD`` is the model's :class:`~opd.losses.Head` (the K logits are then
+    its own: bias, scale and soft-cap applied) or a plain (V, D) weight. Values and gradients (of
+    hidden, weight and bias) equal ``local_support_kl(head.logits(hidden), ...)``.
 
     Shapes:
-        hidden_BTD: (B, T, D); lm_head_weight_VD: (V, D)
+        hidden_BTD: (B, T, D); lm_head_weight_VD: (V, D) or a Head
         support_ids_BTK, teacher_logprobs_BTK, support_mask: (B, T, K)
         mask_BT: (B, T)
         returns kl_BT: (B, T)
     """
+    head = as_head(lm_head_weight_VD)
     B, T, D = hidden_BTD.shape
     K = support_ids_BTK.shape[-1]
-    dtype = compute_dtype(hidden_BTD, lm_head_weight_VD, teacher_logprobs_BTK)
+    dtype = head_dtype(head, hidden_BTD, teacher_logprobs_BTK)
     valid = torch.ones_like(support_ids_BTK, dtype=torch.bool) if support_mask is None else as_bool(support_mask)
     # Only unmasked positions are computed: padding and prompt cost nothing.
     active = as_bool(mask_BT).reshape(-1).nonzero().squeeze(-1)
@@ -214,7 +227,9 @@ def local_support_kl_from_hidden(
     # torch's Function.apply is unannotated, hence the ignore
     kl_active = _SupportKLFromHidden.apply(  # type: ignore[no-untyped-call]
         hidden_BTD.reshape(B * T, D),
-        lm_head_weight_VD,
+        head.weight_VD,
+        head.bias_V,
+        head,
         active,
         support_ids_BTK.reshape(B * T, K)[active],
         teacher_logprobs_BTK.detach().reshape(B * T, K)[active],

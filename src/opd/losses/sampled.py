@@ -12,8 +12,10 @@ from __future__ import annotations
 from typing import Any, cast
 
 import torch
+from torch.autograd.function import once_differentiable
 
-from opd.losses._common import as_bool, compute_dtype, position_chunks
+from opd.losses._common import as_bool, chunk_buffers, compute_dtype, head_for_grad_h, position_chunks
+from opd.losses.head import Head, HeadLike, as_head, cast_head, chunk_logits, head_dtype, raw_grad_
 
 
 def gather_logprobs(logits_BTV: torch.Tensor, ids_BT: torch.Tensor) -> torch.Tensor:
@@ -28,7 +30,7 @@ def gather_logprobs(logits_BTV: torch.Tensor, ids_BT: torch.Tensor) -> torch.Ten
 
 
 class _TokenLogprobsFromHidden(torch.autograd.Function):
-    """log_softmax(h W^T)[id] a chunk of rows at a time, with a hand-written backward.
+    """log_softmax(head(h))[id] a chunk of rows at a time, with a hand-written backward.
 
     The backward recomputes one chunk's (chunk, V) logits and accumulates the weight gradient
     into a single (V, D) buffer with addmm_: checkpointing each chunk instead would make autograd
@@ -37,57 +39,77 @@ class _TokenLogprobsFromHidden(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, hidden_ND: torch.Tensor, weight_VD: torch.Tensor, ids_N: torch.Tensor, chunk_size: int | None
+        ctx: Any,
+        hidden_ND: torch.Tensor,
+        weight_VD: torch.Tensor,
+        bias_V: torch.Tensor | None,
+        head: Head,
+        ids_N: torch.Tensor,
+        chunk_size: int | None,
     ) -> torch.Tensor:
         lse_N = hidden_ND.new_empty(hidden_ND.shape[0])
         picked_N = torch.empty_like(lse_N)
+        buf = chunk_buffers(1, hidden_ND.shape[0], chunk_size, weight_VD.shape[0], hidden_ND.dtype, hidden_ND.device)
         for sl in position_chunks(hidden_ND.shape[0], chunk_size):
-            logits_cV = hidden_ND[sl] @ weight_VD.T
-            lse_N[sl] = torch.logsumexp(logits_cV, dim=-1)
+            logits_cV = chunk_logits(hidden_ND[sl], weight_VD, bias_V, head, buf[0, : sl.stop - sl.start])
             picked_N[sl] = logits_cV.gather(-1, ids_N[sl].unsqueeze(-1)).squeeze(-1)
-        ctx.save_for_backward(hidden_ND, weight_VD, ids_N, lse_N)
-        ctx.chunk_size = chunk_size
+            lse_N[sl] = torch.logsumexp(logits_cV, dim=-1)
+        ctx.save_for_backward(hidden_ND, weight_VD, bias_V, ids_N, lse_N)
+        ctx.chunk_size, ctx.head = chunk_size, head
         return picked_N - lse_N
 
     @staticmethod
-    def backward(ctx: Any, grad_N: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
-        hidden_ND, weight_VD, ids_N, lse_N = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    @once_differentiable  # the backward writes into reused buffers; no graph of it is needed
+    def backward(
+        ctx: Any, grad_N: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None, None]:
+        hidden_ND, weight_VD, bias_V, ids_N, lse_N = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.zeros_like(hidden_ND) if need_h else None
         grad_w = torch.zeros_like(weight_VD) if need_w else None
+        grad_b = torch.zeros_like(bias_V) if need_b else None
         # Rows with a zero upstream gradient (masked positions) contribute nothing: skip them.
         rows = grad_N.nonzero().squeeze(-1)
+        w_h = head_for_grad_h(weight_VD) if need_h else weight_VD
+        bufs = chunk_buffers(2, rows.numel(), ctx.chunk_size, weight_VD.shape[0], hidden_ND.dtype, hidden_ND.device)
         for sl in position_chunks(rows.numel(), ctx.chunk_size):
             r = rows[sl]
             h_cD, g_c = hidden_ND[r], grad_N[r]
+            z_cV = chunk_logits(h_cD, weight_VD, bias_V, ctx.head, bufs[0, : r.numel()])
             # d logp[id] / d logits = onehot(id) - softmax(logits), scaled by the upstream grad.
-            d_cV = torch.exp((h_cD @ weight_VD.T).sub_(lse_N[r].unsqueeze(-1))).mul_(-g_c.unsqueeze(-1))
+            d_cV = torch.sub(z_cV, lse_N[r].unsqueeze(-1), out=bufs[1, : r.numel()]).exp_().mul_(-g_c.unsqueeze(-1))
             d_cV.scatter_add_(-1, ids_N[r].unsqueeze(-1), g_c.unsqueeze(-1))
+            raw_grad_(d_cV, z_cV, ctx.head)
             if grad_h is not None:  # need_h
-                grad_h[r] = d_cV @ weight_VD
+                grad_h[r] = d_cV @ w_h
             if grad_w is not None:  # need_w
                 grad_w.addmm_(d_cV.T, h_cD)
-        return grad_h, grad_w, None, None
+            if grad_b is not None:  # need_b
+                grad_b.add_(d_cV.sum(0))
+        return grad_h, grad_w, grad_b, None, None, None
 
 
 def token_logprobs_from_hidden(
-    hidden_BTD: torch.Tensor, lm_head_weight_VD: torch.Tensor, ids_BT: torch.Tensor, chunk_size: int = 256
+    hidden_BTD: torch.Tensor, lm_head_weight_VD: HeadLike, ids_BT: torch.Tensor, chunk_size: int = 256
 ) -> torch.Tensor:
     """Differentiable log-probs of ``ids_BT`` from hidden states, a chunk of logits at a time.
 
-    Only one chunk's (chunk, V) logits exist at a time, in the forward and in the backward
-    (which recomputes them and skips positions whose upstream gradient is zero).
+    ``lm_head_weight_VD`` is the model's :class:`~opd.losses.Head` (bias, scale, soft-cap) or a plain
+    (V, D) weight. Only one chunk's (chunk, V) logits exist at a time, in the forward and in the
+    backward (which recomputes them and skips positions whose upstream gradient is zero).
+    Gradients reach the hidden states, the weight and the bias.
 
     Shapes:
-        hidden_BTD: (B, T, D); lm_head_weight_VD: (V, D); ids_BT: (B, T) -> logp_BT: (B, T)
+        hidden_BTD: (B, T, D); lm_head_weight_VD: (V, D) or a Head; ids_BT: (B, T) -> logp_BT: (B, T)
     """
+    head = as_head(lm_head_weight_VD)
     B, T, D = hidden_BTD.shape
-    dtype = compute_dtype(hidden_BTD, lm_head_weight_VD)
+    dtype = head_dtype(head, hidden_BTD)
     flat_ND = hidden_BTD.reshape(B * T, D).to(dtype)
-    w_VD = lm_head_weight_VD.to(dtype)
+    w_VD, b_V = cast_head(head, dtype)
     ids_N = ids_BT.reshape(-1)
     # torch's Function.apply is unannotated, hence the ignore; it returns forward's tensor
-    logp_N = _TokenLogprobsFromHidden.apply(flat_ND, w_VD, ids_N, chunk_size)  # type: ignore[no-untyped-call]
+    logp_N = _TokenLogprobsFromHidden.apply(flat_ND, w_VD, b_V, head, ids_N, chunk_size)  # type: ignore[no-untyped-call]
     return cast(torch.Tensor, logp_N).view(B, T)
 
 

@@ -13,7 +13,8 @@ from typing import overload
 
 import torch
 
-from opd.losses._common import check_k, compute_dtype, position_chunks
+from opd.losses._common import check_k, chunk_buffers, compute_dtype, position_chunks
+from opd.losses.head import HeadLike, as_head, cast_head, chunk_logits, head_dtype
 
 SUPPORT_KINDS = (
     "teacher_topk",
@@ -54,9 +55,12 @@ def teacher_topk(
 
 @torch.no_grad()
 def topk_from_hidden(
-    hidden_BTD: torch.Tensor, lm_head_weight_VD: torch.Tensor, k: int, chunk_size: int = 256
+    hidden_BTD: torch.Tensor, lm_head_weight_VD: HeadLike, k: int, chunk_size: int = 256
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-K ids and log-probs of ``softmax(hidden @ W.T)``, a chunk of logits at a time.
+    """Top-K ids and log-probs of ``softmax(head(hidden))``, a chunk of logits at a time.
+
+    ``lm_head_weight_VD``: the model's :class:`~opd.losses.Head` (bias, scale, soft-cap) or a plain
+    (V, D) weight (logits = hidden @ W.T).
 
     :func:`teacher_topk` of ``hidden @ W.T`` for any model, teacher or student, without holding
     more than one chunk's (chunk_size, V) logits. ``teacher_topk_from_hidden`` is an alias kept
@@ -77,7 +81,7 @@ teacher_topk_from_hidden = topk_from_hidden
 @overload
 def topk_and_gather_from_hidden(
     hidden_BTD: torch.Tensor,
-    lm_head_weight_VD: torch.Tensor,
+    lm_head_weight_VD: HeadLike,
     k: int,
     query_ids_BTQ: torch.Tensor,
     chunk_size: int = 256,
@@ -87,7 +91,7 @@ def topk_and_gather_from_hidden(
 @overload
 def topk_and_gather_from_hidden(
     hidden_BTD: torch.Tensor,
-    lm_head_weight_VD: torch.Tensor,
+    lm_head_weight_VD: HeadLike,
     k: int,
     query_ids_BTQ: None = None,
     chunk_size: int = 256,
@@ -97,7 +101,7 @@ def topk_and_gather_from_hidden(
 @torch.no_grad()
 def topk_and_gather_from_hidden(
     hidden_BTD: torch.Tensor,
-    lm_head_weight_VD: torch.Tensor,
+    lm_head_weight_VD: HeadLike,
     k: int,
     query_ids_BTQ: torch.Tensor | None = None,
     chunk_size: int = 256,
@@ -105,24 +109,26 @@ def topk_and_gather_from_hidden(
     """One pass over the head: top-K ids and log-probs, plus the log-probs of ``query_ids``.
 
     A teacher needs both (its top-K for the support, and its log-prob of the student's sampled
-    or top-K tokens); computing them from the same chunk of logits halves the head's cost.
+    or top-K tokens); computing them from the same chunk of logits halves the head's cost. The
+    logits are the head's own (:class:`~opd.losses.Head`: bias, scale and soft-cap applied).
 
     Shapes:
-        hidden_BTD: (B, T, D); lm_head_weight_VD: (V, D); query_ids_BTQ: (B, T, Q)
+        hidden_BTD: (B, T, D); lm_head_weight_VD: (V, D) or a Head; query_ids_BTQ: (B, T, Q)
         returns ids_BTK, logprobs_BTK (sorted descending) and query_logprobs_BTQ (or None).
     """
+    head = as_head(lm_head_weight_VD)
     B, T, D = hidden_BTD.shape
-    V = lm_head_weight_VD.shape[0]
-    check_k(k, V)
-    dtype = compute_dtype(hidden_BTD, lm_head_weight_VD)
-    W_VD = lm_head_weight_VD.to(dtype)
+    check_k(k, head.vocab)
+    dtype = head_dtype(head, hidden_BTD)
+    W_VD, b_V = cast_head(head, dtype)
     flat_ND = hidden_BTD.reshape(B * T, D)
+    buf = chunk_buffers(1, B * T, chunk_size, head.vocab, dtype, flat_ND.device)[0]
     ids_NK = torch.empty(B * T, k, dtype=torch.long, device=flat_ND.device)
     lp_NK = torch.empty(B * T, k, dtype=dtype, device=flat_ND.device)
     query_NQ = None if query_ids_BTQ is None else query_ids_BTQ.reshape(B * T, -1)
     q_lp_NQ = None if query_NQ is None else torch.empty(query_NQ.shape, dtype=dtype, device=flat_ND.device)
     for sl in position_chunks(B * T, chunk_size):
-        logits_cV = flat_ND[sl].to(dtype) @ W_VD.T
+        logits_cV = chunk_logits(flat_ND[sl].to(dtype), W_VD, b_V, head, buf[: sl.stop - sl.start])
         log_z = torch.logsumexp(logits_cV, dim=-1, keepdim=True)
         top_vals, top_ids = logits_cV.topk(k, dim=-1)
         lp_NK[sl] = top_vals - log_z

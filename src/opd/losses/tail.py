@@ -38,6 +38,7 @@ from opd.losses._common import (
     position_chunks,
 )
 from opd.losses.full_vocab import _check_direction
+from opd.losses.head import Head, HeadLike, as_head, chunk_logits, head_dtype, raw_grad_
 
 LOG_MASS_CAP = -1e-7
 _LN2 = math.log(2.0)
@@ -148,12 +149,13 @@ def local_support_kl_tail(
 
 
 class _SupportLogitsAndNormalizer(torch.autograd.Function):
-    """The support logits z[a, k] = h[rows[a]] . W[ids[a, k]] and the log-normalizer
-    lse[a] = logsumexp_v h[rows[a]] . W[v], one chunk of (chunk, V) logits at a time.
+    """The support logits z[a, k] = head(h[rows[a]])[ids[a, k]] and the log-normalizer
+    lse[a] = logsumexp_v head(h[rows[a]])[v], one chunk of (chunk, V) logits at a time.
 
     The backward recomputes each chunk's logits: dz_v = g_lse softmax_v plus g_z at the support
-    ids, then grad_h = dz @ W and grad_W += dz.T @ h (addmm_ into one (V, D) buffer). Rows whose
-    upstream gradients are all zero are skipped. One (chunk, V) buffer is reused throughout.
+    ids, taken back through the head's cap and scale (:func:`~opd.losses.head.raw_grad_`), then
+    grad_h = du @ W, grad_W += du.T @ h (addmm_ into one (V, D) buffer) and grad_b += sum du.
+    Rows whose upstream gradients are all zero are skipped. Two (chunk, V) buffers are reused.
     """
 
     @staticmethod
@@ -161,60 +163,68 @@ class _SupportLogitsAndNormalizer(torch.autograd.Function):
         ctx: Any,
         hidden_ND: torch.Tensor,
         weight_VD: torch.Tensor,
+        bias_V: torch.Tensor | None,
+        head: Head,
         rows_A: torch.Tensor,
         ids_AK: torch.Tensor,
         dtype: torch.dtype,
         chunk_size: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        w = weight_VD.to(dtype)
+        w, b = weight_VD.to(dtype), None if bias_V is None else bias_V.to(dtype)
         A, K = ids_AK.shape
         z_AK = torch.empty(A, K, dtype=dtype, device=hidden_ND.device)
         lse_A = torch.empty(A, dtype=dtype, device=hidden_ND.device)
         buf = chunk_buffers(1, A, chunk_size, w.shape[0], dtype, hidden_ND.device)[0]
         for sl in position_chunks(A, chunk_size):
-            logits = torch.mm(hidden_ND[rows_A[sl]].to(dtype), w.T, out=buf[: sl.stop - sl.start])
+            logits = chunk_logits(hidden_ND[rows_A[sl]].to(dtype), w, b, head, buf[: sl.stop - sl.start])
             z_AK[sl] = logits.gather(-1, ids_AK[sl])
             top = logits.amax(-1, keepdim=True)
             top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # an all -inf row: lse -inf
             lse_A[sl] = logits.sub_(top).exp_().sum(-1).log_().add_(top.squeeze(-1))
-        ctx.save_for_backward(hidden_ND, weight_VD, rows_A, ids_AK, lse_A)
-        ctx.chunk_size = chunk_size
+        ctx.save_for_backward(hidden_ND, weight_VD, bias_V, rows_A, ids_AK, lse_A)
+        ctx.chunk_size, ctx.head = chunk_size, head
         return z_AK, lse_A
 
     @staticmethod
     @once_differentiable  # the backward writes into a reused buffer; no graph of it is needed
     def backward(
         ctx: Any, grad_z_AK: torch.Tensor | None, grad_lse_A: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None]:
-        hidden_ND, weight_VD, rows_A, ids_AK, lse_A = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None, None, None, None]:
+        hidden_ND, weight_VD, bias_V, rows_A, ids_AK, lse_A = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
         dtype = lse_A.dtype
-        w = weight_VD.to(dtype)
+        w, b = weight_VD.to(dtype), None if bias_V is None else bias_V.to(dtype)
         grad_h = torch.zeros(hidden_ND.shape, dtype=dtype, device=hidden_ND.device) if need_h else None
         grad_w = torch.zeros(w.shape, dtype=dtype, device=w.device) if need_w else None
+        grad_b = torch.zeros(w.shape[0], dtype=dtype, device=w.device) if need_b else None
         g_z = torch.zeros_like(ids_AK, dtype=dtype) if grad_z_AK is None else grad_z_AK.to(dtype)
         g_lse = torch.zeros_like(lse_A) if grad_lse_A is None else grad_lse_A.to(dtype)
         keep = ((g_lse != 0) | (g_z != 0).any(-1)).nonzero().squeeze(-1)
         w_h = head_for_grad_h(w) if need_h else w
-        buf = chunk_buffers(1, keep.numel(), ctx.chunk_size, w.shape[0], dtype, hidden_ND.device)[0]
+        bufs = chunk_buffers(2, keep.numel(), ctx.chunk_size, w.shape[0], dtype, hidden_ND.device)
         for sl in position_chunks(keep.numel(), ctx.chunk_size):
             a = keep[sl]
             r = rows_A[a]
             h_cD = hidden_ND[r].to(dtype)
-            dz = torch.mm(h_cD, w.T, out=buf[: a.numel()]).sub_(lse_A[a].unsqueeze(-1)).exp_()
+            z = chunk_logits(h_cD, w, b, ctx.head, bufs[0, : a.numel()])
+            dz = torch.sub(z, lse_A[a].unsqueeze(-1), out=bufs[1, : a.numel()]).exp_()
             dz.mul_(g_lse[a].unsqueeze(-1)).scatter_add_(-1, ids_AK[a], g_z[a])
+            raw_grad_(dz, z, ctx.head)
             if grad_h is not None:  # need_h
                 grad_h[r] = dz @ w_h
             if grad_w is not None:  # need_w
                 grad_w.addmm_(dz.T, h_cD)
+            if grad_b is not None:  # need_b
+                grad_b.add_(dz.sum(0))
         grad_h = None if grad_h is None else grad_h.to(hidden_ND.dtype)
         grad_w = None if grad_w is None else grad_w.to(weight_VD.dtype)
-        return grad_h, grad_w, None, None, None, None
+        grad_b = None if grad_b is None else grad_b.to(bias_V.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
 def local_support_kl_tail_from_hidden(
     hidden_BTD: torch.Tensor,
-    lm_head_weight_VD: torch.Tensor,
+    lm_head_weight_VD: HeadLike,
     support_ids_BTK: torch.Tensor,
     teacher_logprobs_BTK: torch.Tensor,
     mask_BT: torch.Tensor,
@@ -222,37 +232,40 @@ def local_support_kl_tail_from_hidden(
     direction: str = "reverse",
     chunk_size: int | None = 128,
 ) -> torch.Tensor:
-    """:func:`local_support_kl_tail` of ``hidden @ W.T`` without forming the (B, T, V) logits.
+    """:func:`local_support_kl_tail` of the head's logits without forming the (B, T, V) logits.
+
+    ``lm_head_weight_VD`` is the model's :class:`~opd.losses.Head` (bias, scale, soft-cap) or a plain
+    (V, D) weight (logits = hidden @ W.T).
 
     The tail needs the student's full-vocabulary log-normalizer, so each unmasked position's
     logits are computed, ``chunk_size`` positions at a time (None: all at once), in the forward
     and again in the backward: about the cost of sampled-token OPD's log-probs (four (chunk, V)
     GEMMs per chunk), more than renormalized LSM from hidden (K logits per position) and less
     than full-vocabulary KL (which also runs the teacher's head). The extra memory is one
-    (chunk_size, V) buffer in the compute dtype plus the head's gradient. Values and gradients
-    (of hidden and weight) equal ``local_support_kl_tail(hidden @ W.T, ...)``; where the head
-    holds -inf entries the hidden states get a finite gradient (see
-    :func:`~opd.losses.full_vocab_kl_from_hidden`). Models that scale or soft-cap their logits
-    need that applied first (it assumes logits = hidden @ W.T). An all-masked batch still returns
-    a tensor connected to hidden and weight, with zero gradients.
+    (chunk_size, V) buffer in the compute dtype (two in the backward) plus the head's gradient.
+    Values and gradients (of hidden, weight and bias) equal
+    ``local_support_kl_tail(head.logits(hidden), ...)``; where the head holds -inf entries the
+    hidden states get a finite gradient (see :func:`~opd.losses.full_vocab_kl_from_hidden`). An
+    all-masked batch still returns a tensor connected to hidden and weight, with zero gradients.
 
     Shapes:
-        hidden_BTD: (B, T, D); lm_head_weight_VD: (V, D)
+        hidden_BTD: (B, T, D); lm_head_weight_VD: (V, D) or a Head
         support_ids_BTK, teacher_logprobs_BTK, support_mask: (B, T, K)
         mask_BT: (B, T)
         returns kl_BT: (B, T)
     """
     _check_direction(direction)
+    head = as_head(lm_head_weight_VD)
     B, T, D = hidden_BTD.shape
     K = support_ids_BTK.shape[-1]
-    dtype = compute_dtype(hidden_BTD, lm_head_weight_VD, teacher_logprobs_BTK)
+    dtype = head_dtype(head, hidden_BTD, teacher_logprobs_BTK)
     valid = torch.ones_like(support_ids_BTK, dtype=torch.bool) if support_mask is None else as_bool(support_mask)
     # Only unmasked positions are computed: padding and prompt cost nothing.
     active = as_bool(mask_BT).reshape(-1).nonzero().squeeze(-1)
     ids_AK = support_ids_BTK.reshape(B * T, K)[active]
     # torch's Function.apply is unannotated, hence the ignore
     z_AK, lse_A = _SupportLogitsAndNormalizer.apply(  # type: ignore[no-untyped-call]
-        hidden_BTD.reshape(B * T, D), lm_head_weight_VD, active, ids_AK, dtype, chunk_size
+        hidden_BTD.reshape(B * T, D), head.weight_VD, head.bias_V, head, active, ids_AK, dtype, chunk_size
     )
     t_lp_AK = teacher_logprobs_BTK.detach().reshape(B * T, K)[active].to(dtype)
     everyone = torch.ones(active.numel(), dtype=torch.bool, device=hidden_BTD.device)

@@ -1,14 +1,19 @@
 """Loading and building causal LMs, with the checks OPD needs before any work starts.
 
-Any local Hugging Face causal-LM directory works (``from_pretrained``); hubs are never
-contacted (``local_files_only``). The trainer needs a model's final hidden states and its output
-embedding separately (the LSM fast path gathers K rows of that weight instead of computing all V
-logits); :func:`head_weight` and :func:`final_hidden` provide them and refuse models whose logits
-are not plain ``hidden @ W.T`` (logit scaling or soft-capping), rather than silently diverging.
+Any Hugging Face causal-LM directory works (``from_pretrained``): a local folder, or a Hub name
+(``Qwen/Qwen3-1.7B``, with a revision) resolved to its snapshot in huggingface_hub's cache by
+:func:`opd.hub.resolve_model` (downloaded where the network allows, read from the cache under
+``HF_HUB_OFFLINE=1``); transformers then reads that folder only (``local_files_only``). The
+trainer needs a model's final hidden states and its output embedding separately (the LSM fast
+path gathers K rows of that weight instead of computing all V logits); :func:`final_hidden` and
+:func:`~opd.models.head.model_head` (the head as the model computes it: bias, logit scale,
+soft-cap) provide them, and :func:`check_head` refuses at load a model whose own logits that head
+does not reproduce, rather than train on numbers that are not the model's.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -17,20 +22,30 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from opd.config import check_device
 from opd.errors import UserError
+from opd.hub import resolve_model
+from opd.losses import Head
+from opd.models.head import DIVIDE, MULTIPLY, SOFTCAP, describe, model_head
 from opd.runs.quiet import quiet_transformers
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _check_model_dir(path: str | Path, role: str, required: str = "config.json", option: str | None = None) -> Path:
-    """``option`` is where the user gave the path (default ``--ROLE``), for the hints: ``opd serve-teacher``
+def _check_model_dir(
+    path: str | Path, role: str, required: str = "config.json", option: str | None = None, revision: str = ""
+) -> Path:
+    """The local folder of a model given as a folder or a Hub name (at ``revision``), checked.
+
+    ``option`` is where the user gave the path (default ``--ROLE``), for the hints: ``opd serve-teacher``
     takes its model as an argument, so "pass --teacher ..." would send its user to an option it lacks."""
     option = option or f"--{role}"
     if not path:
-        raise UserError(f"no {role} model given; {_pass(option, 'DIR')} (a local Hugging Face model directory)")
-    p = Path(path)
+        raise UserError(f"no {role} model given; {_pass(option, 'DIR')} (a Hugging Face model directory or Hub name)")
+    p = resolve_model(path, revision, f"{role} model ({option})")
     if not p.is_dir():
-        raise UserError(f"{role} model directory {p} does not exist; pass a local directory written by save_pretrained")
+        raise UserError(
+            f"{role} model directory {p} does not exist; pass a local directory written by save_pretrained, or a "
+            "Hub name (ORG/NAME)"
+        )
     mistake = _not_a_model(p, option, wants_weights=required == "config.json")
     if mistake:
         raise UserError(mistake)
@@ -85,8 +100,10 @@ def _not_a_model(p: Path, option: str, wants_weights: bool) -> str | None:
     return None
 
 
-def load_tokenizer(path: str | Path, role: str = "student", option: str | None = None) -> PreTrainedTokenizerBase:
-    p = _check_model_dir(path, role, "tokenizer_config.json", option)
+def load_tokenizer(
+    path: str | Path, role: str = "student", option: str | None = None, revision: str = ""
+) -> PreTrainedTokenizerBase:
+    p = _check_model_dir(path, role, "tokenizer_config.json", option, revision)
     with quiet_transformers():
         tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
     if tok.eos_token_id is None:
@@ -103,15 +120,36 @@ def load_model(
     dtype: str = "float32",
     device: torch.device | str = "cpu",
     option: str | None = None,
+    revision: str = "",
 ) -> PreTrainedModel:
-    p = _check_model_dir(path, role, option=option)
-    with quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(p, dtype=_DTYPES[dtype], local_files_only=True)
-    check_plain_head(model, p)
+    p = _check_model_dir(path, role, option=option, revision=revision)
+    try:
+        with quiet_transformers():
+            # never remote code: its forward is unknown to opd's head, and unasked transformers would prompt
+            model = AutoModelForCausalLM.from_pretrained(
+                p, dtype=_DTYPES[dtype], local_files_only=True, trust_remote_code=False
+            )
+    except ValueError as err:
+        if "trust_remote_code" not in str(err):
+            raise
+        raise UserError(_remote_code_message(p, role)) from None
     # transformers wraps PreTrainedModel.to in functools.wraps, which mypy does not bind as a method
     model = model.to(device)  # type: ignore[arg-type]
     check_finite_weights(model, p, role, dtype)  # on the device: one fast pass over the weights on a GPU
+    check_head(model, p)  # after the finite check: NaN weights would fail the probe less clearly
     return model
+
+
+def _remote_code_message(p: Path, role: str) -> str:
+    try:
+        arch = (json.loads((p / "config.json").read_text()).get("architectures") or ["its model class"])[0]
+    except (OSError, ValueError):
+        arch = "its model class"
+    return (
+        f"{role} model {p}: {arch} is remote code (config.json's auto_map), which opd does not run: opd computes "
+        "log-probs from the model's head and can check only the families transformers ships; use one "
+        "(docs/training.md, Model families)"
+    )
 
 
 def check_finite_weights(model: PreTrainedModel, where: str | Path, role: str, dtype: str) -> None:
@@ -163,15 +201,47 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def check_plain_head(model: PreTrainedModel, where: str | Path = "model") -> None:
-    """Refuse models whose logits are not ``final_hidden @ W.T`` (the fast path assumes it)."""
-    cfg = model.config
-    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
-        if getattr(cfg, attr, None) not in (None, 1.0, 0.0):
-            raise UserError(
-                f"{where}: config sets {attr}={getattr(cfg, attr)}, so logits are not hidden @ W.T; "
-                "opd's LSM fast path does not support logit scaling or soft-capping yet"
-            )
+PROBE_TOKENS = 8
+
+
+@torch.no_grad()
+def check_head(model: PreTrainedModel, where: str | Path = "model") -> Head:
+    """Compare :func:`~opd.models.head.model_head` on a short probe with the model's own
+    ``model(...).logits``; return the head, or raise a one-line UserError naming the class when opd's
+    head does not reproduce them (a family whose forward does something else to its logits).
+
+    The tolerance is relative to the largest logit: 1e-3 in float32 (matmul order, fused kernels),
+    four units of the dtype's rounding in bfloat16/float16, where the model rounds its logits and
+    opd computes them in float32. A missed bias, scale or cap is far larger.
+    """
+    head = model_head(model)
+    dev = model_device(model)
+    ids = (torch.arange(PROBE_TOKENS, device=dev) * 7919 + 3).remainder(head.vocab).unsqueeze(0)
+    mask = torch.ones_like(ids)
+    was_training = model.training
+    model.eval()  # dropout off: both passes must see one network
+    try:
+        theirs = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+        ours = head.logits(final_hidden(model, ids, mask)).float()
+    finally:
+        model.train(was_training)
+    # Where the model's own forward overflows (NaN or inf logits) there is nothing to compare: that is
+    # no head mismatch, and the teacher's scoring names it better (its NaN log-probs) when it matters.
+    finite = torch.isfinite(theirs)
+    if not bool(finite.any()):
+        return head
+    dtype = head.weight_VD.dtype
+    rtol = 1e-3 if dtype in (torch.float32, torch.float64) else 4 * torch.finfo(dtype).eps
+    err = float((ours - theirs)[finite].abs().max())
+    bound = rtol * (1.0 + float(theirs[finite].abs().max()))
+    if not err <= bound:  # NaN fails too
+        raise UserError(
+            f"{where}: {type(model).__name__}'s logits differ from opd's head ({describe(head)}) by up to "
+            f"{err:.3g} on a probe (tolerance {bound:.3g}): its forward changes the logits in a way opd does not "
+            "reproduce; opd needs logits = softcap(scale * (hidden @ W.T + bias)) from lm_head and the config's "
+            f"{MULTIPLY}, {DIVIDE} or {SOFTCAP}: use a family docs/training.md lists (Model families)"
+        )
+    return head
 
 
 def check_same_vocab(

@@ -113,6 +113,7 @@ def merge_lora(adapter: str | Path, out: str | Path, base: str | Path | None = N
     from peft import PeftModel
 
     from opd.models.loading import load_model, load_tokenizer
+    from opd.runs.card import merged_card, write_card
     from opd.runs.rundir import save_final_model
 
     adapter = Path(adapter)
@@ -133,4 +134,5 @@ def merge_lora(adapter: str | Path, out: str | Path, base: str | Path | None = N
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     save_final_model(out, merged, load_tokenizer(tok_dir, "base"))
+    write_card(out, merged_card(adapter, str(base)))
     return out

@@ -18,16 +18,21 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from opd.errors import UserError
+from opd.hub import looks_like_repo_id, split_config
 from opd.models.tokenizer import format_prompt
 from opd.tasks import Example, Task, get_task
+from opd.tasks.presets import PRESETS, preset_options
 
 
 def load_task(task: str, level: int = 2, seed: int = 0, **options: Any) -> Task:
-    """``arithmetic`` (built in, at difficulty ``level``), or data on disk read with Hugging Face
-    ``datasets`` (a file, glob or directory: :class:`opd.tasks.dataset.DatasetTask`, which takes
-    ``options``: split, prompt_field, answer_field, solution_field, answer_format, system_prompt,
-    evaluation, flag_prefix). The arithmetic task reads only answer_format and system_prompt."""
-    if task == "arithmetic":
+    """A task by name, in one order: data on disk (a file, glob or directory), ``arithmetic`` (built in,
+    at difficulty ``level``), a benchmark preset (:mod:`opd.tasks.presets`), a Hub dataset name
+    (``ORG/NAME[:CONFIG]``, at ``options["revision"]``). Data is read with Hugging Face ``datasets``
+    (:class:`opd.tasks.dataset.DatasetTask`, which takes ``options``: split, prompt_field, answer_field,
+    solution_field, answer_format, system_prompt, evaluation, flag_prefix, revision). The arithmetic
+    task reads only answer_format and system_prompt."""
+    local = Path(task).exists() or any(c in task for c in "*?[")
+    if task == "arithmetic" and not local:
         if options.get("split"):
             flag = options.get("flag_prefix", "")
             raise UserError(
@@ -35,11 +40,14 @@ def load_task(task: str, level: int = 2, seed: int = 0, **options: Any) -> Task:
             )
         keep = {k: options[k] for k in ("answer_format", "system_prompt") if k in options}
         return get_task("arithmetic", level=level, seed=seed, **keep)
-    if not Path(task).exists() and not any(c in task for c in "*?["):
+    if not local and task in PRESETS:
+        preset = PRESETS[task]
+        return get_task("dataset", source=preset.source, seed=seed, **preset_options(preset, options))
+    if not local and not looks_like_repo_id(split_config(task)[0]):
         flag = options.get("flag_prefix", "")
         raise UserError(
-            f"--{flag}task {task!r} is neither 'arithmetic' nor an existing file, glob or directory; "
-            f"check the path (it is read relative to {Path.cwd()})"
+            f"--{flag}task {task!r} is neither an existing file, glob or directory (read relative to {Path.cwd()}), "
+            f"nor 'arithmetic', a preset ({', '.join(PRESETS)}) or a Hub dataset name (ORG/NAME); check the path"
         )
     return get_task("dataset", source=task, seed=seed, **options)
 
@@ -49,7 +57,8 @@ def data_options(cfg: Any, prefix: str = "") -> dict[str, str]:
     the training set's)."""
     names = ("prompt_field", "answer_field", "solution_field", "answer_format")
     options = {n: getattr(cfg, prefix + n, "") or getattr(cfg, n) for n in names}
-    return {**options, "system_prompt": cfg.system_prompt}
+    revision = getattr(cfg, "eval_revision" if prefix else "task_revision", "")  # not the other data's
+    return {**options, "system_prompt": cfg.system_prompt, "revision": revision}
 
 
 def load_tasks(cfg: Any) -> tuple[Task, Task | None]:

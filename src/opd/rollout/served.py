@@ -29,13 +29,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from opd.errors import UserError
 from opd.losses import topk_and_gather_from_hidden
-from opd.models.loading import final_hidden, head_weight
+from opd.models.head import model_head
 from opd.rollout.engine import (
     EngineBase,
     RolloutBatch,
@@ -45,6 +45,7 @@ from opd.rollout.engine import (
     check_count,
     check_sampling,
 )
+from opd.rollout.forward import response_hidden
 
 TURN_SEED_STRIDE = 1_000_003  # a prime: the seeds of (episode seed, turn) pairs do not collide for turns below it
 
@@ -156,12 +157,14 @@ class ServerEngine(EngineBase):
     @torch.no_grad()
     def check_policy(self, batch: RolloutBatch) -> None:
         """The engine's log-probs of the sampled tokens against the student's own (see the module docstring)."""
-        h_NLD = final_hidden(self.model, batch.input_ids_NL, batch.attention_mask_NL)
-        h_NTD = h_NLD[:, batch.prompt_len - 1 : -1]  # hidden row j predicts token j + 1
-        _, _, ours_NT1 = topk_and_gather_from_hidden(
-            h_NTD, head_weight(self.model), 1, batch.response_ids_NT[..., None]
+        # The forward goes by chunks of rows (response_hidden) and the head by chunks of the sampled
+        # positions only: no stage holds (rows x length x vocabulary) logits.
+        at_A = cast(torch.Tensor, batch.action_mask_NT)  # set by RolloutBatch.__post_init__
+        h_AD = response_hidden(self.model, batch)[at_A]
+        _, _, ours_A1 = topk_and_gather_from_hidden(
+            h_AD[None], model_head(self.model), 1, batch.response_ids_NT[at_A].view(1, -1, 1)
         )
-        gap = (ours_NT1[..., 0].float() - batch.logprobs_NT.float()).abs()[batch.action_mask_NT]
+        gap = (ours_A1[0, :, 0].float() - batch.logprobs_NT[at_A].float()).abs()
         self.policy_gap = float(gap.mean()) if gap.numel() else 0.0
         if self.policy_gap > self.max_gap:
             raise UserError(

@@ -1,6 +1,6 @@
-"""Experiment trackers (TensorBoard, Weights & Biases, trackio), fed by the run directory.
+"""Experiment trackers (TensorBoard, Weights & Biases, trackio, MLflow), fed by the run directory.
 
-``--report-to tensorboard,wandb,trackio`` (one or several; ``none``, the default, turns tracking
+``--report-to tensorboard,wandb,trackio,mlflow`` (one or several; ``none``, the default, turns tracking
 off) sends each record of ``metrics.jsonl`` to every named tracker as :class:`opd.runs.rundir.RunDir`
 writes it, and the resolved config when the run starts. ``metrics.jsonl`` stays the source of
 truth: trackers get copies, and the report and ``opd results`` never read them. Only rank 0
@@ -11,6 +11,13 @@ What a tracker receives, per record, at the record's ``step``:
 - a list (``depth/reward``, ``depth/loss``: one value per depth bucket, 0 = the start of the
   response) as one scalar per entry: ``depth/reward/0``, ``depth/reward/1``, ...;
 - nothing else (text, None).
+Samples (:meth:`Tracking.log_samples`: the logged rollouts, by :meth:`opd.runs.rundir.RunDir.log_rollouts`,
+as prompt, response, reference answer, verdict, tokens and the sampled-token KL estimate, mean of
+log p_student - log p_teacher over the trained tokens) go as a table under their key at their step:
+a wandb/trackio Table, a TensorBoard text summary (a markdown table), an MLflow JSON table artifact
+(``KEY/step_NNNNNNN.json``). Size-bounded: at most ``MAX_SAMPLE_ROWS`` rows per call and
+``MAX_CELL_CHARS`` characters per cell (the rest cut, with a note of how much), so an 8k-token
+response costs a tracker kilobytes, not megabytes; rollouts.jsonl keeps the whole.
 The config goes to TensorBoard as a text summary (``config``: the options of config.json, flat rather than by section) and as
 hparams (lists joined with commas), and to wandb and trackio as the run's config.
 
@@ -20,6 +27,10 @@ Where each writes:
   ``wandb login`` entry in ~/.netrc) or ``WANDB_MODE`` says what to do; upload an offline run
   later with ``wandb sync RUN/wandb/offline-run-*``. Project ``WANDB_PROJECT`` (else ``opd``),
   run name the run directory's name (``WANDB_NAME`` wins), run id kept in ``RUN/tracking.json``.
+- mlflow: ``MLFLOW_TRACKING_URI`` when set (a server, a database), else a file store in ``RUN/mlruns``
+  (``mlflow ui --backend-store-uri RUN/mlruns``); experiment ``MLFLOW_EXPERIMENT_NAME`` (else ``opd``),
+  run name the run directory's name, run id kept in ``RUN/tracking.json``. The config goes as params
+  (values cut at MLflow's 6,000 characters).
 - trackio: its own local store (``TRACKIO_DIR``, default ~/.cache/huggingface/trackio), so that
   ``trackio show --project opd`` compares runs; project ``opd``, run name
   ``<run directory name>-<6 hex digits>`` kept in ``RUN/tracking.json``.
@@ -40,6 +51,7 @@ import importlib.util
 import json
 import netrc
 import os
+import re
 import sys
 import uuid
 from pathlib import Path
@@ -51,7 +63,9 @@ from opd.errors import UserError
 if TYPE_CHECKING:
     from torch.utils.tensorboard.writer import FileWriter
 
-TRACKERS = ("tensorboard", "wandb", "trackio")  # each is also its module's and its pip package's name
+TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")  # each is also its module's and its pip package's name
+MAX_SAMPLE_ROWS = 64
+MAX_CELL_CHARS = 2000
 STATE_FILE = "tracking.json"
 TRACKIO_PROJECT = "opd"
 
@@ -85,9 +99,56 @@ def scalars(record: dict) -> dict[str, float]:
     return out
 
 
+def bounded(rows: list[dict]) -> tuple[list[str], list[list[Any]]]:
+    """``(columns, rows)`` of at most MAX_SAMPLE_ROWS rows, text cells cut at MAX_CELL_CHARS."""
+
+    def cell(v: Any) -> Any:
+        if isinstance(v, (bool, int, float)) or v is None:
+            return v
+        text = v if isinstance(v, str) else json.dumps(v)
+        cut = len(text) - MAX_CELL_CHARS
+        return text if cut <= 0 else f"{text[:MAX_CELL_CHARS]}... [{cut} more characters]"
+
+    columns = list(dict.fromkeys(k for r in rows[:MAX_SAMPLE_ROWS] for k in r))
+    return columns, [[cell(r.get(c)) for c in columns] for r in rows[:MAX_SAMPLE_ROWS]]
+
+
+def rollout_rows(records: list[dict]) -> list[dict]:
+    """A tracker's row per rollouts.jsonl record: the texts, the verdict, and the sampled-token estimate of
+    KL(student || teacher) over the trained tokens (mean of log p_student - log p_teacher)."""
+    rows = []
+    for r in records:
+        pairs = [
+            (s, t)
+            for s, t, m in zip(
+                r.get("student_logprobs") or [], r.get("teacher_logprobs") or [], r.get("loss_mask") or []
+            )
+            if m and s is not None and t is not None
+        ]
+        kl = sum(s - t for s, t in pairs) / len(pairs) if pairs else None
+        rows.append(
+            {
+                "prompt": r.get("prompt"),
+                "response": r.get("response"),
+                "answer": r.get("answer"),
+                "correct": r.get("correct"),
+                "tokens": len(r.get("tokens") or []),
+                "kl": kl,
+            }
+        )
+    return rows
+
+
+def _markdown(columns: list[str], data: list[list[Any]]) -> str:
+    esc = lambda v: "" if v is None else str(v).replace("|", "\\|").replace("\n", "<br>")
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(esc(v) for v in row) + " |" for row in data])
+
+
 # ----------------------------------------------------------------------------- trackers
 # Each opens in __init__ (``new``: this run directory had no run of it before), then log(values,
-# step) and close(failed). ``skip_through``: steps up to this one are not sent (see resuming).
+# step), samples(key, columns, rows, step) and close(failed). ``skip_through``: steps up to this one
+# are not sent (see resuming).
 
 
 class TensorBoard:
@@ -123,6 +184,10 @@ class TensorBoard:
         summary = Summary(value=[Summary.Value(tag=k, simple_value=v) for k, v in values.items()])
         cast("FileWriter", self.writer.file_writer).add_summary(summary, step)  # created by SummaryWriter()
         self.writer.flush()  # as durable as metrics.jsonl: a killed run loses no step it logged
+
+    def samples(self, key: str, columns: list[str], data: list[list[Any]], step: int | None) -> None:
+        self.writer.add_text(key, _markdown(columns, data), step)
+        self.writer.flush()
 
     def close(self, failed: bool) -> None:
         self.writer.close()
@@ -170,6 +235,11 @@ class Wandb:
     def log(self, values: dict[str, float], step: int | None) -> None:
         self.run.log(values, step=step)
 
+    def samples(self, key: str, columns: list[str], data: list[list[Any]], step: int | None) -> None:
+        import wandb
+
+        self.run.log({key: wandb.Table(columns=list[str | int](columns), data=data)}, step=step)
+
     def close(self, failed: bool) -> None:
         self.run.finish(exit_code=1 if failed else 0)
 
@@ -186,11 +256,68 @@ class Trackio:
     def log(self, values: dict[str, float], step: int | None) -> None:
         self.run.log(values, step=step)
 
+    def samples(self, key: str, columns: list[str], data: list[list[Any]], step: int | None) -> None:
+        import trackio
+
+        self.run.log({key: trackio.Table(columns=columns, data=data, allow_mixed_types=True)}, step=step)
+
     def close(self, failed: bool) -> None:
         self.run.finish()
 
 
-OPEN: dict[str, type[TensorBoard | Wandb | Trackio]] = {"tensorboard": TensorBoard, "wandb": Wandb, "trackio": Trackio}
+class MLflow:
+    """Through ``MlflowClient`` with an explicit run id: no process-wide active run to leak between runs."""
+
+    def __init__(self, path: Path, config: dict | None, state: dict, first_step: int):
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            # MLflow 3 keeps its file store only on request; a run folder's own store needs no server
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            uri = (path / "mlruns").absolute().as_uri()
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=uri)
+        self.new = "mlflow_run_id" not in state
+        self.skip_through = -1
+        if self.new:
+            name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "opd"
+            found = self.client.get_experiment_by_name(name)
+            experiment = found.experiment_id if found else self.client.create_experiment(name)
+            state["mlflow_run_id"] = self.client.create_run(experiment, run_name=path.name).info.run_id
+        else:
+            self.client.update_run(state["mlflow_run_id"], status="RUNNING")
+        self.run_id = state["mlflow_run_id"]
+        if config is not None and self.new:
+            from mlflow.entities import Param
+
+            params = [Param(k, str(v)[:6000]) for k, v in sorted(config.items())]
+            for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
+                self.client.log_batch(self.run_id, params=params[i : i + 100])
+
+    def log(self, values: dict[str, float], step: int | None) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(re.sub(r"[^\w\-. /]", "_", k), v, now, step or 0) for k, v in values.items()]
+        for i in range(0, len(metrics), 1000):
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
+
+    def samples(self, key: str, columns: list[str], data: list[list[Any]], step: int | None) -> None:
+        table = {c: [row[i] for row in data] for i, c in enumerate(columns)}
+        self.client.log_table(self.run_id, table, f"{key}/step_{step or 0:07d}.json")
+
+    def close(self, failed: bool) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+OPEN: dict[str, type[TensorBoard | Wandb | Trackio | MLflow]] = {
+    "tensorboard": TensorBoard,
+    "wandb": Wandb,
+    "trackio": Trackio,
+    "mlflow": MLflow,
+}
 
 
 # ----------------------------------------------------------------------------- one run directory's trackers
@@ -243,6 +370,17 @@ class Tracking:
         for tracker in self.trackers.values():
             if step is None or step > tracker.skip_through:
                 tracker.log(values, step)
+
+    def log_samples(self, key: str, rows: list[dict], step: int | None) -> None:
+        """Rows of text and figures (rollouts, evaluation samples) as a table under ``key`` at ``step``,
+        size-bounded (see the module docstring); a resumed run's re-logged steps are skipped as for metrics."""
+        if self.closed or not rows:
+            return
+        self.start(None)
+        columns, data = bounded(rows)
+        for tracker in self.trackers.values():
+            if step is None or step > tracker.skip_through:
+                tracker.samples(key, columns, data, step)
 
     def close(self, failed: bool = False) -> None:
         if self.closed:

@@ -1,6 +1,8 @@
 """Your own data, read with the Hugging Face ``datasets`` library: a ``save_to_disk`` directory (a
 Dataset or a DatasetDict), a folder of data files, or parquet, arrow, JSON/JSONL and CSV files or
-globs (``"data/*.parquet"``; all the files a glob matches form one split).
+globs (``"data/*.parquet"``; all the files a glob matches form one split), or a Hub dataset name
+(``openai/gsm8k``, ``openai/gsm8k:main`` for a configuration, at ``revision``) when no such path
+exists (:func:`opd.hub.load_hub_dataset`: the Hugging Face cache, downloading where allowed).
 
 Usage::
 
@@ -44,8 +46,10 @@ from pathlib import Path
 from typing import Any
 
 from opd.errors import UserError
+from opd.hub import load_hub_dataset, looks_like_repo_id, split_config
 from opd.tasks.grading import check_answer_format, extract_answer, grade, reference_answer
-from opd.tasks.rows import check_not_empty, convert_rows, find_bad_line
+from opd.tasks.presets import PRESETS
+from opd.tasks.rows import check_not_empty, check_utf8, convert_rows, find_bad_line
 from opd.tasks.task import Example, check_split, hold_out, reference_of
 
 __all__ = ["DatasetTask", "BUILDERS", "DEFAULT_TEST_FRACTION", "parse_split", "read_splits"]
@@ -95,13 +99,20 @@ def _quiet():
             datasets.enable_progress_bars()
 
 
-def read_splits(source: str | Path) -> tuple[dict[str, Any], list[Path]]:
-    """``(split name -> datasets.Dataset, the JSON files read)`` of a file, glob or directory."""
+def read_splits(source: str | Path, revision: str = "", flag: str = "--task") -> tuple[dict[str, Any], list[Path]]:
+    """``(split name -> datasets.Dataset, the JSON files read)`` of a file, glob, directory or Hub name:
+    the one loader of data by name (a local path wins; then the Hub)."""
     import datasets
 
     source = str(source)
     path = Path(source)
+    hub_name, config = split_config(source)
+    if revision and (path.exists() or not looks_like_repo_id(hub_name)):
+        raise UserError(f"{flag} {source}: a revision ({revision!r}) applies to a Hub dataset name only; drop it")
     with _quiet():
+        if not path.exists() and not any(c in source for c in "*?[") and looks_like_repo_id(hub_name):
+            others = f"{flag} {source!r} is no local path, 'arithmetic' or a preset ({', '.join(PRESETS)})"
+            return load_hub_dataset(hub_name, config, revision, others), []
         if not path.exists() and any(c in source for c in "*?["):
             files = sorted(Path(f) for f in glob.glob(source, recursive=True) if Path(f).is_file())
             if not files:
@@ -122,6 +133,9 @@ def read_splits(source: str | Path) -> tuple[dict[str, Any], list[Path]]:
             raise
         except Exception as e:  # noqa: BLE001 - datasets raises many types; the user needs one line
             _raise_if_empty(e, source)
+            for f in sorted(path.rglob("*")):  # its text data files: a byte that is not UTF-8 is named
+                if f.is_file() and BUILDERS.get(f.suffix.lower()) in ("json", "csv"):
+                    check_utf8(f)
             raise UserError(
                 f"could not read the directory {path} with datasets ({_first_line(e)}); give a "
                 "save_to_disk directory, a folder of data files, or a file"
@@ -170,9 +184,11 @@ def _read_files(source: str, files: list[Path]) -> tuple[dict[str, Any], list[Pa
         )
     builder = kinds.pop()
     json_files = files if builder == "json" else []
-    if json_files:
-        for f in json_files:
-            check_not_empty(f)
+    for f in files if builder in ("json", "csv") else []:  # text: a byte that is not UTF-8 is named, not a traceback
+        if json_files:
+            check_not_empty(f)  # which checks the encoding first
+        else:
+            check_utf8(f)
     try:
         loaded = datasets.load_dataset(builder, data_files=[str(f) for f in files])
     except Exception as e:  # noqa: BLE001 - datasets raises many types; the user needs one line
@@ -202,14 +218,19 @@ class DatasetTask:
         seed: int = 0,
         evaluation: bool = False,
         flag_prefix: str = "",
+        revision: str = "",
+        prompt_template: str = "",
     ):
         check_answer_format(answer_format)
         self.source, self.answer_format, self.system_prompt = str(source), answer_format, system_prompt
+        # a benchmark preset's: '{prompt}' is the row's question; its numeric answers (AIME's) read as text
+        self.prompt_template = prompt_template
         self.name = name or Path(self.source).stem.strip("*?[]") or "data"
         self.fields = {"prompt": prompt_field, "answer": answer_field, "solution": solution_field}
         self.flag_prefix = flag_prefix  # "eval-": errors name the --eval-* options
         self.columns: list[str] = []  # of the split read last, for notes (answer_source)
-        splits, self._json_files = read_splits(source)
+        flag = "--eval-task" if flag_prefix == "eval-" else "--task"
+        splits, self._json_files = read_splits(source, revision, flag)
         if test_source is not None:
             test_splits, test_json = read_splits(test_source)
             train = self._convert(splits, self._only_split(splits, self.source), self._json_files)
@@ -275,6 +296,11 @@ class DatasetTask:
                 f"{where} is empty (0 rows); choose another split with --{self.flag_prefix}split or add rows"
             )
         self.columns = list(ds.column_names)
+        answer = self.fields["answer"]
+        if self.prompt_template and answer in ds.column_names and getattr(ds.features[answer], "dtype", "") != "string":
+            import datasets
+
+            ds = ds.cast_column(answer, datasets.Value("string"))  # a preset's integers (AIME) are its answers
         return convert_rows(ds, where, self, json_files)
 
     def examples(self, split: str) -> list[Example]:

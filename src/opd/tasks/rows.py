@@ -22,7 +22,7 @@ from typing import Any
 from opd.errors import UserError
 from opd.tasks.task import Example
 
-__all__ = ["check_not_empty", "convert_rows", "find_bad_line", "from_messages", "read_tools"]
+__all__ = ["check_not_empty", "check_utf8", "convert_rows", "find_bad_line", "from_messages", "read_tools"]
 
 MESSAGES = "messages"
 LABEL = "task"
@@ -197,6 +197,9 @@ def _row_example(record: dict, row: int, cols: _Columns, task: Any, problems: di
         problems["tools"].add(row, f"{TOOLS!r} {e}")
         return None
     messages, system = _plain(history, task.system_prompt)
+    template = getattr(task, "prompt_template", "")
+    if template and history is None:  # a preset's wording around a plain question (str.replace: \boxed{} has braces)
+        prompt = template.replace("{prompt}", prompt)
     solution = _text(record.get(cols.solution), row, cols.solution, problems) or chat_solution
     raw = record[cols.answer] if cols.answer else None
     ref_text = _text(raw, row, cols.answer, problems)
@@ -250,7 +253,22 @@ def _raise_first(problems: dict[str, _Problems], where: str, n: int, json_files:
 # ----------------------------------------------------------------------------- JSON Lines files
 
 
+def check_utf8(path: Path) -> None:
+    """UserError naming the first byte of the text file ``path`` that is not UTF-8 (its line, column and
+    value) and the fix; a reader would otherwise stop at it with a UnicodeDecodeError, or a vague message."""
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):  # a UTF-8 character never spans a newline byte
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UserError(
+                    f"{path}, line {lineno}, column {e.start + 1}: byte 0x{raw[e.start]:02x} is not UTF-8 (the file "
+                    "is in another encoding, e.g. latin-1 or cp1252); re-save it as UTF-8"
+                ) from None
+
+
 def check_not_empty(path: Path) -> None:
+    check_utf8(path)
     with path.open(encoding="utf-8") as f:
         if any(line.strip() for line in f):
             return

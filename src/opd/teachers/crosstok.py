@@ -61,6 +61,7 @@ from opd.crosstok.template import messages_from_prompt, render_for_teacher, teac
 from opd.crosstok.token_bytes import VocabBytes
 from opd.crosstok.vocab_map import JOINABLE, build_vocab_map, longest_prefix_id, student_ids_by_bytes
 from opd.errors import UserError
+from opd.losses import Head
 from opd.losses.cross import cross_tokenizer_support, mapped_topk_mass, one_to_one_share, span_reward
 from opd.objectives import CROSS_TOKENIZER_GIVES, TOPK, lookup, usable_with
 from opd.rollout.prompt_set import PromptSet
@@ -351,7 +352,7 @@ class CrossTokenizerTeacher:
             },
         )
 
-    def hidden_and_head(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def hidden_and_head(self, batch: RolloutBatch) -> tuple[torch.Tensor, Head]:
         raise UserError(
             "full_kl needs the teacher's distribution over the student's vocabulary, which a teacher with "
             f"another tokenizer does not have; use {usable_with(CROSS_TOKENIZER_GIVES)}"

@@ -26,8 +26,9 @@ def make_teacher(cfg, student, tokenizer):
     """The trainer's teacher: in-process from ``cfg.teacher``, or served at ``cfg.teacher_url``; wrapped
     for cross-tokenizer OPD when its tokenizer differs (``cfg.cross_tokenizer``)."""
     if not cfg.teacher_url:
-        teacher_model = load_model(cfg.teacher, "teacher", cfg.teacher_dtype or cfg.dtype, model_device(student))
-        teacher_tok = teacher_tokenizer(cfg, cfg.teacher_tokenizer or cfg.teacher)
+        dtype, rev = cfg.teacher_dtype or cfg.dtype, cfg.teacher_revision
+        teacher_model = load_model(cfg.teacher, "teacher", dtype, model_device(student), revision=rev)
+        teacher_tok = teacher_tokenizer(cfg, cfg.teacher_tokenizer or cfg.teacher, "" if cfg.teacher_tokenizer else rev)
         if not uses_cross_tokenizer(cfg, tokenizer, teacher_tok):
             check_same_vocab(tokenizer, teacher_tok, student, teacher_model)
             return HFTeacher(teacher_model)
@@ -48,10 +49,13 @@ def make_teacher(cfg, student, tokenizer):
     return HTTPTeacher(cfg.teacher_url, tokenizer, head_weight(student).shape[0], **client)
 
 
-def teacher_tokenizer(cfg, path: str):
+def teacher_tokenizer(cfg, path: str, revision: str = ""):
     """The teacher's tokenizer, with its chat template options (``--teacher-chat-template-kwargs``, by
     default the student's): used where the teacher renders prompts itself (cross-tokenizer)."""
-    return set_chat_options(load_tokenizer(path, "teacher"), cfg.teacher_chat_options())
+    own = cfg.teacher_chat_template_kwargs is not None  # the student's options are checked on the student's template
+    check = own and cfg.check_chat_template_kwargs
+    tok = load_tokenizer(path, "teacher", revision=revision)
+    return set_chat_options(tok, cfg.teacher_chat_options(), "teacher_chat_template_kwargs", check=check)
 
 
 def is_served(teacher: TeacherScorer) -> bool:

@@ -25,8 +25,8 @@ import torch
 from transformers import PreTrainedModel
 
 from opd.errors import ServiceUnavailable, UserError
-from opd.losses import topk_and_gather_from_hidden
-from opd.models.loading import head_weight
+from opd.losses import Head, topk_and_gather_from_hidden
+from opd.models.head import model_head
 from opd.rollout.forward import response_hidden
 from opd.rollout.sampling import RolloutBatch
 
@@ -91,9 +91,9 @@ class TeacherScorer(Protocol):
         diag_index_M: torch.Tensor | None = None,
     ) -> TeacherScores: ...
 
-    def hidden_and_head(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def hidden_and_head(self, batch: RolloutBatch) -> tuple[torch.Tensor, Head]:
         """The final hidden states (N, T, E) that predict each response position, and the output
-        head (V, E), for the full-vocabulary objectives: the loss projects them a chunk of
+        head (weight (V, E), bias, scale, soft-cap), for the full-vocabulary objectives: the loss projects them a chunk of
         positions at a time, so no (N, T, V) tensor is ever formed."""
         ...
 
@@ -123,7 +123,7 @@ class HFTeacher:
     @torch.no_grad()
     def score(self, batch, k, query_ids_NTQ=None, diag_index_M=None) -> TeacherScores:
         h_NTD = response_hidden(self.model, batch)
-        W = head_weight(self.model)
+        head = model_head(self.model)
         N, T, D = h_NTD.shape
         sampled = batch.response_ids_NT.unsqueeze(-1)
         query = sampled if query_ids_NTQ is None else torch.cat([sampled, query_ids_NTQ], dim=-1)
@@ -131,7 +131,7 @@ class HFTeacher:
         # between an episode's turns (context every loss masks), can be a large share of a batch.
         active_A = batch.action_mask_NT.reshape(-1).nonzero().squeeze(-1)
         ids_A, lps_A, q_A = topk_and_gather_from_hidden(
-            h_NTD.reshape(N * T, 1, D)[active_A], W, k, query.reshape(N * T, 1, -1)[active_A], self.chunk_size
+            h_NTD.reshape(N * T, 1, D)[active_A], head, k, query.reshape(N * T, 1, -1)[active_A], self.chunk_size
         )
         # The losses mask non-finite teacher log-probs (a -inf is a token the softmax underflows), so NaN
         # ones would train nothing, silently. A NaN logit sorts first: the top-1 column shows every NaN row.
@@ -148,7 +148,7 @@ class HFTeacher:
         q_lps.view(N * T, -1)[active_A] = q_A.squeeze(1)
         diag = None
         if diag_index_M is not None:
-            diag = h_NTD.reshape(-1, D)[diag_index_M].float() @ W.float().T
+            diag = head.logits(h_NTD.reshape(-1, D)[diag_index_M])
         return TeacherScores(
             topk_ids_NTK=ids,
             topk_logprobs_NTK=lps,
@@ -158,6 +158,6 @@ class HFTeacher:
         )
 
     @torch.no_grad()
-    def hidden_and_head(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def hidden_and_head(self, batch: RolloutBatch) -> tuple[torch.Tensor, Head]:
         # In the teacher's own dtype: the loss computes in float32 whatever it is given.
-        return response_hidden(self.model, batch), head_weight(self.model)
+        return response_hidden(self.model, batch), model_head(self.model)

@@ -24,7 +24,7 @@ waiting for its forward pass holds no thread. Concurrent requests are batched: o
 merges what arrives within ``batch_wait_ms`` (up to ``max_batch_tokens`` padded tokens) into
 forward passes over chunks of sequences of similar length. The scores come from the same code as
 the in-process teacher (:func:`opd.losses.topk_and_gather_from_hidden` on
-:func:`opd.models.loading.final_hidden`), so they match it to float rounding. Bad requests get a 4xx with an
+:func:`opd.models.loading.final_hidden` and the model's own head, :func:`opd.models.head.model_head`), so they match it to float rounding. Bad requests get a 4xx with an
 OpenAI-style JSON error, a bug a 500; the server keeps serving.
 
 Run: ``opd serve-teacher runs/teacher --port 8000`` (``--port 0`` picks a free port and prints it);
@@ -61,7 +61,9 @@ from starlette.routing import Route
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from opd.errors import UserError
+from opd.hub import resolve_model
 from opd.losses import topk_and_gather_from_hidden
+from opd.models.head import model_head
 from opd.models.loading import final_hidden, head_weight, load_model, load_tokenizer, model_device, resolve_device
 from opd.models.precision import auto_dtype
 from opd.rollout.forward import ROWS_PER_CHUNK
@@ -152,18 +154,18 @@ def score_sequences(
         h_NLD = final_hidden(model, ids_NL.to(dev), mask_NL.to(dev))
         for r, i in enumerate(rows):  # hidden row j predicts token j + 1
             h_rows[i] = h_NLD[r, starts[i] - 1 : lens[i]]
-    W = head_weight(model)
+    head = model_head(model)
     # Each sequence's last row predicts the next token (its query, the first token, is a dummy).
     h_MD = torch.cat(cast(list[torch.Tensor], h_rows))  # every row filled above
     query_M = torch.tensor([t for s, st in zip(seqs, starts) for t in (*s[st:], s[0])], dtype=torch.long, device=dev)
-    ids_MK, lps_MK, q_M1 = topk_and_gather_from_hidden(h_MD[None], W, k, query_M.view(1, -1, 1), chunk_size)
+    ids_MK, lps_MK, q_M1 = topk_and_gather_from_hidden(h_MD[None], head, k, query_M.view(1, -1, 1), chunk_size)
     ids_MK, lps_MK, given_M = ids_MK[0], lps_MK[0], q_M1[0, :, 0]
     rank_M = 1 + (lps_MK > given_M[:, None]).sum(-1)
     # Every token with a larger logit than a top-K member is itself in the top-K, so the count above
     # is exact there; a given token outside the top-K needs its row of logits again.
     outside = (~(ids_MK == query_M[:, None]).any(-1)).nonzero().squeeze(-1) if ranks else query_M[:0]
     for rows in outside.split(chunk_size):
-        logits = h_MD[rows].float() @ W.float().T
+        logits = head.logits(h_MD[rows])
         rank_M[rows] = 1 + (logits > logits.gather(-1, query_M[rows, None])).sum(-1)
     ids_MK, lps_MK, given_M, rank_M = (t.cpu() for t in (ids_MK, lps_MK, given_M, rank_M))  # one copy off a GPU
     out, row = [], 0
@@ -639,8 +641,10 @@ def serve(
     verbose: bool = False,
     device: str = "auto",
     api_keys: list[str] | tuple = (),
+    revision: str = "",
 ) -> None:
-    """``opd serve-teacher``: load the model, serve until interrupted (Ctrl-C or SIGTERM)."""
+    """``opd serve-teacher``: load the model, serve until interrupted (Ctrl-C or SIGTERM). A Hub name is
+    served under that name (as vLLM does), its files read from the Hugging Face cache."""
     keys = KeyCheck(api_keys)  # a bad key is refused before the model loads
     if not keys and not is_loopback(host):
         print(
@@ -653,15 +657,16 @@ def serve(
         _listen(host, port).close()
     where = "the model argument (opd serve-teacher MODEL_DIR)"
     on = resolve_device(device)
-    dtype = auto_dtype(model_dir, dtype, on)
-    model = load_model(model_dir, "teacher", dtype, on, option=where)
+    if dtype == "auto":  # on a GPU the checkpoint's own, read from its config (a Hub name's: its snapshot's)
+        folder = model_dir if on.type == "cpu" else resolve_model(model_dir, revision, f"teacher model ({where})")
+        dtype = auto_dtype(folder, dtype, on)
+    model = load_model(model_dir, "teacher", dtype, on, option=where, revision=revision)
+    tok = load_tokenizer(model_dir, "teacher", option=where, revision=revision)
     limits = limits or Limits()
     if not limits.max_prompt_tokens:
         context = getattr(model.config, "max_position_embeddings", None) or FALLBACK_CONTEXT
         limits = dataclasses.replace(limits, max_prompt_tokens=context)
-    app = TeacherApp(
-        model, load_tokenizer(model_dir, "teacher", option=where), served_model_name or str(model_dir), limits, api_keys
-    )
+    app = TeacherApp(model, tok, served_model_name or str(model_dir), limits, api_keys)
     sock = _listen(host, port)
     server = _server(app, sock, verbose)
     url = "http://{}:{}".format(*server.server_address)

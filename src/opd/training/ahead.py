@@ -44,6 +44,7 @@ from typing import Any, cast
 import torch
 
 from opd.errors import UserError
+from opd.hub import resolve_model
 from opd.rollout.engine import EngineContext, EngineDown, EngineHandle, EngineUnavailable, RolloutEngine
 
 # Workers a single request may take down in a row before the run stops (a request that always kills its
@@ -224,10 +225,15 @@ def _init_worker(cfg, threads: int) -> None:
     from opd.training.sources import task_data, train_source
 
     torch.set_num_threads(threads)
-    tok = set_chat_options(load_tokenizer(cfg.student, "student"), cfg.chat_template_kwargs)  # as the trainer's
+    rev = cfg.student_revision
+    tok = set_chat_options(  # as the trainer's (checked there)
+        load_tokenizer(cfg.student, "student", revision=rev), cfg.chat_template_kwargs, check=False
+    )
     # as the trainer's student (float32 masters, its body in --dtype), so a rollout computes what the trainer would
     weights_dtype = trained_weights_dtype(cfg.dtype, bool(cfg.lora_r))
-    model = compute_in(load_model(cfg.student, "student", weights_dtype, resolve_device(cfg.device)), cfg.dtype)
+    model = compute_in(
+        load_model(cfg.student, "student", weights_dtype, resolve_device(cfg.device), revision=rev), cfg.dtype
+    )
     model.eval()
     # the games step here, in this process (a game's result does not depend on where it steps)
     cfgs = [replace(s.cfg, env_workers=0) if s.cfg.env else s.cfg for s in resolve_tasks(cfg)]
@@ -245,7 +251,8 @@ def _engine(handle: EngineHandle) -> RolloutEngine:
     if w["handle"] != handle:
         if w["engine"] is not None:
             w["engine"].close()
-        ctx = EngineContext(w["model"], w["tok"], w["cfg"], w["cfg"].student, w["cfgs"], attach=handle.address)
+        model_dir = str(resolve_model(w["cfg"].student, w["cfg"].student_revision))  # as the trainer's (setup)
+        ctx = EngineContext(w["model"], w["tok"], w["cfg"], model_dir, w["cfgs"], attach=handle.address)
         w["engine"], w["handle"] = make_engine(handle.name, ctx), handle
         w["engine"].watch(None)  # synced once a request (_generate), not before every task's batch
     return w["engine"]

@@ -48,18 +48,21 @@ from opd import metrics as M
 from opd.config import TrainConfig, config_record
 from opd.errors import ServiceUnavailable, UserError
 from opd.evaluation.sharing import Share
+from opd.losses import Head
 from opd.models.export import merged_weights
-from opd.models.loading import head_weight
+from opd.models.head import model_head
 from opd.models.precision import precision_record, saved_dtype
 from opd.rollout.engine import EngineUnavailable, RolloutBatch
 from opd.rollout.episodes import EpisodeRecord
 from opd.rollout.prompt_set import sample_seed
+from opd.runs.card import run_card, write_card
 from opd.runs.progress import progress_bar
 from opd.runs.rundir import save_final_model
 from opd.teachers.factory import is_served
 from opd.teachers.scoring import TeacherScorer, TeacherScores, TeacherUnavailable
 from opd.training.ahead import AheadRollouts
 from opd.training.distributed import merge_metrics, shutdown
+from opd.training.keeping import best_rule, best_weights, checkpoint_score, write_summary
 from opd.training.loss import (
     LossTotals,
     loss_mask,
@@ -425,7 +428,7 @@ def check_finite(run: Run, step: int, **values: float) -> None:
 STEP_KEYS = ("train/loss", "train/grad_norm", "train/clipped", "train/lr")  # the step's, never a part's
 
 
-def part_metrics(run: Run, step: int, p: StepPart, upd: StepUpdate, W: torch.Tensor) -> tuple[dict, dict, list]:
+def part_metrics(run: Run, step: int, p: StepPart, upd: StepUpdate, W: Head) -> tuple[dict, dict, list]:
     """One rank's metrics of one part, what each is a mean over, and (rank 0) its sample rollouts."""
     cfg, c = run.cfg, p.task.cfg
     mask_NT, scores = p.mask_NT, p.scores
@@ -452,7 +455,7 @@ def log_stage(run: Run, step: int, parts: list[StepPart], upds: list[StepUpdate]
     name in a multi-task run, and rank 0's sample rollouts."""
 
     def local(student):
-        W = head_weight(student).detach()
+        W = model_head(student).detach()
         return [part_metrics(run, step, p, u, W) for p, u in zip(parts, upds, strict=True)]
 
     mine = run.dist.full_call(local)
@@ -511,9 +514,10 @@ def eval_stage(run: Run, step: int) -> dict:
     return record
 
 
-def checkpoint_stage(run: Run, step: int, rng: dict | None = None) -> None:
+def checkpoint_stage(run: Run, step: int, rng: dict | None = None, score: float | None = None) -> None:
     """Rank 0 writes; every rank takes part in gathering sharded weights and per-rank RNG states
-    (``rng``: this rank's, when not the generators' state now)."""
+    (``rng``: this rank's, when not the generators' state now). ``score``: the --keep-best figure of
+    this step's evaluation; the keep rules prune the others (opd.training.keeping)."""
     rngs = run.dist.gather(rng_state(run.dist.device) if rng is None else rng)
     state = {
         "step": step,
@@ -527,7 +531,9 @@ def checkpoint_stage(run: Run, step: int, rng: dict | None = None) -> None:
     }
     if run.ahead is not None:  # the rollouts asked for with the weights this checkpoint has seen
         state["ahead"] = run.ahead.in_flight(step)
-    run.rundir.save_checkpoint(step, run.student, state, model_state=run.dist.full_state_dict(run.student))
+    weights = run.dist.full_state_dict(run.student)
+    keep, best = run.cfg.keep_checkpoints, best_rule(run.cfg)
+    run.rundir.save_checkpoint(step, run.student, state, keep, model_state=weights, score=score, best=best)
     run.dist.barrier()
 
 
@@ -563,10 +569,12 @@ def train_steps(run: Run, show_progress: bool) -> dict:
             acc = record.get("rollout/accuracy")  # absent where no rollout had a reference answer
             bar.describe(f"loss {record['train/loss']:.4f}" + ("" if acc is None else f"  acc {acc:.2f}"))
             last = step == cfg.steps - 1
-            if last or (cfg.eval_every and (step + 1) % cfg.eval_every == 0):
+            evaluated = last or bool(cfg.eval_every and (step + 1) % cfg.eval_every == 0)
+            if evaluated:
                 last_eval = eval_stage(run, step)
-            if last or (cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0):
-                checkpoint_stage(run, step)
+            # --keep-best: every evaluation is a scored checkpoint
+            if last or (cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0) or (cfg.keep_best and evaluated):
+                checkpoint_stage(run, step, score=checkpoint_score(cfg, last_eval) if evaluated else None)
     return last_eval
 
 
@@ -586,13 +594,18 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
             run.ahead.close()
         if run.score_pool is not None:
             run.score_pool.shutdown(wait=False, cancel_futures=True)
+    weights = run.dist.full_state_dict(run.student)  # every rank: gathering sharded weights is collective
+    best = best_weights(cfg, run.rundir) if run.rundir.enabled else None  # --final-best
     save_final_model(
         run.rundir.path / "final",
         run.student,
         run.tokenizer,
         run.rundir.enabled,
-        model_state=run.dist.full_state_dict(run.student),
+        model_state=weights if best is None else best,
         dtype=saved_dtype(cfg.dtype, bool(cfg.lora_r)),
     )
+    write_summary(cfg, run.rundir, cfg.steps, last_eval)
+    if run.rundir.enabled:
+        write_card(run.rundir.path / "final", run_card(cfg, run.rundir.path.name, last_eval))
     shutdown(run.dist)
     return last_eval

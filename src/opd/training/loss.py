@@ -18,7 +18,7 @@ import torch
 
 from opd import losses as L
 from opd.config import TrainConfig
-from opd.models.loading import head_weight
+from opd.models.head import model_head
 from opd.objectives import FULL, QUERY, ObjectiveInputs, lookup
 from opd.rollout.engine import RolloutBatch
 from opd.rollout.forward import response_hidden
@@ -46,14 +46,14 @@ def scored_loss_mask(mask_NT: torch.Tensor, scores: TeacherScores) -> tuple[torc
 def student_topk_ids(student, batch: RolloutBatch, k: int) -> torch.Tensor:
     """The student's own top-K at each response position (for student-side supports)."""
     h = response_hidden(student, batch)
-    return L.topk_from_hidden(h, head_weight(student), k)[0]
+    return L.topk_from_hidden(h, model_head(student), k)[0]
 
 
 @torch.no_grad()
 def policy_logprobs(student, batch: RolloutBatch) -> torch.Tensor:
     """The student's log-probs of the sampled tokens (N, T), as the trainer computes them: for rollouts
     an older policy sampled (--max-staleness), the policy a policy-gradient update starts from."""
-    return L.token_logprobs_from_hidden(response_hidden(student, batch), head_weight(student), batch.response_ids_NT)
+    return L.token_logprobs_from_hidden(response_hidden(student, batch), model_head(student), batch.response_ids_NT)
 
 
 def reads_policy_logprobs(cfg: TrainConfig) -> bool:
@@ -125,7 +125,7 @@ def objective_loss(
         t_h, t_W = teacher.hidden_and_head(batch)
     x = ObjectiveInputs(
         hidden_NTD=h,
-        head_VD=head_weight(student),
+        head_VD=model_head(student),
         response_ids_NT=batch.response_ids_NT,
         behaviour_logprobs_NT=batch.logprobs_NT,
         action_mask_NT=cast(torch.Tensor, batch.action_mask_NT),

@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from opd.chat import set_chat_options, tool_call_marker_ids
 from opd.config import TEACHER_SCORING, TaskSpec, TrainConfig, resolve_tasks
 from opd.errors import UserError
+from opd.hub import resolve_model
 from opd.models.loading import (
     checkpoint_layers,
     disable_dropout,
@@ -92,17 +93,21 @@ def setup(cfg: TrainConfig) -> Run:
     device = resolve_device(cfg.device)
     configure_device_math(device, cfg.dtype, cfg.tf32, "opd train")
     dist = init_distributed(cfg.fsdp, device, cfg.dtype, cfg.dist_timeout)
-    rundir = RunDir(cfg.out, report_to=cfg.report_to)
-    rundir.require_fresh(cfg.resume)
+    models = {"student": cfg.student, "teacher": cfg.teacher, "teacher-tokenizer": cfg.teacher_tokenizer}
+    rundir = RunDir(cfg.out, report_to=cfg.report_to, command="train", resume=cfg.resume, models=models)
     specs = resolve_tasks(cfg)
     check_engine(cfg.rollout_engine)
     # before the models: a data problem shows at once
     data = [for_task(s.name, task_data, s.cfg) for s in specs]
     say_grading_notes("train", specs, data)
-    tok = set_chat_options(load_tokenizer(cfg.student, "student"), cfg.chat_template_kwargs)
-    student = compute_in(
-        load_model(cfg.student, "student", trained_weights_dtype(cfg.dtype, bool(cfg.lora_r)), device), cfg.dtype
+    rev = cfg.student_revision
+    tok = set_chat_options(
+        load_tokenizer(cfg.student, "student", revision=rev),
+        cfg.chat_template_kwargs,
+        check=cfg.check_chat_template_kwargs,
     )
+    weights_dtype = trained_weights_dtype(cfg.dtype, bool(cfg.lora_r))
+    student = compute_in(load_model(cfg.student, "student", weights_dtype, device, revision=rev), cfg.dtype)
     tasks = build_tasks(specs, data, student, tok)
     V = head_weight(student).shape[0]
     if cfg.k > V:
@@ -149,7 +154,9 @@ def start_engine(cfg: TrainConfig, specs: list[TaskSpec], student, tok, rundir: 
     Under FSDP it is given the weights gathered for the rollout. With --max-staleness the rollout worker
     samples instead, reaching the engine through its handle (opd.training.ahead)."""
     folder = rundir.path / cfg.rollout_engine / (f"rank{dist.rank}" if dist.world > 1 else "")
-    ctx = EngineContext(student, tok, cfg, cfg.student, [s.cfg for s in specs], folder, dist.world)
+    # an engine of its own (vLLM) reads the folder a Hub name resolved to: the same files as the trainer
+    model_dir = str(resolve_model(cfg.student, cfg.student_revision))
+    ctx = EngineContext(student, tok, cfg, model_dir, [s.cfg for s in specs], folder, dist.world)
     engine = make_engine(cfg.rollout_engine, ctx)
     if not cfg.max_staleness:
         engine.watch(optimizer)
@@ -169,7 +176,7 @@ def start_ahead(cfg: TrainConfig, engine: RolloutEngine) -> AheadRollouts:
 def _teacher_key(c: TrainConfig) -> tuple:
     """Where a task's teacher is and how it scores (:data:`opd.config.tasks.TEACHER_SCORING`): the
     same model read with another dtype or tokenizer setting scores differently, so is not shared."""
-    where = ("url", c.teacher_url) if c.teacher_url else ("dir", str(Path(c.teacher).resolve()))
+    where = ("url", c.teacher_url) if c.teacher_url else ("dir", str(Path(c.teacher).resolve()), c.teacher_revision)
     values = (c.dtype if f == "teacher_dtype" and not c.teacher_dtype else getattr(c, f) for f in TEACHER_SCORING)
     return (*where, *(tuple(v) if isinstance(v, list) else v for v in values))
 

@@ -27,8 +27,6 @@ chosen on the other tasks, or, with none evaluated, the last one is kept.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -51,12 +49,14 @@ from opd.models.loading import (
 )
 from opd.models.precision import compute_in, configure_device_math, saved_dtype, trained_weights_dtype
 from opd.models.tokenizer import format_prompt
-from opd.rollout.engine import RolloutEngine
+from opd.rollout.engine import RolloutEngine, check_context
 from opd.rollout.prompt_set import (
     PromptSet,
     batch_indices,
+    data_options,
     eval_prompts,
     graded,
+    load_task,
     load_tasks,
     sample_seed,
     say_grading_notes,
@@ -69,27 +69,30 @@ from opd.training.optim import make_optimizer, make_scheduler
 from opd.training.schedule import for_task, task_schedule
 
 
-def load_sft_examples(path: str) -> list[Example]:
-    p = Path(path)
+def load_sft_examples(cfg: SFTConfig) -> list[Example]:
+    """``--data``, every row trained on: read as ``--task`` data is (:func:`opd.rollout.prompt_set.load_task`,
+    with its checks: the encoding, empty prompts, the columns' types), its targets the ``--solution-field``
+    column, or a 'completion' column when the data has no such column."""
+    p = Path(cfg.data)
     if not p.is_file():
         raise UserError(f"SFT data file {p} does not exist; pass a JSONL file with prompt and solution per line")
-    out = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{p}:{n} is not valid JSON ({exc.msg}); fix or remove that line") from exc
-        target = row.get("solution") or row.get("completion")
-        if "prompt" not in row or not target:
-            raise UserError(f"{p}:{n} needs a 'prompt' and a 'solution' (or 'completion') field")
-        out.append(Example(prompt=row["prompt"], answer=str(row.get("answer", "")), solution=target))
-    if not out:
+    if not p.read_bytes().strip():  # bytes: the reader below names an encoding problem
         raise UserError(
             f'SFT data file {p} has no examples; write one {{"prompt": ..., "solution": ...}} object per line'
         )
-    return out
+    options = data_options(cfg)
+    task = load_task(str(p), cfg.task_level, cfg.seed, split="0", **options)
+    columns = getattr(task, "columns", [])
+    if cfg.solution_field not in columns and "completion" in columns:
+        task = load_task(str(p), cfg.task_level, cfg.seed, split="0", **{**options, "solution_field": "completion"})
+    examples = task.examples("train")
+    missing = [i for i, e in enumerate(examples, 1) if not e.solution]
+    if missing:
+        raise UserError(
+            f"{p}: {len(missing)} of {len(examples)} rows have no solution, e.g. row {missing[0]}; give each a "
+            f"'{cfg.solution_field}' (or 'completion') field"
+        )
+    return examples
 
 
 def build_model(cfg: SFTConfig):
@@ -97,8 +100,8 @@ def build_model(cfg: SFTConfig):
     device = resolve_device(cfg.device)
     configure_device_math(device, cfg.dtype, cfg.tf32, "opd sft")
     if cfg.init:
-        model = load_model(cfg.init, "init", trained_weights_dtype(cfg.dtype), device)
-        tok = load_tokenizer(cfg.init, "init")
+        model = load_model(cfg.init, "init", trained_weights_dtype(cfg.dtype), device, revision=cfg.student_revision)
+        tok = load_tokenizer(cfg.init, "init", revision=cfg.student_revision)
     else:
         if not cfg.tokenizer:
             raise UserError("a new model (--arch) needs --tokenizer DIR (a tokenizer saved with save_pretrained)")
@@ -178,8 +181,8 @@ def prompt_source(cfg: SFTConfig, tok, model, task, eval_task) -> tuple[Callable
     """The batch of a step (ids, attention mask, labels), and the greedy accuracy on the validation
     prompts (what the checkpoint is chosen on) and on the test prompts, for prompts; no accuracy
     (None) without an evaluation task (--no-eval, or nothing to grade: load_tasks)."""
-    if cfg.data:  # --system-prompt applies to these prompts too
-        examples = [dataclasses.replace(e, system=cfg.system_prompt or None) for e in load_sft_examples(cfg.data)]
+    if cfg.data:
+        examples = load_sft_examples(cfg)  # --system-prompt applied by the reader, as for --task
     else:
         examples = task.examples("train")
     examples, validation = held_out_for_validation(examples, cfg, "examples") if eval_task else (examples, [])
@@ -200,9 +203,13 @@ def prompt_source(cfg: SFTConfig, tok, model, task, eval_task) -> tuple[Callable
             "some training examples have no solution; give --data with solutions or --teacher to sample them"
         )
     train_set = PromptSet.build(examples, tok, cfg.max_prompt_tokens, "SFT prompts")
+    # as opd train's rollouts are checked: the longest prompt and the token budget must fit the model's positions
+    longest = max(len(ids) for ids in train_set.prompt_ids)
+    positions = getattr(model.config, "max_position_embeddings", None)
+    check_context(longest, cfg.max_new_tokens, positions, "shorten the prompts or lower --max-new-tokens")
     teacher_engine = None
     if cfg.teacher:
-        teacher = load_model(cfg.teacher, "teacher", cfg.dtype, model_device(model))
+        teacher = load_model(cfg.teacher, "teacher", cfg.dtype, model_device(model), revision=cfg.teacher_revision)
         teacher_engine = local_engine(teacher, tok)
 
     def batch(step: int) -> tuple:
@@ -370,16 +377,16 @@ def kept_on_test(cfg: SFTConfig, rundir: RunDir, sources: list, step: int, multi
 
 
 def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
-    rundir = RunDir(cfg.out, report_to=cfg.report_to)
-    rundir.require_fresh()
-    rundir.write_config(cfg)
+    models = {"init": cfg.init, "teacher": cfg.teacher, "tokenizer": cfg.tokenizer}
+    rundir = RunDir(cfg.out, report_to=cfg.report_to, command="sft", models=models)
     specs = resolve_tasks(cfg)
     # before the model: a data problem shows at once
     data = [None if spec.cfg.env else for_task(spec.name, load_tasks, spec.cfg) for spec in specs]
     say_grading_notes("sft", specs, data)
     model, tok = build_model(cfg)
-    set_chat_options(tok, cfg.chat_template_kwargs)
+    set_chat_options(tok, cfg.chat_template_kwargs, check=cfg.check_chat_template_kwargs)
     sources = task_sources(specs, data, tok, model)
+    rundir.write_config(cfg)  # once data and model passed their checks: a refused run leaves only the marker
     graded_sources = [s for s in sources if s[2] is not None]  # the others: --no-eval, or nothing to grade
     names = [spec.name for spec in specs]
     multi = cfg.tasks is not None

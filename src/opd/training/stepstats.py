@@ -19,6 +19,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from opd import metrics as M
+from opd.losses import Head, topk_and_gather_from_hidden
 from opd.rollout.engine import RolloutBatch
 from opd.runs.records import MODEL_FIELDS
 from opd.tasks import Example
@@ -75,7 +76,7 @@ def step_metrics(
     scores: TeacherScores,
     upd: StepUpdate,
     mask_NT: torch.Tensor,
-    head_VD: torch.Tensor,
+    head: Head,
     k: int,
     horizon: int,
     format_ids: list[int],
@@ -86,7 +87,7 @@ def step_metrics(
     is over the graded rollouts (absent when there is none) and ``rollout/ungraded`` counts the others."""
     resp = cast(torch.Tensor, batch.action_mask_NT)  # set by RolloutBatch.__post_init__
     reward_NT = (scores.sampled_logprobs_NT - batch.logprobs_NT) * resp
-    s_MV = upd.diag_hidden_MD.float() @ head_VD.float().T
+    s_MV = head.logits(upd.diag_hidden_MD)  # the step's few diagnostic positions only
     # A fixed horizon keeps bucket b the same depth range at every step, whatever the batch's length.
     depth_reward, _ = M.by_position_bucket(reward_NT, resp, DEPTH_BUCKETS, horizon=horizon)
     depth_loss, _ = M.by_position_bucket(upd.loss_NT, mask_NT, DEPTH_BUCKETS, horizon=horizon)
@@ -110,7 +111,7 @@ def step_metrics(
         **(
             {}
             if scores.diag_logits_MV is None
-            else _full_vocab_diagnostics(s_MV, scores.diag_logits_MV, min(k, head_VD.shape[0]))
+            else _full_vocab_diagnostics(s_MV, scores.diag_logits_MV, min(k, head.vocab))
         ),
         "depth/reward": depth_reward.tolist(),
         "depth/loss": depth_loss.tolist(),
@@ -180,7 +181,8 @@ def _model_fields(
     r: int,
     at: torch.Tensor,
 ) -> dict:
-    """Row ``r``'s per-token fields at response positions ``at``, one list entry per position."""
+    """Row ``r``'s per-token fields at response positions ``at``, one list entry per position;
+    ``student_lp``: (L, T, K) the student's log-probs of the teacher's top-K ids."""
     ids = batch.response_ids_NT[r, at]
     topk = scores.topk_ids_NTK[r, at]
     uniq = topk.unique().tolist()
@@ -195,7 +197,7 @@ def _model_fields(
         "teacher_topk_logprobs": [
             [round(x, 4) for x in row] for row in scores.topk_logprobs_NTK[r, at].float().tolist()
         ],
-        "student_topk_logprobs": [[round(x, 4) for x in row] for row in student_lp[r, at].gather(-1, topk).tolist()],
+        "student_topk_logprobs": [[round(x, 4) for x in row] for row in student_lp[r, at].tolist()],
         # Each distinct top-K id once, so the report can label the inspector's bars without a tokenizer.
         "topk_tokens": dict(zip(map(str, uniq), tok.convert_ids_to_tokens(uniq))),
     }
@@ -244,7 +246,7 @@ def _episode_fields(fields: dict, tok, batch: RolloutBatch, r: int, episode) -> 
 
 def rollout_records(
     tok: PreTrainedTokenizerBase,
-    head_VD: torch.Tensor,
+    head: Head,
     step: int,
     batch: RolloutBatch,
     examples: list[Example],
@@ -263,7 +265,9 @@ def rollout_records(
     model's tokens, the per-token model fields are null at the environment's, and ``turns`` gives
     each turn's span, action, reward and the observation that answered it."""
     h = upd.log_hidden_LTD
-    student_lp = torch.log_softmax(h.float() @ head_VD.float().T, dim=-1)
+    # The student's log-probs of the teacher's top-K ids, from its own head a chunk of positions at a
+    # time: no (rows x length x vocabulary) tensor, however long the logged responses.
+    _, _, student_lp = topk_and_gather_from_hidden(h, head, 1, scores.topk_ids_NTK[: h.shape[0]])
     records = []
     actions_NT = cast(torch.Tensor, batch.action_mask_NT)  # set by RolloutBatch.__post_init__
     for r in range(h.shape[0]):

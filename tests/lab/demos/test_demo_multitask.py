@@ -64,7 +64,8 @@ def test_packaged_models_come_from_the_recipe_as_written():
         # same episodes with 0, 1 or N env workers), validation_size, which the recipe keeps at 0
         # (the checkpoint chosen on the test set, as when these models were made), and options whose
         # defaults are what ran then: no chat-template options, evaluation on, TF32 (a GPU's; made on a CPU),
-        # no activation checkpointing.
+        # no activation checkpointing, the check that chat-template options are ones the template reads, and
+        # no Hub revisions (local folders).
         added = {
             "env_workers": None,
             "env_step_timeout": None,
@@ -73,6 +74,8 @@ def test_packaged_models_come_from_the_recipe_as_written():
             "eval": True,
             "tf32": None,
             "gradient_checkpointing": False,
+            "check_chat_template_kwargs": True,
+            **{f"{what}_revision": "" for what in ("task", "student", "eval", "teacher")},
         }
         for k in set(expected) - set(logged):
             assert k in added and added[k] in (None, expected[k]), k

@@ -32,9 +32,11 @@ from opd.errors import UserError
 from opd.lab.demos.parallel import process_pool, threads_per_worker, with_threads
 from opd.lab.experiments.keys import Keys
 from opd.lab.experiments.rundata import RunData
+from opd.runs.provenance import source_commit
+from opd.runs.rundir import STARTED
 
 DONE = "DONE.json"
-STARTED = "STARTED.json"  # the command a train run was begun with: resume only that one
+# STARTED (opd.runs.rundir): the command a train run was begun with: resume only that one
 DATA = "data.json"  # what the analysis read of the runs (opd.lab.experiments.rundata)
 
 
@@ -143,7 +145,7 @@ def _started_as(run_dir: Path) -> dict | None:
 
 def _execute(spec: RunSpec, run_dir: Path, show_progress: bool, command: str, key: str) -> dict:
     if spec.kind == "train":
-        from opd.runs.rundir import RunDir
+        from opd.runs.rundir import RunDir, mark_run
         from opd.training.loop import train
 
         started = (run_dir / "metrics.jsonl").exists()
@@ -151,7 +153,7 @@ def _execute(spec: RunSpec, run_dir: Path, show_progress: bool, command: str, ke
         if started and (_started_as(run_dir) != begun_as or RunDir(run_dir).latest_checkpoint() is None):
             shutil.rmtree(run_dir)  # begun with other settings or inputs, or killed before its first checkpoint
             started = False
-        run_dir.mkdir(parents=True, exist_ok=True)
+        mark_run(run_dir, "train", by="experiment")  # the experiment's folder: opd train's checks let it in
         (run_dir / STARTED).write_text(json.dumps(begun_as) + "\n")
         cfg = dataclasses.replace(spec.config, out=str(run_dir), resume=started)
         return train(cfg, show_progress=show_progress) or {}
@@ -370,26 +372,6 @@ def machine_info() -> dict:
 def machine_words(m: dict) -> str:
     """``N CPU cores, torch V`` and the GPU where there was one."""
     return f"{m['cpu_cores']} CPU cores, torch {m['torch']}" + (f" on an {m['gpu']}" if m.get("gpu") else "")
-
-
-def source_commit() -> str:
-    """The commit of the opd source running now (``-dirty`` when its tracked files differ from it), or
-    "unknown" outside a git checkout: each run and result names the code that made it. ``OPD_COMMIT``,
-    where set, names it instead: a copy of the tree sent to another machine may travel without its
-    .git, or with one that is not the tree's (a lent GPU machine's copy had the session's first commit)."""
-    import subprocess
-
-    if os.environ.get("OPD_COMMIT"):
-        return os.environ["OPD_COMMIT"]
-    src = Path(__file__).resolve().parents[2]  # the opd package
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=src, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "-uno", "--", "."], cwd=src, capture_output=True)
-    except OSError:
-        return "unknown"
-    if head.returncode != 0:
-        return "unknown"
-    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
 def md_cell(text: str) -> str:

@@ -1,0 +1,147 @@
+"""Model cards: the ``README.md`` of a trained model's folder (``final/``, ``opd merge-lora``'s output), as
+the Hugging Face Hub reads it: front matter (``base_model``, ``library_name``, ``tags``, ``datasets``,
+written by huggingface_hub's ``ModelCardData``) and a body with the method and its options, the last
+evaluation's figures, and the opd version and commit that made it. Pushing stays the user's
+(``hf upload ORG/NAME RUN/final``): opd never uploads.
+
+A name goes into the front matter only when it is a Hub id (a local path would make the Hub link a
+model that does not exist); a benchmark preset is named by its dataset.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import opd
+from opd.hub import looks_like_repo_id
+from opd.runs.provenance import source_commit
+
+TAGS = ["opd", "distillation", "on-policy-distillation"]
+# The options that say what was trained how, in the card's table (those the run set and has).
+METHOD = (
+    "student",
+    "student_revision",
+    "teacher",
+    "teacher_revision",
+    "teacher_url",
+    "objective",
+    "k",
+    "support",
+    "tail",
+    "renormalize",
+    "forward_kl_share",
+    "task",
+    "task_revision",
+    "env",
+    "steps",
+    "batch_size",
+    "lr",
+    "schedule",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "lora_r",
+    "dtype",
+    "seed",
+)
+
+
+def _hub_id(name: Any) -> str | None:
+    text = str(name or "")
+    return text if text and not Path(text).exists() and "/" in text and looks_like_repo_id(text) else None
+
+
+def _dataset_id(task: str) -> str | None:
+    from opd.tasks.presets import PRESETS
+
+    if task in PRESETS and not Path(task).exists():
+        return PRESETS[task].repo
+    return _hub_id(task.partition(":")[0])
+
+
+def _cell(value: Any) -> str:
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def front_matter(base: str, datasets: list[str], lora: bool, extra_tags: tuple[str, ...] = ()) -> str:
+    from huggingface_hub import ModelCardData
+
+    data = ModelCardData(
+        base_model=_hub_id(base),
+        library_name="peft" if lora else "transformers",
+        tags=[*TAGS, *extra_tags, *(["lora"] if lora else [])],
+        datasets=[d for d in datasets if d] or None,
+    )
+    return f"---\n{data.to_yaml()}\n---\n"
+
+
+def run_card(cfg: Any, run_name: str, evaluation: dict) -> str:
+    """The card of an OPD run's ``final/``: ``cfg`` its TrainConfig, ``evaluation`` its last eval record."""
+    tasks = [cfg.task, getattr(cfg, "eval_task", "")] + [
+        t.get("task", "") for t in (cfg.tasks or []) if isinstance(t, dict)
+    ]
+    datasets = list(dict.fromkeys(d for d in map(_dataset_id, [t for t in tasks if t]) if d))
+    teacher = cfg.teacher or cfg.teacher_url or "a served teacher"
+    rows = [(k, getattr(cfg, k)) for k in METHOD if getattr(cfg, k, None) not in (None, "", [], 0) or k == "k"]
+    figures = sorted((k, v) for k, v in evaluation.items() if k.startswith("eval/") and isinstance(v, (int, float)))
+    lines = [
+        front_matter(cfg.student, datasets, bool(cfg.lora_r)).rstrip("\n"),
+        "",
+        f"# {run_name}",
+        "",
+        f"**{cfg.student}** distilled on-policy from the teacher **{teacher}** with "
+        f"opd {opd.__version__} (commit {source_commit()}): the student samples, the "
+        f"teacher scores every token of the samples, and the student moves toward it (objective `{cfg.objective}`).",
+        "",
+        "## Method and options",
+        "",
+        "| option | value |",
+        "|---|---|",
+        *[f"| {k} | {_cell(v)} |" for k, v in rows],
+        "",
+        "## Evaluation",
+        "",
+    ]
+    if figures:
+        step = evaluation.get("step")
+        lines += [f"The last evaluation (step {step}):", "", "| figure | value |", "|---|---|"]
+        lines += [f"| {k} | {v:.4g} |" for k, v in figures]
+    else:
+        lines.append("The run did not evaluate (--no-eval, or no held-out reference answers).")
+    lines += ["", *_usage(lora=bool(cfg.lora_r))]
+    return "\n".join(lines) + "\n"
+
+
+def merged_card(adapter: Path, base: str) -> str:
+    """The card of ``opd merge-lora``'s output: the adapter's own card's body (its method and figures),
+    under front matter for a whole model on ``base``."""
+    own = adapter / "README.md"
+    body = own.read_text().split("\n---\n", 1)[-1] if own.is_file() and own.read_text().startswith("---\n") else ""
+    intro = f"The LoRA adapter {adapter} merged into its base model {base} (opd merge-lora, opd {opd.__version__}, "
+    intro += f"commit {source_commit()})."
+    return "\n".join([front_matter(base, [], lora=False, extra_tags=("merged-lora",)), intro, "", body.strip(), ""])
+
+
+def _usage(lora: bool) -> list[str]:
+    load = (
+        "from peft import AutoPeftModelForCausalLM\nmodel = AutoPeftModelForCausalLM.from_pretrained(PATH)"
+        if lora
+        else "from transformers import AutoModelForCausalLM\nmodel = AutoModelForCausalLM.from_pretrained(PATH)"
+    )
+    return [
+        "## Use",
+        "",
+        "```python",
+        load,
+        "```",
+        "",
+        "Publish it with `hf upload ORG/NAME PATH` (opd never uploads).",
+    ]
+
+
+def write_card(folder: Path, text: str) -> None:
+    """``folder/README.md``, written whole or not at all."""
+    from opd.runs.rundir import _atomic_write_text
+
+    _atomic_write_text(Path(folder) / "README.md", text)
