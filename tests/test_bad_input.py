@@ -234,13 +234,20 @@ CASES = [
         "prompts-over-max-prompt-tokens",
         f"{TRAIN} --task <D>/long.jsonl --split 0.5",
         r"2 of 2 training prompts are longer than max_prompt_tokens=256 \(longest: \d+ tokens, e\.g\. #0: "
+        r"'What is 1 \+ 1\?.*'\.\.\.\); raise --max-prompt-tokens \(within the model's context\) \(skipping them would "
+        r"leave none\)",
+    ),
+    (
+        "prompts-over-max-prompt-tokens-as-an-error",
+        f"{TRAIN} --task <D>/long.jsonl --split 0.5 --long-prompts error",
+        r"2 of 2 training prompts are longer than max_prompt_tokens=256 \(longest: \d+ tokens, e\.g\. #0: "
         r"'What is 1 \+ 1\?.*'\.\.\.\); raise --max-prompt-tokens \(within the model's context\) or drop those prompts",
     ),
     (
         "prompt-over-context",
         f"{TRAIN} --task <D>/long.jsonl --split 0.5 --max-prompt-tokens 4096",
-        r"a prompt of \d{4} tokens plus max_new_tokens=4 exceeds the model's context of 512 positions; shorten "
-        r"the prompts or lower --max-new-tokens",
+        r"a prompt of \d{4} tokens plus max_new_tokens=4 exceeds the model's context of 512 positions; lower "
+        r"--max-new-tokens, or --max-prompt-tokens \(longer training prompts are skipped\)",
     ),
     (
         "eval-prompt-over-context",
@@ -251,8 +258,8 @@ CASES = [
     (
         "new-tokens-over-context",
         f"{TRAIN} --max-new-tokens 5000",
-        r"a prompt of \d+ tokens plus max_new_tokens=5000 exceeds the model's context of 512 positions; shorten "
-        r"the prompts or lower --max-new-tokens",
+        r"a prompt of \d+ tokens plus max_new_tokens=5000 exceeds the model's context of 512 positions; lower "
+        r"--max-new-tokens, or --max-prompt-tokens \(longer training prompts are skipped\)",
     ),
     # config files
     (
@@ -476,7 +483,16 @@ CASES = [
         r"unknown environment 'nosuch': use one of alfworld, textworld, toy(, [\w-]+)*",
     ),
     ("unknown-device", f"{TRAIN} --device tpu", r"device='tpu': use auto, cpu, cuda or cuda:N"),
-    ("serve-unknown-dtype", "serve-teacher <T> --dtype float64", r"--dtype 'float64': use float32, bfloat16, float16"),
+    (
+        "serve-unknown-dtype",
+        "serve-teacher <T> --dtype float64",
+        r"--dtype 'float64': use auto, float32, bfloat16, float16",
+    ),
+    (
+        "serve-negative-prompt-limit",
+        "serve-teacher <T> --max-prompt-tokens -1",
+        r"--max-prompt-tokens -1 must be >= 0 \(0: the model's context length\)",
+    ),
     # data as users have it: prompts without answers, chat-template options, tools (issue 64)
     (
         "tools-not-a-list-of-objects",

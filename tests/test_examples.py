@@ -12,6 +12,7 @@ import pytest
 
 from opd.config import TrainConfig, build_config, read_config_file
 from opd.config.sections import flatten
+from opd.errors import UserError
 from opd.training.loop import train
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -21,6 +22,7 @@ FILES = sorted(EXAMPLES.glob("*.yaml"))
 def test_the_examples_the_issue_asked_for_are_there():
     assert {p.stem for p in FILES} >= {"lsm_math", "served_teacher", "lora", "multitask", "agentic_alfworld"}
     assert "prompt_only_chat" in {p.stem for p in FILES}  # issue 64: prompts without answers, thinking off
+    assert "qwen3_thinking" in {p.stem for p in FILES}  # issue 71: a real reasoning-model run
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
@@ -67,3 +69,32 @@ def test_a_single_task_example_trains_a_step_with_its_options(name, tiny_models,
     assert (tmp_path / "run" / "final").is_dir()
     if name == "lora":
         assert (tmp_path / "run" / "final" / "adapter_config.json").is_file()
+
+
+def _problems(path: Path, n: int) -> Path:
+    rows = [{"problem": f"What is {a} plus 1?", "answer": str(a + 1)} for a in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("context", [16_384, 8_192])
+def test_the_qwen3_thinking_example_sets_up_against_narrow_stand_ins(tmp_path, context):
+    """examples/qwen3_thinking.yaml as written but for its paths: narrow Qwen3 stand-ins (2 layers, 64 wide) of
+    the given context. At 16k its 8k responses fit: the run sets up with every layer checkpointed and the
+    training data whole (--eval-task); at 8k, 1,024 prompt tokens plus 8,192 new ones do not: refused at start."""
+    from opd.lab.real_shape import narrow_pair
+    from opd.training.setup import setup
+
+    student, teacher = narrow_pair(tmp_path / "models", 2048, max_len=context)
+    paths = dict(student=str(student), teacher=str(teacher), out=str(tmp_path / "run"), device="cpu")
+    paths["check_chat_template_kwargs"] = False  # the stand-ins have the demo's template: no thinking switch
+    paths |= dict(task=str(_problems(tmp_path / "train.jsonl", 12)), eval_task=str(_problems(tmp_path / "t.jsonl", 4)))
+    cfg = build_config(TrainConfig, read_config_file(EXAMPLES / "qwen3_thinking.yaml"), paths | {"report_to": ["none"]})
+    if context < cfg.max_prompt_tokens + cfg.max_new_tokens:
+        with pytest.raises(UserError, match=rf"plus max_new_tokens=8192 exceeds the model's context of {context}"):
+            setup(cfg)
+        return
+    run = setup(cfg)
+    assert (cfg.max_new_tokens, cfg.micro_batch_tokens, cfg.dtype) == (8192, 16384, "bfloat16")
+    assert run.student.model.layers[0].gradient_checkpointing
+    assert len(run.tasks[0].source) == 12  # --eval-task: nothing held out of the training data

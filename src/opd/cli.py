@@ -159,10 +159,18 @@ def _serve_teacher(
     revision: str = typer.Option("", help="Hub revision (branch, tag or commit) of a MODEL given by name."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(8000, help="Port (0 picks a free one and prints it)."),
-    dtype: str = typer.Option("float32", help="Model dtype: float32, bfloat16 or float16."),
+    dtype: str = typer.Option(
+        "auto",
+        help="Model dtype: auto (on a GPU the checkpoint's own, config.json's dtype; on a CPU float32), float32, "
+        "bfloat16 or float16.",
+    ),
     device: str = typer.Option("auto", help="auto (the GPU if torch sees one, else the CPU), cpu, cuda or cuda:N."),
     max_k: int = typer.Option(128, help="Largest prompt_logprobs K a request may ask for."),
-    max_prompt_tokens: int = typer.Option(4096, help="Longest prompt (tokens) a request may send."),
+    max_prompt_tokens: int = typer.Option(
+        0,
+        help="Longest sequence (prompt and response tokens) a request may send. 0: the model's context length "
+        "(config.json's max_position_embeddings; 4096 if it has none).",
+    ),
     max_prompts: int = typer.Option(256, help="Most prompts in one request."),
     max_batch_tokens: int = typer.Option(16384, help="Padded tokens per forward pass when batching requests."),
     batch_wait_ms: float = typer.Option(5.0, help="How long the batcher waits for more requests to join a batch."),
@@ -182,10 +190,12 @@ def _serve_teacher(
     """Serve a teacher over HTTP in vLLM's completions + prompt_logprobs format (for opd train --teacher-url)."""
     from opd.teachers.server import Limits, serve
 
-    if dtype not in DTYPES:
-        raise UserError(f"--dtype {dtype!r}: use {', '.join(DTYPES)}")
-    counts = (max_k, max_prompt_tokens, max_prompts, max_batch_tokens)
-    for flag, value in zip(("max-k", "max-prompt-tokens", "max-prompts", "max-batch-tokens"), counts):
+    if dtype != "auto" and dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r}: use auto, {', '.join(DTYPES)}")
+    if max_prompt_tokens < 0:
+        raise UserError(f"--max-prompt-tokens {max_prompt_tokens} must be >= 0 (0: the model's context length)")
+    counts = (max_k, max_prompts, max_batch_tokens)
+    for flag, value in zip(("max-k", "max-prompts", "max-batch-tokens"), counts):
         if value < 1:
             raise UserError(f"--{flag} {value} must be >= 1; pass a positive count or leave it out for the default")
     if batch_wait_ms < 0:

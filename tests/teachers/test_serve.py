@@ -467,6 +467,7 @@ def test_cli_serve_teacher_port_zero_stops_cleanly_on_a_signal(tiny_models, sig)
         line = proc.stdout.readline()  # the server prints its address once it listens
         match = re.search(r"http://127\.0\.0\.1:(\d+)", line)
         assert match, (line, proc.stderr.read() if proc.poll() is not None else "")
+        assert "float32, requests up to 512 tokens" in line  # --dtype auto on a CPU; the model's context
         with urllib.request.urlopen(f"{match.group(0)}/health", timeout=30) as r:
             assert r.status == 200
         answered = []
@@ -549,3 +550,13 @@ def test_a_server_with_tokenize_is_probed_id_for_id(tiny_models, tiny_tokenizer)
         _Foreign.tokenize = None
         server.shutdown()
         server.server_close()
+
+
+def test_dtype_auto_is_the_checkpoints_on_a_gpu_and_float32_on_a_cpu(tmp_path):
+    from opd.models.precision import auto_dtype
+
+    for key, saved in (("dtype", "bfloat16"), ("torch_dtype", "float16")):
+        (tmp_path / "config.json").write_text(json.dumps({key: saved}))
+        assert auto_dtype(tmp_path, "auto", torch.device("cuda")) == saved
+        assert auto_dtype(tmp_path, "auto", torch.device("cpu")) == "float32"
+    assert auto_dtype(tmp_path, "bfloat16", torch.device("cpu")) == "bfloat16"  # as given

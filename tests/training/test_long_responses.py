@@ -84,14 +84,27 @@ def test_token_budget_step_equals_the_unsplit_step(tiny_models, tmp_path, object
     _assert_same_step(updates, grads)
 
 
-def test_padding_micro_batches_add_nothing(tiny_models, tmp_path, monkeypatch):
-    """As on a rank with fewer micro-batches than the busiest: two padding ones run, and count for nothing."""
-    real = loop.micro_batches_of
+@pytest.mark.parametrize("objective", ["lsm", "full_kl"])
+def test_padding_micro_batches_add_nothing(tiny_models, tmp_path, monkeypatch, objective):
+    """As on a rank with fewer micro-batches than the busiest: two padding ones run, and count for nothing;
+    each is one row of two tokens (the prompt's last, the first response token), never a real micro-batch
+    again (full_kl: the teacher's forward sees the narrowed batch too)."""
+    real, inputs = loop.micro_batches_of, loop.micro_inputs
     monkeypatch.setattr(
         loop, "micro_batches_of", lambda run, parts: pad_to(real(run, parts), len(real(run, parts)) + 2)
     )
-    updates, grads, _ = _one_step(tiny_models, tmp_path, "lsm", "token_mean", {"micro_batch_tokens": 40})
+    padding_shapes = []
+
+    def seen(p, m):
+        out = inputs(p, m)
+        if not m.counted:
+            padding_shapes.append((tuple(out[0].input_ids_NL.shape), tuple(out[1].topk_ids_NTK.shape[:2])))
+        return out
+
+    monkeypatch.setattr(loop, "micro_inputs", seen)
+    updates, grads, _ = _one_step(tiny_models, tmp_path, objective, "token_mean", {"micro_batch_tokens": 40})
     _assert_same_step(updates, grads)
+    assert padding_shapes == [((1, 2), (1, 1))] * 4  # two in each run (the patch pads both)
 
 
 @pytest.mark.parametrize("objective", ["lsm", "sampled", "full_kl"])
@@ -160,3 +173,17 @@ def test_fsdp_with_token_budget_and_checkpointing_follows_one_process(tiny_model
     launch("torchrun", cli_args(tiny_models, out, **args))
     assert_same_trajectory(step_records(out), step_records(single))
     assert_close_weights(final_weights(out), final_weights(single))
+
+
+def test_a_sequence_over_the_token_budget_goes_alone_said_once(tiny_models, tmp_path, capsys):
+    """--micro-batch-tokens smaller than a row: that row alone in its micro-batch, and one note in the run."""
+    cfg = cfg_for(tiny_models, tmp_path, micro_batch_tokens=8, steps=2, eval_samples=0)
+    run = setup(cfg)
+    for step in range(2):
+        (at,) = loop.step_tasks(run, step)
+        batch, rows, records = loop.rollout_stage(run, step, at)
+        part = loop.scored_part(run, step, {}, at.task, batch, rows, records)
+        micro = loop.micro_batches_of(run, [part])
+        assert sorted(len(m.rows) for m in micro) == [1] * batch.num_rollouts  # every row is over 8 tokens
+    err = capsys.readouterr().err
+    assert err.count("is longer than --micro-batch-tokens 8") == 1

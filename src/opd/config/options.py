@@ -122,6 +122,11 @@ class TrainConfig(EnvSource, TrainingSource, VLLMOptions, CheckpointOptions, Tra
         "teacher never ranks uncorrected; --tail corrects it at the positions before it is written.",
     )
     special_tokens: list[Any] = opt(list(DEFAULT_SPECIAL_TOKENS), "Tokens masked when mask_special is on.")
+    long_prompts: str = opt(
+        "skip",
+        "Training prompts longer than --max-prompt-tokens: skip (left out, counted in data/prompts_skipped, "
+        "one warning per task with the count and the longest) or error (the run stops before it starts).",
+    )
     steps: int = opt(200, "Number of rollout batches (training steps).")
     batch_size: int = opt(
         64,
@@ -335,6 +340,7 @@ def _check_optimizer(cfg: TrainConfig) -> None:
 
 
 def _check_rollout(cfg: TrainConfig) -> None:
+    require(cfg.long_prompts in ("skip", "error"), f"long_prompts={cfg.long_prompts!r}: skip or error")
     require(0.0 < cfg.top_p <= 1.0, f"top_p={cfg.top_p} must lie in (0, 1] (0.9 is the paper's setting)")
     _check_staleness(cfg)
     require(cfg.temperature > 0, f"temperature={cfg.temperature} must be > 0")

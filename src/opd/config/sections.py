@@ -41,6 +41,7 @@ LAYOUT: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "answer_format",
             "task_level",
             "max_prompt_tokens",
+            "long_prompts",
             "data",
             "train_size",
         ),

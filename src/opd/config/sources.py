@@ -119,7 +119,11 @@ class ModelSource:
     max_new_tokens: int = opt(
         64, "Maximum number of generated tokens per response (with --env: per episode, actions and replies)."
     )
-    max_prompt_tokens: int = opt(256, "Prompts longer than this (in tokens) are rejected with an error.")
+    max_prompt_tokens: int = opt(
+        256,
+        "Longest prompt, in tokens: opd train skips longer training prompts (--long-prompts); longer evaluation "
+        "and SFT prompts are an error.",
+    )
 
     def _check_data(self) -> None:
         check_answer_format(self.answer_format)

@@ -28,7 +28,9 @@ flash and memory-efficient kernels serve bfloat16 instead.
 from __future__ import annotations
 
 import functools
+import json
 import sys
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -134,3 +136,19 @@ def check_resumable(written: dict[str, str], now: dict[str, str], ckpt: object) 
         else f"resume with --dtype {was}"
     )
     raise UserError(f"checkpoint {ckpt} was written with {said(written)}, this run has {said(now)}; {fix}")
+
+
+def auto_dtype(model_dir: str | Path, dtype: str, device: torch.device) -> str:
+    """``--dtype auto`` (opd serve-teacher): on a GPU the checkpoint's own dtype (config.json's ``dtype``,
+    ``torch_dtype`` before transformers 5), on a CPU float32 (half precision there is slow or unsupported,
+    and inexact). Any other ``dtype`` is returned as given."""
+    if dtype != "auto":
+        return dtype
+    if device.type == "cpu":
+        return MASTER_DTYPE
+    try:
+        saved = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return MASTER_DTYPE  # loading the model names what is wrong with the directory
+    name = str(saved.get("dtype") or saved.get("torch_dtype") or MASTER_DTYPE)
+    return name if name in COMPUTE_DTYPES else MASTER_DTYPE

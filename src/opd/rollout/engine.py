@@ -84,6 +84,21 @@ class RolloutBatch:
             cast(torch.Tensor, self.action_mask_NT)[rows],  # set by __post_init__
         )
 
+    def narrow(self, width: int) -> RolloutBatch:
+        """The first ``width`` response positions after the prompt's last token only (a padding
+        micro-batch's: every layer runs, on a few tokens). Prompts are left-padded, so that token is real."""
+        P = self.prompt_len
+        return RolloutBatch(
+            self.input_ids_NL[:, P - 1 : P + width],
+            self.attention_mask_NL[:, P - 1 : P + width],
+            1,
+            self.response_ids_NT[:, :width],
+            self.response_mask_NT[:, :width],
+            self.logprobs_NT[:, :width],
+            self.finished_N,
+            cast(torch.Tensor, self.action_mask_NT)[:, :width],
+        )
+
 
 @dataclass(frozen=True)
 class Sampling:

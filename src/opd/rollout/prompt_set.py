@@ -64,11 +64,12 @@ def data_options(cfg: Any, prefix: str = "") -> dict[str, str]:
 def load_tasks(cfg: Any) -> tuple[Task, Task | None]:
     """``(training task, evaluation task)`` of a config; the evaluation task is the training task
     (its test split) unless ``cfg.eval_task`` names other data, whose test split (or, with one
-    split, every row) is then evaluated. None: no evaluation, by ``--no-eval`` (then nothing is held
-    out of one-split data unless ``--split`` says so) or because no held-out prompt has a reference
+    split, every row) is then evaluated, and nothing is held out of the training data unless ``--split``
+    says so. None: no evaluation, by ``--no-eval`` (then nothing is held out either) or because no held-out prompt has a reference
     answer (:func:`grading_notes` says so). ``--eval-task`` data without answers is an error."""
     evaluate = getattr(cfg, "eval", True)
-    split = cfg.split or ("" if evaluate or cfg.task == "arithmetic" else "0")
+    holds_out = evaluate and not getattr(cfg, "eval_task", "")  # --eval-task: evaluation has its own data
+    split = cfg.split or ("" if holds_out or cfg.task == "arithmetic" else "0")
     task = load_task(cfg.task, cfg.task_level, cfg.seed, split=split, **data_options(cfg))
     if not evaluate:
         return task, None
@@ -152,15 +153,30 @@ def eval_prompts(task: Task, eval_size: int) -> list[Example]:
     return graded(task.examples("test"))[:eval_size]
 
 
+LONG_PROMPTS = ("skip", "error")
+
+
 @dataclass
 class PromptSet:
+    """Examples and their chat-formatted prompt ids; ``skipped``: prompts over the length limit left out
+    (``longest_skipped``: the longest of them, in tokens)."""
+
     examples: list[Example]
     prompt_ids: list[list[int]]
+    skipped: int = 0
+    longest_skipped: int = 0
 
     @classmethod
     def build(
-        cls, examples: list[Example], tokenizer: PreTrainedTokenizerBase, max_prompt_tokens: int, name: str = "prompts"
+        cls,
+        examples: list[Example],
+        tokenizer: PreTrainedTokenizerBase,
+        max_prompt_tokens: int,
+        name: str = "prompts",
+        long_prompts: str = "error",
     ) -> PromptSet:
+        """The prompts of ``examples``; those longer than ``max_prompt_tokens`` stop the run
+        (``long_prompts="error"``) or are left out (``"skip"``: counted, said once on rank 0)."""
         if not examples:
             raise UserError(
                 f"there are no {name}: give data with at least one (evaluation prompts come from the data's "
@@ -171,14 +187,25 @@ class PromptSet:
             for ex in examples
         ]
         too_long = [i for i, p in enumerate(ids) if len(p) > max_prompt_tokens]
-        if too_long:
-            longest = max(len(ids[i]) for i in too_long)
+        if not too_long:
+            return cls(examples, ids)
+        longest = max(len(ids[i]) for i in too_long)
+        what = f"{len(too_long)} of {len(ids)} {name} are longer than max_prompt_tokens={max_prompt_tokens} (longest: {longest} tokens"
+        if long_prompts == "error" or len(too_long) == len(ids):
+            fix = "or drop those prompts" if long_prompts == "error" else "(skipping them would leave none)"
             raise UserError(
-                f"{len(too_long)} of {len(ids)} {name} are longer than max_prompt_tokens={max_prompt_tokens} "
-                f"(longest: {longest} tokens, e.g. #{too_long[0]}: {examples[too_long[0]].prompt[:60]!r}...); "
-                "raise --max-prompt-tokens (within the model's context) or drop those prompts"
+                f"{what}, e.g. #{too_long[0]}: {examples[too_long[0]].prompt[:60]!r}...); "
+                f"raise --max-prompt-tokens (within the model's context) {fix}"
             )
-        return cls(examples, ids)
+        if os.environ.get("RANK", "0") == "0":
+            print(
+                f"opd: warning: {what}): skipped, counted in data/prompts_skipped; --long-prompts error stops instead",
+                file=sys.stderr,
+                flush=True,
+            )
+        out = set(too_long)
+        kept = [i for i in range(len(ids)) if i not in out]
+        return cls([examples[i] for i in kept], [ids[i] for i in kept], len(too_long), longest)
 
     def __len__(self) -> int:
         return len(self.examples)

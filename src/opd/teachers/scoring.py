@@ -61,6 +61,19 @@ class TeacherScores:
             self.topk_ids_NTK[rows], self.topk_logprobs_NTK[rows], self.sampled_logprobs_NT[rows], q, None, pos
         )
 
+    def narrow(self, width: int) -> TeacherScores:
+        """The first ``width`` response positions (:meth:`opd.rollout.engine.RolloutBatch.narrow`)."""
+        cut = lambda t: None if t is None else t[:, :width]
+        q, pos = cut(self.query_logprobs_NTQ), cut(self.position_mask_NT)
+        return TeacherScores(
+            self.topk_ids_NTK[:, :width],
+            self.topk_logprobs_NTK[:, :width],
+            self.sampled_logprobs_NT[:, :width],
+            q,
+            None,
+            pos,
+        )
+
 
 class TeacherUnavailable(ServiceUnavailable):
     """A served teacher stayed unreachable for all of ``--teacher-wait``: the trainer checkpoints the

@@ -34,6 +34,7 @@ Ctrl-C or SIGTERM stops it after answering the requests in flight. In Python: :f
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import hmac
 import ipaddress
@@ -60,9 +61,11 @@ from starlette.routing import Route
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from opd.errors import UserError
+from opd.hub import resolve_model
 from opd.losses import topk_and_gather_from_hidden
 from opd.models.head import model_head
 from opd.models.loading import final_hidden, head_weight, load_model, load_tokenizer, model_device, resolve_device
+from opd.models.precision import auto_dtype
 from opd.rollout.forward import ROWS_PER_CHUNK
 from opd.teachers import wire
 from opd.teachers.client import vocab_info
@@ -79,12 +82,16 @@ class RequestError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.status}}
 
 
+FALLBACK_CONTEXT = 4096  # the request limit for a model whose config states no context length
+
+
 @dataclass
 class Limits:
-    """Bounds on one request and on one forward pass."""
+    """Bounds on one request and on one forward pass (``max_prompt_tokens`` 0: :func:`serve` sets the
+    model's context length)."""
 
     max_k: int = 128
-    max_prompt_tokens: int = 4096
+    max_prompt_tokens: int = FALLBACK_CONTEXT
     max_prompts: int = 256
     max_batch_tokens: int = 16384
     batch_wait_ms: float = 5.0
@@ -628,7 +635,7 @@ def serve(
     model_dir: str,
     host: str = "127.0.0.1",
     port: int = 8000,
-    dtype: str = "float32",
+    dtype: str = "auto",
     served_model_name: str = "",
     limits: Limits | None = None,
     verbose: bool = False,
@@ -649,8 +656,16 @@ def serve(
     if port:  # a taken port fails now, not after the model's load (minutes for a large model)
         _listen(host, port).close()
     where = "the model argument (opd serve-teacher MODEL_DIR)"
-    model = load_model(model_dir, "teacher", dtype, resolve_device(device), option=where, revision=revision)
+    on = resolve_device(device)
+    if dtype == "auto":  # on a GPU the checkpoint's own, read from its config (a Hub name's: its snapshot's)
+        folder = model_dir if on.type == "cpu" else resolve_model(model_dir, revision, f"teacher model ({where})")
+        dtype = auto_dtype(folder, dtype, on)
+    model = load_model(model_dir, "teacher", dtype, on, option=where, revision=revision)
     tok = load_tokenizer(model_dir, "teacher", option=where, revision=revision)
+    limits = limits or Limits()
+    if not limits.max_prompt_tokens:
+        context = getattr(model.config, "max_position_embeddings", None) or FALLBACK_CONTEXT
+        limits = dataclasses.replace(limits, max_prompt_tokens=context)
     app = TeacherApp(model, tok, served_model_name or str(model_dir), limits, api_keys)
     sock = _listen(host, port)
     server = _server(app, sock, verbose)
@@ -661,7 +676,7 @@ def serve(
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         keyed = f", {len(keys.digests)} API key(s)" if keys else ""
-        about = f"model {app.model_name}, vocabulary {app.vocab_rows}{keyed}"
+        about = f"model {app.model_name}, vocabulary {app.vocab_rows}, {dtype}, requests up to {limits.max_prompt_tokens} tokens{keyed}"
         print(f"opd teacher server: {url} ({about}); train with --teacher-url {url}", flush=True)
         server.run(sockets=[sock])
     except KeyboardInterrupt:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -76,7 +77,7 @@ from opd.training.loss import (
     scored_loss_mask,
     student_topk_ids,
 )
-from opd.training.microbatch import MicroBatch, in_row_order, pad_to, split_rows
+from opd.training.microbatch import MicroBatch, in_row_order, over_budget, pad_to, split_rows
 from opd.training.optim import rng_state
 from opd.training.schedule import for_task, prefixed
 from opd.training.setup import Run, TaskRun, setup
@@ -309,19 +310,35 @@ def _objective(student, run: Run, teacher: TeacherScorer, *args):
 def micro_batches_of(run: Run, parts: list[StepPart]) -> list[MicroBatch]:
     """The step's micro-batches on this rank (:mod:`opd.training.microbatch`), padded to the busiest rank's count."""
     lengths = [p.batch.attention_mask_NL.sum(-1).cpu() for p in parts]  # prompt and response tokens per row
+    note = over_budget(lengths, run.cfg.micro_batch_tokens)
+    if note and "budget" not in run.said:
+        run.said.add("budget")
+        if run.dist.is_main:
+            print(f"opd train: note: {note}", file=sys.stderr, flush=True)
     micro = split_rows(lengths, run.cfg.grad_accum, run.cfg.micro_batch_tokens)
     return pad_to(micro, max(run.dist.gather(len(micro)))) if run.dist.active else micro
+
+
+def micro_inputs(p: StepPart, m: MicroBatch) -> tuple[RolloutBatch, TeacherScores, torch.Tensor, torch.Tensor | None]:
+    """The micro-batch's rollouts, scores, loss mask and student top-K ids (a padding one's narrowed)."""
+    rows = m.rows
+    batch, scores, mask_NT = p.batch.select(rows), p.scores.select(rows), p.mask_NT[rows]
+    ids = None if p.student_ids is None else p.student_ids[rows]
+    if m.width:
+        batch, scores, mask_NT = batch.narrow(m.width), scores.narrow(m.width), mask_NT[:, : m.width]
+        ids = None if ids is None else ids[:, : m.width]
+    return batch, scores, mask_NT, ids
 
 
 def micro_step(run: Run, parts: list[StepPart], m: MicroBatch, totals: LossTotals, old, now, last: bool):
     """One micro-batch's forward and backward: its per-token loss, hidden states and share of the step's loss
     (gradients reduced across ranks only after the ``last``; a padding micro-batch's loss counts zero)."""
-    p, rows = parts[m.part], m.rows
-    ids_rows = None if p.student_ids is None else p.student_ids[rows]
+    p = parts[m.part]
+    batch, scores, mask_NT, ids = micro_inputs(p, m)
     with run.dist.sync_gradients(last):
-        args = (p.batch.select(rows), p.scores.select(rows), p.mask_NT[rows], ids_rows, old, now)
+        args = (batch, scores, mask_NT, ids, old, now)
         loss_NT, h = run.dist.train_call(_objective, run, p.task.teacher, *args)
-        loss = reduce_loss(run.cfg.reduction, loss_NT, p.mask_NT[rows], totals) * float(m.counted)
+        loss = reduce_loss(run.cfg.reduction, loss_NT, mask_NT, totals) * float(m.counted)
         loss.backward()
     return loss_NT.detach(), h.detach(), float(loss.detach())
 
@@ -346,9 +363,9 @@ def update_stage(run: Run, step: int, parts: list[StepPart]) -> list[StepUpdate]
         kept: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [[] for _ in parts]  # rows, loss, h
         for j, m in enumerate(micro):
             now = None if policy is None else policy[j]  # stale rollouts: the trainer's, before the first update
-            old = (
-                (parts[m.part].batch.logprobs_NT[m.rows] if now is None else now) if cfg.updates_per_batch > 1 else None
-            )
+            old = None
+            if cfg.updates_per_batch > 1:  # the later updates' importance ratios start from these
+                old = micro_inputs(parts[m.part], m)[0].logprobs_NT if now is None else now
             loss_NT, h, value = micro_step(run, parts, m, totals, old, now, last=j == len(micro) - 1)
             loss_value += value
             if update == 0 and m.counted:
@@ -377,7 +394,7 @@ def policy_logprobs_of(run: Run, parts: list[StepPart], micro: list[MicroBatch])
     when a policy-gradient objective's rollouts come from an older policy (--max-staleness); else None."""
     if not reads_policy_logprobs(run.cfg):
         return None
-    return [run.dist.full_call(lambda s, m=m: policy_logprobs(s, parts[m.part].batch.select(m.rows))) for m in micro]
+    return [run.dist.full_call(lambda s, m=m: policy_logprobs(s, micro_inputs(parts[m.part], m)[0])) for m in micro]
 
 
 def task_lr_scale(run: Run, parts: list[StepPart]) -> float:

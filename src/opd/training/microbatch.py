@@ -8,7 +8,10 @@ first), so the update puts each row's by-products (per-token loss, hidden states
 
 Under DDP and FSDP every rank must run the same number of forwards and backwards: FSDP gathers each
 block's weights in every forward, a collective all ranks join. A rank with fewer micro-batches runs
-padding ones: a real micro-batch again, its loss times zero, which adds nothing to the gradient.
+padding ones: one row cut to its last prompt token and first response token (``width`` 1), its loss times
+zero, which adds nothing to the gradient. It runs every layer (the same collectives, forward and backward)
+at the cost of a two-token forward, where re-running a real micro-batch (the longest, under a token budget)
+cost a full forward and backward.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ import torch
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """Rows ``rows`` (ascending) of part ``part``; ``counted`` False for a padding micro-batch."""
+    """Rows ``rows`` (ascending) of part ``part``; ``counted`` False for a padding micro-batch, whose
+    ``width`` is the response positions it keeps (0: all; see :meth:`opd.rollout.engine.RolloutBatch.narrow`)."""
 
     part: int
     rows: torch.Tensor
     counted: bool = True
+    width: int = 0
 
 
 def pack_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
@@ -56,9 +61,21 @@ def split_rows(lengths_per_part: list[torch.Tensor], grad_accum: int, budget: in
     return out
 
 
+def over_budget(lengths_per_part: list[torch.Tensor], budget: int) -> str | None:
+    """What a run says (once) when a sequence is longer than the token ``budget``; None when none is."""
+    longest = max(int(n.max()) for n in lengths_per_part)
+    if not budget or longest <= budget:
+        return None
+    return (
+        f"a sequence of {longest} tokens is longer than --micro-batch-tokens {budget}: each such sequence "
+        "goes alone in its micro-batch (said once)"
+    )
+
+
 def pad_to(micro: list[MicroBatch], count: int) -> list[MicroBatch]:
-    """``micro`` and padding micro-batches up to ``count`` (the most any rank runs)."""
-    return micro + [MicroBatch(micro[0].part, micro[0].rows, counted=False)] * (count - len(micro))
+    """``micro`` and padding micro-batches up to ``count`` (the most any rank runs): one row, one
+    response position each."""
+    return micro + [MicroBatch(micro[0].part, micro[0].rows[:1], counted=False, width=1)] * (count - len(micro))
 
 
 def in_row_order(pieces: list[torch.Tensor], rows: list[torch.Tensor]) -> torch.Tensor:

@@ -86,6 +86,7 @@ class Run:
     score_pool: ThreadPoolExecutor | None = (
         None  # and a served teacher: its scoring of the next step (loop.score_ahead)
     )
+    said: set[str] = field(default_factory=set)  # the notes a run gives once, given
 
 
 def setup(cfg: TrainConfig) -> Run:

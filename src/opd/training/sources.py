@@ -22,11 +22,13 @@ from opd.evaluation.game_eval import GameItems, write_eval_games
 from opd.evaluation.model_eval import PromptItems, decode_responses
 from opd.evaluation.sharing import ALONE, Share
 from opd.hub import resolve_model
-from opd.rollout.engine import RolloutBatch, RolloutEngine, check_count
+from opd.rollout.engine import RolloutBatch, RolloutEngine, check_context, check_count
 from opd.rollout.episodes import ChatFormat, EpisodeRecord, EpisodeRollout
 from opd.rollout.game_set import GameSet, check_episode_context, episode_metrics, episode_outcomes, play_env
 from opd.rollout.prompt_set import PromptSet, eval_prompts, load_tasks
 from opd.tasks import Example, Task, reward_of
+
+FIX = "lower --max-new-tokens, or --max-prompt-tokens (longer training prompts are skipped)"
 
 
 class Source(Protocol):
@@ -80,7 +82,8 @@ class PromptSource:
         return self.prompts.batch_indices(step, batch_size, seed)
 
     def check_model(self, model, cfg: TrainConfig) -> None:
-        return None  # a prompt longer than the context is refused when the prompt set is built
+        longest = max(len(p) for p in self.prompts.prompt_ids)
+        check_context(longest, cfg.max_new_tokens, getattr(model.config, "max_position_embeddings", None), FIX)
 
     def rollout(self, engine: RolloutEngine, rows, seeds, cfg) -> tuple[RolloutBatch, None]:
         ids = [self.prompts.prompt_ids[i] for i in rows]
@@ -93,7 +96,8 @@ class PromptSource:
     def grade(self, tok, examples, batch, records) -> tuple[list[str], list[float | None], dict]:
         """Decoded responses and their task rewards (1 = correct; None: no reference answer), graded once per step."""
         texts = decode_responses(tok, batch.response_ids_NT, batch.response_mask_NT)
-        return texts, [reward_of(self.task, t, e) for t, e in zip(texts, examples, strict=True)], {}
+        skipped = {"data/prompts_skipped": float(self.prompts.skipped)} if self.prompts.skipped else {}
+        return texts, [reward_of(self.task, t, e) for t, e in zip(texts, examples, strict=True)], skipped
 
     def evaluate(self, engine: RolloutEngine, tok, cfg, plan: EvalPlan) -> Evaluation:
         return evaluate(engine, PromptItems(self.prompts, self.task, tok, cfg.max_new_tokens), plan)
@@ -185,7 +189,8 @@ def train_source(cfg: TrainConfig, tok, task: Task | None) -> Source:
     if cfg.env:
         return GameSource(GameSet.build(play_env(cfg), "train"), tok)
     task = cast(Task, task)  # None only with --env (task_data)
-    return PromptSource(PromptSet.build(task.examples("train"), tok, cfg.max_prompt_tokens, "training prompts"), task)
+    prompts = PromptSet.build(task.examples("train"), tok, cfg.max_prompt_tokens, "training prompts", cfg.long_prompts)
+    return PromptSource(prompts, task)
 
 
 def held_out(cfg: TrainConfig, tok, grader: Task | None, env=None) -> Source:
