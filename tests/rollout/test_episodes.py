@@ -403,7 +403,7 @@ def test_chat_format_follows_other_templates_and_refuses_unstable_ones(student):
 def test_step_metrics_and_records_count_action_tokens_only(teacher, student, played):
     from types import SimpleNamespace
 
-    from opd.models.loading import head_weight
+    from opd.models.head import model_head
     from opd.rollout.forward import response_hidden
     from opd.teachers.scoring import HFTeacher
     from opd.training.stepstats import StepUpdate, metric_weights, rollout_records, step_metrics
@@ -415,7 +415,7 @@ def test_step_metrics_and_records_count_action_tokens_only(teacher, student, pla
     with torch.no_grad():
         h = response_hidden(model, b)
     upd = StepUpdate(0.0, 0.0, False, 1e-3, torch.zeros(b.response_ids_NT.shape), h[a][:4], h[:2])
-    W = head_weight(model).detach()
+    W = model_head(model)
     # the first action's first token as the "format token": the rate counts actions, not episodes
     first = int(b.response_ids_NT[0][a[0]][0])
     m = step_metrics(b, [0.0] * N, scores, upd, a, W, k=8, horizon=PLAY["max_new_tokens"], format_ids=[first])
