@@ -294,3 +294,23 @@ def test_training_evaluates_through_the_runs_engine(tiny_models, tmp_path, monke
     cfg = cfg_for(tiny_models, tmp_path, steps=1, eval_size=5, eval_samples=0, rollout_engine="counting")
     loop.train(cfg, show_progress=False)
     assert sum(greedy_rows) == 5  # the one evaluation's greedy responses: training's rollouts sample
+
+
+def test_training_evaluation_samples_reach_the_trackers(tiny_models, tmp_path):
+    from helpers import cfg_for, read_metrics
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from opd.training import loop
+
+    cfg = cfg_for(tiny_models, tmp_path, steps=2, eval_every=1, eval_size=3, eval_samples=1, report_to=["tensorboard"])
+    loop.train(cfg, show_progress=False)
+    run = Path(cfg.out)
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"tensors": 0})
+    acc.Reload()
+    events = acc.Tensors("eval/samples/text_summary")
+    assert [e.step for e in events] == [r["step"] for r in read_metrics(run) if "eval/accuracy" in r]
+    for e in events:
+        table = e.tensor_proto.string_val[0].decode()
+        records = read_records(run / "eval_samples" / f"step_{e.step:07d}.jsonl")
+        assert len(records) == 3 * 2 and "| prompt |" in table and "| response |" in table
+        assert all(r["prompt"].strip().splitlines()[0][:40] in table for r in records)

@@ -519,6 +519,7 @@ def eval_stage(run: Run, step: int) -> dict:
             run.rundir.write_jsonl(f"{t.files}eval.jsonl", listed)
         if t.cfg.eval_record_chars and run.rundir.enabled:
             write_records(step_records(run.rundir.path / t.files, step), d.records)
+            run.rundir.log_samples(f"eval/{t.name}/samples" if t.name else "eval/samples", d.records, step)
         # The decoding used (--eval-sampling model: what the generation config said) is a setting, not a metric.
         res = dict(res)
         sampling = res.pop("sampling", None)
