@@ -134,7 +134,7 @@ CASES = [
     (
         "keep-best-never-evaluated",
         "train --student <S> --teacher <T> --out <OUT> --keep-best eval/pass_at_k --eval-samples 0",
-        r"keep_best='eval/pass_at_k': this run never evaluates eval/pass_at_k; it logs eval/accuracy",
+        r"keep_best='eval/pass_at_k': this run never evaluates eval/pass_at_k; it logs eval/accuracy, eval/response_tokens_max, eval/response_tokens_mean, eval/truncation_rate",
     ),
     (
         "no-student",

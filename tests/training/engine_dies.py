@@ -1,6 +1,6 @@
 """Run by tests/training/test_rollout_engines.py under torchrun: ``opd train`` (the command line given) with
 a registered engine, ``dies``, that is opd's own sampler on every rank but one: rank 1's answers steps 0
-and 1, then stays unreachable (EngineUnavailable, as a vLLM server that died and could not be brought back).
+and 1 (and every greedy evaluation request), then stays unreachable (EngineUnavailable, as a vLLM server that died and could not be brought back).
 
 Usage: python engine_dies.py train --rollout-engine dies ...
 """
@@ -19,11 +19,12 @@ class DiesOnRank1(HFRollout):
     name = "dies"
     calls = 0
 
-    def generate(self, *args, **kw):
-        type(self).calls += 1
-        if os.environ.get("RANK") == "1" and self.calls > 2:
-            raise EngineUnavailable("the rollout engine of rank 1 died (connection refused)")
-        return super().generate(*args, **kw)
+    def generate(self, *args, greedy=False, **kw):
+        if not greedy:  # a training step's rollouts; the evaluation's greedy pass goes through the engine too
+            type(self).calls += 1
+            if os.environ.get("RANK") == "1" and self.calls > 2:
+                raise EngineUnavailable("the rollout engine of rank 1 died (connection refused)")
+        return super().generate(*args, greedy=greedy, **kw)
 
 
 registry.register(

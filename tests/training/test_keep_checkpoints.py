@@ -50,7 +50,7 @@ def test_pruning_keeps_the_newest_and_the_best_by_the_rule(tmp_path):
     ("options", "message"),
     [
         (dict(keep_best="eval/accuracy", eval=False), "with evaluation off"),
-        (dict(keep_best="eval/pass_at_k", eval_samples=0), r"never evaluates eval/pass_at_k; it logs eval/accuracy$"),
+        (dict(keep_best="eval/pass_at_k", eval_samples=0), r"never evaluates eval/pass_at_k; it logs eval/accuracy, eval/response_tokens_max, eval/response_tokens_mean, eval/truncation_rate$"),
         (dict(keep_best="eval/success_rate"), "never evaluates eval/success_rate"),
         (dict(keep_best="accuracy:best"), r"end it in :max or :min"),
         (dict(final_best=True), "final_best needs --keep-best"),
@@ -71,12 +71,30 @@ def test_rules_accept_the_figures_the_run_logs():
 
 
 def test_the_evaluations_own_figures_are_the_ones_rules_may_name():
-    """The rule's list of figures and what the evaluation logs must not drift apart."""
-    from opd.config.checkpoints import GREEDY, SAMPLED
-    from opd.evaluation.model_eval import prompt_figures
+    """The rule's list of figures and what the evaluation returns must not drift apart."""
+    from opd.config.checkpoints import evaluated_figures
+    from opd.evaluation.core import EvalPlan, Rollout, evaluate
 
-    logged = set(prompt_figures([(True, [True, False]), (False, [False, False])], 2)) - {"n", "k"}
-    assert logged == set(GREEDY) | set(SAMPLED)
+    class Items:  # three prompts with answers; every rollout correct when its seed is even
+        answers = True
+
+        def __len__(self):
+            return 3
+
+        def tokens_per_rollout(self):
+            return 4
+
+        def run(self, engine, items, seeds, sampling):
+            return [Rollout(s % 2 == 0, 3, False, {"prompt": "p", "response": "r"}, str(s % 3)) for s in seeds]
+
+        def figures(self, headline):
+            return {}
+
+    settings = {"n", "k", "maj_k", "sampling"}  # what the evaluation was, not how well it went
+    for samples, maj_k in ((0, 0), (2, 0), (2, 2)):
+        got = evaluate(None, Items(), EvalPlan(samples=samples, maj_k=maj_k)).figures
+        cfg = TrainConfig(student="s", teacher="t", eval_samples=samples, maj_k=maj_k)
+        assert {f"eval/{k}" for k in got} - {f"eval/{k}" for k in settings} == evaluated_figures(cfg)
 
 
 def test_a_run_keeps_its_best_checkpoint_names_it_and_writes_final_from_it(tiny_models, tmp_path):

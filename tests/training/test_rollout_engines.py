@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from helpers import cfg_for, step_records
+from helpers import SMALL, cfg_for, step_records
 
 from opd.errors import UserError
 from opd.rollout import registry
@@ -83,7 +83,10 @@ def test_a_registered_engine_trains_single_turn_and_samples_as_opds_own(register
     train_mod.train(cfg_for(tiny_models, tmp_path / "standin", rollout_engine="reencode", **kw), show_progress=False)
     steps = step_records(tmp_path / "standin" / "run")
     assert [r["step"] for r in steps] == [0, 1]
-    assert len(ReencodingEngine.requests) == 2 * 4  # every rollout of both steps came from the stand-in
+    sampled = [r for r in ReencodingEngine.requests if not r.sampling.greedy]
+    assert len(sampled) == 2 * 4  # every rollout of both steps came from the stand-in
+    # ... and the final evaluation's greedy responses too (SMALL's eval_size prompts): it runs on the run's engine
+    assert len(ReencodingEngine.requests) - len(sampled) == SMALL["eval_size"]
     # the policy check ran on each step (re-encoding and the student's forward agree to float rounding)
     assert all(r["rollout/engine_logprob_gap"] < 1e-4 for r in steps), steps
     assert "rollout/engine_logprob_gap" not in step_records(tmp_path / "hf" / "run")[0]  # opd's own: nothing to check
@@ -93,7 +96,8 @@ def test_a_registered_engine_trains_single_turn_and_samples_as_opds_own(register
 
 
 def test_a_registered_engine_plays_episodes(registered, tiny_models, tmp_path):
-    cfg = cfg_for(tiny_models, tmp_path, rollout_engine="reencode", steps=2, batch_size=4, **AGENTIC)
+    # evaluation off: its games run on the same engine and would add their own requests to the count
+    cfg = cfg_for(tiny_models, tmp_path, rollout_engine="reencode", steps=2, batch_size=4, eval=False, **AGENTIC)
     train_mod.train(cfg, show_progress=False)
     steps = step_records(tmp_path / "run")
     assert [r["step"] for r in steps] == [0, 1]

@@ -15,10 +15,12 @@ from typing import Any
 
 from opd.config.fields import opt, require
 
-# The figures an in-training evaluation logs (opd.evaluation: prompts and games), the ones a rule may
-# name. SAMPLED need --eval-samples > 0; GAMES come from --env tasks only.
-GREEDY = ("accuracy",)
+# The figures an in-training evaluation logs (opd.evaluation.core: prompts and games), the ones a rule may
+# name (tests/training/test_keep_checkpoints.py holds them to what the evaluation returns). SAMPLED need
+# --eval-samples > 0, MAJORITY --maj-k > 0 on prompts with answers; GAMES come from --env tasks only.
+GREEDY = ("accuracy", "response_tokens_mean", "response_tokens_max", "truncation_rate")
 SAMPLED = ("avg_at_k", "pass_at_k")
+MAJORITY = ("maj_at_k",)
 GAMES = ("success_rate", "mean_turns_to_success", "invalid_action_rate", "env_errors")
 MODES = ("max", "min")
 
@@ -79,7 +81,9 @@ def evaluated_figures(cfg: Any) -> set[str]:
     from opd.config.tasks import resolve_tasks
 
     def own(c: Any) -> tuple[str, ...]:
-        return (*GREEDY, *(SAMPLED if c.eval_samples > 0 else ()), *(GAMES if c.env else ()))
+        sampled = SAMPLED if c.eval_samples > 0 else ()
+        majority = MAJORITY if c.maj_k > 0 and not c.env else ()
+        return (*GREEDY, *sampled, *majority, *(GAMES if c.env else ()))
 
     specs = resolve_tasks(cfg)
     out = {f"eval/{s.name}/{f}" if s.name else f"eval/{f}" for s in specs for f in own(s.cfg)}
