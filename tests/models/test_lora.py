@@ -151,3 +151,30 @@ def test_an_adapter_directory_given_as_a_model_points_to_merge_lora(lora_run):
 
     with pytest.raises(UserError, match="holds a LoRA adapter.*opd merge-lora"):
         load_model(lora_run[0] / "final", "student")
+
+
+def test_merge_lora_writes_only_into_a_new_or_empty_folder(tiny_models, lora_run):
+    import hashlib
+
+    base = tiny_models[0]
+    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in base.rglob("*") if p.is_file()}
+    final = lora_run[0] / "final"
+    result = CliRunner().invoke(app, ["merge-lora", str(final), "--out", str(base)])
+    assert isinstance(result.exception, UserError)
+    assert f"--out {base} is a folder that is not empty; opd merge-lora writes the merged model" in str(
+        result.exception
+    )
+    assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in base.rglob("*") if p.is_file()} == before
+
+
+def test_an_adapter_names_its_base_as_a_folder_or_a_hub_name_with_its_revision(tiny_models):
+    from opd.models.loading import load_model
+    from opd.models.lora import apply_lora
+
+    local = apply_lora(load_model(tiny_models[0]), 4, 8.0, [], 0.0, tiny_models[0], "")
+    cfg = local.peft_config["default"]
+    assert (cfg.base_model_name_or_path, cfg.revision) == (str(tiny_models[0].resolve()), None)
+    # a Hub name stays a name (resolved against the working directory it would be a folder that is not there)
+    hub = apply_lora(load_model(tiny_models[0]), 4, 8.0, [], 0.0, "acme/tiny-student", "v2")
+    cfg = hub.peft_config["default"]
+    assert (cfg.base_model_name_or_path, cfg.revision) == ("acme/tiny-student", "v2")

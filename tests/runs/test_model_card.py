@@ -33,7 +33,7 @@ def test_a_run_card_names_the_hub_base_model_the_dataset_the_method_and_the_figu
     assert ModelCard(text).data.base_model == "Qwen/Qwen3-1.7B"  # the Hub's own reader agrees
     assert f"opd {opd.__version__} (commit abc1234)" in text and source_commit() == "abc1234"
     assert "| objective | lsm |" in text and "| k | 16 |" in text and "| teacher | Qwen/Qwen3-8B |" in text
-    assert "The last evaluation (step 199):" in text and "| eval/accuracy | 0.625 |" in text
+    assert "The evaluation at step 199 (of the weights in this folder):" in text and "| eval/accuracy | 0.625 |" in text
     assert "| eval/pass_at_k | 0.8125 |" in text and "hf upload ORG/NAME PATH" in text
 
 

@@ -50,7 +50,10 @@ def test_pruning_keeps_the_newest_and_the_best_by_the_rule(tmp_path):
     ("options", "message"),
     [
         (dict(keep_best="eval/accuracy", eval=False), "with evaluation off"),
-        (dict(keep_best="eval/pass_at_k", eval_samples=0), r"never evaluates eval/pass_at_k; it logs eval/accuracy, eval/response_tokens_max, eval/response_tokens_mean, eval/truncation_rate$"),
+        (
+            dict(keep_best="eval/pass_at_k", eval_samples=0),
+            r"never evaluates eval/pass_at_k; it logs eval/accuracy, eval/response_tokens_max, eval/response_tokens_mean, eval/truncation_rate$",
+        ),
         (dict(keep_best="eval/success_rate"), "never evaluates eval/success_rate"),
         (dict(keep_best="accuracy:best"), r"end it in :max or :min"),
         (dict(final_best=True), "final_best needs --keep-best"),
@@ -125,3 +128,6 @@ def test_a_run_keeps_its_best_checkpoint_names_it_and_writes_final_from_it(tiny_
 
     final, chosen = load_file(run / "final" / "model.safetensors"), load_file(f"{best['model']}/model.safetensors")
     assert all(torch.equal(final[k], chosen[k]) for k in chosen) and summary["final"] == "best checkpoint"
+    card = (run / "final" / "README.md").read_text()  # the figures of the weights it holds: the best step's
+    assert f"The evaluation at step {best_step} (of the weights in this folder):" in card
+    assert f"| eval/accuracy | {min(scores):.4g} |" in card

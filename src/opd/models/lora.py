@@ -1,12 +1,13 @@
 """LoRA: train a peft adapter on the student instead of all its weights (``--lora-r``), and merge it.
 
 The adapter goes on the student's linear layers (``--lora-targets``, default every linear layer
-of the transformer blocks). The output head and the input embedding cannot be targets: the LSM
-fast path multiplies the final hidden states by the head weight directly (never calling the head
-module, where LoRA would act), and the demo models tie that weight to the input embedding, so an
-adapter there would be silently ignored by the loss. Checkpoints and ``final/`` then hold the
-adapter (``adapter_model.safetensors``, ``adapter_config.json``, with the absolute path of the
-base model); ``opd merge-lora`` folds it into the base weights and writes a plain model directory.
+of the transformer blocks). The output head and the input embedding cannot be targets: the losses
+take the head's weight and bias (:func:`opd.models.head.model_head`) and never call the head module,
+where LoRA would act, and the demo models tie that weight to the input embedding, so an adapter
+there would be silently ignored by the loss. Checkpoints and ``final/`` then hold the adapter
+(``adapter_model.safetensors``, ``adapter_config.json``, with the base model's absolute path, or its
+Hub name and revision); ``opd merge-lora`` folds it into the base weights and writes a plain model
+directory into a new or empty ``--out``.
 """
 
 from __future__ import annotations
@@ -49,7 +50,13 @@ def _check_targets(student: PreTrainedModel, targets: list[str]) -> None:
 
 
 def apply_lora(
-    student: PreTrainedModel, r: int, alpha: float, targets: list[str], dropout: float, base_path: str | Path
+    student: PreTrainedModel,
+    r: int,
+    alpha: float,
+    targets: list[str],
+    dropout: float,
+    base_path: str | Path,
+    revision: str = "",
 ) -> PreTrainedModel:
     """Freeze the student and add a LoRA adapter (a ``peft.PeftModel``) to ``targets``."""
     from peft import LoraConfig, get_peft_model
@@ -65,8 +72,12 @@ def apply_lora(
         target_modules=targets or ALL_LINEAR,
     )
     model = get_peft_model(student, config)
-    # merge-lora finds the base model from this path, so make it independent of the working directory.
-    model.peft_config["default"].base_model_name_or_path = str(Path(base_path).resolve())
+    # merge-lora finds the base model from this: a local folder independent of the working directory, or the
+    # Hub name as given (resolved against the working directory it would name a folder that is not there)
+    # with its revision.
+    local = Path(base_path).is_dir()
+    model.peft_config["default"].base_model_name_or_path = str(Path(base_path).resolve()) if local else str(base_path)
+    model.peft_config["default"].revision = None if local or not revision else revision
     return cast("PreTrainedModel", model)  # the PeftModel stands in for the student: it forwards its attributes
 
 
@@ -116,23 +127,28 @@ def merge_lora(adapter: str | Path, out: str | Path, base: str | Path | None = N
     from opd.runs.card import merged_card, write_card
     from opd.runs.rundir import save_final_model
 
-    adapter = Path(adapter)
+    adapter, out = Path(adapter), Path(out)
+    # the merged model replaces --out whole: never a folder holding anything (the base, the adapter, a run)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        what = "a file" if not out.is_dir() else "a folder that is not empty"
+        raise UserError(f"--out {out} is {what}; opd merge-lora writes the merged model into a new or empty folder")
     cfg_path = adapter / "adapter_config.json"
     if not cfg_path.is_file():
         raise UserError(
             f"{adapter} has no adapter_config.json, so it is not a LoRA adapter; pass a run's final/ "
             "or checkpoints/step_*/model directory of a --lora-r run"
         )
-    base = base or json.loads(cfg_path.read_text()).get("base_model_name_or_path")
+    saved = json.loads(cfg_path.read_text())
+    base = base or saved.get("base_model_name_or_path")
     if not base:
         raise UserError(f"{cfg_path} names no base model (base_model_name_or_path); pass --base DIR")
-    base = Path(base)
-    model = load_model(base, "base")
+    revision = "" if Path(base).is_dir() else (saved.get("revision") or "")  # a Hub name's, as trained
+    model = load_model(base, "base", revision=revision)
     with quiet_transformers():
         merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
-    tok_dir = adapter if (adapter / "tokenizer_config.json").is_file() else base
-    out = Path(out)
+    own_tok = (adapter / "tokenizer_config.json").is_file()
+    tok = load_tokenizer(adapter, "base") if own_tok else load_tokenizer(base, "base", revision=revision)
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_final_model(out, merged, load_tokenizer(tok_dir, "base"))
+    save_final_model(out, merged, tok)
     write_card(out, merged_card(adapter, str(base)))
     return out

@@ -105,7 +105,12 @@ def run_card(cfg: Any, run_name: str, evaluation: dict) -> str:
     ]
     if figures:
         step = evaluation.get("step")
-        lines += [f"The last evaluation (step {step}):", "", "| figure | value |", "|---|---|"]
+        lines += [
+            f"The evaluation at step {step} (of the weights in this folder):",
+            "",
+            "| figure | value |",
+            "|---|---|",
+        ]
         lines += [f"| {k} | {v:.4g} |" for k, v in figures]
     else:
         lines.append("The run did not evaluate (--no-eval, or no held-out reference answers).")

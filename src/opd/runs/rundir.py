@@ -227,6 +227,8 @@ class RunDir:
         if not pointer.exists():
             return None
         ckpt = self.ckpt_root / pointer.read_text().strip()
+        if not (ckpt / SCORE_FILE).is_file():  # pruned (a resume that changed --keep-best): no best kept yet
+            return None
         score = json.loads((ckpt / SCORE_FILE).read_text())
         return {"path": str(ckpt), "model": str(ckpt / "model"), **score}
 

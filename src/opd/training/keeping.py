@@ -4,6 +4,7 @@ is written from, and ``summary.json``, which names the best checkpoint."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -54,3 +55,17 @@ def write_summary(cfg: TrainConfig, rundir: RunDir, steps: int, last_eval: dict)
             "last_eval": {k: v for k, v in last_eval.items() if k != "step"},
         },
     )
+
+
+def final_evaluation(cfg: TrainConfig, rundir: RunDir, last_eval: dict) -> dict:
+    """The evaluation record of the weights in ``final/``: under ``--final-best`` the best checkpoint's
+    step's (from ``metrics.jsonl``), else the last evaluation; what its model card reports."""
+    best = rundir.best_checkpoint() if cfg.final_best else None
+    metrics = rundir.path / "metrics.jsonl"
+    if best is None or not metrics.is_file():
+        return last_eval
+    for line in metrics.read_text().splitlines():
+        record = json.loads(line) if line.strip() else {}
+        if record.get("step") == best["step"] and best["metric"] in record:
+            return record
+    return last_eval

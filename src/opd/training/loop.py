@@ -65,7 +65,7 @@ from opd.teachers.factory import is_served
 from opd.teachers.scoring import TeacherScorer, TeacherScores, TeacherUnavailable
 from opd.training.ahead import AheadRollouts
 from opd.training.distributed import merge_metrics, shutdown
-from opd.training.keeping import best_rule, best_weights, checkpoint_score, write_summary
+from opd.training.keeping import best_rule, best_weights, checkpoint_score, final_evaluation, write_summary
 from opd.training.loss import (
     LossTotals,
     loss_mask,
@@ -627,6 +627,7 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
     )
     write_summary(cfg, run.rundir, cfg.steps, last_eval)
     if run.rundir.enabled:
-        write_card(run.rundir.path / "final", run_card(cfg, run.rundir.path.name, last_eval))
+        card_eval = final_evaluation(cfg, run.rundir, last_eval)  # --final-best: the best step's figures
+        write_card(run.rundir.path / "final", run_card(cfg, run.rundir.path.name, card_eval))
     shutdown(run.dist)
     return last_eval

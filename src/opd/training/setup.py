@@ -119,7 +119,9 @@ def setup(cfg: TrainConfig) -> Run:
     if cfg.gradient_checkpointing:
         checkpoint_layers(student)
     if cfg.lora_r:
-        student = apply_lora(student, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout, cfg.student)
+        student = apply_lora(
+            student, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout, cfg.student, cfg.student_revision
+        )
     ckpt = rundir.latest_checkpoint() if cfg.resume else None
     if ckpt is not None:
         load_weights(student, ckpt / "model")  # before wrapping: FSDP shards the weights it is given
