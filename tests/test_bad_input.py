@@ -250,6 +250,12 @@ CASES = [
         r"--max-new-tokens, or --max-prompt-tokens \(longer training prompts are skipped\)",
     ),
     (
+        "held-out-prompt-over-context",
+        f"{TRAIN} --eval-task <D>/long.jsonl --max-prompt-tokens 4096",
+        r"a prompt of \d{4} tokens plus max_new_tokens=4 exceeds the model's context of 512 positions; lower "
+        r"--max-new-tokens, or shorten the held-out prompts \(--eval-task; they are never skipped\)",
+    ),
+    (
         "eval-prompt-over-context",
         f"{EVAL} --task <D>/long.jsonl --max-prompt-tokens 4096",
         r"a prompt of \d{4} tokens plus max_new_tokens=64 exceeds the model's context of 512 positions; shorten "

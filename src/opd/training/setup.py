@@ -198,6 +198,8 @@ def build_tasks(specs: list[TaskSpec], data: list[tuple], student, tok) -> list[
             teachers[key] = for_task(spec.name, make_teacher, c, student, tok)
         source, test = for_task(spec.name, make_sources, c, tok, task, eval_task)
         for_task(spec.name, source.check_model, student, c)
+        if test is not None and test is not source:  # held-out prompts too: refused now, not at the first evaluation
+            for_task(spec.name, test.check_model, student, c)
         teacher = teachers[key]
         if isinstance(teacher, CrossTokenizerTeacher) and isinstance(source, PromptSource):
             teacher.read_prompts(source.prompts)  # conversations and tools reach it whole

@@ -29,6 +29,7 @@ from opd.rollout.prompt_set import PromptSet, eval_prompts, load_tasks
 from opd.tasks import Example, Task, reward_of
 
 FIX = "lower --max-new-tokens, or --max-prompt-tokens (longer training prompts are skipped)"
+HELD_OUT_FIX = "lower --max-new-tokens, or shorten the held-out prompts (--eval-task; they are never skipped)"
 
 
 class Source(Protocol):
@@ -72,6 +73,7 @@ class PromptSource:
 
     prompts: PromptSet
     task: Task
+    held_out: bool = False  # evaluated, never trained on: its long prompts are not skipped
 
     examples = property(lambda self: self.prompts.examples)
 
@@ -83,7 +85,8 @@ class PromptSource:
 
     def check_model(self, model, cfg: TrainConfig) -> None:
         longest = max(len(p) for p in self.prompts.prompt_ids)
-        check_context(longest, cfg.max_new_tokens, getattr(model.config, "max_position_embeddings", None), FIX)
+        fix = HELD_OUT_FIX if self.held_out else FIX
+        check_context(longest, cfg.max_new_tokens, getattr(model.config, "max_position_embeddings", None), fix)
 
     def rollout(self, engine: RolloutEngine, rows, seeds, cfg) -> tuple[RolloutBatch, None]:
         ids = [self.prompts.prompt_ids[i] for i in rows]
@@ -200,4 +203,4 @@ def held_out(cfg: TrainConfig, tok, grader: Task | None, env=None) -> Source:
         return GameSource(GameSet.build(env, "test", cfg.eval_size), tok)
     grader = cast(Task, grader)  # None only with --env (task_data) or without evaluation (make_sources)
     examples = eval_prompts(grader, cfg.eval_size)
-    return PromptSource(PromptSet.build(examples, tok, cfg.max_prompt_tokens, "test prompts"), grader)
+    return PromptSource(PromptSet.build(examples, tok, cfg.max_prompt_tokens, "test prompts"), grader, held_out=True)
