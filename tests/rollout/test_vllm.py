@@ -458,7 +458,8 @@ def test_a_users_engine_gone_under_staleness_checkpoints_and_the_run_resumes(vll
 
 def test_episodes_and_a_second_task_roll_out_from_one_engine(vllm_student, tmp_path, monkeypatch):
     """--tasks with math prompts and toy-game episodes (multi-turn, one request a turn) from one engine:
-    every turn's tokens pass the policy check, and the engine is synced once per optimizer step, not per task."""
+    every turn's tokens pass the policy check, and the engine is synced once per optimizer step, not per task
+    (and once more for the final evaluation)."""
     from opd.rollout.vllm_engine import VLLMRollout
 
     real_sync, syncs = VLLMRollout.sync, []
@@ -486,7 +487,9 @@ def test_episodes_and_a_second_task_roll_out_from_one_engine(vllm_student, tmp_p
     steps = [
         r for r in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r
     ]
-    assert len(steps) == 2 and len(syncs) == 2  # one sync a step for both tasks' rollouts
+    # one sync a step for both tasks' rollouts, and one before the final evaluation, which runs on the engine
+    # with the last update's weights
+    assert len(steps) == 2 and len(syncs) == 2 + 1
     assert all(r["toy/rollout/turns"] >= 1 and "math/train/loss" in r for r in steps)
     assert all(r["rollout/engine_logprob_gap"] < 1e-4 for r in steps), [r["rollout/engine_logprob_gap"] for r in steps]
     rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
