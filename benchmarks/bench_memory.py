@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from opd.lab.experiments.core import machine_info, source_commit  # noqa: E402
+from opd.lab.experiments.core import cell_in_process, machine_info, source_commit  # noqa: E402
 
 BODY = dict(
     hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864
@@ -151,16 +149,7 @@ def cell(spec: dict) -> dict:
 
 
 def run_cell(spec: dict) -> dict:
-    out = subprocess.run(
-        [sys.executable, __file__, "--cell", json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
-    )
-    if out.returncode:
-        return {**spec, "error": out.stderr[-1500:]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return cell_in_process(__file__, spec, ROOT, 1500)
 
 
 def machine(device: str) -> dict:

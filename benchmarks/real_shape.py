@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from opd.lab.experiments.core import machine_info, source_commit  # noqa: E402
+from opd.lab.experiments.core import cell_in_process, machine_info, source_commit  # noqa: E402
 
 VOCABS = (2048, 151_936)
 LENGTHS = (1024, 4096, 8192)
@@ -193,16 +192,7 @@ def cell(spec: dict) -> dict:
 
 
 def run_cell(spec: dict) -> dict:
-    out = subprocess.run(
-        [sys.executable, __file__, "--cell", json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
-    )
-    if out.returncode:
-        return {**spec, "error": out.stderr[-2000:]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return cell_in_process(__file__, spec, ROOT, 2000)
 
 
 def summary(cells: list[dict]) -> list[str]:

@@ -353,6 +353,19 @@ def command_line(spec: RunSpec, run_dir: Path) -> str:
 # ----------------------------------------------------------------------------- outputs
 
 
+def cell_in_process(script: str, spec: dict, root: Path, error_chars: int = 2000) -> dict:
+    """A benchmark's cell run alone, in a fresh process (``script --cell SPEC``: its peak memory is its own),
+    with ``root``'s sources; the cell's JSON (its script prints it last), or the spec and its error's tail."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+    cmd = [sys.executable, script, "--cell", json.dumps(spec)]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env=env)
+    if out.returncode:
+        return {**spec, "error": out.stderr[-error_chars:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def machine_info() -> dict:
     import torch
 
