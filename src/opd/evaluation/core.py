@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from opd.evaluation.estimators import avg_at_k, maj_at_k, mean_pass_at_k
 from opd.evaluation.sharing import ALONE, Share
 from opd.rollout.engine import RolloutEngine, Sampling
+from opd.rollout.registry import local_engine
 from opd.runs.progress import progress_bar
 
 __all__ = ["GREEDY", "EvalPlan", "EvalSampling", "Evaluation", "Items", "Rollout", "eval_seed", "evaluate"]
@@ -183,6 +184,17 @@ def evaluate(engine: RolloutEngine, items: Items, plan: EvalPlan) -> Evaluation:
                 bar.advance(len(chunk))
     merged = plan.share.merged(len(items), [[done[i][p] for p in passes] for i in mine])
     return Evaluation(_figures(items, merged, plan), _records(merged, passes, plan))
+
+
+def figures_on_model(
+    model, tokenizer, items: Items, samples: int, temperature: float, top_p: float, **plan: Any
+) -> dict:
+    """The figures of ``items`` on ``model`` with opd's own loop: greedy, and ``samples`` sampled at
+    ``temperature`` / ``top_p``, no records (the demos' and ``opd sft``'s evaluations); ``plan``: the rest of
+    :class:`EvalPlan` (max_batch, seed, share, show_progress)."""
+    sampling = EvalSampling("greedy", temperature, top_p)
+    full = EvalPlan(samples=samples, sampling=sampling, record_chars=0, **plan)
+    return evaluate(local_engine(model, tokenizer), items, full).figures
 
 
 def _figures(items: Items, outcomes: list[list[Rollout]], plan: EvalPlan) -> dict:

@@ -19,12 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from opd.evaluation.core import EvalPlan, EvalSampling, Rollout, evaluate
+from opd.evaluation.core import Rollout, figures_on_model
 from opd.evaluation.sharing import ALONE, Share
 from opd.rollout.engine import RolloutEngine, Sampling
 from opd.rollout.episodes import ChatFormat, EpisodeRecord, EpisodeRollout
 from opd.rollout.game_set import GameSet, invalid_action_rate
-from opd.rollout.registry import local_engine
 
 
 @dataclass
@@ -98,16 +97,19 @@ def evaluate_agent(
         max_turns=max_turns,
         max_prompt_tokens=max_prompt_tokens,
     )
-    plan = EvalPlan(
-        samples=samples,
-        sampling=EvalSampling("greedy", temperature, top_p),
+    items = GameItems(games, tokenizer, limits)
+    return figures_on_model(
+        model,
+        tokenizer,
+        items,
+        samples,
+        temperature,
+        top_p,
         max_batch=batch_size,
         seed=seed,
-        record_chars=0,
         share=share,
         show_progress=show_progress,
     )
-    return evaluate(local_engine(model, tokenizer), GameItems(games, tokenizer, limits), plan).figures
 
 
 def game_figures(greedy: list[EpisodeRecord]) -> dict:

@@ -18,7 +18,7 @@ from typing import Any
 from opd.chat import set_chat_options
 from opd.config import EvalConfig
 from opd.errors import UserError
-from opd.evaluation.core import EvalPlan, EvalSampling, Rollout, evaluate, resolve_sampling
+from opd.evaluation.core import EvalPlan, Rollout, evaluate, figures_on_model, resolve_sampling
 from opd.evaluation.estimators import gap_recovery
 from opd.evaluation.game_eval import GameItems
 from opd.evaluation.records import check_writable, write_records
@@ -108,17 +108,19 @@ def evaluate_model(
 ) -> dict:
     """Greedy accuracy over ``prompts`` with opd's own loop on ``model``; with ``samples`` > 0 also avg@k and
     pass@k (k = samples) at ``temperature`` / ``top_p``: the figures of :func:`opd.evaluation.core.evaluate`."""
-    plan = EvalPlan(
-        samples=samples,
-        sampling=EvalSampling("greedy", temperature, top_p),
+    items = PromptItems(prompts, task, tokenizer, max_new_tokens)
+    return figures_on_model(
+        model,
+        tokenizer,
+        items,
+        samples,
+        temperature,
+        top_p,
         max_batch=batch_size,
         seed=seed,
-        record_chars=0,
         share=share,
         show_progress=show_progress,
     )
-    items = PromptItems(prompts, task, tokenizer, max_new_tokens)
-    return evaluate(local_engine(model, tokenizer), items, plan).figures
 
 
 def check_graded(cfg: EvalConfig, task: Task) -> None:
