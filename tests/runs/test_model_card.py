@@ -7,8 +7,8 @@ import yaml
 from huggingface_hub import ModelCard
 
 import opd
-from opd.config import TrainConfig
-from opd.runs.card import run_card
+from opd.config import SFTConfig, TrainConfig
+from opd.runs.card import run_card, sft_card
 from opd.runs.provenance import source_commit
 
 
@@ -46,3 +46,16 @@ def test_a_local_student_and_no_evaluation_leave_no_hub_link_and_say_so(tmp_path
     assert "base_model" not in front and "datasets" not in front and front["library_name"] == "peft"
     assert "lora" in front["tags"] and "The run did not evaluate" in text
     assert "AutoPeftModelForCausalLM" in text
+
+
+def test_an_sft_card_names_its_start_its_data_and_what_chose_the_weights(tmp_path):
+    cfg = SFTConfig(init="Qwen/Qwen3-0.6B", task="gsm8k", steps=7)
+    text = sft_card(cfg, "sft-run", {"steps": 7, "best_accuracy": 0.25, "chosen_on": "validation"})
+    front = _front(text)
+    assert front["base_model"] == "Qwen/Qwen3-0.6B" and front["datasets"] == ["openai/gsm8k"]
+    assert "**Qwen/Qwen3-0.6B** fine-tuned (SFT) on the task's own solutions (gsm8k)" in text
+    assert "| best_accuracy | 0.25 |" in text and "| chosen_on | validation |" in text and "| steps | 7 |" in text
+    new = SFTConfig(arch="qwen2:2:32", tokenizer=str(tmp_path), task="arithmetic", eval=False)
+    text = sft_card(new, "new", {"steps": 3, "chosen_on": "last step"})
+    assert "base_model" not in _front(text) and "a new model (qwen2:2:32)" in text
+    assert "The run did not evaluate: the last step's weights are kept." in text

@@ -175,6 +175,10 @@ def test_the_kept_model_is_chosen_on_validation_data_and_reported_on_test(tiny_m
         ["eval/accuracy"],
     ]
     assert evals[-1] == {"step": 3, "eval/accuracy": 0.7}
+    card = (run / "final" / "README.md").read_text()  # the kept model's card: its figures, as chosen
+    assert (
+        "| best_accuracy | 0.5 |" in card and "| test_accuracy | 0.7 |" in card and "| chosen_on | validation |" in card
+    )
     data = tmp_path / "four.jsonl"
     data.write_text(
         "".join(json.dumps({"prompt": f"{n} + 1?", "solution": f"\\boxed{{{n + 1}}}"}) + "\n" for n in range(4))

@@ -76,46 +76,71 @@ def front_matter(base: str, datasets: list[str], lora: bool, extra_tags: tuple[s
     return f"---\n{data.to_yaml()}\n---\n"
 
 
-def run_card(cfg: Any, run_name: str, evaluation: dict) -> str:
-    """The card of an OPD run's ``final/``: ``cfg`` its TrainConfig, ``evaluation`` its last eval record."""
+SFT_METHOD = (
+    "init",
+    "arch",
+    "data",
+    "task",
+    "task_revision",
+    "teacher",
+    "steps",
+    "batch_size",
+    "lr",
+    "schedule",
+    "dtype",
+    "seed",
+)
+
+
+def _datasets(cfg: Any) -> list[str]:
     tasks = [cfg.task, getattr(cfg, "eval_task", "")] + [
         t.get("task", "") for t in (cfg.tasks or []) if isinstance(t, dict)
     ]
-    datasets = list(dict.fromkeys(d for d in map(_dataset_id, [t for t in tasks if t]) if d))
+    return list(dict.fromkeys(d for d in map(_dataset_id, [t for t in tasks if t]) if d))
+
+
+def _options(cfg: Any, names: tuple[str, ...]) -> list[str]:
+    rows = [(k, getattr(cfg, k)) for k in names if getattr(cfg, k, None) not in (None, "", [], 0) or k == "k"]
+    return ["## Method and options", "", "| option | value |", "|---|---|", *[f"| {k} | {_cell(v)} |" for k, v in rows]]
+
+
+def _card(cfg: Any, base: str, run_name: str, intro: str, names: tuple[str, ...], figures: list[str]) -> str:
+    lora = bool(getattr(cfg, "lora_r", 0))
+    lines = [front_matter(base, _datasets(cfg), lora).rstrip("\n"), "", f"# {run_name}", "", intro, ""]
+    lines += [*_options(cfg, names), "", "## Evaluation", "", *figures, "", *_usage(lora=lora)]
+    return "\n".join(lines) + "\n"
+
+
+def run_card(cfg: Any, run_name: str, evaluation: dict) -> str:
+    """The card of an OPD run's ``final/``: ``cfg`` its TrainConfig, ``evaluation`` its last eval record."""
     teacher = cfg.teacher or cfg.teacher_url or "a served teacher"
-    rows = [(k, getattr(cfg, k)) for k in METHOD if getattr(cfg, k, None) not in (None, "", [], 0) or k == "k"]
-    figures = sorted((k, v) for k, v in evaluation.items() if k.startswith("eval/") and isinstance(v, (int, float)))
-    lines = [
-        front_matter(cfg.student, datasets, bool(cfg.lora_r)).rstrip("\n"),
-        "",
-        f"# {run_name}",
-        "",
+    intro = (
         f"**{cfg.student}** distilled on-policy from the teacher **{teacher}** with "
         f"opd {opd.__version__} (commit {source_commit()}): the student samples, the "
-        f"teacher scores every token of the samples, and the student moves toward it (objective `{cfg.objective}`).",
-        "",
-        "## Method and options",
-        "",
-        "| option | value |",
-        "|---|---|",
-        *[f"| {k} | {_cell(v)} |" for k, v in rows],
-        "",
-        "## Evaluation",
-        "",
-    ]
+        f"teacher scores every token of the samples, and the student moves toward it (objective `{cfg.objective}`)."
+    )
+    figures = sorted((k, v) for k, v in evaluation.items() if k.startswith("eval/") and isinstance(v, (int, float)))
     if figures:
-        step = evaluation.get("step")
-        lines += [
-            f"The evaluation at step {step} (of the weights in this folder):",
-            "",
-            "| figure | value |",
-            "|---|---|",
-        ]
-        lines += [f"| {k} | {v:.4g} |" for k, v in figures]
+        table = [f"The evaluation at step {evaluation.get('step')} (of the weights in this folder):", ""]
+        table += ["| figure | value |", "|---|---|", *[f"| {k} | {v:.4g} |" for k, v in figures]]
     else:
-        lines.append("The run did not evaluate (--no-eval, or no held-out reference answers).")
-    lines += ["", *_usage(lora=bool(cfg.lora_r))]
-    return "\n".join(lines) + "\n"
+        table = ["The run did not evaluate (--no-eval, or no held-out reference answers)."]
+    return _card(cfg, cfg.student, run_name, intro, METHOD, table)
+
+
+def sft_card(cfg: Any, run_name: str, summary: dict) -> str:
+    """The card of an SFT run's ``final/``: ``cfg`` its SFTConfig, ``summary`` its summary.json."""
+    start = f"**{cfg.init}**" if cfg.init else f"a new model ({cfg.arch})"
+    data = cfg.data or f"the task's own solutions ({cfg.task or 'tasks'})"
+    intro = f"{start} fine-tuned (SFT) on {data} with opd {opd.__version__} (commit {source_commit()})."
+    keys = ("best_accuracy", "test_accuracy", "chosen_on", "steps")
+    rows = [(k, summary[k]) for k in keys if k in summary]
+    if "best_accuracy" in summary:
+        table = ["Greedy accuracy of the weights in this folder (chosen on the best evaluation):", ""]
+        table += ["| figure | value |", "|---|---|", *[f"| {k} | {_cell(v)} |" for k, v in rows]]
+    else:
+        table = ["The run did not evaluate: the last step's weights are kept."]
+    return _card(cfg, cfg.init, run_name, intro, SFT_METHOD, table)
 
 
 def merged_card(adapter: Path, base: str) -> str:

@@ -62,6 +62,7 @@ from opd.rollout.prompt_set import (
     say_grading_notes,
 )
 from opd.rollout.registry import local_engine
+from opd.runs.card import sft_card, write_card
 from opd.runs.progress import progress_bar
 from opd.runs.rundir import RunDir, save_final_model
 from opd.tasks import Example
@@ -438,5 +439,6 @@ def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
     if cfg.validation_size and graded_sources:  # chosen on validation data; the kept model's test accuracy is reported
         summary["chosen_on"] = "validation"
         summary.update(kept_on_test(cfg, rundir, graded_sources, step, multi))
+    write_card(rundir.path / "final", sft_card(cfg, rundir.path.name, summary))
     rundir.write_json("summary.json", summary)
     return summary
