@@ -19,6 +19,9 @@ Sections (each in a fresh subprocess, with a wall-clock budget; ``--skip a,b`` l
   rollout_bench  opd's HF sampling loop (opd.rollout.sampling.HFRollout, KV cache, top-p 0.9) on a
                  Qwen2.5-0.5B-shaped model with random weights, bf16 and fp32, batch 16 and 64: tokens/s;
                  HF generate (dynamic cache, and static cache in a subprocess) as reference points
+  vllm_sleep     ``--vllm-sleep`` 1 and 2 on a real vLLM server opd starts (benchmarks/gpu_vllm_sleep.py): the
+                 GPU memory freed asleep, and the engine serving the student's changed weights after a wake;
+                 skipped without vLLM set up (``opd vllm-setup``). Alone: ``--skip env,losses,train,loss_bench,rollout_bench``
 
 Every item runs inside try/except and records ok / failed (the error's last lines) / mismatch (ran,
 but a check failed) / skipped (why); a section past its budget skips its remaining items, and a
@@ -53,16 +56,19 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # the sections kept in modules of their own
+from gpu_vllm_sleep import section_vllm_sleep  # noqa: E402
+
 ROOT = HERE.parent
 SRC = ROOT / "src"
 TESTS = ROOT / "tests"
 DEMO = SRC / "opd" / "assets" / "demo"
-SECTIONS = ("env", "losses", "train", "loss_bench", "rollout_bench")
+SECTIONS = ("env", "losses", "train", "loss_bench", "rollout_bench", "vllm_sleep")
 # Per-section budgets (s). The GPU ones add up to more than the global budget on purpose: a section
 # that finishes early leaves its time to the next ones; the global budget caps the whole run.
 BUDGETS = {
-    "cuda": {"env": 40, "losses": 75, "train": 330, "loss_bench": 90, "rollout_bench": 170},
-    "cpu": {"env": 60, "losses": 150, "train": 800, "loss_bench": 150, "rollout_bench": 400},
+    "cuda": {"env": 40, "losses": 75, "train": 330, "loss_bench": 90, "rollout_bench": 170, "vllm_sleep": 240},
+    "cpu": {"env": 60, "losses": 150, "train": 800, "loss_bench": 150, "rollout_bench": 400, "vllm_sleep": 30},
 }
 GLOBAL_BUDGET = {"cuda": 460, "cpu": 1800}
 GRACE_S = 20  # a section subprocess is killed this long after its budget (its items check the budget between them)
@@ -1672,6 +1678,7 @@ SECTION_FUNCS = {
     "train": section_train,
     "loss_bench": section_loss_bench,
     "rollout_bench": section_rollout_bench,
+    "vllm_sleep": section_vllm_sleep,
 }
 
 

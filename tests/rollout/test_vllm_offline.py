@@ -314,7 +314,7 @@ def test_two_ranks_start_their_own_engines_with_the_vllm_args(tiny_models, tmp_p
     fake.write_text(REFUSING)
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     out = tmp_path / "run"
-    args = cli_args(tiny_models, out, batch_size=2, rollout_engine="vllm", vllm_args="--enable-sleep-mode --made-up 3")
+    args = cli_args(tiny_models, out, batch_size=2, rollout_engine="vllm", vllm_args="--enforce-eager --made-up 3")
     env = {k: v for k, v in ENV.items() if k != "CUDA_VISIBLE_DEVICES"}
     done = subprocess.run(
         launch_command("torchrun", args),
@@ -330,7 +330,7 @@ def test_two_ranks_start_their_own_engines_with_the_vllm_args(tiny_models, tmp_p
         log = (out / "vllm" / f"rank{rank}" / "server.log").read_text()
         assert f"rank: {rank}" in log and "gpus: unset" in log and "(no GPU given)" in log
         started = log.splitlines()[0]
-        assert started.endswith("--no-enable-chunked-prefill --enable-sleep-mode --made-up 3 (no GPU given)"), started
+        assert started.endswith("--no-enable-chunked-prefill --enforce-eager --made-up 3 (no GPU given)"), started
         ports.add(started.split("--port ")[1].split()[0])
     assert len(ports) == 2  # a server each
 

@@ -37,7 +37,7 @@ class VLLMOptions:
     vllm_args: str = opt(
         "",
         "vLLM's own server options for the servers opd starts, passed through as a shell would split them, "
-        "e.g. '--tensor-parallel-size 2 --enable-sleep-mode' or '--gpu-memory-utilization 0.5' (which replaces "
+        "e.g. '--tensor-parallel-size 2' or '--gpu-memory-utilization 0.5' (which replaces "
         "opd's 0.3 where an engine shares a GPU with a trainer); a server that refuses one stops the run with "
         "its error line.",
     )
@@ -47,6 +47,14 @@ class VLLMOptions:
         "reloaded in place), shm (the same in /dev/shm, memory-backed, for a server on this machine), adapter (a "
         "LoRA run: the adapter alone, loaded by a server with --enable-lora), or auto: adapter for a LoRA run on a "
         "server opd starts on GPUs, else shm where /dev/shm has room and opd starts the server, else file.",
+    )
+    vllm_sleep: int = opt(
+        0,
+        "vLLM's sleep mode between rollouts, for engines opd starts beside a trainer on GPUs: after each rollout "
+        "the engine frees its GPU memory for the training step and takes it back before the next weight sync. 1: "
+        "the weights wait in CPU memory, the KV cache is dropped; 2: both are dropped (no copy in CPU memory; "
+        "the sync writes the weights again: not with --vllm-sync adapter); 0: off, or 1 where --vllm-args has "
+        "--enable-sleep-mode. opd adds --enable-sleep-mode to the servers it starts.",
     )
     vllm_max_gap: float = opt(
         0.0,
@@ -70,11 +78,13 @@ def vllm_arg_list(args: str) -> list[str]:
 
 
 SYNC_WAYS = ("auto", "file", "shm", "adapter")  # opd.rollout.vllm_sync's
+SLEEP_FLAG = "--enable-sleep-mode"  # the vLLM server option that opens its sleep mode
 
 
 def check_vllm(cfg: VLLMOptions, engine: str, dtype: str, lora: bool) -> None:
     """The vLLM options of a run whose engine is ``engine``, compute dtype ``dtype`` and that trains a LoRA
-    adapter or not; sets the policy check's bound where it is left at 0."""
+    adapter or not; sets the policy check's bound where it is left at 0, and the sleep level where vLLM's
+    sleep mode is asked for in ``--vllm-args``."""
     require(
         cfg.vllm_max_gap >= 0 and cfg.vllm_start_timeout > 0 and cfg.vllm_wait >= 0,
         "vllm_max_gap must be >= 0, vllm_start_timeout > 0 and vllm_wait >= 0",
@@ -82,12 +92,15 @@ def check_vllm(cfg: VLLMOptions, engine: str, dtype: str, lora: bool) -> None:
     problem = url_problem(cfg.vllm_url, "--vllm-url") if cfg.vllm_url else ""
     require(not problem, problem)
     require(cfg.vllm_sync in SYNC_WAYS, f"vllm_sync={cfg.vllm_sync!r}: choose one of {', '.join(SYNC_WAYS)}")
+    require(cfg.vllm_sleep in (0, 1, 2), f"vllm_sleep={cfg.vllm_sleep} must be 0 (off), 1 or 2 (vLLM's sleep levels)")
     require(
         lora or cfg.vllm_sync != "adapter",
         "--vllm-sync adapter sends the LoRA adapter alone, and this run trains none: add --lora-r, or drop it",
     )
     if engine != "vllm":
-        given = [f"--{name.replace('_', '-')}" for name in ("vllm_url", "vllm_args") if getattr(cfg, name)]
+        given = [
+            f"--{name.replace('_', '-')}" for name in ("vllm_url", "vllm_args", "vllm_sleep") if getattr(cfg, name)
+        ]
         given += ["--vllm-sync"] if cfg.vllm_sync != "auto" else []
         require(not given, f"{' and '.join(given)} set but rollout_engine is {engine}; add --rollout-engine vllm")
         return
@@ -103,5 +116,11 @@ def check_vllm(cfg: VLLMOptions, engine: str, dtype: str, lora: bool) -> None:
             name not in OPD_SETS,
             f"--vllm-args {name}: opd sets it on the servers it starts, from {OPD_SETS.get(name)}; drop it there",
         )
+    require(
+        not (cfg.vllm_sleep and cfg.vllm_url),
+        "--vllm-sleep puts to sleep the servers opd starts, and --vllm-url names your own: drop one of them",
+    )
+    if not cfg.vllm_sleep and SLEEP_FLAG in args:  # asked for in vLLM's words: the level that keeps the weights
+        cfg.vllm_sleep = 1
     if not cfg.vllm_max_gap:
         cfg.vllm_max_gap = 1e-3 if dtype == "float32" else 0.05

@@ -115,6 +115,7 @@ LAYOUT: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             "vllm_url",
             "vllm_args",
             "vllm_sync",
+            "vllm_sleep",
             "vllm_max_gap",
             "vllm_start_timeout",
             "vllm_wait",

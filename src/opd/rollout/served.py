@@ -16,6 +16,9 @@ of it:
   others' in the batch (a server's numbers may still: vLLM's depend on which requests run together);
 * the weights: synced as a rollout begins when the student changed since the last sync (after each step
   of the optimizer :meth:`~ServerEngine.watch` was given; without one, before every rollout);
+* sleeping between rollouts (:class:`SleepMode`, vLLM's sleep mode, ``--vllm-sleep``): an engine that shares
+  a GPU with the trainer gives its memory back when a rollout's requests are answered (:meth:`~ServerEngine.end`)
+  and takes it again as the next rollout begins, before the weights are synced into it;
 * **the policy check**: an engine could serve other weights than the trainer's (a failed or skipped
   sync, another dtype, a kernel bug) and nothing else would fail: the run would train on another
   policy's samples. So after each rollout the student scores the sampled tokens itself (one forward
@@ -27,7 +30,7 @@ of it:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -73,6 +76,7 @@ class ServerEngine(EngineBase):
         self.max_context = max_context or getattr(model.config, "max_position_embeddings", None)
         self.stale, self.watched = True, False
         self.policy_gap: float | None = None
+        self.sleep_mode: SleepMode | None = None  # set by an engine that sleeps between rollouts
 
     # ------------------------------------------------------------------ what an engine implements
     def complete(self, requests: list[Request]) -> list[Sample]:
@@ -94,17 +98,32 @@ class ServerEngine(EngineBase):
             optimizer.register_step_post_hook(self.weights_changed)
         self.watched = True
 
+    # The engine's rollout cycle: begin (wake, sync) ... requests ... end (sleep). One place, so that a
+    # later trigger of the sync moves the sleeping with it.
     def begin(self) -> None:
         """A rollout starts: the engine is given the current weights when they changed since its last sync
-        (without an optimizer watched, they may have). Here, where every rank's rollout starts, rather than
-        at its first request: an engine that several ranks share syncs collectively."""
+        (without an optimizer watched, they may have), after it wakes when it sleeps between rollouts (the
+        wake's time counts in ``sync_seconds``). Here, where every rank's rollout starts, rather than at its
+        first request: an engine that several ranks share syncs collectively."""
         if not self.watched:
             self.stale = True
         t0 = time.perf_counter()
+        if self.sleep_mode is not None:
+            self.sleep_mode.wake(self._sync_if_stale)
+        else:
+            self._sync_if_stale()
+        self.sync_seconds = time.perf_counter() - t0
+
+    def end(self) -> None:
+        """A rollout's requests are all answered: an engine that sleeps between rollouts goes to sleep (one
+        that drops its weights asleep is given them again at its next :meth:`begin`)."""
+        if self.sleep_mode is not None and self.sleep_mode.sleep():
+            self.stale = True
+
+    def _sync_if_stale(self) -> None:
         if self.stale:
             self.sync()
             self.stale = False
-        self.sync_seconds = time.perf_counter() - t0
 
     def answer(self, requests: list[Request]) -> list[Sample]:
         """Each request's sample, cut after its first EOS (the rollout began: the engine has the weights)."""
@@ -143,7 +162,10 @@ class ServerEngine(EngineBase):
         check_sampling(max_new_tokens, temperature, greedy)
         self.begin()
         how = Sampling(temperature, top_p, greedy)
-        samples = self.answer([Request(list(p), int(s), max_new_tokens, how) for p, s in zip(prompt_ids, seeds)])
+        try:
+            samples = self.answer([Request(list(p), int(s), max_new_tokens, how) for p, s in zip(prompt_ids, seeds)])
+        finally:
+            self.end()
         batch = single_turn_batch(prompt_ids, samples, self.pad_id, self.device)
         self.check_policy(batch)
         return batch
@@ -205,7 +227,46 @@ class HistorySession:
         return None
 
     def close(self) -> None:
-        return None
+        self.engine.end()
+
+
+class SleepMode:
+    """vLLM's sleep mode between rollouts (``--vllm-sleep LEVEL``), for an engine that shares its GPU with a
+    trainer: after its rollout the engine frees its memory for the trainer's step, and takes it again as
+    the next rollout begins. ``post(path)``: one POST to the engine (its dev-mode endpoints ``/sleep`` and
+    ``/wake_up``, which vLLM opens with ``VLLM_SERVER_DEV_MODE=1`` on a server started with
+    ``--enable-sleep-mode``; GPUs only).
+
+    Level 1 keeps a copy of the weights in CPU memory and drops the KV cache: woken, the engine has its
+    weights back. Level 2 drops both: woken, it holds no weights until the sync writes them, so the sync
+    runs between waking the weights' memory and the KV cache's, and the cache is not yet allocated while
+    the weights load (as TRL wakes its colocated engine)."""
+
+    def __init__(self, level: int, post: Callable[[str], Any]):
+        if level not in (1, 2):
+            raise ValueError(f"sleep level {level} must be 1 or 2")
+        self.level, self.post = level, post
+        self.asleep = False
+
+    def sleep(self) -> bool:
+        """Put the engine to sleep; whether its weights are gone (level 2)."""
+        self.post(f"/sleep?level={self.level}")
+        self.asleep = True
+        return self.level == 2
+
+    def wake(self, sync: Callable[[], None]) -> None:
+        """Wake the engine (when asleep) and run ``sync``, the weights' sync, where the level needs it."""
+        if not self.asleep:
+            sync()
+            return
+        if self.level == 2:
+            self.post("/wake_up?tags=weights")
+            sync()
+            self.post("/wake_up?tags=kv_cache")
+        else:
+            self.post("/wake_up")
+            sync()
+        self.asleep = False
 
 
 def single_turn_batch(

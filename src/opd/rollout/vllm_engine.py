@@ -40,12 +40,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.distributed as tdist
 
-from opd.config.engines import vllm_arg_list
+from opd.config.engines import SLEEP_FLAG, vllm_arg_list
 from opd.errors import ServiceUnavailable, UserError
 from opd.models.loading import model_device
 from opd.models.precision import engine_dtype
 from opd.rollout.engine import EngineContext, EngineDown, EngineHandle, EngineUnavailable, Sample
-from opd.rollout.served import Request, ServerEngine
+from opd.rollout.served import Request, ServerEngine, SleepMode
 from opd.rollout.vllm_server import Placement, VLLMServer, place_engine, start_vllm_server
 from opd.rollout.vllm_sync import FolderSync, WeightSync, attach, choose, describe, server_options
 from opd.service import VLLM_KEY_ENV, Client, Patience, api_key
@@ -91,6 +91,7 @@ class VLLMRollout(ServerEngine):
     check's bound; ``wait``: ``--vllm-wait``; ``attached``: a staleness worker's view of the trainer's
     engine, which raises :class:`EngineDown` at the first silence (``wait`` 0) for its owner to handle.
     ``shared``: ``url`` is one server all the launch's ranks roll out from, which rank 0 syncs.
+    ``sleep``: vLLM's sleep level between rollouts (``--vllm-sleep``; 0: awake throughout).
     ``patience``: more of :class:`~opd.service.Patience`'s options (an injected clock, for tests)."""
 
     name = "vllm"
@@ -113,6 +114,7 @@ class VLLMRollout(ServerEngine):
         shared: bool = False,
         weights_dtype: torch.dtype | None = None,
         sync: WeightSync | None = None,
+        sleep: int = 0,
         **patience: Any,
     ):
         super().__init__(model, tok.eos_token_id, tok.pad_token_id, max_gap=max_gap)
@@ -132,6 +134,8 @@ class VLLMRollout(ServerEngine):
             if attached:
                 raise EngineDown(self.failed("/v1/models", str(gone))) from None
             raise UserError(self.failed("/v1/models", str(gone)) + "; start it, or fix --vllm-url") from None
+        if sleep:
+            self.sleep_mode = SleepMode(sleep, self._post_now)
 
     @property
     def url(self) -> str:
@@ -145,6 +149,8 @@ class VLLMRollout(ServerEngine):
         hint = ""
         if path in ("/collective_rpc", "/reset_prefix_cache"):
             hint = "; a vLLM server given with --vllm-url must run with VLLM_SERVER_DEV_MODE=1 and read --out's folder at the same path"
+        elif path.startswith(("/sleep", "/wake_up")):
+            hint = "; --vllm-sleep needs vLLM's sleep mode: a server on GPUs started with --enable-sleep-mode"
         elif path == "/v1/load_lora_adapter":
             hint = "; --vllm-sync adapter needs a server started with --enable-lora (and --max-lora-rank >= --lora-r) and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
         if self.server is not None:
@@ -173,6 +179,10 @@ class VLLMRollout(ServerEngine):
         self.model_name, down, why = said[0]
         if down is not None:
             raise (EngineUnavailable if down else UserError)(f"rank 0 could not sync the shared engine: {why}")
+
+    def _post_now(self, path: str) -> None:
+        """One POST to ``path`` (the sleep mode's), under the restart policy; not retried on a refusal."""
+        self._restarting(lambda: self.client.request("POST", path, retry_5xx=False), resync=False)
 
     def _sync(self) -> None:
         self.model_name = self.way.push(self.model, self.client, self.weights_dtype) or self.base_name
@@ -241,6 +251,9 @@ class VLLMRollout(ServerEngine):
         except UserError as exc:  # it would not start again: stop as for an engine gone for good
             raise EngineUnavailable(str(exc)) from None
         self.client.url = self.client.patience.url = self.server.url
+        self.stale = True  # the new server holds the student's first weights, awake
+        if self.sleep_mode is not None:
+            self.sleep_mode.asleep = False
 
     def handle(self) -> EngineHandle:
         return EngineHandle(self.name, (self.url, describe(self.way), self.max_gap))
@@ -316,6 +329,7 @@ def start_vllm(ctx: EngineContext) -> VLLMRollout:
     way = choose(cfg.vllm_sync, ctx.model, ctx.folder, own_server=own, dtype=engine_dtype(cfg.dtype), on_gpu=gpus)
     user_args = vllm_arg_list(cfg.vllm_args)
     way_args, way_env = server_options(way, cfg.lora_r, user_args)
+    way_args += sleep_options(cfg, way.name, gpus, user_args)
     launch = functools.partial(
         start_vllm_server,
         ctx.model_dir or cfg.student,
@@ -342,9 +356,31 @@ def start_vllm(ctx: EngineContext) -> VLLMRollout:
             wait=cfg.vllm_wait,
             shared=shared,
             weights_dtype=engine_dtype(cfg.dtype),
+            sleep=cfg.vllm_sleep,
         )
     except BaseException:
         if server is not None:
             server.stop()
         way.close()
         raise
+
+
+def sleep_options(cfg, way: str, gpus: bool, user_args: list[str]) -> list[str]:
+    """The server options ``--vllm-sleep`` needs (``--enable-sleep-mode``, unless given), after what it cannot
+    do is refused: sleeping without GPUs, while a staleness worker samples, or dropping the weights that
+    an adapter sync does not send again."""
+    if not cfg.vllm_sleep:
+        return []
+    if not gpus:
+        raise UserError("--vllm-sleep: vLLM's sleep mode runs on GPUs only, and torch sees none here; drop it")
+    if cfg.max_staleness:
+        raise UserError(
+            "--vllm-sleep with --max-staleness: the rollout worker samples while the trainer trains, so the engine "
+            "never rests; drop one of them"
+        )
+    if cfg.vllm_sleep == 2 and way == "adapter":
+        raise UserError(
+            "--vllm-sleep 2 drops the engine's weights and --vllm-sync adapter sends the adapter alone: use "
+            "--vllm-sleep 1, or --vllm-sync shm (or file)"
+        )
+    return [] if SLEEP_FLAG in user_args else [SLEEP_FLAG]

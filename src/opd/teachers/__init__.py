@@ -2,6 +2,7 @@
 
 * :mod:`~opd.teachers.scoring` -- the :class:`~opd.teachers.scoring.TeacherScorer` protocol, its scores,
   and :class:`~opd.teachers.scoring.HFTeacher`, the in-process default.
+* :mod:`~opd.teachers.sharded` -- the in-process teacher sharded across the ranks by FSDP (``--fsdp``).
 * :mod:`~opd.teachers.client` -- a served teacher (``--teacher-url``): vLLM's ``prompt_logprobs``
   format, waiting out a server's restart.
 * :mod:`~opd.teachers.crosstok` -- a teacher with another tokenizer, scored in the student's frame.

@@ -20,19 +20,23 @@ from opd.service import TEACHER_KEY_ENV, api_key
 from opd.teachers.client import SERVED_OBJECTIVES, HTTPTeacher
 from opd.teachers.crosstok import CrossTokenizerTeacher
 from opd.teachers.scoring import HFTeacher, TeacherScorer
+from opd.teachers.sharded import ShardedTeacher
 
 
 def make_teacher(cfg, student, tokenizer):
-    """The trainer's teacher: in-process from ``cfg.teacher``, or served at ``cfg.teacher_url``; wrapped
-    for cross-tokenizer OPD when its tokenizer differs (``cfg.cross_tokenizer``)."""
+    """The trainer's teacher: in-process from ``cfg.teacher`` (sharded across the ranks under ``--fsdp``:
+    :mod:`opd.teachers.sharded`), or served at ``cfg.teacher_url``; wrapped for cross-tokenizer OPD when
+    its tokenizer differs (``cfg.cross_tokenizer``)."""
     if not cfg.teacher_url:
         dtype, rev = cfg.teacher_dtype or cfg.dtype, cfg.teacher_revision
         teacher_model = load_model(cfg.teacher, "teacher", dtype, model_device(student), revision=rev)
         teacher_tok = teacher_tokenizer(cfg, cfg.teacher_tokenizer or cfg.teacher, "" if cfg.teacher_tokenizer else rev)
-        if not uses_cross_tokenizer(cfg, tokenizer, teacher_tok):
+        cross = uses_cross_tokenizer(cfg, tokenizer, teacher_tok)
+        if not cross:
             check_same_vocab(tokenizer, teacher_tok, student, teacher_model)
-            return HFTeacher(teacher_model)
-        return cross_tokenizer_teacher(cfg, HFTeacher(teacher_model), tokenizer, teacher_tok)
+        # under --fsdp sharded across the ranks as the student is (the process group is up by now)
+        teacher = ShardedTeacher(teacher_model) if cfg.fsdp else HFTeacher(teacher_model)
+        return cross_tokenizer_teacher(cfg, teacher, tokenizer, teacher_tok) if cross else teacher
     if cfg.teacher:
         raise UserError("both --teacher and --teacher-url are set; give one (a model directory or a served teacher)")
     why = refusal(cfg, SERVED_GIVES, "a vLLM-format server does not return")

@@ -38,13 +38,13 @@ import torch
 import torch.distributed as tdist
 
 from opd.errors import UserError
+from opd.models.sharding import CallModule, root_call, shard_blocks
 
 if TYPE_CHECKING:
-    from peft import PeftModel
     from torch.distributed.fsdp import FSDPModule
 
 
-class StudentModule(torch.nn.Module):
+class StudentModule(CallModule):
     """The module DDP/FSDP wrap: ``forward(fn, *args)`` runs ``fn(student, *args)``.
 
     Routing every student computation through this one ``forward`` lets the wrappers' hooks see
@@ -53,11 +53,7 @@ class StudentModule(torch.nn.Module):
     """
 
     def __init__(self, student: torch.nn.Module):
-        super().__init__()
-        self.student = student
-
-    def forward(self, fn: Callable, *args: Any) -> Any:
-        return fn(self.student, *args)
+        super().__init__(student, "student")
 
 
 @dataclass
@@ -90,18 +86,19 @@ class Dist:
 
             # on this rank's device: left to itself, FSDP would pick any GPU it sees, even for --device cpu
             mesh = init_device_mesh(self.device.type, (self.world,))
-            # One FSDP unit per transformer block (the classes HF lists as never to be split),
-            # then the root holds what is left: embeddings, final norm, the (tied) head.
-            block_names = set(getattr(_base_model(student), "_no_split_modules", None) or ())
-            for sub in student.modules():
-                if type(sub).__name__ in block_names:
-                    fully_shard(sub, mesh=mesh, **_mixed_precision(self.dtype))
+            # One FSDP unit per transformer block, then the root holds what is left: embeddings, final
+            # norm, the (tied) head.
+            shard_blocks(student, mesh, **_mixed_precision(self.dtype))
             fully_shard(module, mesh=mesh)
         elif self.active:
             # All parameters take part in every loss, so no unused-parameter search; buffers are
-            # equal on all ranks (rotary tables), so they are synced once, not on every forward.
+            # equal on all ranks (rotary tables), so they are synced once, not on every forward. The
+            # gradients are views of DDP's reduction buckets (gradient_as_bucket_view), not a second
+            # copy of them: one copy of the student's size less on every rank.
             ids = [self.device.index] if self.device.type == "cuda" else None
-            module = torch.nn.parallel.DistributedDataParallel(module, device_ids=ids, **_no_forward_buffer_sync())
+            module = torch.nn.parallel.DistributedDataParallel(
+                module, device_ids=ids, gradient_as_bucket_view=True, **_no_forward_buffer_sync()
+            )
         self.model = module
         return module
 
@@ -131,15 +128,7 @@ class Dist:
         """
         if not self.fsdp:
             return fn(_unwrap(self.module).student)
-        try:
-            value, error = self.module(_with_gathered_blocks, self.module, fn)
-        finally:
-            # The root stays gathered after a forward (it expects a backward); shard it again so
-            # its registered parameters are the sharded ones the optimizer and state dicts know.
-            cast("FSDPModule", self.module).reshard()
-        if error is not None:
-            raise error
-        return value
+        return root_call(self.module, _with_gathered_blocks, self.module, fn)
 
     # ------------------------------------------------------------------ collectives
     def all_sum(self, values: list[float]) -> list[float]:
@@ -277,10 +266,6 @@ def _unwrap(module: torch.nn.Module) -> StudentModule:
     return cast(StudentModule, inner)  # wrap() wraps a StudentModule
 
 
-def _base_model(student: torch.nn.Module) -> torch.nn.Module:
-    return cast("PeftModel", student).get_base_model() if hasattr(student, "get_base_model") else student
-
-
 def _fsdp_units(root: torch.nn.Module) -> list:
     from torch.distributed.fsdp import FSDPModule
 
@@ -296,23 +281,16 @@ def _fsdp_no_sync(root: FSDPModule) -> Iterator[None]:
         root.set_requires_gradient_sync(True)
 
 
-def _with_gathered_blocks(
-    student: torch.nn.Module, root: torch.nn.Module, fn: Callable
-) -> tuple[Any, Exception | None]:
-    """Inside the root's forward (its own parameters are gathered): gather every block once, keep
-    them whole for ``fn``, then shard again. No collective happens while ``fn`` runs. Returns ``fn``'s
-    value, or the error it raised, for the caller to raise once the forward is over: raised through the
-    root's forward, it would leave the root in its forward state, which no reshard leaves, and the
-    checkpoint that follows a rollout engine's failure would find the root's whole parameters in place
-    of the optimizer's shards."""
+def _with_gathered_blocks(student: torch.nn.Module, root: torch.nn.Module, fn: Callable) -> Any:
+    """Inside the root's forward (its own parameters are gathered, :func:`~opd.models.sharding.root_call`):
+    gather every block once, keep them whole for ``fn``, then shard again. No collective happens while
+    ``fn`` runs."""
     units = _fsdp_units(root)
     for u in units:
         u.set_reshard_after_forward(False)
         u.unshard()
     try:
-        return fn(student), None
-    except Exception as error:
-        return None, error
+        return fn(student)
     finally:
         for u in units:
             u.reshard()

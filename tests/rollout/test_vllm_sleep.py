@@ -1,0 +1,217 @@
+"""--vllm-sleep: the vLLM engine sleeps after each rollout and wakes before the next weight sync.
+
+vLLM's sleep mode runs on GPUs only (benchmarks/gpu_check.py checks it on one), so here the engine talks
+to a stand-in server over HTTP that keeps vLLM's rules with a copy of the student: asleep it answers no
+completion; level 1 keeps its weights (in "CPU memory") and level 2 drops them (zeros here: uninitialised
+memory in vLLM), so a level-2 engine woken without a sync answers from other weights than the student's
+and the policy check stops the run (the stand-in's control: a sync skipped shows); a weights reload needs
+the weights awake. Every request is recorded, in order."""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from opd.config import ConfigError, TrainConfig
+from opd.errors import UserError
+from opd.models.loading import load_model, load_tokenizer
+from opd.rollout.engine import Sampling
+from opd.rollout.served import SleepMode
+from opd.rollout.vllm_engine import VLLMRollout, sleep_options
+from opd.rollout.vllm_sync import FolderSync
+
+
+class _StandIn(BaseHTTPRequestHandler):
+    """vLLM's dev-mode server with sleep mode, answering greedily from ``model`` (see the module docstring)."""
+
+    model: torch.nn.Module
+    calls: list[str] = []
+    asleep: set[str] = set()
+    kept: dict | None = None  # level 1's copy of the weights
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, status: int, payload: dict) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self._send(200, {"object": "list", "data": [{"id": "student"}]})
+
+    def do_POST(self):
+        cls, url = type(self), urlparse(self.path)
+        length = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(length)) if length else {}
+        query = parse_qs(url.query)
+        cls.calls.append(url.path + (f"?{url.query}" if url.query else ""))
+        if url.path == "/sleep":
+            level = int(query.get("level", ["1"])[0])
+            params = cls.model.state_dict()
+            cls.kept = {k: v.clone() for k, v in params.items()} if level == 1 else None
+            for v in params.values():
+                v.zero_()  # the GPU memory freed: what a later wake finds there is not the weights
+            cls.asleep = {"weights", "kv_cache"}
+        elif url.path == "/wake_up":
+            tags = set(query.get("tags", [])) or set(cls.asleep)
+            if "weights" in tags & cls.asleep and cls.kept is not None:
+                cls.model.load_state_dict(cls.kept)
+            cls.asleep -= tags
+        elif url.path == "/collective_rpc":
+            if "weights" in cls.asleep:
+                return self._send(500, {"error": {"message": "reload_weights while the weights sleep"}})
+            state = load_file(f"{body['kwargs']['weights_path']}/model.safetensors")
+            cls.model.load_state_dict(state, strict=False)
+        elif url.path == "/v1/completions":
+            if cls.asleep:
+                return self._send(400, {"error": {"message": "the model is sleeping"}})
+            return self._send(200, {"choices": [self._greedy(body)]})
+        self._send(200, {})
+
+    @torch.no_grad()
+    def _greedy(self, p: dict) -> dict:
+        ids, out, lps = list(p["prompt"]), [], []
+        while len(out) < p["max_tokens"]:
+            logp = torch.log_softmax(type(self).model(torch.tensor([ids])).logits[0, -1].double(), -1)
+            t = int(logp.argmax())
+            ids.append(t), out.append(t), lps.append(float(logp[t]))
+            if t in p["stop_token_ids"]:
+                break
+        return {"token_ids": out, "logprobs": {"token_logprobs": lps}}
+
+
+@pytest.fixture
+def stand_in(tiny_models):
+    """(student, tokenizer, url): the stand-in serving a copy of the student on a free port."""
+    student, tok = load_model(tiny_models[0], "student"), load_tokenizer(tiny_models[0], "student")
+    _StandIn.model, _StandIn.calls, _StandIn.asleep, _StandIn.kept = copy.deepcopy(student), [], set(), None
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _StandIn)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    yield student, tok, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def _engine(stand_in, tmp_path, level: int) -> tuple[VLLMRollout, torch.optim.Optimizer]:
+    student, tok, url = stand_in
+    engine = VLLMRollout(student, tok, tmp_path, url=url, sync=FolderSync("file", tmp_path / "w"), sleep=level)
+    optimizer = torch.optim.SGD(student.parameters(), lr=0.5)
+    engine.watch(optimizer)
+    return engine, optimizer
+
+
+def _train_step(student, optimizer) -> None:
+    """An optimizer step that changes the student's policy (the engine is told by the step's hook)."""
+    student(torch.tensor([[3, 4, 5]])).logits.square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _rollout(engine: VLLMRollout, tok) -> list[str]:
+    """A rollout of two prompts; the requests the server received for it."""
+    before = len(_StandIn.calls)
+    prompts = [tok.encode("1+2=")[:6], tok.encode("3+4=")[:6]]
+    engine.generate(prompts, [1, 2], max_new_tokens=4, greedy=True)
+    return _StandIn.calls[before:]
+
+
+SYNC = ["/collective_rpc", "/reset_prefix_cache"]
+COMPLETE = ["/v1/completions"] * 2
+
+
+def test_level_1_sleeps_after_each_rollout_and_wakes_before_the_sync(stand_in, tmp_path):
+    student, tok, _ = stand_in
+    engine, optimizer = _engine(stand_in, tmp_path, 1)
+    assert _rollout(engine, tok) == [*SYNC, *COMPLETE, "/sleep?level=1"] and _StandIn.asleep
+    _train_step(student, optimizer)
+    # the policy check passes: the engine serves the updated student
+    assert _rollout(engine, tok) == ["/wake_up", *SYNC, *COMPLETE, "/sleep?level=1"]
+    assert engine.policy_gap is not None and engine.policy_gap < 1e-4
+    # no step since: woken with the weights it kept, no sync
+    assert _rollout(engine, tok) == ["/wake_up", *COMPLETE, "/sleep?level=1"]
+
+
+def test_level_2_wakes_the_weights_syncs_then_wakes_the_cache(stand_in, tmp_path):
+    student, tok, _ = stand_in
+    engine, optimizer = _engine(stand_in, tmp_path, 2)
+    assert _rollout(engine, tok) == [*SYNC, *COMPLETE, "/sleep?level=2"]
+    _train_step(student, optimizer)
+    woken = ["/wake_up?tags=weights", *SYNC, "/wake_up?tags=kv_cache"]
+    assert _rollout(engine, tok) == [*woken, *COMPLETE, "/sleep?level=2"]
+    # no step since, but the weights were dropped: synced again
+    assert _rollout(engine, tok) == [*woken, *COMPLETE, "/sleep?level=2"]
+    assert engine.policy_gap is not None and engine.policy_gap < 1e-4
+
+
+def test_a_level_2_engine_woken_without_its_weights_fails_the_policy_check(stand_in, tmp_path, monkeypatch):
+    """The stand-in's control: were the weights not synced after a level-2 sleep, the run would stop."""
+    _, tok, _ = stand_in
+    engine, _ = _engine(stand_in, tmp_path, 2)
+    _rollout(engine, tok)
+
+    def keeps_weights(self) -> bool:  # its sleep claims to keep the weights: the next wake does not sync
+        self.post("/sleep?level=2")
+        self.asleep = True
+        return False
+
+    monkeypatch.setattr(SleepMode, "sleep", keeps_weights)
+    _rollout(engine, tok)
+    with pytest.raises(UserError, match="does not serve the policy being trained"):
+        _rollout(engine, tok)
+
+
+def test_an_episode_session_sleeps_when_it_closes(stand_in, tmp_path):
+    _, tok, _ = stand_in
+    engine, _ = _engine(stand_in, tmp_path, 1)
+    session = engine.episodes([tok.encode("1+2=")], [1], budget=8, sampling=Sampling(greedy=True))
+    assert _StandIn.calls == SYNC
+    session.close()
+    assert _StandIn.calls == [*SYNC, "/sleep?level=1"]
+
+
+def test_a_refused_sleep_names_the_option_and_what_it_needs(stand_in, tmp_path, monkeypatch):
+    _, tok, _ = stand_in
+    engine, _ = _engine(stand_in, tmp_path, 1)
+    real = _StandIn.do_POST
+
+    def no_sleep_mode(self):
+        if self.path.startswith("/sleep"):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            return self._send(500, {"error": {"message": "Sleep mode is not enabled"}})
+        return real(self)
+
+    monkeypatch.setattr(_StandIn, "do_POST", no_sleep_mode)
+    with pytest.raises(UserError, match=r"/sleep\?level=1 failed .*--vllm-sleep needs vLLM's sleep mode"):
+        _rollout(engine, tok)
+
+
+def test_sleep_options_are_checked():
+    assert TrainConfig(rollout_engine="vllm", vllm_args="--enable-sleep-mode").vllm_sleep == 1  # vLLM's words
+    assert TrainConfig(rollout_engine="vllm", vllm_sleep=2, vllm_args="--enable-sleep-mode").vllm_sleep == 2
+    assert TrainConfig(rollout_engine="vllm").vllm_sleep == 0
+    for kw, match in (
+        (dict(rollout_engine="vllm", vllm_sleep=3), "vllm_sleep=3 must be 0"),
+        (dict(vllm_sleep=1), "--vllm-sleep set but rollout_engine is hf"),
+        (dict(rollout_engine="vllm", vllm_sleep=1, vllm_url="http://127.0.0.1:9"), "drop one of them"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            TrainConfig(**kw)
+    cfg = TrainConfig(rollout_engine="vllm", vllm_sleep=2)
+    assert sleep_options(cfg, "shm", True, []) == ["--enable-sleep-mode"]
+    assert sleep_options(cfg, "shm", True, ["--enable-sleep-mode"]) == []
+    assert sleep_options(TrainConfig(rollout_engine="vllm"), "shm", False, []) == []
+    with pytest.raises(UserError, match="runs on GPUs only"):
+        sleep_options(cfg, "shm", False, [])
+    with pytest.raises(UserError, match="--vllm-sleep 2 drops the engine's weights and --vllm-sync adapter"):
+        sleep_options(cfg, "adapter", True, [])
+    with pytest.raises(UserError, match="never rests"):
+        sleep_options(TrainConfig(rollout_engine="vllm", vllm_sleep=1, max_staleness=1), "shm", True, [])
