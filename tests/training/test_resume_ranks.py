@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,6 +92,18 @@ def test_rebatch_keeps_the_global_batch_or_names_the_counts_that_divide_it(tiny_
         rebatch(accum, resolve_tasks(accum), saved(1, 4), 2, tmp_path)
 
 
+def test_rebatch_keeps_each_tasks_global_batch():
+    tasks = [{"name": "a", "share": 3}, {"name": "b", "batch_size": 2}]
+    cfg = TrainConfig(teacher="t", batch_size=8, task_mode="mix", tasks=tasks)
+    specs = resolve_tasks(cfg)
+    assert [s.cfg.batch_size for s in specs] == [6, 2]  # round(0.75 * 8), and b's own
+    state = {"rng": {}, "batch": {"a": 6, "b": 2}, "config": {"batch_size": 8}}  # written by one process
+    got, got_specs = rebatch(cfg, specs, state, 2, Path("ckpt"))
+    assert got.batch_size == 4 and [s.cfg.batch_size for s in got_specs] == [3, 1]
+    with pytest.raises(UserError, match=r"task 'a': .*global batch of 6 prompts a step, which 4 processes"):
+        rebatch(cfg, specs, state, 4, Path("ckpt"))
+
+
 def test_a_positional_optimizer_state_is_renamed_and_checked():
     """A one-process or DDP checkpoint of an opd before named optimizer state resumes under any layout."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -126,11 +139,12 @@ def one_step(tiny_models, tmp_path_factory):
     [
         ({"lora_r": 4}, "written with --lora-r 0, this run has --lora-r 4; resume with --lora-r 0"),
         ({"objective": "sampled"}, "written with --objective lsm, this run has --objective sampled"),
-        ({"student": "TEACHER"}, "written with --student .*student, this run has --student .*teacher"),
+        ({"student": "the teacher's folder"}, "written with --student .*student, this run has --student .*teacher"),
     ],
+    ids=["lora", "objective", "student"],
 )
 def test_a_resume_that_changes_the_run_names_what_differs(tiny_models, one_step, change, said):
-    if change.get("student") == "TEACHER":
+    if "student" in change:  # another model: the teacher's
         change = {"student": str(tiny_models[1])}
     with pytest.raises(UserError, match=said):
         train_mod.setup(dataclasses.replace(one_step, resume=True, steps=2, **change))

@@ -546,6 +546,7 @@ def train_steps(run: Run, show_progress: bool) -> dict:
 def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
     """Train; returns the last evaluation's record (a multi-task run: each task's under eval/<name>/)."""
     run = setup(cfg)
+    cfg = run.cfg  # a resume on another number of processes rescales --batch-size (opd.training.resuming)
     try:
         last_eval = train_steps(run, show_progress)
     finally:

@@ -86,8 +86,13 @@ def _said(value: Any) -> str:
 
 
 def _same_place(a: str, b: str) -> bool:
-    """The same --student: the same name, or two paths to one folder (a run resumed from elsewhere)."""
-    return a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
+    """Whether two --student values may name one model: the same name, two paths to one folder, or a path
+    that does not exist from here (a relative one given in another directory: the optimizer state's
+    names and shapes are checked against this student all the same, :func:`check_optimizer_state`)."""
+    here = Path(a).exists(), Path(b).exists()
+    if a == b or here[0] != here[1]:
+        return True
+    return all(here) and Path(a).resolve() == Path(b).resolve()
 
 
 def global_batches(tasks: Sequence[Any], world: int) -> dict[str, int]:
