@@ -70,6 +70,28 @@ def test_one_process_then_two_ranks_and_back_equals_uninterrupted(tiny_models, t
     assert_close_weights(final_weights(out), final_weights(uninterrupted))
 
 
+def test_a_steps_prompts_and_seeds_are_those_of_its_global_batch_on_any_number_of_ranks():
+    """What each rank rolls out, put together in rank order, is one process's batch of the same global size."""
+    from types import SimpleNamespace
+
+    from opd.rollout.prompt_set import batch_indices
+    from opd.training.distributed import Dist
+    from opd.training.loop import Assignment, rollout_request
+
+    source = SimpleNamespace(batch_indices=lambda step, size, seed: batch_indices(10, step, size, seed))
+
+    def drawn(world: int, step: int) -> tuple[list, list]:
+        cfg = SimpleNamespace(batch_size=4 // world, samples_per_prompt=2, seed=3)
+        at = Assignment(SimpleNamespace(source=source, cfg=cfg), visit=step, slot0=0)
+        shares = [rollout_request(SimpleNamespace(dist=Dist(r, world)), step, at) for r in range(world)]
+        return [i for rows, _ in shares for i in rows], [s for _, seeds in shares for s in seeds]
+
+    for step in range(4):  # past the first epoch of 10 prompts
+        rows, seeds = drawn(1, step)
+        assert len(rows) == 8 and len(set(seeds)) == 8
+        assert drawn(2, step) == drawn(4, step) == (rows, seeds)
+
+
 def saved(world: int, batch: int, **config) -> dict:
     """The parts of a checkpoint's state that :func:`rebatch` reads."""
     return {"rng": [{}] * world if world > 1 else {}, "batch": {"": world * batch}, "config": config}
