@@ -6,13 +6,14 @@ state keyed by parameter name (``torch.distributed.checkpoint.state_dict``'s ful
 dict, gathered on rank 0 and offloaded to the CPU). So it is the same file whoever wrote it -- one
 process, DDP or FSDP over any number of ranks -- and any of them reads it: FSDP takes its shards of
 the full state, DDP and one process take it whole. The cost: rank 0 holds the whole optimizer state
-in CPU memory while it writes (``torch.distributed.checkpoint``'s sharded files would avoid that, at
-the price of a checkpoint spread over one file per rank, which the atomic rename of
-:meth:`opd.runs.rundir.RunDir.save_checkpoint` does not cover).
+in CPU memory while it writes (``torch.distributed.checkpoint``'s sharded files would spare that, at
+the price of one file per rank, written by every rank into the folder that
+:meth:`opd.runs.rundir.RunDir.save_checkpoint` renames into place, and read back only by a resharding
+load). The checkpoints stay atomic: rank 0 writes one folder and renames it, as before.
 
 On another number of processes the run goes on as it was: ``--batch-size`` is per process, so the
 checkpoint's global batch (processes x per-process batch, each task's) is kept and the per-process
-batch rescaled (refused when it does not divide). A step's prompts and sampling seeds are drawn over
+batch rescaled, whatever the launch's ``--batch-size`` says (refused when it does not divide). A step's prompts and sampling seeds are drawn over
 the global batch (:func:`opd.rollout.prompt_set.batch_indices`, :func:`opd.rollout.prompt_set.sample_seed`,
 each rank taking its contiguous block), so each step sees the prompts and seeds it would have.
 
