@@ -29,7 +29,7 @@ from helpers import (
 from opd.config import TrainConfig, read_run_config, resolve_tasks
 from opd.errors import UserError
 from opd.training import loop as train_mod
-from opd.training.resuming import check_optimizer_state, named_optimizer_state, rebatch
+from opd.training.resuming import check_optimizer_state, check_same_run, named_optimizer_state, rebatch
 
 # step 0 in one process, 1 on two DDP ranks, 2 in one process, 3 on two FSDP ranks, 4 in one process
 LAUNCHES = [{}, {"fsdp": False}, {}, {"fsdp": True}, {}]
@@ -170,3 +170,11 @@ def test_a_resume_that_changes_the_run_names_what_differs(tiny_models, one_step,
         change = {"student": str(tiny_models[1])}
     with pytest.raises(UserError, match=said):
         train_mod.setup(dataclasses.replace(one_step, resume=True, steps=2, **change))
+
+
+def test_another_number_of_processes_is_refused_with_rollouts_in_flight(tiny_models, tmp_path):
+    cfg = cfg_for(tiny_models, tmp_path, max_staleness=1)
+    written = {"rng": [{}, {}], "config": {}, "max_staleness": 1}  # by 2 processes
+    check_same_run(written, cfg, Path("ckpt"), 2)
+    with pytest.raises(UserError, match=r"written by 2 process\(es\) with --max-staleness 1.*resume with 2 process"):
+        check_same_run(written, cfg, Path("ckpt"), 1)
