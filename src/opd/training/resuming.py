@@ -186,8 +186,8 @@ def check_optimizer_state(state: dict, trained: dict[str, torch.Size], ckpt: Pat
             f"student trains {len(trained)} ({which}); resume with the run's own --student and --lora-* settings"
         )
     for name, moments in state["state"].items():
-        shape = moments.get("exp_avg", torch.empty(0)).shape if isinstance(moments, dict) else None
-        if shape is not None and len(shape) and shape != trained[name]:
+        shape = moments["exp_avg"].shape if isinstance(moments, dict) and "exp_avg" in moments else None
+        if shape is not None and shape != trained[name]:
             raise UserError(
                 f"checkpoint {ckpt} is another model's: its {name} is {tuple(shape)}, this student's "
                 f"{tuple(trained[name])}; resume with the run's own --student"
