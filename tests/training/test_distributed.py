@@ -136,19 +136,7 @@ def test_fsdp_matches_one_process_and_resumes(single, tiny_models, tmp_path):
     launch("torchrun", cli_args(tiny_models, out, batch_size=2, fsdp=True, resume=True))
     assert_same_trajectory(step_records(out), step_records(single / "lsm"))
     assert_close_weights(final_weights(out), final_weights(single / "lsm"))
-    from opd.errors import UserError
-
-    with pytest.raises(UserError, match="written with --fsdp; resume with --fsdp"):
-        train_mod.setup(
-            TrainConfig(
-                student=str(tiny_models[0]),
-                teacher=str(tiny_models[1]),
-                out=str(out),
-                batch_size=4,
-                resume=True,
-                **SMALL,
-            )
-        )
+    # resuming it in one process, without --fsdp: tests/training/test_resume_ranks.py
 
 
 def test_fsdp_trains_in_mixed_precision(tiny_models, tmp_path):

@@ -166,8 +166,8 @@ class Dist:
         }
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        if not self.fsdp:
-            return optimizer.state_dict()  # identical on every DDP rank
+        """AdamW's full state keyed by parameter name, on rank 0's CPU (collective under FSDP): the same
+        whatever the layout, so a checkpoint resumes under any (:mod:`opd.training.resuming`)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         return get_optimizer_state_dict(
@@ -175,9 +175,7 @@ class Dist:
         )
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        if not self.fsdp:
-            optimizer.load_state_dict(state)
-            return
+        """:meth:`optimizer_state`'s dict into ``optimizer`` (FSDP takes its shards of it)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         set_optimizer_state_dict(self.module, optimizer, state, options=StateDictOptions(full_state_dict=True))

@@ -76,6 +76,7 @@ from opd.training.loss import (
 )
 from opd.training.microbatch import MicroBatch, in_row_order, over_budget, pad_to, split_rows
 from opd.training.optim import rng_state
+from opd.training.resuming import global_batches
 from opd.training.schedule import for_task, prefixed
 from opd.training.setup import Run, TaskRun, setup
 from opd.training.stepstats import StepUpdate, metric_weights, rollout_records, step_metrics
@@ -488,6 +489,7 @@ def checkpoint_stage(run: Run, step: int, rng: dict | None = None, score: float 
         "scheduler": run.scheduler.state_dict(),
         "rng": rngs if run.dist.active else rngs[0],
         "fsdp": run.dist.fsdp,
+        "batch": global_batches(run.tasks, run.dist.world),  # kept by a resume on another number of processes
         "precision": precision_record(run.cfg.dtype, bool(run.cfg.lora_r)),
         "config": config_record(run.cfg),
         "max_staleness": run.cfg.max_staleness,
@@ -544,6 +546,7 @@ def train_steps(run: Run, show_progress: bool) -> dict:
 def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
     """Train; returns the last evaluation's record (a multi-task run: each task's under eval/<name>/)."""
     run = setup(cfg)
+    cfg = run.cfg  # a resume on another number of processes rescales --batch-size (opd.training.resuming)
     try:
         last_eval = train_steps(run, show_progress)
     finally:

@@ -27,13 +27,7 @@ from opd.models.loading import (
     resolve_device,
 )
 from opd.models.lora import apply_lora, load_weights
-from opd.models.precision import (
-    check_resumable,
-    compute_in,
-    configure_device_math,
-    precision_record,
-    trained_weights_dtype,
-)
+from opd.models.precision import compute_in, configure_device_math, trained_weights_dtype
 from opd.rollout.engine import EngineContext, RolloutEngine
 from opd.rollout.prompt_set import say_grading_notes
 from opd.rollout.registry import check_engine, make_engine
@@ -44,6 +38,13 @@ from opd.teachers.scoring import TeacherScorer
 from opd.training.ahead import AheadRollouts, split_threads
 from opd.training.distributed import Dist, init_distributed
 from opd.training.optim import make_optimizer, make_scheduler, set_rng_state
+from opd.training.resuming import (
+    check_optimizer_state,
+    check_same_run,
+    named_optimizer_state,
+    rebatch,
+    trained_parameters,
+)
 from opd.training.schedule import for_task, task_schedule
 from opd.training.sources import PromptSource, Source, make_sources, task_data
 
@@ -96,7 +97,12 @@ def setup(cfg: TrainConfig) -> Run:
     dist = init_distributed(cfg.fsdp, device, cfg.dtype, cfg.dist_timeout)
     models = {"student": cfg.student, "teacher": cfg.teacher, "teacher-tokenizer": cfg.teacher_tokenizer}
     rundir = RunDir(cfg.out, report_to=cfg.report_to, command="train", resume=cfg.resume, models=models)
+    ckpt = rundir.latest_checkpoint() if cfg.resume else None
+    state = rundir.load_state(ckpt) if ckpt is not None else None
     specs = resolve_tasks(cfg)
+    if ckpt is not None and state is not None:  # before the models: what cannot resume shows at once
+        check_same_run(state, cfg, ckpt, dist.world)
+        cfg, specs = rebatch(cfg, specs, state, dist.world, ckpt)
     check_engine(cfg.rollout_engine)
     # before the models: a data problem shows at once
     data = [for_task(s.name, task_data, s.cfg) for s in specs]
@@ -122,7 +128,6 @@ def setup(cfg: TrainConfig) -> Run:
         student = apply_lora(
             student, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout, cfg.student, cfg.student_revision
         )
-    ckpt = rundir.latest_checkpoint() if cfg.resume else None
     if ckpt is not None:
         load_weights(student, ckpt / "model")  # before wrapping: FSDP shards the weights it is given
     student.train()
@@ -137,8 +142,8 @@ def setup(cfg: TrainConfig) -> Run:
         run.ahead = start_ahead(cfg, engine)
         if any(is_served(t.teacher) for t in tasks):
             run.score_pool = ThreadPoolExecutor(1, thread_name_prefix="opd-score-ahead")
-    if ckpt is not None:
-        resume(run, ckpt)
+    if ckpt is not None and state is not None:
+        resume(run, ckpt, state)
     elif cfg.resume:  # killed before its first checkpoint: it starts over, so must its logs
         rundir.truncate_logs_after(-1)
     rundir.write_config(cfg)
@@ -222,30 +227,18 @@ def special_token_ids(tok, tokens: list[str]) -> list[int]:
     return ids
 
 
-def resume(run: Run, ckpt: Path) -> None:
-    """Optimizer, schedule, RNG and step from ``ckpt`` (the weights were loaded before wrapping)."""
-    state = run.rundir.load_state(ckpt)
-    if state.get("fsdp", False) != run.dist.fsdp:  # the two keep the optimizer state in different layouts
-        was = "with" if state.get("fsdp") else "without"
-        raise UserError(f"checkpoint {ckpt} was written {was} --fsdp; resume {was} --fsdp as well")
-    pure = {"compute": state["config"].get("dtype", "float32"), "weights": state["config"].get("dtype", "float32")}
-    check_resumable(state.get("precision", pure), precision_record(run.cfg.dtype, bool(run.cfg.lora_r)), ckpt)
-    saved_world = len(state["rng"]) if isinstance(state["rng"], list) else 1
-    if saved_world != run.dist.world:  # the global batch, and so each step's prompts, would change
-        raise UserError(
-            f"checkpoint {ckpt} was written by {saved_world} process(es), this launch has "
-            f"{run.dist.world}; resume with the same number of processes"
-        )
-    written = state.get("max_staleness", 0)
-    if written != run.cfg.max_staleness:  # the rollouts in flight, and each step's policy, would change
-        raise UserError(
-            f"checkpoint {ckpt} was written with --max-staleness {written}, this run has {run.cfg.max_staleness}; "
-            f"resume with --max-staleness {written} (a run's rollouts depend on it)"
-        )
+def resume(run: Run, ckpt: Path, state: dict) -> None:
+    """Optimizer, schedule, RNG and step from ``ckpt``'s ``state`` (checked against the run by
+    :func:`opd.training.resuming.check_same_run`; the weights were loaded before wrapping), written by any
+    number of processes, with or without FSDP (:mod:`opd.training.resuming`)."""
     if run.ahead is not None:
         run.ahead.load(state["ahead"])
-    run.dist.load_optimizer_state(run.optimizer, state["optimizer"])
+    trained = trained_parameters(run.dist.module)
+    optimizer_state = named_optimizer_state(state["optimizer"], list(trained))
+    check_optimizer_state(optimizer_state, trained, ckpt)
+    run.dist.load_optimizer_state(run.optimizer, optimizer_state)
     run.scheduler.load_state_dict(state["scheduler"])
+    # another number of processes keeps the seeded generators: sampling and data order are drawn from seeds
     set_rng_state(state["rng"], run.dist.rank, run.dist.world, run.dist.device)
     run.start_step = state["step"] + 1
     run.rundir.truncate_logs_after(state["step"])
