@@ -131,7 +131,8 @@ class TrainConfig(EnvSource, TrainingSource, VLLMOptions, CheckpointOptions, Tra
     batch_size: int = opt(
         64,
         "Prompts per step and process (one rollout each unless samples_per_prompt > 1); "
-        "N processes under torchrun/accelerate train on N x this per step.",
+        "N processes under torchrun/accelerate train on N x this per step; a --resume on another number of "
+        "processes keeps the checkpoint's global batch (this is rescaled).",
     )
     samples_per_prompt: int = opt(1, "Rollouts per prompt.")
     grad_accum: int = opt(1, "Micro-batches per optimizer step; the batch is split evenly.")
