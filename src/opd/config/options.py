@@ -21,7 +21,7 @@ from opd.crosstok.align import PAIRINGS
 from opd.crosstok.vocab_map import JOINABLE, UNMAPPED
 from opd.losses import SUPPORT_KINDS
 from opd.objectives import CROSS_TOKENIZER_GIVES, REGISTRY, objectives_help, refusal, usable_with
-from opd.service import url_problem
+from opd.service import check_url, url_problem
 
 DEFAULT_SPECIAL_TOKENS = ("<|im_end|>", "<think>", "</think>")
 # Rollouts run at most this many steps ahead of the trainer (--max-staleness): each step in flight holds a
@@ -419,7 +419,8 @@ def teacher_urls(value: Any) -> str:
     for url in urls:
         problem = url_problem(url, "--teacher-url")
         require(not problem, problem)
-    twice = sorted({u for u in urls if urls.count(u) > 1})
+    same = [check_url(u, "--teacher-url") for u in urls]  # http://h:1/ and http://h:1/v1 are http://h:1
+    twice = sorted({u for u in same if same.count(u) > 1})
     require(not twice, f"--teacher-url lists {', '.join(twice)} more than once; list each server once")
     return ",".join(urls)
 

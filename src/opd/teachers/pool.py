@@ -170,7 +170,7 @@ class TeacherPool:
             failures += 1
             if not self.patience.retry(failures - 1, first, self._reason()):
                 raise self.gave_up(self._path(), failures, self.patience.clock() - first, self._reason())
-            self._revive()
+            self.revive()
         self.patience.answered()
 
     def _each(self, fn: Callable[[Server], T], servers: list[Server]) -> list[T]:
@@ -211,7 +211,7 @@ class TeacherPool:
                 "same tokenizer: start each from the same model, with the same --served-model-name"
             )
 
-    def _revive(self) -> bool:
+    def revive(self) -> bool:
         """Check every down server now (none is up: there is nothing else to do); whether one came back."""
         self._each(self._probe, [s for s in self.servers if not s.up])
         return any(s.up for s in self.servers)
@@ -247,7 +247,7 @@ class TeacherPool:
     def send(self, cost: int, request: Callable[[Server], T]) -> T:
         """``request(server)`` on the least busy server; on another one while servers fail; waiting under
         the patience while none answers. ``cost``: the request's tokens (its share of a server's work)."""
-        failures, first, reason, path = 0, 0.0, "", ""
+        failures, waits, first, reason, path = 0, 0, 0.0, "", ""
         while True:
             server = self._pick(cost)
             if server is not None:
@@ -266,12 +266,15 @@ class TeacherPool:
                     self._done(server, cost)
                     self.patience.answered()
                     return out
-            elif not failures:  # every server went down under other requests
+            elif not failures:  # every server went down under earlier requests: ask them again before this one counts
+                if self.revive():
+                    continue
                 failures, first, reason, path = 1, self.patience.clock(), self._reason(), self._path()
-            # nobody is up: wait as for a single server, then ask the down ones again
-            if not self.patience.retry(failures - 1, first, reason):
+            # nobody is up: wait as for a single server (the backoff counts the waits), then ask them all again
+            if not (self._within(failures, first) and self.patience.retry(waits, first, reason)):
                 raise self.gave_up(path, failures, self.patience.clock() - first, reason)
-            if not self._revive():
+            waits += 1
+            if not self.revive():
                 failures, reason, path = failures + 1, self._reason(), self._path()
 
     def _pick(self, cost: int) -> Server | None:
