@@ -253,6 +253,17 @@ def test_every_server_is_asked_for_k_when_it_joins(apps):
         HTTPTeacher([urls["a"], urls["b"]], tok, rows, k=8, wait=0)
 
 
+def test_the_libraries_limits_default_to_the_models_context_as_the_cli_does(tiny_models):
+    model, tok = load_model(tiny_models[1], "teacher"), load_tokenizer(tiny_models[1], "teacher")
+    assert Limits().max_prompt_tokens == 0  # opd serve-teacher --max-prompt-tokens 0: the model's context
+    app = TeacherApp(model, tok, "t", Limits(max_k=4))
+    try:
+        assert app.limits.max_prompt_tokens == model.config.max_position_embeddings != 4096
+        assert app.limits.max_k == 4
+    finally:
+        app.scorer.close()
+
+
 # ----------------------------------------------------------------------------- opd serve-teacher processes
 
 

@@ -257,8 +257,11 @@ class TeacherPool:
                     self._done(server, cost, exc)
                     first = first if failures else self.patience.clock()
                     failures, reason, path = failures + 1, exc.reason, exc.path
-                    if any(s.up for s in self.servers) and self._within(failures, first):
-                        continue  # straight to another server
+                    # straight to another server: each once, whatever --teacher-wait/--teacher-retries (not a wait)
+                    if any(s.up for s in self.servers) and (
+                        failures < len(self.servers) or self._within(failures, first)
+                    ):
+                        continue
                 except BaseException:
                     self._done(server, cost)
                     raise
