@@ -140,7 +140,7 @@ class HTTPTeacher:
         binary = self.want_binary and isinstance(offered, list) and wire.MEDIA_TYPE in offered
         server.info = {"opd": vocab is not None, "binary": binary}
         if self.k is not None:  # one short sequence: a server whose --max-k/--max-logprobs is below K says so now
-            seq = self.tokenizer("The answer is 42.", add_special_tokens=False)["input_ids"][:4]
+            seq = (self.tokenizer("The answer is 42.", add_special_tokens=False)["input_ids"] * 2)[:4]
             ids, lps, given = filler_scores(1, len(seq) - 1, self.k, 1)
             self._complete(
                 server, [seq], self.k, [1], ids, lps, given.squeeze(-1), torch.ones_like(given[..., 0]).bool()

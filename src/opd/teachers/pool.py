@@ -148,6 +148,7 @@ class TeacherPool:
         self.patience, self.identify, self.verify = patience, identify, verify
         self.identity: Identity | None = None
         self._first: Server | None = None
+        self.started = False
         self._lock = threading.Lock()
         self._picks = 0
 
@@ -171,6 +172,7 @@ class TeacherPool:
             if not self.patience.retry(failures - 1, first, self._reason()):
                 raise self.gave_up(self._path(), failures, self.patience.clock() - first, self._reason())
             self.revive()
+        self.started = True
         self.patience.answered()
 
     def _each(self, fn: Callable[[Server], T], servers: list[Server]) -> list[T]:
@@ -232,9 +234,12 @@ class TeacherPool:
             self.verify(server)
         except NoAnswer as exc:
             self._down(server, exc)
-        except UserError as exc:  # restarted with another model, say: it must not score for this run
+        except UserError as exc:
+            if not self.started:  # a wrong server at start is the user's to fix now
+                raise
+            # restarted with another model, say: it must not score for this run, which goes on without it
             self._down(server, NoAnswer("", "it is not this run's teacher"))
-            self._say(f"teacher server {server.url} answers but is left out of the pool: {exc}")
+            self.patience.log(f"teacher server {server.url} answers but is left out of the pool: {exc}")
         else:
             with self._lock:
                 server.up, server.failures = True, 0
