@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import shlex
 import time
 
 import pytest
 import torch
 from helpers import free_port, rollouts
+from test_bad_input import SHORT, assert_one_line_error, run_opd
 from test_teacher_restart import RUN, FakeClock, ServedTeacher, same_run
 from typer.testing import CliRunner
 
@@ -214,6 +217,22 @@ def test_servers_of_another_model_or_tokenizer_are_refused_naming_both(apps, oth
     )
     assert f"; {urls[other]}: model '{model}', vocabulary of {len(tok) + extra} tokens" in said
     assert said.endswith("start each from the same model, with the same --served-model-name")
+
+
+def test_opd_train_refuses_such_a_pool_in_one_line(apps, tiny_models, tmp_path, monkeypatch, capsys):
+    urls, _, _ = apps
+    pool = f"{urls['a']},{urls['renamed']}"
+    args = ["train", "--student", tiny_models[0], "--teacher-url", pool, "--out", tmp_path / "run", *shlex.split(SHORT)]
+    code, out, err = run_opd(monkeypatch, capsys, args)
+    a, renamed = re.escape(urls["a"]), re.escape(urls["renamed"])
+    assert_one_line_error(
+        code,
+        out,
+        err,
+        rf"teacher servers {a} and {renamed} serve different teachers \({a}: model 'tiny', .*; {renamed}: model "
+        r"'tiny-renamed', .*\); every server of --teacher-url must serve the same model with the same tokenizer: "
+        r"start each from the same model, with the same --served-model-name",
+    )
 
 
 def test_a_server_that_joins_later_is_checked_and_a_wrong_one_left_out(apps, tiny_models):
