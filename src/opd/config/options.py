@@ -21,7 +21,7 @@ from opd.crosstok.align import PAIRINGS
 from opd.crosstok.vocab_map import JOINABLE, UNMAPPED
 from opd.losses import SUPPORT_KINDS
 from opd.objectives import CROSS_TOKENIZER_GIVES, REGISTRY, objectives_help, refusal, usable_with
-from opd.service import url_problem
+from opd.service import check_url, url_problem
 
 DEFAULT_SPECIAL_TOKENS = ("<|im_end|>", "<think>", "</think>")
 # Rollouts run at most this many steps ahead of the trainer (--max-staleness): each step in flight holds a
@@ -189,11 +189,13 @@ class TrainConfig(EnvSource, TrainingSource, VLLMOptions, CheckpointOptions, Tra
     report_to: list[Any] = opt(["none"], REPORT_TO_HELP)
     diag_positions: int = opt(256, "Positions sampled per step for the full-vocabulary diagnostics.")
     resume: bool = opt(False, "Resume from the latest checkpoint in the run directory.")
-    teacher_url: str = opt(
+    # a list too: the flag repeated, or a YAML/JSON list; validation joins it with commas (config.json keeps a string)
+    teacher_url: list[Any] | str = opt(
         "",
         "Served teacher (opd serve-teacher, or a vLLM server: vLLM's prompt_logprobs format), e.g. "
-        "http://127.0.0.1:8000; replaces --teacher. Works with --objective sampled and lsm "
-        "with support teacher_topk or teacher_topk_plus_sampled.",
+        "http://127.0.0.1:8000; replaces --teacher. Several servers of the same teacher, comma-separated or the "
+        "flag repeated, share the requests (each to the least busy; one that fails is skipped until it answers "
+        "again). Works with --objective sampled and lsm with support teacher_topk or teacher_topk_plus_sampled.",
     )
     teacher_timeout: float = opt(120.0, "Seconds to wait for one served-teacher request before retrying.")
     teacher_wait: float = opt(
@@ -389,8 +391,7 @@ def _check_staleness(cfg: TrainConfig) -> None:
 
 def _check_teacher(cfg: TrainConfig) -> None:
     require(cfg.teacher_dtype in ("", *DTYPES), f"teacher_dtype={cfg.teacher_dtype!r}: use {', '.join(DTYPES)}")
-    problem = url_problem(cfg.teacher_url, "--teacher-url") if cfg.teacher_url else ""
-    require(not problem, problem)
+    cfg.teacher_url = teacher_urls(cfg.teacher_url)
     require(
         not (cfg.teacher_dtype and cfg.teacher_url),
         "teacher_dtype applies to an in-process teacher "
@@ -405,6 +406,24 @@ def _check_teacher(cfg: TrainConfig) -> None:
         cfg.teacher_chat_template_kwargs = chat_options(
             cfg.teacher_chat_template_kwargs, "teacher_chat_template_kwargs"
         )
+
+
+def teacher_urls(value: Any) -> str:
+    """``--teacher-url``'s servers (a string, comma-separated, or a list of them), each checked, as one
+    comma-separated string: the form config.json has always held."""
+    given = [value] if isinstance(value, str) else value
+    require(
+        isinstance(given, list) and all(isinstance(v, str) for v in given),
+        f"teacher_url: {value!r} must be a URL, several comma-separated, or a list of them",
+    )
+    urls = [u.strip() for v in given for u in v.split(",") if u.strip()]
+    for url in urls:
+        problem = url_problem(url, "--teacher-url")
+        require(not problem, problem)
+    same = [check_url(u, "--teacher-url") for u in urls]  # http://h:1/ and http://h:1/v1 are http://h:1
+    twice = sorted({u for u in same if same.count(u) > 1})
+    require(not twice, f"--teacher-url lists {', '.join(twice)} more than once; list each server once")
+    return ",".join(urls)
 
 
 def _check_cross_tokenizer_options(cfg: TrainConfig) -> None:

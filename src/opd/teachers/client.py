@@ -1,18 +1,19 @@
-"""The trainer's client for a served teacher (``opd train --teacher-url URL``).
+"""The trainer's client for a served teacher (``opd train --teacher-url URL[,URL...]``).
 
 :class:`HTTPTeacher` implements :class:`opd.teachers.scoring.TeacherScorer` over vLLM's OpenAI-compatible
 completions endpoint with ``prompt_logprobs`` (``opd serve-teacher``, ``vllm serve``, or any
 server answering in that format): each rollout is sent as its prompt (without left padding)
 followed by its response, and the answer's entry at position ``p + t`` (p = that prompt's
 length) gives response token t's teacher top-K and the teacher's log-prob of the sampled token.
-Rollouts go in several requests at once, so the server can batch them. A server that stops
-answering (refused or reset connections, timeouts, answers cut short, 5xx) is waited for, with
-capped exponential backoff, for up to ``--teacher-wait`` seconds (:class:`~opd.service.Patience` of
-:class:`~opd.service.Client`, the HTTP client the vLLM rollout engine uses too): a restart
-is waited out, at startup too (a trainer launched before its server), and a server that stays
-down raises :class:`~opd.teachers.scoring.TeacherUnavailable`, on which the trainer checkpoints the last
-completed step before it stops. A 4xx answer (408 and 429 aside) is the request's fault: an
-error at once. To opd's own server the client also sends ``opd_logprobs_from``, so only response
+Rollouts go in several requests at once, so the server can batch them. Several servers of one teacher
+share the requests (:mod:`opd.teachers.pool`: the least busy gets the next, a request a server fails is
+sent to another). When no server answers (refused or reset connections, timeouts, answers cut short,
+5xx) the teacher is waited for, with capped exponential backoff, for up to ``--teacher-wait`` seconds
+(:class:`~opd.service.Patience`): a restart is waited out, at startup too (a trainer launched before
+its server), and a teacher that stays down raises :class:`~opd.teachers.scoring.TeacherUnavailable`, on
+which the trainer checkpoints the last completed step before it stops. A 4xx answer (408 and 429 aside)
+is the request's fault: an error at once. Each server is asked for K once when it joins, so a server
+started with too small a ``--max-k`` (vLLM: ``--max-logprobs``) fails at start. To opd's own server the client also sends ``opd_logprobs_from``, so only response
 positions are scored and sent back, and asks for them as arrays (:mod:`opd.teachers.wire`) when the
 server offers that (vLLM's JSON spends a dict per returned token, built and parsed token by
 token in Python on both ends).
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import cast
 
@@ -47,15 +49,14 @@ from opd.chat import render_chat
 from opd.errors import UserError
 from opd.objectives import SERVED_GIVES, usable_with
 from opd.rollout.engine import RolloutBatch
-from opd.service import TEACHER_KEY_ENV, Client, Patience, stderr_line
+from opd.service import Patience, check_url, stderr_line
 from opd.teachers import wire
-from opd.teachers.scoring import TeacherScores, TeacherUnavailable, filler_scores
+from opd.teachers.pool import Identity, Server, TeacherPool
+from opd.teachers.scoring import TeacherScores, filler_scores
 
 __all__ = ["HTTPTeacher", "Patience", "probe_texts", "vocab_info"]
 
 SERVED_OBJECTIVES = usable_with(SERVED_GIVES)
-API_KEY_ENV = TEACHER_KEY_ENV
-KEY_HINT = f"set the server's key in the environment variable {API_KEY_ENV} (or --teacher-api-key)"
 
 
 def vocab_info(tokenizer, head_rows: int) -> dict:
@@ -68,15 +69,18 @@ def vocab_info(tokenizer, head_rows: int) -> dict:
 class HTTPTeacher:
     """A served teacher behind :class:`~opd.teachers.scoring.TeacherScorer` (top-K and sampled log-probs).
 
-    ``tokenizer`` is the one whose ids are sent (the student's; a cross-tokenizer teacher's own).
-    ``vocab_rows``: the output rows the ids must fall in; None takes the head size an opd server
-    reports (the tokenizer's size from a foreign server). ``binary=False`` keeps vLLM's JSON answers
-    even from an opd server that offers the binary ones. ``patience``: how long an unreachable
-    server is waited for, :class:`Patience`'s options (``wait``, ``retries``, ``backoff``, ...)."""
+    ``url``: one server, or several (a list, or comma-separated) serving the same teacher, which share
+    the requests (:class:`~opd.teachers.pool.TeacherPool`). ``tokenizer`` is the one whose ids are sent
+    (the student's; a cross-tokenizer teacher's own). ``vocab_rows``: the output rows the ids must fall in;
+    None takes the head size an opd server reports (the tokenizer's size from a foreign server). ``k``:
+    the K each server is asked for once when it joins, so a server that cannot give it fails at start.
+    ``binary=False`` keeps vLLM's JSON answers even from an opd server that offers the binary ones.
+    ``concurrency``: requests in flight per server. ``patience``: how long the teacher is waited for when
+    no server answers, :class:`Patience`'s options (``wait``, ``retries``, ``backoff``, ...)."""
 
     def __init__(
         self,
-        url: str,
+        url: str | Sequence[str],
         tokenizer,
         vocab_rows: int | None,
         *,
@@ -85,42 +89,68 @@ class HTTPTeacher:
         concurrency: int = 4,
         binary: bool = True,
         api_key: str = "",
+        k: int | None = None,
         **patience,
     ):
-        self.client = _TeacherClient(
-            url,
-            "--teacher-url",
-            key=api_key,
-            timeout=timeout,
-            timeout_option="--teacher-timeout",
-            patience=Patience(url, **patience),
+        urls = [u.strip() for u in url.split(",")] if isinstance(url, str) else list(url)
+        self.tokenizer, self.vocab_rows, self.k, self.want_binary = tokenizer, vocab_rows, k, binary
+        named = ", ".join(urls) if len(urls) > 1 else check_url(urls[0], "--teacher-url")
+        self.patience = Patience(
+            named, **{"what": "teacher servers" if len(urls) > 1 else "teacher server", **patience}
         )
-        self.url, self.vocab_rows, self.patience = self.client.url, vocab_rows, self.client.patience
-        self.prompts_per_request, self.concurrency = prompts_per_request, concurrency
-        self.model_name = self.client.model_name()
-        theirs = self._check_vocab(tokenizer)
-        self.vocab_verified = theirs is not None
-        offered = theirs.get("answer_media_types") if theirs is not None else None
-        # opd's binary answers (opd.teachers.wire) only from a server that offers them; vLLM's JSON otherwise
-        self.binary = binary and isinstance(offered, list) and wire.MEDIA_TYPE in offered
+        self.pool = TeacherPool(urls, self.patience, self._identify, self._verify, key=api_key, timeout=timeout)
+        self.url = self.pool.url
+        self.prompts_per_request, self.concurrency = prompts_per_request, concurrency * len(urls)
+        self._warned: set[str] = set()
+        self.pool.start()
+        self.model_name = cast(Identity, self.pool.identity).model
 
-    def _check_vocab(self, tokenizer) -> dict | None:
-        """opd's server's ``/opd/vocab`` answer once it matches the student's; ``None`` from a foreign server
-        (whose tokenizer is probed through ``/tokenize`` where it has one, as vLLM's has)."""
-        theirs = self.client.request("GET", "/opd/vocab", missing_ok=True)
-        if theirs is None:
-            self.vocab_rows = self.vocab_rows or len(tokenizer)
-            if not self._probe_tokenizer(tokenizer):
+    @property
+    def vocab_verified(self) -> bool:
+        """Whether every server that joined reported its vocabulary (opd's servers), checked against ours."""
+        return all(s.info.get("opd") for s in self.pool.servers if s.info)
+
+    @property
+    def binary(self) -> bool:
+        """Whether every server that joined answers in opd's binary format."""
+        return all(s.info.get("binary") for s in self.pool.servers if s.info)
+
+    def _identify(self, server: Server) -> Identity:
+        """What ``server`` serves: its model's name and, from opd's server, its vocabulary (``/opd/vocab``)."""
+        name = server.client.model_name()
+        theirs = server.client.request("GET", "/opd/vocab", missing_ok=True)
+        return Identity(name, (theirs if isinstance(theirs, dict) else {}) if theirs is not None else None)
+
+    def _verify(self, server: Server) -> None:
+        """``server``'s vocabulary (or its tokenization of probe texts) against ours; then K, asked once."""
+        vocab = cast(Identity, server.identity).vocab
+        if vocab is None:
+            self.vocab_rows = self.vocab_rows or len(self.tokenizer)
+            if not self._probe_tokenizer(server) and server.url not in self._warned:
+                self._warned.add(server.url)
                 stderr_line(
-                    f"opd train: warning: teacher server {self.url} reports no vocabulary (/opd/vocab) and has no "
+                    f"opd train: warning: teacher server {server.url} reports no vocabulary (/opd/vocab) and has no "
                     "/tokenize endpoint, so its tokenizer could not be checked; make sure it serves a model with "
                     "the student's tokenizer"
                 )
-            return None
-        theirs = theirs if isinstance(theirs, dict) else {}
+        else:
+            self._check_vocab(vocab)
+        offered = vocab.get("answer_media_types") if vocab is not None else None
+        # opd's binary answers (opd.teachers.wire) only from a server that offers them; vLLM's JSON otherwise
+        binary = self.want_binary and isinstance(offered, list) and wire.MEDIA_TYPE in offered
+        server.info = {"opd": vocab is not None, "binary": binary}
+        if self.k is not None:  # one short sequence: a server whose --max-k/--max-logprobs is below K says so now
+            seq = (self.tokenizer("The answer is 42.", add_special_tokens=False)["input_ids"] * 2)[:4]
+            ids, lps, given = filler_scores(1, len(seq) - 1, self.k, 1)
+            self._complete(
+                server, [seq], self.k, [1], ids, lps, given.squeeze(-1), torch.ones_like(given[..., 0]).bool()
+            )
+
+    def _check_vocab(self, theirs: dict) -> None:
+        """opd's server's ``/opd/vocab`` answer against the student's vocabulary."""
         if self.vocab_rows is None and isinstance(theirs.get("head_rows"), int):
             self.vocab_rows = theirs["head_rows"]
-        ours = vocab_info(tokenizer, self.vocab_rows or len(tokenizer))
+        ours = vocab_info(self.tokenizer, self.vocab_rows or len(self.tokenizer))
         if theirs.get("sha256") != ours["sha256"] or theirs.get("head_rows") != ours["head_rows"]:
             raise UserError(
                 f"the served teacher's vocabulary ({theirs.get('tokens')} tokens, {theirs.get('head_rows')} "
@@ -128,14 +158,14 @@ class HTTPTeacher:
                 "rows); serve a teacher with the student's tokenizer, or give --teacher-tokenizer DIR (the served "
                 "model's tokenizer) for cross-tokenizer OPD"
             )
-        return theirs
 
-    def _probe_tokenizer(self, tokenizer) -> bool:
+    def _probe_tokenizer(self, server: Server) -> bool:
         """Tokenize :func:`probe_texts` on the server (vLLM's ``POST /tokenize``) and compare id for id;
         False when the server has no such endpoint. A difference is an error naming both sides."""
+        tokenizer = self.tokenizer
         for text in probe_texts(tokenizer):
-            payload = {"model": self.model_name, "prompt": text, "add_special_tokens": False}
-            answer = self.client.request("POST", "/tokenize", payload, missing_ok=True)
+            payload = {"model": cast(Identity, server.identity).model, "prompt": text, "add_special_tokens": False}
+            answer = server.client.request("POST", "/tokenize", payload, missing_ok=True)
             if answer is None:
                 return False
             theirs = answer.get("tokens") if isinstance(answer, dict) else None
@@ -143,16 +173,17 @@ class HTTPTeacher:
                 return False
             ours = tokenizer(text, add_special_tokens=False)["input_ids"]
             if theirs != ours:
-                raise UserError(self._tokenizes_differently(tokenizer, text, ours, theirs))
+                raise UserError(self._tokenizes_differently(server, text, ours, theirs))
         return True
 
-    def _tokenizes_differently(self, tokenizer, text: str, ours: list[int], theirs: list) -> str:
+    def _tokenizes_differently(self, server: Server, text: str, ours: list[int], theirs: list) -> str:
         at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        tokenizer = self.tokenizer
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         return (
-            f"the served teacher {self.model_name!r} at {self.url} tokenizes differently from opd's tokenizer "
-            f"({name}, {len(tokenizer)} tokens): the probe {text[:40]!r} is {len(theirs)} ids there and "
-            f"{len(ours)} here, first differing at token {at} (id {theirs[at] if at < len(theirs) else 'none'} "
+            f"the served teacher {cast(Identity, server.identity).model!r} at {server.url} tokenizes differently "
+            f"from opd's tokenizer ({name}, {len(tokenizer)} tokens): the probe {text[:40]!r} is {len(theirs)} ids "
+            f"there and {len(ours)} here, first differing at token {at} (id {theirs[at] if at < len(theirs) else 'none'} "
             f"there, {ours[at] if at < len(ours) else 'none'} here); serve a teacher with the student's tokenizer, "
             "or give --teacher-tokenizer for cross-tokenizer OPD"
         )
@@ -178,7 +209,11 @@ class HTTPTeacher:
             rows = slice(s, min(s + step, N))
             prompts = [input_NL[i, :P][attn_NL[i]].tolist() for i in range(rows.start, rows.stop)]
             seqs = [p + response_NT[i, : lens[i]].tolist() for i, p in zip(range(rows.start, rows.stop), prompts)]
-            self._complete(seqs, k, [len(p) for p in prompts], ids[rows], lps[rows], sampled[rows], answered_NT[rows])
+            starts = [len(p) for p in prompts]
+            outputs = ids[rows], lps[rows], sampled[rows], answered_NT[rows]
+            # the request's tokens: a server's outstanding work (opd's server scores the responses only)
+            cost = sum(len(q) - p for q, p in zip(seqs, starts))
+            self.pool.send(cost, lambda server: self._complete(server, seqs, k, starts, *outputs))
 
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
             futures = [pool.submit(one, s) for s in range(0, N, step)]
@@ -198,18 +233,33 @@ class HTTPTeacher:
         raise UserError(f"a served teacher does not return full-vocabulary scores; use {SERVED_OBJECTIVES}")
 
     def _complete(
-        self, seqs: list[list[int]], k: int, starts: list[int], ids_NTK, lps_NTK, sampled_NT, answered_NT
+        self,
+        server: Server,
+        seqs: list[list[int]],
+        k: int,
+        starts: list[int],
+        ids_NTK,
+        lps_NTK,
+        sampled_NT,
+        answered_NT,
     ) -> None:
-        """POST the sequences; write each one's response positions into its row of the outputs."""
-        payload = {"model": self.model_name, "prompt": seqs, "max_tokens": 1, "prompt_logprobs": k, "temperature": 1.0}
-        if self.vocab_verified:  # opd's server: score only the responses (see opd.teachers.server)
+        """POST the sequences to ``server``; write each one's response positions into its row of the outputs
+        (only once the whole answer is in: one cut short leaves them for the server the pool asks next)."""
+        payload = {
+            "model": cast(Identity, server.identity).model,
+            "prompt": seqs,
+            "max_tokens": 1,
+            "prompt_logprobs": k,
+            "temperature": 1.0,
+        }
+        if server.info["opd"]:  # opd's server: score only the responses (see opd.teachers.server)
             payload["opd_logprobs_from"] = starts
-        accept = wire.MEDIA_TYPE if self.binary else None
+        binary = server.info["binary"]
+        accept = wire.MEDIA_TYPE if binary else None
+        data = json.dumps(payload).encode()
         # None only for a 404 with missing_ok
-        media, body = cast(
-            tuple[str, bytes], self.client.fetch("POST", "/v1/completions", json.dumps(payload).encode(), accept=accept)
-        )
-        if self.binary and media == wire.MEDIA_TYPE:
+        media, body = cast(tuple[str, bytes], server.client.fetch("POST", "/v1/completions", data, accept=accept))
+        if binary and media == wire.MEDIA_TYPE:
             try:
                 top_ids, top_lps, given = wire.decode_scores(
                     body,
@@ -219,23 +269,23 @@ class HTTPTeacher:
                 )
             except wire.WireError as exc:
                 raise UserError(
-                    f"teacher server {self.url} sent a malformed binary answer ({exc}); is it an opd "
+                    f"teacher server {server.url} sent a malformed binary answer ({exc}); is it an opd "
                     "server of this version? (--teacher-url)"
                 ) from None
             ids_NTK[answered_NT], lps_NTK[answered_NT], sampled_NT[answered_NT] = top_ids, top_lps, given
             return
-        answer = self.client.decode(body, "/v1/completions")
+        answer = server.client.decode(body, "/v1/completions")
         try:
             choices = sorted(answer["choices"], key=lambda c: c["index"])
             out = [c["prompt_logprobs"] for c in choices]
         except (KeyError, TypeError):
-            raise self._malformed("no choices[].index / prompt_logprobs in the answer") from None
+            raise _malformed(server, "no choices[].index / prompt_logprobs in the answer") from None
         if len(out) != len(seqs) or any(not isinstance(p, list) or len(p) != len(s) for p, s in zip(out, seqs)):
-            raise self._malformed(f"expected {len(seqs)} choices with one prompt_logprobs entry per token")
+            raise _malformed(server, f"expected {len(seqs)} choices with one prompt_logprobs entry per token")
         for n, (plp, p, seq) in enumerate(zip(out, starts, seqs)):
-            self._fill(plp, p, seq, k, ids_NTK[n], lps_NTK[n], sampled_NT[n])
+            self._fill(server, plp, p, seq, k, ids_NTK[n], lps_NTK[n], sampled_NT[n])
 
-    def _fill(self, plp: list, p: int, seq: list[int], k: int, ids_TK, lps_TK, sampled_T) -> None:
+    def _fill(self, server: Server, plp: list, p: int, seq: list[int], k: int, ids_TK, lps_TK, sampled_T) -> None:
         """Response token t is entry p + t: its top-K (the K largest) and the given token's log-prob."""
         rows = cast(int, self.vocab_rows)  # settled in __init__ (_check_vocab)
         top_ids, top_lps, given_lps = [], [], []
@@ -247,34 +297,36 @@ class HTTPTeacher:
                 if not given_lps[-1] <= 1e-4:
                     raise ValueError
             except (AttributeError, KeyError, TypeError, ValueError):
-                raise self._malformed(
-                    f"position {p + t} lacks the given token {given} or a log-prob <= 0 for it"
+                raise _malformed(
+                    server, f"position {p + t} lacks the given token {given} or a log-prob <= 0 for it"
                 ) from None
             if len(pairs) < k:
                 raise UserError(
-                    f"teacher server {self.url} returned {len(pairs)} top tokens where --k {k} were asked; "
+                    f"teacher server {server.url} returned {len(pairs)} top tokens where --k {k} were asked; "
                     "raise the server's limit (vllm serve --max-logprobs) or lower --k"
                 )
             if len(pairs) > k + 1:
-                raise self._malformed(f"position {p + t} has {len(pairs)} entries for prompt_logprobs={k}")
+                raise _malformed(server, f"position {p + t} has {len(pairs)} entries for prompt_logprobs={k}")
             # K + 1 entries: the given token is the extra one, outside the top-K.
             top = [x for x in pairs if x[1] != given] if len(pairs) == k + 1 else pairs
             # "not lp <= 0" also refuses NaN, which the losses would mask as they mask -inf: silently
             if any(not 0 <= tid < rows for _, tid in top) or any(not lp <= 1e-4 for lp, _ in top):
-                raise self._malformed(
+                raise _malformed(
+                    server,
                     f"position {p + t} holds a token id outside the student's vocabulary "
-                    f"[0, {self.vocab_rows}) or a log-prob that is not <= 0"
+                    f"[0, {self.vocab_rows}) or a log-prob that is not <= 0",
                 )
             top_lps.append([lp for lp, _ in top])
             top_ids.append([tid for _, tid in top])
         n = len(given_lps)
         ids_TK[:n], lps_TK[:n], sampled_T[:n] = (torch.tensor(x, device="cpu") for x in (top_ids, top_lps, given_lps))
 
-    def _malformed(self, what: str) -> UserError:
-        return UserError(
-            f"teacher server {self.url} sent a malformed prompt_logprobs answer ({what}); "
-            "--teacher-url must be a vLLM-compatible completions server"
-        )
+
+def _malformed(server: Server, what: str) -> UserError:
+    return UserError(
+        f"teacher server {server.url} sent a malformed prompt_logprobs answer ({what}); "
+        "--teacher-url must be a vLLM-compatible completions server"
+    )
 
 
 def probe_texts(tokenizer, spread: int = 256) -> list[str]:
@@ -293,36 +345,3 @@ def probe_texts(tokenizer, spread: int = 256) -> list[str]:
     step = max(len(tokenizer) // spread, 1)
     texts.append(tokenizer.decode(list(range(0, len(tokenizer), step)), skip_special_tokens=True))
     return texts
-
-
-class _TeacherClient(Client):
-    """The served teacher's requests, with errors that say how to fix what is known to cause them."""
-
-    def refused(self, path: str, code: int, message: str) -> UserError:
-        said = f"teacher server {self.url}{path} answered HTTP {code}: {message}"
-        if code == 401:
-            sent = "the API key sent was refused" if self.auth else "no API key was sent"
-            return UserError(f"{said}; {sent}: {KEY_HINT}")
-        lowered = message.lower()
-        if "logprobs" in lowered and "max" in lowered:  # vLLM: "... greater than max allowed: 20"
-            return UserError(
-                f"{said}; start the server with a larger --max-logprobs (at least --k; vLLM's default is 20) or lower --k"
-            )
-        if "max_model_len" in lowered or "context length" in lowered:
-            return UserError(
-                f"{said}; a prompt and its response must fit the server's context: start it with a larger "
-                "--max-model-len, or lower --max-new-tokens"
-            )
-        return UserError(said)
-
-    def gave_up(self, path: str, attempts: int, seconds: float, reason: str) -> TeacherUnavailable:
-        spent = self.patience.spent(attempts)
-        if reason.startswith("HTTP "):  # the server runs but fails: its own log says why
-            return TeacherUnavailable(
-                f"teacher server {self.url}{path} answered {reason}; still failing after {attempts} attempts "
-                f"over {seconds:.0f} s ({spent}); check the server's log, or raise {spent.split()[0]}"
-            )
-        return TeacherUnavailable(
-            f"teacher server {self.url} is unreachable after {attempts} attempts over {seconds:.0f} s ({reason}, "
-            f"{spent}); start it (opd serve-teacher TEACHER_DIR --port PORT) or fix --teacher-url {self.url}"
-        )

@@ -43,7 +43,7 @@ def make_teacher(cfg, student, tokenizer):
     if why:
         raise UserError(f"{why}; with --teacher-url use {SERVED_OBJECTIVES}, or use --teacher DIR")
     key = api_key(TEACHER_KEY_ENV, cfg.teacher_api_key)
-    client = dict(timeout=cfg.teacher_timeout, wait=cfg.teacher_wait, retries=cfg.teacher_retries, api_key=key)
+    client = dict(timeout=cfg.teacher_timeout, wait=cfg.teacher_wait, retries=cfg.teacher_retries, api_key=key, k=cfg.k)
     if cfg.teacher_tokenizer:
         teacher_tok = teacher_tokenizer(cfg, cfg.teacher_tokenizer)
         if uses_cross_tokenizer(cfg, tokenizer, teacher_tok):

@@ -87,11 +87,11 @@ FALLBACK_CONTEXT = 4096  # the request limit for a model whose config states no 
 
 @dataclass
 class Limits:
-    """Bounds on one request and on one forward pass (``max_prompt_tokens`` 0: :func:`serve` sets the
-    model's context length)."""
+    """Bounds on one request and on one forward pass (``max_prompt_tokens`` 0, as ``opd serve-teacher``'s
+    default: :class:`TeacherApp` sets the model's context length)."""
 
     max_k: int = 128
-    max_prompt_tokens: int = FALLBACK_CONTEXT
+    max_prompt_tokens: int = 0
     max_prompts: int = 256
     max_batch_tokens: int = 16384
     batch_wait_ms: float = 5.0
@@ -424,6 +424,9 @@ class TeacherApp:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.limits = limits or Limits()
+        if not self.limits.max_prompt_tokens:
+            context = getattr(model.config, "max_position_embeddings", None) or FALLBACK_CONTEXT
+            self.limits = dataclasses.replace(self.limits, max_prompt_tokens=context)
         self.vocab_rows = head_weight(model).shape[0]
         # opd's clients read the answer formats from here: listing the binary one is the offer
         self.vocab = {
@@ -662,10 +665,6 @@ def serve(
         dtype = auto_dtype(folder, dtype, on)
     model = load_model(model_dir, "teacher", dtype, on, option=where, revision=revision)
     tok = load_tokenizer(model_dir, "teacher", option=where, revision=revision)
-    limits = limits or Limits()
-    if not limits.max_prompt_tokens:
-        context = getattr(model.config, "max_position_embeddings", None) or FALLBACK_CONTEXT
-        limits = dataclasses.replace(limits, max_prompt_tokens=context)
     app = TeacherApp(model, tok, served_model_name or str(model_dir), limits, api_keys)
     sock = _listen(host, port)
     server = _server(app, sock, verbose)
@@ -676,7 +675,7 @@ def serve(
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         keyed = f", {len(keys.digests)} API key(s)" if keys else ""
-        about = f"model {app.model_name}, vocabulary {app.vocab_rows}, {dtype}, requests up to {limits.max_prompt_tokens} tokens{keyed}"
+        about = f"model {app.model_name}, vocabulary {app.vocab_rows}, {dtype}, requests up to {app.limits.max_prompt_tokens} tokens{keyed}"
         print(f"opd teacher server: {url} ({about}); train with --teacher-url {url}", flush=True)
         server.run(sockets=[sock])
     except KeyboardInterrupt:
