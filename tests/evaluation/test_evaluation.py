@@ -155,9 +155,16 @@ def test_model_sampling_reads_the_generation_config(tmp_path):
     (tmp_path / "generation_config.json").write_text(
         json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20})
     )
-    with pytest.warns(UserWarning, match="top_k=20"):
-        s = resolve_sampling("model", 1.0, 1.0, str(tmp_path / ""))
-    assert (s.mode, s.temperature, s.top_p) == ("model", 0.6, 0.95) and "top_k=20" in s.note
+    s = resolve_sampling("model", 1.0, 1.0, str(tmp_path / ""))
+    assert (s.mode, s.temperature, s.top_p, s.top_k, s.note) == ("model", 0.6, 0.95, 20, "")
+    assert s.record(4) == {
+        "mode": "model",
+        "greedy_response": False,
+        "samples": 4,
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "top_k": 20,
+    }
     # a model whose config does not sample is decoded greedily, and eval.json says why
     plain = resolve_sampling("model", 1.0, 1.0, str(DEMO / "student"))
     assert plain.mode == "greedy" and "does not sample" in plain.note
@@ -264,7 +271,14 @@ def test_each_training_evaluation_writes_its_records(tiny_models, tmp_path):
         assert sum(x["correct"] for x in records if x["sample"] == GREEDY) / 4 == r["eval/accuracy"]
         assert "eval/maj_at_k" in r and "eval/truncation_rate" in r and "eval/sampling" not in r
     used = json.loads((run / "eval_sampling.json").read_text())
-    assert used == {"mode": "greedy", "greedy_response": True, "samples": 2, "temperature": 1.0, "top_p": cfg.top_p}
+    assert used == {
+        "mode": "greedy",
+        "greedy_response": True,
+        "samples": 2,
+        "temperature": 1.0,
+        "top_p": cfg.top_p,
+        "top_k": 0,
+    }
 
 
 def test_training_evaluates_through_the_runs_engine(tiny_models, tmp_path, monkeypatch):

@@ -74,6 +74,7 @@ class PromptItems:
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             greedy=sampling.greedy,
+            top_k=sampling.top_k,
         )
         check_count(engine.name, batch.num_rollouts, len(ids))
         texts = decode_responses(self.tokenizer, batch.response_ids_NT, batch.response_mask_NT)

@@ -8,7 +8,7 @@ in ``/dev/shm``, loaded in place by the server (``POST /collective_rpc`` with ``
 run's adapter alone, and the prefix cache reset (``POST /reset_prefix_cache``): vLLM's dev-mode endpoints
 (``VLLM_SERVER_DEV_MODE=1``), outside ``/v1`` and so outside ``--api-key``'s reach, which is why the engine
 must stay on loopback or a private network. Each prompt (each turn of an episode) is one completions request with its own ``seed`` (vLLM
-batches concurrent requests), sampling with opd's temperature and top-p (``top_k`` off), and asks for the
+batches concurrent requests), sampling with opd's temperature, top-p and top-k (``top_k`` -1 when off), and asks for the
 sampled token's log-prob (``logprobs: 0``): with vLLM's default ``--logprobs-mode raw_logprobs`` that is
 the unmodified policy's log-prob, the quantity opd's own sampler records and the policy check compares
 (:mod:`opd.rollout.served`; its bound is ``--vllm-max-gap``).
@@ -193,9 +193,8 @@ class VLLMRollout(ServerEngine):
     def payload(self, r: Request) -> dict:
         """One completions request: raw log-probs of the sampled tokens, the token ids, stopping at EOS."""
         how = r.sampling
-        sampling = (
-            {"temperature": 0.0} if how.greedy else {"temperature": how.temperature, "top_p": how.top_p, "top_k": -1}
-        )
+        top_k = how.top_k or -1  # vLLM's "off" (its default may not be)
+        sampling = {"temperature": 0.0} if how.greedy else {"temperature": how.temperature, "top_p": how.top_p, "top_k": top_k}
         return {
             "model": self.model_name,
             "prompt": list(r.prompt),
