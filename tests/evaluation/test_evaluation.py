@@ -226,6 +226,40 @@ def test_opd_eval_writes_figures_and_records(tmp_path):
     assert sum(r["correct"] for r in greedy) / 8 == result["accuracy"]
 
 
+def test_opd_eval_runs_on_the_engine_options_given(tmp_path, monkeypatch):
+    """``opd eval --rollout-engine hf --static-cache on`` decodes with the static cache, and writes what the
+    dynamic cache writes (greedy and sampled alike); the engine is closed after."""
+    import opd.rollout.sampling as sampling
+
+    static_batches, closed = [], []
+    init, close = sampling._StaticSteps.__init__, sampling.HFRollout.close
+    monkeypatch.setattr(sampling._StaticSteps, "__init__", lambda s, *a: static_batches.append(1) or init(s, *a))
+    monkeypatch.setattr(sampling.HFRollout, "close", lambda s: closed.append(1) or close(s))
+    common = dict(student=str(DEMO / "student"), device="cpu", max_new_tokens=40, eval_size=6, samples=1, seed=2)
+    runs = {}
+    for mode in ("off", "on"):
+        out = tmp_path / mode
+        cfg = EvalConfig(out=str(out), rollout_engine="hf", static_cache=mode, **common)
+        runs[mode] = (run_eval(cfg), read_records(out / "eval_samples.jsonl"))
+        assert len(static_batches) == (2 if mode == "on" else 0)  # its greedy batch, its sampled batch
+    assert closed == [1, 1]
+    (off, off_records), (on, on_records) = runs["off"], runs["on"]
+    assert on_records == off_records and {**on, "wall_s": 0} == {**off, "wall_s": 0}
+    assert 0 < off["accuracy"] < 1  # some right, some wrong: the equality says something
+
+
+def test_opd_eval_engine_options_are_checked_as_trainings(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match="static_cache=on is a setting of opd's own sampling loop"):
+        EvalConfig(rollout_engine="vllm", static_cache="on")
+    with pytest.raises(ConfigError, match="--vllm-url set but rollout_engine is hf"):
+        EvalConfig(vllm_url="http://127.0.0.1:8000")
+    loaded = []
+    monkeypatch.setattr("opd.evaluation.model_eval.load_model", lambda *a, **k: loaded.append(1))
+    with pytest.raises(UserError, match="rollout_engine='nope' is not a registered rollout engine"):
+        run_eval(EvalConfig(out=str(tmp_path / "out"), student=str(DEMO / "student"), rollout_engine="nope"))
+    assert not loaded
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_a_read_only_records_place_is_found_before_the_model_loads(tmp_path, monkeypatch):
     locked = tmp_path / "locked"

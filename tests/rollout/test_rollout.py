@@ -124,7 +124,11 @@ def test_top_p_1_draws_the_inverse_cdf_of_the_sorted_distribution_without_sortin
     probs = torch.softmax(logits.double(), -1)
     for n in range(rows):
         p = probs[n]
-        order = sorted(range(V), key=lambda i: (-float(p[i]), i)) if V < 1000 else p.argsort(descending=True, stable=True).tolist()
+        order = (
+            sorted(range(V), key=lambda i: (-float(p[i]), i))
+            if V < 1000
+            else p.argsort(descending=True, stable=True).tolist()
+        )
         cdf = torch.cumsum(p[order], 0)
         want = order[int(torch.searchsorted(cdf, torch.tensor([float(u[n])], dtype=torch.float64), right=True))]
         assert int(nucleus_sample(logits[n : n + 1], u[n : n + 1], 1.0, 1.0)) == want, f"row {n}"

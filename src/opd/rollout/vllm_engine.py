@@ -194,7 +194,9 @@ class VLLMRollout(ServerEngine):
         """One completions request: raw log-probs of the sampled tokens, the token ids, stopping at EOS."""
         how = r.sampling
         top_k = how.top_k or -1  # vLLM's "off" (its default may not be)
-        sampling = {"temperature": 0.0} if how.greedy else {"temperature": how.temperature, "top_p": how.top_p, "top_k": top_k}
+        sampling = (
+            {"temperature": 0.0} if how.greedy else {"temperature": how.temperature, "top_p": how.top_p, "top_k": top_k}
+        )
         return {
             "model": self.model_name,
             "prompt": list(r.prompt),
@@ -297,7 +299,7 @@ def start_vllm(ctx: EngineContext) -> VLLMRollout:
             weights_dtype=engine_dtype(cfg.dtype),
         )
     shared = ctx.world > 1 and bool(cfg.vllm_url)
-    if shared and cfg.max_staleness:
+    if shared and bool(getattr(cfg, "max_staleness", 0)):  # opd eval's config has no staleness, nor LoRA
         raise UserError(
             "--max-staleness with one server shared by several ranks (--vllm-url): each rank's rollout worker "
             "would reload its weights at its own moment; leave --vllm-url out (opd starts a server per rank), or "
@@ -314,7 +316,7 @@ def start_vllm(ctx: EngineContext) -> VLLMRollout:
     own, gpus = not cfg.vllm_url, torch.cuda.is_available()
     way = choose(cfg.vllm_sync, ctx.model, ctx.folder, own_server=own, dtype=engine_dtype(cfg.dtype), on_gpu=gpus)
     user_args = vllm_arg_list(cfg.vllm_args)
-    way_args, way_env = server_options(way, cfg.lora_r, user_args)
+    way_args, way_env = server_options(way, getattr(cfg, "lora_r", 0), user_args)
     launch = functools.partial(
         start_vllm_server,
         ctx.model_dir or cfg.student,
