@@ -9,7 +9,8 @@ things the trainer relies on:
 * the log-prob of each sampled token under the *unmodified* policy (temperature 1, no top-p), the
   quantity the sampled-token reward and importance ratios use;
 * exact nucleus sampling by inverse CDF on the sorted, truncated distribution, so a token outside
-  the top-p nucleus can never be drawn (and no hidden default top_k=50);
+  the top-p nucleus (within the top-k tokens when a top-k is asked for) can never be drawn (and no
+  hidden default top_k=50);
 * one uniform random number per prompt and position, drawn from a generator seeded by that
   prompt's own seed (an episode: one stream for all its turns): a prompt gets the same rollout
   whatever batch or process it lands in, which makes resumed and data-parallel runs reproduce
