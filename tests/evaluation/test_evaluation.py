@@ -28,6 +28,7 @@ from opd.evaluation.estimators import maj_at_k
 from opd.evaluation.model_eval import PromptItems, run_eval
 from opd.evaluation.records import read_records
 from opd.models.loading import load_model, load_tokenizer
+from opd.rollout.engine import Sampling
 from opd.rollout.prompt_set import PromptSet, eval_prompts, load_task
 from opd.rollout.sampling import HFRollout
 
@@ -169,6 +170,25 @@ def test_model_sampling_reads_the_generation_config(tmp_path):
     plain = resolve_sampling("model", 1.0, 1.0, str(DEMO / "student"))
     assert plain.mode == "greedy" and "does not sample" in plain.note
     assert resolve_sampling("explicit", 0.3, 0.5, str(DEMO / "student")) == EvalSampling("explicit", 0.3, 0.5)
+
+
+def test_vllm_requests_carry_the_top_k():
+    """vLLM's completions request: the sampling's top-k, or -1 (vLLM's "off") when it has none; greedy asks
+    for temperature 0 alone."""
+    from types import SimpleNamespace
+
+    from opd.rollout.served import Request
+    from opd.rollout.vllm_engine import VLLMRollout
+
+    engine = SimpleNamespace(model_name="student", eos_id=2)
+    ask = lambda how: VLLMRollout.payload(engine, Request([5, 6], 7, 16, how))  # noqa: E731
+    assert {k: ask(Sampling(0.6, 0.95, top_k=20))[k] for k in ("temperature", "top_p", "top_k")} == {
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "top_k": 20,
+    }
+    assert ask(Sampling(1.0, 0.9))["top_k"] == -1
+    assert "top_k" not in ask(Sampling(greedy=True, top_k=20)) and ask(Sampling(greedy=True))["temperature"] == 0.0
 
 
 def test_maj_at_k_without_samples_and_an_unknown_mode_are_refused():

@@ -7,6 +7,7 @@ References are explicit loops over plain Python lists, not calls into the code u
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,6 +208,32 @@ def test_rollout_tokens_stay_in_each_positions_top_k(tiny_models, static_cache):
             assert token in ref_top_k_nucleus(probs, 2, 1.0), f"rollout {n} position {t}: token outside the top 2"
             second += token != max(range(len(probs)), key=probs.__getitem__)
     assert second > 0, "the test needs draws of the second most probable token (top-k 2 is not greedy)"
+
+
+def test_top_k_1_samples_what_greedy_decoding_writes_in_batches_and_episodes():
+    """Top-k 1 keeps the most probable token alone, so sampling (at temperature 3, where the demo student's
+    draws go astray) writes the greedy responses: the single-turn loop and the episode sessions alike."""
+    import opd
+    from opd.envs import get_env
+    from opd.rollout.episodes import EpisodeRollout
+
+    demo = Path(opd.__file__).parent / "assets" / "demo" / "student"
+    model, tok = load_model(demo, "student"), load_tokenizer(demo, "student")
+    engine = HFRollout(model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    prompts, seeds = some_prompts(tok, 4), [0, 1, 2, 3]
+    greedy = engine.generate(prompts, seeds, max_new_tokens=12, greedy=True)
+    top_1 = engine.generate(prompts, seeds, max_new_tokens=12, temperature=3.0, top_k=1)
+    free = engine.generate(prompts, seeds, max_new_tokens=12, temperature=3.0)
+    assert torch.equal(top_1.response_ids_NT, greedy.response_ids_NT)
+    assert not torch.equal(free.response_ids_NT, greedy.response_ids_NT)  # sampling alone differs here
+    env = get_env("toy", rooms=3, max_turns=4)
+    games, limits = env.games("train")[:3], dict(max_new_tokens=120, max_action_tokens=16)
+    player = EpisodeRollout(engine, tok)
+    ways = ({"greedy": True}, {"temperature": 3.0, "top_k": 1}, {"temperature": 3.0})
+    greedy_eps, top_1_eps, free_eps = (
+        [r.actions for r in player.play(env, games, [0, 1, 2], **limits, **how).records] for how in ways
+    )
+    assert top_1_eps == greedy_eps != free_eps
 
 
 def test_rollout_depends_on_its_own_seed_only(tiny_models):
