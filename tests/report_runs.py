@@ -1,6 +1,6 @@
 """Real runs for the report's tests: what report/test_report.py, report/test_report_agentic.py and
 report/test_report_browser.py load, chart and show. Each trains the session's tiny random models (the
-``tiny_models`` fixture) for 3 steps.
+``tiny_models`` fixture) for 3 steps. Evaluation records are written by hand (:func:`records_run`).
 """
 
 from __future__ import annotations
@@ -90,3 +90,39 @@ def make_agentic_run(models, root):
         show_progress=False,
     )
     return out
+
+
+# ---------------------------------------------------------------- evaluation records, written by hand
+
+
+def eval_record(item, correct, sample=-1, truncated=False) -> dict:
+    """One response's record as opd.evaluation.records writes it."""
+    return {
+        "item": item,
+        "sample": sample,
+        "prompt": f"q{item}",
+        "response": f"r{item}",
+        "answer": "1",
+        "reference": "1",
+        "correct": correct,
+        "tokens": 3,
+        "truncated": truncated,
+    }
+
+
+def write_records(path, records) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def records_run(root, name, evaluations, tasks=None):
+    """A run folder with one metrics line and ``evaluations`` ({step: records}) in ``eval_samples/``, and per
+    task of ``tasks`` ({name: {step: records}}) in ``tasks/NAME/eval_samples/``."""
+    run = root / name
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "train/loss": 1.0}) + "\n")
+    (run / "config.json").write_text(json.dumps({"steps": 1}))
+    for folder, evals in [(run, evaluations), *((run / "tasks" / t, e) for t, e in (tasks or {}).items())]:
+        for step, records in evals.items():
+            write_records(folder / "eval_samples" / f"step_{step:07d}.jsonl", records)
+    return run

@@ -28,6 +28,7 @@ from opd.evaluation.estimators import maj_at_k
 from opd.evaluation.model_eval import PromptItems, run_eval
 from opd.evaluation.records import read_records
 from opd.models.loading import load_model, load_tokenizer
+from opd.rollout.engine import Sampling
 from opd.rollout.prompt_set import PromptSet, eval_prompts, load_task
 from opd.rollout.sampling import HFRollout
 
@@ -155,13 +156,39 @@ def test_model_sampling_reads_the_generation_config(tmp_path):
     (tmp_path / "generation_config.json").write_text(
         json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20})
     )
-    with pytest.warns(UserWarning, match="top_k=20"):
-        s = resolve_sampling("model", 1.0, 1.0, str(tmp_path / ""))
-    assert (s.mode, s.temperature, s.top_p) == ("model", 0.6, 0.95) and "top_k=20" in s.note
+    s = resolve_sampling("model", 1.0, 1.0, str(tmp_path / ""))
+    assert (s.mode, s.temperature, s.top_p, s.top_k, s.note) == ("model", 0.6, 0.95, 20, "")
+    assert s.record(4) == {
+        "mode": "model",
+        "greedy_response": False,
+        "samples": 4,
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "top_k": 20,
+    }
     # a model whose config does not sample is decoded greedily, and eval.json says why
     plain = resolve_sampling("model", 1.0, 1.0, str(DEMO / "student"))
     assert plain.mode == "greedy" and "does not sample" in plain.note
     assert resolve_sampling("explicit", 0.3, 0.5, str(DEMO / "student")) == EvalSampling("explicit", 0.3, 0.5)
+
+
+def test_vllm_requests_carry_the_top_k():
+    """vLLM's completions request: the sampling's top-k, or -1 (vLLM's "off") when it has none; greedy asks
+    for temperature 0 alone."""
+    from types import SimpleNamespace
+
+    from opd.rollout.served import Request
+    from opd.rollout.vllm_engine import VLLMRollout
+
+    engine = SimpleNamespace(model_name="student", eos_id=2)
+    ask = lambda how: VLLMRollout.payload(engine, Request([5, 6], 7, 16, how))  # noqa: E731
+    assert {k: ask(Sampling(0.6, 0.95, top_k=20))[k] for k in ("temperature", "top_p", "top_k")} == {
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "top_k": 20,
+    }
+    assert ask(Sampling(1.0, 0.9))["top_k"] == -1
+    assert "top_k" not in ask(Sampling(greedy=True, top_k=20)) and ask(Sampling(greedy=True))["temperature"] == 0.0
 
 
 def test_maj_at_k_without_samples_and_an_unknown_mode_are_refused():
@@ -219,6 +246,40 @@ def test_opd_eval_writes_figures_and_records(tmp_path):
     assert sum(r["correct"] for r in greedy) / 8 == result["accuracy"]
 
 
+def test_opd_eval_runs_on_the_engine_options_given(tmp_path, monkeypatch):
+    """``opd eval --rollout-engine hf --static-cache on`` decodes with the static cache, and writes what the
+    dynamic cache writes (greedy and sampled alike); the engine is closed after."""
+    import opd.rollout.sampling as sampling
+
+    static_batches, closed = [], []
+    init, close = sampling._StaticSteps.__init__, sampling.HFRollout.close
+    monkeypatch.setattr(sampling._StaticSteps, "__init__", lambda s, *a: static_batches.append(1) or init(s, *a))
+    monkeypatch.setattr(sampling.HFRollout, "close", lambda s: closed.append(1) or close(s))
+    common = dict(student=str(DEMO / "student"), device="cpu", max_new_tokens=40, eval_size=6, samples=1, seed=2)
+    runs = {}
+    for mode in ("off", "on"):
+        out = tmp_path / mode
+        cfg = EvalConfig(out=str(out), rollout_engine="hf", static_cache=mode, **common)
+        runs[mode] = (run_eval(cfg), read_records(out / "eval_samples.jsonl"))
+        assert len(static_batches) == (2 if mode == "on" else 0)  # its greedy batch, its sampled batch
+    assert closed == [1, 1]
+    (off, off_records), (on, on_records) = runs["off"], runs["on"]
+    assert on_records == off_records and {**on, "wall_s": 0} == {**off, "wall_s": 0}
+    assert 0 < off["accuracy"] < 1  # some right, some wrong: the equality says something
+
+
+def test_opd_eval_engine_options_are_checked_as_trainings(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match="static_cache=on is a setting of opd's own sampling loop"):
+        EvalConfig(rollout_engine="vllm", static_cache="on")
+    with pytest.raises(ConfigError, match="--vllm-url set but rollout_engine is hf"):
+        EvalConfig(vllm_url="http://127.0.0.1:8000")
+    loaded = []
+    monkeypatch.setattr("opd.evaluation.model_eval.load_model", lambda *a, **k: loaded.append(1))
+    with pytest.raises(UserError, match="rollout_engine='nope' is not a registered rollout engine"):
+        run_eval(EvalConfig(out=str(tmp_path / "out"), student=str(DEMO / "student"), rollout_engine="nope"))
+    assert not loaded
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_a_read_only_records_place_is_found_before_the_model_loads(tmp_path, monkeypatch):
     locked = tmp_path / "locked"
@@ -264,7 +325,14 @@ def test_each_training_evaluation_writes_its_records(tiny_models, tmp_path):
         assert sum(x["correct"] for x in records if x["sample"] == GREEDY) / 4 == r["eval/accuracy"]
         assert "eval/maj_at_k" in r and "eval/truncation_rate" in r and "eval/sampling" not in r
     used = json.loads((run / "eval_sampling.json").read_text())
-    assert used == {"mode": "greedy", "greedy_response": True, "samples": 2, "temperature": 1.0, "top_p": cfg.top_p}
+    assert used == {
+        "mode": "greedy",
+        "greedy_response": True,
+        "samples": 2,
+        "temperature": 1.0,
+        "top_p": cfg.top_p,
+        "top_k": 0,
+    }
 
 
 def test_training_evaluates_through_the_runs_engine(tiny_models, tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import opd
-from opd.config import TrainConfig
+from opd.config import EvalConfig
 from opd.evaluation.core import GREEDY, EvalPlan, EvalSampling, evaluate
 from opd.evaluation.model_eval import PromptItems
 from opd.models.loading import load_model, load_tokenizer
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def vllm_engine(tmp_path_factory):
-    """A vLLM engine on the demo student, started as training starts it (--rollout-engine vllm)."""
+    """A vLLM engine on the demo student, started as opd eval starts it (--rollout-engine vllm)."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
@@ -36,7 +36,7 @@ def vllm_engine(tmp_path_factory):
 
     needs_vllm()
     tok = load_tokenizer(DEMO / "student", "student")
-    cfg = TrainConfig(student=str(DEMO / "student"), teacher=str(DEMO / "teacher"), rollout_engine="vllm")
+    cfg = EvalConfig(student=str(DEMO / "student"), rollout_engine="vllm")  # as opd eval starts it
     model = load_model(DEMO / "student", "student")
     engine = start_vllm(EngineContext(model, tok, cfg, cfg.student, folder=tmp_path_factory.mktemp("vllm")))
     yield model, tok, engine
@@ -57,6 +57,19 @@ def test_vllm_evaluates_greedy_decoding_as_opds_loop_does(vllm_engine):
     assert served.figures["accuracy"] == pytest.approx(ours.figures["accuracy"], abs=1 - sum(same) / len(same))
     assert 0.2 < ours.figures["accuracy"] < 1  # some right, some wrong: the equality says something
     assert all(r["sample"] == GREEDY for r in served.records)
+
+
+def test_top_k_reaches_vllm(vllm_engine):
+    """Samples at temperature 1 with top-k 1 keep the most probable token only: vLLM writes its greedy
+    responses (without the top-k they would be the seeded draws of the whole distribution)."""
+    _, tok, engine = vllm_engine
+    task = load_task("arithmetic", 2, 0)
+    items = PromptItems(PromptSet.build(eval_prompts(task, 16), tok, 256), task, tok, max_new_tokens=48)
+    greedy = evaluate(engine, items, EvalPlan(samples=0, sampling=EvalSampling("greedy")))
+    top_1 = evaluate(engine, items, EvalPlan(samples=1, sampling=EvalSampling("explicit", 1.0, 1.0, top_k=1)))
+    free = evaluate(engine, items, EvalPlan(samples=1, sampling=EvalSampling("explicit", 1.0, 1.0)))
+    responses = lambda done: [r["response"] for r in done.records]  # noqa: E731
+    assert responses(top_1) == responses(greedy) != responses(free)
 
 
 def test_sampled_evaluation_through_vllm_grades_what_it_wrote(vllm_engine):

@@ -3,7 +3,8 @@
 Checks what a person would see: the page loads offline with no console errors and no network
 requests, every chart draws its data, clicking a token opens its distribution with one bar per
 teacher top-K token (plus the sampled token when it lies outside), and switching run, step or
-rollout updates the inspector. Needs Debian's ``chromium`` (``apt-get install chromium``; ``.ci/run``
+rollout updates the inspector, and the evaluation samples' filters (wrong, truncated, flipped; a multi-task
+run's tasks) show the rows they name. Needs Debian's ``chromium`` (``apt-get install chromium``; ``.ci/run``
 installs it) or ``OPD_CHROMIUM=/path/to/chrome``; without one the tests are skipped, saying so.
 The DevTools client is small: a websocket (``websockets``, in the dev extra) and a few commands.
 """
@@ -20,7 +21,7 @@ import threading
 import time
 
 import pytest
-from report_runs import LOG_ROLLOUTS, make_agentic_run, make_report_runs
+from report_runs import LOG_ROLLOUTS, eval_record, make_agentic_run, make_report_runs, records_run
 
 from opd.report import write_report
 from opd.report.inspector import display_token
@@ -384,5 +385,79 @@ def test_agentic_inspector_shows_environment_tokens_apart(agent_page):
     assert flags[before["pos"]] == 1 and before["support"] == 8
     browser.js("document.querySelector('#tokens .tok.env').click()")
     assert inspector_state(browser)["pos"] == before["pos"]
+    browser.drain()
+    assert browser.errors() == []
+
+
+# ----------------------------------------------------------------------------- evaluation samples
+
+
+@pytest.fixture(scope="module")
+def samples_page(tmp_path_factory):
+    """Records written by hand: run "a" evaluated twice, run "b" once, and a multi-task run "m" (two tasks)."""
+    root = tmp_path_factory.mktemp("report_samples")
+    r = eval_record
+    a = records_run(root, "a", {4: [r(0, False), r(1, True), r(2, True)], 9: [r(0, True), r(1, True), r(2, False)]})
+    b = records_run(root, "b", {9: [r(0, False), r(0, True, sample=0), r(1, True), r(2, False, truncated=True)]})
+    m = records_run(
+        root,
+        "m",
+        {},
+        tasks={"game": {9: [r(0, True, truncated=True)]}, "math": {4: [r(0, False)], 9: [r(0, True), r(1, False)]}},
+    )
+    path = write_report([a, b, m], root / "report", show_progress=False)
+    browser = Browser(root / "profile")
+    browser.open(path.as_uri())
+    yield browser
+    browser.close()
+
+
+def sample_rows(browser) -> dict:
+    return browser.js("""({
+        rows: Array.from(document.querySelectorAll('#samples tbody tr')).map(tr =>
+            Array.from(tr.children).slice(0, 3).map(td => td.textContent).join('|')),
+        count: document.getElementById('samples-count').textContent,
+        tasks: Array.from(document.getElementById('samples-task').options).map(o => o.textContent),
+        taskShown: !document.getElementById('samples-task-label').hidden})""")
+
+
+def test_the_samples_filters_show_the_rows_they_name(samples_page):
+    browser = samples_page
+    views = {}
+    for run in (0, 1):
+        for how in ("all", "wrong", "truncated", "since", "first"):
+            select(browser, "samples-run", run)
+            select(browser, "samples-filter", how)
+            views[run, how] = sample_rows(browser)
+    a, b = ({how: views[run, how]["rows"] for r, how in views if r == run} for run in (0, 1))
+    assert a["all"] == ["0|greedy|right", "1|greedy|right", "2|greedy|wrong"]
+    assert a["wrong"] == ["2|greedy|wrong"] and a["truncated"] == []
+    assert a["since"] == ["0|greedy|right", "2|greedy|wrong"]  # item 0 wrong -> right, item 2 right -> wrong
+    assert a["first"] == []  # the first run is the reference
+    assert views[0, "all"]["count"] == "3 of 3 responses at step 9" and not views[0, "all"]["taskShown"]
+    assert b["wrong"] == ["0|greedy|wrong", "2|greedy|wrong, truncated"] and b["truncated"] == [
+        "2|greedy|wrong, truncated"
+    ]
+    assert b["since"] == []  # evaluated once
+    assert b["first"] == ["0|greedy|wrong", "0|0|right"]  # item 0 flipped against run a's last evaluation
+    browser.drain()
+    assert browser.errors() == []
+
+
+def test_a_multi_task_runs_samples_are_chosen_by_task(samples_page):
+    browser = samples_page
+    select(browser, "samples-filter", "all")
+    select(browser, "samples-run", 2)
+    view = sample_rows(browser)
+    assert view["taskShown"] and view["tasks"] == ["game", "math"]
+    assert view["rows"] == ["0|greedy|right, truncated"] and view["count"] == "1 of 1 responses of task game at step 9"
+    select(browser, "samples-task", 1)
+    select(browser, "samples-filter", "since")
+    view = sample_rows(browser)
+    assert view["rows"] == ["0|greedy|right"] and view["count"] == "1 of 2 responses of task math at step 9"
+    select(browser, "samples-filter", "truncated")
+    assert sample_rows(browser)["rows"] == []
+    select(browser, "samples-run", 0)  # back to a run of its own: the task choice is hidden again
+    assert not sample_rows(browser)["taskShown"]
     browser.drain()
     assert browser.errors() == []

@@ -7,6 +7,7 @@ References are explicit loops over plain Python lists, not calls into the code u
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,6 +76,74 @@ def test_nucleus_sample_with_few_candidates_draws_what_the_full_sort_draws(candi
         assert int(few[n]) in ref_nucleus(probs[n].tolist(), 0.9)
 
 
+def ref_top_k_nucleus(probs: list[float], top_k: int, top_p: float) -> dict[int, float]:
+    """Each token's chance under top-k then top-p: the k most probable tokens (ties: lower id first),
+    renormalized, then their nucleus, renormalized again."""
+    order = sorted(range(len(probs)), key=lambda i: (-probs[i], i))[:top_k]
+    kept = sum(probs[i] for i in order)
+    within = [probs[i] / kept if i in order else 0.0 for i in range(len(probs))]
+    nucleus = ref_nucleus(within, top_p)
+    mass = sum(within[i] for i in nucleus)
+    return {i: within[i] / mass for i in nucleus}
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3, 6])
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 1.0])
+def test_top_k_draws_exactly_the_renormalized_top_k_nucleus(top_k, top_p):
+    logits = [[2.0, 0.3, -1.0, 1.1, -math.inf, 0.0, 1.7], [0.0, 0.2, 0.1, 5.0, -math.inf, -math.inf, 0.3]]
+    M = 4000  # evenly spaced uniforms: each token is drawn M * its chance times, to within one
+    u = (torch.arange(M, dtype=torch.float64) + 0.5) / M
+    for row in logits:
+        for temperature in (1.0, 0.6):
+            chance = ref_top_k_nucleus(ref_softmax(row, temperature), top_k, top_p)
+            drawn = nucleus_sample(torch.tensor([row] * M), u, temperature, top_p, top_k=top_k).tolist()
+            assert set(drawn) == set(chance), f"drew {set(drawn) - set(chance)}, allowed {set(chance)}"
+            for i, p in chance.items():
+                assert abs(drawn.count(i) - M * p) <= 1.5
+
+
+def test_top_k_off_or_at_least_the_vocabulary_draws_what_top_p_alone_draws():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(200, 50, generator=g) * 3
+    u = torch.rand(200, generator=g, dtype=torch.float64)
+    for top_p in (0.9, 1.0):
+        plain = nucleus_sample(logits, u, 1.0, top_p)
+        assert torch.equal(nucleus_sample(logits, u, 1.0, top_p, top_k=0), plain)
+        assert torch.equal(nucleus_sample(logits, u, 1.0, top_p, top_k=50), plain)
+        assert torch.equal(nucleus_sample(logits, u, 1.0, top_p, top_k=80), plain)
+
+
+@pytest.mark.parametrize("V", [301, 151936])
+def test_top_p_1_draws_the_inverse_cdf_of_the_sorted_distribution_without_sorting_settled_rows(V, monkeypatch):
+    """At top-p 1 the draw is the token whose interval of the descending-sorted CDF holds u (float64
+    reference, ties lower id first); rows settled within the candidates never sort the vocabulary."""
+    g = torch.Generator().manual_seed(1)
+    rows = 300 if V < 1000 else 8
+    scale = torch.tensor([0.1, 1.0, 3.0, 8.0, 20.0, 40.0]).repeat(rows // 6 + 1)[:rows].unsqueeze(-1)
+    logits = torch.randn(rows, V, generator=g) * scale
+    u = torch.rand(rows, generator=g, dtype=torch.float64)
+    probs = torch.softmax(logits.double(), -1)
+    for n in range(rows):
+        p = probs[n]
+        order = (
+            sorted(range(V), key=lambda i: (-float(p[i]), i))
+            if V < 1000
+            else p.argsort(descending=True, stable=True).tolist()
+        )
+        cdf = torch.cumsum(p[order], 0)
+        want = order[int(torch.searchsorted(cdf, torch.tensor([float(u[n])], dtype=torch.float64), right=True))]
+        assert int(nucleus_sample(logits[n : n + 1], u[n : n + 1], 1.0, 1.0)) == want, f"row {n}"
+    widths = []  # the candidates each topk takes: V is the whole vocabulary sorted
+    topk = torch.Tensor.topk
+    monkeypatch.setattr(torch.Tensor, "topk", lambda self, k, *a, **kw: widths.append(k) or topk(self, k, *a, **kw))
+    monkeypatch.setattr(torch.Tensor, "sort", lambda *a, **kw: pytest.fail("sorted the vocabulary"))
+    peaked = torch.zeros(4, V)
+    peaked[:, 7] = 30.0  # almost all the mass on one token: every row settles in the first round
+    uniforms = torch.tensor([0.1, 0.5, 0.9, 0.99], dtype=torch.float64)
+    assert nucleus_sample(peaked, uniforms, 1.0, 1.0).tolist() == [7] * 4
+    assert widths and max(widths) < V
+
+
 def sharpened(path, scale=8.0):
     """A tiny random model whose next-token distributions are peaked, so the nucleus is small."""
     model = load_model(path, "student")
@@ -123,6 +192,48 @@ def test_rollout_tokens_stay_in_each_positions_nucleus(tiny_models, top_p):
             # The recorded log-prob is the unmodified policy's (temperature 1, no top-p).
             assert abs(float(batch.logprobs_NT[n, t]) - float(lp[n, t, token])) < 1e-4
     assert outside_somewhere > 0, "the test needs positions where the nucleus excludes tokens"
+
+
+@pytest.mark.parametrize("static_cache", ["off", "on"])
+def test_rollout_tokens_stay_in_each_positions_top_k(tiny_models, static_cache):
+    student, _ = tiny_models
+    tok, model = load_tokenizer(student), sharpened(student, 2.0)
+    engine = HFRollout(model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, static_cache=static_cache)
+    batch = engine.generate(some_prompts(tok, 6), list(range(6)), max_new_tokens=10, top_p=1.0, top_k=2)
+    lp, second = model_logprobs(model, batch), 0
+    for n in range(batch.num_rollouts):
+        for t in range(int(batch.response_mask_NT[n].sum())):
+            probs = lp[n, t].exp().tolist()
+            token = int(batch.response_ids_NT[n, t])
+            assert token in ref_top_k_nucleus(probs, 2, 1.0), f"rollout {n} position {t}: token outside the top 2"
+            second += token != max(range(len(probs)), key=probs.__getitem__)
+    assert second > 0, "the test needs draws of the second most probable token (top-k 2 is not greedy)"
+
+
+def test_top_k_1_samples_what_greedy_decoding_writes_in_batches_and_episodes():
+    """Top-k 1 keeps the most probable token alone, so sampling (at temperature 3, where the demo student's
+    draws go astray) writes the greedy responses: the single-turn loop and the episode sessions alike."""
+    import opd
+    from opd.envs import get_env
+    from opd.rollout.episodes import EpisodeRollout
+
+    demo = Path(opd.__file__).parent / "assets" / "demo" / "student"
+    model, tok = load_model(demo, "student"), load_tokenizer(demo, "student")
+    engine = HFRollout(model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    prompts, seeds = some_prompts(tok, 4), [0, 1, 2, 3]
+    greedy = engine.generate(prompts, seeds, max_new_tokens=12, greedy=True)
+    top_1 = engine.generate(prompts, seeds, max_new_tokens=12, temperature=3.0, top_k=1)
+    free = engine.generate(prompts, seeds, max_new_tokens=12, temperature=3.0)
+    assert torch.equal(top_1.response_ids_NT, greedy.response_ids_NT)
+    assert not torch.equal(free.response_ids_NT, greedy.response_ids_NT)  # sampling alone differs here
+    env = get_env("toy", rooms=3, max_turns=4)
+    games, limits = env.games("train")[:3], dict(max_new_tokens=120, max_action_tokens=16)
+    player = EpisodeRollout(engine, tok)
+    ways = ({"greedy": True}, {"temperature": 3.0, "top_k": 1}, {"temperature": 3.0})
+    greedy_eps, top_1_eps, free_eps = (
+        [r.actions for r in player.play(env, games, [0, 1, 2], **limits, **how).records] for how in ways
+    )
+    assert top_1_eps == greedy_eps != free_eps
 
 
 def test_rollout_depends_on_its_own_seed_only(tiny_models):

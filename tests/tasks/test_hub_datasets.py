@@ -37,6 +37,14 @@ def _cache_dataset(hub, repo_id: str, splits: dict[str, list[dict]], config: str
     return snap
 
 
+def _cache_preset(hub, name: str, splits: dict[str, list[dict]]):
+    """A preset's dataset at the commit the preset pins, as ``hf download REPO --revision HASH`` leaves it."""
+    preset = PRESETS[name]
+    snap = _cache_dataset(hub, preset.repo, splits, config=preset.config, revision=name)
+    (snap.parents[1] / "refs" / name).unlink()
+    return snap.rename(snap.parent / preset.revision)
+
+
 ROWS = [{"question": f"What is {i} + {i}?", "answer": f"Add them.\n#### {2 * i}"} for i in range(12)]
 
 
@@ -77,20 +85,35 @@ def test_a_local_path_comes_first_and_a_name_neither_path_nor_hub_id_lists_every
 
 def test_presets_read_their_dataset_columns_format_and_template(hub):
     gsm = [{"question": f"Q{i}?", "answer": f"Because.\n#### {i}"} for i in range(5)]
-    _cache_dataset(hub, "openai/gsm8k", {"train": gsm[:3], "test": gsm[3:]}, config="main")
+    _cache_preset(hub, "gsm8k", {"train": gsm[:3], "test": gsm[3:]})
     task = load_task("gsm8k")
     first = task.examples("test")[0]
     assert first.prompt == PRESETS["gsm8k"].template.replace("{prompt}", "Q3?") and first.answer == "3"
     assert task.reward("so #### 3", first) == 1.0 and task.reward("\\boxed{4}", first) == 0.0
     math = [{"problem": "Half of 1?", "answer": "\\frac{1}{2}", "solution": "..."}]
-    _cache_dataset(hub, "HuggingFaceH4/MATH-500", {"test": math})
+    _cache_preset(hub, "math500", {"test": math})
     evaluation = load_task("math500", evaluation=True, flag_prefix="eval-")
     (e,) = evaluation.examples("test")
     assert e.prompt == STEP_BY_STEP_BOXED.replace("{prompt}", "Half of 1?") and e.answer == "\\frac{1}{2}"
     assert evaluation.reward("so \\boxed{0.5}", e) == 1.0
-    _cache_dataset(hub, "MathArena/aime_2025", {"train": [{"problem": "AIME?", "answer": 204}]})
+    _cache_preset(hub, "aime25", {"train": [{"problem": "AIME?", "answer": 204}]})
     (aime,) = load_task("aime25", evaluation=True).examples("test")
     assert aime.answer == "204" and evaluation.reward("\\boxed{204}", aime) == 1.0
+
+
+def test_presets_read_their_pinned_commit_and_a_revision_given_replaces_it(hub):
+    assert all(len(p.revision) == 40 and int(p.revision, 16) >= 0 for p in PRESETS.values())
+    latest = [{"problem": "Newer?", "answer": 1}]
+    _cache_dataset(hub, "HuggingFaceH4/aime_2024", {"train": latest})  # main only: not the commit the preset reads
+    pinned = PRESETS["aime24"].revision
+    with pytest.raises(UserError, match=rf"HuggingFaceH4/aime_2024 at revision '{pinned}' is not in the cache"):
+        load_task("aime24", evaluation=True)
+    assert [e.prompt for e in load_task("aime24", evaluation=True, revision="main").examples("test")] == [
+        STEP_BY_STEP_BOXED.replace("{prompt}", "Newer?")
+    ]
+    _cache_preset(hub, "aime24", {"train": [{"problem": "Pinned?", "answer": 2}]})
+    (e,) = load_task("aime24", evaluation=True).examples("test")
+    assert e.prompt == STEP_BY_STEP_BOXED.replace("{prompt}", "Pinned?") and e.answer == "2"
 
 
 def test_a_registered_preset_is_read_by_name(hub, monkeypatch):

@@ -11,12 +11,12 @@ settable from the CLI and a YAML/JSON file, dumped into every run directory.
 * :mod:`~opd.config.sources` -- the options every command shares: models, prompts, games.
 """
 
+from opd.config.engines import STATIC_CACHE
 from opd.config.fields import DTYPES, REPORT_TO, ConfigError, check_device, check_report_to, coerce_numbers, opt
 from opd.config.files import build_config, config_record, dump_config, read_config_file, read_run_config
 from opd.config.options import (
     CROSS_TOKENIZER,
     DEFAULT_SPECIAL_TOKENS,
-    STATIC_CACHE,
     EvalConfig,
     SFTConfig,
     TrainConfig,

@@ -1,6 +1,7 @@
-"""The vLLM rollout engine's options (``opd train --rollout-engine vllm``) and their checks: which server
-(one opd starts per rank, or one shared server, ``--vllm-url``), vLLM's own options for the servers opd
-starts (``--vllm-args``), the policy check's bound and how long to wait for the engine."""
+"""The rollout engine's options, the same in ``opd train`` and ``opd eval`` (:class:`EngineOptions`): which
+engine (``--rollout-engine``), opd's own loop's static cache (``--static-cache``), and for ``vllm`` which
+server (one opd starts per rank, or one shared server, ``--vllm-url``), vLLM's own options for the servers
+opd starts (``--vllm-args``), the policy check's bound and how long to wait for the engine."""
 
 from __future__ import annotations
 
@@ -67,6 +68,51 @@ class VLLMOptions:
         "Seconds to wait for a vLLM engine that stops answering (at startup too), then checkpoint and stop; a "
         "server opd started that exits is restarted at once instead.",
     )
+
+
+STATIC_CACHE = ("auto", "on", "off")  # --static-cache (opd.rollout.static_cache)
+
+
+@dataclass
+class EngineOptions(VLLMOptions):
+    """What generates the responses (section "rollout"): training's rollouts and evaluations, and ``opd eval``'s."""
+
+    rollout_engine: str = opt(
+        "hf",
+        "What generates the rollouts and evaluation responses: hf (opd's own sampling loop: per-prompt seeded, "
+        "resumable exactly), vllm (a vLLM server given the student's weights before every batch; opd vllm-setup; "
+        "docs/scale-out.md), or an engine registered with opd.rollout.registry.register (docs/architecture.md).",
+    )
+    static_cache: str = opt(
+        "off",
+        "opd's own sampling loop (--rollout-engine hf) with a static KV cache: preallocated for the batch and its "
+        "token budget, its decode step captured once as a CUDA graph and replayed (the same samples as the dynamic "
+        "cache, which grows every step). auto: on a GPU (not with --fsdp); on: on the CPU too, without a graph; off: "
+        "the dynamic cache. Off by default until its speed on a GPU is measured (benchmarks/bench_decode.py, "
+        "docs/benchmarks.md): then auto becomes the default if it is faster.",
+    )
+
+
+def check_engine_options(cfg: EngineOptions, dtype: str, lora: bool = False, fsdp: bool = False) -> None:
+    """The engine options of a run with compute dtype ``dtype``, that trains a LoRA adapter or not, under FSDP or
+    not (the engine's name is checked against the registry, opd.rollout.registry, when the engine is made)."""
+    require(bool(cfg.rollout_engine), "rollout_engine is empty: give hf, vllm or a registered engine's name")
+    require(
+        cfg.static_cache in STATIC_CACHE,
+        f"static_cache={cfg.static_cache!r}: choose one of {', '.join(STATIC_CACHE)}",
+    )
+    if cfg.static_cache == "on":  # auto does what the engine and the launch allow
+        require(
+            cfg.rollout_engine == "hf",
+            f"static_cache=on is a setting of opd's own sampling loop (--rollout-engine hf), not of "
+            f"{cfg.rollout_engine}; drop --static-cache on",
+        )
+        require(
+            not fsdp,
+            "static_cache=on does not run with --fsdp (the sharded forward gathers the weights in hooks that a CUDA "
+            "graph cannot capture); use --static-cache auto or off",
+        )
+    check_vllm(cfg, cfg.rollout_engine, dtype, lora)
 
 
 def vllm_arg_list(args: str) -> list[str]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from opd.config.checkpoints import CheckpointOptions, check_checkpoint_options
-from opd.config.engines import VLLMOptions, check_vllm
+from opd.config.engines import EngineOptions, check_engine_options
 from opd.config.evaluation import EvalOptions, TrainEvalOptions, check_eval_options
 from opd.config.fields import DTYPES, REPORT_TO_HELP, ConfigError, check_report_to, opt, require
 from opd.config.sources import EnvSource, ModelSource, TrainingSource, chat_options, out_option
@@ -32,7 +32,7 @@ MAX_DIST_TIMEOUT = 1e9
 
 
 @dataclass
-class TrainConfig(EnvSource, TrainingSource, VLLMOptions, CheckpointOptions, TrainEvalOptions):
+class TrainConfig(EnvSource, TrainingSource, EngineOptions, CheckpointOptions, TrainEvalOptions):
     """On-policy distillation: the student samples, the teacher scores, the student moves toward it."""
 
     out: str = out_option("train")
@@ -209,20 +209,6 @@ class TrainConfig(EnvSource, TrainingSource, VLLMOptions, CheckpointOptions, Tra
         "out of process lists and shell history. Never written to config.json, checkpoints, logs or trackers.",
         secret=True,
     )
-    rollout_engine: str = opt(
-        "hf",
-        "What generates the rollouts: hf (opd's own sampling loop: per-prompt seeded, resumable exactly), vllm "
-        "(a vLLM server given the student's weights before every batch; opd vllm-setup; docs/scale-out.md), or "
-        "an engine registered with opd.rollout.registry.register (docs/architecture.md).",
-    )
-    static_cache: str = opt(
-        "off",
-        "opd's own sampling loop (--rollout-engine hf) with a static KV cache: preallocated for the batch and its "
-        "token budget, its decode step captured once as a CUDA graph and replayed (the same samples as the dynamic "
-        "cache, which grows every step). auto: on a GPU (not with --fsdp); on: on the CPU too, without a graph; off: "
-        "the dynamic cache. Off by default until its speed on a GPU is measured (benchmarks/bench_decode.py, "
-        "docs/benchmarks.md): then auto becomes the default if it is faster.",
-    )
     max_staleness: int = opt(
         0,
         "Rollouts generated ahead: step t's rollouts come from the policy of step t - S, generated in a "
@@ -347,29 +333,7 @@ def _check_rollout(cfg: TrainConfig) -> None:
     require(0.0 < cfg.top_p <= 1.0, f"top_p={cfg.top_p} must lie in (0, 1] (0.9 is the paper's setting)")
     _check_staleness(cfg)
     require(cfg.temperature > 0, f"temperature={cfg.temperature} must be > 0")
-    # the engine's name is checked against the registry (opd.rollout.registry) when the run is set up
-    require(bool(cfg.rollout_engine), "rollout_engine is empty: give hf, vllm or a registered engine's name")
-    _check_static_cache(cfg)
-    check_vllm(cfg, cfg.rollout_engine, cfg.dtype, bool(cfg.lora_r))
-
-
-def _check_static_cache(cfg: TrainConfig) -> None:
-    require(
-        cfg.static_cache in STATIC_CACHE,
-        f"static_cache={cfg.static_cache!r}: choose one of {', '.join(STATIC_CACHE)}",
-    )
-    if cfg.static_cache != "on":  # auto does what the engine and the launch allow
-        return
-    require(
-        cfg.rollout_engine == "hf",
-        f"static_cache=on is a setting of opd's own sampling loop (--rollout-engine hf), not of {cfg.rollout_engine}; "
-        "drop --static-cache on",
-    )
-    require(
-        not cfg.fsdp,
-        "static_cache=on does not run with --fsdp (the sharded forward gathers the weights in hooks that a CUDA graph "
-        "cannot capture); use --static-cache auto or off",
-    )
+    check_engine_options(cfg, cfg.dtype, lora=bool(cfg.lora_r), fsdp=cfg.fsdp)
 
 
 def _check_staleness(cfg: TrainConfig) -> None:
@@ -466,7 +430,6 @@ def _check_counts(cfg: object, **least: int) -> None:
 
 
 CROSS_TOKENIZER = ("auto", "on", "off")
-STATIC_CACHE = ("auto", "on", "off")  # --static-cache (opd.rollout.static_cache)
 
 
 def parse_special_map(items: list[str]) -> dict[str, str]:
@@ -614,7 +577,7 @@ class SFTConfig(EnvSource, TrainingSource):
 
 
 @dataclass
-class EvalConfig(EnvSource, ModelSource, EvalOptions):
+class EvalConfig(EnvSource, ModelSource, EngineOptions, EvalOptions):
     """Accuracy, avg@k and pass@k of a model; gap recovery when the before/teacher accuracies are given."""
 
     out: str = out_option("eval")
@@ -638,6 +601,7 @@ class EvalConfig(EnvSource, ModelSource, EvalOptions):
         require(0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must lie in (0, 1]")
         _check_counts(self, samples=0, eval_size=1, batch_size=1)
         check_eval_options(self, self.samples, "--samples")
+        check_engine_options(self, self.dtype)
         require(
             self.temperature > 0,
             f"temperature={self.temperature} must be > 0 (greedy decoding: --eval-sampling greedy)",

@@ -21,7 +21,6 @@ Usage::
 from __future__ import annotations
 
 import functools
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -46,13 +45,14 @@ def eval_seed(seed: int, item: int, sample: int) -> int:
 @dataclass(frozen=True)
 class EvalSampling:
     """How an evaluation decodes (``--eval-sampling``): ``greedy`` (a greedy response per item, whose verdict
-    is ``accuracy``, and samples at ``temperature`` / ``top_p``), ``model`` or ``explicit`` (samples only;
-    ``accuracy`` is avg@k). ``note``: what eval.json should say besides (a setting not applied)."""
+    is ``accuracy``, and samples at ``temperature`` / ``top_p`` / ``top_k``), ``model`` or ``explicit`` (samples
+    only; ``accuracy`` is avg@k). ``top_k`` 0: off. ``note``: what eval.json should say besides."""
 
     mode: str = "greedy"
     temperature: float = 1.0
     top_p: float = 1.0
     note: str = ""
+    top_k: int = 0
 
     @property
     def greedy_pass(self) -> bool:
@@ -62,26 +62,23 @@ class EvalSampling:
         """What eval.json states about the decoding."""
         out: dict[str, Any] = {"mode": self.mode, "greedy_response": self.greedy_pass, "samples": samples}
         if samples:
-            out.update(temperature=self.temperature, top_p=self.top_p)
+            out.update(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
         return out | ({"note": self.note} if self.note else {})
 
 
 @functools.lru_cache(maxsize=16)  # once per run and model: an evaluation every N steps warns once
 def resolve_sampling(mode: str, temperature: float, top_p: float, model_dir: str = "") -> EvalSampling:
     """The decoding of ``--eval-sampling mode``: ``model`` reads the generation_config.json of ``model_dir``
-    (temperature and top-p, 1.0 where it says none). A model whose config does not sample (no
-    ``do_sample: true``) is decoded greedily, as the model's own ``generate`` would."""
+    (temperature and top-p, 1.0 where it says none; top-k, 0 (off) where it says none). A model whose config
+    does not sample (no ``do_sample: true``) is decoded greedily, as the model's own ``generate`` would."""
     if mode != "model":
         return EvalSampling(mode, temperature, top_p)
     gc = _generation_config(model_dir)
     if gc is None or not gc.get("do_sample"):
         why = "none" if gc is None else "one that does not sample (no do_sample: true)"
         return EvalSampling("greedy", temperature, top_p, f"--eval-sampling model: the model has {why}: greedy")
-    note = ""
-    if gc.get("top_k"):  # opd's engines sample with temperature and top-p only
-        note = f"the generation_config's top_k={gc['top_k']} is not applied (opd's engines sample with top-p)"
-        warnings.warn(f"opd evaluation: {note}", stacklevel=2)
-    return EvalSampling("model", float(gc.get("temperature") or 1.0), float(gc.get("top_p") or 1.0), note)
+    temperature, top_p = float(gc.get("temperature") or 1.0), float(gc.get("top_p") or 1.0)
+    return EvalSampling("model", temperature, top_p, top_k=int(gc.get("top_k") or 0))
 
 
 def _generation_config(model_dir: str) -> dict | None:
@@ -177,7 +174,7 @@ def evaluate(engine: RolloutEngine, items: Items, plan: EvalPlan) -> Evaluation:
             for start in range(0, len(jobs), per_batch):
                 chunk = jobs[start : start + per_batch]
                 seeds = [eval_seed(plan.seed, i, p) for i, p in chunk]
-                got = items.run(engine, [i for i, _ in chunk], seeds, Sampling(s.temperature, s.top_p, greedy))
+                got = items.run(engine, [i for i, _ in chunk], seeds, Sampling(s.temperature, s.top_p, greedy, s.top_k))
                 for (i, p), rollout in zip(chunk, got, strict=True):
                     rollout.record = _clipped(rollout.record, plan.record_chars)
                     done[i][p] = rollout

@@ -53,6 +53,7 @@ class GameItems:
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             greedy=sampling.greedy,
+            top_k=sampling.top_k,
         )
         return [_rollout(rec, self.games.games[i].goal) for i, rec in zip(items, played.records, strict=True)]
 

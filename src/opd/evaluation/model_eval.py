@@ -18,7 +18,7 @@ from typing import Any
 from opd.chat import set_chat_options
 from opd.config import EvalConfig
 from opd.errors import UserError
-from opd.evaluation.core import EvalPlan, Rollout, evaluate, figures_on_model, resolve_sampling
+from opd.evaluation.core import EvalPlan, Evaluation, Items, Rollout, evaluate, figures_on_model, resolve_sampling
 from opd.evaluation.estimators import gap_recovery
 from opd.evaluation.game_eval import GameItems
 from opd.evaluation.records import check_writable, write_records
@@ -26,10 +26,10 @@ from opd.evaluation.sharing import ALONE, Share
 from opd.hub import resolve_model
 from opd.models.loading import load_model, load_tokenizer, resolve_device
 from opd.models.precision import configure_device_math
-from opd.rollout.engine import RolloutEngine, Sampling, check_count
+from opd.rollout.engine import EngineContext, RolloutEngine, Sampling, check_count
 from opd.rollout.game_set import GameSet, check_episode_context, play_env
 from opd.rollout.prompt_set import PromptSet, answer_source, data_options, eval_prompts, graded, load_task
-from opd.rollout.registry import local_engine
+from opd.rollout.registry import check_engine, make_engine
 from opd.runs.rundir import RunDir
 from opd.tasks import Task
 from opd.tasks.grading import extract_answer
@@ -74,6 +74,7 @@ class PromptItems:
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             greedy=sampling.greedy,
+            top_k=sampling.top_k,
         )
         check_count(engine.name, batch.num_rollouts, len(ids))
         texts = decode_responses(self.tokenizer, batch.response_ids_NT, batch.response_mask_NT)
@@ -138,6 +139,18 @@ def check_graded(cfg: EvalConfig, task: Task) -> None:
         )
 
 
+def _on_engine(cfg: EvalConfig, model, tok, model_dir: str, rundir: RunDir, items: Items, plan: EvalPlan) -> Evaluation:
+    """``items`` evaluated by ``--rollout-engine`` (opd's loop, with ``--static-cache``; vLLM, its files in
+    OUT/vllm/), made as training makes it; an engine with weights of its own is given the model's once."""
+    ctx = EngineContext(model, tok, cfg, model_dir, folder=rundir.path / cfg.rollout_engine)
+    engine = make_engine(cfg.rollout_engine, ctx)
+    try:
+        engine.watch(None)  # the weights never change here
+        return evaluate(engine, items, plan)
+    finally:
+        engine.close()
+
+
 def run_eval(cfg: EvalConfig) -> dict:
     """``opd eval``: the figures in ``OUT/eval.json`` and every response in ``OUT/eval_samples.jsonl``."""
     # Where the figures go is checked (and claimed) first: a folder that cannot take them would lose a whole evaluation.
@@ -151,6 +164,7 @@ def run_eval(cfg: EvalConfig) -> dict:
         options = data_options(cfg)
         task = load_task(cfg.task, cfg.task_level, cfg.seed, split=cfg.split, evaluation=not cfg.split, **options)
         check_graded(cfg, task)
+    check_engine(cfg.rollout_engine)  # before the model loads
     rev = cfg.student_revision
     tok = set_chat_options(
         load_tokenizer(cfg.tokenizer or cfg.student, revision="" if cfg.tokenizer else rev),
@@ -160,22 +174,21 @@ def run_eval(cfg: EvalConfig) -> dict:
     device = resolve_device(cfg.device)
     configure_device_math(device, cfg.dtype, cfg.tf32, "opd eval")
     model = load_model(cfg.student, dtype=cfg.dtype, device=device, revision=rev)
-    model_dir = str(resolve_model(cfg.student, rev)) if cfg.eval_sampling == "model" else ""
+    model_dir = str(resolve_model(cfg.student, rev))
     sampling = resolve_sampling(cfg.eval_sampling, cfg.temperature, cfg.top_p, model_dir)
     plan = EvalPlan.of(cfg, cfg.samples, sampling, cfg.seed, max_batch=cfg.batch_size, show_progress=True)
-    engine = local_engine(model, tok)
     t0 = time.time()
     if cfg.env:  # the held-out games of an environment: success rate (opd.evaluation.game_eval)
         check_episode_context(model, cfg.max_prompt_tokens, cfg.max_new_tokens)
         env = play_env(cfg)
         try:
             games = GameItems(GameSet.build(env, "test", cfg.eval_size), tok, cfg.episode_limits())
-            done = evaluate(engine, games, plan)
+            done = _on_engine(cfg, model, tok, model_dir, rundir, games, plan)
         finally:
             getattr(env, "close", lambda: None)()
     else:
         prompts = PromptSet.build(eval_prompts(task, cfg.eval_size), tok, cfg.max_prompt_tokens, "test prompts")
-        done = evaluate(engine, PromptItems(prompts, task, tok, cfg.max_new_tokens), plan)
+        done = _on_engine(cfg, model, tok, model_dir, rundir, PromptItems(prompts, task, tok, cfg.max_new_tokens), plan)
     result = done.figures
     result["wall_s"] = round(time.time() - t0, 2)
     if cfg.acc_before >= 0 and cfg.acc_teacher >= 0:

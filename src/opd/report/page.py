@@ -64,10 +64,10 @@ def render_page(
     inspectors: list[dict],
     palette: list[str],
     png_dir: str,
-    samples: list[dict] | None = None,
+    samples: list[list[dict]] | None = None,
 ) -> str:
-    """The page; ``samples``: each run's evaluation records (:func:`opd.report.samples.samples_data`)."""
-    samples = samples or [{} for _ in runs]
+    """The page; ``samples``: each run's views of its evaluation records (:func:`opd.report.samples.samples_data`)."""
+    samples = samples or [[] for _ in runs]
     data = {
         "palette": palette,
         "charts": charts,
@@ -123,12 +123,13 @@ not scored, not trained.</p>
 <div class="card" id="dist"><div class="dist-head" id="dist-head"></div><div class="bars" id="bars"></div></div>
 </div></section>
 <section id="sec-samples"><h2>Evaluation samples</h2>
-<p class="lead">What the model wrote at its last evaluation (<code>eval_samples/</code>): each response, the answer read
+<p class="lead">What the model wrote at its last evaluation (<code>eval_samples/</code>; a multi-task run's, per task): each response, the answer read
 from it, the reference and the verdict, so that a grader's mistake shows. Filter the wrong or truncated responses, or the
 prompts whose verdict (greedy, else the first sample) flipped since the run's previous evaluation or against the first
 run's last evaluation.</p>
 <div class="controls">
 <label>run <select id="samples-run"></select></label>
+<label id="samples-task-label">task <select id="samples-task"></select></label>
 <label>show <select id="samples-filter"><option value="all">all</option><option value="wrong">wrong</option>
 <option value="truncated">truncated</option><option value="since">flipped since the previous evaluation</option>
 <option value="first">flipped against the first run</option></select></label>

@@ -413,8 +413,13 @@ function renderInspector() {
 
 // ---------------------------------------------------------------- evaluation samples
 
+function sampleView() {
+  const views = DATA.runs[+$("samples-run").value].samples || [];
+  return views[+$("samples-task").value] || {};
+}
+
 function renderSampleRows() {
-  const sam = DATA.runs[+$("samples-run").value].samples || {}, how = $("samples-filter").value;
+  const sam = sampleView(), how = $("samples-filter").value;
   const flipped = new Set(how === "since" ? sam.flipped_since || [] : how === "first" ? sam.flipped_vs_first || [] : []);
   const keep = (r) => how === "all" || (how === "wrong" && !r.correct) || (how === "truncated" && r.truncated)
     || ((how === "since" || how === "first") && flipped.has(r.item));
@@ -436,15 +441,24 @@ function renderSampleRows() {
     el("pre", {class: "response"}, det, `${r.prompt}\n\n${r.response}`);
   }
   const step = sam.steps && sam.steps.length ? sam.steps[sam.steps.length - 1] : null;
-  const where = step == null ? "" : ` at step ${step}`;
+  const where = (sam.task ? ` of task ${sam.task}` : "") + (step == null ? "" : ` at step ${step}`);
   $("samples-count").textContent = sam.records ? `${rows.length} of ${sam.total} responses${where}` : "no evaluation records";
+}
+
+function setSampleRun() {
+  // a multi-task run's tasks each have their records: the task select lists them (hidden for a run's own)
+  const views = DATA.runs[+$("samples-run").value].samples || [];
+  fillSelect($("samples-task"), views.map((v, i) => [i, v.task || "(the run)"]), 0);
+  $("samples-task-label").hidden = !views.some((v) => v.task);
+  renderSampleRows();
 }
 
 function renderSamples() {
   fillSelect($("samples-run"), DATA.runs.map((r, i) => [i, r.name]), 0);
-  $("samples-run").addEventListener("change", renderSampleRows);
+  $("samples-run").addEventListener("change", setSampleRun);
+  $("samples-task").addEventListener("change", renderSampleRows);
   $("samples-filter").addEventListener("change", renderSampleRows);
-  renderSampleRows();
+  setSampleRun();
 }
 
 renderSummary();

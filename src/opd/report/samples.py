@@ -1,15 +1,16 @@
 """The report's view of evaluation records: what the model wrote, the answer read, the verdict.
 
 A run's evaluations write ``RUN/eval_samples/step_NNNNNNN.jsonl`` (``opd eval``: ``OUT/eval_samples.jsonl``;
-the layout and fields are in :mod:`opd.evaluation.records`). The page shows the last evaluation's
-records of each run, filterable by wrong, truncated, and **flipped**: prompts whose verdict changed
-since the run's previous evaluation, or between this run's last evaluation and the first run's. A
-prompt's verdict is its headline response's (greedy, else its first sample).
+a multi-task run: each task's in ``RUN/tasks/NAME/eval_samples/``; the layout and fields are in
+:mod:`opd.evaluation.records`). The page shows the last evaluation's records of each run (of each task),
+filterable by wrong, truncated, and **flipped**: prompts whose verdict changed since the run's (the task's)
+previous evaluation, or between this last evaluation and the first run's (of the same task). A prompt's
+verdict is its headline response's (greedy, else its first sample).
 
 Usage::
 
     from opd.report.samples import samples_data, flips
-    data = samples_data(runs)   # one entry per run, for the page
+    data = samples_data(runs)   # per run, one view per task evaluated ("" for a run's own), for the page
     flips(read_samples(a), read_samples(b))   # [{"item", "prompt", "before", "after"}, ...]
 """
 
@@ -67,23 +68,40 @@ def _shown(r: dict) -> dict:
     return {k: (v[:TEXT] + " [...]" if isinstance(v, str) and len(v) > TEXT else v) for k, v in r.items() if k in keys}
 
 
-def samples_data(runs: list[RunData]) -> list[dict]:
-    """Per run, for the page: its evaluations' steps, the last one's records (at most MAX_RECORDS), and the
-    items that flipped since its previous evaluation and against the first run's last evaluation."""
-    last_of: list[list[dict]] = []
+def eval_sources(run_dir: Path) -> list[tuple[str, Path]]:
+    """A run's folders of evaluation records, as (task, folder): its own ("") where it has records, then each
+    task's of a multi-task run (``tasks/NAME``), by name."""
+    run_dir = Path(run_dir)
+    found = [("", run_dir)] if eval_files(run_dir) else []
+    tasks = run_dir / "tasks"
+    if tasks.is_dir():
+        found += [(p.name, p) for p in sorted(tasks.iterdir()) if p.is_dir() and eval_files(p)]
+    return found
+
+
+def samples_data(runs: list[RunData]) -> list[list[dict]]:
+    """Per run, one view per folder of records (:func:`eval_sources`): its task, its evaluations' steps, the last
+    one's records (at most MAX_RECORDS), and the items that flipped since its previous evaluation and against
+    the last evaluation of the same task in the first run that has one."""
+    first: dict[str, tuple[int, list[dict]]] = {}  # task -> (the run, its last records): flips' reference
     out = []
-    for run in runs:
-        files = eval_files(run.path)
-        records = read_samples(files[-1][1], run.skipped) if files else []
-        previous = read_samples(files[-2][1], run.skipped) if len(files) > 1 else []
-        last_of.append(records)
-        entry = {
-            "steps": [s for s, _ in files],
-            "records": [_shown(r) for r in records[:MAX_RECORDS]],
-            "total": len(records),
-            "since": files[-2][0] if len(files) > 1 else None,
-            "flipped_since": [f["item"] for f in flips(previous, records)] if previous else [],
-            "flipped_vs_first": [f["item"] for f in flips(last_of[0], records)] if len(last_of) > 1 else [],
-        }
-        out.append(entry)
+    for i, run in enumerate(runs):
+        views = []
+        for task, folder in eval_sources(run.path):
+            files = eval_files(folder)
+            records = read_samples(files[-1][1], run.skipped)
+            previous = read_samples(files[-2][1], run.skipped) if len(files) > 1 else []
+            ref_run, reference = first.setdefault(task, (i, records))
+            views.append(
+                {
+                    "task": task,
+                    "steps": [s for s, _ in files],
+                    "records": [_shown(r) for r in records[:MAX_RECORDS]],
+                    "total": len(records),
+                    "since": files[-2][0] if len(files) > 1 else None,
+                    "flipped_since": [f["item"] for f in flips(previous, records)] if previous else [],
+                    "flipped_vs_first": [f["item"] for f in flips(reference, records)] if ref_run != i else [],
+                }
+            )
+        out.append(views)
     return out

@@ -4,7 +4,7 @@ whatever generates the student's rollouts, so none of them knows which engine it
 An engine (:class:`RolloutEngine`) does three things:
 
 * **generation** from prompt ids, one seed per prompt, with a token budget and sampling settings
-  (temperature, top-p, or greedy): :meth:`~RolloutEngine.generate` returns a :class:`RolloutBatch`,
+  (temperature, top-k, top-p, or greedy): :meth:`~RolloutEngine.generate` returns a :class:`RolloutBatch`,
   the sampled ids with their log-probs under the *unmodified* policy (temperature 1, no top-p) and
   whether each ended with EOS;
 * **episode sessions** (:meth:`~RolloutEngine.episodes`): conversations continued turn by turn. The
@@ -102,11 +102,13 @@ class RolloutBatch:
 
 @dataclass(frozen=True)
 class Sampling:
-    """How tokens are drawn: softmax(logits / temperature) cut to its top-p nucleus, or argmax."""
+    """How tokens are drawn: softmax(logits / temperature) cut to its ``top_k`` most probable tokens (0: all)
+    and then to its top-p nucleus, or argmax."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     greedy: bool = False
+    top_k: int = 0
 
 
 @dataclass
@@ -203,6 +205,7 @@ class RolloutEngine(Protocol):
         temperature: float = 1.0,
         top_p: float = 1.0,
         greedy: bool = False,
+        top_k: int = 0,
     ) -> RolloutBatch: ...
 
     def episodes(

@@ -262,6 +262,7 @@ class EpisodeRollout:
         temperature: float = 1.0,
         top_p: float = 1.0,
         greedy: bool = False,
+        top_k: int = 0,
         max_prompt_tokens: int | None = None,
     ) -> Episodes:
         """Play ``games[i]`` with seed ``seeds[i]``, all together, until every episode has ended.
@@ -287,7 +288,7 @@ class EpisodeRollout:
                 self.engine.max_context,
                 "lower max_new_tokens (the episode's token budget) or shorten the system prompt and first observation",
             )
-            how = Sampling(temperature, top_p, greedy)
+            how = Sampling(temperature, top_p, greedy, top_k)
             session = self.engine.episodes([e.prompt for e in episodes], seeds, budget=max_new_tokens, sampling=how)
             try:
                 self._play(episodes, games_of, session, (max_new_tokens, max_action_tokens, turns))

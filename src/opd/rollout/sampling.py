@@ -9,7 +9,8 @@ things the trainer relies on:
 * the log-prob of each sampled token under the *unmodified* policy (temperature 1, no top-p), the
   quantity the sampled-token reward and importance ratios use;
 * exact nucleus sampling by inverse CDF on the sorted, truncated distribution, so a token outside
-  the top-p nucleus can never be drawn (and no hidden default top_k=50);
+  the top-p nucleus (within the top-k tokens when a top-k is asked for) can never be drawn (and no
+  hidden default top_k=50);
 * one uniform random number per prompt and position, drawn from a generator seeded by that
   prompt's own seed (an episode: one stream for all its turns): a prompt gets the same rollout
   whatever batch or process it lands in, which makes resumed and data-parallel runs reproduce
@@ -80,23 +81,32 @@ def nucleus_sample(
     temperature: float,
     top_p: float,
     candidates: int | Sequence[int] = NUCLEUS_CANDIDATES,
+    top_k: int = 0,
 ) -> torch.Tensor:
-    """Draw one token per row from the top-p nucleus of softmax(logits / temperature).
+    """Draw one token per row from the top-p nucleus of softmax(logits / temperature), within its ``top_k``
+    most probable tokens when ``top_k`` > 0.
 
-    The nucleus is the smallest set of most probable tokens whose mass reaches ``top_p`` (the
-    most probable token is always in it). ``u_N`` holds uniforms in [0, 1): inverse-CDF sampling
-    on the sorted, truncated masses makes the draw a deterministic function of ``u``. A row whose
-    ``c`` most probable tokens already hold ``top_p`` of the mass draws from those alone (the same
-    token a full sort gives), for each ``c`` of ``candidates`` in turn; only the rows no round
-    settles sort the whole vocabulary.
+    The nucleus is the smallest set of most probable tokens whose mass reaches ``top_p`` (the most probable
+    token is always in it); with ``top_k`` it is taken on the top-k tokens' distribution renormalized, the
+    order in which Hugging Face's ``generate`` and vLLM apply the two. ``u_N`` holds uniforms in [0, 1):
+    inverse-CDF sampling on the sorted, truncated masses makes the draw a deterministic function of ``u``.
+    A row whose ``c`` most probable tokens already settle the draw (they hold ``top_p`` of the mass; at
+    top-p 1, the mass before ``u``'s point) draws from those alone (the same token a full sort gives), for
+    each ``c`` of ``candidates`` in turn; only the rows no round settles sort the whole vocabulary.
 
     Shapes: logits_NV: (N, V); u_N: (N,) -> ids_N: (N,) int64
     """
     probs_NV = torch.softmax(logits_NV.float() / temperature, dim=-1)
+    if 0 < top_k < probs_NV.shape[-1]:
+        top_NK, ids_NK = probs_NV.topk(top_k, dim=-1)
+        limit = top_p * top_NK.sum(-1, keepdim=True) if top_p < 1.0 else None
+        return _inverse_cdf_draw(top_NK, ids_NK, u_N, limit)
+    rounds = (candidates,) if isinstance(candidates, int) else tuple(candidates)
+    if top_p >= 1.0:
+        return _whole_draw(probs_NV, u_N, rounds)
     out_N = torch.empty(probs_NV.shape[0], dtype=torch.long, device=probs_NV.device)
     todo_R = torch.arange(probs_NV.shape[0], device=probs_NV.device)
-    rounds = (candidates,) if isinstance(candidates, int) else candidates
-    for c in rounds if top_p < 1.0 else ():  # top-p 1 keeps every token: only the full sort holds it
+    for c in rounds:
         if todo_R.numel() == 0:
             return out_N
         top_RC, top_ids_RC = probs_NV[todo_R].topk(min(c, probs_NV.shape[-1]), dim=-1)
@@ -110,13 +120,40 @@ def nucleus_sample(
     return out_N
 
 
-def _inverse_cdf_draw(sorted_p_NC: torch.Tensor, ids_NC: torch.Tensor, u_N: torch.Tensor, top_p: float) -> torch.Tensor:
-    """The draw on probabilities sorted descending (a prefix that holds the nucleus is enough)."""
-    mass_before = sorted_p_NC.cumsum(-1) - sorted_p_NC
-    cdf = (sorted_p_NC * (mass_before < top_p)).cumsum(-1)
+def _inverse_cdf_draw(
+    sorted_p_NC: torch.Tensor, ids_NC: torch.Tensor, u_N: torch.Tensor, limit: float | torch.Tensor | None
+) -> torch.Tensor:
+    """The draw on probabilities sorted descending (a prefix that holds the nucleus is enough): the tokens whose
+    mass before them is under ``limit`` (a float, or one per row (N, 1)); None: every token given."""
+    if limit is None:
+        cdf = sorted_p_NC.cumsum(-1)
+    else:
+        mass_before = sorted_p_NC.cumsum(-1) - sorted_p_NC
+        cdf = (sorted_p_NC * (mass_before < limit)).cumsum(-1)
     target = (u_N.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
     pick = torch.searchsorted(cdf, target, right=True).clamp(max=sorted_p_NC.shape[-1] - 1)
     return ids_NC.gather(-1, pick).squeeze(-1)
+
+
+def _whole_draw(probs_NV: torch.Tensor, u_N: torch.Tensor, rounds: Sequence[int]) -> torch.Tensor:
+    """The draw from every token (top-p 1, no top-k) by inverse CDF on the descending order, without sorting the
+    vocabulary for the rows whose point ``u`` x (total mass) falls within their ``c`` most probable tokens."""
+    target_N = u_N.to(probs_NV.dtype) * probs_NV.sum(-1)
+    out_N = torch.empty(probs_NV.shape[0], dtype=torch.long, device=probs_NV.device)
+    todo_R = torch.arange(probs_NV.shape[0], device=probs_NV.device)
+    for c in (*rounds, probs_NV.shape[-1]):  # the last round: every token, the full sort
+        if todo_R.numel() == 0:
+            break
+        top_RC, ids_RC = probs_NV[todo_R].topk(min(c, probs_NV.shape[-1]), dim=-1)
+        cdf_RC = top_RC.cumsum(-1)
+        done_R = (cdf_RC[:, -1] > target_N[todo_R]) | (c >= probs_NV.shape[-1])
+        at = target_N[todo_R[done_R]].unsqueeze(-1)
+        pick = torch.searchsorted(cdf_RC[done_R], at, right=True)
+        # a point at the very end (u within float32 rounding of 1) takes the last token with mass, never one without
+        pick = torch.minimum(pick, (top_RC[done_R] > 0).sum(-1, keepdim=True) - 1)
+        out_N[todo_R[done_R]] = ids_RC[done_R].gather(-1, pick).squeeze(-1)
+        todo_R = todo_R[~done_R]
+    return out_N
 
 
 def _can_drop_rows(cache) -> bool:
@@ -142,15 +179,15 @@ def prompt_uniforms(seeds: Sequence[int], steps: int) -> torch.Tensor:
 
 
 def sample_next(
-    logits_NV: torch.Tensor, u_N: torch.Tensor, temperature: float, top_p: float, greedy: bool
+    logits_NV: torch.Tensor, u_N: torch.Tensor, temperature: float, top_p: float, greedy: bool, top_k: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The next token of each row and its log-prob under the unmodified policy (temperature 1,
-    no top-p): the quantity the sampled-token reward and importance ratios use.
+    no top-p or top-k): the quantity the sampled-token reward and importance ratios use.
 
     Shapes: logits_NV: (N, V); u_N: (N,) -> ids_N: (N,) int64, logp_N: (N,) float32
     """
     logits = logits_NV.float()
-    tok = logits.argmax(-1) if greedy else nucleus_sample(logits, u_N, temperature, top_p)
+    tok = logits.argmax(-1) if greedy else nucleus_sample(logits, u_N, temperature, top_p, top_k=top_k)
     return tok, torch.log_softmax(logits, -1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
 
 
@@ -200,7 +237,9 @@ class HFRollout(EngineBase):
         return HFSession(self, prompts, seeds, budget, sampling)
 
     @torch.no_grad()
-    def generate(self, prompt_ids, seeds, *, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False) -> RolloutBatch:
+    def generate(
+        self, prompt_ids, seeds, *, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False, top_k=0
+    ) -> RolloutBatch:
         if len(seeds) != len(prompt_ids):
             raise ValueError("one seed per prompt is required")
         check_sampling(max_new_tokens, temperature, greedy)
@@ -220,7 +259,7 @@ class HFRollout(EngineBase):
             steps = self._steps(ids, attn, max_new_tokens)
             live, logits = torch.arange(N, device=dev), steps.logits  # the rows the sampler draws for (global indices)
             for t in range(max_new_tokens):
-                tok, lp = sample_next(logits, u[live, t], temperature, top_p, greedy)
+                tok, lp = sample_next(logits, u[live, t], temperature, top_p, greedy, top_k)
                 alive = ~finished[live]
                 tok = torch.where(alive, tok, torch.full_like(tok, self.pad_id))
                 resp[live, t], resp_mask[live, t] = tok, alive
@@ -388,7 +427,7 @@ class HFSession:
             if not unreported:
                 break
             u_R = self.u_NB[state.rows_R, (sampled_R + t).clamp(max=budget - 1)]
-            tok, lp = sample_next(state.logits_RV, u_R, how.temperature, how.top_p, how.greedy)
+            tok, lp = sample_next(state.logits_RV, u_R, how.temperature, how.top_p, how.greedy, how.top_k)
             tok = torch.where(writing_R, tok, torch.full_like(tok, self.pad_id))
             ids_RA[:, t], lps_RA[:, t] = tok, torch.where(writing_R, lp, 0.0)
             n_R += writing_R

@@ -155,13 +155,14 @@ class ServerEngine(EngineBase):
         temperature: float = 1.0,
         top_p: float = 1.0,
         greedy: bool = False,
+        top_k: int = 0,
     ) -> RolloutBatch:
         """Single-turn rollouts of the student's current weights, checked against it (the policy check)."""
         if len(seeds) != len(prompt_ids):
             raise ValueError("one seed per prompt is required")
         check_sampling(max_new_tokens, temperature, greedy)
         self.begin()
-        how = Sampling(temperature, top_p, greedy)
+        how = Sampling(temperature, top_p, greedy, top_k)
         try:
             samples = self.answer([Request(list(p), int(s), max_new_tokens, how) for p, s in zip(prompt_ids, seeds)])
         finally:

@@ -8,7 +8,7 @@ in ``/dev/shm``, loaded in place by the server (``POST /collective_rpc`` with ``
 run's adapter alone, and the prefix cache reset (``POST /reset_prefix_cache``): vLLM's dev-mode endpoints
 (``VLLM_SERVER_DEV_MODE=1``), outside ``/v1`` and so outside ``--api-key``'s reach, which is why the engine
 must stay on loopback or a private network. Each prompt (each turn of an episode) is one completions request with its own ``seed`` (vLLM
-batches concurrent requests), sampling with opd's temperature and top-p (``top_k`` off), and asks for the
+batches concurrent requests), sampling with opd's temperature, top-p and top-k (``top_k`` -1 when off), and asks for the
 sampled token's log-prob (``logprobs: 0``): with vLLM's default ``--logprobs-mode raw_logprobs`` that is
 the unmodified policy's log-prob, the quantity opd's own sampler records and the policy check compares
 (:mod:`opd.rollout.served`; its bound is ``--vllm-max-gap``).
@@ -203,8 +203,9 @@ class VLLMRollout(ServerEngine):
     def payload(self, r: Request) -> dict:
         """One completions request: raw log-probs of the sampled tokens, the token ids, stopping at EOS."""
         how = r.sampling
+        top_k = how.top_k or -1  # vLLM's "off" (its default may not be)
         sampling = (
-            {"temperature": 0.0} if how.greedy else {"temperature": how.temperature, "top_p": how.top_p, "top_k": -1}
+            {"temperature": 0.0} if how.greedy else {"temperature": how.temperature, "top_p": how.top_p, "top_k": top_k}
         )
         return {
             "model": self.model_name,
@@ -311,7 +312,7 @@ def start_vllm(ctx: EngineContext) -> VLLMRollout:
             weights_dtype=engine_dtype(cfg.dtype),
         )
     shared = ctx.world > 1 and bool(cfg.vllm_url)
-    if shared and cfg.max_staleness:
+    if shared and bool(getattr(cfg, "max_staleness", 0)):  # opd eval's config has no staleness, nor LoRA
         raise UserError(
             "--max-staleness with one server shared by several ranks (--vllm-url): each rank's rollout worker "
             "would reload its weights at its own moment; leave --vllm-url out (opd starts a server per rank), or "
@@ -328,7 +329,7 @@ def start_vllm(ctx: EngineContext) -> VLLMRollout:
     own, gpus = not cfg.vllm_url, torch.cuda.is_available()
     way = choose(cfg.vllm_sync, ctx.model, ctx.folder, own_server=own, dtype=engine_dtype(cfg.dtype), on_gpu=gpus)
     user_args = vllm_arg_list(cfg.vllm_args)
-    way_args, way_env = server_options(way, cfg.lora_r, user_args)
+    way_args, way_env = server_options(way, getattr(cfg, "lora_r", 0), user_args)
     way_args += sleep_options(cfg, way.name, gpus, user_args)
     launch = functools.partial(
         start_vllm_server,
@@ -373,7 +374,7 @@ def sleep_options(cfg, way: str, gpus: bool, user_args: list[str]) -> list[str]:
         return []
     if not gpus:
         raise UserError("--vllm-sleep: vLLM's sleep mode runs on GPUs only, and torch sees none here; drop it")
-    if cfg.max_staleness:
+    if getattr(cfg, "max_staleness", 0):  # opd eval has no staleness worker
         raise UserError(
             "--vllm-sleep with --max-staleness: the rollout worker samples while the trainer trains, so the engine "
             "never rests; drop one of them"
