@@ -30,6 +30,8 @@ second tokenizer of 151,936 real entries needs a large corpus).
 Writes JSON (--out) and a Markdown table beside it, with the commit and the machine.
 
 Run (repository root):  python benchmarks/real_shape.py [--quick] [--lengths 1024,4096,8192] [--kinds step,stages]
+Runs of one length or vocabulary each (side by side, or so that a long one's partial result is kept) join into one
+table with --merge A.json,B.json --out C.json; each cell keeps its run's commit.
 """
 
 from __future__ import annotations
@@ -213,11 +215,42 @@ def table(result: dict) -> str:
             )
     m = result["machine"]
     head = (
-        f"# Real lengths and vocabularies (benchmarks/real_shape.py)\n\nAt {result['commit']}, {m.get('cpu', 'cpu')} "
+        f"# Real lengths and vocabularies (benchmarks/real_shape.py)\n\nAt {commits(result)}, {m.get('cpu', 'cpu')} "
         f"({m['cpu_cores']} cores, torch {m['torch']}){', quick shapes' if result['quick'] else ''}. Peak: the "
-        "process's resident set (VmHWM) during the stage; rise: that peak over the stage's start.\n\n"
+        "process's resident set (VmHWM) during the stage; rise: that peak over the stage's start."
+        + (f" {result['note']}" if result.get("note") else "")
+        + "\n\n"
     )
     return head + "\n".join(rows) + "\n\n" + "\n".join(f"- {s}" for s in result["summary"]) + "\n"
+
+
+def commits(result: dict) -> str:
+    """The run's commit, or (merged runs) each commit with the cells it measured."""
+    kinds: dict[str, list[str]] = {}
+    for c in result["cells"]:
+        cell = f"{c['kind']} {c['length']:,}"
+        if cell not in kinds.setdefault(c.get("commit", result["commit"]), []):
+            kinds[c.get("commit", result["commit"])].append(cell)
+    if len(kinds) <= 1:
+        return result["commit"]
+    return "; ".join(f"{commit} ({', '.join(cells)})" for commit, cells in kinds.items())
+
+
+def merged(paths: list[Path], note: str) -> dict:
+    """Earlier runs' cells in one result, each cell with its run's commit (runs made side by side, or one
+    length at a time so that a partial result is kept)."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    cells = [{**c, "commit": c.get("commit", r["commit"])} for r in runs for c in r["cells"]]
+    commit = ", ".join(dict.fromkeys(c["commit"] for c in cells))
+    result = {"commit": commit, "machine": runs[0]["machine"], "quick": any(r["quick"] for r in runs), "cells": cells}
+    return {**result, "note": note, "summary": summary(cells)}
+
+
+def write(result: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    out.with_suffix(".md").write_text(table(result))
+    print(table(result))
 
 
 def main() -> None:
@@ -237,10 +270,15 @@ def main() -> None:
     )
     ap.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "opd-real-shape")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "real_shape.json")
+    ap.add_argument("--note", default="", help="a sentence for the table's head (the machine's load, say)")
+    ap.add_argument("--merge", default="", help="earlier runs' JSON files, comma-separated: one JSON and table")
     ap.add_argument("--cell", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.cell:
         print(json.dumps(cell(json.loads(a.cell))))
+        return
+    if a.merge:
+        write(merged([Path(x) for x in a.merge.split(",")], a.note), a.out)
         return
     from opd.lab.real_shape import narrow_pair
 
@@ -261,11 +299,7 @@ def main() -> None:
                     flush=True,
                 )
     result = {"commit": source_commit(), "machine": machine_info(), "quick": a.quick, "cells": cells}
-    result["summary"] = summary(cells)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=1) + "\n")
-    a.out.with_suffix(".md").write_text(table(result))
-    print(table(result))
+    write({**result, "note": a.note, "summary": summary(cells)}, a.out)
 
 
 if __name__ == "__main__":
