@@ -246,11 +246,12 @@ def merged(paths: list[Path], note: str) -> dict:
     return {**result, "note": note, "summary": summary(cells)}
 
 
-def write(result: dict, out: Path) -> None:
+def write(result: dict, out: Path, show: bool = True) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     out.with_suffix(".md").write_text(table(result))
-    print(table(result))
+    if show:
+        print(table(result))
 
 
 def main() -> None:
@@ -284,7 +285,8 @@ def main() -> None:
 
     lengths = [int(x) for x in a.lengths.split(",")] if a.lengths else list(QUICK_LENGTHS if a.quick else LENGTHS)
     vocabs = [int(x) for x in a.vocabs.split(",")] if a.vocabs else list(VOCABS)
-    cells = []
+    cells: list[dict] = []
+    result = {"commit": source_commit(), "machine": machine_info(), "quick": a.quick, "note": a.note}
     for V in vocabs:
         context = max(lengths) + 1024  # the prompts' room too
         student, teacher = narrow_pair(a.models / f"v{V}-context{context}", V, max_len=context)
@@ -298,8 +300,9 @@ def main() -> None:
                     f"{kind} V={V} T={T}: " + (got.get("error", "")[-300:] or f"{got['process_peak'] / 2**30:.2f} GiB"),
                     flush=True,
                 )
-    result = {"commit": source_commit(), "machine": machine_info(), "quick": a.quick, "cells": cells}
-    write({**result, "note": a.note, "summary": summary(cells)}, a.out)
+                # after every cell: a run stopped part way (hours at 8k tokens on a busy CPU) keeps what it measured
+                write({**result, "cells": cells, "summary": summary(cells)}, a.out, show=False)
+    print(table({**result, "cells": cells, "summary": summary(cells)}))
 
 
 if __name__ == "__main__":
