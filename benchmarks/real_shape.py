@@ -242,7 +242,7 @@ def merged(paths: list[Path], note: str) -> dict:
     runs = [json.loads(p.read_text()) for p in paths]
     cells = [{**c, "commit": c.get("commit", r["commit"])} for r in runs for c in r["cells"]]
     commit = ", ".join(dict.fromkeys(c["commit"] for c in cells))
-    result = {"commit": commit, "machine": runs[0]["machine"], "quick": any(r["quick"] for r in runs), "cells": cells}
+    result = {"commit": commit, "machine": runs[0]["machine"], "quick": all(r["quick"] for r in runs), "cells": cells}
     return {**result, "note": note, "summary": summary(cells)}
 
 
