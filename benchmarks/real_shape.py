@@ -14,19 +14,24 @@ in a fresh subprocess:
           stages are opd.training.loop's: rollout, score (in-process teacher), update, log (diagnostics and
           rollout logging), eval, checkpoint.
   stages  the same shapes, stage by stage outside the loop, on one rollout batch: rollout with the static
-          cache, teacher scoring in-process and served (opd serve-teacher's app in this process, over HTTP),
-          the served engine's policy check, and each objective's loss and backward (lsm, lsm --tail,
-          lsm --forward-kl-share 0.5, full_kl, sampled).
+          cache, teacher scoring in-process, served (opd serve-teacher's app in this process, over HTTP) and
+          cross-tokenizer (opd's wrapper with the student's own tokenizer forced on: its setup, the
+          vocabulary map, apart; see opd.lab.real_shape.cross_tokenizer_teacher), the served engine's
+          policy check, and each objective's loss and backward (opd.lab.real_shape.OBJECTIVES: lsm, lsm
+          --tail, lsm --forward-kl-share 0.5, lsm --no-renormalize, full_kl, sampled; every lsm from the
+          student's hidden states, as the trainer computes it).
 
 Memory is the process's peak resident set (VmHWM, reset through /proc/self/clear_refs as each stage
 starts): ``peak`` is the most the process held during the stage, ``rise`` that peak minus the resident
 set when the stage began. Resident memory counts what the allocator kept from earlier stages, so read
-the rise with the peak. Not measured: the cross-tokenizer teacher (its vocabulary map needs a second
-tokenizer of the same size).
+the rise with the peak. Not measured: a cross-tokenizer teacher's re-tokenization of the response (a
+second tokenizer of 151,936 real entries needs a large corpus).
 
 Writes JSON (--out) and a Markdown table beside it, with the commit and the machine.
 
 Run (repository root):  python benchmarks/real_shape.py [--quick] [--lengths 1024,4096,8192] [--kinds step,stages]
+Runs of one length or vocabulary each (side by side, or so that a long one's partial result is kept) join into one
+table with --merge A.json,B.json --out C.json; each cell keeps its run's commit.
 """
 
 from __future__ import annotations
@@ -49,13 +54,6 @@ LENGTHS = (1024, 4096, 8192)
 QUICK_LENGTHS = (64,)
 ROWS, K, EVAL_SIZE = 4, 32, 8
 STEP_STAGES = ["rollout_stage", "score_stage", "update_stage", "log_stage", "eval_stage", "checkpoint_stage"]
-OBJECTIVES = {
-    "loss lsm": dict(objective="lsm"),
-    "loss lsm --tail": dict(objective="lsm", tail=True),
-    "loss lsm --forward-kl-share 0.5": dict(objective="lsm", forward_kl_share=0.5),
-    "loss full_kl": dict(objective="full_kl"),
-    "loss sampled": dict(objective="sampled"),
-}
 
 
 def status(field: str) -> int:
@@ -130,30 +128,23 @@ def step_cell(spec: dict) -> list[dict]:
 
 def stages_cell(spec: dict) -> list[dict]:
     """The stages outside the loop on one rollout batch (see the module docstring)."""
-    import dataclasses
     import types
 
     import torch
 
-    from opd.config import TrainConfig
+    from opd.lab.real_shape import OBJECTIVES, cross_tokenizer_teacher, loss_and_backward, prompts, rollout_engine
     from opd.models.loading import checkpoint_layers, head_weight, load_model, load_tokenizer
-    from opd.models.tokenizer import format_prompt
-    from opd.rollout.sampling import HFRollout
     from opd.rollout.served import ServerEngine
     from opd.teachers.client import HTTPTeacher
     from opd.teachers.scoring import HFTeacher
     from opd.teachers.server import Limits, TeacherApp, start_server, stop_server
-    from opd.training.loss import LossTotals, objective_loss, reduce_loss
 
     T, meter = spec["length"], Meter()
     tok = load_tokenizer(spec["student"])
     student, teacher_model = load_model(spec["student"]), load_model(spec["teacher"], "teacher")
-    prompts = [
-        tok(format_prompt(tok, [{"role": "user", "content": f"What is {i} + 7?"}]))["input_ids"] for i in range(ROWS)
-    ]
-    engine = HFRollout(student, tok.eos_token_id, tok.pad_token_id, static_cache="on")
+    engine = rollout_engine(student, tok, static_cache="on")
     how = dict(max_new_tokens=T, temperature=spec["temperature"], top_p=spec["top_p"])
-    batch = meter.measure("rollout (static cache)", engine.generate, prompts, list(range(ROWS)), **how)
+    batch = meter.measure("rollout (static cache)", engine.generate, prompts(tok, ROWS), list(range(ROWS)), **how)
     teacher = HFTeacher(teacher_model)
     scores = meter.measure("score (in-process)", teacher.score, batch, K)
     app = TeacherApp(teacher_model, tok, "teacher", Limits(max_prompt_tokens=T + 512))
@@ -164,21 +155,15 @@ def stages_cell(spec: dict) -> list[dict]:
         meter.measure("score (served)", client.score, batch, K)
     finally:
         stop_server(server)
+    cross = meter.measure("cross-tokenizer setup", cross_tokenizer_teacher, teacher_model, tok)
+    meter.measure("score (cross-tokenizer)", cross.score, batch, K)
     checker = types.SimpleNamespace(model=student, max_gap=float("inf"), name="bench", gap_option="--max-gap")
     meter.measure("policy check (served engine)", ServerEngine.check_policy, checker, batch)
     student.train()
     if T >= 4096:
         checkpoint_layers(student)
-    mask = batch.action_mask_NT
-    totals = LossTotals(int(mask.sum()), ROWS, ROWS, T)
     for name, options in OBJECTIVES.items():
-        cfg = dataclasses.replace(TrainConfig(k=K, batch_size=ROWS, max_new_tokens=T), **options)
-
-        def loss_and_backward(cfg=cfg):
-            loss_NT, _ = objective_loss(cfg, student, teacher, batch, scores, mask)
-            reduce_loss("token_mean", loss_NT, mask, totals).backward()
-
-        meter.measure(name, loss_and_backward)
+        meter.measure(name, loss_and_backward, student, teacher, batch, scores, options, K)
         student.zero_grad(set_to_none=True)
     torch.set_grad_enabled(True)
     return meter.rows
@@ -230,11 +215,43 @@ def table(result: dict) -> str:
             )
     m = result["machine"]
     head = (
-        f"# Real lengths and vocabularies (benchmarks/real_shape.py)\n\nAt {result['commit']}, {m.get('cpu', 'cpu')} "
+        f"# Real lengths and vocabularies (benchmarks/real_shape.py)\n\nAt {commits(result)}, {m.get('cpu', 'cpu')} "
         f"({m['cpu_cores']} cores, torch {m['torch']}){', quick shapes' if result['quick'] else ''}. Peak: the "
-        "process's resident set (VmHWM) during the stage; rise: that peak over the stage's start.\n\n"
+        "process's resident set (VmHWM) during the stage; rise: that peak over the stage's start."
+        + (f" {result['note']}" if result.get("note") else "")
+        + "\n\n"
     )
     return head + "\n".join(rows) + "\n\n" + "\n".join(f"- {s}" for s in result["summary"]) + "\n"
+
+
+def commits(result: dict) -> str:
+    """The run's commit, or (merged runs) each commit with the cells it measured."""
+    kinds: dict[str, list[str]] = {}
+    for c in result["cells"]:
+        cell = f"{c['kind']} {c['length']:,}"
+        if cell not in kinds.setdefault(c.get("commit", result["commit"]), []):
+            kinds[c.get("commit", result["commit"])].append(cell)
+    if len(kinds) <= 1:
+        return result["commit"]
+    return "; ".join(f"{commit} ({', '.join(cells)})" for commit, cells in kinds.items())
+
+
+def merged(paths: list[Path], note: str) -> dict:
+    """Earlier runs' cells in one result, each cell with its run's commit (runs made side by side, or one
+    length at a time so that a partial result is kept)."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    cells = [{**c, "commit": c.get("commit", r["commit"])} for r in runs for c in r["cells"]]
+    commit = ", ".join(dict.fromkeys(c["commit"] for c in cells))
+    result = {"commit": commit, "machine": runs[0]["machine"], "quick": all(r["quick"] for r in runs), "cells": cells}
+    return {**result, "note": note, "summary": summary(cells)}
+
+
+def write(result: dict, out: Path, show: bool = True) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    out.with_suffix(".md").write_text(table(result))
+    if show:
+        print(table(result))
 
 
 def main() -> None:
@@ -254,16 +271,22 @@ def main() -> None:
     )
     ap.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "opd-real-shape")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "real_shape.json")
+    ap.add_argument("--note", default="", help="a sentence for the table's head (the machine's load, say)")
+    ap.add_argument("--merge", default="", help="earlier runs' JSON files, comma-separated: one JSON and table")
     ap.add_argument("--cell", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.cell:
         print(json.dumps(cell(json.loads(a.cell))))
         return
+    if a.merge:
+        write(merged([Path(x) for x in a.merge.split(",")], a.note), a.out)
+        return
     from opd.lab.real_shape import narrow_pair
 
     lengths = [int(x) for x in a.lengths.split(",")] if a.lengths else list(QUICK_LENGTHS if a.quick else LENGTHS)
     vocabs = [int(x) for x in a.vocabs.split(",")] if a.vocabs else list(VOCABS)
-    cells = []
+    cells: list[dict] = []
+    result = {"commit": source_commit(), "machine": machine_info(), "quick": a.quick, "note": a.note}
     for V in vocabs:
         context = max(lengths) + 1024  # the prompts' room too
         student, teacher = narrow_pair(a.models / f"v{V}-context{context}", V, max_len=context)
@@ -277,12 +300,9 @@ def main() -> None:
                     f"{kind} V={V} T={T}: " + (got.get("error", "")[-300:] or f"{got['process_peak'] / 2**30:.2f} GiB"),
                     flush=True,
                 )
-    result = {"commit": source_commit(), "machine": machine_info(), "quick": a.quick, "cells": cells}
-    result["summary"] = summary(cells)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=1) + "\n")
-    a.out.with_suffix(".md").write_text(table(result))
-    print(table(result))
+                # after every cell: a run stopped part way (hours at 8k tokens on a busy CPU) keeps what it measured
+                write({**result, "cells": cells, "summary": summary(cells)}, a.out, show=False)
+    print(table({**result, "cells": cells, "summary": summary(cells)}))
 
 
 if __name__ == "__main__":

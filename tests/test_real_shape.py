@@ -16,10 +16,13 @@ STAGES = [
     "rollout (static cache)",
     "score (in-process)",
     "score (served)",
+    "cross-tokenizer setup",
+    "score (cross-tokenizer)",
     "policy check (served engine)",
     "loss lsm",
     "loss lsm --tail",
     "loss lsm --forward-kl-share 0.5",
+    "loss lsm --no-renormalize",
     "loss full_kl",
     "loss sampled",
 ]
@@ -46,3 +49,11 @@ def test_real_shape_quick_mode(tmp_path):
     assert got["commit"] and got["machine"]["cpu_cores"]
     assert len(got["summary"]) == 2  # the step's and the final evaluation's peaks, V = 151,936 over 2,048
     assert "| step | 151,936 | 64 | eval |" in out.with_suffix(".md").read_text()
+    # runs of one length each join into one table, each cell with its run's commit
+    joined = tmp_path / "joined.json"
+    args = ["--merge", f"{out},{out}", "--note", "Shared machine.", "--out", str(joined)]
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    both = json.loads(joined.read_text())
+    assert len(both["cells"]) == 8 and {c["commit"] for c in both["cells"]} == {got["commit"]}
+    assert "Shared machine." in joined.with_suffix(".md").read_text()

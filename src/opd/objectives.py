@@ -17,8 +17,8 @@ The three objectives of the papers:
 
 * ``lsm``: support (teacher top-K by default, or any kind of :func:`opd.losses.build_support`),
   then :func:`~opd.losses.local_support_kl_from_hidden` -- the student's (N, T, V) logits are never
-  built. ``renormalize=False`` (the ablation) needs full-vocabulary student probabilities and so
-  builds them. ``tail`` adds a bucket for the mass outside the support
+  built. ``renormalize=False`` (the ablation) needs the student's full-vocabulary normalizer, taken
+  a chunk of positions at a time. ``tail`` adds a bucket for the mass outside the support
   (:func:`~opd.losses.local_support_kl_tail_from_hidden`, the student's head a chunk at a time).
 * ``sampled``: sampled-token OPD, r_t = log q(y_t) - log p(y_t) with the discounted reward-to-go
   and a policy-gradient surrogate (importance-ratio clipping when a batch is reused).
@@ -175,10 +175,8 @@ def _lsm_loss(x: ObjectiveInputs, cfg: Options) -> torch.Tensor:
     h, W, mask = x.hidden_NTD, x.head_VD, x.mask_NT
     if cfg.tail:
         return L.local_support_kl_tail_from_hidden(h, W, ids, t_lp, mask, support_mask=smask)
-    if cfg.renormalize:
-        share = cfg.forward_kl_share
-        return L.local_support_kl_from_hidden(h, W, ids, t_lp, mask, support_mask=smask, forward_share=share)
-    return L.local_support_kl(L.as_head(W).logits(h), ids, t_lp, mask, renormalize=False, support_mask=smask)
+    share, renorm = cfg.forward_kl_share, cfg.renormalize
+    return L.local_support_kl_from_hidden(h, W, ids, t_lp, mask, smask, forward_share=share, renormalize=renorm)
 
 
 def _lsm_needs(cfg: Options) -> frozenset[str]:

@@ -281,6 +281,9 @@ def test_forward_share_needs_the_renormalized_support():
     zs, ids, tlp, mask, sm, _ = lsm_inputs((2, 3, 7, 3), 18)
     with pytest.raises(ValueError, match="renormalize=True"):
         L.local_support_kl(zs, ids, tlp, mask, renormalize=False, forward_share=0.5)
+    h, w, ids, tlp, mask, sm, _ = hidden_inputs((2, 3, 7, 3), 18, F64)
+    with pytest.raises(ValueError, match="renormalize=True"):
+        L.local_support_kl_from_hidden(h, w, ids, tlp, mask, sm, forward_share=0.5, renormalize=False)
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 5, 5), (3, 4, 7, 7), (2, 5, 31, 31)])
@@ -355,6 +358,25 @@ def test_local_support_kl_from_hidden(shape, mask_kind, dtype, chunk_size, share
     if dtype == F64:  # same as building the logits
         h2, w2 = fresh(h, w)
         out2 = L.local_support_kl(h2 @ w2.T, ids, tlp, mask, renormalize=True, support_mask=sm)
+        close(out, out2, F64)
+        for a, b in zip((gh, gw), grads(out2, [h2, w2], gout)):
+            close(a, b, F64)
+
+
+@pytest.mark.parametrize("shape,mask_kind,dtype", cases(low=[F32, BF16]))
+@pytest.mark.parametrize("chunk_size", [1, 3, 1000])
+def test_truncated_local_support_kl_from_hidden(shape, mask_kind, dtype, chunk_size):
+    """The --no-renormalize ablation from hidden states (its normalizer a chunk of positions at a time): the
+    reference's values and gradients, and in float64 the same as building the logits."""
+    h, w, ids, tlp, mask, sm, gout = hidden_inputs(shape, 19, dtype, mask_kind=mask_kind)
+    out = L.local_support_kl_from_hidden(h, w, ids, tlp, mask, sm, chunk_size=chunk_size, renormalize=False)
+    assert out.dtype == OUT_DTYPE[dtype] and out.shape == mask.shape
+    ref, ref_gl = R.ref_local_support_kl(R.ref_logits(h, w), ids, tlp, mask, False, sm, gout)
+    ref_gh, ref_gw = R.ref_hidden_grads(h, w, ref_gl)
+    gh, gw = check_support_loss_from_hidden(out, ref, ref_gh, ref_gw, h, w, tlp, mask, gout, dtype)
+    if dtype == F64:
+        h2, w2 = fresh(h, w)
+        out2 = L.local_support_kl(h2 @ w2.T, ids, tlp, mask, renormalize=False, support_mask=sm)
         close(out, out2, F64)
         for a, b in zip((gh, gw), grads(out2, [h2, w2], gout)):
             close(a, b, F64)

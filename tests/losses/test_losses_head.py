@@ -145,13 +145,20 @@ def test_token_logprobs_and_topk_from_hidden(shape, mask_kind, dtype, kind, chun
 
 @pytest.mark.parametrize("shape,mask_kind,dtype", cases())
 @pytest.mark.parametrize("kind", list(HEADS))
-@pytest.mark.parametrize("share", [0.0, 0.3])
+@pytest.mark.parametrize("share,renormalize", [(0.0, True), (0.3, True), (0.0, False)])
 @pytest.mark.parametrize("chunk_size", [1, 1000])
-def test_local_support_kl_from_hidden(shape, mask_kind, dtype, kind, share, chunk_size):
+def test_local_support_kl_from_hidden(shape, mask_kind, dtype, kind, share, renormalize, chunk_size):
+    """renormalize=False (the ablation) reads the whole head, so banned tokens (-inf entries) are in it."""
     h, w, ids, tlp, mask, sm, gout = hidden_inputs(shape, 12, dtype, mask_kind=mask_kind)
-    head, _ = make_head(w, kind, gen(13), dtype)
-    out = L.local_support_kl_from_hidden(h, head, ids, tlp, mask, sm, chunk_size=chunk_size, forward_share=share)
-    ref, ref_gl = R.ref_local_support_kl(R.ref_head_logits(h, *ref_parts(head)), ids, tlp, mask, True, sm, gout, share)
+    if not renormalize:
+        with torch.no_grad():
+            h[..., -1] = 1.0  # against the banned entries' -inf
+    head, _ = make_head(w, kind, gen(13), dtype, ban=not renormalize)
+    out = L.local_support_kl_from_hidden(
+        h, head, ids, tlp, mask, sm, chunk_size=chunk_size, forward_share=share, renormalize=renormalize
+    )
+    logits = R.ref_head_logits(h, *ref_parts(head))
+    ref, ref_gl = R.ref_local_support_kl(logits, ids, tlp, mask, renormalize, sm, gout, share)
     close(out, ref, dtype, "value")
     gh = check_head_grads(out, h, head, ref_gl, gout, dtype)[0]
     check_teacher_constant(grads(out, [tlp], gout)[0])

@@ -4,6 +4,10 @@ One step, its evaluation and its checkpoint, at a shape where such a tensor is u
 128 tokens over a 32,768-token vocabulary (a narrow Qwen3 pair, :mod:`opd.lab.real_shape`). B x T x V is
 then 16.8M elements, 8 times the head itself (V x 64) and twice a 256-position chunk of logits (the
 teacher's scoring, the losses), the largest a chunked stage allocates. A dispatch mode records the largest tensor each stage allocates.
+The same for what one step runs under other options, on a batch of B x 512 tokens: cross-tokenizer scoring
+and each objective's loss and backward (:data:`opd.lab.real_shape.OBJECTIVES`, the --no-renormalize ablation
+among them). Those that need the full vocabulary hold up to four (256, V) buffers (full_kl's backward), so
+B x 512 x V is twice the most a chunked objective allocates.
 """
 
 from __future__ import annotations
@@ -13,10 +17,22 @@ import torch
 from helpers import step_records
 
 from opd.config import TrainConfig
-from opd.lab.real_shape import LargestTensor, narrow_pair, stages
+from opd.lab.real_shape import (
+    OBJECTIVES,
+    LargestTensor,
+    cross_tokenizer_teacher,
+    loss_and_backward,
+    narrow_pair,
+    prompts,
+    rollout_engine,
+    stages,
+)
+from opd.models.loading import load_model, load_tokenizer
+from opd.teachers.scoring import HFTeacher
 from opd.training import loop
 
 B, T, V = 4, 128, 32_768
+T_OBJECTIVES = 512  # B x T_OBJECTIVES positions: twice full_kl's four 256-position chunks
 STAGES = ["rollout_stage", "score_stage", "update_stage", "log_stage", "eval_stage", "checkpoint_stage"]
 
 
@@ -81,3 +97,40 @@ def test_no_stage_allocates_rows_by_length_by_vocabulary(wide_vocab_pair, tmp_pa
     assert entered == set(STAGES)
     over = {name: got for name, got in seen.largest.items() if got[0] >= B * T * V}
     assert not over, f"stages allocating B x T x V = {B * T * V:,} elements or more: {over}"
+
+
+@pytest.fixture(scope="module")
+def one_batch(wide_vocab_pair):
+    """A rollout batch of B x T_OBJECTIVES from the narrow student, the models and the in-process teacher's top-8."""
+    student_dir, teacher_dir = wide_vocab_pair
+    tok, student, teacher_model = load_tokenizer(student_dir), load_model(student_dir), load_model(teacher_dir)
+    torch.manual_seed(0)
+    batch = rollout_engine(student, tok).generate(
+        prompts(tok, B), list(range(B)), max_new_tokens=T_OBJECTIVES, temperature=0.05, top_p=0.95
+    )
+    assert batch.action_mask_NT.sum() > 0.9 * B * T_OBJECTIVES  # random weights rarely sample EOS: a real length
+    teacher = HFTeacher(teacher_model)
+    return tok, student, teacher_model, teacher, batch, teacher.score(batch, 8)
+
+
+def test_cross_tokenizer_scoring_allocates_no_rows_by_length_by_vocabulary(one_batch):
+    tok, _, teacher_model, _, batch, _ = one_batch
+    teacher = cross_tokenizer_teacher(teacher_model, tok)
+    with LargestTensor() as seen:
+        seen.stage = "score"
+        scores = teacher.score(batch, 8)
+    assert scores.topk_ids_NTK.shape == (B, T_OBJECTIVES, 8)
+    assert seen.largest["score"][0] < B * T_OBJECTIVES * V, seen.largest
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_no_objective_allocates_rows_by_length_by_vocabulary(one_batch, name):
+    """Each objective's loss and backward, the --no-renormalize ablation among them (it once formed the logits)."""
+    _, student, _, teacher, batch, scores = one_batch
+    student.train()
+    with LargestTensor() as seen:
+        seen.stage = name
+        loss_and_backward(student, teacher, batch, scores, OBJECTIVES[name], 8)
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in student.parameters())  # it trained
+    student.zero_grad(set_to_none=True)
+    assert seen.largest[name][0] < B * T_OBJECTIVES * V, f"{name}: {seen.largest[name]}"

@@ -13,6 +13,9 @@ vocabulary the real size, which is what is measured.
 Usage (benchmarks/real_shape.py and the guard test)::
 
     student, teacher = narrow_pair(root, vocab_size=151_936)
+    batch = sample(student, tokenizer, rows=4, max_new_tokens=1024)
+    for options in OBJECTIVES.values():
+        loss_and_backward(student, teacher, batch, teacher.score(batch, k), options, k)
 """
 
 from __future__ import annotations
@@ -30,6 +33,16 @@ from torch.utils._pytree import tree_flatten
 
 QWEN3_VOCAB = 151_936
 PAD_ENTRY = "xpad{}"  # ASCII: its own byte-level form, so it decodes to itself
+# Each objective's loss and backward as the trainer runs it (every lsm variant goes from the student's
+# hidden states: the trainer has no path that forms the logits first): TrainConfig fields over the defaults.
+OBJECTIVES: dict[str, dict] = {
+    "loss lsm": dict(objective="lsm"),
+    "loss lsm --tail": dict(objective="lsm", tail=True),
+    "loss lsm --forward-kl-share 0.5": dict(objective="lsm", forward_kl_share=0.5),
+    "loss lsm --no-renormalize": dict(objective="lsm", renormalize=False),
+    "loss full_kl": dict(objective="full_kl"),
+    "loss sampled": dict(objective="sampled"),
+}
 
 
 def padded_tokenizer(out: Path, vocab_size: int) -> Path:
@@ -89,6 +102,52 @@ def narrow_pair(
         narrow_qwen3(tok, student, layers=layers, width=width, seed=1, max_len=max_len)
         narrow_qwen3(tok, teacher, layers=layers, width=2 * width, seed=2, max_len=max_len)
     return student, teacher
+
+
+def rollout_engine(student, tok, static_cache: str = "on"):
+    """opd's own rollout loop on ``student`` (``static_cache``: on, off)."""
+    from opd.rollout.sampling import HFRollout
+
+    return HFRollout(student, tok.eos_token_id, tok.pad_token_id, static_cache=static_cache)
+
+
+def prompts(tok, rows: int) -> list[list[int]]:
+    """``rows`` arithmetic questions in the chat template, as token ids."""
+    from opd.models.tokenizer import format_prompt
+
+    return [
+        tok(format_prompt(tok, [{"role": "user", "content": f"What is {i} + 7?"}]))["input_ids"] for i in range(rows)
+    ]
+
+
+def cross_tokenizer_teacher(teacher_model, tok):
+    """The in-process teacher behind opd's cross-tokenizer wrapper with the student's own tokenizer
+    (``--cross-tokenizer on``): a second tokenizer of 151,936 real entries needs a large corpus, and the
+    padded entries, which no merge builds, would re-tokenize to one token per character. With one vocabulary
+    the wrapper keeps the sampled ids (no re-tokenization) and runs the rest at the real sizes: the prompt in
+    the teacher's template, the vocabulary map over V, the byte alignment, the top-K moved into the
+    student's frame and the span reward."""
+    from opd.models.loading import head_weight
+    from opd.teachers.crosstok import CrossTokenizerTeacher
+    from opd.teachers.scoring import HFTeacher
+
+    rows, context = head_weight(teacher_model).shape[0], teacher_model.config.max_position_embeddings
+    return CrossTokenizerTeacher(HFTeacher(teacher_model), tok, tok, teacher_rows=rows, teacher_context=context)
+
+
+def loss_and_backward(student, teacher, batch, scores, options: dict, k: int) -> None:
+    """One objective's loss on ``batch`` and its backward into ``student``, as the trainer computes it
+    (token-mean reduction); ``options``: TrainConfig fields, an entry of :data:`OBJECTIVES`."""
+    import dataclasses
+
+    from opd.config import TrainConfig
+    from opd.training.loss import LossTotals, objective_loss, reduce_loss
+
+    N, T = batch.response_ids_NT.shape
+    cfg = dataclasses.replace(TrainConfig(k=k, batch_size=N, max_new_tokens=T), **options)
+    mask = batch.action_mask_NT
+    loss_NT, _ = objective_loss(cfg, student, teacher, batch, scores, mask)
+    reduce_loss("token_mean", loss_NT, mask, LossTotals(int(mask.sum()), N, N, T)).backward()
 
 
 class LargestTensor(TorchDispatchMode):

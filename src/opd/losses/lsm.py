@@ -21,6 +21,7 @@ import torch
 from opd.losses._common import NEG_INF, as_bool, compute_dtype, position_chunks
 from opd.losses._row_kernels import support_logits, weighted_rows
 from opd.losses.head import Head, HeadLike, as_head, head_dtype, raw_grad_, transform_
+from opd.losses.tail import _SupportLogitsAndNormalizer
 
 
 def _support_kl_terms(
@@ -113,9 +114,19 @@ def local_support_kl(
         raise ValueError("forward_share mixes the renormalized divergences: it needs renormalize=True")
     # Without renormalization the student masses come from the full-vocabulary softmax.
     logp_full = torch.log_softmax(student_logits_BTV.to(dtype), dim=-1).gather(-1, support_ids_BTK)
-    counted = valid & mask.unsqueeze(-1) & torch.isfinite(t_lp) & torch.isfinite(logp_full)
-    logp = torch.where(counted, logp_full, torch.zeros_like(logp_full))
-    logq = torch.where(counted, t_lp, torch.zeros_like(t_lp))
+    return _truncated_kl(logp_full, t_lp, valid & mask.unsqueeze(-1))
+
+
+def _truncated_kl(logp_NK: torch.Tensor, t_logprobs_NK: torch.Tensor, valid_NK: torch.Tensor) -> torch.Tensor:
+    """The ablation's sum over valid slots of p (log p - log q), p and q full-vocabulary probabilities (not
+    renormalized). A slot with a non-finite log-prob on either side counts 0, and gets no gradient.
+
+    Shapes:
+        logp_NK, t_logprobs_NK, valid_NK: (N, K) -> (N,)
+    """
+    counted = valid_NK & torch.isfinite(t_logprobs_NK) & torch.isfinite(logp_NK)
+    logp = torch.where(counted, logp_NK, torch.zeros_like(logp_NK))
+    logq = torch.where(counted, t_logprobs_NK, torch.zeros_like(t_logprobs_NK))
     p = torch.where(counted, logp.exp(), torch.zeros_like(logp))
     return (p * (logp - logq)).sum(-1)
 
@@ -198,14 +209,19 @@ def local_support_kl_from_hidden(
     support_mask: torch.Tensor | None = None,
     chunk_size: int = 128,
     forward_share: float = 0.0,
+    renormalize: bool = True,
 ) -> torch.Tensor:
-    """:func:`local_support_kl` (renormalized, with its ``forward_share``) from the student's final hidden states.
+    """:func:`local_support_kl` (with its ``renormalize`` and ``forward_share``) from the student's final
+    hidden states; the (B, T, V) logits are never formed.
 
     Renormalizing over S cancels the student's full-vocabulary normalizer, so only the K logits
-    of S are computed, chunk by chunk over the unmasked positions; the (B, T, V) logits are never
-    formed. ``lm_head_weight_VD`` is the model's :class:`~opd.losses.Head` (the K logits are then
-    its own: bias, scale and soft-cap applied) or a plain (V, D) weight. Values and gradients (of
-    hidden, weight and bias) equal ``local_support_kl(head.logits(hidden), ...)``.
+    of S are computed, chunk by chunk over the unmasked positions. ``renormalize=False`` (the
+    ablation) needs that normalizer: each unmasked position's logits are computed ``chunk_size``
+    positions at a time, in the forward and again in the backward, as
+    :func:`~opd.losses.local_support_kl_tail_from_hidden` does. ``lm_head_weight_VD`` is the
+    model's :class:`~opd.losses.Head` (the logits are then its own: bias, scale and soft-cap
+    applied) or a plain (V, D) weight. Values and gradients (of hidden, weight and bias) equal
+    ``local_support_kl(head.logits(hidden), ..., renormalize=renormalize)``.
 
     Shapes:
         hidden_BTD: (B, T, D); lm_head_weight_VD: (V, D) or a Head
@@ -221,6 +237,17 @@ def local_support_kl_from_hidden(
     # Only unmasked positions are computed: padding and prompt cost nothing.
     active = as_bool(mask_BT).reshape(-1).nonzero().squeeze(-1)
     kl_flat = torch.zeros(B * T, dtype=dtype, device=hidden_BTD.device)
+    if not renormalize:
+        if forward_share:
+            raise ValueError("forward_share mixes the renormalized divergences: it needs renormalize=True")
+        ids_AK = support_ids_BTK.reshape(B * T, K)[active]
+        # torch's Function.apply is unannotated, hence the ignore
+        z_AK, lse_A = _SupportLogitsAndNormalizer.apply(  # type: ignore[no-untyped-call]
+            hidden_BTD.reshape(B * T, D), head.weight_VD, head.bias_V, head, active, ids_AK, dtype, chunk_size
+        )
+        t_lp_AK = teacher_logprobs_BTK.detach().reshape(B * T, K)[active].to(dtype)
+        kl_A = _truncated_kl(z_AK - lse_A.unsqueeze(-1), t_lp_AK, valid.reshape(B * T, K)[active])
+        return kl_flat.index_put((active,), kl_A).view(B, T)
     if active.numel() == 0:
         # Keep the graph connected so callers can always call backward() on the reduced loss.
         return kl_flat.view(B, T) + 0.0 * hidden_BTD.sum(-1).to(dtype)
