@@ -56,6 +56,8 @@ from opd.training.distributed import Dist
 RESTARTS = 3
 
 Parts = list[tuple[int, list[int], list[int]]]  # per task of the step: (task index, items, seeds)
+# step -> (policy step, its rollouts made, or the request to make them): a checkpoint's, one rank's
+InFlight = dict[int, tuple[int, Any]]
 
 
 @dataclass
@@ -213,8 +215,6 @@ class AheadRollouts:
 
 
 # ----------------------------------------------------------------------------- in checkpoints
-
-InFlight = dict[int, tuple[int, Any]]  # what AheadRollouts.in_flight returns and load takes
 
 
 def saved_in_flight(dist: Dist, mine: InFlight) -> list[InFlight] | InFlight | None:
