@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -33,6 +34,12 @@ def run_options(run_dir, cls=None) -> dict:
 def step_records(run_dir) -> list[dict]:
     """The training-step records of a run's metrics.jsonl (eval records left out)."""
     return [r for r in read_metrics(run_dir) if "train/loss" in r]
+
+
+def rollout_texts(run_dir) -> list[tuple]:
+    """The logged sample rollouts of a run: (step, prompt, response) each."""
+    lines = (run_dir / "rollouts.jsonl").read_text().splitlines()
+    return [(r["step"], r["prompt"], r["response"]) for r in map(json.loads, lines)]
 
 
 # the size of the multi-process runs (and the single-process runs they are compared with)
@@ -156,6 +163,35 @@ def launch(launcher: str, args: list[str], timeout: int = 300, env: dict | None 
         pytest.fail(f"{launcher} did not finish within {timeout} s; its ranks were killed. stderr: {err[-2000:]}")
     assert proc.returncode == 0, err[-4000:]
     return err
+
+
+def kill_a_rank_after_first_checkpoint(args: list[str], out) -> None:
+    """Start a 2-rank run and SIGKILL rank 1's process once the first checkpoint exists; torchrun
+    then tears the group down, as after a crash or a lost machine."""
+    import psutil
+
+    proc = subprocess.Popen(
+        launch_command("torchrun", args), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.time() + 300
+        while not (out / "checkpoints" / "latest").exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.005)
+        # rank 1's process, not one it started (a --max-staleness rollout worker inherits its RANK)
+        ranks = [
+            p
+            for p in psutil.Process(proc.pid).children(recursive=True)
+            if p.environ().get("RANK") == "1" and p.parent().environ().get("RANK") != "1"
+        ]
+        assert ranks, "the run ended before a rank could be killed"
+        os.kill(ranks[0].pid, signal.SIGKILL)
+        assert proc.wait(timeout=120) != 0
+    finally:  # a failed assertion must not leave the launcher and its ranks running
+        for p in psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []:
+            p.kill()
+        proc.kill()
+        proc.wait()
+    assert not (out / "final").exists()
 
 
 def assert_same_trajectory(got: list[dict], want: list[dict], rel: float = REL, abs_other: float = 1e-5) -> None:

@@ -2,7 +2,8 @@
 
 The claims: step t's rollouts are those of the policy of step t - S (checked against opd's own
 sampling loop run here on that step's weights); a run is a function of its seeds at any S (resume
-equals uninterrupted, 2 ranks equal one process); a worker killed while running ahead is replaced
+equals uninterrupted, 2 ranks equal one process, and 2 ranks resumed equal 2 uninterrupted: each rank takes
+back its own rollouts in flight); a worker killed while running ahead is replaced
 and its step's rollouts made again, nothing lost and the restart counted; bad settings are refused.
 """
 
@@ -13,12 +14,15 @@ import os
 import signal
 
 import pytest
+import torch
 from helpers import (
     assert_same_trajectory,
     cfg_for,
     cli_args,
+    kill_a_rank_after_first_checkpoint,
     launch,
     read_metrics,
+    rollout_texts,
     step_records,
     train_killed_at,
 )
@@ -26,9 +30,12 @@ from helpers import (
 from opd.config import ConfigError, TrainConfig
 from opd.errors import UserError
 from opd.models.loading import load_model, load_tokenizer
+from opd.rollout.engine import RolloutBatch
 from opd.rollout.sampling import HFRollout
 from opd.training import loop as train_mod
-from opd.training.ahead import AheadRollouts
+from opd.training.ahead import AheadRollouts, rank_share, saved_in_flight
+from opd.training.distributed import Dist
+from opd.training.resuming import check_same_run
 
 
 def same_steps(got: list[dict], want: list[dict], skip=("time/", "rollout/worker_restarts")) -> None:
@@ -154,3 +161,65 @@ def test_resuming_with_another_staleness_is_refused(tiny_models, tmp_path):
     train_mod.train(dataclasses.replace(cfg, steps=1), show_progress=False)
     with pytest.raises(UserError, match="written with --max-staleness 1.*resume with --max-staleness 1"):
         train_mod.train(dataclasses.replace(cfg, resume=True, max_staleness=0), show_progress=False)
+
+
+@pytest.mark.slow  # three 2-rank torchrun launches: 205 s on the shared 2-core machine
+def test_two_ranks_running_ahead_killed_and_resumed_equal_the_uninterrupted_run(tiny_models, tmp_path):
+    """Each rank's rollouts in flight are its own share of the batch: the checkpoint holds every rank's,
+    and each rank takes its own back on --resume (not rank 0's)."""
+    kw = dict(batch_size=2, steps=4, max_staleness=1, ckpt_every=1)
+    launch("torchrun", cli_args(tiny_models, tmp_path / "a", **kw))
+    out = tmp_path / "b"
+    kill_a_rank_after_first_checkpoint(cli_args(tiny_models, out, **kw), out)
+    done = [r["step"] for r in step_records(out)]
+    assert done and len(done) < kw["steps"], done
+    launch("torchrun", cli_args(tiny_models, out, resume=True, **kw))
+    same_steps(step_records(out), step_records(tmp_path / "a"))
+    assert rollout_texts(out) == rollout_texts(tmp_path / "a")
+
+
+def in_flight_of(rank: int) -> dict:
+    """A rank's rollouts in flight as AheadRollouts.in_flight gives them: step 3's, made by the policy of
+    step 2, its tokens and rows the rank's own."""
+    ids_NT = torch.full((2, 3), rank)
+    batch = RolloutBatch(
+        ids_NT, torch.ones_like(ids_NT), 1, ids_NT, torch.ones_like(ids_NT), -ids_NT.float(), ids_NT[:, 0]
+    )
+    return {3: (2, ([(batch, [2 * rank, 2 * rank + 1], [{"rank": rank}])], {"time/worker_generate": 0.5}))}
+
+
+def test_a_checkpoint_gives_each_rank_back_its_own_rollouts_in_flight(tmp_path, monkeypatch):
+    """The mapping a checkpoint's "ahead" goes through: each rank's gathered to rank 0 in rank order (the
+    collective stood in for by rank 1's share; the real one runs in the slow 2-rank test), written,
+    read back on the CPU, and each rank's taken by its index; one process's saved as before, a dict."""
+
+    def tokens(share: dict) -> list:
+        batch = share[3][1][0][0][0]
+        return [batch.response_ids_NT.tolist(), batch.logprobs_NT.tolist(), share[3][1][0][0][1]]
+
+    def written_and_read(state):
+        torch.save({"ahead": state}, tmp_path / "state.pt")
+        return torch.load(tmp_path / "state.pt", weights_only=False, map_location="cpu")["ahead"]
+
+    monkeypatch.setattr(Dist, "gather_to_main", lambda d, obj: [obj, in_flight_of(1)] if d.is_main else None)
+    assert saved_in_flight(Dist(rank=1, world=2), in_flight_of(1)) is None  # rank 1 writes nothing
+    saved = written_and_read(saved_in_flight(Dist(rank=0, world=2), in_flight_of(0)))
+    for rank in (0, 1):
+        got = rank_share(saved, rank)
+        assert tokens(got) == tokens(in_flight_of(rank)) and got[3][1][0][0][2] == [{"rank": rank}], rank
+        assert got[3][0] == 2 and got[3][1][1] == {"time/worker_generate": 0.5}
+    monkeypatch.undo()
+    alone = written_and_read(saved_in_flight(Dist(), in_flight_of(0)))
+    assert isinstance(alone, dict) and tokens(rank_share(alone, 0)) == tokens(in_flight_of(0))
+
+
+def test_a_multi_rank_checkpoint_holding_rank_0s_rollouts_alone_is_refused(tiny_models, tmp_path):
+    """An opd before each rank's were kept saved rank 0's share as the whole: resuming would train every
+    rank on it. Nothing in flight (the last step's checkpoint) loses nothing, and one process's is whole."""
+    cfg = cfg_for(tiny_models, tmp_path, max_staleness=1)
+    old = {"rng": [{}, {}], "max_staleness": 1, "ahead": in_flight_of(0)}
+    with pytest.raises(UserError, match=r"holds only rank 0's rollouts in flight.*--student .*ckpt/model with"):
+        check_same_run(old, cfg, tmp_path / "ckpt", 2)
+    check_same_run({**old, "ahead": {}}, cfg, tmp_path / "ckpt", 2)
+    check_same_run({**old, "ahead": [in_flight_of(0), in_flight_of(1)]}, cfg, tmp_path / "ckpt", 2)
+    check_same_run({**old, "rng": {}}, cfg, tmp_path / "ckpt", 1)

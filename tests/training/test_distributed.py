@@ -19,11 +19,8 @@ runs part ways -- float32 chaos in the policy gradient under Adam, not a differe
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +32,7 @@ from helpers import (
     assert_same_trajectory,
     cli_args,
     final_weights,
+    kill_a_rank_after_first_checkpoint,
     launch,
     launch_command,
     read_metrics,
@@ -93,30 +91,6 @@ def test_accelerate_two_ranks_match_one_process_sampled(single, tiny_models, tmp
         cli_args(tiny_models, tmp_path / "run", batch_size=2, objective="sampled", **SAMPLED_STEPS["sampled"]),
     )
     assert_same_trajectory(step_records(tmp_path / "run"), step_records(single / "sampled"))
-
-
-def kill_a_rank_after_first_checkpoint(args: list[str], out) -> None:
-    """Start a 2-rank run and SIGKILL rank 1's process once the first checkpoint exists; torchrun
-    then tears the group down, as after a crash or a lost machine."""
-    import psutil
-
-    proc = subprocess.Popen(
-        launch_command("torchrun", args), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        deadline = time.time() + 300
-        while not (out / "checkpoints" / "latest").exists() and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.005)
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
-        assert workers, "the run ended before a rank could be killed"
-        os.kill(workers[0].pid, signal.SIGKILL)
-        assert proc.wait(timeout=120) != 0
-    finally:  # a failed assertion must not leave the launcher and its ranks running
-        for p in psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []:
-            p.kill()
-        proc.kill()
-        proc.wait()
-    assert not (out / "final").exists()
 
 
 def test_ddp_killed_run_resumes_like_uninterrupted(tiny_models, ddp_lsm, tmp_path):

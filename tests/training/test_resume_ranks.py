@@ -10,7 +10,6 @@ another reduction order), plus the logged rollouts' text, which must be identica
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from helpers import (
     cli_args,
     final_weights,
     launch,
+    rollout_texts,
     step_records,
 )
 
@@ -42,11 +42,6 @@ def one_process(models, out, **kw) -> TrainConfig:
 
 def per_process_batch(out) -> int:
     return read_run_config(out / "config.json", TrainConfig)["batch_size"]
-
-
-def rollout_texts(out) -> list[tuple]:
-    lines = (out / "rollouts.jsonl").read_text().splitlines()
-    return [(r["step"], r["prompt"], r["response"]) for r in map(json.loads, lines)]
 
 
 @pytest.mark.slow  # two 2-rank torchrun launches: 163 s on the shared 2-core machine (load 13)

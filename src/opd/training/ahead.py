@@ -16,7 +16,9 @@ and updates step t, as the async modes of TRL, verl and NeMo-RL do. What that me
   The cores' torch threads are split between the worker and the trainer: where both sides share
   cores they contend (``benchmarks/bench_async.py`` measures it).
 * **A checkpoint holds the rollouts in flight** (waited for): ``--resume`` takes the same rollouts,
-  so the older weights that made them need not be kept. A resume must keep the run's S.
+  so the older weights that made them need not be kept. A resume must keep the run's S. Each rank's
+  worker makes that rank's share of a step, so a multi-rank checkpoint holds every rank's, gathered to
+  rank 0 (which writes it) and taken back by each rank by its index: a resume keeps the number of ranks.
 * **A worker that dies** is started again and every request in flight sent again (each keeps its
   weights until its rollouts are taken), so nothing is lost; the restarts are counted
   (``rollout/worker_restarts``), and a request that kills :data:`RESTARTS` workers in a row stops the run.
@@ -34,6 +36,7 @@ and updates step t, as the async modes of TRL, verl and NeMo-RL do. What that me
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -46,12 +49,15 @@ import torch
 from opd.errors import UserError
 from opd.hub import resolve_model
 from opd.rollout.engine import EngineContext, EngineDown, EngineHandle, EngineUnavailable, RolloutEngine
+from opd.training.distributed import Dist
 
 # Workers a single request may take down in a row before the run stops (a request that always kills its
 # worker, out of memory say, would otherwise restart it for ever).
 RESTARTS = 3
 
 Parts = list[tuple[int, list[int], list[int]]]  # per task of the step: (task index, items, seeds)
+# step -> (policy step, its rollouts made, or the request to make them): a checkpoint's, one rank's
+InFlight = dict[int, tuple[int, Any]]
 
 
 @dataclass
@@ -175,13 +181,13 @@ class AheadRollouts:
             if req.result is None:  # sent, so it holds its weights (only a loaded request has none, and is made)
                 self._send(req)
 
-    def in_flight(self, after: int) -> dict[int, tuple[int, Any]]:
+    def in_flight(self, after: int) -> InFlight:
         """What a checkpoint of step ``after`` holds: the rollouts of the steps after it that were asked
         for with weights it has seen (up to ``after`` + S), waited for: step -> (policy step, (rollouts,
         the worker's metrics of them)). Once the engine is gone for good, a request the worker could not
         make is held as it was asked, ``{"parts", "weights"}``, for the resumed run to make."""
         self.taken = {s: r for s, r in self.taken.items() if s > after}
-        out: dict[int, tuple[int, Any]] = {}
+        out: InFlight = {}
         for step in sorted({*self.taken, *self.pending}):
             if step > after + self.cfg.max_staleness:
                 continue  # asked for with weights newer than the checkpoint's: a resume asks again
@@ -190,7 +196,7 @@ class AheadRollouts:
             out[step] = (req.policy_step, made if made is not None else {"parts": req.parts, "weights": req.weights})
         return out
 
-    def load(self, saved: dict[int, tuple[int, Any]]) -> None:
+    def load(self, saved: InFlight) -> None:
         """The rollouts a checkpoint held, in flight again (made: the worker need not make them; the
         requests the engine could not make: sent to the worker again)."""
         for step, (policy_step, result) in saved.items():
@@ -206,6 +212,40 @@ class AheadRollouts:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+# ----------------------------------------------------------------------------- in checkpoints
+
+
+def saved_in_flight(dist: Dist, mine: InFlight) -> list[InFlight] | InFlight | None:
+    """A checkpoint's ``"ahead"``: every rank's rollouts in flight (``mine``: this rank's), as CPU tensors,
+    gathered to rank 0, in rank order (one process: its own, as a checkpoint always held them); None on
+    the other ranks, which write nothing."""
+    ranks = dist.gather_to_main(on_cpu(mine))
+    return ranks if ranks is None or dist.active else ranks[0]
+
+
+def rank_share(saved: list[InFlight] | InFlight, rank: int) -> InFlight:
+    """This rank's rollouts in flight out of a checkpoint's ``"ahead"`` (:func:`saved_in_flight`); a
+    multi-rank checkpoint written before each rank's were kept is refused before this, by
+    :func:`opd.training.resuming.check_same_run`."""
+    return saved[rank] if isinstance(saved, list) else saved
+
+
+def on_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor in it (in lists, tuples, dicts and dataclasses such as a RolloutBatch) on
+    the CPU: another rank's device means nothing to rank 0, and a checkpoint is read on the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(on_cpu(v) for v in obj)
+    if isinstance(obj, dict):
+        return {k: on_cpu(v) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(
+            obj, **{f.name: on_cpu(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+        )
+    return obj
 
 
 # ----------------------------------------------------------------------------- in the worker

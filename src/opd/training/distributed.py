@@ -146,6 +146,15 @@ class Dist:
         tdist.all_gather_object(out, obj)
         return out
 
+    def gather_to_main(self, obj: Any) -> list | None:
+        """Every rank's ``obj`` (picklable), in rank order, on rank 0 only (None on the others): what only
+        rank 0 keeps, without a copy of every rank's on each."""
+        if not self.active:
+            return [obj]
+        out: list | None = [None] * self.world if self.is_main else None
+        tdist.gather_object(obj, out, dst=0)
+        return out
+
     def barrier(self) -> None:
         if self.active:
             tdist.barrier()

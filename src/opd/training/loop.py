@@ -59,7 +59,7 @@ from opd.runs.progress import progress_bar
 from opd.runs.rundir import save_final_model
 from opd.teachers.factory import is_served
 from opd.teachers.scoring import TeacherScorer, TeacherScores, TeacherUnavailable
-from opd.training.ahead import AheadRollouts
+from opd.training.ahead import AheadRollouts, saved_in_flight
 from opd.training.distributed import merge_metrics, shutdown
 from opd.training.evaluating import eval_stage
 from opd.training.keeping import best_rule, best_weights, checkpoint_score, final_evaluation, write_summary
@@ -494,8 +494,8 @@ def checkpoint_stage(run: Run, step: int, rng: dict | None = None, score: float 
         "config": config_record(run.cfg),
         "max_staleness": run.cfg.max_staleness,
     }
-    if run.ahead is not None:  # the rollouts asked for with the weights this checkpoint has seen
-        state["ahead"] = run.ahead.in_flight(step)
+    if run.ahead is not None:  # every rank's rollouts asked for with the weights this checkpoint has seen
+        state["ahead"] = saved_in_flight(run.dist, run.ahead.in_flight(step))
     weights = run.dist.full_state_dict(run.student)
     keep, best = run.cfg.keep_checkpoints, best_rule(run.cfg)
     run.rundir.save_checkpoint(step, run.student, state, keep, model_state=weights, score=score, best=best)

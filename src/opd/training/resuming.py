@@ -20,7 +20,7 @@ each rank taking its contiguous block), so each step sees the prompts and seeds 
 What a checkpoint cannot be resumed with is refused, naming what differs: another student, LoRA
 turned on or off or another rank or targets, another objective, other precision, another
 ``--max-staleness``; and, under ``--max-staleness`` > 0, another number of processes (the rollouts in
-flight are each process's own).
+flight are each process's own), or a multi-process checkpoint of an opd that kept only rank 0's.
 """
 
 from __future__ import annotations
@@ -79,6 +79,13 @@ def check_same_run(state: dict, cfg: TrainConfig, ckpt: Path, world: int) -> Non
             f"checkpoint {ckpt} was written by {n} process(es) with --max-staleness {staleness}: the rollouts it "
             f"holds in flight are each process's share, which {world} process(es) cannot take over; resume with "
             f"{n} process(es)"
+        )
+    if staleness and n > 1 and state.get("ahead") and not isinstance(state["ahead"], list):
+        # an opd before each rank's were kept wrote rank 0's share alone: the others' are lost
+        raise UserError(
+            f"checkpoint {ckpt} holds only rank 0's rollouts in flight (written by {n} processes with --max-staleness "
+            f"{staleness} by an opd that lost the other ranks'), so it cannot go on as its run would have; start a new "
+            f"run from its weights: --student {ckpt / 'model'} with another --out"
         )
 
 

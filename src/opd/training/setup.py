@@ -35,7 +35,7 @@ from opd.runs.rundir import RunDir
 from opd.teachers.crosstok import CrossTokenizerTeacher
 from opd.teachers.factory import is_served, make_teacher
 from opd.teachers.scoring import TeacherScorer
-from opd.training.ahead import AheadRollouts, split_threads
+from opd.training.ahead import AheadRollouts, rank_share, split_threads
 from opd.training.distributed import Dist, init_distributed
 from opd.training.optim import make_optimizer, make_scheduler, set_rng_state
 from opd.training.resuming import (
@@ -232,7 +232,7 @@ def resume(run: Run, ckpt: Path, state: dict) -> None:
     :func:`opd.training.resuming.check_same_run`; the weights were loaded before wrapping), written by any
     number of processes, with or without FSDP (:mod:`opd.training.resuming`)."""
     if run.ahead is not None:
-        run.ahead.load(state["ahead"])
+        run.ahead.load(rank_share(state["ahead"], run.dist.rank))
     trained = trained_parameters(run.dist.module)
     optimizer_state = named_optimizer_state(state["optimizer"], list(trained))
     check_optimizer_state(optimizer_state, trained, ckpt)
