@@ -99,8 +99,8 @@ class Lockstep:
 
     def __init__(self, model: torch.nn.Module, device: torch.device, armed: bool = False):
         self.model, self.device, self.is_armed = model, device, armed
-        self._announce = False  # inside a region, off for the joining forwards
-        model.get_input_embeddings().register_forward_pre_hook(self._announced)
+        self._announce = False  # on inside a region, off again for the joining forwards
+        cast(Any, model).get_input_embeddings().register_forward_pre_hook(self._announced)
         _LOCKSTEPS[model] = self
 
     @contextlib.contextmanager
