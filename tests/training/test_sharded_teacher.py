@@ -25,7 +25,11 @@ def test_sharded_teacher_scores_equal_the_whole_teachers(tmp_path):
         )
         for r in (0, 1)
     ]
-    errs = [p.communicate(timeout=300)[1] for p in ranks]
+    try:
+        errs = [p.communicate(timeout=300)[1] for p in ranks]
+    finally:  # a hang must not leave the ranks running into the next tests
+        for p in ranks:
+            p.kill()
     assert all(p.returncode == 0 for p in ranks), errs
     found = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [f["rows"] for f in found] == [11, 3]  # 2 forwards of 8-row chunks on rank 0, 1 on rank 1

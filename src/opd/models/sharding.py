@@ -6,14 +6,29 @@ sharded as the root: FSDP gathers the root's own parameters (embeddings, final n
 that forward, and each transformer block's for the block's own forward. Any computation that reads a
 parameter outside a block's forward, such as the LSM path's rows of the head weight, must therefore run
 inside the root's forward: :func:`root_call`.
+
+**Every rank makes the same collectives** (:class:`Lockstep`). Gathering a block is a collective, so every
+rank must run a sharded model's blocks as many times as the others, but a rank's forwards follow its rows:
+``response_hidden`` goes by chunks of rows, and micro-batches under ``--micro-batch-tokens`` (or a padding
+one) hold different numbers of rows on different ranks. Where the forward count depends on local data, each
+forward is announced first (a one-number all-reduce, made at the embedding, before any block gathers), and a
+rank that is done joins the others' remaining forwards with one-token forwards of its own until every rank
+is done, as torch's ``Join`` does for DDP's uneven inputs. A forward with gradients gathers each block again
+in its backward: the joining forwards' outputs are tied (times zero) to the result, so their backward runs
+too, in the same order as the other ranks' (the autograd engine runs the later forward's backward first).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.distributed as tdist
+
+from opd.models.loading import final_hidden
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -73,3 +88,70 @@ def _caught(model: torch.nn.Module, fn: Callable, *args: Any) -> tuple[Any, Exce
         return fn(model, *args), None
     except Exception as error:
         return None, error
+
+
+class Lockstep:
+    """Announce-and-join for the forwards of one sharded ``model``, computing on ``device`` (see the module
+    docstring). Forwards are announced, and joined, only while the lockstep is armed: the
+    trainer arms the student's for its training forward (:meth:`armed`), the sharded teacher's is armed for
+    good (its every method is a collective); work where each rank makes forwards of its own without
+    collectives (the student's, with its blocks gathered once) leaves it unarmed."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, armed: bool = False):
+        self.model, self.device, self.is_armed = model, device, armed
+        self._announce = False  # on inside a region, off again for the joining forwards
+        cast(Any, model).get_input_embeddings().register_forward_pre_hook(self._announced)
+        _LOCKSTEPS[model] = self
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[None]:
+        """Forwards of the model inside (:func:`in_lockstep`) are announced and joined; every rank enters at
+        the same point."""
+        was, self.is_armed = self.is_armed, True
+        try:
+            yield
+        finally:
+            self.is_armed = was
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, list[torch.Tensor]]:
+        """``fn(*args)`` with each forward of the model announced, then this rank's joining forwards until every
+        rank is done (an error too: the other ranks' forwards still need this rank's part of each gather).
+        Returns ``fn``'s value and the joining forwards' outputs. A collective: every rank calls it at the same
+        point. Inside another region it only runs ``fn``: the outermost joins, as one rank may fail inside an
+        inner region that another never enters."""
+        if self._announce:
+            return fn(*args), []
+        self._announce = True
+        joined: list[torch.Tensor] = []
+        try:
+            value = fn(*args)
+        finally:
+            self._announce = False
+            while self._busy(False):
+                one = torch.ones(1, 1, dtype=torch.long, device=self.device)
+                joined.append(final_hidden(cast(Any, self.model), one, one))
+        return value, joined
+
+    def _announced(self, *_: Any) -> None:  # a pre-hook: returns None, which keeps the embedding's input
+        if self._announce:
+            self._busy(True)
+
+    def _busy(self, busy: bool) -> bool:
+        """Whether any rank is about to run a forward (this one: ``busy``); a collective."""
+        flag = torch.tensor([int(busy)], device=self.device)
+        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+_LOCKSTEPS: weakref.WeakKeyDictionary[torch.nn.Module, Lockstep] = weakref.WeakKeyDictionary()
+
+
+def in_lockstep(model: torch.nn.Module, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``fn()``, a tensor computed by forwards of ``model``: when the model's :class:`Lockstep` is armed, in
+    its region, the joining forwards' outputs tied to the result times zero (its values unchanged), so that a
+    backward through it runs theirs too; otherwise ``fn()`` alone."""
+    step = _LOCKSTEPS.get(model)
+    if step is None or not step.is_armed:
+        return fn()
+    value, joined = step.run(fn)
+    return value + sum(j.sum() for j in joined) * 0.0 if joined else value

@@ -9,6 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from opd.models.loading import final_hidden
+from opd.models.sharding import in_lockstep
 from opd.rollout.sampling import RolloutBatch
 
 # Rows per forward chunk in response_hidden. A batch padded to its longest prompt and longest
@@ -23,10 +24,15 @@ def response_hidden(model: PreTrainedModel, batch: RolloutBatch, rows_per_chunk:
 
     Rows are run in chunks of similar length, each trimmed of the padding all its rows share.
     Positions outside ``response_mask_NT`` hold no meaningful value (zeros past the longest
-    response of the row's chunk): every consumer masks them.
+    response of the row's chunk): every consumer masks them. The number of forwards follows the rows: a
+    sharded model's ranks are kept in step (:func:`opd.models.sharding.in_lockstep`).
 
     Shapes: returns (N, T, D)
     """
+    return in_lockstep(model, lambda: _by_chunks(model, batch, rows_per_chunk))
+
+
+def _by_chunks(model: PreTrainedModel, batch: RolloutBatch, rows_per_chunk: int) -> torch.Tensor:
     P, T = batch.prompt_len, batch.response_ids_NT.shape[1]
     prompt_lens_N = batch.attention_mask_NL[:, :P].sum(-1)
     response_lens_N = batch.response_mask_NT.sum(-1).clamp(min=1)

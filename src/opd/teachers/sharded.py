@@ -8,13 +8,10 @@ parameters (embeddings, final norm, head), which stay whole for the length of th
 kernels gather see the full weight. The scores are the unsharded teacher's (the same computation on the
 same gathered weights): tests/training/test_sharded_teacher.py.
 
-**Every rank makes the same collectives.** Gathering a block is a collective, so every rank must run as
-many forwards as the others in a call, but a rank's forwards follow its rows: ``response_hidden`` goes by
-chunks of rows, and the micro-batches whose full-vocabulary objectives read the teacher's hidden states
-hold different numbers of rows on different ranks (``--micro-batch-tokens``). So each forward is announced
-first (a one-number all-reduce, made at the embedding, before any block gathers), and a rank that is done
-joins the others' remaining forwards with one-token forwards of its own until every rank is done, as
-torch's ``Join`` does for DDP's uneven inputs.
+**Every rank makes the same collectives.** Gathering a block is a collective, and a rank's forwards follow
+its rows (``response_hidden``'s chunks, micro-batches of different sizes): the teacher's
+:class:`~opd.models.sharding.Lockstep`, armed for good, announces each forward and has a rank that is done
+join the others' remaining forwards once the call's computation is done (or failed).
 
 **The head outside a call.** :meth:`ShardedTeacher.hidden_and_head` returns the head for the loss, which
 runs after the call, when the weight is sharded again: the head is returned as a copy of the full weight
@@ -32,8 +29,8 @@ import torch.distributed as tdist
 from transformers import PreTrainedModel
 
 from opd.losses import Head
-from opd.models.loading import final_hidden, model_device
-from opd.models.sharding import CallModule, root_call, shard_blocks
+from opd.models.loading import model_device
+from opd.models.sharding import CallModule, Lockstep, root_call, shard_blocks
 from opd.rollout.sampling import RolloutBatch
 from opd.teachers.scoring import HFTeacher, TeacherScores
 
@@ -52,8 +49,7 @@ class ShardedTeacher(HFTeacher):
         shard_blocks(model, mesh)
         self.root = CallModule(model)
         fully_shard(self.root, mesh=mesh)
-        self._announce = True  # whether a forward is announced (off for the joining forwards)
-        model.get_input_embeddings().register_forward_pre_hook(self._announced)
+        self.lockstep = Lockstep(model, self.device, armed=True)
 
     @torch.no_grad()
     def score(self, batch, k, query_ids_NTQ=None, diag_index_M=None) -> TeacherScores:
@@ -74,23 +70,4 @@ class ShardedTeacher(HFTeacher):
         return root_call(self.root, self._joined, fn)
 
     def _joined(self, model: torch.nn.Module, fn: Callable[[Any], Any]) -> Any:
-        try:
-            return fn(model)
-        finally:  # an error too: the other ranks' forwards still need this rank's part of each gather
-            self._announce = False
-            try:
-                while self._busy(False):
-                    one = torch.ones(1, 1, dtype=torch.long, device=self.device)
-                    final_hidden(self.model, one, one)
-            finally:
-                self._announce = True
-
-    def _announced(self, *_: Any) -> None:  # a pre-hook: returns None, which keeps the embedding's input
-        if self._announce:
-            self._busy(True)
-
-    def _busy(self, busy: bool) -> bool:
-        """Whether any rank is about to run a forward (this one: ``busy``); a collective."""
-        flag = torch.tensor([int(busy)], device=self.device)
-        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
-        return bool(flag.item())
+        return self.lockstep.run(fn, model)[0]  # no gradients: the joining forwards' outputs are not needed

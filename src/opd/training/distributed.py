@@ -38,7 +38,7 @@ import torch
 import torch.distributed as tdist
 
 from opd.errors import UserError
-from opd.models.sharding import CallModule, root_call, shard_blocks
+from opd.models.sharding import CallModule, Lockstep, root_call, shard_blocks
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -67,6 +67,7 @@ class Dist:
     device: torch.device = torch.device("cpu")  # where this rank computes (and its collectives' tensors live)
     dtype: str = "float32"  # the student's compute dtype (--dtype): FSDP's blocks gather their weights in it
     model: torch.nn.Module | None = None  # the wrapped StudentModule, set by :meth:`wrap`
+    lockstep: Lockstep | None = None  # FSDP: the ranks' training forwards kept in step, set by :meth:`wrap`
 
     @property
     def is_main(self) -> bool:
@@ -90,6 +91,7 @@ class Dist:
             # norm, the (tied) head.
             shard_blocks(student, mesh, **_mixed_precision(self.dtype))
             fully_shard(module, mesh=mesh)
+            self.lockstep = Lockstep(student, self.device)
         elif self.active:
             # All parameters take part in every loss, so no unused-parameter search; buffers are
             # equal on all ranks (rotary tables), so they are synced once, not on every forward. The
@@ -108,8 +110,13 @@ class Dist:
         return cast(torch.nn.Module, self.model)
 
     def train_call(self, fn: Callable, *args: Any) -> Any:
-        """``fn(student, *args)`` through the wrapper, so its backward is synchronised."""
-        return self.module(fn, *args)
+        """``fn(student, *args)`` through the wrapper, so its backward is synchronised. Under FSDP every rank
+        calls it at the same point, and the student's forwards in it are kept in step across the ranks however
+        many rows each has (:class:`~opd.models.sharding.Lockstep`)."""
+        if self.lockstep is None:
+            return self.module(fn, *args)
+        with self.lockstep.armed():
+            return self.module(fn, *args)
 
     def sync_gradients(self, sync: bool):
         """Context for one micro-batch: gradients are reduced across ranks only when ``sync``."""

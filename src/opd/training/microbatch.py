@@ -11,7 +11,9 @@ block's weights in every forward, a collective all ranks join. A rank with fewer
 padding ones: one row cut to its last prompt token and first response token (``width`` 1), its loss times
 zero, which adds nothing to the gradient. It runs every layer (the same collectives, forward and backward)
 at the cost of a two-token forward, where re-running a real micro-batch (the longest, under a token budget)
-cost a full forward and backward.
+cost a full forward and backward. Within a micro-batch the forwards still differ in number (the student's
+forward runs its rows in chunks of 8): under FSDP those are kept in step by the student's
+:class:`~opd.models.sharding.Lockstep` (tests/training/test_fsdp_uneven.py).
 """
 
 from __future__ import annotations
