@@ -3,8 +3,9 @@ module on the packaged demo teacher with an API key: its scores against the in-p
 training run against one with ``--teacher``, the tokenizer probe, ``--max-logprobs`` and the key.
 
 Without a vLLM environment these tests skip, naming the set-up command; CI sets ``OPD_REQUIRE_VLLM=1``,
-which makes a missing vLLM a failure instead, so they never skip there. They run on one xdist worker
-(``xdist_group``), so one server serves them all.
+which makes a missing vLLM a failure instead, so they never skip there. The tests of each module server
+(``vllm_teacher``, ``vllm_student``) are one ``xdist_group``, so that the server starts once, on one worker
+(``--dist loadgroup``); the tests that start engines of their own are in no group, free to run beside them.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ MAX_LOGPROBS = 32
 # float32 on both sides, different kernels: the largest gap seen was 4.6e-5 nats over 504 positions x 32
 TOL = 2e-4
 
-pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.slow]  # slow: CI's second step runs it
+pytestmark = pytest.mark.slow  # CI's second step runs it
+ON_TEACHER_SERVER = pytest.mark.xdist_group("vllm-teacher")  # every test that takes the fixture vllm_teacher
+ON_STUDENT_SERVER = pytest.mark.xdist_group("vllm-student")  # every test that takes the fixture vllm_student
 
 
 def needs_vllm() -> None:
@@ -68,6 +71,7 @@ def demo_rollouts(n: int = 16, new_tokens: int = 40):
     return tok, rollouts(tok, DEMO / "student", n=n, new_tokens=new_tokens)
 
 
+@ON_TEACHER_SERVER
 def test_vllm_teacher_scores_equal_the_in_process_teacher(vllm_teacher):
     tok, batch = demo_rollouts()
     served = HTTPTeacher(vllm_teacher, tok, 2048, api_key=KEY, wait=0)
@@ -88,6 +92,7 @@ def test_vllm_teacher_scores_equal_the_in_process_teacher(vllm_teacher):
     assert m.sum() > 200
 
 
+@ON_TEACHER_SERVER
 def test_training_against_vllm_equals_the_in_process_teacher(vllm_teacher, tmp_path, monkeypatch):
     """The docs' "drop-in replacement": LSM losses of 3 steps, and the key (from the environment) nowhere
     in the run directory, its checkpoint included."""
@@ -117,6 +122,7 @@ def test_training_against_vllm_equals_the_in_process_teacher(vllm_teacher, tmp_p
     assert any("checkpoints" in str(p) for p in files) and not holding
 
 
+@ON_TEACHER_SERVER
 def test_vllm_teacher_with_another_tokenizer_is_refused(vllm_teacher):
     tok = load_tokenizer(AGENTIC_STUDENT, "student")  # 3,282 tokens; the demo teacher has 2,048
     with pytest.raises(
@@ -125,6 +131,7 @@ def test_vllm_teacher_with_another_tokenizer_is_refused(vllm_teacher):
         HTTPTeacher(vllm_teacher, tok, len(tok), api_key=KEY, wait=0)
 
 
+@ON_TEACHER_SERVER
 def test_k_above_the_servers_max_logprobs_names_the_option(vllm_teacher):
     tok, batch = demo_rollouts(n=2, new_tokens=4)
     served = HTTPTeacher(vllm_teacher, tok, 2048, api_key=KEY, wait=0)
@@ -132,6 +139,7 @@ def test_k_above_the_servers_max_logprobs_names_the_option(vllm_teacher):
         served.score(batch, MAX_LOGPROBS + 8)
 
 
+@ON_TEACHER_SERVER
 def test_a_missing_or_wrong_key_is_a_clear_error(vllm_teacher):
     tok = load_tokenizer(DEMO / "student", "student")
     with pytest.raises(UserError, match="HTTP 401: Unauthorized; no API key was sent.*OPD_TEACHER_API_KEY"):
@@ -164,17 +172,18 @@ ROLLOUT_RUN = dict(
 @pytest.fixture(scope="module")
 def vllm_student(tmp_path_factory):
     """A vLLM server on the demo student in dev mode (weights reloaded in place), with an API key."""
-    from opd.rollout.vllm_server import start_vllm_server, vllm_python
+    from opd.rollout.vllm_server import start_vllm_server
 
-    vllm_python()  # the teacher fixture has already skipped or failed without it
+    needs_vllm()  # its tests are a group of their own: the teacher fixture may never run on this worker
     log = tmp_path_factory.mktemp("vllm-student") / "server.log"
     server = start_vllm_server(DEMO / "student", log, max_model_len=512, api_key=KEY, dev_mode=True, timeout=900)
     yield server.url
     server.stop()
 
 
-def test_vllm_rollouts_follow_the_trained_policy(vllm_teacher, tmp_path):
+def test_vllm_rollouts_follow_the_trained_policy(tmp_path):
     """opd starts the engine on the student, syncs it before every batch, and the policy check holds."""
+    needs_vllm()  # starts engines of its own: no module server
     out = tmp_path / "run"
     train_mod.train(TrainConfig(out=str(out), **ROLLOUT_RUN), show_progress=False)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -190,10 +199,11 @@ def test_vllm_rollouts_follow_the_trained_policy(vllm_teacher, tmp_path):
     assert len(rollouts) == 6 and all(r["response"] for r in rollouts)
 
 
-def test_rollouts_run_ahead_from_vllm_checked_against_the_policy_that_sampled(vllm_teacher, tmp_path):
+def test_rollouts_run_ahead_from_vllm_checked_against_the_policy_that_sampled(tmp_path):
     """--max-staleness 1 with opd's engine: the rollout worker syncs the server with the weights of the policy
     one step back and checks the engine against those, not the trainer's newer ones (at this lr a step moves the
     log-probs about 1e-2: the check would trip against the trainer's)."""
+    needs_vllm()  # starts engines of its own: no module server
     out = tmp_path / "run"
     train_mod.train(TrainConfig(out=str(out), max_staleness=1, **{**ROLLOUT_RUN, "steps": 4}), show_progress=False)
     steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r]
@@ -201,6 +211,7 @@ def test_rollouts_run_ahead_from_vllm_checked_against_the_policy_that_sampled(vl
     assert all(r["rollout/engine_logprob_gap"] < 1e-4 for r in steps), [r["rollout/engine_logprob_gap"] for r in steps]
 
 
+@ON_STUDENT_SERVER
 def test_a_skipped_weight_sync_trips_the_policy_check(vllm_student, tmp_path, monkeypatch):
     """A user's engine (--vllm-url, its key from OPD_VLLM_API_KEY) that misses one sync: the run stops."""
     from opd.rollout.vllm_engine import VLLMRollout
@@ -222,6 +233,7 @@ def test_a_skipped_weight_sync_trips_the_policy_check(vllm_student, tmp_path, mo
     assert [r["rollout/engine_logprob_gap"] < 1e-4 for r in records if "train/loss" in r] == [True]
 
 
+@ON_STUDENT_SERVER
 def test_vllm_rollouts_of_a_lora_student_carry_the_merged_weights(vllm_student, tmp_path, monkeypatch):
     monkeypatch.setenv("OPD_VLLM_API_KEY", KEY)
     out = tmp_path / "run"
@@ -273,6 +285,7 @@ def closed_port_url() -> str:
     return f"http://127.0.0.1:{free_port()}"  # nobody listens there: connection refused
 
 
+@ON_STUDENT_SERVER
 def test_an_engine_that_stops_answering_checkpoints_and_the_run_resumes(vllm_student, tmp_path, monkeypatch):
     from opd.rollout import vllm_engine
 
@@ -300,6 +313,7 @@ def test_an_engine_that_stops_answering_checkpoints_and_the_run_resumes(vllm_stu
     assert [r["step"] for r in records if "train/loss" in r] == [0, 1, 2, 3]  # step 2 redone after the resume
 
 
+@ON_STUDENT_SERVER
 def test_an_engine_opd_started_that_exited_is_restarted(vllm_student, tmp_path, capsys, monkeypatch):
     import subprocess
 
@@ -392,6 +406,7 @@ def kill_engine_at(step: int, monkeypatch, server_of) -> None:
     monkeypatch.setattr(train_mod, "rollouts_ahead", ahead)
 
 
+@ON_STUDENT_SERVER
 def test_an_engine_killed_under_staleness_is_restarted_by_its_owner(vllm_student, tmp_path, monkeypatch, capsys):
     """--max-staleness 1 with an engine opd started (here a proxy to the module's server, so the test can
     kill it): killed at step 2, the worker finds it gone, the trainer restarts it (a new address) and the
@@ -422,6 +437,7 @@ def test_an_engine_killed_under_staleness_is_restarted_by_its_owner(vllm_student
     )
 
 
+@ON_STUDENT_SERVER
 def test_a_users_engine_gone_under_staleness_checkpoints_and_the_run_resumes(vllm_student, tmp_path, monkeypatch):
     """--max-staleness 1 with --vllm-url (here a proxy the test kills at step 2) and --vllm-wait 0: the run
     stops as on-policy does, checkpointing the step before with the requests the worker could not make (their
@@ -456,6 +472,7 @@ def test_a_users_engine_gone_under_staleness_checkpoints_and_the_run_resumes(vll
     assert all(r["rollout/engine_logprob_gap"] < 1e-4 for r in steps), [r["rollout/engine_logprob_gap"] for r in steps]
 
 
+@ON_STUDENT_SERVER
 def test_episodes_and_a_second_task_roll_out_from_one_engine(vllm_student, tmp_path, monkeypatch):
     """--tasks with math prompts and toy-game episodes (multi-turn, one request a turn) from one engine:
     every turn's tokens pass the policy check, and the engine is synced once per optimizer step, not per task
@@ -543,6 +560,7 @@ def test_two_fsdp_ranks_roll_out_from_an_engine_each(tmp_path):
     assert len(ports) == 2
 
 
+@ON_STUDENT_SERVER
 def test_two_fsdp_ranks_share_one_engine(vllm_student, tmp_path):
     """--vllm-url with 2 ranks under FSDP: one server for both; rank 0 gives it the gathered weights after
     each step while rank 1 waits, each rank sends its own share of the prompts, and the policy check holds on
@@ -584,7 +602,8 @@ def test_vllm_args_the_engine_refuses_stop_it_with_its_error_line(tmp_path, args
     assert said in str(err.value) and time.monotonic() - t0 < 120
 
 
-def test_the_vllm_rollouts_experiment_runs_quick(vllm_teacher, tmp_path):
+def test_the_vllm_rollouts_experiment_runs_quick(tmp_path):
+    needs_vllm()  # starts engines of its own: no module server
     from opd.lab.experiments import run
     from opd.lab.experiments.stats import INCONCLUSIVE
 
@@ -595,10 +614,11 @@ def test_the_vllm_rollouts_experiment_runs_quick(vllm_teacher, tmp_path):
     assert commands.count("--rollout-engine vllm") == 2 and "opd train" in commands
 
 
-def test_a_batch_of_seeded_prompts_over_the_engines_token_budget(vllm_teacher, tmp_path):
+def test_a_batch_of_seeded_prompts_over_the_engines_token_budget(tmp_path):
     """128 seeded prompts at once: more prompt tokens than vLLM schedules in one step. With chunked
     prefill its CPU build died on them ("CPU Generator does not use offset": the demo's 64 prompts);
     the engine opd starts runs without it."""
+    needs_vllm()  # starts engines of its own: no module server
     from opd.rollout.engine import EngineContext
     from opd.rollout.prompt_set import PromptSet, load_task
     from opd.rollout.vllm_engine import start_vllm

@@ -283,6 +283,10 @@ RUN = dict(
 KILL_AT = 2
 
 
+# The tests of served_run (and served_ahead_run, built on it) run on one xdist worker, so it is made once.
+ON_SERVED_RUN = pytest.mark.xdist_group("teacher-restart-served")
+
+
 @pytest.fixture(scope="module")
 def served_run(tiny_models, tmp_path_factory):
     """(server, config, the uninterrupted run's directory): a served teacher and a run that never lost it."""
@@ -324,6 +328,7 @@ def kill_at_step(monkeypatch, server: ServedTeacher, seen_rng: list | None = Non
     monkeypatch.setattr(train_mod, "rollout_stage", rollout)
 
 
+@ON_SERVED_RUN
 def test_a_run_waits_out_a_kill_9_and_restart_of_its_teacher(served_run, tmp_path, monkeypatch):
     server, cfg, whole = served_run
     lines = []
@@ -353,6 +358,7 @@ def test_a_run_waits_out_a_kill_9_and_restart_of_its_teacher(served_run, tmp_pat
     same_run(tmp_path / "run", whole)
 
 
+@ON_SERVED_RUN
 def test_a_teacher_that_stays_down_leaves_a_checkpoint_and_resume_loses_nothing(
     served_run, tmp_path, monkeypatch, capfd
 ):
@@ -383,6 +389,7 @@ def test_a_teacher_that_stays_down_leaves_a_checkpoint_and_resume_loses_nothing(
     same_run(out, whole)
 
 
+@ON_SERVED_RUN
 def test_giving_up_before_any_step_says_there_is_no_checkpoint(served_run, tmp_path, monkeypatch):
     server, cfg, _ = served_run
 
@@ -440,6 +447,7 @@ def served_ahead_run(served_run, tmp_path_factory):
     return server, cfg, out
 
 
+@ON_SERVED_RUN
 def test_a_served_teacher_scores_the_next_step_while_the_trainer_updates(served_ahead_run, tmp_path, monkeypatch):
     """Each update (but the last step's) waits until the teacher has started on the next step's rollouts
     from the scoring thread: were scoring not concurrent with the update, the wait would time out.
@@ -475,6 +483,7 @@ def test_a_served_teacher_scores_the_next_step_while_the_trainer_updates(served_
     assert not any("time/score_ahead" in r for r in read_metrics(in_turn))
 
 
+@ON_SERVED_RUN
 def test_a_teacher_lost_while_scoring_ahead_stops_the_next_step_and_resume_loses_nothing(
     served_ahead_run, tmp_path, monkeypatch
 ):

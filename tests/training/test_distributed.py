@@ -46,6 +46,10 @@ from opd.training.distributed import OUTLIVED, merge_metrics
 SAMPLED_STEPS = {"lsm": {}, "sampled": {"steps": 3}}  # see the module docstring
 
 
+# The tests of the reference runs (single, ddp_lsm) run on one xdist worker, so each is made once.
+ON_REFERENCE_RUNS = pytest.mark.xdist_group("distributed-reference")
+
+
 @pytest.fixture(scope="module")
 def single(tiny_models, tmp_path_factory):
     """One process, batch 4: the reference trajectories (lsm and sampled)."""
@@ -72,6 +76,7 @@ def ddp_lsm(tiny_models, tmp_path_factory):
     return out
 
 
+@ON_REFERENCE_RUNS
 def test_ddp_two_ranks_match_one_process_lsm(single, ddp_lsm):
     want = step_records(single / "lsm")
     got = step_records(ddp_lsm)
@@ -85,6 +90,7 @@ def test_ddp_two_ranks_match_one_process_lsm(single, ddp_lsm):
     assert evals[0] == evals[1] and evals[0][0]["eval/n"] == SMALL["eval_size"], evals
 
 
+@ON_REFERENCE_RUNS
 def test_accelerate_two_ranks_match_one_process_sampled(single, tiny_models, tmp_path):
     launch(
         "accelerate",
@@ -93,6 +99,7 @@ def test_accelerate_two_ranks_match_one_process_sampled(single, tiny_models, tmp
     assert_same_trajectory(step_records(tmp_path / "run"), step_records(single / "sampled"))
 
 
+@ON_REFERENCE_RUNS
 def test_ddp_killed_run_resumes_like_uninterrupted(tiny_models, ddp_lsm, tmp_path):
     out = tmp_path / "run"
     kill_a_rank_after_first_checkpoint(cli_args(tiny_models, out, batch_size=2, grad_accum=2), out)
@@ -104,6 +111,7 @@ def test_ddp_killed_run_resumes_like_uninterrupted(tiny_models, ddp_lsm, tmp_pat
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-7) for k in b)
 
 
+@ON_REFERENCE_RUNS
 def test_fsdp_matches_one_process_and_resumes(single, tiny_models, tmp_path):
     out = tmp_path / "run"
     launch("torchrun", cli_args(tiny_models, out, batch_size=2, steps=2, fsdp=True))
