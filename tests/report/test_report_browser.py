@@ -29,11 +29,15 @@ from opd.report.inspector import display_token
 CHROMIUM = os.environ.get("OPD_CHROMIUM") or next(
     (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None
 )
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None,
-    reason="no Chromium found: install Debian's chromium (apt-get install chromium) or set "
-    "OPD_CHROMIUM=/path/to/chrome to run the report's browser tests",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        CHROMIUM is None,
+        reason="no Chromium found: install Debian's chromium (apt-get install chromium) or set "
+        "OPD_CHROMIUM=/path/to/chrome to run the report's browser tests",
+    ),
+    # one worker builds the module's runs and pages once (on both, each was built twice)
+    pytest.mark.xdist_group("report-browser"),
+]
 FLAGS = [
     "--headless",
     "--no-sandbox",
