@@ -9,8 +9,9 @@ vocabulary as the plan counts; in-process teacher; LSM from hidden states), no e
 two steps is measured: the first has no gradients or AdamW state before its update.
 
 Measured: a stage's peak resident set (VmHWM, reset as the stage starts) less the process's resident set
-before the run began, after a warm-up run of one tiny step on the same models (so the modules a run imports,
-the tokenizer and the data are in the baseline, and the tensors the warm-up made are gone). So that the resident set is the
+before the run began, after a warm-up run of one step of the same shape (so the modules a run imports and the
+math libraries' own buffers are in the baseline, and the warm-up's tensors are gone: a baseline after a
+4-token warm-up left 66-97 MiB more in the second step's rollout and scoring than the plan holds there). So that the resident set is the
 memory the tensors hold, and not what glibc's allocator kept of freed ones (an RSS reset at the second step's
 rollout read 600 MiB where its live tensors were about 300), each cell runs with ``MALLOC_MMAP_THRESHOLD_``
 at 128 KiB (a larger block is its own mapping, returned to the system when freed) and ``malloc_trim(0)``
@@ -87,8 +88,9 @@ def cell(spec: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = TrainConfig(out=str(Path(tmp) / "run"), **options(spec))
         plan = plan_run(cfg, Layout(device="cpu"))
-        # a warm-up: one tiny step imports every module and makes every lazy buffer the measured run needs
-        warm = {**options(spec), "steps": 1, "batch_size": 1, "max_new_tokens": 4}
+        # a warm-up: one step of the same shape imports every module and grows the math libraries' own buffers
+        # (MKL's packing buffers, kept for the process) to what the measured run needs
+        warm = {**options(spec), "steps": 1}
         loop.train(TrainConfig(out=str(Path(tmp) / "warm"), **warm), show_progress=False)
         gc.collect()
         trim = ctypes.CDLL("libc.so.6").malloc_trim

@@ -44,6 +44,7 @@ def test_plan_by_hand():
         "gradients": 1000 * 4,
         "AdamW state": 2 * 1000 * 4,
         "teacher": 3000 * 4,
+        "teacher's forward": rows * seq * (3 * 16 + seq) * 4,  # its 8-row chunk holds both rows; MLP 16 wide
         "teacher's hidden states": 2 * rows * T * 16 * 4,
         "teacher's top-K chunks": 2 * 128 * 100 * 4,
         "KV cache": 2 * 2 * 4 * rows * seq * 4,  # 2 (K, V) x layers x kv width x rows x seq x 4 B

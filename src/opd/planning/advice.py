@@ -11,6 +11,7 @@ import dataclasses
 import re
 from collections.abc import Callable
 from functools import cache
+from typing import Any
 
 from opd.config import ConfigError, TrainConfig
 from opd.errors import UserError
@@ -73,7 +74,7 @@ def _token_budget(cfg: TrainConfig, plan: Plan) -> dict | None:
     """The largest token budget under the micro-batch's rows that fits (one row when none does)."""
     rows, seq = micro_batch(cfg)
     for r in range(rows - 1, 0, -1):
-        change = {"micro_batch_tokens": r * seq, "grad_accum": 1}
+        change: dict[str, Any] = {"micro_batch_tokens": r * seq, "grad_accum": 1}
         if plan_run(dataclasses.replace(cfg, **change), plan.layout).fits:
             return change
     return None if rows <= 1 else {"micro_batch_tokens": seq, "grad_accum": 1}

@@ -37,6 +37,7 @@ from opd.rollout.vllm_server import SHARED_GPU_MEMORY, option_value, place_engin
 GiB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PHASES = ("rollout", "score", "update", "log", "eval")
+ROWS_PER_CHUNK = 8  # rows per forward without gradients (opd.rollout.forward's chunks)
 LOSS_CHUNK = 128  # positions per chunk of the from-hidden losses (opd.losses' default chunk_size)
 SCORE_CHUNK = 128  # positions per chunk of the teacher's top-K from hidden states
 # Bytes per (row, vocabulary entry) of one decode step's sampling: float32 logits and probabilities, a full
@@ -198,12 +199,19 @@ def _teacher(cfg: TrainConfig, t: ModelShape | None, layout: Layout) -> list[Par
         parts.append(Part("teacher's gathered block", ("score",), 2 * t.layer_params * tb, "2 blocks (one prefetched)"))
     else:
         parts.append(Part("teacher", ("run",), t.params * tb, f"{t.params:,} x {tb} B, whole on every rank"))
+    chunk, seq = min(rows, ROWS_PER_CHUNK), cfg.max_prompt_tokens + T
     parts += [
+        Part(
+            "teacher's forward",
+            ("score",),
+            chunk * seq * (3 * t.intermediate + seq) * tb,
+            f"{chunk} rows x {seq} tokens x (3 MLP tensors of {t.intermediate} + the mask's {seq}) x {tb} B",
+        ),
         Part(
             "teacher's hidden states",
             ("score",),
-            2 * rows * T * t.hidden * 4,
-            f"{rows} rows x {T} positions x {t.hidden} x 4 B, twice (chunks and their concatenation)",
+            2 * rows * T * t.hidden * tb,
+            f"{rows} rows x {T} positions x {t.hidden} x {tb} B, twice (chunks and their concatenation)",
         ),
         Part(
             "teacher's top-K chunks",
@@ -230,6 +238,12 @@ def _engine(cfg: TrainConfig, m: ModelShape, layout: Layout, notes: list[str]) -
         if layout.gpu_bytes is None:
             notes.append(f"the vLLM engine takes {util:.2f} of the GPU's memory: give --gpu-memory to count it")
         share = int(util * (layout.gpu_bytes or 0))
+        kv = 2 * m.layers * m.kv_width * rows * seq * cb
+        if share and share - m.params * cb < kv:
+            notes.append(
+                f"the engine's share leaves {gib(share - m.params * cb)} beside the student's weights, and a "
+                f"step's {rows} rollouts of {seq} tokens need {gib(kv)} of KV cache: vLLM then runs them in turns"
+            )
         return [Part("vLLM engine's share", ("run",), share, f"--gpu-memory-utilization {util} of the GPU (KV inside)")]
     kv = 2 * m.layers * m.kv_width * rows * seq * cb
     sampler = rows * m.vocab * SAMPLER_BYTES
