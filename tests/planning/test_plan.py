@@ -51,7 +51,7 @@ def test_plan_by_hand():
         "sampler's vocabulary rows": rows * 100 * 32,
         "evaluation's KV cache": 2 * 2 * 4 * 262144 * 4,
         "activations": rows * seq * 2 * per_layer,
-        "backward's working set": rows * seq * per_layer,
+        "backward's working set": rows * seq * (3 * 16 * 4 + 2 * 8 * 4),  # MLP gradients in flight
         "final hidden states": 3 * rows * seq * 8 * 4,
         "loss buffers": rows * T * 4 * 41 + 128 * 4 * 8 * 4,
         "hidden states kept for the step's logs": rows * T * 8 * 4,

@@ -21,7 +21,8 @@ plan's peak is the run's parts plus the largest phase. Where opd does something,
   size, q: heads x head size (keys and values are repeated to it for a padded batch), f: the MLP's width,
   S: the sequence length (sdpa keeps the padded batch's float mask, S per token, in every layer).
   With ``--gradient-checkpointing`` a layer keeps only its input (d float32 per token) and one layer is
-  recomputed at a time.
+  recomputed at a time. The backward frees each layer's tensors as it passes it; what it adds at its peak
+  is the gradients in flight through one layer's MLP (three f-wide, two d-wide per token).
 """
 
 from __future__ import annotations
@@ -280,11 +281,17 @@ def _update(cfg: TrainConfig, m: ModelShape, layout: Layout) -> list[Part]:
         acts = tokens * m.layers * per_layer
         how = f"{rows_mb} rows x {seq} tokens x {m.layers} layers x {per_layer:,} B"
         casts = body * 2 if mixed else 0
-    T = cfg.max_new_tokens
+    T, cb = cfg.max_new_tokens, BYTES[cfg.dtype]
     rows = cfg.batch_size * cfg.samples_per_prompt
     parts = [
         Part("activations", ("update",), acts, how),
-        Part("backward's working set", ("update",), tokens * per_layer, "one layer's activations' gradients"),
+        Part(
+            "backward's working set",
+            ("update",),
+            tokens * (3 * m.intermediate * cb + 2 * m.hidden * 4),
+            f"gradients in flight through one layer's MLP: {rows_mb} x {seq} x (3 x {m.intermediate} x {cb} B "
+            f"+ 2 x {m.hidden} x 4 B)",
+        ),
         Part("final hidden states", ("update",), 3 * tokens * m.hidden * 4, "the norm's output, its gradient, a copy"),
         _loss(cfg, m, rows_mb * T),
         Part(
