@@ -38,10 +38,13 @@ def _cli_type(hint: Any) -> Any:
     return Optional[hint]
 
 
-def config_command(name: str, cls: type, help: str) -> Callable[[Callable[[Any], None]], None]:
-    """Register ``run(cfg)`` as a command whose options are the fields of ``cls``."""
+def config_command(
+    name: str, cls: type, help: str, extra: dict[str, tuple[Any, Any]] | None = None
+) -> Callable[[Callable[..., None]], None]:
+    """Register ``run(cfg)`` as a command whose options are the fields of ``cls``; ``extra``: options of the
+    command's own (name: (annotation, typer.Option)), passed to ``run`` by name."""
 
-    def register(run: Callable[[Any], None]) -> None:
+    def register(run: Callable[..., None]) -> None:
         hints = get_type_hints(cls)
         params = [
             inspect.Parameter(
@@ -74,14 +77,17 @@ def config_command(name: str, cls: type, help: str) -> Callable[[Callable[[Any],
                     ),
                 )
             )
+        for key, (hint, option) in (extra or {}).items():
+            params.append(inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY, annotation=hint, default=option))
 
         def command(**kwargs: Any) -> None:
+            own = {key: kwargs.pop(key) for key in extra or {}}
             file_values = read_config_file(kwargs.pop("config")) if kwargs.get("config") else {}
             kwargs.pop("config", None)
             cli_values = {
                 k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in kwargs.items() if v is not None
             }
-            run(build_config(cls, file_values, cli_values))
+            run(build_config(cls, file_values, cli_values), **own)
 
         command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
         command.__doc__ = help
@@ -95,6 +101,60 @@ def _train(cfg: TrainConfig) -> None:
     from opd.training.loop import train
 
     train(cfg)
+
+
+PLAN_PANEL = "What to plan for"
+PLAN_OPTIONS = {
+    "gpu_memory": (
+        Optional[str],
+        typer.Option(
+            None,
+            help="Memory of each GPU, e.g. 80GiB or 141GB (default: the GPU torch sees; none: the plan without a "
+            "verdict).",
+            rich_help_panel=PLAN_PANEL,
+        ),
+    ),
+    "world_size": (
+        Optional[int],
+        typer.Option(
+            None,
+            help="Ranks the run is launched with, one per GPU (torchrun's nnodes x nproc-per-node; default: "
+            "WORLD_SIZE, else 1).",
+            rich_help_panel=PLAN_PANEL,
+        ),
+    ),
+    "gpus_per_node": (
+        int,
+        typer.Option(
+            0,
+            help="GPUs a machine has (default: the ranks, at most 8): decides whether a vLLM engine shares a "
+            "trainer's GPU.",
+            rich_help_panel=PLAN_PANEL,
+        ),
+    ),
+    "json_out": (bool, typer.Option(False, "--json", help="The plan as JSON.", rich_help_panel=PLAN_PANEL)),
+}
+
+
+@config_command(
+    "plan",
+    TrainConfig,
+    "The memory of an opd train run on each GPU, from its options and the models' configs alone (no weights "
+    "loaded): the same options as opd train. Exits 1 when it does not fit, naming the change that does.",
+    extra=PLAN_OPTIONS,
+)
+def _plan(cfg: TrainConfig, gpu_memory: str | None, world_size: int | None, gpus_per_node: int, json_out: bool) -> None:
+    import os
+
+    from opd.planning.advice import gpu_memory as memory_of
+    from opd.planning.advice import run_plan
+    from opd.planning.memory import Layout
+
+    world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 1 or gpus_per_node < 0:
+        raise UserError(f"--world-size {world} must be >= 1 and --gpus-per-node {gpus_per_node} >= 0")
+    layout = Layout(world, gpus_per_node, memory_of(gpu_memory))
+    sys.exit(run_plan(cfg, layout, json_out))
 
 
 @config_command("sft", SFTConfig, "Supervised fine-tuning: make teachers and students, or an off-policy cold start.")
