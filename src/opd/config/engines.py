@@ -56,7 +56,8 @@ class VLLMOptions:
         "the engine frees its GPU memory for the training step and takes it back before the next weight sync. 1: "
         "the weights wait in CPU memory, the KV cache is dropped; 2: both are dropped (no copy in CPU memory; "
         "the sync writes the weights again: not with --vllm-sync adapter); 0: off, or 1 where --vllm-args has "
-        "--enable-sleep-mode. opd adds --enable-sleep-mode to the servers it starts.",
+        "--enable-sleep-mode. opd adds --enable-sleep-mode to the servers it starts. opd train only (opd eval has "
+        "no trainer to free the memory for).",
     )
     vllm_max_gap: float = opt(
         0.0,
