@@ -376,6 +376,10 @@ def test_the_weight_sync_way_is_chosen_and_checked(tiny_models, tmp_path, monkey
     pick = lambda way, model, own=True, gpu=True: vllm_sync.choose(way, model, tmp_path / "run", own, None, gpu)
     assert pick("auto", lora).name == "adapter" and pick("auto", lora, own=False).name == "file"
     assert pick("auto", lora, gpu=False).name == "shm"  # vLLM's CPU build: merged weights (see vllm_sync)
+    asleep = vllm_sync.choose("auto", lora, tmp_path / "run", True, None, True, sleep=2)
+    assert asleep.name == "shm"  # level 2 drops the base weights, which the adapter way does not send again
+    asleep.close()
+    assert vllm_sync.choose("auto", lora, tmp_path / "run", True, None, True, sleep=1).name == "adapter"
     shm = pick("auto", plain)
     assert shm.name == "shm" and shm.folder.parent == tmp_path / "shm" and pick("auto", plain, own=False).name == "file"
     shm.close()

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from opd.config import ConfigError, TrainConfig
+from opd.config import ConfigError, EvalConfig, TrainConfig
 from opd.errors import UserError
 from opd.models.loading import load_model, load_tokenizer
 from opd.rollout.engine import Sampling
@@ -194,24 +194,64 @@ def test_a_refused_sleep_names_the_option_and_what_it_needs(stand_in, tmp_path, 
         _rollout(engine, tok)
 
 
+def test_a_failed_rollout_leaves_the_engine_awake_and_its_error_raised(stand_in, tmp_path, monkeypatch):
+    """No /sleep after a failed request (its own failure would replace the error; a dead server would be
+    restarted only to sleep); the next rollout, woken or not, goes on as usual."""
+    _, tok, _ = stand_in
+    engine, _ = _engine(stand_in, tmp_path, 1)
+    real = _StandIn.do_POST
+
+    def no_completion(self):
+        if self.path.startswith("/v1/completions"):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            return self._send(400, {"error": {"message": "the request is refused"}})
+        return real(self)
+
+    monkeypatch.setattr(_StandIn, "do_POST", no_completion)
+    with pytest.raises(UserError, match="the request is refused"):
+        _rollout(engine, tok)
+    session = engine.episodes([tok.encode("1+2=")], [1], budget=8, sampling=Sampling(greedy=True))
+    with pytest.raises(UserError, match="the request is refused"):
+        session.turn({0: 4}, lambda done: None)
+    session.close()
+    assert not any(c.startswith("/sleep") for c in _StandIn.calls) and not _StandIn.asleep
+    monkeypatch.setattr(_StandIn, "do_POST", real)
+    assert _rollout(engine, tok) == [*COMPLETE, "/sleep?level=1"]  # awake, with the weights it has
+
+
 def test_sleep_options_are_checked():
     assert TrainConfig(rollout_engine="vllm", vllm_args="--enable-sleep-mode").vllm_sleep == 1  # vLLM's words
     assert TrainConfig(rollout_engine="vllm", vllm_sleep=2, vllm_args="--enable-sleep-mode").vllm_sleep == 2
     assert TrainConfig(rollout_engine="vllm").vllm_sleep == 0
+    assert TrainConfig(rollout_engine="vllm", vllm_sleep=2, lora_r=4).vllm_sync == "auto"  # auto picks shm or file
+    vllm = dict(rollout_engine="vllm")
+    by_args = dict(vllm, vllm_args="--enable-sleep-mode")
     for kw, match in (
-        (dict(rollout_engine="vllm", vllm_sleep=3), "vllm_sleep=3 must be 0"),
+        (dict(vllm, vllm_sleep=3), "vllm_sleep=3 must be 0"),
         (dict(vllm_sleep=1), "--vllm-sleep set but rollout_engine is hf"),
-        (dict(rollout_engine="vllm", vllm_sleep=1, vllm_url="http://127.0.0.1:9"), "drop one of them"),
+        (dict(vllm, vllm_sleep=1, vllm_url="http://127.0.0.1:9"), "drop one of them"),
+        # what the config alone shows is refused when it is made, naming the option the user gave
+        (dict(vllm, vllm_sleep=1, max_staleness=1), "^--vllm-sleep 1 with --max-staleness: .*never rests"),
+        (dict(by_args, max_staleness=1), "^--vllm-args --enable-sleep-mode with --max-staleness"),
+        (
+            dict(vllm, vllm_sleep=2, lora_r=4, vllm_sync="adapter"),
+            "^--vllm-sleep 2 drops the engine's weights and --vllm-sync adapter",
+        ),
     ):
         with pytest.raises(ConfigError, match=match):
             TrainConfig(**kw)
     cfg = TrainConfig(rollout_engine="vllm", vllm_sleep=2)
-    assert sleep_options(cfg, "shm", True, []) == ["--enable-sleep-mode"]
-    assert sleep_options(cfg, "shm", True, ["--enable-sleep-mode"]) == []
-    assert sleep_options(TrainConfig(rollout_engine="vllm"), "shm", False, []) == []
-    with pytest.raises(UserError, match="runs on GPUs only"):
-        sleep_options(cfg, "shm", False, [])
-    with pytest.raises(UserError, match="--vllm-sleep 2 drops the engine's weights and --vllm-sync adapter"):
-        sleep_options(cfg, "adapter", True, [])
-    with pytest.raises(UserError, match="never rests"):
-        sleep_options(TrainConfig(rollout_engine="vllm", vllm_sleep=1, max_staleness=1), "shm", True, [])
+    assert sleep_options(cfg, True, []) == ["--enable-sleep-mode"]
+    assert sleep_options(cfg, True, ["--enable-sleep-mode"]) == []
+    assert sleep_options(TrainConfig(rollout_engine="vllm"), False, []) == []
+    with pytest.raises(UserError, match="^--vllm-sleep 2: vLLM's sleep mode runs on GPUs only"):
+        sleep_options(cfg, False, [])
+    with pytest.raises(UserError, match="^--vllm-args --enable-sleep-mode: vLLM's sleep mode runs on GPUs only"):
+        sleep_options(TrainConfig(**by_args), False, ["--enable-sleep-mode"])
+
+
+def test_opd_eval_refuses_the_sleep_mode():
+    """opd eval has no trainer to free the GPU for; vLLM's own flag is passed through, as it always was."""
+    with pytest.raises(ConfigError, match="^--vllm-sleep 1: opd eval has no trainer"):
+        EvalConfig(student="s", rollout_engine="vllm", vllm_sleep=1)
+    assert EvalConfig(student="s", rollout_engine="vllm", vllm_args="--enable-sleep-mode").vllm_sleep == 0

@@ -109,6 +109,28 @@ def test_rebatch_keeps_the_global_batch_or_names_the_counts_that_divide_it(tiny_
         rebatch(accum, resolve_tasks(accum), saved(1, 4), 2, tmp_path)
 
 
+def test_rebatch_keeps_the_recorded_global_batch_on_as_many_processes(tiny_models, tmp_path, capsys):
+    """--batch-size 4 on 1 process, resumed on 2 (2 each), then again on 2 with the first command: still 2 each."""
+    first = cfg_for(tiny_models, tmp_path, batch_size=4)
+    second, _ = rebatch(first, resolve_tasks(first), saved(1, 4, batch_size=4), 2, tmp_path)
+    assert second.batch_size == 2
+    third, specs = rebatch(first, resolve_tasks(first), saved(2, 2, batch_size=2), 2, tmp_path)
+    assert third.batch_size == 2 and specs[0].cfg is third
+    assert "global batch of 4 prompts a step, this launch has 2" in capsys.readouterr().err
+
+
+def test_rebatch_of_a_checkpoint_before_the_record_takes_its_own_batch_size(tiny_models, tmp_path):
+    cfg = cfg_for(tiny_models, tmp_path, batch_size=4)
+    old = {"rng": [{}] * 2, "config": {"batch_size": 2}}  # 2 processes of 2, no "batch"
+    for world, want in ((2, 2), (1, 4), (4, 1)):
+        assert rebatch(cfg, resolve_tasks(cfg), old, world, tmp_path)[0].batch_size == want
+    tasks = [{"name": "a", "share": 3}, {"name": "b", "batch_size": 2}]
+    mix = TrainConfig(teacher="t", batch_size=16, task_mode="mix", tasks=tasks)  # the launch's: 12 and 2
+    then = {"rng": {}, "config": {"batch_size": 8, "task_mode": "mix", "tasks": tasks}}  # one process: 6 and 2
+    got, got_specs = rebatch(mix, resolve_tasks(mix), then, 2, Path("ckpt"))
+    assert got.batch_size == 4 and [s.cfg.batch_size for s in got_specs] == [3, 1]
+
+
 def test_rebatch_keeps_each_tasks_global_batch():
     tasks = [{"name": "a", "share": 3}, {"name": "b", "batch_size": 2}]
     cfg = TrainConfig(teacher="t", batch_size=8, task_mode="mix", tasks=tasks)

@@ -47,7 +47,8 @@ class VLLMOptions:
         "How the weights reach the vLLM engine after each update: file (a safetensors file in RUN/vllm/weights, "
         "reloaded in place), shm (the same in /dev/shm, memory-backed, for a server on this machine), adapter (a "
         "LoRA run: the adapter alone, loaded by a server with --enable-lora), or auto: adapter for a LoRA run on a "
-        "server opd starts on GPUs, else shm where /dev/shm has room and opd starts the server, else file.",
+        "server opd starts on GPUs (not with --vllm-sleep 2), else shm where /dev/shm has room and opd starts the "
+        "server, else file.",
     )
     vllm_sleep: int = opt(
         0,
@@ -55,7 +56,8 @@ class VLLMOptions:
         "the engine frees its GPU memory for the training step and takes it back before the next weight sync. 1: "
         "the weights wait in CPU memory, the KV cache is dropped; 2: both are dropped (no copy in CPU memory; "
         "the sync writes the weights again: not with --vllm-sync adapter); 0: off, or 1 where --vllm-args has "
-        "--enable-sleep-mode. opd adds --enable-sleep-mode to the servers it starts.",
+        "--enable-sleep-mode. opd adds --enable-sleep-mode to the servers it starts. opd train only (opd eval has "
+        "no trainer to free the memory for).",
     )
     vllm_max_gap: float = opt(
         0.0,
@@ -93,9 +95,12 @@ class EngineOptions(VLLMOptions):
     )
 
 
-def check_engine_options(cfg: EngineOptions, dtype: str, lora: bool = False, fsdp: bool = False) -> None:
+def check_engine_options(
+    cfg: EngineOptions, dtype: str, lora: bool = False, fsdp: bool = False, trains: bool = True
+) -> None:
     """The engine options of a run with compute dtype ``dtype``, that trains a LoRA adapter or not, under FSDP or
-    not (the engine's name is checked against the registry, opd.rollout.registry, when the engine is made)."""
+    not, that trains or (``opd eval``) not (the engine's name is checked against the registry,
+    opd.rollout.registry, when the engine is made)."""
     require(bool(cfg.rollout_engine), "rollout_engine is empty: give hf, vllm or a registered engine's name")
     require(
         cfg.static_cache in STATIC_CACHE,
@@ -112,7 +117,7 @@ def check_engine_options(cfg: EngineOptions, dtype: str, lora: bool = False, fsd
             "static_cache=on does not run with --fsdp (the sharded forward gathers the weights in hooks that a CUDA "
             "graph cannot capture); use --static-cache auto or off",
         )
-    check_vllm(cfg, cfg.rollout_engine, dtype, lora)
+    check_vllm(cfg, cfg.rollout_engine, dtype, lora, trains)
 
 
 def vllm_arg_list(args: str) -> list[str]:
@@ -127,10 +132,10 @@ SYNC_WAYS = ("auto", "file", "shm", "adapter")  # opd.rollout.vllm_sync's
 SLEEP_FLAG = "--enable-sleep-mode"  # the vLLM server option that opens its sleep mode
 
 
-def check_vllm(cfg: VLLMOptions, engine: str, dtype: str, lora: bool) -> None:
-    """The vLLM options of a run whose engine is ``engine``, compute dtype ``dtype`` and that trains a LoRA
-    adapter or not; sets the policy check's bound where it is left at 0, and the sleep level where vLLM's
-    sleep mode is asked for in ``--vllm-args``."""
+def check_vllm(cfg: VLLMOptions, engine: str, dtype: str, lora: bool, trains: bool = True) -> None:
+    """The vLLM options of a run whose engine is ``engine``, compute dtype ``dtype``, that trains a LoRA
+    adapter or not and trains or not; sets the policy check's bound where it is left at 0, and the sleep
+    level where vLLM's sleep mode is asked for in ``--vllm-args`` (in a run that trains)."""
     require(
         cfg.vllm_max_gap >= 0 and cfg.vllm_start_timeout > 0 and cfg.vllm_wait >= 0,
         "vllm_max_gap must be >= 0, vllm_start_timeout > 0 and vllm_wait >= 0",
@@ -166,7 +171,37 @@ def check_vllm(cfg: VLLMOptions, engine: str, dtype: str, lora: bool) -> None:
         not (cfg.vllm_sleep and cfg.vllm_url),
         "--vllm-sleep puts to sleep the servers opd starts, and --vllm-url names your own: drop one of them",
     )
-    if not cfg.vllm_sleep and SLEEP_FLAG in args:  # asked for in vLLM's words: the level that keeps the weights
-        cfg.vllm_sleep = 1
+    if trains and not cfg.vllm_sleep and SLEEP_FLAG in args:  # asked for in vLLM's words: the level that keeps
+        cfg.vllm_sleep = 1  # the weights
+    if cfg.vllm_sleep:
+        _check_sleep(cfg, trains)
     if not cfg.vllm_max_gap:
         cfg.vllm_max_gap = 1e-3 if dtype == "float32" else 0.05
+
+
+def sleep_flag(cfg: VLLMOptions) -> str:
+    """The option that asked for vLLM's sleep mode, as it was given (to name it in an error)."""
+    if cfg.vllm_sleep == 1 and SLEEP_FLAG in vllm_arg_list(cfg.vllm_args):
+        return f"--vllm-args {SLEEP_FLAG}"
+    return f"--vllm-sleep {cfg.vllm_sleep}"
+
+
+def _check_sleep(cfg: VLLMOptions, trains: bool) -> None:
+    """What the sleep mode between rollouts cannot do, known from the config (GPUs are checked when the
+    engine starts): sleep in ``opd eval``, beside a staleness worker, or drop the weights an adapter sync
+    does not send again."""
+    flag = sleep_flag(cfg)
+    require(
+        trains,
+        f"{flag}: opd eval has no trainer to free the GPU's memory for between rollouts; drop it",
+    )
+    require(
+        not getattr(cfg, "max_staleness", 0),
+        f"{flag} with --max-staleness: the rollout worker samples while the trainer trains, so the engine never "
+        "rests; drop one of them",
+    )
+    require(
+        not (cfg.vllm_sleep == 2 and cfg.vllm_sync == "adapter"),
+        f"{flag} drops the engine's weights and --vllm-sync adapter sends the adapter alone: use --vllm-sleep 1, "
+        "or --vllm-sync shm (or file)",
+    )

@@ -601,7 +601,7 @@ class EvalConfig(EnvSource, ModelSource, EngineOptions, EvalOptions):
         require(0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must lie in (0, 1]")
         _check_counts(self, samples=0, eval_size=1, batch_size=1)
         check_eval_options(self, self.samples, "--samples")
-        check_engine_options(self, self.dtype)
+        check_engine_options(self, self.dtype, trains=False)
         require(
             self.temperature > 0,
             f"temperature={self.temperature} must be > 0 (greedy decoding: --eval-sampling greedy)",

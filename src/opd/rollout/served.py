@@ -77,6 +77,7 @@ class ServerEngine(EngineBase):
         self.stale, self.watched = True, False
         self.policy_gap: float | None = None
         self.sleep_mode: SleepMode | None = None  # set by an engine that sleeps between rollouts
+        self.request_failed = False  # a request of this rollout failed: the engine is not put to sleep
 
     # ------------------------------------------------------------------ what an engine implements
     def complete(self, requests: list[Request]) -> list[Sample]:
@@ -107,6 +108,7 @@ class ServerEngine(EngineBase):
         first request: an engine that several ranks share syncs collectively."""
         if not self.watched:
             self.stale = True
+        self.request_failed = False
         t0 = time.perf_counter()
         if self.sleep_mode is not None:
             self.sleep_mode.wake(self._sync_if_stale)
@@ -116,8 +118,10 @@ class ServerEngine(EngineBase):
 
     def end(self) -> None:
         """A rollout's requests are all answered: an engine that sleeps between rollouts goes to sleep (one
-        that drops its weights asleep is given them again at its next :meth:`begin`)."""
-        if self.sleep_mode is not None and self.sleep_mode.sleep():
+        that drops its weights asleep is given them again at its next :meth:`begin`). Not after a failed
+        request: the run stops on that error, which a failed ``/sleep`` would replace, and an engine that
+        died (restarted when it is next asked) is not woken only to be put to sleep."""
+        if self.sleep_mode is not None and not self.request_failed and self.sleep_mode.sleep():
             self.stale = True
 
     def _sync_if_stale(self) -> None:
@@ -129,9 +133,13 @@ class ServerEngine(EngineBase):
         """Each request's sample, cut after its first EOS (the rollout began: the engine has the weights)."""
         if not requests:
             return []
-        samples = self.complete(requests)
-        check_count(self.name, len(samples), len(requests))
-        return [self._cut(s, r.max_tokens) for s, r in zip(samples, requests, strict=True)]
+        try:
+            samples = self.complete(requests)
+            check_count(self.name, len(samples), len(requests))
+            return [self._cut(s, r.max_tokens) for s, r in zip(samples, requests, strict=True)]
+        except BaseException:
+            self.request_failed = True
+            raise
 
     def _cut(self, sample: Sample, max_tokens: int) -> Sample:
         ids, lps = [int(t) for t in sample.ids], [float(x) for x in sample.logprobs]

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.distributed as tdist
 
-from opd.config.engines import SLEEP_FLAG, vllm_arg_list
+from opd.config.engines import SLEEP_FLAG, sleep_flag, vllm_arg_list
 from opd.errors import ServiceUnavailable, UserError
 from opd.models.loading import model_device
 from opd.models.precision import engine_dtype
@@ -327,10 +327,18 @@ def start_vllm(ctx: EngineContext) -> VLLMRollout:
             f"tokens exceed the student's context ({limit}, max_position_embeddings); lower one of them"
         )
     own, gpus = not cfg.vllm_url, torch.cuda.is_available()
-    way = choose(cfg.vllm_sync, ctx.model, ctx.folder, own_server=own, dtype=engine_dtype(cfg.dtype), on_gpu=gpus)
+    way = choose(
+        cfg.vllm_sync,
+        ctx.model,
+        ctx.folder,
+        own_server=own,
+        dtype=engine_dtype(cfg.dtype),
+        on_gpu=gpus,
+        sleep=cfg.vllm_sleep,
+    )
     user_args = vllm_arg_list(cfg.vllm_args)
     way_args, way_env = server_options(way, getattr(cfg, "lora_r", 0), user_args)
-    way_args += sleep_options(cfg, way.name, gpus, user_args)
+    way_args += sleep_options(cfg, gpus, user_args)
     launch = functools.partial(
         start_vllm_server,
         ctx.model_dir or cfg.student,
@@ -366,22 +374,12 @@ def start_vllm(ctx: EngineContext) -> VLLMRollout:
         raise
 
 
-def sleep_options(cfg, way: str, gpus: bool, user_args: list[str]) -> list[str]:
-    """The server options ``--vllm-sleep`` needs (``--enable-sleep-mode``, unless given), after what it cannot
-    do is refused: sleeping without GPUs, while a staleness worker samples, or dropping the weights that
-    an adapter sync does not send again."""
+def sleep_options(cfg, gpus: bool, user_args: list[str]) -> list[str]:
+    """The server options the sleep mode needs (``--enable-sleep-mode``, unless given), refused without GPUs
+    (what the config alone shows it cannot do is refused when the config is made,
+    :func:`opd.config.engines.check_vllm`)."""
     if not cfg.vllm_sleep:
         return []
     if not gpus:
-        raise UserError("--vllm-sleep: vLLM's sleep mode runs on GPUs only, and torch sees none here; drop it")
-    if getattr(cfg, "max_staleness", 0):  # opd eval has no staleness worker
-        raise UserError(
-            "--vllm-sleep with --max-staleness: the rollout worker samples while the trainer trains, so the engine "
-            "never rests; drop one of them"
-        )
-    if cfg.vllm_sleep == 2 and way == "adapter":
-        raise UserError(
-            "--vllm-sleep 2 drops the engine's weights and --vllm-sync adapter sends the adapter alone: use "
-            "--vllm-sleep 1, or --vllm-sync shm (or file)"
-        )
+        raise UserError(f"{sleep_flag(cfg)}: vLLM's sleep mode runs on GPUs only, and torch sees none here; drop it")
     return [] if SLEEP_FLAG in user_args else [SLEEP_FLAG]

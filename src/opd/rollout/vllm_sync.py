@@ -12,7 +12,8 @@ parameters, the tied head written); what this module chooses is how they travel:
   (``POST /v1/load_lora_adapter``, in place under one name) and sampled from by that name; the server runs
   with ``--enable-lora`` (opd adds it, with ``--max-lora-rank`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``,
   to the servers it starts). vLLM then computes the adapter beside the base weights, as peft does.
-* ``auto`` (the default): ``adapter`` for a LoRA run on a server opd starts on GPUs, else ``shm`` where
+* ``auto`` (the default): ``adapter`` for a LoRA run on a server opd starts on GPUs (not under
+  ``--vllm-sleep 2``, whose sleep drops the base weights that the adapter way never sends), else ``shm`` where
   ``/dev/shm`` has room for the weights and opd starts the server, else ``file``. Not ``adapter`` on a
   machine without GPUs: there vLLM's CPU build took 1.55x as long for the adapter's rollouts as for the
   merged weights' (0.36B shape, docs/benchmarks.md), more than the sync it saves.
@@ -98,12 +99,19 @@ class AdapterSync:
 
 
 def choose(
-    way: str, model: torch.nn.Module, folder: Path, own_server: bool, dtype: torch.dtype | None, on_gpu: bool
+    way: str,
+    model: torch.nn.Module,
+    folder: Path,
+    own_server: bool,
+    dtype: torch.dtype | None,
+    on_gpu: bool,
+    sleep: int = 0,
 ) -> WeightSync:
     """The way ``--vllm-sync WAY`` names (``auto`` resolved, see the module docstring); ``folder``: the
-    engine's folder in the run directory; ``own_server``: opd starts the server; ``on_gpu``: on GPUs."""
+    engine's folder in the run directory; ``own_server``: opd starts the server; ``on_gpu``: on GPUs;
+    ``sleep``: the engine's sleep level between rollouts (``--vllm-sleep``)."""
     if way == "auto":
-        if is_lora(model) and own_server and on_gpu:
+        if is_lora(model) and own_server and on_gpu and sleep != 2:  # level 2 drops the base weights too
             way = "adapter"
         else:
             way = "shm" if own_server and shm_room(model, dtype) else "file"

@@ -11,9 +11,11 @@ the price of one file per rank, written by every rank into the folder that
 :meth:`opd.runs.rundir.RunDir.save_checkpoint` renames into place, and read back only by a resharding
 load). The checkpoints stay atomic: rank 0 writes one folder and renames it, as before.
 
-On another number of processes the run goes on as it was: ``--batch-size`` is per process, so the
+On any number of processes the run goes on as it was: ``--batch-size`` is per process, so the
 checkpoint's global batch (processes x per-process batch, each task's) is kept and the per-process
-batch rescaled, whatever the launch's ``--batch-size`` says (refused when it does not divide). A step's prompts and sampling seeds are drawn over
+batch rescaled, whatever the launch's ``--batch-size`` says (refused when it does not divide) -- on as many
+processes as wrote it too, so that resuming again with the first command keeps it. A step's prompts and
+sampling seeds are drawn over
 the global batch (:func:`opd.rollout.prompt_set.batch_indices`, :func:`opd.rollout.prompt_set.sample_seed`,
 each rank taking its contiguous block), so each step sees the prompts and seeds it would have.
 
@@ -34,7 +36,7 @@ from typing import Any
 
 import torch
 
-from opd.config import ConfigError, TaskSpec, TrainConfig
+from opd.config import ConfigError, TaskSpec, TrainConfig, resolve_tasks
 from opd.errors import UserError
 from opd.models.precision import check_resumable, precision_record
 from opd.training.schedule import for_task
@@ -112,33 +114,53 @@ def global_batches(tasks: Sequence[Any], world: int) -> dict[str, int]:
 def rebatch(
     cfg: TrainConfig, specs: list[TaskSpec], state: dict, world: int, ckpt: Path
 ) -> tuple[TrainConfig, list[TaskSpec]]:
-    """The config and its tasks with each per-process batch rescaled so that ``world`` processes keep the
-    checkpoint's global batches (unchanged on as many processes as wrote it)."""
+    """The config and its tasks with each per-process batch set so that ``world`` processes keep the
+    checkpoint's global batches, whatever the launch's ``--batch-size`` (unchanged where it already does)."""
     n = saved_world(state)
-    if n == world:
-        return cfg, specs
-    # a checkpoint written before the record: by this command on n processes (resume needed as many then)
-    totals = state.get("batch") or global_batches(specs, n)
+    totals = recorded_batches(cfg, specs, state)
+    top = state.get("config", {}).get("batch_size", cfg.batch_size) * n  # a multi-task run's shares are of it
+    new = _per_process(cfg, top if cfg.tasks is not None else totals.get("", top), n, world, ckpt)
     if cfg.tasks is None:
-        cfg = _per_process(cfg, totals.get("", cfg.batch_size * n), n, world, ckpt)
-        specs = [dataclasses.replace(specs[0], cfg=cfg)]
+        new_specs = [dataclasses.replace(specs[0], cfg=new)]
     else:
-        cfg = _per_process(cfg, state["config"].get("batch_size", cfg.batch_size) * n, n, world, ckpt)
-        specs = [
+        new_specs = [
             dataclasses.replace(
                 s, cfg=for_task(s.name, _per_process, s.cfg, totals.get(s.name, s.cfg.batch_size * n), n, world, ckpt)
             )
             for s in specs
         ]
+    if new == cfg and [s.cfg for s in new_specs] == [s.cfg for s in specs]:
+        return cfg, specs
     if os.environ.get("RANK", "0") == "0":
-        each = ", ".join(f"{s.cfg.batch_size}" + (f" ({s.name})" if s.name else "") for s in specs)
+        named = lambda name: f" ({name})" if name else ""
+        each = ", ".join(f"{s.cfg.batch_size}{named(s.name)}" for s in new_specs)
+        kept = ", ".join(f"{total}{named(name)}" for name, total in totals.items())
         print(
-            f"opd train: note: {ckpt} was written by {n} process(es), this launch has {world}: each step keeps its "
-            f"global batch, so --batch-size is now {each} per process (config.json records it)",
+            f"opd train: note: {ckpt} was written by {n} process(es) with a global batch of {kept} prompts a "
+            f"step, this launch has {world}: each step keeps its global batch, so --batch-size is now {each} per "
+            "process (config.json records it)",
             file=sys.stderr,
             flush=True,
         )
-    return cfg, specs
+    return new, new_specs
+
+
+def recorded_batches(cfg: TrainConfig, specs: list[TaskSpec], state: dict) -> dict[str, int]:
+    """Each task's global batch in the checkpoint: its record (``"batch"``), or for a checkpoint of an opd
+    before it, its own config's ``--batch-size`` (each task's, from its task list) on its processes; the
+    launch's only where the checkpoint holds no config at all."""
+    if state.get("batch"):
+        return dict(state["batch"])
+    n, written = saved_world(state), state.get("config", {})
+    if "batch_size" not in written:
+        return global_batches(specs, n)
+    if cfg.tasks is None:
+        return {"": written["batch_size"] * n}
+    then = {k: written[k] for k in ("batch_size", "task_mode", "tasks") if k in written}
+    try:  # the task list as it was then: a task's batch is its own, or its share of the run's
+        return global_batches(resolve_tasks(dataclasses.replace(cfg, **then)), n)
+    except (ConfigError, TypeError):  # a task list this opd no longer reads: the launch's, as before the record
+        return global_batches(specs, n)
 
 
 def _per_process(c: TrainConfig, total: int, n: int, world: int, ckpt: Path) -> TrainConfig:
