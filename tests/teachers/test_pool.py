@@ -445,3 +445,16 @@ def test_a_server_killed_mid_run_costs_no_step(three, tmp_path, monkeypatch):
     # in turns: steps 0, 1, 2 (the victim's, resent to the one least recently picked), 3, 4 and 5
     assert [s.answered for s in pools[0].servers] == [3, 3, 0]
     same_run(tmp_path / "run", whole)
+
+
+def test_tasks_naming_the_same_servers_in_another_order_share_one_pool(tiny_models):
+    """A teacher several tasks name is made once (opd.training.setup.build_tasks): the same servers listed
+    in another order, or written otherwise (a trailing slash), are the same pool."""
+    student = str(tiny_models[0])
+
+    def key(url: str) -> tuple:
+        return setup_mod._teacher_key(TrainConfig(student=student, teacher_url=url))
+
+    assert key(f"{URLS[0]},{URLS[1]}/") == key(f"{URLS[1]},{URLS[0]}") == key(f"{URLS[0]}/v1,{URLS[1]}")
+    assert key(f"{URLS[0]},{URLS[1]}") != key(URLS[0])
+    assert key(URLS[0]) != setup_mod._teacher_key(TrainConfig(student=student, teacher=str(tiny_models[1])))
