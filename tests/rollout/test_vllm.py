@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import files_holding, free_port, rollouts
+from helpers import files_holding, free_port, needs_vllm, rollouts
 
 from opd.config import TrainConfig
 from opd.errors import UserError
@@ -35,18 +35,6 @@ MAX_LOGPROBS = 32
 TOL = 2e-4
 
 pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.slow]  # slow: CI's second step runs it
-
-
-def needs_vllm() -> None:
-    """Skip without vLLM's environment (fail under OPD_REQUIRE_VLLM=1, as in CI)."""
-    from opd.rollout.vllm_server import vllm_python
-
-    try:
-        vllm_python()
-    except UserError as exc:
-        if os.environ.get("OPD_REQUIRE_VLLM") == "1":
-            pytest.fail(f"OPD_REQUIRE_VLLM=1 but {exc}")
-        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="module")
