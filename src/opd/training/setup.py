@@ -188,7 +188,8 @@ def _teacher_key(c: TrainConfig) -> tuple:
     """Where a task's teacher is and how it scores (:data:`opd.config.tasks.TEACHER_SCORING`): the
     same model read with another dtype or tokenizer setting scores differently, so is not shared. Served:
     the set of its servers (in any order, each as :func:`~opd.service.check_url` writes it), one pool."""
-    servers = sorted({check_url(u, "--teacher-url") for u in c.teacher_url.split(",")}) if c.teacher_url else []
+    urls = c.teacher_url.split(",") if isinstance(c.teacher_url, str) else c.teacher_url  # joined, once checked
+    servers = sorted({check_url(u, "--teacher-url") for u in urls if u})
     where = ("url", tuple(servers)) if servers else ("dir", str(Path(c.teacher).resolve()), c.teacher_revision)
     values = (c.dtype if f == "teacher_dtype" and not c.teacher_dtype else getattr(c, f) for f in TEACHER_SCORING)
     return (*where, *(tuple(v) if isinstance(v, list) else v for v in values))
