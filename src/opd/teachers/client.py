@@ -274,7 +274,7 @@ class HTTPTeacher:
                     body,
                     [len(s) - p for s, p in zip(seqs, starts)],
                     k,
-                    cast(int, self.vocab_rows),  # see _fill
+                    self._rows(),  # see _fill
                 )
             except wire.WireError as exc:
                 raise UserError(
@@ -296,7 +296,7 @@ class HTTPTeacher:
 
     def _fill(self, server: Server, plp: list, p: int, seq: list[int], k: int, ids_TK, lps_TK, sampled_T) -> None:
         """Response token t is entry p + t: its top-K (the K largest) and the given token's log-prob."""
-        rows = cast(int, self.vocab_rows)  # settled in __init__ (_check_vocab)
+        rows = self._rows()  # vocab_rows once settled; before, at the K check of a server joining
         top_ids, top_lps, given_lps = [], [], []
         for t in range(len(seq) - p):
             entry, given = plp[p + t], seq[p + t]
@@ -323,7 +323,7 @@ class HTTPTeacher:
                 raise _malformed(
                     server,
                     f"position {p + t} holds a token id outside the student's vocabulary "
-                    f"[0, {self.vocab_rows}) or a log-prob that is not <= 0",
+                    f"[0, {self._rows()}) or a log-prob that is not <= 0",
                 )
             top_lps.append([lp for lp, _ in top])
             top_ids.append([tid for _, tid in top])
