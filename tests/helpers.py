@@ -1,5 +1,5 @@
 """Helpers shared by the test modules: run-directory readers, quick training configs, a batch of rollouts
-to score, and 2-rank launches (torchrun, accelerate)."""
+to score, 2-rank launches (torchrun, accelerate), stand-in HTTP servers' JSON answers and the vLLM skip."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from opd.errors import UserError
 from opd.training.stepstats import FULL_VOCAB_KEYS
 
 
@@ -97,6 +98,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def send_json(handler, status: int, payload) -> None:
+    """Answer a stand-in server's request (an ``http.server`` handler's) with ``payload`` as JSON; a
+    handler class takes it as its method: ``_send = send_json``."""
+    body = json.dumps(payload).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+def needs_vllm() -> None:
+    """Skip without vLLM's environment (fail under OPD_REQUIRE_VLLM=1, as in CI)."""
+    from opd.rollout.vllm_server import vllm_python
+
+    try:
+        vllm_python()
+    except UserError as exc:
+        if os.environ.get("OPD_REQUIRE_VLLM") == "1":
+            pytest.fail(f"OPD_REQUIRE_VLLM=1 but {exc}")
+        pytest.skip(str(exc))
 
 
 def files_holding(run_dir, secret: str) -> tuple[list, list[str]]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import files_holding, free_port, rollouts
+from helpers import files_holding, free_port, needs_vllm, rollouts
 
 from opd.config import TrainConfig
 from opd.errors import UserError
@@ -38,18 +38,6 @@ TOL = 2e-4
 pytestmark = pytest.mark.slow  # CI's second step runs it
 ON_TEACHER_SERVER = pytest.mark.xdist_group("vllm-teacher")  # every test that takes the fixture vllm_teacher
 ON_STUDENT_SERVER = pytest.mark.xdist_group("vllm-student")  # every test that takes the fixture vllm_student
-
-
-def needs_vllm() -> None:
-    """Skip without vLLM's environment (fail under OPD_REQUIRE_VLLM=1, as in CI)."""
-    from opd.rollout.vllm_server import vllm_python
-
-    try:
-        vllm_python()
-    except UserError as exc:
-        if os.environ.get("OPD_REQUIRE_VLLM") == "1":
-            pytest.fail(f"OPD_REQUIRE_VLLM=1 but {exc}")
-        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 import torch
+from helpers import send_json
 from safetensors.torch import load_file
 
 from opd.config import ConfigError, EvalConfig, TrainConfig
@@ -39,12 +40,7 @@ class _StandIn(BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
-    def _send(self, status: int, payload: dict) -> None:
-        body = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+    _send = send_json
 
     def do_GET(self):
         self._send(200, {"object": "list", "data": [{"id": "student"}]})

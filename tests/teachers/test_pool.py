@@ -1,6 +1,6 @@
 """A teacher served by several servers (``--teacher-url A,B,C``): the option's forms, which server gets
 each request, a server lost and found again, servers that serve different teachers, and runs against
-three ``opd serve-teacher`` processes, one killed mid-run (no step lost, the same scores).
+two ``opd serve-teacher`` processes, one killed mid-run (no step lost, the same scores).
 
 The pool's choices are tested on stand-ins (a request is a function of the server it is given); the
 HTTP checks on in-process servers (:func:`opd.teachers.server.start_server`); the killed server is a
@@ -13,6 +13,7 @@ import dataclasses
 import json
 import re
 import shlex
+import threading
 import time
 
 import pytest
@@ -27,7 +28,7 @@ from opd.config.files import dump_config, read_config_file
 from opd.errors import UserError
 from opd.models.loading import head_weight, load_model, load_tokenizer
 from opd.service import Patience
-from opd.teachers.client import HTTPTeacher
+from opd.teachers.client import HTTPTeacher, vocab_info
 from opd.teachers.pool import Identity, NoAnswer, TeacherPool
 from opd.teachers.scoring import HFTeacher, TeacherUnavailable
 from opd.teachers.server import Limits, TeacherApp, start_server, stop_server
@@ -80,13 +81,14 @@ class StandIns:
     """A pool of ``URLS`` whose servers serve ``models`` (by URL), answer nothing while in ``down``, and
     take requests that are functions of the server: no HTTP. ``clock``: the pool's patience's (tests move it)."""
 
-    def __init__(self, models: dict | None = None):
+    def __init__(self, models: dict | None = None, rank: int = 0):
         self.down: set[str] = set()
+        self.identified: list[str] = []  # the URL of each identify
         self.models = models or dict.fromkeys(URLS, "teacher")
         self.lines: list[str] = []
         self.clock = FakeClock()
         self.patience = Patience("pool", 60, clock=self.clock, sleep=self.clock.sleep, log=self.lines.append)
-        self.pool = TeacherPool(URLS, self.patience, self.identify, self.verify)
+        self.pool = TeacherPool(URLS, self.patience, self.identify, self.verify, rank=rank)
 
     @classmethod
     def started(cls) -> StandIns:
@@ -95,6 +97,7 @@ class StandIns:
         return s
 
     def identify(self, server) -> Identity:
+        self.identified.append(server.url)
         self.answer(server)
         return Identity(self.models[server.url], None)
 
@@ -131,6 +134,22 @@ def test_requests_go_to_the_least_busy_server_and_ties_take_turns():
         hold(7)()
     assert [u for u, _ in got] == URLS * 2
     assert [srv.outstanding for srv in s.pool.servers] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("rank", [1, 2, 4])
+def test_each_rank_starts_its_turns_at_another_server(rank, monkeypatch):
+    """Each rank balances only its own requests: were ties broken in the same order everywhere, every
+    rank's first request of a step would go to the first server."""
+    got = []
+    for s in (StandIns(rank=rank), None):
+        if s is None:  # without one given: torchrun's RANK
+            monkeypatch.setenv("RANK", str(rank))
+            s = StandIns()
+            s.pool = TeacherPool(URLS, s.patience, s.identify, s.verify)
+        s.pool.start()
+        got.append([s.pool.send(1, s.answer) for _ in range(4)])
+    turn = [URLS[(rank + i) % 3] for i in range(4)]
+    assert got == [turn, turn]
 
 
 def test_a_failed_server_is_skipped_and_rejoins_once_it_answers():
@@ -181,6 +200,72 @@ def test_a_pool_of_different_models_is_refused_naming_both():
         f"teacher servers {URLS[0]} and {URLS[2]} serve different teachers ({URLS[0]}: model 'teacher', vocabulary "
         f"not reported; {URLS[2]}: model 'other', vocabulary not reported)"
     )
+
+
+def test_a_server_back_with_another_teacher_is_left_out_once_and_not_asked_again():
+    s = StandIns.started()
+    s.down.add(URLS[2])
+    assert [s.pool.send(1, s.answer) for _ in range(3)] == [URLS[0], URLS[1], URLS[0]]  # the third resent
+    s.down.clear()
+    s.models[URLS[2]] = "other"  # restarted with another model
+    asked = s.identified.count(URLS[2])
+    for _ in range(5):  # past every backoff: a request would ask it again, and revive() too
+        s.clock.now += 20
+        s.pool.send(1, s.answer)
+        deadline = time.monotonic() + 10
+        while s.server(URLS[2]).probing and time.monotonic() < deadline:
+            time.sleep(0.01)
+        s.pool.revive()
+    assert s.identified.count(URLS[2]) == asked + 1
+    left_out = [line for line in s.lines if "left out" in line]
+    assert left_out == [
+        f"teacher server {URLS[2]} answers but is left out of the pool: teacher servers {URLS[0]} and {URLS[2]} "
+        "serve different teachers ("
+        + f"{URLS[0]}: model 'teacher', vocabulary not reported; {URLS[2]}: model 'other', vocabulary not reported)"
+        + "; every server of --teacher-url must serve the same model with the same tokenizer: start each from the "
+        "same model, with the same --served-model-name"
+    ]
+    assert not s.server(URLS[2]).up
+
+
+@pytest.mark.parametrize("checked_first", ["vllm", "opd"])
+def test_a_cross_tokenizer_pool_of_vllm_and_opd_servers_settles_its_rows_in_either_order(
+    tiny_models, checked_first, monkeypatch
+):
+    """A cross-tokenizer teacher (no rows given) served by a vLLM server (no vocabulary reported) and an
+    opd server whose head has more rows than its tokenizer has tokens (Qwen: 151,936 and 151,669): the
+    opd server's rows, whichever server's check runs first (the checks run in parallel threads)."""
+    tok = load_tokenizer(tiny_models[1], "teacher")
+    rows = len(tok) + 7
+    vllm, opd = URLS[:2]
+    done = {vllm: threading.Event(), opd: threading.Event()}
+    later = opd if checked_first == "vllm" else vllm
+
+    def identify(self, server):
+        return Identity("teacher", vocab_info(tok, rows) if server.url == opd else None)
+
+    def probe_tokenizer(self, server):  # the vLLM server's check
+        return wait_then(server, lambda: True)
+
+    def check_vocab(self, theirs):  # the opd server's
+        return wait_then(self.pool.servers[1], lambda: real_check(self, theirs))
+
+    def wait_then(server, check):
+        if server.url == later:
+            assert done[vllm if later == opd else opd].wait(10)
+        try:
+            return check()
+        finally:
+            done[server.url].set()
+
+    real_check = HTTPTeacher._check_vocab
+    monkeypatch.setattr(HTTPTeacher, "_identify", identify)
+    monkeypatch.setattr(HTTPTeacher, "_probe_tokenizer", probe_tokenizer)
+    monkeypatch.setattr(HTTPTeacher, "_check_vocab", check_vocab)
+    client = HTTPTeacher([vllm, opd], tok, None, wait=0)
+    assert all(done[u].is_set() for u in (vllm, opd))
+    assert [s.up for s in client.pool.servers] == [True, True]
+    assert client.vocab_rows == rows
 
 
 # ----------------------------------------------------------------------------- opd's servers over HTTP
@@ -237,32 +322,33 @@ def test_opd_train_refuses_such_a_pool_in_one_line(apps, tiny_models, tmp_path, 
 
 def test_a_server_that_joins_later_is_checked_and_a_wrong_one_left_out(apps, tiny_models):
     urls, tok, rows = apps
-    port, lines = free_port(), []
-    late = f"http://127.0.0.1:{port}"
-    client = HTTPTeacher([urls["a"], late], tok, rows, k=8, wait=0, log=lines.append)
-    assert [s.up for s in client.pool.servers] == [True, False] and lines == []
+    ports, lines = [free_port(), free_port()], []
+    wrong, right = (f"http://127.0.0.1:{p}" for p in ports)
+    client = HTTPTeacher([urls["a"], wrong, right], tok, rows, k=8, wait=0, log=lines.append)
+    assert [s.up for s in client.pool.servers] == [True, False, False] and lines == []
     assert client.pool.servers[1].reason == "connection refused"
     model = load_model(tiny_models[1], "teacher")
-    server = start_server(TeacherApp(model, tok, "tiny-renamed", Limits(max_k=16)), port=port)
+    servers = [
+        start_server(TeacherApp(model, tok, name, Limits(max_k=16)), port=p)
+        for name, p in zip(["tiny-renamed", "tiny"], ports)
+    ]
     try:
-        assert client.pool.revive()  # a still answers; the late one answers with another model
-        assert [s.up for s in client.pool.servers] == [True, False]
-        assert lines == [
-            f"teacher server {late} answers but is left out of the pool: teacher servers {urls['a']} and {late} "
+        assert client.pool.revive()  # a still answers; one late one with another model, one with the teacher
+        assert [s.up for s in client.pool.servers] == [True, False, True]
+        sha = client.pool.identity.vocab["sha256"][:12]
+        assert set(lines) == {
+            f"teacher server {right} is back; it takes requests again",
+            f"teacher server {wrong} answers but is left out of the pool: teacher servers {urls['a']} and {wrong} "
             f"serve different teachers ({urls['a']}: model 'tiny', vocabulary of {len(tok)} tokens, {rows} output "
-            f"rows, sha256 {client.pool.identity.vocab['sha256'][:12]}; {late}: model 'tiny-renamed', vocabulary of "
-            f"{len(tok)} tokens, {rows} output rows, sha256 {client.pool.identity.vocab['sha256'][:12]}); every "
-            "server of --teacher-url must serve the same model with the same tokenizer: start each from the same "
-            "model, with the same --served-model-name"
-        ]
+            f"rows, sha256 {sha}; {wrong}: model 'tiny-renamed', vocabulary of {len(tok)} tokens, {rows} output "
+            f"rows, sha256 {sha}); every server of --teacher-url must serve the same model with the same "
+            "tokenizer: start each from the same model, with the same --served-model-name",
+        }  # in either order: they are checked in parallel
+        client.pool.revive()  # left out for the run: not asked again, no second line
+        assert len(lines) == 2 and [s.up for s in client.pool.servers] == [True, False, True]
     finally:
-        stop_server(server)
-    server = start_server(TeacherApp(model, tok, "tiny", Limits(max_k=16)), port=port)
-    try:
-        assert client.pool.revive() and [s.up for s in client.pool.servers] == [True, True]
-        assert lines[-1] == f"teacher server {late} is back; it takes requests again"
-    finally:
-        stop_server(server)
+        for server in servers:
+            stop_server(server)
 
 
 def test_every_server_is_asked_for_k_when_it_joins(apps):
@@ -287,16 +373,17 @@ def test_the_libraries_limits_default_to_the_models_context_as_the_cli_does(tiny
 
 
 @pytest.fixture(scope="module")
-def three(tiny_models, tmp_path_factory):
-    """Three ``opd serve-teacher`` processes of the tiny teacher (started together), and a 6-step run
-    against the first alone: the reference the pool's runs must equal."""
+def two(tiny_models, tmp_path_factory):
+    """Two ``opd serve-teacher`` processes of the tiny teacher (started together), and a 6-step run
+    against the first alone: the reference the pool's runs must equal. (Two show what three would: the
+    pool's choices among more servers are the stand-ins' tests above.)"""
     logs = tmp_path_factory.mktemp("servers")
-    servers = [ServedTeacher(tiny_models[1], logs / f"{i}.txt") for i in range(3)]
+    servers = [ServedTeacher(tiny_models[1], logs / f"{i}.txt") for i in range(2)]
     try:
         for server in servers:
             server.start()
         for server in servers:
-            server.wait_ready(300)  # three start at once: slow on a busy 2-core machine
+            server.wait_ready(300)  # both start at once: slow on a busy 2-core machine
         out = tmp_path_factory.mktemp("pool") / "one-server"
         cfg = TrainConfig(student=str(tiny_models[0]), teacher_url=servers[0].url, out=str(out), **{**RUN, "steps": 6})
         train_mod.train(cfg, show_progress=False)
@@ -307,8 +394,8 @@ def three(tiny_models, tmp_path_factory):
 
 
 @pytest.mark.xdist_group("teacher-pool")
-def test_three_servers_score_as_the_in_process_teacher_and_share_the_requests(three, tiny_models):
-    servers, _, _ = three
+def test_a_pools_servers_score_as_the_in_process_teacher_and_share_the_requests(two, tiny_models):
+    servers, _, _ = two
     for server in servers:
         server.wait_ready(300)  # a test before may have restarted one
     tok = load_tokenizer(tiny_models[1], "teacher")
@@ -326,12 +413,12 @@ def test_three_servers_score_as_the_in_process_teacher_and_share_the_requests(th
 
 
 @pytest.mark.xdist_group("teacher-pool")  # one fixture, one set of servers, for both tests
-def test_a_server_killed_mid_run_costs_no_step(three, tmp_path, monkeypatch):
+def test_a_server_killed_mid_run_costs_no_step(two, tmp_path, monkeypatch):
     """The run's requests take turns (one a step): the server due at step 2 is killed as that step starts,
     so its request finds it gone and is answered by another. Every step's metrics and rollouts equal
     those of the run against one server. (A server coming back: the tests above.)"""
-    servers, cfg, whole = three
-    victim, lines, pools = servers[2], [], []
+    servers, cfg, whole = two
+    victim, lines, pools = servers[0], [], []
     real_make, real_rollout = setup_mod.make_teacher, train_mod.rollout_stage
 
     def make(c, student, tok):
@@ -353,9 +440,22 @@ def test_a_server_killed_mid_run_costs_no_step(three, tmp_path, monkeypatch):
     finally:
         victim.start()  # for whichever test comes next
     assert lines == [
-        f"teacher server {victim.url} failed (connection refused); its requests go to the other 2 server(s) "
+        f"teacher server {victim.url} failed (connection refused); its requests go to the other 1 server(s) "
         "while it is asked again, every 15 s at most"
     ]
-    # in turns: steps 0, 1, 2 (the victim's, resent to the one least recently picked), 3, 4 and 5
-    assert [s.answered for s in pools[0].servers] == [3, 3, 0]
+    # in turns: steps 0 and 1, then 2 (the victim's, resent), 3, 4 and 5 on the other (the victim stays down)
+    assert [s.answered for s in pools[0].servers] == [1, 5]
     same_run(tmp_path / "run", whole)
+
+
+def test_tasks_naming_the_same_servers_in_another_order_share_one_pool(tiny_models):
+    """A teacher several tasks name is made once (opd.training.setup.build_tasks): the same servers listed
+    in another order, or written otherwise (a trailing slash), are the same pool."""
+    student = str(tiny_models[0])
+
+    def key(url: str) -> tuple:
+        return setup_mod._teacher_key(TrainConfig(student=student, teacher_url=url))
+
+    assert key(f"{URLS[0]},{URLS[1]}/") == key(f"{URLS[1]},{URLS[0]}") == key(f"{URLS[0]}/v1,{URLS[1]}")
+    assert key(f"{URLS[0]},{URLS[1]}") != key(URLS[0])
+    assert key(URLS[0]) != setup_mod._teacher_key(TrainConfig(student=student, teacher=str(tiny_models[1])))

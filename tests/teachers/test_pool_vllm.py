@@ -8,15 +8,13 @@ tolerance it shares. Without a vLLM environment it skips (fails under ``OPD_REQU
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import rollouts
+from helpers import needs_vllm, rollouts
 from test_teacher_restart import ServedTeacher
 
-from opd.errors import UserError
 from opd.models.loading import load_model, load_tokenizer
 from opd.teachers.client import HTTPTeacher
 from opd.teachers.scoring import HFTeacher
@@ -31,14 +29,9 @@ pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.slow]  # one vLLM ser
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
     """(vLLM's server, opd's server) on the demo teacher, both under the same model name (its path)."""
-    from opd.rollout.vllm_server import start_vllm_server, vllm_python
+    from opd.rollout.vllm_server import start_vllm_server
 
-    try:
-        vllm_python()
-    except UserError as exc:
-        if os.environ.get("OPD_REQUIRE_VLLM") == "1":
-            pytest.fail(f"OPD_REQUIRE_VLLM=1 but {exc}")
-        pytest.skip(str(exc))
+    needs_vllm()
     logs = tmp_path_factory.mktemp("pool-vllm")
     opd = ServedTeacher(DEMO / "teacher", logs / "opd.txt")
     opd.start()

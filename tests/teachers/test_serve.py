@@ -24,7 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-from helpers import rollouts
+from helpers import rollouts, send_json
 
 from opd.config import TrainConfig
 from opd.errors import UserError
@@ -375,12 +375,7 @@ class _Foreign(BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
-    def _send(self, status, payload):
-        body = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+    _send = send_json
 
     def do_GET(self):
         if self.path == "/v1/models":

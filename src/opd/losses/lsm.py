@@ -21,7 +21,7 @@ import torch
 from opd.losses._common import NEG_INF, as_bool, compute_dtype, position_chunks
 from opd.losses._row_kernels import support_logits, weighted_rows
 from opd.losses.head import Head, HeadLike, as_head, head_dtype, raw_grad_, transform_
-from opd.losses.tail import _SupportLogitsAndNormalizer
+from opd.losses.tail import SupportLogitsAndNormalizer
 
 
 def _support_kl_terms(
@@ -242,7 +242,7 @@ def local_support_kl_from_hidden(
             raise ValueError("forward_share mixes the renormalized divergences: it needs renormalize=True")
         ids_AK = support_ids_BTK.reshape(B * T, K)[active]
         # torch's Function.apply is unannotated, hence the ignore
-        z_AK, lse_A = _SupportLogitsAndNormalizer.apply(  # type: ignore[no-untyped-call]
+        z_AK, lse_A = SupportLogitsAndNormalizer.apply(  # type: ignore[no-untyped-call]
             hidden_BTD.reshape(B * T, D), head.weight_VD, head.bias_V, head, active, ids_AK, dtype, chunk_size
         )
         t_lp_AK = teacher_logprobs_BTK.detach().reshape(B * T, K)[active].to(dtype)

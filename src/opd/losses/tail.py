@@ -148,7 +148,7 @@ def local_support_kl_tail(
     return _tail_kl_terms(z, lse, t_lp, valid, as_bool(mask_BT), direction == "reverse")
 
 
-class _SupportLogitsAndNormalizer(torch.autograd.Function):
+class SupportLogitsAndNormalizer(torch.autograd.Function):
     """The support logits z[a, k] = head(h[rows[a]])[ids[a, k]] and the log-normalizer
     lse[a] = logsumexp_v head(h[rows[a]])[v], one chunk of (chunk, V) logits at a time.
 
@@ -264,7 +264,7 @@ def local_support_kl_tail_from_hidden(
     active = as_bool(mask_BT).reshape(-1).nonzero().squeeze(-1)
     ids_AK = support_ids_BTK.reshape(B * T, K)[active]
     # torch's Function.apply is unannotated, hence the ignore
-    z_AK, lse_A = _SupportLogitsAndNormalizer.apply(  # type: ignore[no-untyped-call]
+    z_AK, lse_A = SupportLogitsAndNormalizer.apply(  # type: ignore[no-untyped-call]
         hidden_BTD.reshape(B * T, D), head.weight_VD, head.bias_V, head, active, ids_AK, dtype, chunk_size
     )
     t_lp_AK = teacher_logprobs_BTK.detach().reshape(B * T, K)[active].to(dtype)

@@ -103,6 +103,7 @@ class HTTPTeacher:
         self.prompts_per_request, self.concurrency = prompts_per_request, concurrency * len(urls)
         self._warned: set[str] = set()
         self.pool.start()
+        self.vocab_rows = self._rows()  # settled once the servers up at start are checked, never by a thread
         self.model_name = cast(Identity, self.pool.identity).model
 
     @property
@@ -125,7 +126,6 @@ class HTTPTeacher:
         """``server``'s vocabulary (or its tokenization of probe texts) against ours; then K, asked once."""
         vocab = cast(Identity, server.identity).vocab
         if vocab is None:
-            self.vocab_rows = self.vocab_rows or len(self.tokenizer)
             if not self._probe_tokenizer(server) and server.url not in self._warned:
                 self._warned.add(server.url)
                 stderr_line(
@@ -146,11 +146,20 @@ class HTTPTeacher:
                 server, [seq], self.k, [1], ids, lps, given.squeeze(-1), torch.ones_like(given[..., 0]).bool()
             )
 
+    def _rows(self) -> int:
+        """The output rows the ids must fall in: the student's (``vocab_rows``); for a cross-tokenizer
+        teacher (None), the pool's vocabulary's (:attr:`TeacherPool.vocab`: the first opd server's, in
+        --teacher-url's order, settled before any server is checked), else the tokenizer's length (vLLM's
+        servers report none). Read only, so the servers' checks in parallel threads agree whatever their order."""
+        if self.vocab_rows is not None:
+            return self.vocab_rows
+        vocab = self.pool.vocab.vocab if self.pool.vocab is not None else None
+        rows = vocab.get("head_rows") if vocab is not None else None
+        return rows if isinstance(rows, int) else len(self.tokenizer)
+
     def _check_vocab(self, theirs: dict) -> None:
         """opd's server's ``/opd/vocab`` answer against the student's vocabulary."""
-        if self.vocab_rows is None and isinstance(theirs.get("head_rows"), int):
-            self.vocab_rows = theirs["head_rows"]
-        ours = vocab_info(self.tokenizer, self.vocab_rows or len(self.tokenizer))
+        ours = vocab_info(self.tokenizer, self._rows())
         if theirs.get("sha256") != ours["sha256"] or theirs.get("head_rows") != ours["head_rows"]:
             raise UserError(
                 f"the served teacher's vocabulary ({theirs.get('tokens')} tokens, {theirs.get('head_rows')} "
@@ -265,7 +274,7 @@ class HTTPTeacher:
                     body,
                     [len(s) - p for s, p in zip(seqs, starts)],
                     k,
-                    cast(int, self.vocab_rows),  # see _fill
+                    self._rows(),  # see _fill
                 )
             except wire.WireError as exc:
                 raise UserError(
@@ -287,7 +296,7 @@ class HTTPTeacher:
 
     def _fill(self, server: Server, plp: list, p: int, seq: list[int], k: int, ids_TK, lps_TK, sampled_T) -> None:
         """Response token t is entry p + t: its top-K (the K largest) and the given token's log-prob."""
-        rows = cast(int, self.vocab_rows)  # settled in __init__ (_check_vocab)
+        rows = self._rows()  # vocab_rows once settled; before, at the K check of a server joining
         top_ids, top_lps, given_lps = [], [], []
         for t in range(len(seq) - p):
             entry, given = plp[p + t], seq[p + t]
@@ -314,7 +323,7 @@ class HTTPTeacher:
                 raise _malformed(
                     server,
                     f"position {p + t} holds a token id outside the student's vocabulary "
-                    f"[0, {self.vocab_rows}) or a log-prob that is not <= 0",
+                    f"[0, {self._rows()}) or a log-prob that is not <= 0",
                 )
             top_lps.append([lp for lp, _ in top])
             top_ids.append([tid for _, tid in top])

@@ -3,7 +3,8 @@ what happens when one stops answering.
 
 :class:`TeacherPool` holds one :class:`Server` per URL. Each request goes to the server with the least
 outstanding work (the tokens of the requests it holds and has not answered; ties go to the one picked
-least recently), so a slow or busy server gets fewer. A request that gets no answer (refused or reset
+least recently; each rank of a multi-process run starts its turns at another server, as each balances
+only its own requests), so a slow or busy server gets fewer. A request that gets no answer (refused or reset
 connection, timeout, an answer cut short, 5xx, 408, 429) marks its server down and is sent again at
 once to another one: a server lost mid-step costs that step nothing but the resend. A down server is
 asked again (the checks a new server gets, through :meth:`TeacherPool.start`'s ``admit``) after a
@@ -16,11 +17,13 @@ once, wherever it was sent.
 
 Every server is checked when it joins: at start, those that answer (the trainer waits for the first),
 and later ones when they come up. A pool serves one teacher: servers naming different models or
-reporting different vocabularies are refused, naming both (:meth:`TeacherPool.settle`).
+reporting different vocabularies are refused, naming both (:meth:`TeacherPool.settle`); one that comes
+back serving another teacher is left out for the rest of the run, with one line.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -118,6 +121,7 @@ class Server:
     failures: int = 0  # failed checks in a row since it went down: its backoff
     retry_at: float = 0.0  # when it is asked again
     probing: bool = False  # a thread is checking it
+    excluded: bool = False  # it came back serving another teacher: never asked again
     reason: str = "not asked yet"  # why it is down, and the request that found it
     path: str = ""
 
@@ -132,7 +136,9 @@ class TeacherPool:
     A server that answers for the first time, or again, is admitted by ``identify(server)`` (what it
     serves), :meth:`settle` (the pool's teacher?) and ``verify(server)`` (the caller's own checks:
     vocabulary, K). Those raise :class:`NoAnswer` when the server stops answering meanwhile, and
-    :class:`UserError` for the wrong server. Call :meth:`start` once, before :meth:`send`."""
+    :class:`UserError` for the wrong server. Call :meth:`start` once, before :meth:`send`. ``rank``: this
+    process's (torchrun's ``RANK`` by default); each rank breaks its first ties at another server, so
+    the ranks' first requests of a step do not all go to the first one."""
 
     def __init__(
         self,
@@ -143,11 +149,17 @@ class TeacherPool:
         *,
         key: str = "",
         timeout: float = 120.0,
+        rank: int | None = None,
     ):
         self.servers = [Server(TeacherClient(u, key=key, timeout=timeout)) for u in urls]
+        rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        for i, server in enumerate(self.servers):  # "picked" before any pick, this rank's server the longest ago
+            server.picked = (i - rank) % len(self.servers) - len(self.servers)
         self.patience, self.identify, self.verify = patience, identify, verify
         self.identity: Identity | None = None
+        self.vocab: Identity | None = None  # the first identity with a vocabulary (an opd server's), if any
         self._first: Server | None = None
+        self._first_vocab: Server | None = None
         self.started = False
         self._lock = threading.Lock()
         self._picks = 0
@@ -200,13 +212,18 @@ class TeacherPool:
             server.up, server.failures = True, 0
 
     def settle(self, server: Server, identity: Identity) -> None:
-        """``identity`` is the pool's (the first server's), or the error naming both servers."""
+        """``identity`` is the pool's: the model the first server names, the vocabulary the first one that
+        reports one reports (:attr:`vocab`; at start both in --teacher-url's order, before any other check);
+        or the error naming both servers."""
         with self._lock:
             if self.identity is None or self._first is None:
                 self.identity, self._first = identity, server
-                return
             first, ours = self._first, self.identity
-        if not identity.same(ours):
+            if identity.model == ours.model and identity.vocab is not None:  # the vocabulary's first, then
+                if self.vocab is None or self._first_vocab is None:
+                    self.vocab, self._first_vocab = identity, server
+                first, ours = self._first_vocab, self.vocab
+        if identity is not ours and not identity.same(ours):
             raise UserError(
                 f"teacher servers {first.url} and {server.url} serve different teachers ({first.url}: {ours}; "
                 f"{server.url}: {identity}); every server of --teacher-url must serve the same model with the "
@@ -220,7 +237,7 @@ class TeacherPool:
 
     def _probe(self, server: Server) -> None:
         with self._lock:
-            if server.probing or server.up:
+            if server.probing or server.up or server.excluded:
                 return
             server.probing = True
         self._admit_again(server)
@@ -239,6 +256,7 @@ class TeacherPool:
                 raise
             # restarted with another model, say: it must not score for this run, which goes on without it
             self._down(server, NoAnswer("", "it is not this run's teacher"))
+            server.excluded = True  # asked no more: one line, not one per backoff
             self.patience.log(f"teacher server {server.url} answers but is left out of the pool: {exc}")
         else:
             with self._lock:
@@ -291,7 +309,7 @@ class TeacherPool:
             up = [s for s in self.servers if s.up]
             if not up:
                 return None
-            due = [s for s in self.servers if not s.up and not s.probing and s.retry_at <= now]
+            due = [s for s in self.servers if not (s.up or s.probing or s.excluded) and s.retry_at <= now]
             for s in due:
                 s.probing = True
             server = min(up, key=lambda s: (s.outstanding, s.picked))

@@ -32,6 +32,7 @@ from opd.rollout.engine import EngineContext, RolloutEngine
 from opd.rollout.prompt_set import say_grading_notes
 from opd.rollout.registry import check_engine, make_engine
 from opd.runs.rundir import RunDir
+from opd.service import check_url
 from opd.teachers.crosstok import CrossTokenizerTeacher
 from opd.teachers.factory import is_served, make_teacher
 from opd.teachers.scoring import TeacherScorer
@@ -185,8 +186,11 @@ def start_ahead(cfg: TrainConfig, engine: RolloutEngine) -> AheadRollouts:
 
 def _teacher_key(c: TrainConfig) -> tuple:
     """Where a task's teacher is and how it scores (:data:`opd.config.tasks.TEACHER_SCORING`): the
-    same model read with another dtype or tokenizer setting scores differently, so is not shared."""
-    where = ("url", c.teacher_url) if c.teacher_url else ("dir", str(Path(c.teacher).resolve()), c.teacher_revision)
+    same model read with another dtype or tokenizer setting scores differently, so is not shared. Served:
+    the set of its servers (in any order, each as :func:`~opd.service.check_url` writes it), one pool."""
+    urls = c.teacher_url.split(",") if isinstance(c.teacher_url, str) else c.teacher_url  # joined, once checked
+    servers = sorted({check_url(u, "--teacher-url") for u in urls if u})
+    where = ("url", tuple(servers)) if servers else ("dir", str(Path(c.teacher).resolve()), c.teacher_revision)
     values = (c.dtype if f == "teacher_dtype" and not c.teacher_dtype else getattr(c, f) for f in TEACHER_SCORING)
     return (*where, *(tuple(v) if isinstance(v, list) else v for v in values))
 
