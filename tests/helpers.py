@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -25,7 +26,6 @@ def read_metrics(run_dir) -> list[dict]:
 def run_options(run_dir, cls=None) -> dict:
     """A run's config.json as flat options (opd writes it nested by section), read as ``cls`` (default
     TrainConfig; SFTConfig for an ``opd sft`` run) reads it."""
-    from pathlib import Path
 
     from opd.config import TrainConfig, read_run_config
 
@@ -124,7 +124,6 @@ def needs_vllm() -> None:
 
 def files_holding(run_dir, secret: str) -> tuple[list, list[str]]:
     """Every file under ``run_dir``, and those whose bytes hold ``secret`` (an API key must be in none)."""
-    from pathlib import Path
 
     files = [p for p in Path(run_dir).rglob("*") if p.is_file()]
     return files, [str(p) for p in files if secret.encode() in p.read_bytes()]
@@ -154,6 +153,36 @@ def launch_command(launcher: str, args: list[str]) -> list[str]:
 
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "_TYPER_STANDARD_TRACEBACK": "1"}
+
+
+def two_rank_script(script: Path, out: Path, timeout: int) -> list[dict]:
+    """Run ``script OUT`` as ranks 0 and 1 of a gloo group (WORLD_SIZE/RANK/MASTER_* set, no launcher); each
+    rank writes ``OUT/rank{r}.json``, returned in rank order. A hang past ``timeout`` kills both ranks."""
+    env = {**ENV, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(out)], env={**env, "RANK": str(r)}, stderr=subprocess.PIPE, text=True
+        )
+        for r in (0, 1)
+    ]
+    try:
+        errs = [p.communicate(timeout=timeout)[1] for p in ranks]
+    finally:  # a hang must not leave the ranks running into the next tests
+        for p in ranks:
+            p.kill()
+    assert all(p.returncode == 0 for p in ranks), errs
+    return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def run_opd(monkeypatch, capsys, args: list[str]) -> tuple[int, str, str]:
+    """``opd ARGS`` in this process: its exit code, stdout and stderr."""
+    from opd.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["opd", *map(str, args)])
+    with pytest.raises(SystemExit) as stopped:
+        main()
+    out, err = capsys.readouterr()
+    return stopped.value.code, out, err
 
 
 def launch(launcher: str, args: list[str], timeout: int = 300, env: dict | None = None) -> str:

@@ -16,13 +16,11 @@ import re
 import shlex
 import shutil
 import socket
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-from opd.cli import main
+from helpers import run_opd
 
 # A run small enough that the cases which get as far as the rollout stay fast on two cores.
 SHORT = "--device cpu --steps 1 --batch-size 2 --max-new-tokens 4 --eval-size 2 --eval-samples 0 --k 4 --eval-every 0"
@@ -30,14 +28,6 @@ TRAIN = f"train --student <S> --teacher <T> --out <OUT> {SHORT}"
 EVAL = "eval --student <S> --out <OUT> --device cpu --eval-size 2 --samples 0"
 SFT = "sft --init <S> --out <OUT> --device cpu --steps 1 --batch-size 2 --eval-size 2"
 LONG_PROMPT = " ".join(["What is 1 + 1?"] * 200)  # about 1600 tokens: past the tiny models' 512 positions
-
-
-def run_opd(monkeypatch, capsys, args: list[str]) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["opd", *map(str, args)])
-    with pytest.raises(SystemExit) as stopped:
-        main()
-    out, err = capsys.readouterr()
-    return stopped.value.code, out, err
 
 
 def assert_one_line_error(code, out: str, err: str, pattern: str) -> None:

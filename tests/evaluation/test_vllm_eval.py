@@ -27,10 +27,7 @@ pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.slow]
 @pytest.fixture(scope="module")
 def vllm_engine(tmp_path_factory):
     """A vLLM engine on the demo student, started as opd eval starts it (--rollout-engine vllm)."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
-    from test_vllm import needs_vllm
+    from helpers import needs_vllm
 
     from opd.rollout.vllm_engine import start_vllm
 

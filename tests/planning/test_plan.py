@@ -4,13 +4,12 @@ autograd keeps, the models' shapes from configs alone, exit codes, and the commi
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_opd
 
-from opd.cli import main
 from opd.config import TrainConfig
 from opd.planning.advice import parse_memory
 from opd.planning.memory import GiB, Layout, layer_activation_bytes, plan_memory
@@ -147,14 +146,6 @@ def test_shape_from_config_alone(tmp_path):
     assert (s.params, s.layer_params, s.qk_norm, s.tied) == (V * d + L * layer + d, layer, True, True)
     assert s.lora_params(4, ["q_proj"]) == L * 4 * (d + q)
     assert s.lora_params(4, ["all-linear"]) == L * 4 * ((d + q) + 2 * (d + kv) + (q + d) + 2 * (d + f) + (f + d))
-
-
-def run_opd(monkeypatch, capsys, args: list[str]) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["opd", *map(str, args)])
-    with pytest.raises(SystemExit) as stopped:
-        main()
-    out, err = capsys.readouterr()
-    return stopped.value.code, out, err
 
 
 def test_exit_codes_and_the_change_that_fits(monkeypatch, capsys):

@@ -8,30 +8,14 @@ may still make any number of forwards on each rank."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-from helpers import ENV, free_port
+from helpers import two_rank_script
 
 
 def test_fsdp_uneven_chunks_match_one_process(tmp_path):
     script = str(Path(__file__).with_name("fsdp_uneven.py"))
-    env = {**ENV, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, script, str(tmp_path)], env={**env, "RANK": str(r)}, stderr=subprocess.PIPE, text=True
-        )
-        for r in (0, 1)
-    ]
-    try:
-        errs = [p.communicate(timeout=120)[1] for p in ranks]
-    finally:  # a hang past the collective timeout must not leave the ranks running
-        for p in ranks:
-            p.kill()
-    assert all(p.returncode == 0 for p in ranks), errs
-    found = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    found = two_rank_script(script, tmp_path, timeout=120)
     assert [f["rows"] for f in found] == [11, 3]
     for rank, f in enumerate(found):
         for objective in ("lsm", "full_kl"):

@@ -5,12 +5,9 @@ weights are the whole teacher's, bit for bit, and the computation on them is the
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-from helpers import ENV, free_port
+from helpers import two_rank_script
 
 from opd.config import TrainConfig
 from opd.teachers import factory
@@ -18,20 +15,7 @@ from opd.teachers import factory
 
 def test_sharded_teacher_scores_equal_the_whole_teachers(tmp_path):
     script = str(Path(__file__).with_name("sharded_teacher.py"))
-    env = {**ENV, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, script, str(tmp_path)], env={**env, "RANK": str(r)}, stderr=subprocess.PIPE, text=True
-        )
-        for r in (0, 1)
-    ]
-    try:
-        errs = [p.communicate(timeout=300)[1] for p in ranks]
-    finally:  # a hang must not leave the ranks running into the next tests
-        for p in ranks:
-            p.kill()
-    assert all(p.returncode == 0 for p in ranks), errs
-    found = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    found = two_rank_script(script, tmp_path, timeout=300)
     assert [f["rows"] for f in found] == [11, 3]  # 2 forwards of 8-row chunks on rank 0, 1 on rank 1
     exact = {"ids": 0, "topk_logprobs_NTK": 0.0, "sampled_logprobs_NT": 0.0, "query_logprobs_NTQ": 0.0}
     exact["diag_logits_MV"] = 0.0
