@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from opd.config import TrainConfig
 from opd.config.engines import vllm_arg_list
+from opd.losses.head import VOCAB_BLOCK
 from opd.models.precision import trained_weights_dtype
 from opd.planning.shapes import ModelShape
 from opd.rollout.vllm_server import SHARED_GPU_MEMORY, option_value, place_engine
@@ -217,10 +218,21 @@ def _teacher(cfg: TrainConfig, t: ModelShape | None, layout: Layout) -> list[Par
         Part(
             "teacher's top-K chunks",
             ("score",),
-            2 * SCORE_CHUNK * t.vocab * 4,
-            f"2 x {SCORE_CHUNK} positions x {t.vocab:,} x 4 B",
+            2 * SCORE_CHUNK * t.vocab * 4 + (VOCAB_BLOCK * t.hidden * 4 if tb != 4 else 0),
+            f"2 x {SCORE_CHUNK} positions x {t.vocab:,} x 4 B"
+            + (f" + the head cast {VOCAB_BLOCK:,} rows at a time, x {t.hidden} x 4 B" if tb != 4 else ""),
         ),
     ]
+    if cfg.diag_positions:
+        # made with the scores (opd.teachers.scoring) and read by the step's logs
+        parts.append(
+            Part(
+                "teacher's logits at the diagnostic positions",
+                ("score", "update", "log"),
+                cfg.diag_positions * t.vocab * 4,
+                f"--diag-positions {cfg.diag_positions} x {t.vocab:,} x 4 B",
+            )
+        )
     return parts
 
 
