@@ -105,13 +105,15 @@ def chunk_logits(
     """One chunk's final logits into ``out`` (a (c, V) buffer of the compute dtype), with the head's
     bias already in that dtype (converted once per call, not per chunk). A weight in another dtype (a
     bfloat16 teacher's head) is cast :data:`VOCAB_BLOCK` rows at a time: a whole float32 copy would
-    take V x D x 4 bytes (2.5 GB for an 8B teacher's head); each logit's dot is the same, so the
-    logits are bit-identical."""
-    if weight_VD.dtype == out.dtype:
-        z = torch.mm(hidden_cD, weight_VD.T, out=out)
+    take V x D x 4 bytes (2.5 GB for an 8B teacher's head). Every block is as wide (the last one
+    overlaps the one before): a narrow one takes BLAS's narrow kernels, whose sums differ in the last
+    bit, where equal wide ones gave the whole product's bits here (CPU, MKL; tests/losses)."""
+    V = weight_VD.shape[0]
+    if weight_VD.dtype == out.dtype or V <= VOCAB_BLOCK:
+        z = torch.mm(hidden_cD, weight_VD.T.to(out.dtype), out=out)
     else:
-        for v in range(0, weight_VD.shape[0], VOCAB_BLOCK):
-            block = slice(v, v + VOCAB_BLOCK)
+        for v in range(0, V, VOCAB_BLOCK):
+            block = slice(min(v, V - VOCAB_BLOCK), min(v, V - VOCAB_BLOCK) + VOCAB_BLOCK)
             torch.mm(hidden_cD, weight_VD[block].to(out.dtype).T, out=out[:, block])
         z = out
     if bias_V is not None:

@@ -12,7 +12,9 @@ plan's peak is the run's parts plus the largest phase. Where opd does something,
   forward and backward); DDP's gradients are its buckets (``gradient_as_bucket_view``), so no copy;
 * gradients are set to None only as the next update starts, so they are held through the rollout;
 * the in-process teacher is whole on every rank, or sharded like the student under ``--fsdp``; a served
-  teacher (``--teacher-url``) costs the trainer's GPU nothing;
+  teacher (``--teacher-url``) costs the trainer's GPU nothing; the in-process teacher's top-K casts a
+  low-precision head to float32 ``VOCAB_BLOCK`` rows at a time (``losses/head.py``: never a whole copy), and
+  its float32 logits at the ``--diag-positions`` are kept from the scoring to the step's logs;
 * activations per decoder layer and token, as transformers' Qwen2/Llama and Qwen3 layers keep them for the
   backward (counted with ``torch.autograd.graph.saved_tensors_hooks``, tests/planning): float32
   ``4 (7d + 4q + 4f + S)`` bytes; bfloat16 autocast ``4 (5d) + 2 (5d + 4q + 4f + S)`` and bfloat16 copies of
