@@ -108,6 +108,27 @@ def test_head_logits_equal_the_reference(kind):
     assert L.as_head(w).logits(h).sub(h @ w.T).abs().max() == 0, "a plain tensor is the plain head"
 
 
+@pytest.mark.parametrize("kind", list(HEADS))
+def test_a_bfloat16_head_cast_a_block_at_a_time_gives_the_same_bits(kind, monkeypatch):
+    """A low-precision head is cast to float32 a vocabulary block at a time (no whole copy): the logits,
+    top-K and query log-probs are bit-identical to those of the head copied whole to float32."""
+    import opd.losses.head as head_module
+
+    monkeypatch.setattr(head_module, "VOCAB_BLOCK", 16)  # several blocks, the last overlapping
+    g = gen(5)
+    w = randn((53, D), g, 0.7).to(torch.bfloat16)
+    head, _ = make_head(w, kind, g, F32)
+    head = L.Head(w, None if head.bias_V is None else head.bias_V.detach(), head.scale, head.softcap)
+    whole = L.Head(w.float(), head.bias_V, head.scale, head.softcap)
+    h = randn((2, 9, D), g, 1.0, F32)
+    assert torch.equal(head_module.logits_no_grad(head, h[0]), whole.logits(h[0]))
+    query = torch.randint(0, 53, (2, 9, 3), generator=g)
+    for got, want in zip(
+        L.topk_and_gather_from_hidden(h, head, 4, query, 4), L.topk_and_gather_from_hidden(h, whole, 4, query, 4)
+    ):
+        assert torch.equal(got, want)
+
+
 def test_head_refuses_a_bias_of_another_size_and_a_cap_of_zero():
     w = torch.zeros(5, 3)
     with pytest.raises(ValueError, match="bias"):

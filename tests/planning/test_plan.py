@@ -45,7 +45,8 @@ def test_plan_by_hand():
         "teacher": 3000 * 4,
         "teacher's forward": rows * seq * (3 * 16 + seq) * 4,  # its 8-row chunk holds both rows; MLP 16 wide
         "teacher's hidden states": 2 * rows * T * 16 * 4,
-        "teacher's top-K chunks": 2 * 128 * 100 * 4,
+        "teacher's top-K chunks": 2 * 128 * 100 * 4,  # a float32 head: no cast blocks
+        "teacher's logits at the diagnostic positions": 3 * 100 * 4,
         "KV cache": 2 * 2 * 4 * rows * seq * 4,  # 2 (K, V) x layers x kv width x rows x seq x 4 B
         "sampler's vocabulary rows": rows * 100 * 32,
         "evaluation's KV cache": 2 * 2 * 4 * 262144 * 4,
@@ -62,7 +63,7 @@ def test_plan_by_hand():
     run = 4000 + 4000 + 8000 + 12000
     update = sum(want[n] for n in ("activations", "backward's working set", "final hidden states", "loss buffers"))
     update += want["hidden states kept for the step's logs"] + want["head gradient buffer"]
-    update += want["teacher's top-K for the step"]
+    update += want["teacher's top-K for the step"] + want["teacher's logits at the diagnostic positions"]
     assert plan.held("update") == run + update
     assert plan.peak == max(plan.held(p) for p in ("rollout", "score", "update", "log", "eval"))
     assert plan.usable == int(10**6 * 0.9 - GiB)  # a megabyte is less than the fixed reserve

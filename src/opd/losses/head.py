@@ -21,6 +21,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+VOCAB_BLOCK = 8192  # head rows cast to the compute dtype at a time by chunk_logits (8 MiB at D 256)
+
 
 @dataclass(frozen=True)
 class Head:
@@ -101,8 +103,19 @@ def chunk_logits(
     hidden_cD: torch.Tensor, weight_VD: torch.Tensor, bias_V: torch.Tensor | None, head: Head, out: torch.Tensor
 ) -> torch.Tensor:
     """One chunk's final logits into ``out`` (a (c, V) buffer of the compute dtype), with the head's
-    weight and bias already in that dtype (converted once per call, not per chunk)."""
-    z = torch.mm(hidden_cD, weight_VD.T, out=out)
+    bias already in that dtype (converted once per call, not per chunk). A weight in another dtype (a
+    bfloat16 teacher's head) is cast :data:`VOCAB_BLOCK` rows at a time: a whole float32 copy would
+    take V x D x 4 bytes (2.5 GB for an 8B teacher's head). Every block is as wide (the last one
+    overlaps the one before): a narrow one takes BLAS's narrow kernels, whose sums differ in the last
+    bit, where equal wide ones gave the whole product's bits here (CPU, MKL; tests/losses)."""
+    V = weight_VD.shape[0]
+    if weight_VD.dtype == out.dtype or V <= VOCAB_BLOCK:
+        z = torch.mm(hidden_cD, weight_VD.T.to(out.dtype), out=out)
+    else:
+        for v in range(0, V, VOCAB_BLOCK):
+            block = slice(min(v, V - VOCAB_BLOCK), min(v, V - VOCAB_BLOCK) + VOCAB_BLOCK)
+            torch.mm(hidden_cD, weight_VD[block].to(out.dtype).T, out=out[:, block])
+        z = out
     if bias_V is not None:
         z.add_(bias_V)
     return transform_(z, head)
@@ -123,3 +136,19 @@ def raw_grad_(grad_z: torch.Tensor, z: torch.Tensor | None, head: Head) -> torch
 def cast_head(head: Head, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The head's weight and bias in ``dtype`` (no copy when they already are)."""
     return head.weight_VD.to(dtype), None if head.bias_V is None else head.bias_V.to(dtype)
+
+
+def cast_bias(head: Head, dtype: torch.dtype) -> torch.Tensor | None:
+    """The head's bias in ``dtype`` (None: none); :func:`chunk_logits` casts the weight a block at a time."""
+    return None if head.bias_V is None else head.bias_V.to(dtype)
+
+
+@torch.no_grad()
+def logits_no_grad(head: Head, hidden_MD: torch.Tensor) -> torch.Tensor:
+    """:meth:`Head.logits` without autograd and without a whole copy of a low-precision head.
+
+    Shapes: hidden_MD (M, D) -> logits (M, V)
+    """
+    dtype = head_dtype(head, hidden_MD)
+    out = torch.empty(hidden_MD.shape[0], head.vocab, dtype=dtype, device=hidden_MD.device)
+    return chunk_logits(hidden_MD.to(dtype), head.weight_VD, cast_bias(head, dtype), head, out)

@@ -14,7 +14,7 @@ from typing import overload
 import torch
 
 from opd.losses._common import check_k, chunk_buffers, compute_dtype, position_chunks
-from opd.losses.head import HeadLike, as_head, cast_head, chunk_logits, head_dtype
+from opd.losses.head import HeadLike, as_head, cast_bias, chunk_logits, head_dtype
 
 SUPPORT_KINDS = (
     "teacher_topk",
@@ -120,7 +120,7 @@ def topk_and_gather_from_hidden(
     B, T, D = hidden_BTD.shape
     check_k(k, head.vocab)
     dtype = head_dtype(head, hidden_BTD)
-    W_VD, b_V = cast_head(head, dtype)
+    W_VD, b_V = head.weight_VD, cast_bias(head, dtype)  # the weight: cast a block at a time (chunk_logits)
     flat_ND = hidden_BTD.reshape(B * T, D)
     buf = chunk_buffers(1, B * T, chunk_size, head.vocab, dtype, flat_ND.device)[0]
     ids_NK = torch.empty(B * T, k, dtype=torch.long, device=flat_ND.device)

@@ -12,7 +12,9 @@ plan's peak is the run's parts plus the largest phase. Where opd does something,
   forward and backward); DDP's gradients are its buckets (``gradient_as_bucket_view``), so no copy;
 * gradients are set to None only as the next update starts, so they are held through the rollout;
 * the in-process teacher is whole on every rank, or sharded like the student under ``--fsdp``; a served
-  teacher (``--teacher-url``) costs the trainer's GPU nothing;
+  teacher (``--teacher-url``) costs the trainer's GPU nothing; the in-process teacher's top-K casts a
+  low-precision head to float32 ``VOCAB_BLOCK`` rows at a time (``losses/head.py``: never a whole copy), and
+  its float32 logits at the ``--diag-positions`` are kept from the scoring to the step's logs;
 * activations per decoder layer and token, as transformers' Qwen2/Llama and Qwen3 layers keep them for the
   backward (counted with ``torch.autograd.graph.saved_tensors_hooks``, tests/planning): float32
   ``4 (7d + 4q + 4f + S)`` bytes; bfloat16 autocast ``4 (5d) + 2 (5d + 4q + 4f + S)`` and bfloat16 copies of
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 
 from opd.config import TrainConfig
 from opd.config.engines import vllm_arg_list
+from opd.losses.head import VOCAB_BLOCK
 from opd.models.precision import trained_weights_dtype
 from opd.planning.shapes import ModelShape
 from opd.rollout.vllm_server import SHARED_GPU_MEMORY, option_value, place_engine
@@ -217,10 +220,21 @@ def _teacher(cfg: TrainConfig, t: ModelShape | None, layout: Layout) -> list[Par
         Part(
             "teacher's top-K chunks",
             ("score",),
-            2 * SCORE_CHUNK * t.vocab * 4,
-            f"2 x {SCORE_CHUNK} positions x {t.vocab:,} x 4 B",
+            2 * SCORE_CHUNK * t.vocab * 4 + (VOCAB_BLOCK * t.hidden * 4 if tb != 4 else 0),
+            f"2 x {SCORE_CHUNK} positions x {t.vocab:,} x 4 B"
+            + (f" + the head cast {VOCAB_BLOCK:,} rows at a time, x {t.hidden} x 4 B" if tb != 4 else ""),
         ),
     ]
+    if cfg.diag_positions:
+        # made with the scores (opd.teachers.scoring) and read by the step's logs
+        parts.append(
+            Part(
+                "teacher's logits at the diagnostic positions",
+                ("score", "update", "log"),
+                cfg.diag_positions * t.vocab * 4,
+                f"--diag-positions {cfg.diag_positions} x {t.vocab:,} x 4 B",
+            )
+        )
     return parts
 
 

@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 
 from opd.errors import ServiceUnavailable, UserError
 from opd.losses import Head, topk_and_gather_from_hidden
+from opd.losses.head import logits_no_grad
 from opd.models.head import model_head
 from opd.rollout.forward import response_hidden
 from opd.rollout.sampling import RolloutBatch
@@ -148,7 +149,7 @@ class HFTeacher:
         q_lps.view(N * T, -1)[active_A] = q_A.squeeze(1)
         diag = None
         if diag_index_M is not None:
-            diag = head.logits(h_NTD.reshape(-1, D)[diag_index_M])
+            diag = logits_no_grad(head, h_NTD.reshape(-1, D)[diag_index_M])
         return TeacherScores(
             topk_ids_NTK=ids,
             topk_logprobs_NTK=lps,

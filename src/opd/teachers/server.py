@@ -63,6 +63,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from opd.errors import UserError
 from opd.hub import resolve_model
 from opd.losses import topk_and_gather_from_hidden
+from opd.losses.head import logits_no_grad
 from opd.models.head import model_head
 from opd.models.loading import final_hidden, head_weight, load_model, load_tokenizer, model_device, resolve_device
 from opd.models.precision import auto_dtype
@@ -165,7 +166,7 @@ def score_sequences(
     # is exact there; a given token outside the top-K needs its row of logits again.
     outside = (~(ids_MK == query_M[:, None]).any(-1)).nonzero().squeeze(-1) if ranks else query_M[:0]
     for rows in outside.split(chunk_size):
-        logits = head.logits(h_MD[rows])
+        logits = logits_no_grad(head, h_MD[rows])
         rank_M[rows] = 1 + (logits > logits.gather(-1, query_M[rows, None])).sum(-1)
     ids_MK, lps_MK, given_M, rank_M = (t.cpu() for t in (ids_MK, lps_MK, given_M, rank_M))  # one copy off a GPU
     out, row = [], 0

@@ -530,6 +530,9 @@ def train_steps(run: Run, show_progress: bool) -> dict:
             timings = {"time/generate": t1 - t0, "time/score": t2 - t1, "time/update": t3 - t2, "time/step": t3 - t0}
             timings.update(ahead | scored_ahead)
             record = log_stage(run, step, parts, upds, timings)
+            # the step's scores hold the teacher's logits at the diagnostic positions (positions x V float32):
+            # not kept through the next step's rollout and scoring
+            del parts, upds, rollouts
             bar.advance(1)
             acc = record.get("rollout/accuracy")  # absent where no rollout had a reference answer
             bar.describe(f"loss {record['train/loss']:.4f}" + ("" if acc is None else f"  acc {acc:.2f}"))
