@@ -175,9 +175,9 @@ def test_parse_memory():
 
 
 MEASURED = json.loads((ROOT / "benchmarks" / "results" / "plan.json").read_text())["cells"]
-# Shape C (bfloat16, 151,936-token vocabulary) measured 0.2-0.5 GiB over its plan: vocabulary-sized copies the
-# plan does not hold yet (the teacher's bfloat16 head cast to float32 for its top-K, a (d, V) tensor live
-# between steps); strict, so this fails once the plan holds them.
+# Shape C (bfloat16, 151,936-token vocabulary) measured 0.2-0.5 GiB over its plan at bbcacf7: two vocabulary-sized
+# copies, since fixed in the code or planned (the teacher's head cast whole to float32; its diagnostic logits
+# kept into the next step) but not re-measured; strict, so this fails once a new measurement holds.
 GAP = pytest.mark.xfail(strict=True, reason="bfloat16 at V=151,936: vocabulary-sized copies not planned yet")
 
 
