@@ -15,7 +15,8 @@ import torch  # noqa: E402
 
 # opd_warnings: a deprecation warning that opd's own code causes fails the test.
 # xdist_groups: --dist loadgroup keeps an xdist_group on one worker (pytest 9.2 broke xdist's own way).
-pytest_plugins = ["opd_warnings", "pytester", "hub_cache", "xdist_groups"]
+# vllm_servers: the vLLM teacher server that the slow vLLM tests of several modules share.
+pytest_plugins = ["opd_warnings", "pytester", "hub_cache", "xdist_groups", "vllm_servers"]
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)

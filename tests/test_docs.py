@@ -232,39 +232,74 @@ def files_table(page: Path) -> list[tuple[str, str]]:
     return [tuple(c.strip() for c in re.split(r"(?<!\\)\|", row)[1:3]) for row in rows]  # type: ignore[misc]
 
 
-def table_paths(page: Path, root: Path = ROOT) -> tuple[set[Path], list[str]]:
-    """The files and folders the Files table names, resolved, and a line for each name that is not there.
+def table_rows(page: Path, root: Path = ROOT) -> list[tuple[str, set[Path], set[Path], list[str]]]:
+    """Each row of the Files table: its path cell, the files and folders it lists as its own, all those it
+    names (its own and the ones its text refers to), and a line for each name that is not there, all resolved.
 
     A row's path cell names files or folders from the repository root (`src/opd/losses/`,
     `src/opd/teachers/client.py`), and may add bare names beside its first (`server.py`); the row's
     folder is the first one's (or its parent). A source file a row's text names (`lsm.py`,
     `teachers/crosstok.py`, `src/opd/losses/cross.py`) is read from that folder, the package root
-    (src/opd) or the repository root."""
+    (src/opd) or the repository root. A row lists what its path cell names, and what its text names
+    inside a folder its path cell names (a package's row: `src/opd/tasks/`'s `jsonl.py`); a file its text
+    names elsewhere is a reference to another row's (`src/opd/crosstok/`'s `teachers/crosstok.py`)."""
     src = root / "src" / "opd"
-    named, missing = set(), []
+    rows = []
     for path_cell, what in files_table(page):
         names = CODE_SPAN.findall(path_cell)
+        own: set[Path] = set()
+        named: set[Path] = set()
+        missing: list[str] = []
         if not names:
-            missing.append(f"a row without a path: {path_cell!r}")
+            rows.append((path_cell, own, named, [f"a row without a path: {path_cell!r}"]))
             continue
         folder = root / names[0] if names[0].endswith("/") else (root / names[0]).parent
-        for name in [*names, *(n for n in CODE_SPAN.findall(what) if re.fullmatch(r"[\w/]+\.(py|js|css)", n))]:
+        text_names = [n for n in CODE_SPAN.findall(what) if re.fullmatch(r"[\w/]+\.(py|js|css)", n)]
+        for i, name in enumerate([*names, *text_names]):
             candidates = [root / name] if name.startswith(ROOT_DIRS) else [folder / name, src / name]
             found = next((c for c in candidates if c.exists()), None)
             if found is None:
                 missing.append(f"{path_cell}: names {name}, which is not at {candidates[0].relative_to(root)}")
-            else:
-                named.add(found.resolve())
-    return named, missing
+                continue
+            found = found.resolve()
+            named.add(found)
+            if i < len(names) or any(d.is_dir() and found.is_relative_to(d) for d in own):
+                own.add(found)
+        rows.append((path_cell, own, named, missing))
+    return rows
+
+
+def table_paths(page: Path, root: Path = ROOT) -> tuple[set[Path], list[str]]:
+    """The files and folders the Files table names, resolved, and a line for each name that is not there."""
+    rows = table_rows(page, root)
+    return set().union(*(named for _, _, named, _ in rows)), [line for *_, missing in rows for line in missing]
+
+
+def src_modules(root: Path) -> list[Path]:
+    """The modules of src/opd: every .py file but a package's __init__.py."""
+    files = (root / "src" / "opd").rglob("*.py")
+    return [p.resolve() for p in files if p.name != "__init__.py" and "__pycache__" not in p.parts]
 
 
 def unlisted_modules(page: Path, root: Path = ROOT) -> list[str]:
-    """The modules of src/opd (every .py file but a package's __init__.py) the Files table does not name."""
-    named, _ = table_paths(page, root)
-    modules = [
-        p for p in (root / "src" / "opd").rglob("*.py") if p.name != "__init__.py" and "__pycache__" not in p.parts
-    ]
-    return sorted(str(p.relative_to(root)) for p in modules if p.resolve() not in named)
+    """The modules of src/opd no row of the Files table lists as its own (a reference from another row's
+    text does not describe it)."""
+    listed = set().union(*(own for _, own, _, _ in table_rows(page, root)))
+    return sorted(str(p.relative_to(root.resolve())) for p in src_modules(root) if p not in listed)
+
+
+def modules_listed_twice(page: Path, root: Path = ROOT) -> list[str]:
+    """The modules and folders of src/opd that more than one row of the Files table lists as its own."""
+    rows: dict[Path, list[str]] = {}
+    for path_cell, own, _, _ in table_rows(page, root):
+        for p in own:
+            rows.setdefault(p, []).append(path_cell)
+    src = (root / "src" / "opd").resolve()
+    return sorted(
+        f"{p.relative_to(root.resolve())}: rows " + " and ".join(cells)
+        for p, cells in rows.items()
+        if len(cells) > 1 and p.is_relative_to(src)
+    )
 
 
 def test_the_architecture_table_names_only_paths_that_exist():
@@ -298,6 +333,31 @@ def test_a_module_missing_from_the_table_or_a_stale_path_is_reported(tmp_path):
         "`src/opd/b.py`, `c.py`: names c.py, which is not at src/opd/c.py",
     ]
     assert unlisted_modules(page, tmp_path) == ["src/opd/a/two.py"]
+
+
+def test_no_module_is_listed_twice_in_the_architecture_table():
+    """One row per module: a package's row names its modules, or a module has a row of its own, not both."""
+    twice = modules_listed_twice(ARCHITECTURE)
+    assert twice == [], "modules docs/architecture.md's Files table lists in two rows (keep one):\n" + "\n".join(twice)
+
+
+def test_a_module_listed_twice_is_reported_and_a_reference_lists_nothing(tmp_path):
+    for name in ("a/one.py", "a/two.py", "b.py"):
+        (tmp_path / "src" / "opd" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "src" / "opd" / name).write_text("")
+    page = tmp_path / "architecture.md"
+    page.write_text(
+        "# A\n\n## Files\n\n| path | what it is |\n|---|---|\n"
+        "| `src/opd/a/` | the a package: `one.py` (one) |\n"
+        "| `src/opd/b.py` | b, which calls `a/two.py` and `src/opd/a/one.py` |\n"
+        "| `src/opd/a/one.py` | one, again |\n"
+    )
+    assert modules_listed_twice(page, tmp_path) == ["src/opd/a/one.py: rows `src/opd/a/` and `src/opd/a/one.py`"]
+    assert unlisted_modules(page, tmp_path) == ["src/opd/a/two.py"]  # b's row refers to it; no row describes it
+    assert table_paths(page, tmp_path) == (
+        {(tmp_path / "src/opd" / p).resolve() for p in ("a", "a/one.py", "a/two.py", "b.py")},
+        [],
+    )
 
 
 # ----------------------------------------------------------------------------- benchmark results

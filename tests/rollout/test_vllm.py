@@ -1,9 +1,10 @@
-"""opd against a real vLLM server (vLLM's CPU build, set up by ``opd vllm-setup``), started once for this
-module on the packaged demo teacher with an API key: its scores against the in-process teacher's, a
-training run against one with ``--teacher``, the tokenizer probe, ``--max-logprobs`` and the key.
+"""opd against a real vLLM server (vLLM's CPU build, set up by ``opd vllm-setup``) on the packaged demo teacher
+with an API key (``vllm_teacher``, tests/vllm_servers.py, shared with tests/teachers/test_pool_vllm.py): its
+scores against the in-process teacher's, a training run against one with ``--teacher``, the tokenizer probe,
+``--max-logprobs`` and the key; and vLLM's rollouts, on a server of this module's on the demo student.
 
 Without a vLLM environment these tests skip, naming the set-up command; CI sets ``OPD_REQUIRE_VLLM=1``,
-which makes a missing vLLM a failure instead, so they never skip there. The tests of each module server
+which makes a missing vLLM a failure instead, so they never skip there. The tests of each shared server
 (``vllm_teacher``, ``vllm_student``) are one ``xdist_group``, so that the server starts once, on one worker
 (``--dist loadgroup``); the tests that start engines of their own are in no group, free to run beside them.
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import files_holding, free_port, needs_vllm, rollouts
+from vllm_servers import DEMO, KEY, MAX_LOGPROBS, ON_TEACHER_SERVER
 
 from opd.config import TrainConfig
 from opd.errors import UserError
@@ -28,30 +30,12 @@ from opd.training import loop as train_mod
 
 real_rollouts_ahead = train_mod.rollouts_ahead
 
-DEMO = Path(__file__).resolve().parents[2] / "src" / "opd" / "assets" / "demo"
 AGENTIC_STUDENT = DEMO.parent / "agentic" / "student"
-KEY = "opd-test-key-7f3c9a"  # grepped for in run directories: it must never be written there
-MAX_LOGPROBS = 32
 # float32 on both sides, different kernels: the largest gap seen was 4.6e-5 nats over 504 positions x 32
 TOL = 2e-4
 
 pytestmark = pytest.mark.slow  # CI's second step runs it
-ON_TEACHER_SERVER = pytest.mark.xdist_group("vllm-teacher")  # every test that takes the fixture vllm_teacher
 ON_STUDENT_SERVER = pytest.mark.xdist_group("vllm-student")  # every test that takes the fixture vllm_student
-
-
-@pytest.fixture(scope="module")
-def vllm_teacher(tmp_path_factory):
-    """The URL of a vLLM server on the demo teacher (float32, --max-logprobs 32, --api-key KEY)."""
-    from opd.rollout.vllm_server import start_vllm_server
-
-    needs_vllm()
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    server = start_vllm_server(
-        DEMO / "teacher", log, max_model_len=512, max_logprobs=MAX_LOGPROBS, api_key=KEY, timeout=900
-    )
-    yield server.url
-    server.stop()
 
 
 def demo_rollouts(n: int = 16, new_tokens: int = 40):

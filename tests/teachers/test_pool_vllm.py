@@ -2,54 +2,49 @@
 demo teacher: one pool across the two formats (vLLM's JSON, opd's binary answers), scores equal to the
 in-process teacher's, and the opd server killed between two scorings costing nothing.
 
-Slow (vLLM's start takes minutes here): CI's second step, like tests/rollout/test_vllm.py, whose
-tolerance it shares. Without a vLLM environment it skips (fails under ``OPD_REQUIRE_VLLM=1``).
+The vLLM server is tests/rollout/test_vllm.py's (``vllm_teacher``, tests/vllm_servers.py: one vLLM start
+for both modules), whose API key the client sends to both servers (opd's, without keys, ignores it).
+Slow: CI's second step, like tests/rollout/test_vllm.py, whose tolerance it shares. Without a vLLM
+environment it skips (fails under ``OPD_REQUIRE_VLLM=1``).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from helpers import needs_vllm, rollouts
+from helpers import rollouts
 from test_teacher_restart import ServedTeacher
+from vllm_servers import DEMO, KEY, MAX_LOGPROBS, ON_TEACHER_SERVER
 
 from opd.models.loading import load_model, load_tokenizer
 from opd.teachers.client import HTTPTeacher
 from opd.teachers.scoring import HFTeacher
 
-DEMO = Path(__file__).resolve().parents[2] / "src" / "opd" / "assets" / "demo"
-K = 32
+K = MAX_LOGPROBS
 TOL = 2e-4  # float32 on both sides, different kernels (tests/rollout/test_vllm.py)
 
-pytestmark = [pytest.mark.xdist_group("vllm"), pytest.mark.slow]  # one vLLM server at a time on a worker
+pytestmark = [ON_TEACHER_SERVER, pytest.mark.slow]  # on the worker that holds the shared vLLM server
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory):
-    """(vLLM's server, opd's server) on the demo teacher, both under the same model name (its path)."""
-    from opd.rollout.vllm_server import start_vllm_server
-
-    needs_vllm()
-    logs = tmp_path_factory.mktemp("pool-vllm")
-    opd = ServedTeacher(DEMO / "teacher", logs / "opd.txt")
+def pool(vllm_teacher, tmp_path_factory):
+    """(vLLM's server's URL, opd's server) on the demo teacher, both under the same model name (its path)."""
+    opd = ServedTeacher(DEMO / "teacher", tmp_path_factory.mktemp("pool-vllm") / "opd.txt")
     opd.start()
-    vllm = start_vllm_server(DEMO / "teacher", logs / "vllm.txt", max_model_len=512, max_logprobs=K, timeout=900)
     try:
         opd.wait_ready(300)
-        yield vllm, opd
+        yield vllm_teacher, opd
     finally:
         opd.stop()
-        vllm.stop()
 
 
 def test_a_pool_of_vllm_and_opd_servers_scores_as_the_in_process_teacher(pool):
-    vllm, opd = pool
+    vllm_url, opd = pool
     tok = load_tokenizer(DEMO / "student", "student")
     batch = rollouts(tok, DEMO / "student", n=12, new_tokens=40)
     lines = []
-    client = HTTPTeacher([vllm.url, opd.url], tok, 2048, k=K, prompts_per_request=2, wait=0, log=lines.append)
+    urls = [vllm_url, opd.url]
+    client = HTTPTeacher(urls, tok, 2048, k=K, prompts_per_request=2, wait=0, log=lines.append, api_key=KEY)
     vllm_info, opd_info = (s.info for s in client.pool.servers)
     assert vllm_info == {"opd": False, "binary": False} and opd_info == {"opd": True, "binary": True}
     want = HFTeacher(load_model(DEMO / "teacher", "teacher")).score(batch, K)

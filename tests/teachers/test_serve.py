@@ -29,13 +29,15 @@ from helpers import rollouts, send_json
 from opd.config import TrainConfig
 from opd.errors import UserError
 from opd.models.loading import head_weight, load_model, load_tokenizer
+from opd.teachers import app as app_mod
 from opd.teachers import factory as teacher_factory
-from opd.teachers import server as serve_mod
 from opd.teachers import wire
+from opd.teachers.batching import BatchScorer
 from opd.teachers.client import HTTPTeacher
+from opd.teachers.completions import RequestError
 from opd.teachers.factory import make_teacher
 from opd.teachers.scoring import HFTeacher
-from opd.teachers.server import BatchScorer, Limits, RequestError, TeacherApp, start_server, stop_server
+from opd.teachers.server import Limits, TeacherApp, start_server, stop_server
 from opd.training import loop as train_mod
 
 real_encode = wire.encode_scores
@@ -258,7 +260,7 @@ def test_timeouts_bugs_and_oversized_bodies_leave_the_server_serving(served, mon
     assert calls == [[[5, 6, 7]], [[1, 2, 3]]]  # [8, 9, 10] was dropped unscored
     # A bug in a request's path: a 500 with a JSON error, and the next request is answered.
     with monkeypatch.context() as m:
-        m.setattr(serve_mod, "completion_response", lambda *a: 1 / 0)
+        m.setattr(app_mod, "completion_response", lambda *a: 1 / 0)
         status, ans = post(url, good)
         assert status == 500 and "ZeroDivisionError" in ans["error"]["message"] and ans["error"]["code"] == 500
     assert post(url, good)[0] == 200

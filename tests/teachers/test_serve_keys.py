@@ -21,10 +21,11 @@ from helpers import files_holding, rollouts, run_options
 from opd.config import TrainConfig, config_record
 from opd.errors import UserError
 from opd.models.loading import head_weight, load_model, load_tokenizer
-from opd.teachers import server as serve_mod
+from opd.teachers import app as app_mod
+from opd.teachers.app import KeyCheck
 from opd.teachers.client import HTTPTeacher
 from opd.teachers.scoring import HFTeacher
-from opd.teachers.server import KeyCheck, Limits, TeacherApp, is_loopback, start_server, stop_server
+from opd.teachers.server import Limits, TeacherApp, is_loopback, start_server, stop_server
 from opd.training import loop as train_mod
 
 KEYS = ["k-one-4d2a", "k-two-9be1"]
@@ -78,8 +79,8 @@ def test_only_a_right_bearer_key_is_let_in(keyed):
 
 def test_every_key_is_compared_without_an_early_exit(monkeypatch):
     calls = []
-    real = serve_mod.hmac.compare_digest
-    monkeypatch.setattr(serve_mod.hmac, "compare_digest", lambda a, b: calls.append(1) or real(a, b))
+    real = app_mod.hmac.compare_digest
+    monkeypatch.setattr(app_mod.hmac, "compare_digest", lambda a, b: calls.append(1) or real(a, b))
     check = KeyCheck(["a1", "b2", "c3"])
     assert check.allows("/v1/models", "Bearer a1") and len(calls) == 3  # the first matched; all three compared
     assert not check.allows("/v1/models", "Bearer zz") and len(calls) == 6

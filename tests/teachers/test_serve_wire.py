@@ -20,9 +20,10 @@ from helpers import rollouts
 from opd.errors import UserError
 from opd.models.loading import head_weight, load_model, load_tokenizer
 from opd.teachers import wire
+from opd.teachers.batching import BatchScorer
 from opd.teachers.client import HTTPTeacher
 from opd.teachers.scoring import HFTeacher
-from opd.teachers.server import BatchScorer, Limits, TeacherApp, start_server, stop_server
+from opd.teachers.server import Limits, TeacherApp, start_server, stop_server
 
 
 @pytest.fixture(scope="module")

@@ -261,7 +261,7 @@ class HTTPTeacher:
             "prompt_logprobs": k,
             "temperature": 1.0,
         }
-        if server.info["opd"]:  # opd's server: score only the responses (see opd.teachers.server)
+        if server.info["opd"]:  # opd's server: score only the responses (see opd.teachers.completions)
             payload["opd_logprobs_from"] = starts
         binary = server.info["binary"]
         accept = wire.MEDIA_TYPE if binary else None

@@ -1,4 +1,4 @@
-"""opd's binary answer format between its own teacher client and server (``opd.teachers.client``, ``opd.teachers.server``).
+"""opd's binary answer format between its own teacher client and server (``opd.teachers.client``, ``opd.teachers.completions``).
 
 vLLM's ``prompt_logprobs`` JSON spends a dict with a decoded string per returned token (K or
 K + 1 per scored position), which both ends build and parse token by token in Python. Between two
