@@ -23,6 +23,11 @@ if str(BENCHMARKS) not in sys.path:  # the benchmarks whose step builders the te
     sys.path.insert(0, str(BENCHMARKS))
 
 
+# a parametrization the CPU dry run leaves out: the dry run is there to run each test's code once, and these
+# differ from the one it runs in their options or inputs only (which the CPU suite tests), not in that code
+NOT_IN_DRY_RUN = pytest.mark.skipif(DRY_RUN, reason="the CPU dry run runs one of these: same test code, other options")
+
+
 def pytest_collection_modifyitems(config, items):
     asked = "gpu" in (config.getoption("markexpr") or "")
     here = Path(__file__).parent
@@ -55,3 +60,19 @@ def small() -> bool:
 def sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
+
+
+@pytest.fixture(autouse=True)
+def device_math():
+    """torch's process-wide math switches as they were before each test: ``opd train`` turns TF32 on and
+    cuDNN attention off for its process, and the loss tests hold float32 to TF32-off tolerances."""
+    saved = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cuda.cudnn_sdp_enabled(),
+        torch.get_float32_matmul_precision(),
+    )
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
+    torch.backends.cuda.enable_cudnn_sdp(saved[2])
+    torch.set_float32_matmul_precision(saved[3])

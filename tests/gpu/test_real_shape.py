@@ -30,7 +30,7 @@ from opd.lab.replay import replay
 from opd.training import loop
 from opd.training.setup import setup
 
-from .conftest import DEMO, DRY_RUN
+from .conftest import DEMO, DRY_RUN, NOT_IN_DRY_RUN
 
 pytestmark = pytest.mark.gpu
 REAL = {
@@ -139,7 +139,7 @@ def test_bfloat16_real_student_finite_with_cudnn_attention_off(models, device, t
     assert out["cudnn_off"]["finite"], out["cudnn_off"]
 
 
-@pytest.mark.parametrize("objective", ["lsm", "sampled", "full_kl"])
+@pytest.mark.parametrize("objective", ["lsm", *(pytest.param(o, marks=NOT_IN_DRY_RUN) for o in ("sampled", "full_kl"))])
 def test_replayed_bfloat16_within_bound(objective, models, device, tmp_path, record_property):
     kw = dict(objective=objective, steps=REPLAY_STEPS, lr=1e-5, tf32=False, teacher_dtype="bfloat16", **REPLAYED)
     got = replay(
@@ -168,8 +168,14 @@ def test_step_split_bfloat16(models, device, tmp_path, record_property):
     record_property("rollout_tokens_per_s", tokens / statistics.median(s["time/generate"] for s in later))
 
 
-@pytest.mark.parametrize("name,dtype,cudnn", [("float32", "float32", False), ("bfloat16", "bfloat16", False),
-                                              ("bfloat16_cudnn", "bfloat16", True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,dtype,cudnn",
+    [
+        pytest.param("float32", "float32", False, marks=NOT_IN_DRY_RUN),
+        pytest.param("bfloat16", "bfloat16", False, marks=NOT_IN_DRY_RUN),
+        ("bfloat16_cudnn", "bfloat16", True),
+    ],
+)
 def test_demo_speed(name, dtype, cudnn, device, tmp_path, record_property):
     """The demo's LSM: is a slow bfloat16 step cuDNN's per-shape plans? (the median step, side by side)"""
     steps = 2 if DRY_RUN else 16

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import ENV, assert_close_weights, assert_same_trajectory, final_weights, read_metrics, step_records
 
-from .conftest import DEMO, DRY_RUN
+from .conftest import DEMO, DRY_RUN, NOT_IN_DRY_RUN
 
 pytestmark = pytest.mark.gpu
 HERE = Path(__file__).resolve().parent
@@ -46,9 +46,6 @@ JOBS = {
     "lsm_teacher_bfloat16": ["--objective", "lsm", "--teacher-dtype", "bfloat16"],
     "lora_sampled": ["--objective", "sampled", "--lora-r", "8", "--lora-alpha", "16", "--lora-targets", "q_proj,v_proj"],
 }
-# the CPU dry run: one run per objective and per device path (dtype, LoRA); the rest differ only in their
-# options, which the CPU suite runs (15-45 s a run on 2 busy cores)
-DRY_RUN_JOBS = ("lsm_tail", "sampled", "full_kl", "lsm_bfloat16", "lora_lsm")
 LR = 3e-3  # tests/helpers.py's SMALL: assert_close_weights allows 0.1 of one step at this lr
 RESUME_STEPS = 2 if DRY_RUN else 4  # the uninterrupted run; the resumed one stops at half and goes on
 
@@ -111,10 +108,8 @@ def assert_same_run(got: Path, want: Path) -> None:
     assert_close_weights(final_weights(got), final_weights(want))
 
 
-@pytest.mark.parametrize("key", list(JOBS))
+@pytest.mark.parametrize("key", [k if k == "lora_lsm" else pytest.param(k, marks=NOT_IN_DRY_RUN) for k in JOBS])
 def test_train(key, device, tmp_path, record_property):
-    if DRY_RUN and key not in DRY_RUN_JOBS:
-        pytest.skip("the CPU dry run runs one job per objective and device path")
     steps = 2 if DRY_RUN else 3
     opd(opd_argv(tmp_path / key, device, steps, extra=JOBS[key]))
     check_run(tmp_path / key, steps, record_property)
@@ -136,7 +131,7 @@ def test_resume_equals_uninterrupted(uninterrupted, device, tmp_path, record_pro
     assert_same_run(out, uninterrupted)
 
 
-@pytest.mark.parametrize("mode", ["plain", "ddp", "fsdp"])
+@pytest.mark.parametrize("mode", [pytest.param("plain", marks=NOT_IN_DRY_RUN), "ddp", pytest.param("fsdp", marks=NOT_IN_DRY_RUN)])
 def test_torchrun_one_rank(mode, uninterrupted, device, tmp_path, record_property):
     """A one-rank torchrun launch equals the single-process run; FSDP stops at half and resumes."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
