@@ -49,7 +49,9 @@ def main(mode: str, argv: list[str]) -> None:
         return module
 
     Dist.wrap = wrap  # type: ignore[method-assign]
-    app(argv + (["--fsdp"] if mode == "fsdp" else []), prog_name="opd", standalone_mode=False)
+    code = app(argv + (["--fsdp"] if mode == "fsdp" else []), prog_name="opd", standalone_mode=False)
+    if code:  # click returns an Exit's code rather than raising it here
+        raise SystemExit(code)
     expect = "DistributedDataParallel" if mode == "ddp" else "FSDP"
     print(f"one_rank: the student wrapped as {wrapped}", flush=True)
     if not wrapped or expect not in wrapped[0]:

@@ -18,7 +18,10 @@ pytestmark = pytest.mark.gpu
 # Max |recorded - forward| log-prob (nats): the CPU computes both paths alike (float32: rounding only); CUDA
 # rounds otherwise between kernels and runs float32 matmuls in TF32 as opd trains, so its bound is the
 # "not whole nats" one.
-GAP = {"cpu": {"float32": 1e-4, "bf16-mixed": 0.1, "bf16-pure": 0.1}, "cuda": dict.fromkeys(("float32", "bf16-mixed", "bf16-pure"), 0.1)}
+GAP = {
+    "cpu": {"float32": 1e-4, "bf16-mixed": 0.1, "bf16-pure": 0.1},
+    "cuda": dict.fromkeys(("float32", "bf16-mixed", "bf16-pure"), 0.1),
+}
 
 
 @pytest.fixture
@@ -59,7 +62,9 @@ def test_static_cache_matches_dynamic(precision, decode, device, record_property
     assert got["logp_gap"] < gap, f"after an in-place update the replay is {got['logp_gap']} nats off"
 
 
-@pytest.mark.parametrize("precision,graphs", [("bf16-pure", None), pytest.param("float32", False, marks=NOT_IN_DRY_RUN)])
+@pytest.mark.parametrize(
+    "precision,graphs", [("bf16-pure", None), pytest.param("float32", False, marks=NOT_IN_DRY_RUN)]
+)
 def test_static_cache_other_paths(precision, graphs, decode, device, record_property):
     """Pure bfloat16 weights (what HF generate's figures ran), and the static cache run eagerly (no graph):
     every token written, the log-probs a forward's."""

@@ -61,7 +61,9 @@ def test_device(device, record_property):
         if shutil.which("nvidia-smi"):
             q = "name,driver_version,memory.total,clocks.max.sm,power.limit"
             cmd = ["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"]
-            record_property("nvidia_smi", subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip())
+            record_property(
+                "nvidia_smi", subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip()
+            )
     n = 512 if device.type == "cpu" else 4096
     x = torch.randn(n, n, device=device)
     x @ x

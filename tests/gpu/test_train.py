@@ -44,7 +44,16 @@ JOBS = {
     "full_kl_forward": ["--objective", "full_kl", "--kl-direction", "forward"],
     "full_kl_bfloat16": ["--objective", "full_kl", "--dtype", "bfloat16"],
     "lsm_teacher_bfloat16": ["--objective", "lsm", "--teacher-dtype", "bfloat16"],
-    "lora_sampled": ["--objective", "sampled", "--lora-r", "8", "--lora-alpha", "16", "--lora-targets", "q_proj,v_proj"],
+    "lora_sampled": [
+        "--objective",
+        "sampled",
+        "--lora-r",
+        "8",
+        "--lora-alpha",
+        "16",
+        "--lora-targets",
+        "q_proj,v_proj",
+    ],
 }
 LR = 3e-3  # tests/helpers.py's SMALL: assert_close_weights allows 0.1 of one step at this lr
 RESUME_STEPS = 2 if DRY_RUN else 4  # the uninterrupted run; the resumed one stops at half and goes on
@@ -81,9 +90,10 @@ def opd(argv: list[str]) -> None:
     from opd.cli import app
 
     try:
-        app(argv, prog_name="opd", standalone_mode=False)
+        code = app(argv, prog_name="opd", standalone_mode=False)  # click returns an Exit's code here
     except SystemExit as e:
-        assert e.code in (0, None), f"opd exited {e.code}"
+        code = e.code
+    assert code in (0, None), f"opd exited {code}"
 
 
 def check_run(run_dir: Path, steps: int, record) -> list[dict]:
@@ -131,7 +141,9 @@ def test_resume_equals_uninterrupted(uninterrupted, device, tmp_path, record_pro
     assert_same_run(out, uninterrupted)
 
 
-@pytest.mark.parametrize("mode", [pytest.param("plain", marks=NOT_IN_DRY_RUN), "ddp", pytest.param("fsdp", marks=NOT_IN_DRY_RUN)])
+@pytest.mark.parametrize(
+    "mode", [pytest.param("plain", marks=NOT_IN_DRY_RUN), "ddp", pytest.param("fsdp", marks=NOT_IN_DRY_RUN)]
+)
 def test_torchrun_one_rank(mode, uninterrupted, device, tmp_path, record_property):
     """A one-rank torchrun launch equals the single-process run; FSDP stops at half and resumes."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
