@@ -8,6 +8,7 @@ machine that does not ask, leave it out. Asked for, it runs on CUDA, or on the C
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -18,9 +19,6 @@ import torch
 DRY_RUN = os.environ.get("OPD_GPU_DRY_RUN") == "1"
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "src" / "opd" / "assets" / "demo"
-BENCHMARKS = ROOT / "benchmarks"
-if str(BENCHMARKS) not in sys.path:  # the benchmarks whose step builders the tests reuse (bench_losses, ...)
-    sys.path.insert(0, str(BENCHMARKS))
 
 
 # a parametrization the CPU dry run leaves out: the dry run is there to run each test's code once, and these
@@ -55,6 +53,13 @@ def device() -> torch.device:
 def small() -> bool:
     """Small shapes and batches (the CPU dry run)."""
     return DRY_RUN
+
+
+def benchmark(name: str):
+    """A module of benchmarks/ whose builders a test reuses (bench_losses, bench_decode)."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    return importlib.import_module(name)
 
 
 def sync(dev: torch.device) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .conftest import DRY_RUN, NOT_IN_DRY_RUN
+from .conftest import DRY_RUN, NOT_IN_DRY_RUN, benchmark
 
 pytestmark = pytest.mark.gpu
 # Max |recorded - forward| log-prob (nats): the CPU computes both paths alike (float32: rounding only); CUDA
@@ -28,8 +28,7 @@ GAP = {
 def decode(device):
     """bench_decode's settings (a Qwen2.5-0.5B body, or the tiny one in the dry run) at one batch of 16, as
     opd train sets the device math up (TF32 on, cuDNN attention off on CUDA)."""
-    import bench_decode as BD
-
+    BD = benchmark("bench_decode")
     from opd.models.precision import configure_device_math
 
     configure_device_math(device, "float32", None, "gpu tests")

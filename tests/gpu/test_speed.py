@@ -24,7 +24,7 @@ import time
 import pytest
 import torch
 
-from .conftest import DRY_RUN, NOT_IN_DRY_RUN, sync
+from .conftest import DRY_RUN, NOT_IN_DRY_RUN, benchmark, sync
 
 pytestmark = pytest.mark.gpu
 VARIANTS = ["lsm_hidden", "lsm_tail_hidden", "lsm_logits", "sampled", "full_kl", "full_kl_hidden"]
@@ -60,7 +60,7 @@ def loss_inputs(variant: str, dt: torch.dtype, dev: torch.device) -> dict:
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_loss_step(variant, dtype, device, record_property):
-    import bench_losses as BL  # its step builders and analytic FLOPs
+    BL = benchmark("bench_losses")  # its step builders and analytic FLOPs
 
     warmup, repeats = (1, 3) if device.type == "cpu" else (2, 5)
     gc.collect()  # what an earlier test that failed (out of memory) left behind
