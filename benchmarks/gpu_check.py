@@ -38,6 +38,8 @@ FILES = ("env", "losses", "train", "speed", "real_shape", "decode", "vllm_sleep"
 def value(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
+    if isinstance(v, tuple):
+        v = list(v)
     if isinstance(v, list) and len(v) > 6:
         return "[" + ", ".join(value(x) for x in v[:3]) + f", ... ({len(v)})]"
     if isinstance(v, list):
