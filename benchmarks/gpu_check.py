@@ -66,7 +66,8 @@ class Card:
         entry["recorded"].update({k: v for k, v in report.user_properties})
         if report.skipped:
             entry["outcome"] = "skipped"
-            entry["why"] = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            why = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            entry["why"] = why.removeprefix("Skipped: ")
         elif report.failed:
             entry["outcome"] = "failed" if report.when == "call" else f"error ({report.when})"
             entry["error"] = str(report.longrepr)[-3000:]

@@ -37,6 +37,39 @@ def test_the_runner_runs_every_gpu_test_file():
     assert set(gpu_check.FILES) == on_disk
 
 
+def test_the_card_records_outcomes_figures_and_failures(pytester, tmp_path):
+    pytester.makepyfile(
+        test_card="""
+        import pytest
+
+        def test_ok(record_property):
+            record_property("tokens_per_s", 1234.5678)
+            record_property("losses", [(0.5, 0.25)])
+
+        def test_bad():
+            assert 1 == 2, "the check failed"
+
+        @pytest.mark.skip(reason="not here")
+        def test_skipped():
+            pass
+        """
+    )
+    out = tmp_path / "card.json"
+    meta = {"card": "t", "commit": "abc1234", "machine": {"gpu": "G"}, "device": "cuda", "dry_run": False}
+    card = gpu_check.Card(out, {**meta, "started": "now", "pytest_args": ["-m", "gpu"]})
+    pytester.runpytest_inprocess("-p", "no:cacheprovider", plugins=[card]).assert_outcomes(
+        passed=1, failed=1, skipped=1
+    )
+    got = json.loads(out.read_text())
+    tests = {k.split("::")[-1]: t for k, t in got["tests"].items()}
+    assert got["counts"] == {"passed": 1, "failed": 1, "skipped": 1} and got["commit"] == "abc1234"
+    assert tests["test_ok"]["recorded"] == {"tokens_per_s": 1234.5678, "losses": [[0.5, 0.25]]}
+    assert "the check failed" in tests["test_bad"]["error"] and tests["test_skipped"]["why"] == "not here"
+    md = out.with_suffix(".md").read_text()
+    assert "| test_ok | passed |" in md and "tokens_per_s 1235; losses [[0.5, 0.25]]" in md
+    assert "## Failures" in md and "test_card.py::test_bad** failed" in md
+
+
 @pytest.mark.slow
 def test_gpu_tests_dry_run(tmp_path):
     out = tmp_path / "card.json"
