@@ -14,7 +14,7 @@ from typing import NamedTuple
 import pytest
 import reference as R
 import torch
-from loss_checks import F64, TOL, check_grad, close, grads
+from loss_checks import F64, TOL, check_grad, close, distinct_ids, gen, grads, make_mask, make_support_mask, randn
 
 import opd.losses as L
 
@@ -32,27 +32,22 @@ class Case(NamedTuple):
     gout: torch.Tensor
 
 
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
 def rn(g, *shape, scale=1.0):
-    return torch.randn(*shape, generator=g, dtype=F64) * scale
+    return randn(shape, g, scale)
 
 
 def distinct(g):
-    return torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(B * T)]).view(B, T, K)
+    return distinct_ids(B, T, K, V, g)
 
 
 def bt_mask(g):
-    m = torch.rand(B, T, generator=g) < 0.7
-    m[0] = False  # an all-masked row
+    m = make_mask(B, T, "row", g)  # sequence 0 all masked
     m[1, 0] = m[2, -1] = True
     return m
 
 
 def prefix_support(g):  # variable-size supports, some empty
-    return torch.arange(K) < torch.randint(0, K + 1, (B, T, 1), generator=g)
+    return make_support_mask(B, T, K, "prefix", g)
 
 
 def lsm(renormalize: bool, share: float = 0.0) -> Case:
