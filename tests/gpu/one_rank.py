@@ -34,7 +34,7 @@ def init_one_rank(
     if not tdist.is_initialized():
         tdist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout))
     d = OneRankDist(rank=tdist.get_rank(), world=tdist.get_world_size(), fsdp=fsdp, device=device, dtype=dtype)
-    print(f"one_rank: backend {tdist.get_backend()}, world {d.world}", flush=True)
+    print(f"one_rank: backend {tdist.get_backend()}, world {d.world}", file=sys.stderr, flush=True)
     return d
 
 
@@ -53,7 +53,7 @@ def main(mode: str, argv: list[str]) -> None:
     if code:  # click returns an Exit's code rather than raising it here
         raise SystemExit(code)
     expect = "DistributedDataParallel" if mode == "ddp" else "FSDP"
-    print(f"one_rank: the student wrapped as {wrapped}", flush=True)
+    print(f"one_rank: the student wrapped as {wrapped}", file=sys.stderr, flush=True)
     if not wrapped or expect not in wrapped[0]:
         raise SystemExit(f"{mode}: the student was wrapped as {wrapped}, expected {expect}")
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import math
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import ENV, assert_close_weights, assert_same_trajectory, final_weights, read_metrics, step_records
+from helpers import assert_close_weights, assert_same_trajectory, final_weights, read_metrics, run_launch, step_records
 
 from .conftest import DEMO, DRY_RUN, NOT_IN_DRY_RUN
 
@@ -153,9 +152,7 @@ def test_torchrun_one_rank(mode, uninterrupted, device, tmp_path, record_propert
     if mode == "fsdp":
         runs = [opd_argv(out, device, n // 2, n // 2), opd_argv(out, device, n, n // 2, ["--resume"])]
     for argv in runs:
-        done = subprocess.run(torchrun + entry + argv, capture_output=True, text=True, timeout=300, env=ENV)
-        said = [ln for ln in done.stdout.splitlines() if ln.startswith("one_rank:")]
-        record_property("worker_says", said)
-        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+        err = run_launch(torchrun + entry + argv)
+        record_property("worker_says", [ln for ln in err.splitlines() if ln.startswith("one_rank:")])
     check_run(out, n, record_property)
     assert_same_run(out, uninterrupted)
