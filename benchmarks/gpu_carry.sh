@@ -76,10 +76,10 @@ commit=$(git rev-parse HEAD 2>/dev/null || echo unknown)
 [ -z "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] || commit="$commit+dirty"
 
 echo
-echo "Command for the GPU machine (repository root), run with carry [\".gpu_wheels\"] and timeout_s 600 (the check"
-echo "stops within 8 minutes). The wheels are unpacked into /tmp/gpu_site, first on PYTHONPATH (no pip, no write to"
+echo "Command for the GPU machine (repository root), run with carry [\".gpu_wheels\"] and timeout_s 600 (all the gpu"
+echo "tests take longer than one command: --only picks files, docs/development.md \"On a GPU\"). The wheels are unpacked into /tmp/gpu_site, first on PYTHONPATH (no pip, no write to"
 echo "the machine's environment; unpacked wheels keep their .dist-info, so transformers' version checks see them):"
 echo
 cat <<EOF
-export PYTHONPATH=/tmp/gpu_site:\$PWD/src OPD_COMMIT=$commit; for w in .gpu_wheels/*.whl; do python3 -m zipfile -e "\$w" /tmp/gpu_site; done; python3 -c "import transformers" 2>/dev/null || for w in .gpu_wheels/compat/*.whl; do python3 -m zipfile -e "\$w" /tmp/gpu_site; done; python3 benchmarks/gpu_check.py --out \$OUT/gpu_check.json
+export PYTHONPATH=/tmp/gpu_site:\$PWD/src OPD_COMMIT=$commit; for w in .gpu_wheels/*.whl; do python3 -m zipfile -e "\$w" /tmp/gpu_site; done; python3 -c "import transformers" 2>/dev/null || for w in .gpu_wheels/compat/*.whl; do python3 -m zipfile -e "\$w" /tmp/gpu_site; done; python3 benchmarks/gpu_check.py --only env,losses,train --out \$OUT/gpu_check.json
 EOF

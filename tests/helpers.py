@@ -187,10 +187,15 @@ def run_opd(monkeypatch, capsys, args: list[str]) -> tuple[int, str, str]:
 
 def launch(launcher: str, args: list[str], timeout: int = 300, env: dict | None = None) -> str:
     """Run a 2-rank launch of ``opd ARGS`` to its end (``env``: more environment variables); its stderr."""
+    return run_launch(launch_command(launcher, args), timeout, env)
+
+
+def run_launch(cmd: list[str], timeout: int = 300, env: dict | None = None) -> str:
+    """Run a launcher's command (``cmd``) to its end, or kill it and its ranks after ``timeout``; its stderr."""
     # its own process group, so a launch that hangs is killed with its ranks (killing only the
     # launcher would leave the ranks running into the next tests)
     proc = subprocess.Popen(
-        launch_command(launcher, args),
+        cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -212,7 +217,7 @@ def launch(launcher: str, args: list[str], timeout: int = 300, env: dict | None 
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
         _, err = proc.communicate(timeout=60)
-        pytest.fail(f"{launcher} did not finish within {timeout} s; its ranks were killed. stderr: {err[-2000:]}")
+        pytest.fail(f"{' '.join(cmd[:3])} did not finish within {timeout} s; its ranks were killed: {err[-2000:]}")
     assert proc.returncode == 0, err[-4000:]
     return err
 

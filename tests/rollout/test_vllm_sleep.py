@@ -1,7 +1,7 @@
 """--vllm-sleep: the vLLM engine sleeps after each rollout and wakes before the next weight sync.
 
-vLLM's sleep mode runs on GPUs only (benchmarks/gpu_check.py checks it on one), so here the engine talks
-to a stand-in server over HTTP that keeps vLLM's rules with a copy of the student: asleep it answers no
+vLLM's sleep mode runs on GPUs only (the gpu test tests/gpu/test_vllm_sleep.py checks it on one), so here the
+engine talks to a stand-in server over HTTP that keeps vLLM's rules with a copy of the student: asleep it answers no
 completion; level 1 keeps its weights (in "CPU memory") and level 2 drops them (zeros here: uninitialised
 memory in vLLM), so a level-2 engine woken without a sync answers from other weights than the student's
 and the policy check stops the run (the stand-in's control: a sync skipped shows); a weights reload needs

@@ -4,7 +4,7 @@ On-policy runs part at their first differing sample, after which their losses co
 :func:`replay` takes the rollouts and teacher scores of a reference run (made with its own, current
 weights) and updates both the reference and the other run on them, step after step, so every step's
 difference is the setting's. Used by the mixed-precision tests (tests/training/test_precision.py) and
-the real-shape GPU check (benchmarks/gpu_real_shape.py).
+the real-shape GPU check (tests/gpu/test_real_shape.py).
 """
 
 from __future__ import annotations
