@@ -48,6 +48,7 @@ from opd.errors import UserError  # noqa: E402
 from opd.lab.experiments.core import machine_info, source_commit  # noqa: E402
 from opd.lab.replay import replay  # noqa: E402
 from opd.training import loop  # noqa: E402
+from opd.training.producer import make_producer  # noqa: E402
 from opd.training.setup import setup  # noqa: E402
 
 DEMO = ROOT / "src" / "opd" / "assets" / "demo"
@@ -181,7 +182,7 @@ def run_steps(cfg: TrainConfig, cudnn: bool) -> dict:
     run = setup(cfg)
     torch.backends.cuda.enable_cudnn_sdp(cudnn)
     try:
-        loop.train_steps(run, show_progress=False)
+        loop.train_steps(run, make_producer(run), show_progress=False)
     except UserError as exc:
         return {"finite": False, "error": str(exc).split(";")[0]}
     finally:

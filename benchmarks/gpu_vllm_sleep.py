@@ -94,9 +94,8 @@ def _level(sec, state: dict, level: int, tmp: Path) -> dict:
         for p in student.parameters():
             p.add_(torch.randn_like(p) * 1e-2)
     engine.weights_changed()
-    roll()
-    gap_after_change = engine.policy_gap
-    roll()  # asleep and woken once more on the changed weights
+    gap_after_change = roll().report.policy_gap
+    last = roll().report  # asleep and woken once more on the changed weights
     engine.sleep_mode.wake(lambda: None)  # left awake: the next level's engine starts on an awake server
     freed = asleep_gib - awake_gib
     same = bool(torch.equal(first.response_ids_NT, second.response_ids_NT))
@@ -108,6 +107,6 @@ def _level(sec, state: dict, level: int, tmp: Path) -> dict:
         "freed_GiB": round(freed, 2),
         "same_greedy_rollouts_across_a_sleep": same,
         "policy_gap_after_weights_changed": gap_after_change,
-        "policy_gap_last": engine.policy_gap,
-        "wake_and_sync_s_last": round(engine.sync_seconds, 3),
+        "policy_gap_last": last.policy_gap,
+        "wake_and_sync_s_last": round(last.sync_seconds or 0.0, 3),
     }
