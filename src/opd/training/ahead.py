@@ -23,8 +23,8 @@ and updates step t, as the async modes of TRL, verl and NeMo-RL do. What that me
   weights until its rollouts are taken), so nothing is lost; the restarts are counted
   (``rollout/worker_restarts``), and a request that kills :data:`RESTARTS` workers in a row stops the run.
 * **The engine** is the trainer's (``--rollout-engine``, :mod:`opd.rollout.registry`): the worker reaches
-  it through its handle (:mod:`opd.rollout.reach`), sent with each request (opd's own loop runs on the worker's copy of the
-  student; a vLLM server is synced with the request's weights and checked against them). An engine the
+  it through its handle (:mod:`opd.rollout.reach`), sent with each request (opd's own loop runs on the
+  worker's copy of the student; a vLLM server is synced with the request's weights and checked against them). An engine the
   worker finds gone is the owner's to bring back, as on-policy: the trainer restarts it (the server opd
   started) or waits for it (``--vllm-wait``) and sends the request again, with the engine's address
   now; one that cannot be brought back stops the run at the step, checkpointing the step before, whose

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -85,7 +84,7 @@ class Run:
     schedule: list[tuple[int, int]] = field(default_factory=list)  # alternate: (task, its batch number) per step
     # resuming with --max-staleness: the checkpoint's rollouts in flight (every rank's; opd.training.ahead),
     # which the run's rollout producer (opd.training.producer) takes back
-    in_flight: Any = None
+    in_flight: list[dict] | dict | None = None
     said: set[str] = field(default_factory=set)  # the notes a run gives once, given
 
 
