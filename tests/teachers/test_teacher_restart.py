@@ -397,7 +397,7 @@ def test_giving_up_before_any_step_says_there_is_no_checkpoint(served_run, tmp_p
     def down(*args, **kw):
         raise TeacherUnavailable(f"teacher server {server.url} is unreachable after 3 attempts")
 
-    monkeypatch.setattr(train_mod, "score_stage", down)
+    monkeypatch.setattr(producer, "score_stage", down)
     with pytest.raises(TeacherUnavailable, match="no step had finished, so nothing was checkpointed; run the same"):
         train_mod.train(dataclasses.replace(cfg, out=str(tmp_path / "run")), show_progress=False)
     assert (tmp_path / "run" / "config.json").exists() and not (tmp_path / "run" / "checkpoints").exists()
