@@ -83,7 +83,7 @@ def cell(spec: dict) -> dict:
     from opd.lab.real_shape import stages
     from opd.planning.advice import plan_run, shapes
     from opd.planning.memory import Layout, layer_activation_bytes, micro_batch
-    from opd.training import loop
+    from opd.training import loop, producer
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = TrainConfig(out=str(Path(tmp) / "run"), **options(spec))
@@ -99,7 +99,7 @@ def cell(spec: dict) -> dict:
         meter = Meter()
         names = [f"{s}_stage" for s in STAGES]
         enter = lambda name: (trim(0), meter.enter(name))
-        with stages(loop, names, enter, meter.leave):
+        with stages((producer, loop), names, enter, meter.leave):
             loop.train(cfg, show_progress=False)
     measured = {r["stage"]: r["peak"] - base for r in meter.rows}
     dtype = spec["shape"][5]

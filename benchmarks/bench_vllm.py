@@ -82,15 +82,16 @@ def prompts(tok, n: int) -> list[list[int]]:
 
 
 def timed_rollouts(engine, ids: list[list[int]], new_tokens: int, repeats: int) -> dict:
-    """Median seconds of ``repeats`` batches, and the tokens each generated."""
-    seconds, tokens = [], []
+    """Median seconds of ``repeats`` batches, the tokens each generated, and the last one's policy check."""
+    seconds, tokens, gap = [], [], None
     for r in range(repeats):
         t0 = time.perf_counter()
         batch = engine.generate(ids, list(range(r * 1000, r * 1000 + len(ids))), max_new_tokens=new_tokens, top_p=0.9)
         seconds.append(time.perf_counter() - t0)
         tokens.append(int(batch.response_mask_NT.sum()))
+        gap = batch.report.policy_gap
     s, t = statistics.median(seconds), statistics.median(tokens)
-    return {"seconds": s, "tokens": t, "tokens_per_s": t / s, "rollouts_per_s": len(ids) / s}
+    return {"seconds": s, "tokens": t, "tokens_per_s": t / s, "rollouts_per_s": len(ids) / s, "logprob_gap": gap}
 
 
 # vLLM's CPU build keeps one core for its front end unless told otherwise (VLLM_CPU_NUM_OF_RESERVED_CPU):
@@ -151,7 +152,6 @@ def bench_model(
                         **got,
                         "sync_s": statistics.median(syncs),
                         "server_start_s": started,
-                        "logprob_gap": engine.policy_gap,
                     }
                 )
                 print(rows[-1], flush=True)

@@ -188,10 +188,10 @@ def sync_rows(shape: str, model_dir: Path, tmp: Path, repeats: int, rollouts: in
                 row = {"shape": shape, "lora": lora, "way": way.name, "server_start_s": started}
                 row.update(timed_syncs(way, model, client, repeats), written_gb=written_bytes(way, model) / 1e9)
                 engine = VLLMRollout(model, tok, tmp / "unused", url=server.url, max_gap=float("inf"), sync=way)
-                engine.watch(None)
-                engine.generate(ids[:2], [0, 1], max_new_tokens=4)  # synced by this way, and warm
-                row.update({f"rollout_{k}": v for k, v in timed_rollouts(engine, ids, 64, rollouts).items()})
-                row["policy_gap"] = engine.policy_gap
+                engine.generate(ids[:2], [0, 1], max_new_tokens=4)  # synced by this way (once), and warm
+                got = timed_rollouts(engine, ids, 64, rollouts)
+                row["policy_gap"] = got.pop("logprob_gap")
+                row.update({f"rollout_{k}": v for k, v in got.items()})
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 way.close()
@@ -217,10 +217,11 @@ def lora_rollout_rows(shape: str, model_dir: Path, tmp: Path, repeats: int) -> l
                     rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(model_dir.resolve())}}
                     client.request("POST", "/collective_rpc", rpc, retry_5xx=False)
                 engine = VLLMRollout(model, tok, tmp / "unused", url=server.url, max_gap=float("inf"), sync=way)
-                engine.watch(None)
-                engine.generate(ids[:2], [0, 1], max_new_tokens=4)  # synced, and warm
-                row = {"shape": shape, "way": way.name, "repeat": repeat, **timed_rollouts(engine, ids, 64, 1)}
-                rows.append({**row, "policy_gap": engine.policy_gap, "load": os.getloadavg()[0]})
+                engine.generate(ids[:2], [0, 1], max_new_tokens=4)  # synced (once), and warm
+                got = timed_rollouts(engine, ids, 64, 1)
+                gap = got.pop("logprob_gap")
+                row = {"shape": shape, "way": way.name, "repeat": repeat, **got}
+                rows.append({**row, "policy_gap": gap, "load": os.getloadavg()[0]})
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         server.stop()

@@ -96,7 +96,7 @@ def step_cell(spec: dict) -> list[dict]:
     """One opd train step, its final evaluation and checkpoint, each stage measured."""
     from opd.config import TrainConfig
     from opd.lab.real_shape import stages
-    from opd.training import loop
+    from opd.training import loop, producer
 
     T, long = spec["length"], spec["length"] >= 4096
     cfg = TrainConfig(
@@ -121,7 +121,7 @@ def step_cell(spec: dict) -> list[dict]:
         top_p=spec["top_p"],
     )
     meter = Meter()
-    with stages(loop, STEP_STAGES, meter.enter, meter.leave):
+    with stages((producer, loop), STEP_STAGES, meter.enter, meter.leave):
         loop.train(cfg, show_progress=False)
     return meter.rows
 

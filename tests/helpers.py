@@ -283,32 +283,33 @@ def train_killed_at(cfg, step: int, monkeypatch) -> None:
     """Run ``opd train`` with ``cfg`` and kill it (KeyboardInterrupt) as ``step`` starts, as a
     user's Ctrl-C or a lost machine would: what it wrote before stays, nothing after."""
     import opd.training.loop as train_mod
+    from opd.training.producer import Ahead, OnPolicy
 
     def dying(real):
-        def dies(run, s, *args):
+        def dies(self, s):
             if s == step:
                 raise KeyboardInterrupt("simulated kill")
-            return real(run, s, *args)
+            return real(self, s)
 
         return dies
 
-    stages = ("rollout_stage", "rollouts_ahead")  # made here, or taken from the worker (--max-staleness)
-    real = {name: getattr(train_mod, name) for name in stages}
-    for name in stages:
-        monkeypatch.setattr(train_mod, name, dying(real[name]))
+    producers = (OnPolicy, Ahead)  # made here, or taken from the worker (--max-staleness)
+    real = {p: p.take for p in producers}
+    for p in producers:
+        monkeypatch.setattr(p, "take", dying(real[p]))
     try:
         with pytest.raises(KeyboardInterrupt):
             train_mod.train(cfg, show_progress=False)
     finally:
-        for name in stages:
-            monkeypatch.setattr(train_mod, name, real[name])
+        for p in producers:
+            monkeypatch.setattr(p, "take", real[p])
 
 
 def first_rollout(run, step: int = 0):
     """``rollout_stage`` of the step's first task (the one task of a single-task run)."""
-    from opd.training import loop
+    from opd.training import producer
 
-    return loop.rollout_stage(run, step, loop.step_tasks(run, step)[0])
+    return producer.rollout_stage(run, step, producer.step_tasks(run, step)[0])
 
 
 def rollouts(tok, student_dir, n=6, new_tokens=10):

@@ -16,7 +16,7 @@ from opd.config import ConfigError, TrainConfig
 from opd.errors import UserError
 from opd.teachers.factory import make_teacher
 from opd.training import loop as train_mod
-from opd.training.loss import needs_student_topk
+from opd.training.loss import loss_mask, needs_student_topk
 
 
 def _teacher_argmax_ce(x: O.ObjectiveInputs, cfg) -> torch.Tensor:
@@ -58,7 +58,7 @@ def test_the_entry_loss_is_what_the_trainer_minimises(tiny_models, tmp_path, reg
 
     run = train_mod.setup(cfg_for(tiny_models, tmp_path, objective="argmax_ce"))
     batch, _, _ = first_rollout(run)
-    mask = train_mod.loss_mask(batch, run.special_ids, run.cfg.mask_special)
+    mask = loss_mask(batch, run.special_ids, run.cfg.mask_special)
     scores = run.tasks[0].teacher.score(batch, run.cfg.k)
     loss_NT, _ = objective_loss(run.cfg, run.student, run.tasks[0].teacher, batch, scores, mask)
     logits = (response_hidden(run.student, batch) @ head_weight(run.student).T).double()

@@ -28,6 +28,7 @@ from opd.config import TrainConfig
 from opd.errors import UserError
 from opd.lab.replay import replay
 from opd.training import loop
+from opd.training.producer import make_producer
 from opd.training.setup import setup
 
 from .conftest import DEMO, DRY_RUN, NOT_IN_DRY_RUN
@@ -92,7 +93,7 @@ def run_steps(cfg: TrainConfig, cudnn: bool) -> dict:
     run = setup(cfg)
     torch.backends.cuda.enable_cudnn_sdp(cudnn)
     try:
-        loop.train_steps(run, show_progress=False)
+        loop.train_steps(run, make_producer(run), show_progress=False)
     except UserError as exc:  # opd stops a run whose loss or gradient norm is not finite, saying so
         return {"finite": False, "error": str(exc).split(";")[0], "steps": []}
     finally:

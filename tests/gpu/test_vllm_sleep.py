@@ -72,13 +72,13 @@ def test_vllm_sleep_frees_memory_and_serves_the_student(level, served, record_pr
         for p in student.parameters():
             p.add_(torch.randn_like(p) * 1e-2)
     engine.weights_changed()
-    roll()  # the policy check (max_gap) raises if the served weights are not the student's
-    record_property("policy_gap_after_weights_changed", engine.policy_gap)
-    roll()  # asleep and woken once more on the changed weights
+    third = roll()  # the policy check (max_gap) raises if the served weights are not the student's
+    record_property("policy_gap_after_weights_changed", third.report.policy_gap)
+    last = roll()  # asleep and woken once more on the changed weights
     engine.sleep_mode.wake(lambda: None)  # left awake: the next level's engine starts on an awake server
     record_property("free_asleep_GiB", round(asleep_gib, 2))
     record_property("free_awake_GiB", round(awake_gib, 2))
-    record_property("policy_gap_last", engine.policy_gap)
-    record_property("wake_and_sync_s_last", round(engine.sync_seconds, 3))
+    record_property("policy_gap_last", last.report.policy_gap)
+    record_property("wake_and_sync_s_last", round(last.report.sync_seconds, 3))
     assert torch.equal(first.response_ids_NT, second.response_ids_NT), "greedy rollouts differ across a sleep"
     assert asleep_gib - awake_gib > 1.0, f"asleep, the engine freed {asleep_gib - awake_gib:.2f} GiB"

@@ -362,13 +362,13 @@ def test_trainer_tail_loss_is_the_dense_one_on_rollouts(tiny_models, tmp_path):
     from opd.models.loading import head_weight
     from opd.rollout.forward import response_hidden
     from opd.training import loop as train_mod
-    from opd.training.loss import objective_loss
+    from opd.training.loss import loss_mask, objective_loss
 
     student, teacher = tiny_models
     cfg = TrainConfig(student=str(student), teacher=str(teacher), out=str(tmp_path / "run"), **SMALL, tail=True)
     run = train_mod.setup(cfg)
     batch, _, _ = first_rollout(run)
-    mask = train_mod.loss_mask(batch, run.special_ids, run.cfg.mask_special)
+    mask = loss_mask(batch, run.special_ids, run.cfg.mask_special)
     scores = run.tasks[0].teacher.score(batch, run.cfg.k)
     params = [p for p in run.student.parameters() if p.requires_grad]
     loss_NT, _ = objective_loss(run.cfg, run.student, run.tasks[0].teacher, batch, scores, mask)

@@ -27,8 +27,9 @@ from opd.models.loading import load_model, load_tokenizer
 from opd.teachers.client import HTTPTeacher
 from opd.teachers.scoring import HFTeacher
 from opd.training import loop as train_mod
+from opd.training.producer import Ahead
 
-real_rollouts_ahead = train_mod.rollouts_ahead
+real_rollouts_ahead = Ahead._rollouts
 
 AGENTIC_STUDENT = DEMO.parent / "agentic" / "student"
 # float32 on both sides, different kernels: the largest gap seen was 4.6e-5 nats over 504 positions x 32
@@ -239,15 +240,14 @@ def test_a_lora_students_adapter_alone_reaches_the_engine(tmp_path):
     try:
         assert engine.way.name == "adapter" and "--enable-lora --max-lora-rank 8" in engine.server.log_path.read_text()
         ids = [tok(f"Compute {i} + {i * 7}.")["input_ids"] for i in range(8)]
-        engine.watch(None)  # synced when told (weights_changed), not before every rollout
-        for _ in range(2):
+        for _ in range(2):  # synced when told (weights_changed), not before every rollout
             draw_adapter()
             engine.weights_changed()
-            engine.generate(ids, list(range(8)), max_new_tokens=24, top_p=0.9)
-            assert engine.model_name == "opd-student" and engine.policy_gap < 1e-4, engine.policy_gap
+            gap = engine.generate(ids, list(range(8)), max_new_tokens=24, top_p=0.9).report.policy_gap
+            assert engine.model_name == "opd-student" and gap is not None and gap < 1e-4, gap
         engine.model_name, engine.max_gap = engine.base_name, float("inf")
-        engine.generate(ids, list(range(8)), max_new_tokens=24, top_p=0.9)
-        assert engine.policy_gap > 1e-2, engine.policy_gap  # the base model alone serves another policy
+        gap = engine.generate(ids, list(range(8)), max_new_tokens=24, top_p=0.9).report.policy_gap
+        assert gap is not None and gap > 1e-2, gap  # the base model alone serves another policy
     finally:
         engine.close()
     assert (tmp_path / "engine" / "adapter" / "adapter_model.safetensors").is_file()
@@ -364,18 +364,18 @@ def proxy_to(url: str, log: Path, port: int = 0):
 
 
 def kill_engine_at(step: int, monkeypatch, server_of) -> None:
-    """Kill (-9) the engine's process (``server_of(run)``) as step ``step`` begins, before the trainer asks
+    """Kill (-9) the engine's process (``server_of(producer)``, the run's Ahead) as step ``step`` begins, before the trainer asks
     for step + 1's rollouts (step ``step``'s may still be in the making)."""
     import signal
 
-    def ahead(run, s):
+    def ahead(self, s):
         if s == step:
-            server = server_of(run)
+            server = server_of(self)
             os.killpg(server.process.pid, signal.SIGKILL)
             server.process.wait()
-        return real_rollouts_ahead(run, s)
+        return real_rollouts_ahead(self, s)
 
-    monkeypatch.setattr(train_mod, "rollouts_ahead", ahead)
+    monkeypatch.setattr(Ahead, "_rollouts", ahead)
 
 
 @ON_STUDENT_SERVER
@@ -393,7 +393,7 @@ def test_an_engine_killed_under_staleness_is_restarted_by_its_owner(vllm_student
 
     monkeypatch.setattr(vllm_engine, "start_vllm_server", launch)
     monkeypatch.setenv("OPD_VLLM_API_KEY", KEY)
-    kill_engine_at(2, monkeypatch, lambda run: run.ahead.engine.server)
+    kill_engine_at(2, monkeypatch, lambda ahead: ahead.rollouts.engine.server)
     out = tmp_path / "run"
     try:
         train_mod.train(TrainConfig(out=str(out), max_staleness=1, **{**ROLLOUT_RUN, "steps": 4}), show_progress=False)
@@ -419,7 +419,7 @@ def test_a_users_engine_gone_under_staleness_checkpoints_and_the_run_resumes(vll
 
     monkeypatch.setenv("OPD_VLLM_API_KEY", KEY)
     users = [proxy_to(vllm_student, tmp_path / "proxy.log")]
-    kill_engine_at(2, monkeypatch, lambda run: users[0])
+    kill_engine_at(2, monkeypatch, lambda ahead: users[0])
     url = users[0].url
     run = {**ROLLOUT_RUN, "steps": 4, "out": str(tmp_path / "run"), "vllm_url": url, "vllm_wait": 0.0}
     try:
@@ -430,7 +430,7 @@ def test_a_users_engine_gone_under_staleness_checkpoints_and_the_run_resumes(vll
             r"checkpoint of step [12] written in .*; resume with --resume once the rollout engine is up$",
             str(err.value),
         )
-        monkeypatch.setattr(train_mod, "rollouts_ahead", real_rollouts_ahead)
+        monkeypatch.setattr(Ahead, "_rollouts", real_rollouts_ahead)
         users.append(proxy_to(vllm_student, tmp_path / "proxy.log", port=int(url.rsplit(":", 1)[1])))
         train_mod.train(TrainConfig(max_staleness=1, resume=True, **run), show_progress=False)
     finally:
@@ -601,6 +601,7 @@ def test_a_batch_of_seeded_prompts_over_the_engines_token_budget(tmp_path):
     try:
         prompts = PromptSet.build(load_task("arithmetic", 2, 0).examples("train")[:128], tok, 256).prompt_ids
         batch = engine.generate(prompts, list(range(128)), max_new_tokens=48, top_p=0.9)
-        assert batch.response_mask_NT.sum(-1).min() >= 1 and engine.policy_gap is not None and engine.policy_gap < 1e-4
+        gap = batch.report.policy_gap
+        assert batch.response_mask_NT.sum(-1).min() >= 1 and gap is not None and gap < 1e-4
     finally:
         engine.close()

@@ -31,7 +31,7 @@ from opd.teachers.crosstok import CrossTokenizerTeacher
 from opd.teachers.factory import make_teacher
 from opd.teachers.scoring import HFTeacher, TeacherScores
 from opd.training import loop as train_mod
-from opd.training.loss import objective_loss, scored_loss_mask
+from opd.training.loss import loss_mask, objective_loss, scored_loss_mask
 
 SMALL = {**MULTI_PROCESS_SMALL, "steps": 2, "batch_size": 4, "ckpt_every": 0}
 CROSS_KEYS = ("cross/one_to_one", "cross/mapped_mass", "cross/dropped")
@@ -71,7 +71,7 @@ def test_identical_tokenizers_score_and_lsm_loss_equal_ordinary(tiny_models, tmp
     # teacher minus student is the span reward, here the token reward: equal up to one rounding
     torch.testing.assert_close(cross.sampled_logprobs_NT[action], plain.sampled_logprobs_NT[action])
     assert cross.metrics == {"cross/one_to_one": 1.0, "cross/mapped_mass": 1.0}
-    mask = train_mod.loss_mask(batch, run.special_ids, run.cfg.mask_special)
+    mask = loss_mask(batch, run.special_ids, run.cfg.mask_special)
     kept, metrics = scored_loss_mask(mask, cross)
     assert torch.equal(kept, mask) and metrics == {"cross/dropped": 0.0}
     loss_cross, _ = objective_loss(run.cfg, run.student, run.tasks[0].teacher, batch, cross, kept)

@@ -33,6 +33,7 @@ from opd.teachers.pool import Identity, NoAnswer, TeacherPool
 from opd.teachers.scoring import HFTeacher, TeacherUnavailable
 from opd.teachers.server import Limits, TeacherApp, start_server, stop_server
 from opd.training import loop as train_mod
+from opd.training import producer
 from opd.training import setup as setup_mod
 
 URLS = ["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"]
@@ -419,7 +420,7 @@ def test_a_server_killed_mid_run_costs_no_step(two, tmp_path, monkeypatch):
     those of the run against one server. (A server coming back: the tests above.)"""
     servers, cfg, whole = two
     victim, lines, pools = servers[0], [], []
-    real_make, real_rollout = setup_mod.make_teacher, train_mod.rollout_stage
+    real_make, real_rollout = setup_mod.make_teacher, producer.rollout_stage
 
     def make(c, student, tok):
         teacher = real_make(c, student, tok)
@@ -433,7 +434,7 @@ def test_a_server_killed_mid_run_costs_no_step(two, tmp_path, monkeypatch):
         return real_rollout(run, step, *args)
 
     monkeypatch.setattr(setup_mod, "make_teacher", make)
-    monkeypatch.setattr(train_mod, "rollout_stage", rollout)
+    monkeypatch.setattr(producer, "rollout_stage", rollout)
     urls = ",".join(s.url for s in servers)
     try:
         train_mod.train(dataclasses.replace(cfg, out=str(tmp_path / "run"), teacher_url=urls), show_progress=False)

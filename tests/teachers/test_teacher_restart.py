@@ -30,6 +30,7 @@ from opd.teachers.client import HTTPTeacher, Patience, vocab_info
 from opd.teachers.factory import make_teacher
 from opd.teachers.scoring import TeacherUnavailable
 from opd.training import loop as train_mod
+from opd.training import producer
 from opd.training import setup as setup_mod
 
 
@@ -315,7 +316,7 @@ def same_run(got, want) -> None:
 def kill_at_step(monkeypatch, server: ServedTeacher, seen_rng: list | None = None) -> None:
     """kill -9 the server as step KILL_AT starts; with ``seen_rng``, after drawing from the global
     generator as a rollout with dropout would (a checkpoint of the step before must not hold that draw)."""
-    real = train_mod.rollout_stage
+    real = producer.rollout_stage
 
     def rollout(run, step, *args):
         if step == KILL_AT and server.proc.poll() is None:
@@ -325,7 +326,7 @@ def kill_at_step(monkeypatch, server: ServedTeacher, seen_rng: list | None = Non
             server.kill()
         return real(run, step, *args)
 
-    monkeypatch.setattr(train_mod, "rollout_stage", rollout)
+    monkeypatch.setattr(producer, "rollout_stage", rollout)
 
 
 @ON_SERVED_RUN
@@ -396,7 +397,7 @@ def test_giving_up_before_any_step_says_there_is_no_checkpoint(served_run, tmp_p
     def down(*args, **kw):
         raise TeacherUnavailable(f"teacher server {server.url} is unreachable after 3 attempts")
 
-    monkeypatch.setattr(train_mod, "score_stage", down)
+    monkeypatch.setattr(producer, "score_stage", down)
     with pytest.raises(TeacherUnavailable, match="no step had finished, so nothing was checkpointed; run the same"):
         train_mod.train(dataclasses.replace(cfg, out=str(tmp_path / "run")), show_progress=False)
     assert (tmp_path / "run" / "config.json").exists() and not (tmp_path / "run" / "checkpoints").exists()
@@ -454,7 +455,7 @@ def test_a_served_teacher_scores_the_next_step_while_the_trainer_updates(served_
     What the run logs equals the same run scoring every step in turn (and the prescored run's)."""
     server, cfg, whole = served_ahead_run
     started, waits = threading.Event(), []
-    real_score, real_update = train_mod.score_stage, train_mod.update_stage
+    real_score, real_update = producer.score_stage, train_mod.update_stage
 
     def score(*args):
         if threading.current_thread().name.startswith("opd-score-ahead"):
@@ -467,13 +468,13 @@ def test_a_served_teacher_scores_the_next_step_while_the_trainer_updates(served_
             started.clear()
         return real_update(run, step, parts)
 
-    monkeypatch.setattr(train_mod, "score_stage", score)
+    monkeypatch.setattr(producer, "score_stage", score)
     monkeypatch.setattr(train_mod, "update_stage", update)
     ahead = tmp_path / "ahead"
     train_mod.train(dataclasses.replace(cfg, out=str(ahead)), show_progress=False)
     assert waits == [True] * (cfg.steps - 1)
     monkeypatch.undo()
-    monkeypatch.setattr(train_mod, "score_ahead", lambda run, step: None)
+    monkeypatch.setattr(producer.Ahead, "_score_ahead", lambda self, step: None)
     in_turn = tmp_path / "in-turn"
     train_mod.train(dataclasses.replace(cfg, out=str(in_turn)), show_progress=False)
     same_run(ahead, in_turn)
@@ -491,14 +492,14 @@ def test_a_teacher_lost_while_scoring_ahead_stops_the_next_step_and_resume_loses
     KILL_AT's, so step KILL_AT - 1 (whose update ran meanwhile) is checkpointed and a resume equals the
     uninterrupted run."""
     server, cfg, whole = served_ahead_run
-    real = train_mod.score_ahead
+    real = producer.Ahead._score_ahead
 
-    def kill_then_score(run, step):
+    def kill_then_score(self, step):
         if step == KILL_AT and server.proc.poll() is None:
             server.kill()
-        return real(run, step)
+        return real(self, step)
 
-    monkeypatch.setattr(train_mod, "score_ahead", kill_then_score)
+    monkeypatch.setattr(producer.Ahead, "_score_ahead", kill_then_score)
     out = tmp_path / "run"
     cut = dataclasses.replace(cfg, out=str(out), teacher_wait=1.0)
     with pytest.raises(TeacherUnavailable, match=f"checkpoint of step {KILL_AT - 1} written in "):

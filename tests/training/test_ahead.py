@@ -33,6 +33,7 @@ from opd.models.loading import load_model, load_tokenizer
 from opd.rollout.engine import RolloutBatch
 from opd.rollout.sampling import HFRollout
 from opd.training import loop as train_mod
+from opd.training import producer
 from opd.training.ahead import AheadRollouts, rank_share, saved_in_flight
 from opd.training.distributed import Dist
 from opd.training.resuming import check_same_run
@@ -53,18 +54,18 @@ def test_step_t_rolls_out_the_policy_of_step_t_minus_s(tiny_models, tmp_path, mo
     S, steps = 1, 4
     cfg = cfg_for(tiny_models, tmp_path, steps=steps, max_staleness=S, eval_samples=0, lr=2e-2)
     starts, used = {}, {}
-    real_ahead, real_take = train_mod.rollouts_ahead, AheadRollouts.take
+    real_ahead, real_take = producer.Ahead._rollouts, AheadRollouts.take
 
-    def ahead(run, step):
-        starts[step] = {k: v.detach().clone() for k, v in run.student.state_dict().items()}
-        return real_ahead(run, step)
+    def ahead(self, step):
+        starts[step] = {k: v.detach().clone() for k, v in self.run.student.state_dict().items()}
+        return real_ahead(self, step)
 
     def take(self, step):
         parts, policy, seconds = real_take(self, step)
         used[step] = parts[0][0]
         return parts, policy, seconds
 
-    monkeypatch.setattr(train_mod, "rollouts_ahead", ahead)
+    monkeypatch.setattr(producer.Ahead, "_rollouts", ahead)
     monkeypatch.setattr(AheadRollouts, "take", take)
     train_mod.train(cfg, show_progress=False)
     assert [r["rollout/staleness"] for r in step_records(tmp_path / "run")] == [0.0, 1.0, 1.0, 1.0]
@@ -75,7 +76,7 @@ def test_step_t_rolls_out_the_policy_of_step_t_minus_s(tiny_models, tmp_path, mo
 
     def rollout(weights, step):
         model.load_state_dict(weights)
-        rows, seeds = train_mod.rollout_request(run, step, train_mod.step_tasks(run, step)[0])
+        rows, seeds = producer.rollout_request(run, step, producer.step_tasks(run, step)[0])
         ids = [run.tasks[0].source.prompts.prompt_ids[i] for i in rows]
         b = HFRollout(model, tok.eos_token_id, tok.pad_token_id).generate(
             ids, seeds, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p

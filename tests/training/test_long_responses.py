@@ -12,7 +12,7 @@ from helpers import assert_close_weights, assert_same_trajectory, cfg_for, cli_a
 from opd.config import ConfigError, TrainConfig
 from opd.errors import UserError
 from opd.models.loading import checkpoint_layers
-from opd.training import loop
+from opd.training import loop, producer
 from opd.training.microbatch import in_row_order, pack_by_tokens, pad_to, split_rows
 from opd.training.setup import setup
 
@@ -46,9 +46,9 @@ def _one_step(models, tmp_path, objective: str, reduction: str, other: dict):
     float64: both StepUpdates, both students' gradients (as the optimizer step sees them), and the batch."""
     kw = dict(objective=objective, reduction=reduction, batch_size=6, max_new_tokens=12, eval_samples=0)
     runs = [setup(cfg_for(models, tmp_path / name, **kw, **extra)) for name, extra in (("a", {}), ("b", other))]
-    (at,) = loop.step_tasks(runs[0], 0)
-    batch, rows, records = loop.rollout_stage(runs[0], 0, at)
-    part = loop.scored_part(runs[0], 0, {}, at.task, batch, rows, records)
+    (at,) = producer.step_tasks(runs[0], 0)
+    batch, rows, records = producer.rollout_stage(runs[0], 0, at)
+    part = producer.scored_part(runs[0], 0, at.task, batch, rows, records)
     updates, grads = [], []
     for run in runs:
         run.student.double()  # in place (the optimizer's parameters): float rounding of other paddings is gone
@@ -123,10 +123,10 @@ def test_gradient_checkpointing_recomputes_with_lora_and_in_bfloat16(tiny_models
     assert layers, "no decoder layer checkpoints"
     calls = []
     layers[0].mlp.register_forward_pre_hook(lambda *a: calls.append(torch.is_grad_enabled()))  # inside the layer
-    (at,) = loop.step_tasks(run, 0)
-    batch, rows, records = loop.rollout_stage(run, 0, at)
+    (at,) = producer.step_tasks(run, 0)
+    batch, rows, records = producer.rollout_stage(run, 0, at)
     calls.clear()  # the rollout's forwards (no gradient, eval mode) do not count
-    part = loop.scored_part(run, 0, {}, at.task, batch, rows, records)
+    part = producer.scored_part(run, 0, at.task, batch, rows, records)
     upd = loop.update_stage(run, 0, [part])[0]
     assert torch.isfinite(torch.tensor(upd.grad_norm)) and upd.grad_norm > 0
     assert len(calls) >= 2 and calls.count(True) >= 2  # the forward, and its recomputation in the backward
@@ -180,9 +180,9 @@ def test_a_sequence_over_the_token_budget_goes_alone_said_once(tiny_models, tmp_
     cfg = cfg_for(tiny_models, tmp_path, micro_batch_tokens=8, steps=2, eval_samples=0)
     run = setup(cfg)
     for step in range(2):
-        (at,) = loop.step_tasks(run, step)
-        batch, rows, records = loop.rollout_stage(run, step, at)
-        part = loop.scored_part(run, step, {}, at.task, batch, rows, records)
+        (at,) = producer.step_tasks(run, step)
+        batch, rows, records = producer.rollout_stage(run, step, at)
+        part = producer.scored_part(run, step, at.task, batch, rows, records)
         micro = loop.micro_batches_of(run, [part])
         assert sorted(len(m.rows) for m in micro) == [1] * batch.num_rollouts  # every row is over 8 tokens
     err = capsys.readouterr().err

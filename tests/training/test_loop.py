@@ -19,9 +19,10 @@ from opd.evaluation.model_eval import evaluate_model
 from opd.models.loading import disable_dropout, load_model, load_tokenizer
 from opd.tasks import ArithmeticTask
 from opd.training import loop as train_mod
+from opd.training import producer
 from opd.training import sources as sources_mod
 from opd.training.distributed import Dist
-from opd.training.loss import reduce_loss
+from opd.training.loss import loss_mask, reduce_loss
 
 # ----------------------------------------------------------------------------- constant_sum
 
@@ -160,11 +161,11 @@ def test_updates_per_batch_with_an_analytic_loss(tiny_models, tmp_path, objectiv
     train_mod.train(once, show_progress=False)
     run = train_mod.setup(dataclasses.replace(twice, steps=1))
     batch, _, _ = first_rollout(run)
-    mask = train_mod.loss_mask(batch, run.special_ids, run.cfg.mask_special)
-    diag = train_mod.diag_index(mask, run.cfg.diag_positions, 0, run.cfg.seed)
-    scores, ids = train_mod.score_stage(run, batch, diag, run.tasks[0])
+    mask = loss_mask(batch, run.special_ids, run.cfg.mask_special)
+    diag = producer.diag_index(mask, run.cfg.diag_positions, 0, run.cfg.seed)
+    scores, ids = producer.score_stage(run, batch, diag, run.tasks[0])
     before = {n: p.detach().clone() for n, p in run.student.named_parameters()}
-    part = train_mod.StepPart(run.tasks[0], batch, list(range(batch.num_rollouts)), None, mask, diag, scores, ids, {})
+    part = producer.StepPart(run.tasks[0], batch, list(range(batch.num_rollouts)), None, mask, diag, scores, ids, {})
     train_mod.update_stage(run, 0, [part])
     assert run.scheduler.last_epoch == 2
     shutil.rmtree(twice.out)
@@ -225,7 +226,7 @@ def test_full_kl_from_hidden_states_equals_the_dense_loss_on_rollouts(tiny_model
 
     run = train_mod.setup(cfg_for(tiny_models, tmp_path, objective="full_kl", kl_direction=direction))
     batch, _, _ = first_rollout(run)
-    mask = train_mod.loss_mask(batch, run.special_ids, run.cfg.mask_special)
+    mask = loss_mask(batch, run.special_ids, run.cfg.mask_special)
     scores = run.tasks[0].teacher.score(batch, run.cfg.k)
     params = [p for p in run.student.parameters() if p.requires_grad]
 

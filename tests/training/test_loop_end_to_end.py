@@ -14,6 +14,7 @@ from opd.cli import app
 from opd.config import ConfigError, TrainConfig
 from opd.errors import UserError
 from opd.training import loop as train_mod
+from opd.training import producer
 
 OBJECTIVES = [
     ["--objective", "lsm"],
@@ -249,14 +250,14 @@ def test_steps_make_no_tensor_on_the_default_device(tiny_models, tmp_path, monke
     from opd.models.loading import load_model, load_tokenizer
     from opd.teachers.server import TeacherApp, start_server, stop_server
 
-    real = train_mod.rollout_stage
+    real = producer.rollout_stage
 
     def on_meta_from_step_1(run, step, *args):
         if step >= 1:
             torch.set_default_device("meta")
         return real(run, step, *args)
 
-    monkeypatch.setattr(train_mod, "rollout_stage", on_meta_from_step_1)
+    monkeypatch.setattr(producer, "rollout_stage", on_meta_from_step_1)
     served = objective.pop("served", None)
     cfg, server = cfg_for(tiny_models, tmp_path, steps=3, ckpt_every=1, **objective), None
     if served:  # the served teacher's answers become tensors on the trainer's side

@@ -27,6 +27,7 @@ from opd.errors import UserError
 from opd.models.loading import load_tokenizer
 from opd.rollout.prompt_set import batch_indices
 from opd.training import loop as train_mod
+from opd.training import producer
 from opd.training import setup as setup_mod
 from opd.training.schedule import split_by_task, task_for_step, task_schedule
 from opd.training.stepstats import FULL_VOCAB_KEYS
@@ -95,9 +96,9 @@ def test_each_task_walks_its_own_prompt_order(tiny_models, teacher2, tmp_path):
     assert easy.source.examples[0].prompt != hard.source.examples[0].prompt
     seen = {"easy": 0, "hard": 0}
     for step in range(4):
-        (at,) = train_mod.step_tasks(run, step)
+        (at,) = producer.step_tasks(run, step)
         assert at.visit == seen[at.task.name] and at.slot0 == 0
-        _, rows, _ = train_mod.rollout_stage(run, step, at)
+        _, rows, _ = producer.rollout_stage(run, step, at)
         assert rows == batch_indices(len(at.task.source), at.visit, 2, run.cfg.seed)
         seen[at.task.name] += 1
     assert seen == {"easy": 3, "hard": 1}  # A, B, A, A

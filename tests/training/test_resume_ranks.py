@@ -71,7 +71,7 @@ def test_a_steps_prompts_and_seeds_are_those_of_its_global_batch_on_any_number_o
 
     from opd.rollout.prompt_set import batch_indices
     from opd.training.distributed import Dist
-    from opd.training.loop import Assignment, rollout_request
+    from opd.training.producer import Assignment, rollout_request
 
     source = SimpleNamespace(batch_indices=lambda step, size, seed: batch_indices(10, step, size, seed))
 

@@ -26,10 +26,15 @@ AGENTIC = dict(env="toy", env_level=1, max_new_tokens=96, max_action_tokens=8, m
 
 
 class ReencodingEngine(ServerEngine):
-    """The stand-in (see the module docstring). ``requests`` counts what it was asked."""
+    """The stand-in (see the module docstring). ``requests`` counts what it was asked, ``syncs`` the times
+    it was given the weights (it samples the student itself: there is nothing to copy)."""
 
     name = "reencode"
     requests: list[Request] = []
+    syncs = 0
+
+    def sync(self) -> None:
+        type(self).syncs += 1
 
     def complete(self, requests: list[Request]) -> list[Sample]:
         type(self).requests += requests
@@ -67,7 +72,7 @@ def registered():
     """The stand-ins registered (one line each, as a user's module would), and unregistered afterwards."""
     registry.register("reencode", start(ReencodingEngine))
     registry.register("short", start(ShortEngine))
-    ReencodingEngine.requests = []
+    ReencodingEngine.requests, ReencodingEngine.syncs = [], 0
     yield
     for name in ("reencode", "short"):
         registry.ENGINES.pop(name)
@@ -89,6 +94,9 @@ def test_a_registered_engine_trains_single_turn_and_samples_as_opds_own(register
     assert len(ReencodingEngine.requests) - len(sampled) == SMALL["eval_size"]
     # the policy check ran on each step (re-encoding and the student's forward agree to float rounding)
     assert all(r["rollout/engine_logprob_gap"] < 1e-4 for r in steps), steps
+    # synced before the first rollout and after each update (the update stage's weights_changed): before
+    # step 1's rollouts and the final evaluation's; each step's sync reported with its batch
+    assert ReencodingEngine.syncs == 3 and all(r["time/weight_sync"] >= 0 for r in steps), steps
     assert "rollout/engine_logprob_gap" not in step_records(tmp_path / "hf" / "run")[0]  # opd's own: nothing to check
     ours, theirs = rollouts(tmp_path / "hf" / "run"), rollouts(tmp_path / "standin" / "run")
     first = [(r["prompt"], r["response"]) for r in ours if r["step"] == 0]

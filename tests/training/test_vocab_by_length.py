@@ -29,7 +29,7 @@ from opd.lab.real_shape import (
 )
 from opd.models.loading import load_model, load_tokenizer
 from opd.teachers.scoring import HFTeacher
-from opd.training import loop
+from opd.training import loop, producer
 
 B, T, V = 4, 128, 32_768
 T_OBJECTIVES = 512  # B x T_OBJECTIVES positions: twice full_kl's four 256-position chunks
@@ -90,7 +90,10 @@ def test_no_stage_allocates_rows_by_length_by_vocabulary(wide_vocab_pair, tmp_pa
         entered.add(name)
         seen.stage = name
 
-    with LargestTensor() as seen, stages(loop, STAGES, enter, lambda name: setattr(seen, "stage", "between")):
+    with (
+        LargestTensor() as seen,
+        stages((producer, loop), STAGES, enter, lambda name: setattr(seen, "stage", "between")),
+    ):
         loop.train(cfg, show_progress=False)
     (step,) = step_records(tmp_path / "run")
     assert step["rollout/response_len"] > 0.9 * T  # random weights rarely sample EOS (about 1/V): a real length

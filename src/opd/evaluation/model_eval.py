@@ -144,8 +144,7 @@ def _on_engine(cfg: EvalConfig, model, tok, model_dir: str, rundir: RunDir, item
     OUT/vllm/), made as training makes it; an engine with weights of its own is given the model's once."""
     ctx = EngineContext(model, tok, cfg, model_dir, folder=rundir.path / cfg.rollout_engine)
     engine = make_engine(cfg.rollout_engine, ctx)
-    try:
-        engine.watch(None)  # the weights never change here
+    try:  # the weights never change here: synced once, before the first rollout
         return evaluate(engine, items, plan)
     finally:
         engine.close()

@@ -175,10 +175,13 @@ def _tensor(x) -> bool:
 
 
 @contextmanager
-def stages(module, names: list[str], enter: Callable[[str], None], leave: Callable[[str], None]) -> Iterator[None]:
-    """``module``'s functions ``names`` wrapped so that ``enter(name)`` and ``leave(name)`` run around each
-    call (a stage of opd's step: :mod:`opd.training.loop`'s ``*_stage`` functions); put back on exit."""
-    real = {n: getattr(module, n) for n in names}
+def stages(modules, names: list[str], enter: Callable[[str], None], leave: Callable[[str], None]) -> Iterator[None]:
+    """The functions ``names`` of ``modules`` (a module, or several: each name is the first's that has it)
+    wrapped so that ``enter(name)`` and ``leave(name)`` run around each call (a stage of opd's step: the
+    ``*_stage`` functions of :mod:`opd.training.producer` and :mod:`opd.training.loop`); put back on exit."""
+    found = modules if isinstance(modules, (list, tuple)) else (modules,)
+    where = {n: next(m for m in found if hasattr(m, n)) for n in names}
+    real = {n: getattr(where[n], n) for n in names}
 
     def wrapped(name: str, fn: Callable) -> Callable:
         def call(*args, **kwargs):
@@ -192,8 +195,8 @@ def stages(module, names: list[str], enter: Callable[[str], None], leave: Callab
 
     try:
         for n, fn in real.items():
-            setattr(module, n, wrapped(n, fn))
+            setattr(where[n], n, wrapped(n, fn))
         yield
     finally:
         for n, fn in real.items():
-            setattr(module, n, fn)
+            setattr(where[n], n, fn)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from opd.config import TrainConfig
-from opd.training import loop
+from opd.training import loop, producer
 from opd.training.setup import Run, setup
 
 BF16_EPS = 2.0**-8  # bfloat16 keeps 8 significant bits: its numbers' spacing relative to their size
@@ -55,9 +55,9 @@ def replay(reference: TrainConfig, other: TrainConfig, steps: int) -> Replayed:
     a, b = setup(reference), setup(other)
     start, losses, norms = _flat(a), [], []
     for step in range(steps):
-        (at,) = loop.step_tasks(a, step)
-        batch, rows, records = loop.rollout_stage(a, step, at)
-        part = loop.scored_part(a, step, {}, at.task, batch, rows, records)
+        (at,) = producer.step_tasks(a, step)
+        batch, rows, records = producer.rollout_stage(a, step, at)
+        part = producer.scored_part(a, step, at.task, batch, rows, records)
         ua = loop.update_stage(a, step, [part])[0]
         ub = loop.update_stage(b, step, [dataclasses.replace(part, task=b.tasks[0])])[0]
         losses.append((ua.loss, ub.loss))

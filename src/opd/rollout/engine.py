@@ -15,15 +15,15 @@ An engine (:class:`RolloutEngine`) does three things:
   multi-turn loop itself (chat format, games, limits, records) is written once, over sessions, in
   :mod:`opd.rollout.episodes`;
 * **weight sync and the policy check behind it**: an engine that does not sample the trainer's own
-  model object is given the student's weights after each optimizer step (:meth:`~RolloutEngine.watch`,
-  :meth:`~RolloutEngine.weights_changed`), and checks each batch it sampled against the student's own
-  log-probs (:meth:`~RolloutEngine.check_policy`, ``policy_gap``); opd's HF engine samples the model
-  itself and has nothing to sync or check (``policy_gap`` None).
+  model object is told when the student's weights changed (:meth:`~RolloutEngine.weights_changed`, which
+  the trainer calls after each update) and syncs them as its next rollout begins; it checks each batch it
+  sampled against the student's own log-probs (:meth:`~RolloutEngine.check_policy`). Both come back with
+  the batch (:class:`EngineReport`, ``RolloutBatch.report``): the policy check's gap and what the sync
+  took. opd's HF engine samples the model itself and has nothing to sync or check (``None`` for both).
 
-For ``--max-staleness`` the engine also says how a worker process reaches it (:meth:`~RolloutEngine.handle`,
-an :class:`EngineHandle`) and, whoever owns it, brings it back when the worker finds it gone
-(:meth:`~RolloutEngine.recover`). Engines are made by name through :mod:`opd.rollout.registry`
-(``--rollout-engine``) from an :class:`EngineContext`.
+Engines are made by name through :mod:`opd.rollout.registry` (``--rollout-engine``) from an
+:class:`EngineContext`. How a ``--max-staleness`` worker reaches an engine in another process, and who
+brings it back when the worker finds it gone, is no part of this interface: :mod:`opd.rollout.reach`.
 """
 
 from __future__ import annotations
@@ -39,6 +39,17 @@ from opd.errors import ServiceUnavailable, UserError
 from opd.models.loading import model_device
 
 
+@dataclass(frozen=True)
+class EngineReport:
+    """What an engine says of a batch it sampled, returned with it (:attr:`RolloutBatch.report`)."""
+
+    policy_gap: float | None = None  # the policy check's gap, nats per sampled token; None: nothing checked
+    sync_seconds: float | None = None  # giving the engine the weights (and waking it) as it began; None: no sync
+
+
+NO_REPORT = EngineReport()
+
+
 @dataclass
 class RolloutBatch:
     """N rollouts: left-padded prompts of common length P followed by T response slots.
@@ -52,6 +63,8 @@ class RolloutBatch:
         input_ids_NL, attention_mask_NL: (N, P + T)
         response_ids_NT, response_mask_NT, logprobs_NT, action_mask_NT: (N, T)
         finished_N: (N,) -- an EOS was produced (episodes: the game ended the episode)
+
+    ``report``: what the engine that sampled the batch says of it (the policy check, the weight sync).
     """
 
     input_ids_NL: torch.Tensor
@@ -62,6 +75,7 @@ class RolloutBatch:
     logprobs_NT: torch.Tensor
     finished_N: torch.Tensor
     action_mask_NT: torch.Tensor | None = None
+    report: EngineReport = NO_REPORT
 
     def __post_init__(self):
         if self.action_mask_NT is None:
@@ -82,6 +96,7 @@ class RolloutBatch:
             self.logprobs_NT[rows],
             self.finished_N[rows],
             cast(torch.Tensor, self.action_mask_NT)[rows],  # set by __post_init__
+            self.report,
         )
 
     def narrow(self, width: int) -> RolloutBatch:
@@ -97,6 +112,7 @@ class RolloutBatch:
             self.logprobs_NT[:, :width],
             self.finished_N,
             cast(torch.Tensor, self.action_mask_NT)[:, :width],
+            self.report,
         )
 
 
@@ -125,15 +141,6 @@ class Sample:
 Written = Callable[[list[tuple[int, Sample]]], None]
 
 
-@dataclass(frozen=True)
-class EngineHandle:
-    """How another process reaches an engine: its registry name and what its factory needs to attach
-    (picklable: it travels to the staleness worker with every request)."""
-
-    name: str
-    address: Any = None
-
-
 @dataclass
 class EngineContext:
     """What an engine factory is given (:mod:`opd.rollout.registry`).
@@ -142,8 +149,8 @@ class EngineContext:
     from ``model_dir``; ``cfg``: the run's config, whose engine options it reads, and ``task_cfgs`` each
     task's (a multi-task run: the longest prompt plus response is any task's); ``folder``: its files in the
     run directory (a server's log, synced weights), made only when used; ``world``: the launch's ranks.
-    ``attach``: set in a staleness worker, the owner's :meth:`RolloutEngine.handle` address: reach that
-    engine instead of starting one."""
+    ``attach``: set in a staleness worker, the address the owner's engine gave (:mod:`opd.rollout.reach`):
+    reach that engine instead of starting one."""
 
     model: Any
     tokenizer: Any
@@ -160,13 +167,12 @@ class EngineUnavailable(ServiceUnavailable):
     last completed step and stops."""
 
 
-class EngineDown(ServiceUnavailable):
-    """A staleness worker's engine got no answer: the engine's owner (the trainer) restarts it or waits
-    for it (:meth:`RolloutEngine.recover`) and sends the request again."""
-
-
 class EpisodeSession(Protocol):
-    """Conversations an engine continues turn by turn; episode ``i`` started from ``prompts[i]``."""
+    """Conversations an engine continues turn by turn; episode ``i`` started from ``prompts[i]``.
+    ``sync_seconds``: what giving the engine the weights took as the session began (None: no sync), for
+    the played batch's :class:`EngineReport`."""
+
+    sync_seconds: float | None
 
     def turn(self, caps: dict[int, int], written: Written) -> None:
         """Each episode of ``caps`` writes its next turn: up to ``caps[i]`` tokens, ending at EOS (a cap of 0
@@ -190,8 +196,6 @@ class RolloutEngine(Protocol):
     eos_id: int
     pad_id: int
     max_context: int | None  # positions a prompt plus its response may take (None: unknown)
-    policy_gap: float | None  # the last policy check's gap, nats per sampled token; None: nothing to check
-    sync_seconds: float | None  # what the last rollout spent giving the engine the weights; None: nothing to sync
 
     @property
     def device(self) -> torch.device: ...
@@ -206,7 +210,8 @@ class RolloutEngine(Protocol):
         top_p: float = 1.0,
         greedy: bool = False,
         top_k: int = 0,
-    ) -> RolloutBatch: ...
+    ) -> RolloutBatch:
+        """The rollouts, with the engine's :class:`EngineReport` of them (``report``)."""
 
     def episodes(
         self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], *, budget: int, sampling: Sampling
@@ -214,51 +219,33 @@ class RolloutEngine(Protocol):
         """A session of ``len(prompts)`` episodes, each with its seed and ``budget`` tokens of response
         region (its turns and replies together)."""
 
-    def check_policy(self, batch: RolloutBatch) -> None:
-        """The policy check on a batch this engine sampled (episodes: once played); sets ``policy_gap``."""
+    def check_policy(self, batch: RolloutBatch) -> float | None:
+        """The policy check on a batch this engine sampled (episodes: once played): the gap, nats per sampled
+        token (None: nothing to check); past the engine's bound, a UserError."""
 
-    def weights_changed(self, *_: Any) -> None:
-        """The student's weights changed: the next rollout syncs them first."""
-
-    def watch(self, optimizer: torch.optim.Optimizer | None) -> None:
-        """Call :meth:`weights_changed` after each step of ``optimizer`` (None: the caller calls it whenever
-        the weights change); an engine never watched syncs before every rollout."""
-
-    def handle(self) -> EngineHandle: ...
-
-    def recover(self, down: EngineDown) -> None:
-        """A worker found this engine gone: bring it back (its handle may change), or raise EngineUnavailable."""
+    def weights_changed(self) -> None:
+        """The student's weights changed (the trainer calls it after each update): the next rollout syncs
+        them first. An engine syncs only then, and before its first rollout."""
 
     def close(self) -> None: ...
 
 
 class EngineBase:
     """Defaults for an engine that samples the trainer's own model object: nothing to sync or check,
-    nothing to bring back, nothing to close. Engines override what they do."""
+    nothing to close. Engines override what they do."""
 
     name = "engine"
     model: Any
-    policy_gap: float | None = None
-    sync_seconds: float | None = None
 
     @property
     def device(self) -> torch.device:
         return model_device(self.model)
 
-    def check_policy(self, batch: RolloutBatch) -> None:
+    def check_policy(self, batch: RolloutBatch) -> float | None:
         return None
 
-    def weights_changed(self, *_: Any) -> None:
+    def weights_changed(self) -> None:
         return None
-
-    def watch(self, optimizer: torch.optim.Optimizer | None) -> None:
-        return None
-
-    def handle(self) -> EngineHandle:
-        return EngineHandle(self.name)
-
-    def recover(self, down: EngineDown) -> None:
-        raise EngineUnavailable(f"the rollout engine {self.name!r} cannot be brought back ({down})")
 
     def close(self) -> None:
         return None

@@ -45,7 +45,8 @@ the session writes the turns and takes the replies; how it keeps each episode's 
 engine's. opd's HF engine (the default, and what ``EpisodeRollout(model, tokenizer)`` plays with)
 never re-encodes its KV cache (:class:`opd.rollout.sampling.HFSession`); a server engine sends each
 episode's text so far as one request a turn (:class:`opd.rollout.served.HistorySession`). An engine
-that checks its policy (:meth:`opd.rollout.engine.RolloutEngine.check_policy`) checks the played batch.
+that checks its policy (:meth:`opd.rollout.engine.RolloutEngine.check_policy`) checks the played batch,
+whose ``report`` says so (and what the engine's weight sync took as the session began).
 
 The games run where the environment says (:func:`opd.envs.workers.sessions`): in this process,
 or in worker processes for an :class:`opd.envs.workers.EnvWorkers` (``--env-workers``). Either
@@ -67,6 +68,7 @@ from opd.envs.environment import EnvError, Environment, Game, normal_command
 from opd.envs.workers import Sessions, sessions
 from opd.errors import UserError
 from opd.rollout.engine import (
+    EngineReport,
     EpisodeSession,
     RolloutBatch,
     RolloutEngine,
@@ -297,7 +299,7 @@ class EpisodeRollout:
         finally:
             games_of.close()
         batch = self._batch(episodes)
-        self.engine.check_policy(batch)
+        batch.report = EngineReport(self.engine.check_policy(batch), session.sync_seconds)
         return Episodes(batch, [e.record for e in episodes])
 
     def _start(

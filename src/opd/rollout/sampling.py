@@ -212,7 +212,7 @@ def start_hf(ctx: EngineContext) -> HFRollout:
 
 class HFRollout(EngineBase):
     """Sampling with the KV cache from a Hugging Face causal LM (the default engine). It samples the
-    trainer's own model object: nothing to sync, no policy check (``policy_gap`` stays None)."""
+    trainer's own model object: nothing to sync, no policy check (its batches' ``report`` is empty)."""
 
     name = "hf"
 
@@ -363,6 +363,8 @@ class HFSession:
     """Episodes continued in one KV cache (see the module docstring): the prompts prefilled together,
     each episode drawing its uniforms from one stream seeded by its seed, ``budget`` of them (one per
     token it may write). The model is in eval mode until :meth:`close`."""
+
+    sync_seconds: float | None = None  # the trainer's own model: nothing to sync
 
     @torch.no_grad()
     def __init__(

@@ -14,8 +14,9 @@ of it:
   cache stands in for opd's KV continuation. Turn k of an episode draws with the seed
   ``(episode seed * TURN_SEED_STRIDE + k) mod 2**63``, so an episode's sampling does not depend on the
   others' in the batch (a server's numbers may still: vLLM's depend on which requests run together);
-* the weights: synced as a rollout begins when the student changed since the last sync (after each step
-  of the optimizer :meth:`~ServerEngine.watch` was given; without one, before every rollout);
+* the weights: synced as a rollout begins when the student changed since the last sync (the trainer says
+  so after each update, :meth:`~ServerEngine.weights_changed`; and before the first rollout), the sync's
+  seconds reported with the batch (``RolloutBatch.report``);
 * sleeping between rollouts (:class:`SleepMode`, vLLM's sleep mode, ``--vllm-sleep``): an engine that shares
   a GPU with the trainer gives its memory back when a rollout's requests are answered (:meth:`~ServerEngine.end`)
   and takes it again as the next rollout begins, before the weights are synced into it;
@@ -23,7 +24,7 @@ of it:
   sync, another dtype, a kernel bug) and nothing else would fail: the run would train on another
   policy's samples. So after each rollout the student scores the sampled tokens itself (one forward
   pass without gradients); the mean absolute gap between the two log-probs per sampled token is the
-  engine's ``policy_gap`` (logged as ``rollout/engine_logprob_gap``), and past ``max_gap`` the run
+  batch's ``report.policy_gap`` (logged as ``rollout/engine_logprob_gap``), and past ``max_gap`` the run
   stops with an error. Replies of the environment are not the policy's and are not checked.
 """
 
@@ -41,6 +42,7 @@ from opd.losses import topk_and_gather_from_hidden
 from opd.models.head import model_head
 from opd.rollout.engine import (
     EngineBase,
+    EngineReport,
     RolloutBatch,
     Sample,
     Sampling,
@@ -74,8 +76,7 @@ class ServerEngine(EngineBase):
     def __init__(self, model, eos_id: int, pad_id: int, *, max_gap: float = 1e-3, max_context: int | None = None):
         self.model, self.eos_id, self.pad_id, self.max_gap = model, eos_id, pad_id, max_gap
         self.max_context = max_context or getattr(model.config, "max_position_embeddings", None)
-        self.stale, self.watched = True, False
-        self.policy_gap: float | None = None
+        self.stale = True  # the weights changed since the last sync (or none ran yet)
         self.sleep_mode: SleepMode | None = None  # set by an engine that sleeps between rollouts
         self.request_failed = False  # a request of this rollout failed: the engine is not put to sleep
 
@@ -90,31 +91,24 @@ class ServerEngine(EngineBase):
         return None
 
     # ------------------------------------------------------------------ weights
-    def weights_changed(self, *_: Any) -> None:
+    def weights_changed(self) -> None:
+        """Synced as the next rollout begins, once: the tasks of a multi-task step share one sync."""
         self.stale = True
-
-    def watch(self, optimizer: torch.optim.Optimizer | None) -> None:
-        """Sync only after the weights change, so the tasks of a multi-task step share one sync."""
-        if optimizer is not None:
-            optimizer.register_step_post_hook(self.weights_changed)
-        self.watched = True
 
     # The engine's rollout cycle: begin (wake, sync) ... requests ... end (sleep). One place, so that a
     # later trigger of the sync moves the sleeping with it.
-    def begin(self) -> None:
-        """A rollout starts: the engine is given the current weights when they changed since its last sync
-        (without an optimizer watched, they may have), after it wakes when it sleeps between rollouts (the
-        wake's time counts in ``sync_seconds``). Here, where every rank's rollout starts, rather than at its
-        first request: an engine that several ranks share syncs collectively."""
-        if not self.watched:
-            self.stale = True
+    def begin(self) -> float:
+        """A rollout starts: the engine is given the current weights when they changed since its last sync,
+        after it wakes when it sleeps between rollouts; returns the seconds both took (the batch's
+        ``sync_seconds``). Here, where every rank's rollout starts, rather than at its first request: an
+        engine that several ranks share syncs collectively."""
         self.request_failed = False
         t0 = time.perf_counter()
         if self.sleep_mode is not None:
             self.sleep_mode.wake(self._sync_if_stale)
         else:
             self._sync_if_stale()
-        self.sync_seconds = time.perf_counter() - t0
+        return time.perf_counter() - t0
 
     def end(self) -> None:
         """A rollout's requests are all answered: an engine that sleeps between rollouts goes to sleep (one
@@ -169,25 +163,26 @@ class ServerEngine(EngineBase):
         if len(seeds) != len(prompt_ids):
             raise ValueError("one seed per prompt is required")
         check_sampling(max_new_tokens, temperature, greedy)
-        self.begin()
+        synced = self.begin()
         how = Sampling(temperature, top_p, greedy, top_k)
         try:
             samples = self.answer([Request(list(p), int(s), max_new_tokens, how) for p, s in zip(prompt_ids, seeds)])
         finally:
             self.end()
         batch = single_turn_batch(prompt_ids, samples, self.pad_id, self.device)
-        self.check_policy(batch)
+        batch.report = EngineReport(self.check_policy(batch), synced)
         return batch
 
     def episodes(
         self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], *, budget: int, sampling: Sampling
     ) -> HistorySession:
-        self.begin()
-        return HistorySession(self, prompts, seeds, sampling)
+        synced = self.begin()
+        return HistorySession(self, prompts, seeds, sampling, synced)
 
     @torch.no_grad()
-    def check_policy(self, batch: RolloutBatch) -> None:
-        """The engine's log-probs of the sampled tokens against the student's own (see the module docstring)."""
+    def check_policy(self, batch: RolloutBatch) -> float:
+        """The engine's log-probs of the sampled tokens against the student's own (see the module docstring):
+        their mean absolute gap per sampled token, refused past ``max_gap``."""
         # The forward goes by chunks of rows (response_hidden) and the head by chunks of the sampled
         # positions only: no stage holds (rows x length x vocabulary) logits.
         at_A = cast(torch.Tensor, batch.action_mask_NT)  # set by RolloutBatch.__post_init__
@@ -196,23 +191,29 @@ class ServerEngine(EngineBase):
             h_AD[None], model_head(self.model), 1, batch.response_ids_NT[at_A].view(1, -1, 1)
         )
         gap = (ours_A1[0, :, 0].float() - batch.logprobs_NT[at_A].float()).abs()
-        self.policy_gap = float(gap.mean()) if gap.numel() else 0.0
-        if self.policy_gap > self.max_gap:
+        policy_gap = float(gap.mean()) if gap.numel() else 0.0
+        if policy_gap > self.max_gap:
             raise UserError(
                 f"the rollout engine {self.name!r} does not serve the policy being trained: its log-probs of the "
-                f"sampled tokens differ from the student's by {self.policy_gap:.3g} nats on average (largest "
+                f"sampled tokens differ from the student's by {policy_gap:.3g} nats on average (largest "
                 f"{float(gap.max()):.3g}; {self.gap_option} {self.max_gap:g}); the weight sync failed, or the engine "
                 f"runs another dtype or model: check its log, or raise {self.gap_option} for a lower-precision engine"
             )
+        return policy_gap
 
 
 class HistorySession:
     """Episodes continued by a :class:`ServerEngine`: every turn one request holding the episode so far."""
 
     def __init__(
-        self, engine: ServerEngine, prompts: Sequence[Sequence[int]], seeds: Sequence[int], sampling: Sampling
+        self,
+        engine: ServerEngine,
+        prompts: Sequence[Sequence[int]],
+        seeds: Sequence[int],
+        sampling: Sampling,
+        sync_seconds: float | None = None,
     ):
-        self.engine, self.sampling = engine, sampling
+        self.engine, self.sampling, self.sync_seconds = engine, sampling, sync_seconds
         self.history = [list(p) for p in prompts]
         self.seeds = [int(s) for s in seeds]
         self.turns = 0

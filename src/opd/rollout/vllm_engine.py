@@ -17,8 +17,8 @@ the unmodified policy's log-prob, the quantity opd's own sampler records and the
 (``--vllm-url`` unset) that exited is started again, at once, at most :data:`MAX_RESTARTS` times a run,
 and given the weights again; a server that stays silent past the wait stops the run, which checkpoints
 the last completed step (:class:`~opd.rollout.engine.EngineUnavailable`). Under ``--max-staleness`` the
-worker process reaches the trainer's engine (:meth:`VLLMRollout.handle`) without waiting: finding it
-gone, it hands the request back (:class:`~opd.rollout.engine.EngineDown`), and the trainer, which owns the
+worker process reaches the trainer's engine (:meth:`VLLMRollout.handle`, :mod:`opd.rollout.reach`) without
+waiting: finding it gone, it hands the request back (:class:`~opd.rollout.reach.EngineDown`), and the trainer, which owns the
 engine, applies the same policy (:meth:`VLLMRollout.recover`) and sends the request again, to the
 restarted server's new address.
 
@@ -44,7 +44,8 @@ from opd.config.engines import SLEEP_FLAG, sleep_flag, vllm_arg_list
 from opd.errors import ServiceUnavailable, UserError
 from opd.models.loading import model_device
 from opd.models.precision import engine_dtype
-from opd.rollout.engine import EngineContext, EngineDown, EngineHandle, EngineUnavailable, Sample
+from opd.rollout.engine import EngineContext, EngineUnavailable, Sample
+from opd.rollout.reach import EngineDown, EngineHandle
 from opd.rollout.served import Request, ServerEngine, SleepMode
 from opd.rollout.vllm_server import Placement, VLLMServer, place_engine, start_vllm_server
 from opd.rollout.vllm_sync import FolderSync, WeightSync, attach, choose, describe, server_options

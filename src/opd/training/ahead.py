@@ -23,8 +23,8 @@ and updates step t, as the async modes of TRL, verl and NeMo-RL do. What that me
   weights until its rollouts are taken), so nothing is lost; the restarts are counted
   (``rollout/worker_restarts``), and a request that kills :data:`RESTARTS` workers in a row stops the run.
 * **The engine** is the trainer's (``--rollout-engine``, :mod:`opd.rollout.registry`): the worker reaches
-  it through its handle, sent with each request (opd's own loop runs on the worker's copy of the
-  student; a vLLM server is synced with the request's weights and checked against them). An engine the
+  it through its handle (:mod:`opd.rollout.reach`), sent with each request (opd's own loop runs on the
+  worker's copy of the student; a vLLM server is synced with the request's weights and checked against them). An engine the
   worker finds gone is the owner's to bring back, as on-policy: the trainer restarts it (the server opd
   started) or waits for it (``--vllm-wait``) and sends the request again, with the engine's address
   now; one that cannot be brought back stops the run at the step, checkpointing the step before, whose
@@ -48,7 +48,8 @@ import torch
 
 from opd.errors import UserError
 from opd.hub import resolve_model
-from opd.rollout.engine import EngineContext, EngineDown, EngineHandle, EngineUnavailable, RolloutEngine
+from opd.rollout.engine import EngineContext, EngineUnavailable, RolloutEngine
+from opd.rollout.reach import EngineDown, EngineHandle, bring_back, handle_of
 from opd.training.distributed import Dist
 
 # Workers a single request may take down in a row before the run stops (a request that always kills its
@@ -121,7 +122,7 @@ class AheadRollouts:
 
     def _send(self, req: Request) -> None:
         """To the worker, for the engine as it is now (sent, a request holds its weights until taken)."""
-        req.handle = self.engine.handle()
+        req.handle = handle_of(self.engine)
         req.future = self.pool.submit(_generate, cast(dict, req.weights), req.parts, req.handle)
 
     def take(self, step: int) -> tuple[list, int, dict[str, float]]:
@@ -160,8 +161,8 @@ class AheadRollouts:
         try:
             if req.downs > RESTARTS:  # the engine answers its owner but never the worker
                 raise EngineUnavailable(f"{down}; the rollout worker found it gone {req.downs} times in a row")
-            if req.handle == self.engine.handle():
-                self.engine.recover(down)
+            if req.handle == handle_of(self.engine):
+                bring_back(self.engine, down)
         except EngineUnavailable:
             self.gone = True
             raise
@@ -258,22 +259,13 @@ def _init_worker(cfg, threads: int) -> None:
     reached with the first request (:func:`_engine`)."""
     from dataclasses import replace
 
-    from opd.chat import set_chat_options
     from opd.config import resolve_tasks
-    from opd.models.loading import load_model, load_tokenizer, resolve_device
-    from opd.models.precision import compute_in, trained_weights_dtype
+    from opd.models.loading import resolve_device
+    from opd.training.setup import load_student
     from opd.training.sources import task_data, train_source
 
     torch.set_num_threads(threads)
-    rev = cfg.student_revision
-    tok = set_chat_options(  # as the trainer's (checked there)
-        load_tokenizer(cfg.student, "student", revision=rev), cfg.chat_template_kwargs, check=False
-    )
-    # as the trainer's student (float32 masters, its body in --dtype), so a rollout computes what the trainer would
-    weights_dtype = trained_weights_dtype(cfg.dtype, bool(cfg.lora_r))
-    model = compute_in(
-        load_model(cfg.student, "student", weights_dtype, resolve_device(cfg.device), revision=rev), cfg.dtype
-    )
+    model, tok = load_student(cfg, resolve_device(cfg.device), check=False)  # the chat options: checked there
     model.eval()
     # the games step here, in this process (a game's result does not depend on where it steps)
     cfgs = [replace(s.cfg, env_workers=0) if s.cfg.env else s.cfg for s in resolve_tasks(cfg)]
@@ -294,7 +286,6 @@ def _engine(handle: EngineHandle) -> RolloutEngine:
         model_dir = str(resolve_model(w["cfg"].student, w["cfg"].student_revision))  # as the trainer's (setup)
         ctx = EngineContext(w["model"], w["tok"], w["cfg"], model_dir, w["cfgs"], attach=handle.address)
         w["engine"], w["handle"] = make_engine(handle.name, ctx), handle
-        w["engine"].watch(None)  # synced once a request (_generate), not before every task's batch
     return w["engine"]
 
 
@@ -303,13 +294,13 @@ def _generate(weights: dict[str, torch.Tensor], parts: Parts, handle: EngineHand
     w = _WORKER
     w["model"].load_state_dict(weights)
     engine = _engine(handle)
-    engine.weights_changed()
+    engine.weights_changed()  # synced once a request, as its first task's rollout begins
     out, gaps = [], []
     for task, rows, seeds in parts:
         batch, records = w["sources"][task].rollout(engine, rows, seeds, w["cfgs"][task])
         out.append((batch, rows, records))
-        if engine.policy_gap is not None:
-            gaps.append(engine.policy_gap)
+        if batch.report.policy_gap is not None:
+            gaps.append(batch.report.policy_gap)
     stats = {"time/worker_generate": time.perf_counter() - t0}
     if gaps:  # the policy check against the request's weights (the largest over the step's tasks)
         stats["rollout/engine_logprob_gap"] = max(gaps)

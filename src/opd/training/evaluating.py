@@ -35,7 +35,7 @@ def eval_stage(run: Run, step: int) -> dict:
     # ahead (--max-staleness) a worker may load older weights into a shared engine between two batches, so the
     # trainer's own model is evaluated with opd's loop instead.
     plans = [eval_plan(t.cfg, run.cfg.seed, share) for t, _ in tasks]
-    engine_of = lambda s, t: t.engine if run.ahead is None else local_engine(s, run.tokenizer)
+    engine_of = lambda s, t: local_engine(s, run.tokenizer) if run.cfg.max_staleness else t.engine
     evaluate = lambda s: [
         test.evaluate(engine_of(s, t), run.tokenizer, t.cfg, p) for (t, test), p in zip(tasks, plans, strict=True)
     ]

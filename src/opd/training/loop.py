@@ -6,6 +6,12 @@ Each step reads top to bottom:
             -> update (objective loss, AdamW, clipping) -> log (metrics.jsonl, rollouts.jsonl)
             -> eval / checkpoint
 
+The rollout and score stages are the run's rollout producer's (:mod:`opd.training.producer`): on-policy,
+the step's rollouts generated here with the weights it starts from; with ``--max-staleness S``, those a
+worker made with the weights of step t - S while the trainer worked. Either way the loop takes the step's
+scored parts from it and updates; after the update the rollout engine is told the weights changed (an
+engine with weights of its own syncs them as its next rollout begins).
+
 Departures from the paper (arXiv:2603.25562) worth knowing: the loss is reduced as a token mean
 over the whole rollout batch (micro-batches add up to exactly that); the diagnostics that need
 the student's full distribution are computed on a random sample of ``diag_positions`` response
@@ -26,8 +32,9 @@ into one optimizer step, with the loss normalised by the counts of all parts tog
 mean over all tasks' loss tokens; see :func:`global_totals`). Metrics are logged for the whole
 step and, prefixed with the task's name, for each part.
 
-A served teacher that stays down past ``--teacher-wait`` stops the run at a step's scoring, after
-checkpointing the last completed step: ``--resume`` redoes the step cut short and loses nothing.
+A served teacher that stays down past ``--teacher-wait`` (or a rollout engine that cannot be brought back)
+stops the run at the step being made, after checkpointing the last completed step: ``--resume`` redoes
+the step cut short and loses nothing.
 
 Run: ``opd train --student DIR --teacher DIR --objective lsm --k 32 --out runs/x``.
 """
@@ -37,252 +44,34 @@ from __future__ import annotations
 import math
 import sys
 import time
-from concurrent.futures import Future
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import cast
+from typing import NoReturn, cast
 
 import torch
 
 from opd import metrics as M
 from opd.config import TrainConfig, config_record
-from opd.errors import ServiceUnavailable, UserError
+from opd.errors import UserError
 from opd.losses import Head
-from opd.models.export import merged_weights
 from opd.models.head import model_head
 from opd.models.precision import precision_record, saved_dtype
-from opd.rollout.engine import EngineUnavailable, RolloutBatch
-from opd.rollout.episodes import EpisodeRecord
-from opd.rollout.prompt_set import sample_seed
+from opd.rollout.engine import RolloutBatch, RolloutEngine
 from opd.runs.card import run_card, write_card
 from opd.runs.progress import progress_bar
 from opd.runs.rundir import save_final_model
-from opd.teachers.factory import is_served
-from opd.teachers.scoring import TeacherScorer, TeacherScores, TeacherUnavailable
-from opd.training.ahead import AheadRollouts, saved_in_flight
+from opd.teachers.scoring import TeacherScorer, TeacherScores
 from opd.training.distributed import merge_metrics, shutdown
 from opd.training.evaluating import eval_stage
 from opd.training.keeping import best_rule, best_weights, checkpoint_score, final_evaluation, write_summary
-from opd.training.loss import (
-    LossTotals,
-    loss_mask,
-    needs_student_topk,
-    objective_loss,
-    policy_logprobs,
-    reads_policy_logprobs,
-    reduce_loss,
-    scored_loss_mask,
-    student_topk_ids,
-)
+from opd.training.loss import LossTotals, objective_loss, policy_logprobs, reads_policy_logprobs, reduce_loss
 from opd.training.microbatch import MicroBatch, in_row_order, over_budget, pad_to, split_rows
 from opd.training.optim import rng_state
+from opd.training.producer import Producer, ServiceDown, StepPart, make_producer
 from opd.training.resuming import global_batches
-from opd.training.schedule import for_task, prefixed
-from opd.training.setup import Run, TaskRun, setup
+from opd.training.schedule import prefixed
+from opd.training.setup import Run, setup
 from opd.training.stepstats import StepUpdate, metric_weights, rollout_records, step_metrics
 
-
-@dataclass(frozen=True)
-class Assignment:
-    """A task's place in a step: its batch number among its own steps and its first global slot."""
-
-    task: TaskRun
-    visit: int  # how many earlier steps trained on this task: its data walks its own prompt order
-    slot0: int  # where its rollouts start in the step's global batch (sampling seeds)
-
-
-@dataclass
-class StepPart:
-    """One task's share of a step once scored (the whole step when it has one task): its rollouts,
-    loss mask, diagnostic positions, teacher scores and the scoring's own metrics."""
-
-    task: TaskRun
-    batch: RolloutBatch
-    rows: list[int]
-    records: list[EpisodeRecord] | None
-    mask_NT: torch.Tensor  # the loss mask, without the positions the teacher did not score
-    diag_M: torch.Tensor  # the flat positions of the full-vocabulary diagnostics
-    scores: TeacherScores
-    student_ids: torch.Tensor | None  # the student's top-K, for student-side supports
-    score_metrics: dict[str, float]  # logged with the step (cross/dropped)
-
-
 # ----------------------------------------------------------------------------- stages
-
-
-def step_tasks(run: Run, step: int) -> list[Assignment]:
-    """The tasks ``step`` trains on: the single task; the scheduled one (alternate); every task (mix),
-    their rollouts numbered one after the other in the step's global batch."""
-    if run.cfg.task_mode == "alternate":
-        i, visit = run.schedule[step]
-        return [Assignment(run.tasks[i], visit, 0)]
-    out, slot0 = [], 0
-    for t in run.tasks:
-        out.append(Assignment(t, step, slot0))
-        slot0 += t.cfg.batch_size * t.cfg.samples_per_prompt * run.dist.world
-    return out
-
-
-def rollout_request(run: Run, step: int, at: Assignment) -> tuple[list[int], list[int]]:
-    """This rank's share of one task of the step (``at``, from :func:`step_tasks`): its contiguous
-    block of the task's global batch (the items, a rollout per sample), each seeded by its global slot."""
-    task, cfg = at.task, at.task.cfg
-    idx = task.source.batch_indices(at.visit, cfg.batch_size * run.dist.world, cfg.seed)
-    global_rows = [i for i in idx for _ in range(cfg.samples_per_prompt)]
-    slots = run.dist.shard(list(range(len(global_rows))))
-    return [global_rows[s] for s in slots], [sample_seed(cfg.seed, step, at.slot0 + s) for s in slots]
-
-
-def rollout_stage(run: Run, step: int, at: Assignment) -> tuple[RolloutBatch, list[int], list[EpisodeRecord] | None]:
-    """This rank's rollouts of one task of the step, generated here: with --env, episodes of the
-    step's games and what happened in each (the source's records; None for prompts)."""
-    task = at.task
-    rows, seeds = rollout_request(run, step, at)
-    batch, records = run.dist.full_call(lambda _: task.source.rollout(task.engine, rows, seeds, task.cfg))
-    return batch, rows, records
-
-
-def rollouts_here(run: Run, step: int, tasks: list[Assignment]) -> tuple[list, dict[str, float]]:
-    """Every task's rollouts of the step, generated here, the engine's policy check of them (where it has
-    one: the largest gap over the step's tasks) and the time its weight sync took (where it has one)."""
-    rollouts, gaps, syncs = [], [], []
-    for at in tasks:
-        rollouts.append(rollout_stage(run, step, at))
-        if at.task.engine.policy_gap is not None:
-            gaps.append(at.task.engine.policy_gap)
-        if at.task.engine.sync_seconds is not None:
-            syncs.append(at.task.engine.sync_seconds)
-    return rollouts, {
-        **({"rollout/engine_logprob_gap": max(gaps)} if gaps else {}),
-        **({"time/weight_sync": sum(syncs)} if syncs else {}),
-    }
-
-
-def rollouts_ahead(run: Run, step: int) -> tuple[list, dict[str, float]]:
-    """--max-staleness S: the worker is asked for the steps up to ``step`` + S not yet asked for, with the
-    weights this step starts from, and step ``step``'s rollouts (asked for S steps ago) are taken."""
-    ahead = cast(AheadRollouts, run.ahead)
-    weights = None
-    for later in range(ahead.last + 1, min(step + run.cfg.max_staleness, run.cfg.steps - 1) + 1):
-        weights = weights or run.dist.full_call(merged_weights)
-        parts = [(run.tasks.index(at.task), *rollout_request(run, later, at)) for at in step_tasks(run, later)]
-        ahead.submit(later, step, parts, weights)
-    t0 = time.perf_counter()
-    rollouts, policy_step, worker = ahead.take(step)
-    waited = time.perf_counter() - t0
-    stats = {"rollout/staleness": float(step - policy_step), "rollout/worker_restarts": float(ahead.restarts)}
-    return rollouts, {**stats, **worker, "time/rollout_wait": waited}
-
-
-def diag_index(mask_NT: torch.Tensor, n: int, step: int, seed: int) -> torch.Tensor:
-    """A seeded sample of flat response positions for the full-vocabulary diagnostics."""
-    flat = mask_NT.reshape(-1).nonzero().squeeze(-1)
-    if flat.numel() <= n:
-        return flat
-    g = torch.Generator().manual_seed(seed * 31 + step)
-    pick = torch.randperm(flat.numel(), generator=g, device="cpu")[:n].to(flat.device)
-    return flat[pick].sort().values
-
-
-def score_stage(run: Run, batch: RolloutBatch, diag_M: torch.Tensor, task: TaskRun):
-    """The teacher's scores of one task's rollouts, by that task's teacher."""
-    cfg = run.cfg
-    needs_student = needs_student_topk(cfg)
-    student_ids = run.dist.full_call(lambda s: student_topk_ids(s, batch, cfg.k)) if needs_student else None
-    # a served teacher that stays down stops the run here, naming its task (see stop_if_service_down)
-    scores = for_task(task.name, task.teacher.score, batch, cfg.k, query_ids_NTQ=student_ids, diag_index_M=diag_M)
-    return scores, student_ids
-
-
-def scored_positions(run: Run, step: int, task: TaskRun, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loss mask of one task's rollouts and the positions of its full-vocabulary diagnostics."""
-    mask_NT = loss_mask(batch, run.special_ids, task.cfg.mask_special)
-    return mask_NT, diag_index(mask_NT, run.cfg.diag_positions, step, run.cfg.seed)
-
-
-def scored_part(
-    run: Run, step: int, rng: dict, task: TaskRun, batch: RolloutBatch, rows: list[int], records, early=None
-) -> StepPart:
-    """One task's rollouts, scored: the loss mask, the diagnostic positions, the teacher's scores
-    (``early``: scores made ahead, see :func:`score_ahead`; a teacher that stays down checkpoints
-    step - 1 first: --resume loses nothing), and the mask without what the teacher did not score (a
-    cross-tokenizer teacher's unaligned positions)."""
-    mask_NT, diag_M = scored_positions(run, step, task, batch)
-    with stop_if_service_down(run, step, rng, TeacherUnavailable, "the teacher"):
-        scores, student_ids = early or score_stage(run, batch, diag_M, task)
-    kept_NT, metrics = scored_loss_mask(mask_NT, scores)
-    return StepPart(task, batch, rows, records, kept_NT, diag_M, scores, student_ids, metrics)
-
-
-def score_stage_of(run: Run, step: int, rng: dict, tasks: list[Assignment], rollouts: list, early: Future | None):
-    """Every part of the step, scored: by the teacher now, or (``early``) by :func:`score_ahead`'s thread,
-    whose errors are the step's (a served teacher that stayed down stops the run here, as it would
-    have scoring now). Returns the parts and the scores' own time where they were made ahead."""
-    scored = None  # (per part: scores, student ids; seconds), or None: score in turn
-    if early is not None:
-        with stop_if_service_down(run, step, rng, TeacherUnavailable, "the teacher"):
-            scored = early.result()  # None where the worker died making the rollouts: they were made again
-    made, ahead = (scored[0], {"time/score_ahead": scored[1]}) if scored else ([None] * len(tasks), {})
-    parts = [
-        scored_part(run, step, rng, at.task, batch, rows, records, early=m)
-        for at, (batch, rows, records), m in zip(tasks, rollouts, made, strict=True)
-    ]
-    return parts, ahead
-
-
-def score_ahead(run: Run, step: int) -> Future | None:
-    """--max-staleness S > 0 with served teachers: step ``step``'s rollouts, once the worker has made
-    them, scored by the teacher in a thread while the trainer updates on the step before. Exact: the
-    scores depend on the rollouts alone (a served teacher's weights never change) and the positions
-    asked for on the rollouts and the step, so the run is the one that scores in turn. Not done
-    where the scores need the student's present weights (student-side supports) or the teacher is in
-    this process (it would score on the trainer's own cores): None then, and the step scores in turn."""
-    if run.score_pool is None or step >= run.cfg.steps or needs_student_topk(run.cfg):
-        return None
-    req = cast(AheadRollouts, run.ahead).pending.get(step)
-    tasks = step_tasks(run, step)
-    if req is None or not all(is_served(at.task.teacher) for at in tasks):
-        return None
-
-    def scores():
-        made = req.made()
-        if made is None:
-            return None
-        t0 = time.perf_counter()
-        out = []
-        for at, (batch, _, _) in zip(tasks, made[0], strict=True):
-            diag_M = scored_positions(run, step, at.task, batch)[1]
-            out.append(score_stage(run, batch, diag_M, at.task))
-        return out, time.perf_counter() - t0
-
-    return run.score_pool.submit(scores)
-
-
-@contextmanager
-def stop_if_service_down(run: Run, step: int, rng: dict, kind: type[ServiceUnavailable], service: str):
-    """Around a step's rollouts or scoring: a served teacher (or a rollout engine) that stayed
-    unreachable stops the run, every rank together (the checkpoint is collective), once step - 1 is
-    checkpointed. Nothing of this step has reached the weights, so --resume redoes it from its rollouts
-    on and loses nothing. ``rng``: the generators' state as the step began, which is the one a
-    checkpoint of step - 1 holds. ``kind`` is the error raised, ``service`` what to bring up."""
-    down = None
-    try:
-        yield
-    except UserError as exc:  # a multi-task run's teacher error names its task, caused by the client's
-        if not (isinstance(exc, ServiceUnavailable) or isinstance(exc.__cause__, ServiceUnavailable)):
-            raise
-        down = exc
-    if not run.dist.all_sum([float(down is not None)])[0]:
-        return
-    why = down or f"{service} of another rank stayed unreachable"
-    if step > run.start_step and not (run.cfg.ckpt_every and step % run.cfg.ckpt_every == 0):
-        checkpoint_stage(run, step - 1, rng)  # else the loop wrote it, or the run resumed from it (or none ran)
-    then = (
-        f"checkpoint of step {step - 1} written in {run.rundir.ckpt_root}; resume with --resume"
-        if step
-        else "no step had finished, so nothing was checkpointed; run the same command"
-    )
-    raise kind(f"{why}; {then} once {service} is up") from None
 
 
 def global_totals(run: Run, masks: list[torch.Tensor], horizons: list[int]) -> LossTotals:
@@ -383,7 +172,14 @@ def update_stage(run: Run, step: int, parts: list[StepPart]) -> list[StepUpdate]
             ]
     for u in first:
         u.lr = cast(float, run.scheduler.get_last_lr()[0]) * scale  # our schedules' lrs are floats
+    for engine in engines(run):  # one with weights of its own syncs them as its next rollout begins
+        engine.weights_changed()
     return first
+
+
+def engines(run: Run) -> list[RolloutEngine]:
+    """The run's rollout engines, each once (its tasks share one)."""
+    return list({id(t.engine): t.engine for t in run.tasks}.values())
 
 
 def policy_logprobs_of(run: Run, parts: list[StepPart], micro: list[MicroBatch]) -> list[torch.Tensor] | None:
@@ -478,10 +274,13 @@ def log_stage(run: Run, step: int, parts: list[StepPart], upds: list[StepUpdate]
     return record
 
 
-def checkpoint_stage(run: Run, step: int, rng: dict | None = None, score: float | None = None) -> None:
-    """Rank 0 writes; every rank takes part in gathering sharded weights and per-rank RNG states
-    (``rng``: this rank's, when not the generators' state now). ``score``: the --keep-best figure of
-    this step's evaluation; the keep rules prune the others (opd.training.keeping)."""
+def checkpoint_stage(
+    run: Run, producer: Producer, step: int, rng: dict | None = None, score: float | None = None
+) -> None:
+    """Rank 0 writes; every rank takes part in gathering sharded weights, per-rank RNG states and the
+    rollouts in flight (``producer``'s) (``rng``: this rank's, when not the generators' state now).
+    ``score``: the --keep-best figure of this step's evaluation; the keep rules prune the others
+    (opd.training.keeping)."""
     rngs = run.dist.gather(rng_state(run.dist.device) if rng is None else rng)
     state = {
         "step": step,
@@ -493,46 +292,54 @@ def checkpoint_stage(run: Run, step: int, rng: dict | None = None, score: float 
         "precision": precision_record(run.cfg.dtype, bool(run.cfg.lora_r)),
         "config": config_record(run.cfg),
         "max_staleness": run.cfg.max_staleness,
+        **producer.in_flight(step),  # every rank's rollouts asked for with the weights this checkpoint has seen
     }
-    if run.ahead is not None:  # every rank's rollouts asked for with the weights this checkpoint has seen
-        state["ahead"] = saved_in_flight(run.dist, run.ahead.in_flight(step))
     weights = run.dist.full_state_dict(run.student)
     keep, best = run.cfg.keep_checkpoints, best_rule(run.cfg)
     run.rundir.save_checkpoint(step, run.student, state, keep, model_state=weights, score=score, best=best)
     run.dist.barrier()
 
 
+def stop_at(run: Run, producer: Producer, step: int, rng: dict, down: ServiceDown) -> NoReturn:
+    """A served teacher (or the rollout engine) stayed unreachable while ``step`` was made (every rank is
+    here together: the checkpoint is collective): step - 1 is checkpointed and the run stops. Nothing of
+    this step has reached the weights, so --resume redoes it from its rollouts on and loses nothing.
+    ``rng``: the generators' state as the step began, which is the one a checkpoint of step - 1 holds."""
+    if step > run.start_step and not (run.cfg.ckpt_every and step % run.cfg.ckpt_every == 0):
+        checkpoint_stage(
+            run, producer, step - 1, rng
+        )  # else the loop wrote it, or the run resumed from it (or none ran)
+    then = (
+        f"checkpoint of step {step - 1} written in {run.rundir.ckpt_root}; resume with --resume"
+        if step
+        else "no step had finished, so nothing was checkpointed; run the same command"
+    )
+    raise down.kind(f"{down.why}; {then} once {down.service} is up") from None
+
+
 # ----------------------------------------------------------------------------- loop
 
 
-def train_steps(run: Run, show_progress: bool) -> dict:
+def train_steps(run: Run, producer: Producer, show_progress: bool) -> dict:
     """The steps from ``run.start_step`` on; the last evaluation's record."""
     cfg = run.cfg
     last_eval: dict = {}
-    early: Future | None = None  # the step's scores, made ahead while the step before updated
     with run.rundir, progress_bar(f"OPD {cfg.objective}", total=cfg.steps, enabled=show_progress) as bar:
         bar.advance(run.start_step)
         for step in range(run.start_step, cfg.steps):
             t0, rng = time.perf_counter(), rng_state(run.dist.device)
-            tasks = step_tasks(run, step)
-            ahead: dict[str, float] = {}
-            with stop_if_service_down(run, step, rng, EngineUnavailable, "the rollout engine"):
-                if run.ahead is None:
-                    rollouts, ahead = rollouts_here(run, step, tasks)
-                else:
-                    rollouts, ahead = rollouts_ahead(run, step)
+            try:  # rollout -> score
+                parts, timings = producer.take(step)
+            except ServiceDown as down:
+                stop_at(run, producer, step, rng, down)
             t1 = time.perf_counter()
-            parts, scored_ahead = score_stage_of(run, step, rng, tasks, rollouts, early)
+            upds = update_stage(run, step, parts)  # loss -> update
             t2 = time.perf_counter()
-            early = score_ahead(run, step + 1)  # while this step updates
-            upds = update_stage(run, step, parts)
-            t3 = time.perf_counter()
-            timings = {"time/generate": t1 - t0, "time/score": t2 - t1, "time/update": t3 - t2, "time/step": t3 - t0}
-            timings.update(ahead | scored_ahead)
+            timings.update({"time/update": t2 - t1, "time/step": t2 - t0})
             record = log_stage(run, step, parts, upds, timings)
             # the step's scores hold the teacher's logits at the diagnostic positions (positions x V float32):
             # not kept through the next step's rollout and scoring
-            del parts, upds, rollouts
+            del parts, upds
             bar.advance(1)
             acc = record.get("rollout/accuracy")  # absent where no rollout had a reference answer
             bar.describe(f"loss {record['train/loss']:.4f}" + ("" if acc is None else f"  acc {acc:.2f}"))
@@ -542,7 +349,7 @@ def train_steps(run: Run, show_progress: bool) -> dict:
                 last_eval = eval_stage(run, step)
             # --keep-best: every evaluation is a scored checkpoint
             if last or (cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0) or (cfg.keep_best and evaluated):
-                checkpoint_stage(run, step, score=checkpoint_score(cfg, last_eval) if evaluated else None)
+                checkpoint_stage(run, producer, step, score=checkpoint_score(cfg, last_eval) if evaluated else None)
     return last_eval
 
 
@@ -550,19 +357,19 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
     """Train; returns the last evaluation's record (a multi-task run: each task's under eval/<name>/)."""
     run = setup(cfg)
     cfg = run.cfg  # a resume on another number of processes rescales --batch-size (opd.training.resuming)
+    producer: Producer | None = None
     try:
-        last_eval = train_steps(run, show_progress)
+        producer = make_producer(run)
+        last_eval = train_steps(run, producer, show_progress)
     finally:
+        if producer is not None:  # the rollout worker and the scoring thread
+            producer.close()
         for t in run.tasks:  # an environment's worker processes
             t.source.close()
             if t.test is not None:
                 t.test.close()
-        for engine in {id(t.engine): t.engine for t in run.tasks}.values():  # a vLLM server; tasks share one
+        for engine in engines(run):  # a vLLM server
             engine.close()
-        if run.ahead is not None:
-            run.ahead.close()
-        if run.score_pool is not None:
-            run.score_pool.shutdown(wait=False, cancel_futures=True)
     weights = run.dist.full_state_dict(run.student)  # every rank: gathering sharded weights is collective
     best = best_weights(cfg, run.rundir) if run.rundir.enabled else None  # --final-best
     save_final_model(

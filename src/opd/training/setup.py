@@ -6,12 +6,11 @@ The loop's stages (:mod:`opd.training.loop`) read everything from the :class:`Ru
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from opd.chat import set_chat_options, tool_call_marker_ids
 from opd.config import TEACHER_SCORING, TaskSpec, TrainConfig, resolve_tasks
@@ -34,9 +33,8 @@ from opd.rollout.registry import check_engine, make_engine
 from opd.runs.rundir import RunDir
 from opd.service import check_url
 from opd.teachers.crosstok import CrossTokenizerTeacher
-from opd.teachers.factory import is_served, make_teacher
+from opd.teachers.factory import make_teacher
 from opd.teachers.scoring import TeacherScorer
-from opd.training.ahead import AheadRollouts, rank_share, split_threads
 from opd.training.distributed import Dist, init_distributed
 from opd.training.optim import make_optimizer, make_scheduler, set_rng_state
 from opd.training.resuming import (
@@ -84,10 +82,9 @@ class Run:
     dist: Dist = field(default_factory=Dist)  # ranks, and the student as DDP/FSDP wrap it (dist.model)
     start_step: int = 0
     schedule: list[tuple[int, int]] = field(default_factory=list)  # alternate: (task, its batch number) per step
-    ahead: AheadRollouts | None = None  # --max-staleness > 0: the worker generating ahead of the trainer
-    score_pool: ThreadPoolExecutor | None = (
-        None  # and a served teacher: its scoring of the next step (loop.score_ahead)
-    )
+    # resuming with --max-staleness: the checkpoint's rollouts in flight (every rank's; opd.training.ahead),
+    # which the run's rollout producer (opd.training.producer) takes back
+    in_flight: list[dict] | dict | None = None
     said: set[str] = field(default_factory=set)  # the notes a run gives once, given
 
 
@@ -108,14 +105,7 @@ def setup(cfg: TrainConfig) -> Run:
     # before the models: a data problem shows at once
     data = [for_task(s.name, task_data, s.cfg) for s in specs]
     say_grading_notes("train", specs, data)
-    rev = cfg.student_revision
-    tok = set_chat_options(
-        load_tokenizer(cfg.student, "student", revision=rev),
-        cfg.chat_template_kwargs,
-        check=cfg.check_chat_template_kwargs,
-    )
-    weights_dtype = trained_weights_dtype(cfg.dtype, bool(cfg.lora_r))
-    student = compute_in(load_model(cfg.student, "student", weights_dtype, device, revision=rev), cfg.dtype)
+    student, tok = load_student(cfg, device, check=cfg.check_chat_template_kwargs)
     tasks = build_tasks(specs, data, student, tok)
     V = head_weight(student).shape[0]
     if cfg.k > V:
@@ -133,16 +123,12 @@ def setup(cfg: TrainConfig) -> Run:
         load_weights(student, ckpt / "model")  # before wrapping: FSDP shards the weights it is given
     student.train()
     optimizer = make_optimizer(dist.wrap(student), cfg.lr, cfg.weight_decay)
-    engine = start_engine(cfg, specs, student, tok, rundir, dist, optimizer)
+    engine = start_engine(cfg, specs, student, tok, rundir, dist)
     for t in tasks:
         t.engine = engine
     scheduler = make_scheduler(optimizer, cfg.warmup_steps, cfg.steps * cfg.updates_per_batch, cfg.schedule)
     schedule = task_schedule(cfg.steps, [t.share for t in tasks], cfg.seed) if cfg.task_mode == "alternate" else []
     run = Run(cfg, student, tok, tasks, optimizer, scheduler, rundir, special_ids, dist, schedule=schedule)
-    if cfg.max_staleness:
-        run.ahead = start_ahead(cfg, engine)
-        if any(is_served(t.teacher) for t in tasks):
-            run.score_pool = ThreadPoolExecutor(1, thread_name_prefix="opd-score-ahead")
     if ckpt is not None and state is not None:
         resume(run, ckpt, state)
     elif cfg.resume:  # killed before its first checkpoint: it starts over, so must its logs
@@ -157,31 +143,31 @@ def setup(cfg: TrainConfig) -> Run:
     return run
 
 
-def start_engine(cfg: TrainConfig, specs: list[TaskSpec], student, tok, rundir: RunDir, dist: Dist, optimizer):
+def load_student(
+    cfg: TrainConfig, device: torch.device, check: bool
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The student as a run trains it (float32 masters, its body computing in --dtype) and its tokenizer
+    with the chat options (``check``: refuse options its template ignores). The trainer's, and the
+    --max-staleness worker's copy (opd.training.ahead), so a rollout there computes what the trainer would."""
+    rev = cfg.student_revision
+    tok = set_chat_options(load_tokenizer(cfg.student, "student", revision=rev), cfg.chat_template_kwargs, check=check)
+    weights_dtype = trained_weights_dtype(cfg.dtype, bool(cfg.lora_r))
+    student = compute_in(load_model(cfg.student, "student", weights_dtype, device, revision=rev), cfg.dtype)
+    return student, tok
+
+
+def start_engine(cfg: TrainConfig, specs: list[TaskSpec], student, tok, rundir: RunDir, dist: Dist) -> RolloutEngine:
     """``--rollout-engine``: the one engine every task rolls out from (:mod:`opd.rollout.registry`; opd's own
     sampling loop by default), on the student (LoRA's wrapper included); one with weights of its own is
-    given them after each optimizer step. Under torchrun/accelerate each rank has its own (its files in a
-    folder of its own), or reaches one that all share (``--vllm-url``), and rolls out its share of the batch.
-    Under FSDP it is given the weights gathered for the rollout. With --max-staleness the rollout worker
-    samples instead, reaching the engine through its handle (opd.training.ahead)."""
+    told after each update (the loop's update stage calls its ``weights_changed``). Under torchrun/accelerate
+    each rank has its own (its files in a folder of its own), or reaches one that all share (``--vllm-url``),
+    and rolls out its share of the batch. Under FSDP it is given the weights gathered for the rollout. With
+    --max-staleness the rollout worker samples instead, reaching the engine (opd.training.ahead)."""
     folder = rundir.path / cfg.rollout_engine / (f"rank{dist.rank}" if dist.world > 1 else "")
     # an engine of its own (vLLM) reads the folder a Hub name resolved to: the same files as the trainer
     model_dir = str(resolve_model(cfg.student, cfg.student_revision))
     ctx = EngineContext(student, tok, cfg, model_dir, [s.cfg for s in specs], folder, dist.world)
-    engine = make_engine(cfg.rollout_engine, ctx)
-    if not cfg.max_staleness:
-        engine.watch(optimizer)
-    return engine
-
-
-def start_ahead(cfg: TrainConfig, engine: RolloutEngine) -> AheadRollouts:
-    """The rollout worker of --max-staleness (reaching ``engine``, the trainer's) with
-    --rollout-worker-threads, or with its share of the cores' torch threads (the rest are the trainer's)."""
-    if cfg.rollout_worker_threads:
-        return AheadRollouts(cfg, cfg.rollout_worker_threads, engine)
-    trainer, worker = split_threads(torch.get_num_threads())
-    torch.set_num_threads(trainer)
-    return AheadRollouts(cfg, worker, engine)
+    return make_engine(cfg.rollout_engine, ctx)
 
 
 def _teacher_key(c: TrainConfig) -> tuple:
@@ -235,8 +221,7 @@ def resume(run: Run, ckpt: Path, state: dict) -> None:
     """Optimizer, schedule, RNG and step from ``ckpt``'s ``state`` (checked against the run by
     :func:`opd.training.resuming.check_same_run`; the weights were loaded before wrapping), written by any
     number of processes, with or without FSDP (:mod:`opd.training.resuming`)."""
-    if run.ahead is not None:
-        run.ahead.load(rank_share(state["ahead"], run.dist.rank))
+    run.in_flight = state.get("ahead")  # --max-staleness: taken back by the producer (opd.training.producer)
     trained = trained_parameters(run.dist.module)
     optimizer_state = named_optimizer_state(state["optimizer"], list(trained))
     check_optimizer_state(optimizer_state, trained, ckpt)
