@@ -85,6 +85,7 @@ def timed_rollouts(engine, ids: list[list[int]], new_tokens: int, repeats: int) 
     """Median seconds of ``repeats`` batches, the tokens each generated, and the last one's policy check."""
     seconds, tokens, gap = [], [], None
     for r in range(repeats):
+        engine.weights_changed()  # as after an optimizer step: the weights synced before every batch, timed with it
         t0 = time.perf_counter()
         batch = engine.generate(ids, list(range(r * 1000, r * 1000 + len(ids))), max_new_tokens=new_tokens, top_p=0.9)
         seconds.append(time.perf_counter() - t0)
@@ -200,7 +201,7 @@ def table(rollouts: list[dict], steps: list[dict]) -> str:
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rollouts:
-        gap = f"{r['logprob_gap']:.2g}" if "logprob_gap" in r else "-"
+        gap = f"{r['logprob_gap']:.2g}" if r.get("logprob_gap") is not None else "-"
         sync = f"{r['sync_s']:.3f}" if "sync_s" in r else "-"
         lines.append(
             f"| {r['model']} | {r['engine']} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['rollouts_per_s']:.2f} | {sync} | {gap} |"

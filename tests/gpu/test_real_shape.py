@@ -92,11 +92,13 @@ def run_steps(cfg: TrainConfig, cudnn: bool) -> dict:
     """opd's loop on ``cfg`` (setup switches cuDNN attention off; ``cudnn`` turns it back on first)."""
     run = setup(cfg)
     torch.backends.cuda.enable_cudnn_sdp(cudnn)
+    producer = make_producer(run)
     try:
-        loop.train_steps(run, make_producer(run), show_progress=False)
+        loop.train_steps(run, producer, show_progress=False)
     except UserError as exc:  # opd stops a run whose loss or gradient norm is not finite, saying so
         return {"finite": False, "error": str(exc).split(";")[0], "steps": []}
     finally:
+        producer.close()
         torch.backends.cuda.enable_cudnn_sdp(False)
     recs = [json.loads(x) for x in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "train/loss" in r]

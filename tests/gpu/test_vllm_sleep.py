@@ -74,7 +74,8 @@ def test_vllm_sleep_frees_memory_and_serves_the_student(level, served, record_pr
     engine.weights_changed()
     third = roll()  # the policy check (max_gap) raises if the served weights are not the student's
     record_property("policy_gap_after_weights_changed", third.report.policy_gap)
-    last = roll()  # asleep and woken once more on the changed weights
+    engine.weights_changed()  # so that the last rollout times a wake and a sync at each level
+    last = roll()  # asleep and woken once more, synced
     engine.sleep_mode.wake(lambda: None)  # left awake: the next level's engine starts on an awake server
     record_property("free_asleep_GiB", round(asleep_gib, 2))
     record_property("free_awake_GiB", round(awake_gib, 2))

@@ -180,7 +180,10 @@ def stages(modules, names: list[str], enter: Callable[[str], None], leave: Calla
     wrapped so that ``enter(name)`` and ``leave(name)`` run around each call (a stage of opd's step: the
     ``*_stage`` functions of :mod:`opd.training.producer` and :mod:`opd.training.loop`); put back on exit."""
     found = modules if isinstance(modules, (list, tuple)) else (modules,)
-    where = {n: next(m for m in found if hasattr(m, n)) for n in names}
+    where = {n: next((m for m in found if hasattr(m, n)), None) for n in names}
+    missing = [n for n, m in where.items() if m is None]
+    if missing:
+        raise KeyError(f"no stage {', '.join(missing)} in {', '.join(m.__name__ for m in found)}")
     real = {n: getattr(where[n], n) for n in names}
 
     def wrapped(name: str, fn: Callable) -> Callable:

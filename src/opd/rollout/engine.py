@@ -225,7 +225,8 @@ class RolloutEngine(Protocol):
 
     def weights_changed(self) -> None:
         """The student's weights changed (the trainer calls it after each update): the next rollout syncs
-        them first. An engine syncs only then, and before its first rollout."""
+        them first. An engine syncs then, before its first rollout, and where it lost its weights: a
+        restarted server, or one put to sleep at level 2 (``--vllm-sleep 2``) after each rollout."""
 
     def close(self) -> None: ...
 

@@ -92,7 +92,8 @@ class ServerEngine(EngineBase):
 
     # ------------------------------------------------------------------ weights
     def weights_changed(self) -> None:
-        """Synced as the next rollout begins, once: the tasks of a multi-task step share one sync."""
+        """Synced as the next rollout begins, once: the tasks of a multi-task step share one sync (but for
+        ``--vllm-sleep 2``, whose sleep drops the weights after each rollout: each task syncs again)."""
         self.stale = True
 
     # The engine's rollout cycle: begin (wake, sync) ... requests ... end (sleep). One place, so that a

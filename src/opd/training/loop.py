@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from contextlib import ExitStack
 from typing import NoReturn, cast
 
 import torch
@@ -306,9 +307,8 @@ def stop_at(run: Run, producer: Producer, step: int, rng: dict, down: ServiceDow
     this step has reached the weights, so --resume redoes it from its rollouts on and loses nothing.
     ``rng``: the generators' state as the step began, which is the one a checkpoint of step - 1 holds."""
     if step > run.start_step and not (run.cfg.ckpt_every and step % run.cfg.ckpt_every == 0):
-        checkpoint_stage(
-            run, producer, step - 1, rng
-        )  # else the loop wrote it, or the run resumed from it (or none ran)
+        # else the loop wrote it, or the run resumed from it (or none ran)
+        checkpoint_stage(run, producer, step - 1, rng)
     then = (
         f"checkpoint of step {step - 1} written in {run.rundir.ckpt_root}; resume with --resume"
         if step
@@ -357,19 +357,16 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
     """Train; returns the last evaluation's record (a multi-task run: each task's under eval/<name>/)."""
     run = setup(cfg)
     cfg = run.cfg  # a resume on another number of processes rescales --batch-size (opd.training.resuming)
-    producer: Producer | None = None
-    try:
-        producer = make_producer(run)
-        last_eval = train_steps(run, producer, show_progress)
-    finally:
-        if producer is not None:  # the rollout worker and the scoring thread
-            producer.close()
-        for t in run.tasks:  # an environment's worker processes
-            t.source.close()
-            if t.test is not None:
-                t.test.close()
+    with ExitStack() as closing:  # each closed even where one before it raises; last registered, first closed
         for engine in engines(run):  # a vLLM server
-            engine.close()
+            closing.callback(engine.close)
+        for t in run.tasks:  # an environment's worker processes
+            closing.callback(t.source.close)
+            if t.test is not None:
+                closing.callback(t.test.close)
+        producer = make_producer(run)
+        closing.callback(producer.close)  # the rollout worker and the scoring thread
+        last_eval = train_steps(run, producer, show_progress)
     weights = run.dist.full_state_dict(run.student)  # every rank: gathering sharded weights is collective
     best = best_weights(cfg, run.rundir) if run.rundir.enabled else None  # --final-best
     save_final_model(

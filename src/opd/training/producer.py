@@ -221,8 +221,10 @@ class OnPolicy:
     def take(self, step: int) -> tuple[list[StepPart], dict[str, float]]:
         run, t0 = self.run, time.perf_counter()
         tasks = step_tasks(run, step)
-        with on_every_rank(run, EngineUnavailable, "the rollout engine"):
-            rollouts = [rollout_stage(run, step, at) for at in tasks]
+        rollouts = []
+        for at in tasks:  # one agreement per task, as scoring: a task's rollout may gather weights on every rank
+            with on_every_rank(run, EngineUnavailable, "the rollout engine"):
+                rollouts.append(rollout_stage(run, step, at))
         t1 = time.perf_counter()
         parts = score_parts(run, step, tasks, rollouts)
         made = {"time/generate": t1 - t0, "time/score": time.perf_counter() - t1}
@@ -247,8 +249,13 @@ class Ahead:
             trainer, threads = split_threads(torch.get_num_threads())
             torch.set_num_threads(trainer)
         self.run, self.rollouts = run, AheadRollouts(cfg, threads, engine)
-        if run.in_flight is not None:  # resuming: the rollouts the checkpoint held in flight
-            self.rollouts.load(rank_share(run.in_flight, run.dist.rank))
+        saved, run.in_flight = run.in_flight, None  # the run keeps no copy (held weights among them)
+        if saved is not None:  # resuming: the rollouts the checkpoint held in flight
+            try:
+                self.rollouts.load(rank_share(saved, run.dist.rank))
+            except BaseException:
+                self.rollouts.close()
+                raise
         served = any(is_served(t.teacher) for t in run.tasks)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="opd-score-ahead") if served else None
         self.early: Future | None = None  # the next step's scores, made while this step updates
