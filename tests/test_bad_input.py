@@ -305,7 +305,7 @@ CASES = [
     (
         "unknown-task-key",
         f"{TRAIN} --tasks <D>/task_typo.yaml",
-        r"task 'math': 'stepz' is not a setting; a task may set teacher, teacher_revision, teacher_url, .*, eval_samples",
+        r"task 'math': 'stepz' is not a setting; a task may set task, task_revision, .*teacher_url, .*, eval_samples",
     ),
     (
         "words-for-a-task-count",

@@ -24,11 +24,10 @@ from opd.config.options import (
     parse_special_map,
 )
 from opd.config.tasks import (
-    PER_TASK,
-    SFT_PER_TASK,
     TASK_MODES,
     TEACHER_SCORING,
     TaskSpec,
+    per_task_keys,
     read_task_list,
     resolve_tasks,
 )
@@ -37,9 +36,7 @@ __all__ = [
     "CROSS_TOKENIZER",
     "DEFAULT_SPECIAL_TOKENS",
     "DTYPES",
-    "PER_TASK",
     "REPORT_TO",
-    "SFT_PER_TASK",
     "STATIC_CACHE",
     "TEACHER_SCORING",
     "TASK_MODES",
@@ -57,6 +54,7 @@ __all__ = [
     "dump_config",
     "opt",
     "parse_special_map",
+    "per_task_keys",
     "read_config_file",
     "read_run_config",
     "read_task_list",

@@ -25,10 +25,12 @@ if TYPE_CHECKING:
 C = TypeVar("C", bound="DataclassInstance")
 
 
-def opt(default: Any, help: str, secret: bool = False, **kw: Any) -> Any:
-    """A dataclass field with help text (mutable defaults go through a factory). A ``secret`` one (an API
-    key) is left out of the config's repr and of every record of it (:func:`config_record`)."""
-    meta = {"help": help, **kw, **({"secret": True} if secret else {})}
+def opt(default: Any, help: str, *, section: str, per_task: bool = False, secret: bool = False) -> Any:
+    """A config option: a dataclass field with its help text, the section it sits in (``config.json`` and
+    ``--help``, :mod:`opd.config.sections`) and whether a task of a multi-task run may set it for itself
+    (:mod:`opd.config.tasks`); mutable defaults go through a factory. A ``secret`` one (an API key) is left out
+    of the config's repr and of every record of it (:func:`config_record`)."""
+    meta = {"help": help, "section": section, "per_task": per_task, **({"secret": True} if secret else {})}
     if isinstance(default, (list, dict, tuple)):
         value = default
         return field(default_factory=lambda: type(value)(value), metadata=meta, repr=not secret)

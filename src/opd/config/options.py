@@ -38,19 +38,25 @@ class TrainConfig(EnvSource, TrainingSource, EngineOptions, CheckpointOptions, T
     out: str = out_option("train")
 
     teacher: str = opt(
-        "", "Teacher model: a directory or a Hub name (its own tokenizer too: --cross-tokenizer, --teacher-tokenizer)."
+        "",
+        "Teacher model: a directory or a Hub name (its own tokenizer too: --cross-tokenizer, --teacher-tokenizer).",
+        section="teacher",
+        per_task=True,
     )
     teacher_tokenizer: str = opt(
         "",
         "Teacher tokenizer directory (default: the --teacher directory). With --teacher-url, the served "
         "model's tokenizer: given and different from the student's, the server scores the teacher's own "
         "tokenization (cross-tokenizer OPD).",
+        section="teacher",
+        per_task=True,
     )
     teacher_chat_template_kwargs: dict[str, Any] | None = opt(
         None,
         "Options for the teacher's chat template, a JSON object, where the teacher renders the prompts itself "
         "(a teacher with another tokenizer: --cross-tokenizer); a teacher with the student's tokenizer reads the "
         "student's rendering. Unset: --chat-template-kwargs; '{}': none.",
+        section="teacher",
     )
     cross_tokenizer: str = opt(
         "auto",
@@ -58,6 +64,8 @@ class TrainConfig(EnvSource, TrainingSource, EngineOptions, CheckpointOptions, T
         "on, or off (a different vocabulary is an error). The teacher reads the same text in its own chat "
         "template and tokenization; its scores are aligned to the student's tokens by bytes. Trains lsm "
         "(--support teacher_topk) or sampled (span reward); not full_kl, student-side supports or --env.",
+        section="cross_tokenizer",
+        per_task=True,
     )
     cross_pairing: str = opt(
         "group_start",
@@ -66,6 +74,8 @@ class TrainConfig(EnvSource, TrainingSource, EngineOptions, CheckpointOptions, T
         "tokens whose bytes are exactly one teacher token; within_group: group_start, and the later "
         "tokens of a group with one teacher token (the student's '5' of the teacher's '15') get the "
         "teacher's distribution at the group's start, kept where it goes on past the group's bytes so far.",
+        section="cross_tokenizer",
+        per_task=True,
     )
     cross_unmapped: str = opt(
         "drop",
@@ -73,30 +83,40 @@ class TrainConfig(EnvSource, TrainingSource, EngineOptions, CheckpointOptions, T
         "where the student writes each digit). drop: left out of the support; prefix: counted for the "
         "longest student token its bytes begin with ('1'), the teacher's mass for how the text goes on. "
         "For a teacher whose tokens are longer than the student's (docs/cross-tokenizer.md).",
+        section="cross_tokenizer",
+        per_task=True,
     )
     cross_joinable: str = opt(
         "keep",
         "Cross-tokenizer LSM: support tokens the teacher's tokenizer would have joined to its token before the "
         "position (the student's '5' after the teacher's '1', where the teacher writes '15'). keep, or drop them "
         "from the support: the teacher's probability for them is that of a token boundary it never makes.",
+        section="cross_tokenizer",
+        per_task=True,
     )
     teacher_special_map: list[Any] = opt(
         [],
         "Cross-tokenizer: student special tokens and the teacher's that stand for them, STUDENT=TEACHER, "
         "comma-separated (e.g. '<|im_end|>=</s>'). Same-named specials pair by themselves; the student's "
         "EOS pairs with the teacher's EOS unless given here.",
+        section="cross_tokenizer",
+        per_task=True,
     )
     teacher_dtype: str = opt(
         "",
         "In-process teacher's dtype (default: --dtype). The teacher is never trained, so it can "
         "run in bfloat16 while the student trains in float32, as a served teacher usually does; "
         "its log-probs are still taken in float32.",
+        section="teacher",
+        per_task=True,
     )
-    objective: str = opt("lsm", objectives_help())
-    k: int = opt(32, "Support size K for lsm (and the top-K of the diagnostics).")
-    support: str = opt("teacher_topk", f"Support set for lsm: {', '.join(SUPPORT_KINDS)}.")
+    objective: str = opt("lsm", objectives_help(), section="objective")
+    k: int = opt(32, "Support size K for lsm (and the top-K of the diagnostics).", section="objective")
+    support: str = opt("teacher_topk", f"Support set for lsm: {', '.join(SUPPORT_KINDS)}.", section="objective")
     renormalize: bool = opt(
-        True, "Renormalize student and teacher over the support (lsm). Off is the collapsing ablation."
+        True,
+        "Renormalize student and teacher over the support (lsm). Off is the collapsing ablation.",
+        section="objective",
     )
     tail: bool = opt(
         False,
@@ -105,6 +125,7 @@ class TrainConfig(EnvSource, TrainingSource, EngineOptions, CheckpointOptions, T
         "mass outside it is no longer free (TRL's loss_add_tail). Works with every --support and a "
         "served teacher (it needs only the teacher's top-K log-probs); replaces renormalization, so "
         "not with --no-renormalize. Costs a pass over the student's head per step.",
+        section="objective",
     )
     forward_kl_share: float = opt(
         0.0,
@@ -112,42 +133,56 @@ class TrainConfig(EnvSource, TrainingSource, EngineOptions, CheckpointOptions, T
         "b KL(teacher||student). Reverse KL's pull on a token scales with the student's own probability of "
         "it, so a token the teacher wants and the student has all but dropped is barely pulled back; forward "
         "KL's pull does not shrink (docs/losses.md). 0: LSM as the paper has it.",
+        section="objective",
     )
-    gamma: float = opt(0.0, "Discount of the sampled-token reward-to-go: 0 token level, 1 sequence level.")
-    kl_direction: str = opt("reverse", "Direction of full_kl: reverse (KL(student||teacher)) or forward.")
+    gamma: float = opt(
+        0.0, "Discount of the sampled-token reward-to-go: 0 token level, 1 sequence level.", section="objective"
+    )
+    kl_direction: str = opt(
+        "reverse", "Direction of full_kl: reverse (KL(student||teacher)) or forward.", section="objective"
+    )
     mask_special: bool | None = opt(
         None,
         "Leave positions whose sampled token is special (--special-tokens) out of the loss (default: on for "
         "lsm, off otherwise; settable per task). With teacher top-K LSM this also leaves a format token the "
         "teacher never ranks uncorrected; --tail corrects it at the positions before it is written.",
+        section="objective",
+        per_task=True,
     )
-    special_tokens: list[Any] = opt(list(DEFAULT_SPECIAL_TOKENS), "Tokens masked when mask_special is on.")
+    special_tokens: list[Any] = opt(
+        list(DEFAULT_SPECIAL_TOKENS), "Tokens masked when mask_special is on.", section="objective"
+    )
     long_prompts: str = opt(
         "skip",
         "Training prompts longer than --max-prompt-tokens: skip (left out, counted in data/prompts_skipped, "
         "one warning per task with the count and the longest) or error (the run stops before it starts).",
+        section="data",
     )
-    steps: int = opt(200, "Number of rollout batches (training steps).")
+    steps: int = opt(200, "Number of rollout batches (training steps).", section="optimizer")
     batch_size: int = opt(
         64,
         "Prompts per step and process (one rollout each unless samples_per_prompt > 1); "
         "N processes under torchrun/accelerate train on N x this per step; a --resume on another number of "
         "processes keeps the checkpoint's global batch (this is rescaled).",
+        section="optimizer",
+        per_task=True,
     )
-    samples_per_prompt: int = opt(1, "Rollouts per prompt.")
-    grad_accum: int = opt(1, "Micro-batches per optimizer step; the batch is split evenly.")
+    samples_per_prompt: int = opt(1, "Rollouts per prompt.", section="rollout")
+    grad_accum: int = opt(1, "Micro-batches per optimizer step; the batch is split evenly.", section="optimizer")
     micro_batch_tokens: int = opt(
         0,
         "Micro-batches by token budget instead of --grad-accum: the step's sequences (long and short responses "
         "together, longest first) packed so each micro-batch's rows x its longest sequence (prompt and response "
         "tokens) stays within N; a longer sequence goes alone. The step's loss and gradient are the unsplit "
         "step's. 0: off. Not with --grad-accum > 1.",
+        section="optimizer",
     )
     gradient_checkpointing: bool = opt(
         False,
         "Activation checkpointing per decoder layer in the student's update: each layer's activations are "
         "recomputed in the backward instead of kept, for long responses (docs/training.md, 'Long responses'). "
         "The rollout and the teacher are untouched.",
+        section="optimizer",
     )
     updates_per_batch: int = opt(
         1,
@@ -155,40 +190,48 @@ class TrainConfig(EnvSource, TrainingSource, EngineOptions, CheckpointOptions, T
         "PPO-clipped importance ratios; lsm and full_kl are computed exactly at each "
         "visited state and need no ratio, but those states then come from an older "
         "policy (mildly off-policy). Only the first update's loss is logged.",
+        section="optimizer",
     )
-    clip_eps: float = opt(0.2, "PPO clip for the importance ratio when updates_per_batch > 1.")
+    clip_eps: float = opt(0.2, "PPO clip for the importance ratio when updates_per_batch > 1.", section="optimizer")
     stale_weight_cap: float = opt(
         2.0,
         "With --max-staleness > 0 and --objective sampled: the cap C of the truncated importance weight "
         "min(pi/mu, C) against the older policy mu that sampled (inf: no truncation).",
+        section="optimizer",
     )
-    lr: float = opt(5e-4, "Peak learning rate (AdamW).")
-    weight_decay: float = opt(0.0, "AdamW weight decay.")
-    warmup_steps: int = opt(10, "Linear warm-up steps.")
-    schedule: str = opt("constant", "Learning-rate schedule after warm-up: constant, linear or cosine.")
-    max_grad_norm: float = opt(1.0, "Gradient clipping norm (0 disables).")
-    temperature: float = opt(1.0, "Rollout sampling temperature.")
-    top_p: float = opt(0.9, "Rollout nucleus (top-p) sampling, in (0, 1].")
+    lr: float = opt(5e-4, "Peak learning rate (AdamW).", section="optimizer", per_task=True)
+    weight_decay: float = opt(0.0, "AdamW weight decay.", section="optimizer")
+    warmup_steps: int = opt(10, "Linear warm-up steps.", section="optimizer")
+    schedule: str = opt(
+        "constant", "Learning-rate schedule after warm-up: constant, linear or cosine.", section="optimizer"
+    )
+    max_grad_norm: float = opt(1.0, "Gradient clipping norm (0 disables).", section="optimizer")
+    temperature: float = opt(1.0, "Rollout sampling temperature.", section="rollout", per_task=True)
+    top_p: float = opt(0.9, "Rollout nucleus (top-p) sampling, in (0, 1].", section="rollout", per_task=True)
     reduction: str = opt(
         "token_mean",
         "Loss reduction: token_mean (over the batch's loss tokens), sequence_mean, or "
         "constant_sum (summed, divided by rollouts x max_new_tokens, a constant that "
         "does not depend on the batch, as in Dr. GRPO).",
+        section="objective",
     )
     keep_dropout: bool = opt(
         False,
         "Keep the student's dropout during OPD. Off by default, as RL and distillation "
         "trainers do: with dropout on, rollouts, loss and diagnostics each see a different "
         "random network. --lora-dropout is not affected.",
+        section="optimizer",
     )
-    eval_every: int = opt(50, "Evaluate every N steps (0: only at the end).")
-    eval_size: int = opt(200, "Number of test prompts for evaluation.")
-    eval_samples: int = opt(4, "Samples per prompt for avg@k / pass@k at evaluation (0: greedy only).")
-    ckpt_every: int = opt(50, "Checkpoint every N steps.")
-    log_rollouts: int = opt(4, "Rollouts per step written to rollouts.jsonl.")
-    report_to: list[Any] = opt(["none"], REPORT_TO_HELP)
-    diag_positions: int = opt(256, "Positions sampled per step for the full-vocabulary diagnostics.")
-    resume: bool = opt(False, "Resume from the latest checkpoint in the run directory.")
+    eval_every: int = opt(50, "Evaluate every N steps (0: only at the end).", section="eval")
+    eval_size: int = opt(200, "Number of test prompts for evaluation.", section="eval", per_task=True)
+    eval_samples: int = opt(
+        4, "Samples per prompt for avg@k / pass@k at evaluation (0: greedy only).", section="eval", per_task=True
+    )
+    ckpt_every: int = opt(50, "Checkpoint every N steps.", section="run")
+    log_rollouts: int = opt(4, "Rollouts per step written to rollouts.jsonl.", section="run")
+    report_to: list[Any] = opt(["none"], REPORT_TO_HELP, section="run")
+    diag_positions: int = opt(256, "Positions sampled per step for the full-vocabulary diagnostics.", section="run")
+    resume: bool = opt(False, "Resume from the latest checkpoint in the run directory.", section="run")
     # a list too: the flag repeated, or a YAML/JSON list; validation joins it with commas (config.json keeps a string)
     teacher_url: list[Any] | str = opt(
         "",
@@ -196,57 +239,76 @@ class TrainConfig(EnvSource, TrainingSource, EngineOptions, CheckpointOptions, T
         "http://127.0.0.1:8000; replaces --teacher. Several servers of the same teacher, comma-separated or the "
         "flag repeated, share the requests (each to the least busy; one that fails is skipped until it answers "
         "again). Works with --objective sampled and lsm with support teacher_topk or teacher_topk_plus_sampled.",
+        section="teacher",
+        per_task=True,
     )
-    teacher_timeout: float = opt(120.0, "Seconds to wait for one served-teacher request before retrying.")
+    teacher_timeout: float = opt(
+        120.0, "Seconds to wait for one served-teacher request before retrying.", section="teacher"
+    )
     teacher_wait: float = opt(
-        600.0, "Seconds to wait for a served teacher that stops answering (at startup too), then checkpoint and stop."
+        600.0,
+        "Seconds to wait for a served teacher that stops answering (at startup too), then checkpoint and stop.",
+        section="teacher",
     )
-    teacher_retries: int | None = opt(None, "At most N retries of a failed served-teacher request (unset: no cap).")
+    teacher_retries: int | None = opt(
+        None, "At most N retries of a failed served-teacher request (unset: no cap).", section="teacher"
+    )
     teacher_api_key: str = opt(
         "",
         "API key sent to served teachers as 'Authorization: Bearer KEY' (the key of vLLM's or opd "
         "serve-teacher's --api-key). Better set the environment variable OPD_TEACHER_API_KEY, which keeps it "
         "out of process lists and shell history. Never written to config.json, checkpoints, logs or trackers.",
         secret=True,
+        section="teacher",
     )
     max_staleness: int = opt(
         0,
         "Rollouts generated ahead: step t's rollouts come from the policy of step t - S, generated in a "
         "worker process while the trainer scores and updates (0: on-policy in this process, as always). "
         f"At most {MAX_STALENESS}; with --rollout-engine vllm the worker syncs and samples the vLLM server.",
+        section="rollout",
     )
     rollout_worker_threads: int = opt(
         0,
         "With --max-staleness > 0: the rollout worker's torch threads; the trainer then keeps its own "
         "(OMP_NUM_THREADS). 0: the cores' threads are split, half to the worker (benchmarks/bench_async.py "
         "measures the splits).",
+        section="rollout",
     )
     fsdp: bool = opt(
-        False, "Shard the student with FSDP across the launched processes (torchrun/accelerate) instead of DDP."
+        False,
+        "Shard the student with FSDP across the launched processes (torchrun/accelerate) instead of DDP.",
+        section="run",
     )
     dist_timeout: float = opt(
         1800.0,
         "Seconds a rank waits for the others at a collective (the process group's timeout) before the run fails "
         "(torchrun/accelerate). Default 30 minutes, for nccl and gloo alike (torch's own: 10 and 30); at most 1e9.",
+        section="run",
     )
-    lora_r: int = opt(0, "LoRA rank: > 0 trains a peft LoRA adapter on the student instead of all its weights.")
-    lora_alpha: float = opt(16.0, "LoRA scaling alpha (the update is scaled by alpha / r).")
+    lora_r: int = opt(
+        0, "LoRA rank: > 0 trains a peft LoRA adapter on the student instead of all its weights.", section="lora"
+    )
+    lora_alpha: float = opt(16.0, "LoRA scaling alpha (the update is scaled by alpha / r).", section="lora")
     lora_targets: list[Any] = opt(
         ["all-linear"],
         "Linear layers given a LoRA adapter, by name, comma-separated "
         "(e.g. q_proj,v_proj); all-linear: every linear layer of the blocks.",
+        section="lora",
     )
-    lora_dropout: float = opt(0.0, "Dropout on the LoRA branch's input.")
+    lora_dropout: float = opt(0.0, "Dropout on the LoRA branch's input.", section="lora")
     tasks: list[Any] | None = opt(
         None,
         "Multi-task OPD: the run's tasks, each with its own teacher, data or environment and settings "
         "(a list in the --config file, or a YAML/JSON file holding it); see opd.training.schedule. Unset: one "
         "task, given by the options above.",
+        section="multitask",
     )
     task_mode: str = opt(
         "alternate",
         "With tasks: alternate (each step trains on one task, chosen by share, seed and step) or mix "
         "(every step holds every task's sub-batch, each scored by its own teacher, one optimizer step).",
+        section="multitask",
     )
 
     def teacher_chat_options(self) -> dict[str, Any]:
@@ -488,63 +550,86 @@ class SFTConfig(EnvSource, TrainingSource):
 
     out: str = out_option("sft")
 
-    data: str = opt("", "JSONL with prompt and solution (or completion); empty: the task's own solutions.")
-    init: str = opt("", "Model to start from (a directory or a Hub name); empty with --arch builds a new model.")
-    arch: str = opt("", "New tiny model 'qwen2:LAYERS:WIDTH' (e.g. qwen2:4:256) when --init is empty.")
-    tokenizer: str = opt("", "Tokenizer directory for a new model (the demo trains one).")
+    data: str = opt(
+        "",
+        "JSONL with prompt and solution (or completion); empty: the task's own solutions.",
+        section="data",
+        per_task=True,
+    )
+    init: str = opt(
+        "", "Model to start from (a directory or a Hub name); empty with --arch builds a new model.", section="model"
+    )
+    arch: str = opt("", "New tiny model 'qwen2:LAYERS:WIDTH' (e.g. qwen2:4:256) when --init is empty.", section="model")
+    tokenizer: str = opt("", "Tokenizer directory for a new model (the demo trains one).", section="model")
     teacher: str = opt(
-        "", "Sample the targets from this teacher model (off-policy cold start) instead of using solutions."
+        "",
+        "Sample the targets from this teacher model (off-policy cold start) instead of using solutions.",
+        section="teacher",
+        per_task=True,
     )
     train_size: int = opt(
-        0, "Train on only the first N examples (0: all); a small labelled set, as the demo's student."
+        0,
+        "Train on only the first N examples (0: all); a small labelled set, as the demo's student.",
+        section="data",
+        per_task=True,
     )
     expert_mistakes: float = opt(
         0.0,
         "With --env: before each expert action, with this probability, play a command the game rejects first "
         "(not trained on), so the model learns to go on after a mistake (a game teacher for on-policy students).",
+        section="env",
+        per_task=True,
     )
     dagger_from: list[Any] = opt(
         [],
         "With --env: models that each play every training game once (sampling, top-p 0.9); the environment's "
         "expert labels the states they reached, and those sequences join the expert's episodes (DAgger's data, "
         "one round): a game teacher learns what to do after a student's own mistakes. Repeat for several.",
+        section="env",
+        per_task=True,
     )
     dagger_branches: int = opt(
         2,
         "With --dagger-from: sequences per played episode, each ending, at a turn where the player left the "
         "expert's path, with the expert's command from there.",
+        section="env",
+        per_task=True,
     )
-    steps: int = opt(2000, "Optimizer steps.")
-    batch_size: int = opt(64, "Examples per step.")
-    lr: float = opt(1e-3, "Peak learning rate (AdamW).")
-    warmup_steps: int = opt(100, "Linear warm-up steps.")
-    schedule: str = opt("cosine", "Learning-rate schedule: constant, linear or cosine.")
-    eval_every: int = opt(250, "Evaluate greedy accuracy every N steps (0: only at the end).")
-    eval_size: int = opt(200, "Test prompts for evaluation.")
-    patience: int = opt(0, "Stop after this many evaluations without improvement (0: never).")
+    steps: int = opt(2000, "Optimizer steps.", section="optimizer")
+    batch_size: int = opt(64, "Examples per step.", section="optimizer", per_task=True)
+    lr: float = opt(1e-3, "Peak learning rate (AdamW).", section="optimizer")
+    warmup_steps: int = opt(100, "Linear warm-up steps.", section="optimizer")
+    schedule: str = opt("cosine", "Learning-rate schedule: constant, linear or cosine.", section="optimizer")
+    eval_every: int = opt(250, "Evaluate greedy accuracy every N steps (0: only at the end).", section="eval")
+    eval_size: int = opt(200, "Test prompts for evaluation.", section="eval", per_task=True)
+    patience: int = opt(0, "Stop after this many evaluations without improvement (0: never).", section="eval")
     validation_size: int = opt(
         200,
         "Training examples (or games) held out of training, the last ones: the kept checkpoint is the best on "
         "them, and the test set only reports the kept model's accuracy (0: choose on the test set).",
+        section="eval",
     )
-    max_grad_norm: float = opt(1.0, "Gradient clipping norm.")
+    max_grad_norm: float = opt(1.0, "Gradient clipping norm.", section="optimizer")
     gradient_checkpointing: bool = opt(
         False,
         "Activation checkpointing per decoder layer: each layer's activations are recomputed in the backward "
         "instead of kept, for long solutions or episodes (docs/training.md, 'Long responses'). The teacher "
         "that samples the targets is untouched.",
+        section="optimizer",
     )
-    report_to: list[Any] = opt(["none"], REPORT_TO_HELP)
+    report_to: list[Any] = opt(["none"], REPORT_TO_HELP, section="run")
     tasks: list[Any] | None = opt(
         None,
         "Several tasks in one SFT run (e.g. math solutions and a game's expert episodes), each with its own "
         "data or environment, train_size and batch_size (a list in the --config file, or a YAML/JSON file "
         "holding it; see opd.training.schedule). The kept model is the one with the best mean accuracy over tasks.",
+        section="multitask",
     )
     task_mode: str = opt(
         "mix",
         "With tasks: mix (every step holds every task's batch, one token-mean loss over all) or alternate "
         "(each step trains on one task, chosen by share, seed and step).",
+        section="multitask",
     )
 
     def __post_init__(self) -> None:
@@ -582,17 +667,22 @@ class EvalConfig(EnvSource, ModelSource, EngineOptions, EvalOptions):
 
     out: str = out_option("eval")
 
-    eval_size: int = opt(500, "Test prompts.")
-    samples: int = opt(8, "Samples per prompt for avg@k / pass@k / maj@k (0: greedy only).")
-    temperature: float = opt(1.0, "Sampling temperature of the samples (--eval-sampling greedy or explicit).")
-    top_p: float = opt(1.0, "Top-p of the samples (--eval-sampling greedy or explicit).")
-    batch_size: int = opt(128, "Rollouts per generation batch at most (--eval-batch-tokens bounds it too).")
-    acc_before: float = opt(-1.0, "Student accuracy before OPD (for gap recovery; -1: not given).")
-    acc_teacher: float = opt(-1.0, "Teacher accuracy (for gap recovery; -1: not given).")
+    eval_size: int = opt(500, "Test prompts.", section="eval")
+    samples: int = opt(8, "Samples per prompt for avg@k / pass@k / maj@k (0: greedy only).", section="eval")
+    temperature: float = opt(
+        1.0, "Sampling temperature of the samples (--eval-sampling greedy or explicit).", section="rollout"
+    )
+    top_p: float = opt(1.0, "Top-p of the samples (--eval-sampling greedy or explicit).", section="rollout")
+    batch_size: int = opt(
+        128, "Rollouts per generation batch at most (--eval-batch-tokens bounds it too).", section="eval"
+    )
+    acc_before: float = opt(-1.0, "Student accuracy before OPD (for gap recovery; -1: not given).", section="eval")
+    acc_teacher: float = opt(-1.0, "Teacher accuracy (for gap recovery; -1: not given).", section="eval")
     tokenizer: str = opt(
         "",
         "Tokenizer directory (default: the --student directory), for a model whose tokenizer is saved apart "
         "(a SentencePiece-style tokenizer cannot live next to a Qwen2 config in transformers 5).",
+        section="model",
     )
 
     def __post_init__(self) -> None:
