@@ -216,7 +216,7 @@ def base_cfg(student: Path, teacher: Path, out: Path, device: str, **kw) -> Trai
         log_rollouts=0,
         warmup_steps=1,
     )
-    return TrainConfig(**{**settings, **kw})
+    return TrainConfig.from_flat(**{**settings, **kw})
 
 
 def nan_item(models, work: Path, device: str, size: dict) -> dict:

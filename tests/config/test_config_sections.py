@@ -24,7 +24,7 @@ CLASSES = (TrainConfig, SFTConfig, EvalConfig)
 
 
 def _train(**kw) -> TrainConfig:
-    return TrainConfig(student="/m/student", teacher="/m/teacher", **kw)
+    return TrainConfig.from_flat(student="/m/student", teacher="/m/teacher", **kw)
 
 
 def test_every_option_of_every_command_declares_a_known_section_and_whether_tasks_set_it():
@@ -111,7 +111,7 @@ def test_a_nested_file_that_cannot_mean_what_it_says_is_refused(data, words):
 
 def test_eval_batch_is_in_the_eval_section_of_opd_eval_and_the_optimizer_section_of_train(tmp_path):
     assert section_of(EvalConfig, "batch_size") == "eval" and section_of(TrainConfig, "batch_size") == "optimizer"
-    cfg = EvalConfig(student="/m/s", batch_size=16)
+    cfg = EvalConfig.from_flat(student="/m/s", batch_size=16)
     dump_config(cfg, tmp_path / "config.json")
     assert json.loads((tmp_path / "config.json").read_text())["eval"]["batch_size"] == 16
     assert build_config(EvalConfig, json.loads((tmp_path / "config.json").read_text())) == cfg

@@ -25,7 +25,7 @@ GAMES = ("success_rate", "mean_turns_to_success", "invalid_action_rate", "env_er
 MODES = ("max", "min")
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointOptions:
     """Options of section "checkpoints"."""
 

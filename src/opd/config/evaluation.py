@@ -11,7 +11,7 @@ from opd.config.fields import opt, require
 EVAL_SAMPLING = ("greedy", "model", "explicit")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalOptions:
     """Options of an evaluation (section "eval"), the same in train and eval."""
 
@@ -45,7 +45,7 @@ class EvalOptions:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainEvalOptions(EvalOptions):
     """Training's explicit evaluation sampling (``opd eval`` has --temperature and --top-p for it)."""
 

@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import field
 from types import UnionType
-from typing import TYPE_CHECKING, Any, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, Self, TypeVar, Union, cast, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -39,6 +39,55 @@ def opt(default: Any, help: str, *, section: str, per_task: bool = False, secret
 
 class ConfigError(UserError):
     """A configuration value is invalid; the message names the field and the fix."""
+
+
+class Options:
+    """What every command's config (a frozen dataclass of options) can do: be built from flat option values
+    with the defaults that depend on other options resolved (:meth:`from_flat`), and give them back
+    (:meth:`flat`). A config is never changed after it is made: a changed one is a new one
+    (``dataclasses.replace``, or :meth:`from_flat` of a changed :meth:`flat`)."""
+
+    @classmethod
+    def resolve(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """Every option's value (``values`` holds them all) with what the user may leave to opd, or give in
+        another form, made what the config holds: a subclass resolves its own and calls this."""
+        return values
+
+    @classmethod
+    def from_flat(cls, **values: Any) -> Self:
+        """The config of these option values (the command line's names; the others at their defaults),
+        resolved and checked; an unknown option is a ConfigError naming it."""
+        fields = {f.name: f for f in dataclasses.fields(cast("DataclassInstance", cls))}
+        unknown = sorted(set(values) - set(fields))
+        if unknown:
+            raise ConfigError(
+                f"unknown option {', '.join(map(repr, unknown))} for {cls.__name__}; rename or remove it "
+                "(the command's --help lists its options)"
+            )
+        full = {name: values[name] if name in values else _default(f) for name, f in fields.items()}
+        return cls(**cls.resolve(full))
+
+    def flat(self) -> dict[str, Any]:
+        """Every option's value, by option name (the secret ones too: :func:`config_record` leaves them out)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(cast("DataclassInstance", self))}
+
+    def check_resolved(self) -> None:
+        """Refuse a config made directly with values :meth:`from_flat` would have resolved (an unset
+        ``mask_special``, a list of teacher URLs): every reader may rely on the resolved form."""
+        given = self.flat()
+        resolved = type(self).resolve(dict(given))
+        changed = [name for name, value in given.items() if resolved[name] != value]
+        require(
+            not changed,
+            f"{type(self).__name__} was given {', '.join(f'{n}={given[n]!r}' for n in changed)} unresolved; "
+            f"build it with {type(self).__name__}.from_flat(...), which resolves them",
+        )
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
 
 
 DTYPES = ("float32", "bfloat16", "float16")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from opd.chat import template_kwargs
-from opd.config.fields import DTYPES, ConfigError, check_device, opt, require
+from opd.config.fields import DTYPES, ConfigError, Options, check_device, opt, require
 from opd.envs.workers import AUTO_WORKERS, MAX_WORKERS
 from opd.errors import UserError
 from opd.tasks.arithmetic import LEVELS
@@ -30,8 +30,8 @@ def out_option(command: str) -> Any:
     return opt(f"runs/{command}", OUT_HELP[command], section="run")
 
 
-@dataclass
-class ModelSource:
+@dataclass(frozen=True)
+class ModelSource(Options):
     """Where a run's models and prompts come from (shared by train, sft and eval)."""
 
     student: str = opt(
@@ -159,13 +159,18 @@ class ModelSource:
         per_task=True,
     )
 
+    @classmethod
+    def resolve(cls, values: dict[str, Any]) -> dict[str, Any]:
+        values = super().resolve(values)
+        values["chat_template_kwargs"] = chat_options(values["chat_template_kwargs"], "chat_template_kwargs")
+        return values
+
     def _check_data(self) -> None:
         check_answer_format(self.answer_format)
         parse_split(self.split)
 
     def _check_common(self) -> None:
         self._check_data()
-        self.chat_template_kwargs = chat_options(self.chat_template_kwargs, "chat_template_kwargs")
         require(self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens} must be >= 1")
         require(self.max_prompt_tokens >= 1, f"max_prompt_tokens={self.max_prompt_tokens} must be >= 1")
         require(self.task_level in LEVELS, f"task_level={self.task_level} must be one of {sorted(LEVELS)}")
@@ -181,7 +186,7 @@ def chat_options(value: Any, option: str) -> dict[str, Any]:
         raise ConfigError(str(exc)) from None
 
 
-@dataclass
+@dataclass(frozen=True)
 class EnvSource(ModelSource):
     """Agentic runs: an environment's games instead of prompts (train and eval)."""
 
@@ -249,7 +254,7 @@ class EnvSource(ModelSource):
         require(self.env_step_timeout >= 0, f"env_step_timeout={self.env_step_timeout} must be >= 0 (0: no limit)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainingSource(ModelSource):
     """A model source that trains, with an optional evaluation set of its own (train and sft)."""
 

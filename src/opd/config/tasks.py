@@ -165,7 +165,7 @@ def resolve_tasks(cfg: Any) -> list[TaskSpec]:
     for entry in entries:
         name, share = entry["name"], float(entry.get("share", 1)) / total
         try:
-            view = dataclasses.replace(cfg, tasks=None, **_overrides(entry, cfg, cfg.task_mode, share))
+            view = type(cfg).from_flat(**{**cfg.flat(), "tasks": None, **_overrides(entry, cfg, cfg.task_mode, share)})
         except (ConfigError, TypeError) as exc:  # _overrides' own errors name the task already
             said = str(exc)
             raise ConfigError(said if said.startswith(f"task {name!r}") else f"task {name!r}: {said}") from None

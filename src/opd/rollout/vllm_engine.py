@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.distributed as tdist
 
+from opd.config import TrainConfig
 from opd.config.engines import SLEEP_FLAG, sleep_flag
 from opd.errors import ServiceUnavailable, UserError
 from opd.models.loading import model_device
@@ -312,7 +313,8 @@ def start_vllm(ctx: EngineContext) -> VLLMRollout:
             weights_dtype=engine_dtype(cfg.dtype),
         )
     shared = ctx.world > 1 and bool(cfg.vllm_url)
-    if shared and bool(getattr(cfg, "max_staleness", 0)):  # opd eval's config has no staleness, nor LoRA
+    trains = isinstance(cfg, TrainConfig)  # opd eval's config has no staleness, nor LoRA
+    if shared and trains and cfg.max_staleness:
         raise UserError(
             "--max-staleness with one server shared by several ranks (--vllm-url): each rank's rollout worker "
             "would reload its weights at its own moment; leave --vllm-url out (opd starts a server per rank), or "
@@ -337,7 +339,7 @@ def start_vllm(ctx: EngineContext) -> VLLMRollout:
         sleep=cfg.vllm_sleep,
     )
     user_args = cfg.vllm_argv
-    way_args, way_env = server_options(way, getattr(cfg, "lora_r", 0), user_args)
+    way_args, way_env = server_options(way, cfg.lora_r if isinstance(cfg, TrainConfig) else 0, user_args)
     way_args += sleep_options(cfg, gpus, user_args)
     launch = functools.partial(
         start_vllm_server,

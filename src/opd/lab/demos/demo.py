@@ -78,7 +78,7 @@ def student_sft_config(out: Path, tokenizer: str, quick: bool = False, seed: int
     STUDENT_TRAIN_SIZE solutions) at a constant rate until its accuracy stops improving: more of the
     same supervised training cannot raise it, while OPD brings the teacher's knowledge on every task
     prompt."""
-    return SFTConfig(
+    return SFTConfig.from_flat(
         arch=STUDENT_ARCH,
         out=str(out),
         lr=1e-3,
@@ -109,7 +109,7 @@ def teacher_sft_config(out: Path, tokenizer: str, quick: bool = False, seed: int
     """The demo teacher's recipe: a new TEACHER_ARCH model (``tokenizer``: its tokenizer directory)
     trained on every training solution of the task; ``quick``: a few steps that only show it runs.
     The cross-tokenizer experiment trains its teacher with this recipe and another tokenizer."""
-    return SFTConfig(
+    return SFTConfig.from_flat(
         arch=TEACHER_ARCH,
         out=str(out),
         lr=1e-3,
@@ -239,7 +239,7 @@ def opd_config(assets: Path, seed: int = 0, steps: int = 200, quick: bool = Fals
         top_p=TOP_P,
         k=32,
     )
-    return TrainConfig(**{**settings, **change})
+    return TrainConfig.from_flat(**{**settings, **change})
 
 
 def run_objectives(base: TrainConfig, objectives, out: Path, console: Console, workers: int = 1) -> dict:
