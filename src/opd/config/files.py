@@ -58,13 +58,13 @@ def build_config(
     return cls.from_flat(**coerce_numbers(cls, merged))
 
 
-def config_record(cfg: Any) -> dict[str, Any]:
+def config_record(cfg: Options) -> dict[str, Any]:
     """The config as a dict for config.json, checkpoints and trackers: every field but the secret ones."""
-    secret = {f.name for f in dataclasses.fields(cfg) if f.metadata.get("secret")}
-    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in secret}
+    secret = {f.name for f in dataclasses.fields(cast(Any, cfg)) if f.metadata.get("secret")}
+    return {k: v for k, v in dataclasses.asdict(cast(Any, cfg)).items() if k not in secret}
 
 
-def dump_config(cfg: Any, path: str | Path) -> None:
+def dump_config(cfg: Options, path: str | Path) -> None:
     """``config.json``: the record nested by section, in the order of ``--help``; ``--config`` reads it back."""
     Path(path).write_text(json.dumps(nest(type(cfg), config_record(cfg)), indent=2) + "\n")
 

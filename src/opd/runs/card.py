@@ -113,7 +113,7 @@ def _card(
     return "\n".join(lines) + "\n"
 
 
-def run_card(cfg: Any, run_name: str, evaluation: dict) -> str:
+def run_card(cfg: TrainConfig, run_name: str, evaluation: dict) -> str:
     """The card of an OPD run's ``final/``: ``cfg`` its TrainConfig, ``evaluation`` its last eval record."""
     teacher = cfg.teacher or cfg.teacher_url or "a served teacher"
     intro = (
@@ -130,7 +130,7 @@ def run_card(cfg: Any, run_name: str, evaluation: dict) -> str:
     return _card(cfg, cfg.student, run_name, intro, METHOD, table)
 
 
-def sft_card(cfg: Any, run_name: str, summary: dict) -> str:
+def sft_card(cfg: SFTConfig, run_name: str, summary: dict) -> str:
     """The card of an SFT run's ``final/``: ``cfg`` its SFTConfig, ``summary`` its summary.json."""
     start = f"**{cfg.init}**" if cfg.init else f"a new model ({cfg.arch})"
     data = cfg.data or f"the task's own solutions ({cfg.task or 'tasks'})"
