@@ -21,7 +21,6 @@ import json
 import shutil
 import time
 from collections.abc import Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import cast
 
@@ -252,7 +251,9 @@ def run_objectives(base: TrainConfig, objectives, out: Path, console: Console, w
     agentic demo's steps are mostly the game engine, which is single-threaded Python)."""
     changes = objectives if isinstance(objectives, dict) else {name: {"objective": name} for name in objectives}
     cfgs = {
-        name: replace(base, **{"mask_special": None, **change}, out=str(out / name)) for name, change in changes.items()
+        # each objective's own masking default: mask_special unset, resolved again by from_flat
+        name: TrainConfig.from_flat(**{**base.flat(), "mask_special": None, **change, "out": str(out / name)})
+        for name, change in changes.items()
     }
     for cfg in cfgs.values():
         shutil.rmtree(cfg.out, ignore_errors=True)  # a demo run always starts from the packaged student
