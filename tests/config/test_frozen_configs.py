@@ -39,6 +39,11 @@ def test_a_config_is_never_changed_after_it_is_made_and_a_replaced_one_is_checke
     with pytest.raises(ConfigError, match="k=0 must be >= 1"):
         dataclasses.replace(cfg, k=0)
     assert TrainConfig.from_flat(**cfg.flat()) == cfg  # resolving a resolved config changes nothing
+    # a change that a default depends on: cfg.replace resolves it again, dataclasses.replace refuses it unresolved
+    vllm = cfg.replace(rollout_engine="vllm", objective="sampled", mask_special=None)
+    assert (vllm.vllm_max_gap, vllm.mask_special, vllm.k) == (1e-3, False, 8)
+    with pytest.raises(ConfigError, match=r"vllm_max_gap=0.0 unresolved.*cfg.replace"):
+        dataclasses.replace(cfg, rollout_engine="vllm")
 
 
 @pytest.mark.parametrize("cls", [TrainConfig, SFTConfig, EvalConfig])

@@ -67,6 +67,12 @@ class Options:
         full = {name: values[name] if name in values else _default(f) for name, f in fields.items()}
         return cls(**cls.resolve(full))
 
+    def replace(self, **changes: Any) -> Self:
+        """A new config with these options changed and what depends on them resolved again (``--rollout-engine
+        vllm``'s policy check bound, ``mask_special=None``: the objective's default), checked; where no
+        such default is involved, ``dataclasses.replace`` does the same."""
+        return type(self).from_flat(**{**self.flat(), **changes})
+
     def flat(self) -> dict[str, Any]:
         """Every option's value, by option name (the secret ones too: :func:`config_record` leaves them out)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(cast("DataclassInstance", self))}
@@ -80,7 +86,8 @@ class Options:
         require(
             not changed,
             f"{type(self).__name__} was given {', '.join(f'{n}={given[n]!r}' for n in changed)} unresolved; "
-            f"build it with {type(self).__name__}.from_flat(...), which resolves them",
+            f"build it with {type(self).__name__}.from_flat(...) or change one with cfg.replace(...), which "
+            "resolve them",
         )
 
 

@@ -251,8 +251,8 @@ def run_objectives(base: TrainConfig, objectives, out: Path, console: Console, w
     agentic demo's steps are mostly the game engine, which is single-threaded Python)."""
     changes = objectives if isinstance(objectives, dict) else {name: {"objective": name} for name in objectives}
     cfgs = {
-        # each objective's own masking default: mask_special unset, resolved again by from_flat
-        name: TrainConfig.from_flat(**{**base.flat(), "mask_special": None, **change, "out": str(out / name)})
+        # each objective's own masking default: mask_special unset, resolved again
+        name: base.replace(**{"mask_special": None, **change, "out": str(out / name)})
         for name, change in changes.items()
     }
     for cfg in cfgs.values():
