@@ -58,4 +58,4 @@ def test_an_unknown_option_is_a_config_error_naming_it(cls):
 )
 def test_a_direct_construction_with_an_unresolved_value_is_refused_naming_it(kw, named):
     with pytest.raises(ConfigError, match=rf"{named}.*unresolved; build it with TrainConfig.from_flat"):
-        TrainConfig(**kw)
+        TrainConfig(**kw)  # a direct construction, on purpose

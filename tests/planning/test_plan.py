@@ -81,17 +81,17 @@ def test_sharding_lora_and_checkpointing_by_hand():
     )
     fsdp = {
         p.name: p.bytes
-        for p in plan_memory(TrainConfig.from_flat(**{**vars(cfg), "fsdp": True}), s, None, Layout(4)).parts
+        for p in plan_memory(TrainConfig.from_flat(**{**cfg.flat(), "fsdp": True}), s, None, Layout(4)).parts
     }
     assert (fsdp["student weights"], fsdp["gradients"], fsdp["AdamW state"]) == (1000, 1000, 2000)
     assert fsdp["teacher"] == 0
-    lcfg = TrainConfig.from_flat(**{**vars(cfg), "lora_r": 2, "lora_targets": ["q_proj"], "dtype": "bfloat16"})
+    lcfg = TrainConfig.from_flat(**{**cfg.flat(), "lora_r": 2, "lora_targets": ["q_proj"], "dtype": "bfloat16"})
     got = {p.name: p.bytes for p in plan_memory(lcfg, s, None, Layout(1)).parts}
     adapter = 2 * 2 * (8 + 8)  # 2 layers' q_proj, r (in + out)
     assert got["student weights"] == 1000 * 2 + adapter * 4
     assert (got["gradients"], got["AdamW state"]) == (adapter * 4, 2 * adapter * 4)
     assert "head gradient buffer" not in got  # the head is frozen
-    ccfg = TrainConfig.from_flat(**{**vars(cfg), "gradient_checkpointing": True})
+    ccfg = TrainConfig.from_flat(**{**cfg.flat(), "gradient_checkpointing": True})
     got = {p.name: p.bytes for p in plan_memory(ccfg, s, None, Layout(1)).parts}
     tokens, per_layer = 2 * 16, 4 * (7 * 8 + 4 * 8 + 4 * 16 + 16) + 4 * (2 + 2)
     assert got["activations"] == tokens * (2 * 8 * 4 + per_layer) + tokens * 16 * 4  # inputs, one layer, the mask
