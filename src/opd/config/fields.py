@@ -41,7 +41,7 @@ class ConfigError(UserError):
     """A configuration value is invalid; the message names the field and the fix."""
 
 
-class Options:
+class CommandConfig:
     """What every command's config (a frozen dataclass of options) can do: be built from flat option values
     with the defaults that depend on other options resolved (:meth:`from_flat`), and give them back
     (:meth:`flat`). A config is never changed after it is made: a changed one is a new one

@@ -10,10 +10,10 @@ from typing import Any, TypeVar, cast
 
 import yaml
 
-from opd.config.fields import ConfigError, Options, coerce_numbers, parse_problem, typed_values
+from opd.config.fields import CommandConfig, ConfigError, coerce_numbers, parse_problem, typed_values
 from opd.config.sections import flatten, nest
 
-C = TypeVar("C", bound=Options)
+C = TypeVar("C", bound=CommandConfig)
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -58,13 +58,13 @@ def build_config(
     return cls.from_flat(**coerce_numbers(cls, merged))
 
 
-def config_record(cfg: Options) -> dict[str, Any]:
+def config_record(cfg: CommandConfig) -> dict[str, Any]:
     """The config as a dict for config.json, checkpoints and trackers: every field but the secret ones."""
     secret = {f.name for f in dataclasses.fields(cast(Any, cfg)) if f.metadata.get("secret")}
     return {k: v for k, v in dataclasses.asdict(cast(Any, cfg)).items() if k not in secret}
 
 
-def dump_config(cfg: Options, path: str | Path) -> None:
+def dump_config(cfg: CommandConfig, path: str | Path) -> None:
     """``config.json``: the record nested by section, in the order of ``--help``; ``--config`` reads it back."""
     Path(path).write_text(json.dumps(nest(type(cfg), config_record(cfg)), indent=2) + "\n")
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from opd.chat import template_kwargs
-from opd.config.fields import DTYPES, ConfigError, Options, check_device, opt, require
+from opd.config.fields import DTYPES, CommandConfig, ConfigError, check_device, opt, require
 from opd.envs.workers import AUTO_WORKERS, MAX_WORKERS
 from opd.errors import UserError
 from opd.tasks.arithmetic import LEVELS
@@ -31,7 +31,7 @@ def out_option(command: str) -> Any:
 
 
 @dataclass(frozen=True)
-class ModelSource(Options):
+class ModelSource(CommandConfig):
     """Where a run's models and prompts come from (shared by train, sft and eval)."""
 
     student: str = opt(
