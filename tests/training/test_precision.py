@@ -139,7 +139,7 @@ def test_lora_keeps_its_base_in_bfloat16_and_trains_a_float32_adapter(tiny_model
 @pytest.mark.parametrize("cls", [TrainConfig, SFTConfig])
 def test_float16_training_is_refused(cls):
     with pytest.raises(ConfigError, match="float16 needs loss scaling.*bfloat16"):
-        cls(dtype="float16")
+        cls.from_flat(dtype="float16")
 
 
 def test_float16_still_evaluates():
