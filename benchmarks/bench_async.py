@@ -157,10 +157,9 @@ def run(quick: bool, steps: int, settings: list) -> list[dict]:
             base: dict = {}
             for engine, teacher, S, trainer, worker in settings:
                 torch.set_num_threads(trainer or cores)  # a stale run's default split changes it
-                cfg = replace(
-                    make(S, Path(tmp) / f"{name}-{engine}-{teacher}-{S}-{trainer}-{worker}"),
+                cfg = make(S, Path(tmp) / f"{name}-{engine}-{teacher}-{S}-{trainer}-{worker}").replace(
                     rollout_worker_threads=worker or 0,
-                    rollout_engine=engine,
+                    rollout_engine=engine,  # vllm: its policy check's bound resolved again
                 )
                 if teacher == "served":
                     with served_teacher(cfg.teacher, Path(tmp) / f"{name}-teacher.log") as url:

@@ -74,7 +74,7 @@ def main() -> None:
     if not args.no_vllm:
         from opd.rollout.vllm_engine import start_vllm
 
-        cfg = TrainConfig(student=str(DEMO / "student"), teacher=str(DEMO / "teacher"), rollout_engine="vllm")
+        cfg = TrainConfig.from_flat(student=str(DEMO / "student"), teacher=str(DEMO / "teacher"), rollout_engine="vllm")
         folder = Path(tempfile.mkdtemp(prefix="bench-eval-vllm-"))
         t0 = time.perf_counter()
         served = start_vllm(EngineContext(model, tok, cfg, cfg.student, folder=folder))

@@ -123,7 +123,7 @@ def cell(spec: dict) -> dict:
         checkpoint_layers(model)
     for p in model.parameters():  # the gradients exist before the baseline: they are not activations
         p.grad = torch.zeros_like(p)
-    train = TrainConfig(objective="lsm", k=K, batch_size=len(spec["lengths"]))
+    train = TrainConfig.from_flat(objective="lsm", k=K, batch_size=len(spec["lengths"]))
     warm, warm_scores = batch_of([16], device)  # the first backward in a process pays one-time costs
     loss_NT, _ = objective_loss(train, model, None, warm, warm_scores, warm.response_mask_NT)
     loss_NT.sum().backward()

@@ -86,12 +86,12 @@ def cell(spec: dict) -> dict:
     from opd.training import loop, producer
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = TrainConfig(out=str(Path(tmp) / "run"), **options(spec))
+        cfg = TrainConfig.from_flat(out=str(Path(tmp) / "run"), **options(spec))
         plan = plan_run(cfg, Layout(device="cpu"))
         # a warm-up: one step of the same shape imports every module and grows the math libraries' own buffers
         # (MKL's packing buffers, kept for the process) to what the measured run needs
         warm = {**options(spec), "steps": 1}
-        loop.train(TrainConfig(out=str(Path(tmp) / "warm"), **warm), show_progress=False)
+        loop.train(TrainConfig.from_flat(out=str(Path(tmp) / "warm"), **warm), show_progress=False)
         gc.collect()
         trim = ctypes.CDLL("libc.so.6").malloc_trim
         trim(0)

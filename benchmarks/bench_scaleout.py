@@ -102,7 +102,7 @@ def opd_worker(spec: dict, out: Path) -> None:
 
     torch.set_num_threads(spec["threads"])
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flat(
         student=spec["student"],
         teacher="" if spec.get("teacher_url") else spec["teacher"],
         teacher_url=spec.get("teacher_url", ""),

@@ -165,7 +165,7 @@ def bench_steps(out: Path, steps: int, batch: int) -> list[dict]:
     rows = []
     for engine in ("hf", "vllm"):
         run = out / f"step-{engine}"
-        cfg = TrainConfig(
+        cfg = TrainConfig.from_flat(
             student=str(DEMO / "student"),
             teacher=str(DEMO / "teacher"),
             rollout_engine=engine,

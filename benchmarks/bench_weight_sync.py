@@ -235,7 +235,7 @@ def step_rows(
     rows = []
     for lora, way in ((False, "file"), (True, "adapter")):
         out = tmp / f"step-{shape}-{way}"
-        cfg = TrainConfig(
+        cfg = TrainConfig.from_flat(
             student=str(model_dir),
             teacher=str(teacher),
             out=str(out),

@@ -99,7 +99,7 @@ def step_cell(spec: dict) -> list[dict]:
     from opd.training import loop, producer
 
     T, long = spec["length"], spec["length"] >= 4096
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flat(
         student=spec["student"],
         teacher=spec["teacher"],
         out=str(Path(spec["tmp"]) / "run"),

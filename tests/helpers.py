@@ -82,7 +82,9 @@ def cfg_for(models, tmp_path, **kw):
     from opd.config import TrainConfig
 
     student, teacher = models
-    return TrainConfig(student=str(student), teacher=str(teacher), out=str(tmp_path / "run"), **{**QUICK_RUN, **kw})
+    return TrainConfig.from_flat(
+        student=str(student), teacher=str(teacher), out=str(tmp_path / "run"), **{**QUICK_RUN, **kw}
+    )
 
 
 def cli_args(models, out, **kw) -> list[str]:

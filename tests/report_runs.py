@@ -31,7 +31,7 @@ def make_report_runs(models, root):
     demo = root / "demo"
     for objective in ("sampled", "lsm"):
         train(
-            TrainConfig(
+            TrainConfig.from_flat(
                 student=str(student),
                 teacher=str(teacher),
                 out=str(demo / objective),
@@ -66,7 +66,7 @@ def make_agentic_run(models, root):
     student, teacher = models
     out = root / "agent"
     train(
-        TrainConfig(
+        TrainConfig.from_flat(
             student=str(student),
             teacher=str(teacher),
             out=str(out),

@@ -305,7 +305,7 @@ CASES = [
     (
         "unknown-task-key",
         f"{TRAIN} --tasks <D>/task_typo.yaml",
-        r"task 'math': 'stepz' is not a setting; a task may set teacher, teacher_revision, teacher_url, .*, eval_samples",
+        r"task 'math': 'stepz' is not a setting; a task may set task, task_revision, .*teacher_url, .*, eval_samples",
     ),
     (
         "words-for-a-task-count",
@@ -1000,5 +1000,5 @@ def test_a_task_left_out_of_evaluation_is_no_eval_every_contradiction():
     from opd.config import TrainConfig, resolve_tasks
 
     # the run's --eval-every is for the tasks that evaluate; one with eval: false is not refused for it
-    cfg = TrainConfig(teacher="t", eval_every=5, tasks=[{"name": "a", "eval": False}, {"name": "b"}])
+    cfg = TrainConfig.from_flat(teacher="t", eval_every=5, tasks=[{"name": "a", "eval": False}, {"name": "b"}])
     assert [(s.cfg.eval, s.cfg.eval_every) for s in resolve_tasks(cfg)] == [(False, 0), (True, 5)]

@@ -59,7 +59,7 @@ def golden_config(out: Path, **changes) -> TrainConfig:
         diag_positions=16,
         out=str(out),
     )
-    return TrainConfig(**{**fields, **changes})
+    return TrainConfig.from_flat(**{**fields, **changes})
 
 
 def run_steps(out: Path) -> list[dict]:

@@ -77,7 +77,7 @@ def test_needs_decide_which_teachers_can_train_an_objective(tiny_models, registe
     """A new entry that reads the teacher's whole distribution is refused with a served teacher,
     from its needs alone, with the options a served teacher can train."""
     registered(O.Objective("dense_ce", "needs the full distribution", _teacher_argmax_ce, lambda c: {O.FULL}))
-    cfg = TrainConfig(student=str(tiny_models[0]), teacher_url="http://127.0.0.1:9", objective="dense_ce")
+    cfg = TrainConfig.from_flat(student=str(tiny_models[0]), teacher_url="http://127.0.0.1:9", objective="dense_ce")
     with pytest.raises(UserError) as err:
         make_teacher(cfg, None, None)
     assert str(err.value) == (
@@ -99,23 +99,39 @@ def test_needs_decide_which_teachers_can_train_an_objective(tiny_models, registe
     ],
 )
 def test_lsm_supports_and_their_needs(support, student_topk, served):
-    cfg = TrainConfig(support=support)
+    cfg = TrainConfig.from_flat(support=support)
     assert needs_student_topk(cfg) is student_topk
     assert (O.refusal(cfg, O.SERVED_GIVES, "x") is None) is served
 
 
 def test_variant_flags_and_mask_default_come_from_the_entry(registered):
     with pytest.raises(ConfigError, match="tail is a variant of --objective lsm, not of full_kl"):
-        TrainConfig(objective="full_kl", tail=True)
+        TrainConfig.from_flat(objective="full_kl", tail=True)
     registered(O.Objective("tailed", "has a tail", _teacher_argmax_ce, lambda c: {O.TOPK}, True, ("tail",)))
-    cfg = TrainConfig(objective="tailed", tail=True)
+    cfg = TrainConfig.from_flat(objective="tailed", tail=True)
     assert cfg.mask_special is True
-    assert TrainConfig(objective="sampled").mask_special is False
+    assert TrainConfig.from_flat(objective="sampled").mask_special is False
 
 
 def test_an_unknown_objective_names_the_registered_ones(registered):
     registered(O.Objective("argmax_ce", "CE", _teacher_argmax_ce, lambda c: {O.TOPK}))
     with pytest.raises(ConfigError, match="objective='kl': choose one of lsm, sampled, full_kl, argmax_ce"):
-        TrainConfig(objective="kl")
+        TrainConfig.from_flat(objective="kl")
     with pytest.raises(KeyError, match="choose one of lsm, sampled, full_kl, argmax_ce"):
         O.lookup("kl")
+
+
+def test_an_objective_checks_its_own_options_and_the_config_refuses_with_its_words(registered):
+    def at_most_4(o: O.ObjectiveOptions) -> str | None:
+        return None if o.k <= 4 else f"k={o.k}: argmax_ce reads at most 4; lower --k"
+
+    registered(
+        O.Objective(
+            "argmax_ce", "CE on the teacher's top token", _teacher_argmax_ce, lambda c: {O.TOPK}, check=at_most_4
+        )
+    )
+    assert O.ObjectiveOptions(objective="argmax_ce", k=4).problem() is None
+    with pytest.raises(ConfigError, match="k=8: argmax_ce reads at most 4; lower --k"):
+        TrainConfig.from_flat(objective="argmax_ce", k=8)
+    # lsm's own: the tail replaces renormalization
+    assert str(O.ObjectiveOptions(tail=True, renormalize=False).problem()).startswith("tail compares")

@@ -12,6 +12,9 @@ An entry says everything the rest of opd asks of an objective, so adding one is 
 * ``mask_special``: the default of ``--mask-special`` for the objective.
 * ``variants``: the boolean options that are variants of this objective only (``--tail``); the
   config refuses them with any other.
+* ``check``: what the objective refuses of its options' combination (lsm: ``--tail`` with
+  ``--no-renormalize``). The options themselves (``--objective``, ``--k``, ``--support``, ...) are declared
+  here, with their ranges (:class:`ObjectiveOptions`); the config's ``TrainConfig`` holds them.
 
 The three objectives of the papers:
 
@@ -26,15 +29,15 @@ The three objectives of the papers:
   states a chunk of positions at a time (:func:`~opd.losses.full_vocab_kl_from_hidden`).
 
 This module imports only torch and :mod:`opd.losses` (an import contract), so the config can
-validate against the registry and an engineer's own trainer can call an entry's ``loss``.
+import its options and validate against the registry, and an engineer's own trainer can call an entry's ``loss``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -96,9 +99,28 @@ class ObjectiveInputs:
     teacher_head_VE: L.HeadLike | None = None
 
 
-# The options an objective reads come from the run's config; typed loosely here because the
-# config layer sits above this module (it validates against the registry).
-Options = Any
+class Options(Protocol):
+    """What an objective's loss, needs and check read of a run's options (:class:`ObjectiveOptions`, and
+    the optimizer's clip and staleness cap); :class:`opd.config.TrainConfig` holds them all."""
+
+    @property
+    def objective(self) -> str: ...
+    @property
+    def support(self) -> str: ...
+    @property
+    def renormalize(self) -> bool: ...
+    @property
+    def tail(self) -> bool: ...
+    @property
+    def forward_kl_share(self) -> float: ...
+    @property
+    def gamma(self) -> float: ...
+    @property
+    def kl_direction(self) -> str: ...
+    @property
+    def clip_eps(self) -> float: ...
+    @property
+    def stale_weight_cap(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -115,6 +137,9 @@ class Objective:
     # reads policy_logprobs_NT and corrects for the older policy that sampled. The divergences on a
     # support or the vocabulary need no correction: only the states they are evaluated on are stale.
     policy_gradient: bool = False
+    # What this objective refuses of its own options' combinations (a message naming the option and the
+    # fix), beyond each option's own range (ObjectiveOptions.problem); None: nothing.
+    check: Callable[[ObjectiveOptions], str | None] = lambda cfg: None
 
 
 REGISTRY: dict[str, Objective] = {}
@@ -184,6 +209,23 @@ def _lsm_needs(cfg: Options) -> frozenset[str]:
     return frozenset({TOPK, extra} if extra else {TOPK})
 
 
+def _lsm_check(cfg: ObjectiveOptions) -> str | None:
+    if cfg.tail and not cfg.renormalize:
+        return (
+            "tail compares full-vocabulary masses plus the mass outside the support, in place of renormalizing; "
+            "--no-renormalize (the truncated ablation) cannot go with it: drop --no-renormalize or --tail"
+        )
+    if cfg.forward_kl_share and not (cfg.renormalize and not cfg.tail):
+        return _FORWARD_SHARE
+    return None
+
+
+_FORWARD_SHARE = (
+    "forward_kl_share mixes the two KL directions on lsm's renormalized support: use it with --objective lsm, "
+    "without --tail or --no-renormalize"
+)
+
+
 register(
     Objective(
         "lsm",
@@ -192,6 +234,7 @@ register(
         _lsm_needs,
         mask_special=True,
         variants=("tail",),
+        check=_lsm_check,
     )
 )
 
@@ -265,3 +308,91 @@ def usable_with(gives: frozenset[str]) -> str:
 def objectives_help() -> str:
     """The ``--objective`` help text, from the registry."""
     return "Training signal: " + ", ".join(f"{o.name} ({o.help})" for o in REGISTRY.values()) + "."
+
+
+# --- the objective's options: declared here, with their checks; the config's TrainConfig holds them -----
+
+DEFAULT_SPECIAL_TOKENS = ("<|im_end|>", "<think>", "</think>")
+REDUCTIONS = ("token_mean", "sequence_mean", "constant_sum")
+
+
+def _option(default: Any, help: str, per_task: bool = False) -> Any:
+    """An option of the config's "objective" section, as :func:`opd.config.fields.opt` declares one (this
+    module sits below the config, so it writes the field's metadata itself)."""
+    meta = {"help": help, "section": "objective", "per_task": per_task}
+    if isinstance(default, list):
+        value = default
+        return field(default_factory=lambda: list(value), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ObjectiveOptions:
+    """The objective section of a training run's options (``--objective``, ``--k``, ``--support``, ...),
+    declared with the objectives that read them; :meth:`problem` is their check."""
+
+    objective: str = _option("lsm", objectives_help())
+    k: int = _option(32, "Support size K for lsm (and the top-K of the diagnostics).")
+    support: str = _option("teacher_topk", f"Support set for lsm: {', '.join(L.SUPPORT_KINDS)}.")
+    renormalize: bool = _option(
+        True,
+        "Renormalize student and teacher over the support (lsm). Off is the collapsing ablation.",
+    )
+    tail: bool = _option(
+        False,
+        "lsm with a tail bucket: KL over the support's tokens (full-vocabulary probabilities, not "
+        "renormalized) plus one category for each model's mass outside the support, so the student's "
+        "mass outside it is no longer free (TRL's loss_add_tail). Works with every --support and a "
+        "served teacher (it needs only the teacher's top-K log-probs); replaces renormalization, so "
+        "not with --no-renormalize. Costs a pass over the student's head per step.",
+    )
+    forward_kl_share: float = _option(
+        0.0,
+        "lsm: the share b of forward KL on the renormalized support, loss (1 - b) KL(student||teacher) + "
+        "b KL(teacher||student). Reverse KL's pull on a token scales with the student's own probability of "
+        "it, so a token the teacher wants and the student has all but dropped is barely pulled back; forward "
+        "KL's pull does not shrink (docs/losses.md). 0: LSM as the paper has it.",
+    )
+    gamma: float = _option(0.0, "Discount of the sampled-token reward-to-go: 0 token level, 1 sequence level.")
+    kl_direction: str = _option("reverse", "Direction of full_kl: reverse (KL(student||teacher)) or forward.")
+    mask_special: bool | None = _option(
+        None,
+        "Leave positions whose sampled token is special (--special-tokens) out of the loss (default: on for "
+        "lsm, off otherwise; settable per task). With teacher top-K LSM this also leaves a format token the "
+        "teacher never ranks uncorrected; --tail corrects it at the positions before it is written.",
+        per_task=True,
+    )
+    special_tokens: list[Any] = _option(list(DEFAULT_SPECIAL_TOKENS), "Tokens masked when mask_special is on.")
+    reduction: str = _option(
+        "token_mean",
+        "Loss reduction: token_mean (over the batch's loss tokens), sequence_mean, or "
+        "constant_sum (summed, divided by rollouts x max_new_tokens, a constant that "
+        "does not depend on the batch, as in Dr. GRPO).",
+    )
+
+    def problem(self) -> str | None:
+        """What is wrong with these options, as one message naming the option and the fix; None: nothing.
+        Each option's own range first, then what the chosen objective refuses of their combination."""
+        entry = REGISTRY.get(self.objective)
+        if entry is None:
+            return f"objective={self.objective!r}: choose one of {', '.join(REGISTRY)}"
+        checks = (
+            (self.support in L.SUPPORT_KINDS, f"support={self.support!r}: choose one of {', '.join(L.SUPPORT_KINDS)}"),
+            (self.k >= 1, f"k={self.k} must be >= 1; set --k to 1 or more"),
+            (0.0 <= self.gamma <= 1.0, f"gamma={self.gamma} must lie in [0, 1]"),
+            (self.kl_direction in ("reverse", "forward"), f"kl_direction={self.kl_direction!r}: reverse or forward"),
+            (0.0 <= self.forward_kl_share <= 1.0, f"forward_kl_share={self.forward_kl_share} must lie in [0, 1]"),
+            (not self.forward_kl_share or entry.name == "lsm", _FORWARD_SHARE),
+            (self.reduction in REDUCTIONS, f"reduction={self.reduction!r}: token_mean, sequence_mean or constant_sum"),
+        )
+        for ok, message in checks:
+            if not ok:
+                return message
+        for o in REGISTRY.values():  # a variant flag (--tail) set with an objective it is not a variant of
+            for flag in o.variants:
+                if getattr(self, flag) and flag not in entry.variants:
+                    return (
+                        f"{flag} is a variant of --objective {o.name}, not of {self.objective}; "
+                        f"drop --{flag} or use --objective {o.name}"
+                    )
+        return entry.check(self)

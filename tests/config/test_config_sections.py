@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 
 from opd.cli import app
 from opd.config import ConfigError, EvalConfig, SFTConfig, TrainConfig, build_config, dump_config, read_run_config
-from opd.config.sections import LAYOUT, SECTION_NAMES, TITLES, section_of
+from opd.config.sections import SECTION_NAMES, TITLES, section_of
+from opd.config.tasks import per_task_keys
 from opd.report.load import load_run
 
 # A run's config.json written by opd 0.1.0 (flat), from `opd experiment objectives` at 466b790.
@@ -23,17 +24,20 @@ CLASSES = (TrainConfig, SFTConfig, EvalConfig)
 
 
 def _train(**kw) -> TrainConfig:
-    return TrainConfig(student="/m/student", teacher="/m/teacher", **kw)
+    return TrainConfig.from_flat(student="/m/student", teacher="/m/teacher", **kw)
 
 
-def test_every_option_of_every_command_has_one_section_and_the_layout_names_no_stale_option():
-    listed = [option for _, _, options in LAYOUT for option in options]
-    assert len(listed) == len(set(listed)), "an option is listed in two sections"
-    fields = {f.name for cls in CLASSES for f in dataclasses.fields(cls)}
-    assert set(listed) == fields
+def test_every_option_of_every_command_declares_a_known_section_and_whether_tasks_set_it():
     for cls in CLASSES:
         for f in dataclasses.fields(cls):
-            assert section_of(cls, f.name) in SECTION_NAMES
+            assert f.metadata["section"] in SECTION_NAMES, (cls.__name__, f.name)
+            assert isinstance(f.metadata["per_task"], bool), (cls.__name__, f.name)
+    train, sft = set(per_task_keys(TrainConfig)), set(per_task_keys(SFTConfig))
+    # OPD tasks bring their teacher and sampling, SFT tasks their targets; both their data and lengths
+    assert {"teacher_url", "mask_special", "lr", "top_p", "task", "env", "batch_size"} <= train
+    assert {"train_size", "dagger_from", "teacher", "task", "env", "batch_size"} <= sft
+    assert not {"objective", "k", "steps", "seed", "student", "lora_r"} & (train | sft)
+    assert "lr" not in sft  # one optimizer for every task's examples
 
 
 def test_config_json_is_nested_by_section_and_reads_back_equal(tmp_path):
@@ -107,7 +111,7 @@ def test_a_nested_file_that_cannot_mean_what_it_says_is_refused(data, words):
 
 def test_eval_batch_is_in_the_eval_section_of_opd_eval_and_the_optimizer_section_of_train(tmp_path):
     assert section_of(EvalConfig, "batch_size") == "eval" and section_of(TrainConfig, "batch_size") == "optimizer"
-    cfg = EvalConfig(student="/m/s", batch_size=16)
+    cfg = EvalConfig.from_flat(student="/m/s", batch_size=16)
     dump_config(cfg, tmp_path / "config.json")
     assert json.loads((tmp_path / "config.json").read_text())["eval"]["batch_size"] == 16
     assert build_config(EvalConfig, json.loads((tmp_path / "config.json").read_text())) == cfg

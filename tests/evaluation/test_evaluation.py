@@ -193,13 +193,13 @@ def test_vllm_requests_carry_the_top_k():
 
 def test_maj_at_k_without_samples_and_an_unknown_mode_are_refused():
     with pytest.raises(ConfigError, match="maj_k=4 votes over samples"):
-        EvalConfig(samples=0, maj_k=4)
+        EvalConfig.from_flat(samples=0, maj_k=4)
     with pytest.raises(ConfigError, match="raise it or lower --maj-k"):
-        EvalConfig(samples=2, maj_k=4)
+        EvalConfig.from_flat(samples=2, maj_k=4)
     with pytest.raises(ConfigError, match="eval_sampling='best'"):
-        EvalConfig(eval_sampling="best")
+        EvalConfig.from_flat(eval_sampling="best")
     with pytest.raises(ConfigError, match="takes every figure from samples"):
-        EvalConfig(eval_sampling="model", samples=0)
+        EvalConfig.from_flat(eval_sampling="model", samples=0)
 
 
 # ----------------------------------------------------------------------------- the demo student
@@ -235,7 +235,7 @@ def test_batches_do_not_change_the_figures(demo_prompts):
 def test_opd_eval_writes_figures_and_records(tmp_path):
     out = tmp_path / "eval"
     common = dict(student=str(DEMO / "student"), device="cpu", max_new_tokens=40, eval_size=8)
-    result = run_eval(EvalConfig(out=str(out), samples=2, maj_k=2, **common))
+    result = run_eval(EvalConfig.from_flat(out=str(out), samples=2, maj_k=2, **common))
     saved = json.loads((out / "eval.json").read_text())
     assert saved["records"] == "eval_samples.jsonl" and saved["maj_k"] == 2 and 0 <= saved["maj_at_k"] <= 1
     records = read_records(out / "eval_samples.jsonl")
@@ -259,7 +259,7 @@ def test_opd_eval_runs_on_the_engine_options_given(tmp_path, monkeypatch):
     runs = {}
     for mode in ("off", "on"):
         out = tmp_path / mode
-        cfg = EvalConfig(out=str(out), rollout_engine="hf", static_cache=mode, **common)
+        cfg = EvalConfig.from_flat(out=str(out), rollout_engine="hf", static_cache=mode, **common)
         runs[mode] = (run_eval(cfg), read_records(out / "eval_samples.jsonl"))
         assert len(static_batches) == (2 if mode == "on" else 0)  # its greedy batch, its sampled batch
     assert closed == [1, 1]
@@ -270,13 +270,13 @@ def test_opd_eval_runs_on_the_engine_options_given(tmp_path, monkeypatch):
 
 def test_opd_eval_engine_options_are_checked_as_trainings(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="static_cache=on is a setting of opd's own sampling loop"):
-        EvalConfig(rollout_engine="vllm", static_cache="on")
+        EvalConfig.from_flat(rollout_engine="vllm", static_cache="on")
     with pytest.raises(ConfigError, match="--vllm-url set but rollout_engine is hf"):
-        EvalConfig(vllm_url="http://127.0.0.1:8000")
+        EvalConfig.from_flat(vllm_url="http://127.0.0.1:8000")
     loaded = []
     monkeypatch.setattr("opd.evaluation.model_eval.load_model", lambda *a, **k: loaded.append(1))
     with pytest.raises(UserError, match="rollout_engine='nope' is not a registered rollout engine"):
-        run_eval(EvalConfig(out=str(tmp_path / "out"), student=str(DEMO / "student"), rollout_engine="nope"))
+        run_eval(EvalConfig.from_flat(out=str(tmp_path / "out"), student=str(DEMO / "student"), rollout_engine="nope"))
     assert not loaded
 
 
@@ -289,7 +289,7 @@ def test_a_read_only_records_place_is_found_before_the_model_loads(tmp_path, mon
     monkeypatch.setattr("opd.evaluation.model_eval.load_model", lambda *a, **k: loaded.append(1))
     try:
         with pytest.raises(UserError, match="cannot write"):  # the run folder's check or the records'
-            run_eval(EvalConfig(out=str(locked / "out"), student=str(DEMO / "student"), device="cpu"))
+            run_eval(EvalConfig.from_flat(out=str(locked / "out"), student=str(DEMO / "student"), device="cpu"))
     finally:
         locked.chmod(0o700)
     assert not loaded
@@ -298,7 +298,9 @@ def test_a_read_only_records_place_is_found_before_the_model_loads(tmp_path, mon
 def test_a_records_place_that_cannot_be_a_file_is_found_before_the_model_loads(tmp_path, monkeypatch):
     """Root ignores permissions: a folder where the records file should be, in an earlier opd eval's output
     folder (which opd eval takes again), is the case any user can make."""
-    cfg = EvalConfig(out=str(tmp_path / "out"), student=str(DEMO / "student"), device="cpu", eval_size=2, samples=0)
+    cfg = EvalConfig.from_flat(
+        out=str(tmp_path / "out"), student=str(DEMO / "student"), device="cpu", eval_size=2, samples=0
+    )
     run_eval(dataclasses.replace(cfg, max_new_tokens=4))
     (tmp_path / "out" / "eval_samples.jsonl").unlink()
     (tmp_path / "out" / "eval_samples.jsonl").mkdir()

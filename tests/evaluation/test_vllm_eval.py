@@ -33,7 +33,7 @@ def vllm_engine(tmp_path_factory):
 
     needs_vllm()
     tok = load_tokenizer(DEMO / "student", "student")
-    cfg = EvalConfig(student=str(DEMO / "student"), rollout_engine="vllm")  # as opd eval starts it
+    cfg = EvalConfig.from_flat(student=str(DEMO / "student"), rollout_engine="vllm")  # as opd eval starts it
     model = load_model(DEMO / "student", "student")
     engine = start_vllm(EngineContext(model, tok, cfg, cfg.student, folder=tmp_path_factory.mktemp("vllm")))
     yield model, tok, engine

@@ -347,12 +347,12 @@ def test_all_masked_input_is_zero_with_zero_gradients(dtype):
 
 
 def test_tail_option_defaults_off_and_refuses_what_it_cannot_do():
-    assert TrainConfig().tail is False
-    assert TrainConfig(tail=True).tail is True
+    assert TrainConfig.from_flat().tail is False
+    assert TrainConfig.from_flat(tail=True).tail is True
     with pytest.raises(ConfigError, match="--objective lsm"):
-        TrainConfig(tail=True, objective="sampled")
+        TrainConfig.from_flat(tail=True, objective="sampled")
     with pytest.raises(ConfigError, match="no-renormalize"):
-        TrainConfig(tail=True, renormalize=False)
+        TrainConfig.from_flat(tail=True, renormalize=False)
 
 
 def test_trainer_tail_loss_is_the_dense_one_on_rollouts(tiny_models, tmp_path):
@@ -365,7 +365,9 @@ def test_trainer_tail_loss_is_the_dense_one_on_rollouts(tiny_models, tmp_path):
     from opd.training.loss import loss_mask, objective_loss
 
     student, teacher = tiny_models
-    cfg = TrainConfig(student=str(student), teacher=str(teacher), out=str(tmp_path / "run"), **SMALL, tail=True)
+    cfg = TrainConfig.from_flat(
+        student=str(student), teacher=str(teacher), out=str(tmp_path / "run"), **SMALL, tail=True
+    )
     run = train_mod.setup(cfg)
     batch, _, _ = first_rollout(run)
     mask = loss_mask(batch, run.special_ids, run.cfg.mask_special)

@@ -118,14 +118,16 @@ def test_tool_call_markers_are_the_added_tokens_a_tool_call_adds(tok, tiny_token
 )
 def test_bad_options_are_one_line_errors(value, message):
     with pytest.raises(ConfigError, match=message):
-        TrainConfig(chat_template_kwargs=value)
+        TrainConfig.from_flat(chat_template_kwargs=value)
     with pytest.raises(ConfigError, match=message.replace("chat_template_kwargs=", "teacher_chat_template_kwargs=")):
-        TrainConfig(teacher_chat_template_kwargs=value)
+        TrainConfig.from_flat(teacher_chat_template_kwargs=value)
     with pytest.raises(UserError):
         template_kwargs(value, "x")
 
 
 def test_the_teachers_options_default_to_the_students():
-    cfg = TrainConfig(chat_template_kwargs='{"enable_thinking": false}')
+    cfg = TrainConfig.from_flat(chat_template_kwargs='{"enable_thinking": false}')
     assert cfg.chat_template_kwargs == OFF and cfg.teacher_chat_options() == OFF
-    assert TrainConfig(chat_template_kwargs=OFF, teacher_chat_template_kwargs="{}").teacher_chat_options() == {}
+    assert (
+        TrainConfig.from_flat(chat_template_kwargs=OFF, teacher_chat_template_kwargs="{}").teacher_chat_options() == {}
+    )

@@ -274,7 +274,7 @@ def test_every_objective_trains(pairs, family, objective, dtype, tmp_path):
     prompts.write_text("".join(f'{{"prompt": "Compute {i} + {i + 3}.", "answer": "{2 * i + 3}"}}\n' for i in range(8)))
     student_dir, teacher_dir = pairs[family]
     low = dtype == "bfloat16"
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flat(
         student=str(student_dir),
         teacher=str(teacher_dir),
         out=str(tmp_path / "run"),
@@ -318,7 +318,9 @@ def test_fsdp_shards_a_biased_head_like_one_process(pairs, tmp_path):
     run = dict(steps=2, task=str(prompts), split="0.25", eval_size=2, objective="lsm")
     one = tmp_path / "one"
     cfg = {**SMALL, **run, "batch_size": 4}
-    loop.train(TrainConfig(student=str(models[0]), teacher=str(models[1]), out=str(one), **cfg), show_progress=False)
+    loop.train(
+        TrainConfig.from_flat(student=str(models[0]), teacher=str(models[1]), out=str(one), **cfg), show_progress=False
+    )
     two = tmp_path / "fsdp"
     launch("torchrun", cli_args(models, two, batch_size=2, fsdp=True, **run))
     assert_same_trajectory(step_records(two), step_records(one))

@@ -31,7 +31,7 @@ SMALL = dict(
 
 
 def cfg_for(models, out, **kw) -> TrainConfig:
-    return TrainConfig(student=str(models[0]), teacher=str(models[1]), out=str(out), **{**SMALL, **kw})
+    return TrainConfig.from_flat(student=str(models[0]), teacher=str(models[1]), out=str(out), **{**SMALL, **kw})
 
 
 @pytest.fixture(scope="module")

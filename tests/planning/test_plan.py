@@ -31,8 +31,9 @@ def shape(**kw) -> ModelShape:
 
 def test_plan_by_hand():
     """Every part of a tiny float32 run, each computed here from the options (comments: the arithmetic)."""
-    cfg = TrainConfig(student="s", teacher="t", batch_size=2, max_new_tokens=10, max_prompt_tokens=6, k=4)
-    cfg.diag_positions = 3
+    cfg = TrainConfig.from_flat(
+        student="s", teacher="t", batch_size=2, max_new_tokens=10, max_prompt_tokens=6, k=4, diag_positions=3
+    )
     teacher = shape(name="t", hidden=16, params=3000, vocab=100)
     plan = plan_memory(cfg, shape(), teacher, Layout(world=1, gpu_bytes=10**6, device="cuda"))
     got = {p.name: p.bytes for p in plan.parts}
@@ -75,17 +76,22 @@ def test_sharding_lora_and_checkpointing_by_hand():
     checkpointing keeps each layer's input and recomputes one layer."""
     lora = ((("q_proj", 8, 8),) * 2) + ((("down_proj", 16, 8),) * 2)  # two layers
     s = shape(lora_dims=lora)
-    cfg = TrainConfig(student="s", teacher_url="http://t:1", batch_size=2, max_new_tokens=10, max_prompt_tokens=6)
-    fsdp = {p.name: p.bytes for p in plan_memory(TrainConfig(**{**vars(cfg), "fsdp": True}), s, None, Layout(4)).parts}
+    cfg = TrainConfig.from_flat(
+        student="s", teacher_url="http://t:1", batch_size=2, max_new_tokens=10, max_prompt_tokens=6
+    )
+    fsdp = {
+        p.name: p.bytes
+        for p in plan_memory(TrainConfig.from_flat(**{**cfg.flat(), "fsdp": True}), s, None, Layout(4)).parts
+    }
     assert (fsdp["student weights"], fsdp["gradients"], fsdp["AdamW state"]) == (1000, 1000, 2000)
     assert fsdp["teacher"] == 0
-    lcfg = TrainConfig(**{**vars(cfg), "lora_r": 2, "lora_targets": ["q_proj"], "dtype": "bfloat16"})
+    lcfg = TrainConfig.from_flat(**{**cfg.flat(), "lora_r": 2, "lora_targets": ["q_proj"], "dtype": "bfloat16"})
     got = {p.name: p.bytes for p in plan_memory(lcfg, s, None, Layout(1)).parts}
     adapter = 2 * 2 * (8 + 8)  # 2 layers' q_proj, r (in + out)
     assert got["student weights"] == 1000 * 2 + adapter * 4
     assert (got["gradients"], got["AdamW state"]) == (adapter * 4, 2 * adapter * 4)
     assert "head gradient buffer" not in got  # the head is frozen
-    ccfg = TrainConfig(**{**vars(cfg), "gradient_checkpointing": True})
+    ccfg = TrainConfig.from_flat(**{**cfg.flat(), "gradient_checkpointing": True})
     got = {p.name: p.bytes for p in plan_memory(ccfg, s, None, Layout(1)).parts}
     tokens, per_layer = 2 * 16, 4 * (7 * 8 + 4 * 8 + 4 * 16 + 16) + 4 * (2 + 2)
     assert got["activations"] == tokens * (2 * 8 * 4 + per_layer) + tokens * 16 * 4  # inputs, one layer, the mask

@@ -360,7 +360,7 @@ def test_losses_are_zero_with_zero_gradient_at_environment_positions(teacher, st
         assert not mask[b.response_ids_NT == tok.eos_token_id].any()
     else:
         assert torch.equal(mask, b.action_mask_NT)
-    cfg = TrainConfig(objective=objective, k=8, gamma=0.5)
+    cfg = TrainConfig.from_flat(objective=objective, k=8, gamma=0.5)
     scores = HFTeacher(teacher).score(b, 8)
     model.zero_grad()
     loss_NT, h = objective_loss(cfg, model, HFTeacher(teacher), b, scores, mask)

@@ -327,13 +327,13 @@ def test_a_session_past_its_budget_is_refused(demo):
 def test_the_option_reaches_the_engine_and_bad_values_are_refused(demo):
     model, tok = demo
     base = dict(student="/m/student", teacher="/m/teacher")
-    assert TrainConfig(**base).static_cache == "off"  # until a GPU run measures it faster
-    for cfg, mode in ((TrainConfig(**base, static_cache="auto"), "auto"), (TrainConfig(**base, static_cache="on"), "on"),
-                      (TrainConfig(**base, static_cache="auto", fsdp=True), "off")):  # fmt: skip
+    assert TrainConfig.from_flat(**base).static_cache == "off"  # until a GPU run measures it faster
+    for cfg, mode in ((TrainConfig.from_flat(**base, static_cache="auto"), "auto"), (TrainConfig.from_flat(**base, static_cache="on"), "on"),
+                      (TrainConfig.from_flat(**base, static_cache="auto", fsdp=True), "off")):  # fmt: skip
         assert start_hf(EngineContext(model, tok, cfg)).static.mode == mode
     with pytest.raises(ConfigError, match=r"static_cache='yes': choose one of auto, on, off"):
-        TrainConfig(**base, static_cache="yes")
+        TrainConfig.from_flat(**base, static_cache="yes")
     with pytest.raises(ConfigError, match=r"static_cache=on does not run with --fsdp"):
-        TrainConfig(**base, static_cache="on", fsdp=True)
+        TrainConfig.from_flat(**base, static_cache="on", fsdp=True)
     with pytest.raises(ConfigError, match=r"static_cache=on is a setting of opd's own sampling loop"):
-        TrainConfig(**base, static_cache="on", rollout_engine="vllm")
+        TrainConfig.from_flat(**base, static_cache="on", rollout_engine="vllm")

@@ -86,7 +86,7 @@ def test_training_against_vllm_equals_the_in_process_teacher(vllm_teacher, tmp_p
     losses = {}
     for name, extra in (("local", {"teacher": str(DEMO / "teacher")}), ("vllm", {"teacher_url": vllm_teacher})):
         out = tmp_path / name
-        train_mod.train(TrainConfig(out=str(out), **common, **extra), show_progress=False)
+        train_mod.train(TrainConfig.from_flat(out=str(out), **common, **extra), show_progress=False)
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         losses[name] = [r["train/loss"] for r in records if "train/loss" in r]
     assert len(losses["vllm"]) == 3
@@ -158,7 +158,7 @@ def test_vllm_rollouts_follow_the_trained_policy(tmp_path):
     """opd starts the engine on the student, syncs it before every batch, and the policy check holds."""
     needs_vllm()  # starts engines of its own: no module server
     out = tmp_path / "run"
-    train_mod.train(TrainConfig(out=str(out), **ROLLOUT_RUN), show_progress=False)
+    train_mod.train(TrainConfig.from_flat(out=str(out), **ROLLOUT_RUN), show_progress=False)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "train/loss" in r]
     assert len(steps) == 3
@@ -178,7 +178,9 @@ def test_rollouts_run_ahead_from_vllm_checked_against_the_policy_that_sampled(tm
     log-probs about 1e-2: the check would trip against the trainer's)."""
     needs_vllm()  # starts engines of its own: no module server
     out = tmp_path / "run"
-    train_mod.train(TrainConfig(out=str(out), max_staleness=1, **{**ROLLOUT_RUN, "steps": 4}), show_progress=False)
+    train_mod.train(
+        TrainConfig.from_flat(out=str(out), max_staleness=1, **{**ROLLOUT_RUN, "steps": 4}), show_progress=False
+    )
     steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r]
     assert [r["rollout/staleness"] for r in steps] == [0.0, 1.0, 1.0, 1.0]
     assert all(r["rollout/engine_logprob_gap"] < 1e-4 for r in steps), [r["rollout/engine_logprob_gap"] for r in steps]
@@ -198,7 +200,7 @@ def test_a_skipped_weight_sync_trips_the_policy_check(vllm_student, tmp_path, mo
 
     monkeypatch.setattr(VLLMRollout, "sync", sync_but_the_second)
     monkeypatch.setenv("OPD_VLLM_API_KEY", KEY)
-    cfg = TrainConfig(out=str(tmp_path / "run"), vllm_url=vllm_student, **ROLLOUT_RUN)
+    cfg = TrainConfig.from_flat(out=str(tmp_path / "run"), vllm_url=vllm_student, **ROLLOUT_RUN)
     with pytest.raises(UserError, match=r"does not serve the policy being trained.*--vllm-max-gap 0.001"):
         train_mod.train(cfg, show_progress=False)
     assert len(calls) == 2
@@ -210,7 +212,7 @@ def test_a_skipped_weight_sync_trips_the_policy_check(vllm_student, tmp_path, mo
 def test_vllm_rollouts_of_a_lora_student_carry_the_merged_weights(vllm_student, tmp_path, monkeypatch):
     monkeypatch.setenv("OPD_VLLM_API_KEY", KEY)
     out = tmp_path / "run"
-    cfg = TrainConfig(out=str(out), vllm_url=vllm_student, lora_r=4, **{**ROLLOUT_RUN, "lr": 1e-2})
+    cfg = TrainConfig.from_flat(out=str(out), vllm_url=vllm_student, lora_r=4, **{**ROLLOUT_RUN, "lr": 1e-2})
     train_mod.train(cfg, show_progress=False)
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout/engine_logprob_gap"] < 1e-4 for r in steps if "train/loss" in r] == [True] * 3
@@ -227,7 +229,7 @@ def test_a_lora_students_adapter_alone_reaches_the_engine(tmp_path):
 
     needs_vllm()
     tok = load_tokenizer(DEMO / "student", "student")
-    cfg = TrainConfig(out=str(tmp_path / "run"), lora_r=4, vllm_sync="adapter", **ROLLOUT_RUN)
+    cfg = TrainConfig.from_flat(out=str(tmp_path / "run"), lora_r=4, vllm_sync="adapter", **ROLLOUT_RUN)
     model = apply_lora(load_model(DEMO / "student", "student"), 4, 16.0, ["all-linear"], 0.0, DEMO / "student")
 
     def draw_adapter():  # a trained-looking adapter: B is zero at initialisation
@@ -273,14 +275,14 @@ def test_an_engine_that_stops_answering_checkpoints_and_the_run_resumes(vllm_stu
     monkeypatch.setenv("OPD_VLLM_API_KEY", KEY)
     run = {**ROLLOUT_RUN, "steps": 4, "out": str(tmp_path / "run"), "vllm_url": vllm_student, "vllm_wait": 0.0}
     with pytest.raises(vllm_engine.EngineUnavailable) as err:
-        train_mod.train(TrainConfig(**run), show_progress=False)
+        train_mod.train(TrainConfig.from_flat(**run), show_progress=False)
     assert "connection refused" in str(err.value) and "--vllm-wait 0" in str(err.value)
     assert str(err.value).endswith(
         f"checkpoint of step 1 written in {tmp_path / 'run' / 'checkpoints'}; resume with --resume once the rollout "
         "engine is up"
     )
     monkeypatch.setattr(vllm_engine.VLLMRollout, "sync", real_sync)
-    train_mod.train(TrainConfig(**run, resume=True), show_progress=False)
+    train_mod.train(TrainConfig.from_flat(**run, resume=True), show_progress=False)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "train/loss" in r] == [0, 1, 2, 3]  # step 2 redone after the resume
 
@@ -396,7 +398,9 @@ def test_an_engine_killed_under_staleness_is_restarted_by_its_owner(vllm_student
     kill_engine_at(2, monkeypatch, lambda ahead: ahead.rollouts.engine.server)
     out = tmp_path / "run"
     try:
-        train_mod.train(TrainConfig(out=str(out), max_staleness=1, **{**ROLLOUT_RUN, "steps": 4}), show_progress=False)
+        train_mod.train(
+            TrainConfig.from_flat(out=str(out), max_staleness=1, **{**ROLLOUT_RUN, "steps": 4}), show_progress=False
+        )
     finally:
         for server in launched:
             server.stop()
@@ -424,7 +428,7 @@ def test_a_users_engine_gone_under_staleness_checkpoints_and_the_run_resumes(vll
     run = {**ROLLOUT_RUN, "steps": 4, "out": str(tmp_path / "run"), "vllm_url": url, "vllm_wait": 0.0}
     try:
         with pytest.raises(vllm_engine.EngineUnavailable) as err:
-            train_mod.train(TrainConfig(max_staleness=1, **run), show_progress=False)
+            train_mod.train(TrainConfig.from_flat(max_staleness=1, **run), show_progress=False)
         assert "connection refused" in str(err.value) and "--vllm-wait 0" in str(err.value)
         assert re.search(
             r"checkpoint of step [12] written in .*; resume with --resume once the rollout engine is up$",
@@ -432,7 +436,7 @@ def test_a_users_engine_gone_under_staleness_checkpoints_and_the_run_resumes(vll
         )
         monkeypatch.setattr(Ahead, "_rollouts", real_rollouts_ahead)
         users.append(proxy_to(vllm_student, tmp_path / "proxy.log", port=int(url.rsplit(":", 1)[1])))
-        train_mod.train(TrainConfig(max_staleness=1, resume=True, **run), show_progress=False)
+        train_mod.train(TrainConfig.from_flat(max_staleness=1, resume=True, **run), show_progress=False)
     finally:
         for server in users:
             server.stop()
@@ -462,7 +466,7 @@ def test_episodes_and_a_second_task_roll_out_from_one_engine(vllm_student, tmp_p
     out = tmp_path / "run"
     toy = dict(env="toy", env_level=1, max_new_tokens=160, max_action_tokens=24, max_turns=4, eval_size=3)
     run = {k: v for k, v in ROLLOUT_RUN.items() if k not in ("teacher", "max_new_tokens", "eval_size")}
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flat(
         out=str(out),
         vllm_url=vllm_student,
         tasks=[
@@ -565,7 +569,7 @@ def test_vllm_args_the_engine_refuses_stop_it_with_its_error_line(tmp_path, args
 
     needs_vllm()
     tok = load_tokenizer(DEMO / "student", "student")
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flat(
         student=str(DEMO / "student"), teacher=str(DEMO / "teacher"), rollout_engine="vllm", vllm_args=args
     )
     t0 = time.monotonic()
@@ -596,7 +600,7 @@ def test_a_batch_of_seeded_prompts_over_the_engines_token_budget(tmp_path):
     from opd.rollout.vllm_engine import start_vllm
 
     tok = load_tokenizer(DEMO / "student", "student")
-    cfg = TrainConfig(student=str(DEMO / "student"), teacher=str(DEMO / "teacher"), rollout_engine="vllm")
+    cfg = TrainConfig.from_flat(student=str(DEMO / "student"), teacher=str(DEMO / "teacher"), rollout_engine="vllm")
     engine = start_vllm(EngineContext(load_model(DEMO / "student", "student"), tok, cfg, cfg.student, folder=tmp_path))
     try:
         prompts = PromptSet.build(load_task("arithmetic", 2, 0).examples("train")[:128], tok, 256).prompt_ids

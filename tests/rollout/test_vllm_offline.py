@@ -85,25 +85,29 @@ def test_rollout_engine_options_are_checked(tiny_models):
     with pytest.raises(
         UserError, match=r"rollout_engine='sglang' is not a registered rollout engine; choose one of hf, vllm"
     ):
-        check_engine(TrainConfig(**base, rollout_engine="sglang").rollout_engine)  # the registry is rollout/'s
+        check_engine(
+            TrainConfig.from_flat(**base, rollout_engine="sglang").rollout_engine
+        )  # the registry is rollout/'s
     with pytest.raises(ConfigError, match="add --rollout-engine vllm"):
-        TrainConfig(**base, vllm_url="http://127.0.0.1:8000")
+        TrainConfig.from_flat(**base, vllm_url="http://127.0.0.1:8000")
     with pytest.raises(ConfigError, match=r"--vllm-url 'notaurl' must start with http:// or https:// and name a host"):
-        TrainConfig(**base, rollout_engine="vllm", vllm_url="notaurl")
+        TrainConfig.from_flat(**base, rollout_engine="vllm", vllm_url="notaurl")
     with pytest.raises(ConfigError, match=r"--vllm-url 'http://host:port' has the port 'port'; a port is a number"):
-        TrainConfig(**base, rollout_engine="vllm", vllm_url="http://host:port")
+        TrainConfig.from_flat(**base, rollout_engine="vllm", vllm_url="http://host:port")
     with pytest.raises(ConfigError, match="vllm_wait >= 0"):
-        TrainConfig(**base, rollout_engine="vllm", vllm_wait=-1.0)
-    assert TrainConfig(**base, rollout_engine="vllm", fsdp=True).fsdp  # each rank's engine gets the gathered weights
-    assert TrainConfig(**base, rollout_engine="vllm").vllm_max_gap == 1e-3
-    assert TrainConfig(**base, rollout_engine="vllm", dtype="bfloat16").vllm_max_gap == 0.05
+        TrainConfig.from_flat(**base, rollout_engine="vllm", vllm_wait=-1.0)
+    assert TrainConfig.from_flat(
+        **base, rollout_engine="vllm", fsdp=True
+    ).fsdp  # each rank's engine gets the gathered weights
+    assert TrainConfig.from_flat(**base, rollout_engine="vllm").vllm_max_gap == 1e-3
+    assert TrainConfig.from_flat(**base, rollout_engine="vllm", dtype="bfloat16").vllm_max_gap == 0.05
 
 
 def test_prompts_and_responses_beyond_the_students_context_are_refused_before_the_engine_starts(tiny_models, tmp_path):
     from opd.models.loading import load_tokenizer
 
     base = dict(student=str(tiny_models[0]), teacher=str(tiny_models[1]), rollout_engine="vllm")
-    cfg = TrainConfig(**base, max_prompt_tokens=500, max_new_tokens=64)
+    cfg = TrainConfig.from_flat(**base, max_prompt_tokens=500, max_new_tokens=64)
     model = load_model(tiny_models[0], "student")  # max_position_embeddings 512
     with pytest.raises(
         UserError,
@@ -285,13 +289,13 @@ def test_more_engines_than_gpus_is_an_error_naming_both_counts(ranks, gpus, args
 def test_vllm_args_are_checked(tiny_models):
     base = dict(student=str(tiny_models[0]), teacher=str(tiny_models[1]))
     with pytest.raises(ConfigError, match="--vllm-args set but rollout_engine is hf; add --rollout-engine vllm"):
-        TrainConfig(**base, vllm_args="--enable-sleep-mode")
+        TrainConfig.from_flat(**base, vllm_args="--enable-sleep-mode")
     with pytest.raises(ConfigError, match="--vllm-args --dtype: opd sets it on the servers it starts, from --dtype"):
-        TrainConfig(**base, rollout_engine="vllm", vllm_args="--enforce-eager --dtype=bfloat16")
+        TrainConfig.from_flat(**base, rollout_engine="vllm", vllm_args="--enforce-eager --dtype=bfloat16")
     with pytest.raises(ConfigError, match="cannot be split into options.*check its quotes"):
-        TrainConfig(**base, rollout_engine="vllm", vllm_args="--served-model-name 'x")
+        TrainConfig.from_flat(**base, rollout_engine="vllm", vllm_args="--served-model-name 'x")
     with pytest.raises(ConfigError, match="--vllm-url names your own: start yours with them"):
-        TrainConfig(**base, rollout_engine="vllm", vllm_args="-tp 2", vllm_url="http://127.0.0.1:8000")
+        TrainConfig.from_flat(**base, rollout_engine="vllm", vllm_args="-tp 2", vllm_url="http://127.0.0.1:8000")
 
 
 # A stand-in for vLLM's Python: it writes what it was started with, then refuses an option as vLLM's
@@ -400,9 +404,9 @@ def test_the_weight_sync_way_is_chosen_and_checked(tiny_models, tmp_path, monkey
     assert vllm_sync.server_options(adapter, 4, ["--enable-lora", "--max-lora-rank=32"])[0] == []  # the user's kept
     assert vllm_sync.server_options(shm, 4, []) == ([], {})
     with pytest.raises(ConfigError, match="vllm_sync='disk': choose one of auto, file, shm, adapter"):
-        TrainConfig(student=str(tiny_models[0]), rollout_engine="vllm", vllm_sync="disk")
+        TrainConfig.from_flat(student=str(tiny_models[0]), rollout_engine="vllm", vllm_sync="disk")
     with pytest.raises(ConfigError, match="--vllm-sync adapter sends the LoRA adapter alone.*add --lora-r"):
-        TrainConfig(student=str(tiny_models[0]), rollout_engine="vllm", vllm_sync="adapter")
+        TrainConfig.from_flat(student=str(tiny_models[0]), rollout_engine="vllm", vllm_sync="adapter")
 
 
 def test_a_killed_runs_memory_folder_is_removed_by_the_next(tmp_path, monkeypatch):

@@ -99,14 +99,14 @@ def tiny_train_cfg(models, out, **kw) -> TrainConfig:
         eval_every=0,
         ckpt_every=2,
     )
-    return TrainConfig(student=str(student), teacher=str(teacher), out=str(out), **{**small, **kw})
+    return TrainConfig.from_flat(student=str(student), teacher=str(teacher), out=str(out), **{**small, **kw})
 
 
 # ----------------------------------------------------------------------------- config and CLI
 
 
 def test_report_to_is_parsed_like_other_lists():
-    assert TrainConfig().report_to == ["none"] and SFTConfig(arch="qwen2:1:8").report_to == ["none"]
+    assert TrainConfig.from_flat().report_to == ["none"] and SFTConfig.from_flat(arch="qwen2:1:8").report_to == ["none"]
     assert build_config(TrainConfig, {}, {"report_to": ["tensorboard,wandb"]}).report_to == ["tensorboard", "wandb"]
     repeated = build_config(TrainConfig, {}, {"report_to": ["TensorBoard", "wandb", "tensorboard"]})
     assert repeated.report_to == ["tensorboard", "wandb"]
@@ -129,9 +129,9 @@ def test_report_to_is_parsed_like_other_lists():
 )
 def test_bad_report_to_is_a_clear_error(value, match):
     with pytest.raises(ConfigError, match=match):
-        TrainConfig(report_to=value)
+        TrainConfig.from_flat(report_to=value)
     with pytest.raises(ConfigError, match=match):
-        SFTConfig(arch="qwen2:1:8", report_to=value)
+        SFTConfig.from_flat(arch="qwen2:1:8", report_to=value)
 
 
 def test_cli_takes_repeated_and_comma_separated_report_to(monkeypatch, tmp_path):
@@ -165,7 +165,7 @@ def test_report_to_none_starts_nothing(tmp_path):
         "tensorboard"
     ]  # a string
     run = RunDir(tmp_path / "run", enabled=True, report_to=["none"])
-    run.write_config(TrainConfig())
+    run.write_config(TrainConfig.from_flat())
     run.log_metrics(record(0))
     run.close()
     assert run.tracking is None
@@ -177,7 +177,7 @@ def test_other_ranks_create_no_tracker_files(tmp_path, monkeypatch):
     names = ["tensorboard", *[n for n in ("wandb", "trackio") if _importable(n)]]
     monkeypatch.setenv("RANK", "1")
     with RunDir(tmp_path / "run", report_to=names) as run:
-        run.write_config(TrainConfig(report_to=names))
+        run.write_config(TrainConfig.from_flat(report_to=names))
         run.log_metrics(record(0))
     assert run.tracking is None
     assert not (tmp_path / "run").exists()
@@ -197,7 +197,7 @@ def test_tensorboard_holds_the_scalars_of_metrics_jsonl_and_the_config(tmp_path)
     from tensorboard.plugins.hparams import plugin_data_pb2
 
     out = tmp_path / "run"
-    cfg = TrainConfig(out=str(out), report_to=["tensorboard"], lr=3e-3, lora_targets=["q_proj", "v_proj"])
+    cfg = TrainConfig.from_flat(out=str(out), report_to=["tensorboard"], lr=3e-3, lora_targets=["q_proj", "v_proj"])
     with RunDir(out, enabled=True, report_to=cfg.report_to) as run:
         run.write_config(cfg)
         for step in range(5):
@@ -224,13 +224,13 @@ def test_tensorboard_after_resume_shows_what_metrics_jsonl_holds(tmp_path, track
     pytest.importorskip("tensorboard")
     out = tmp_path / "run"
     first = RunDir(out, enabled=True, report_to=["tensorboard"] if tracked_before else [])
-    first.write_config(TrainConfig(out=str(out)))
+    first.write_config(TrainConfig.from_flat(out=str(out)))
     for step in range(6):
         first.log_metrics(record(step))
     # killed: never closed
     with RunDir(out, enabled=True, report_to=["tensorboard"]) as resumed:
         resumed.truncate_logs_after(3)
-        resumed.write_config(TrainConfig(out=str(out), resume=True))
+        resumed.write_config(TrainConfig.from_flat(out=str(out), resume=True))
         for step in range(4, 8):
             resumed.log_metrics(record(step, scale=2.0))
     assert [r["step"] for r in read_metrics(out)] == list(range(8))
@@ -248,7 +248,7 @@ def test_opd_train_killed_and_resumed_with_tensorboard(tiny_models, tmp_path, mo
     monkeypatch.setattr(setup_mod, "RunDir", lambda path, **kw: RunDir(path, **{"report_to": ["tensorboard"], **kw}))
     cfg = tiny_train_cfg(tiny_models, tmp_path / "run", report_to=["tensorboard"])
     train_killed_at(cfg, 3, monkeypatch)
-    train_mod.train(TrainConfig(**{**cfg.__dict__, "resume": True}), show_progress=False)
+    train_mod.train(TrainConfig.from_flat(**{**cfg.__dict__, "resume": True}), show_progress=False)
 
     records = read_metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [0, 1, 2, 3, 3]  # the last is the final evaluation
@@ -270,7 +270,7 @@ a = json.loads(sys.argv[1])
 run = RunDir(a["out"], enabled=True, report_to=a["report_to"])
 if a["resume_after"] is not None:
     run.truncate_logs_after(a["resume_after"])
-run.write_config(TrainConfig(out=a["out"], lr=2e-3, report_to=a["report_to"]))
+run.write_config(TrainConfig.from_flat(out=a["out"], lr=2e-3, report_to=a["report_to"]))
 for r in a["records"]:
     run.log_metrics(r)
 run.close()

@@ -50,7 +50,7 @@ def test_tensorboard_gets_the_rollouts_as_a_text_table_at_their_step(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run = RunDir(tmp_path / "run", enabled=True, report_to=["tensorboard"])
-    run.write_config(TrainConfig(out=str(tmp_path / "run")))
+    run.write_config(TrainConfig.from_flat(out=str(tmp_path / "run")))
     run.log_rollouts(_records(7))
     run.close()
     acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"tensors": 0})
@@ -66,7 +66,7 @@ def test_mlflow_file_store_holds_the_metrics_the_config_and_the_rollout_table(tm
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     out = tmp_path / "run"
     run = RunDir(out, enabled=True, report_to=["mlflow"])
-    run.write_config(TrainConfig(out=str(out), lr=2e-3, report_to=["mlflow"]))
+    run.write_config(TrainConfig.from_flat(out=str(out), lr=2e-3, report_to=["mlflow"]))
     run.log_metrics({"step": 0, "train/loss": 1.5, "eval/pass@k": 0.25})
     run.log_rollouts(_records(0))
     run.close()
@@ -93,7 +93,7 @@ from opd.config import TrainConfig
 from opd.runs.rundir import RunDir
 a = json.loads(sys.argv[1])
 run = RunDir(a["out"], enabled=True, report_to=a["report_to"])
-run.write_config(TrainConfig(out=a["out"], report_to=a["report_to"]))
+run.write_config(TrainConfig.from_flat(out=a["out"], report_to=a["report_to"]))
 run.log_metrics({"step": 3, "train/loss": 1.0})
 run.log_rollouts(a["records"])
 run.close()

@@ -34,7 +34,7 @@ def test_prompts_without_answers_train_and_are_not_graded(tmp_path):
 
 def test_mixed_rows_grade_the_ones_with_an_answer(tmp_path):
     rows = [{"prompt": p, **({"answer": str(i)} if i % 2 else {})} for i, p in enumerate(PROMPTS)]
-    cfg = TrainConfig(task=jsonl(tmp_path / "m.jsonl", rows), split="0.5", eval_size=3)
+    cfg = TrainConfig.from_flat(task=jsonl(tmp_path / "m.jsonl", rows), split="0.5", eval_size=3)
     task, evaluation = load_tasks(cfg)
     assert evaluation is task
     graded = [e for e in task.examples("test") if e.answer is not None]
@@ -99,14 +99,16 @@ def test_a_turn_that_is_not_text_is_named(tmp_path):
 
 def test_no_eval_trains_on_every_row_and_evaluates_nothing(tmp_path):
     path = jsonl(tmp_path / "p.jsonl", [{"prompt": p, "answer": "1"} for p in PROMPTS])
-    task, evaluation = load_tasks(TrainConfig(task=path, eval=False))
+    task, evaluation = load_tasks(TrainConfig.from_flat(task=path, eval=False))
     assert evaluation is None and len(task.examples("train")) == len(PROMPTS)
-    task, evaluation = load_tasks(SFTConfig(task=path, init="m", eval=False, split="0.5"))  # --split still holds out
+    task, evaluation = load_tasks(
+        SFTConfig.from_flat(task=path, init="m", eval=False, split="0.5")
+    )  # --split still holds out
     assert evaluation is None and len(task.examples("train")) == 5
 
 
 def test_nothing_to_grade_turns_evaluation_off_with_a_note(tmp_path):
-    cfg = TrainConfig(task=jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in PROMPTS]))
+    cfg = TrainConfig.from_flat(task=jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in PROMPTS]))
     task, evaluation = load_tasks(cfg)
     assert evaluation is None
     notes = grading_notes(cfg, task, evaluation)
@@ -126,9 +128,9 @@ def test_nothing_to_grade_turns_evaluation_off_with_a_note(tmp_path):
 def test_an_eval_task_needs_answers(tmp_path):
     prompts = jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in PROMPTS])
     graded = jsonl(tmp_path / "g.jsonl", [{"prompt": p, "answer": "1"} for p in PROMPTS])
-    task, evaluation = load_tasks(TrainConfig(task=prompts, eval_task=graded))
+    task, evaluation = load_tasks(TrainConfig.from_flat(task=prompts, eval_task=graded))
     assert evaluation is not None and len(eval_prompts(evaluation, 200)) == len(PROMPTS)
     with pytest.raises(
         UserError, match=r"--eval-task .*p\.jsonl has no reference answers to grade \(looked for an 'answer' column"
     ):
-        load_tasks(TrainConfig(task=graded, eval_task=prompts))
+        load_tasks(TrainConfig.from_flat(task=graded, eval_task=prompts))

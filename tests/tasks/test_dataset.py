@@ -81,7 +81,7 @@ RUN = dict(
 @pytest.fixture(scope="module")
 def arithmetic_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("arith") / "run"
-    train_mod.train(TrainConfig(out=str(out), **RUN), show_progress=False)
+    train_mod.train(TrainConfig.from_flat(out=str(out), **RUN), show_progress=False)
     return out
 
 
@@ -118,7 +118,7 @@ def test_train_on_a_gsm8k_parquet_through_the_cli(byo_data, arithmetic_run, tmp_
 
 def test_train_on_a_chat_save_to_disk_directory(byo_data, arithmetic_run, arithmetic, tmp_path):
     out = tmp_path / "run"
-    train_mod.train(TrainConfig(out=str(out), task=str(byo_data / "chat"), **RUN), show_progress=False)
+    train_mod.train(TrainConfig.from_flat(out=str(out), task=str(byo_data / "chat"), **RUN), show_progress=False)
     # train/test splits of the DatasetDict, answers read from the assistant turns' \boxed{}
     assert_same_trajectory(step_records(out), step_records(arithmetic_run), rel=1e-6)
     assert final_eval(out)["eval/accuracy"] == final_eval(arithmetic_run)["eval/accuracy"] >= 0.25
@@ -131,20 +131,22 @@ def test_opd_eval_and_sft_take_the_data_options(byo_data, arithmetic, tmp_path):
     from opd.training.sft import sft
 
     common = dict(student=RUN["student"], device="cpu", max_new_tokens=40, eval_size=16, samples=0)
-    builtin = run_eval(EvalConfig(out=str(tmp_path / "a"), **common))
-    chat = run_eval(EvalConfig(out=str(tmp_path / "b"), task=str(byo_data / "chat"), **common))
+    builtin = run_eval(EvalConfig.from_flat(out=str(tmp_path / "a"), **common))
+    chat = run_eval(EvalConfig.from_flat(out=str(tmp_path / "b"), task=str(byo_data / "chat"), **common))
     assert chat["accuracy"] == builtin["accuracy"] and chat["n"] == 16
     assert builtin["accuracy"] >= 0.25  # the demo student gets about half right: the equality says something
     # a one-split file is evaluated whole; --split evaluates the part training holds out
     Dataset.from_list([gsm8k_row(e) for e in arithmetic.examples("test")[:10]]).to_parquet(tmp_path / "ten.parquet")
     ten = dict(common, task=str(tmp_path / "ten.parquet"), prompt_field="question", answer_format="last_number")
-    assert run_eval(EvalConfig(out=str(tmp_path / "c"), **ten))["n"] == 10
-    assert run_eval(EvalConfig(out=str(tmp_path / "d"), split="0.3", **ten))["n"] == 3
+    assert run_eval(EvalConfig.from_flat(out=str(tmp_path / "c"), **ten))["n"] == 10
+    assert run_eval(EvalConfig.from_flat(out=str(tmp_path / "d"), split="0.3", **ten))["n"] == 3
     # sft trains on the assistant turns, as on the built-in solutions
     runs = {}
     for name, task in (("builtin", "arithmetic"), ("chat", str(byo_data / "chat"))):
         out = str(tmp_path / name)
-        cfg = SFTConfig(init=RUN["student"], task=task, out=out, steps=2, batch_size=4, eval_size=4, device="cpu")
+        cfg = SFTConfig.from_flat(
+            init=RUN["student"], task=task, out=out, steps=2, batch_size=4, eval_size=4, device="cpu"
+        )
         sft(cfg, show_progress=False)
         runs[name] = [r["train/loss"] for r in read_metrics(tmp_path / name) if "train/loss" in r]
     assert runs["chat"] == pytest.approx(runs["builtin"], rel=1e-6) and len(runs["chat"]) == 2
@@ -212,7 +214,7 @@ def test_named_splits_and_evaluation_sets(tmp_path):
 
 
 def test_load_tasks_reads_the_eval_options(byo_data):
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flat(
         task=str(byo_data / "chat"),
         eval_task=str(byo_data / "gsm8k_test.parquet"),
         eval_prompt_field="question",
@@ -222,7 +224,7 @@ def test_load_tasks_reads_the_eval_options(byo_data):
     assert (task.answer_format, evaluation.answer_format) == ("boxed", "gsm8k")
     assert len(evaluation.examples("test")) == 500  # the whole file: it has one split
     assert task.examples("test") == []  # with --eval-task the training data keeps no test split
-    same, same_eval = load_tasks(TrainConfig(task=str(byo_data / "chat")))
+    same, same_eval = load_tasks(TrainConfig.from_flat(task=str(byo_data / "chat")))
     assert same is same_eval
     # the chat data's own test split holds the same problems, its answers read alike in both formats
     assert evaluation.examples("test")[0].answer == same.examples("test")[0].answer
@@ -319,7 +321,7 @@ def test_bad_chats_and_empty_sets(tmp_path):
         UserError, match=r'field "messages" in .*chats.jsonl, line 3 has no user turn \(roles: system\)'
     ):
         DatasetTask(path)
-    cfg = TrainConfig(task=str(tmp_path / "one.parquet"), split="0", student="s", teacher="t")
+    cfg = TrainConfig.from_flat(task=str(tmp_path / "one.parquet"), split="0", student="s", teacher="t")
     parquet(tmp_path, [{"prompt": "p", "answer": "1"}], "one.parquet")
     _, evaluation = load_tasks(cfg)
     with pytest.raises(UserError, match=r"there are no test prompts: .*--split holds out, or --eval-task"):
@@ -367,11 +369,11 @@ def test_glob_without_match_and_missing_paths(tmp_path):
 
 def test_unknown_answer_format_and_stray_eval_options(tmp_path):
     with pytest.raises(UserError, match=r"unknown answer format 'boxd': use one of boxed, gsm8k, last_number"):
-        TrainConfig(answer_format="boxd")
+        TrainConfig.from_flat(answer_format="boxd")
     with pytest.raises(UserError, match=r"not a valid Python regex"):
-        SFTConfig(arch="qwen2:1:8", eval_task="x", eval_answer_format="regex:(")
+        SFTConfig.from_flat(arch="qwen2:1:8", eval_task="x", eval_answer_format="regex:(")
     with pytest.raises(ConfigError, match="eval_prompt_field set without eval_task"):
-        TrainConfig(eval_prompt_field="question")
+        TrainConfig.from_flat(eval_prompt_field="question")
 
 
 @pytest.mark.parametrize(

@@ -52,7 +52,9 @@ def cross_models(tiny_models, tmp_path_factory):
 
 
 def cfg_for(student, teacher, tmp_path, **kw) -> TrainConfig:
-    return TrainConfig(student=str(student), teacher=str(teacher), out=str(tmp_path / "run"), **{**SMALL, **kw})
+    return TrainConfig.from_flat(
+        student=str(student), teacher=str(teacher), out=str(tmp_path / "run"), **{**SMALL, **kw}
+    )
 
 
 # ---------------------------------------------------------------- identical tokenizers: ordinary OPD exactly
@@ -335,7 +337,7 @@ def test_served_teacher_with_its_own_tokenizer(cross_models, tmp_path):
     server = start_server(TeacherApp(model, t_tok, "cross-teacher", Limits(max_k=16)), "127.0.0.1", 0)
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        cfg = TrainConfig(student=str(student), teacher_url=url, teacher_tokenizer=str(teacher_dir), **SMALL)
+        cfg = TrainConfig.from_flat(student=str(student), teacher_url=url, teacher_tokenizer=str(teacher_dir), **SMALL)
         s_model, s_tok = load_model(student), load_tokenizer(student)
         served = make_teacher(cfg, s_model, s_tok)
         assert isinstance(served, CrossTokenizerTeacher) and served.inner.vocab_rows == len(t_tok)

@@ -57,7 +57,7 @@ def test_teacher_url_takes_servers_comma_separated_repeated_or_as_a_yaml_list(ti
     assert build_config(TrainConfig, read_config_file(tmp_path / "one.yaml")).teacher_url == URLS[0]
     # config.json keeps one string: a run's own (a pool's) and an older single-URL one load back the same
     for url in (joined, URLS[0]):
-        dump_config(TrainConfig(student=student, teacher_url=url), tmp_path / "config.json")
+        dump_config(TrainConfig.from_flat(student=student, teacher_url=url), tmp_path / "config.json")
         assert json.loads((tmp_path / "config.json").read_text())["teacher"]["teacher_url"] == url
         assert build_config(TrainConfig, read_config_file(tmp_path / "config.json")).teacher_url == url
 
@@ -72,7 +72,7 @@ def test_teacher_url_takes_servers_comma_separated_repeated_or_as_a_yaml_list(ti
 )
 def test_a_bad_server_in_the_list_is_named(tiny_models, value, said):
     with pytest.raises(ConfigError, match=said):
-        TrainConfig(student=str(tiny_models[0]), teacher_url=value)
+        TrainConfig.from_flat(student=str(tiny_models[0]), teacher_url=value)
 
 
 # ----------------------------------------------------------------------------- the pool, on stand-ins
@@ -386,7 +386,9 @@ def two(tiny_models, tmp_path_factory):
         for server in servers:
             server.wait_ready(300)  # both start at once: slow on a busy 2-core machine
         out = tmp_path_factory.mktemp("pool") / "one-server"
-        cfg = TrainConfig(student=str(tiny_models[0]), teacher_url=servers[0].url, out=str(out), **{**RUN, "steps": 6})
+        cfg = TrainConfig.from_flat(
+            student=str(tiny_models[0]), teacher_url=servers[0].url, out=str(out), **{**RUN, "steps": 6}
+        )
         train_mod.train(cfg, show_progress=False)
         yield servers, cfg, out
     finally:
@@ -455,8 +457,8 @@ def test_tasks_naming_the_same_servers_in_another_order_share_one_pool(tiny_mode
     student = str(tiny_models[0])
 
     def key(url: str) -> tuple:
-        return setup_mod._teacher_key(TrainConfig(student=student, teacher_url=url))
+        return setup_mod._teacher_key(TrainConfig.from_flat(student=student, teacher_url=url))
 
     assert key(f"{URLS[0]},{URLS[1]}/") == key(f"{URLS[1]},{URLS[0]}") == key(f"{URLS[0]}/v1,{URLS[1]}")
     assert key(f"{URLS[0]},{URLS[1]}") != key(URLS[0])
-    assert key(URLS[0]) != setup_mod._teacher_key(TrainConfig(student=student, teacher=str(tiny_models[1])))
+    assert key(URLS[0]) != setup_mod._teacher_key(TrainConfig.from_flat(student=student, teacher=str(tiny_models[1])))

@@ -319,7 +319,7 @@ def test_training_with_served_teacher_matches_in_process(served, tiny_models, tm
         client = functools.partial(HTTPTeacher, binary=False) if name == "json" else HTTPTeacher
         monkeypatch.setattr(teacher_factory, "HTTPTeacher", client)
         out, before = tmp_path / name, len(encoded)
-        train_mod.train(TrainConfig(out=str(out), **common, **extra), show_progress=False)
+        train_mod.train(TrainConfig.from_flat(out=str(out), **common, **extra), show_progress=False)
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         losses[name], counts[name] = [r for r in records if "train/loss" in r], len(encoded) - before
     assert counts["local"] == counts["json"] == 0 and counts["binary"] >= 2  # at least one request a step
@@ -361,9 +361,9 @@ def test_options_a_served_teacher_cannot_do_are_refused(tiny_models):
     base = dict(student=str(student), teacher_url="http://127.0.0.1:9")
     for kw in ({"objective": "full_kl"}, {"objective": "lsm", "support": "union"}):
         with pytest.raises(UserError, match="does not return; with --teacher-url use --objective sampled"):
-            make_teacher(TrainConfig(**base, **kw), None, None)
+            make_teacher(TrainConfig.from_flat(**base, **kw), None, None)
     with pytest.raises(UserError, match="both --teacher and --teacher-url"):
-        make_teacher(TrainConfig(**base, teacher=str(teacher)), None, None)
+        make_teacher(TrainConfig.from_flat(**base, teacher=str(teacher)), None, None)
 
 
 class _Foreign(BaseHTTPRequestHandler):

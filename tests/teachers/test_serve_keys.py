@@ -117,7 +117,7 @@ def test_the_key_is_written_nowhere(tiny_models, tmp_path, monkeypatch, given):
     try:
         if given == "environment":
             monkeypatch.setenv("OPD_TEACHER_API_KEY", secret)
-        cfg = TrainConfig(
+        cfg = TrainConfig.from_flat(
             student=str(tiny_models[0]),
             teacher_url=keyed_url,
             out=str(tmp_path / "run"),

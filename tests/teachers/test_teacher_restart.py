@@ -221,9 +221,9 @@ def test_teacher_wait_option_and_old_configs(tiny_models):
     cfg = build_config(TrainConfig, old)  # a config.json of an older run still loads, with its cap
     assert (cfg.teacher_wait, cfg.teacher_retries) == (600.0, 3)
     with pytest.raises(ConfigError, match="teacher_wait >= 0"):
-        TrainConfig(student=student, teacher_wait=-1.0)
+        TrainConfig.from_flat(student=student, teacher_wait=-1.0)
     # make_teacher passes the settings on: no patience is an error at the first refusal
-    cfg = TrainConfig(student=student, teacher_url=f"http://127.0.0.1:{free_port()}", teacher_wait=0.0)
+    cfg = TrainConfig.from_flat(student=student, teacher_url=f"http://127.0.0.1:{free_port()}", teacher_wait=0.0)
     student_model = load_model(tiny_models[0], "student")
     t0 = time.monotonic()
     with pytest.raises(TeacherUnavailable, match=r"after 1 attempts over 0 s \(connection refused, --teacher-wait 0\)"):
@@ -296,7 +296,7 @@ def served_run(tiny_models, tmp_path_factory):
     try:
         server.wait_ready()
         out = tmp_path_factory.mktemp("served") / "whole"
-        cfg = TrainConfig(student=str(tiny_models[0]), teacher_url=server.url, out=str(out), **RUN)
+        cfg = TrainConfig.from_flat(student=str(tiny_models[0]), teacher_url=server.url, out=str(out), **RUN)
         train_mod.train(cfg, show_progress=False)
         yield server, cfg, out
     finally:
@@ -409,7 +409,7 @@ def test_a_multi_task_step_cut_short_between_its_parts_is_redone_whole(tiny_mode
     student, teacher = tiny_models
     tasks = [{"name": "a", "task_level": 1}, {"name": "b", "task_level": 2}]
     small = {**RUN, "steps": 3, "eval_size": 2}  # mix: the batch of 2 is one prompt per task
-    cfg = TrainConfig(student=str(student), teacher=str(teacher), tasks=tasks, task_mode="mix", **small)
+    cfg = TrainConfig.from_flat(student=str(student), teacher=str(teacher), tasks=tasks, task_mode="mix", **small)
     whole, out = tmp_path / "whole", tmp_path / "cut"
     train_mod.train(dataclasses.replace(cfg, out=str(whole)), show_progress=False)
     real_make = setup_mod.make_teacher

@@ -76,7 +76,7 @@ def main(out: Path) -> None:
     scorer = HFTeacher(model(5, 2, 32))
     found: dict = {"rows": batches[dist.rank].response_ids_NT.shape[0]}
     for objective in ("lsm", "full_kl"):
-        cfg = TrainConfig(objective=objective, micro_batch_tokens=BUDGET, k=K, max_new_tokens=HORIZON)
+        cfg = TrainConfig.from_flat(objective=objective, micro_batch_tokens=BUDGET, k=K, max_new_tokens=HORIZON)
         # one process, both ranks' rollouts as two parts of its batch
         alone = Dist()
         student = model(3, 2, 32)

@@ -72,7 +72,7 @@ def main(out: Path) -> None:
     model, tok = load_model(DEMO / "student", "student").eval(), load_tokenizer(DEMO / "student", "student")
     figures = {}
     for name, options in (("prompts", PROMPTS), ("games", GAMES)):
-        cfg = TrainConfig(**COMMON, **options)
+        cfg = TrainConfig.from_flat(**COMMON, **options)
         source = held_out(cfg, tok, task_data(cfg)[1])
         plan = eval_plan(cfg, seed=3, share=share)
         figures[name] = source.evaluate(local_engine(model, tok), tok, cfg, plan).figures

@@ -64,7 +64,7 @@ def agentic_cfg(models, out, **kw) -> TrainConfig:
         ckpt_every=1,
         lr=3e-3,
     )
-    return TrainConfig(**{**base, **AGENTIC, **kw})
+    return TrainConfig.from_flat(**{**base, **AGENTIC, **kw})
 
 
 def test_cli_agentic_run_trains_the_students_action_tokens_only(tiny_models, tmp_path):
@@ -107,7 +107,7 @@ def test_agentic_resume_equals_uninterrupted(tiny_models, tmp_path, monkeypatch,
     expected = step_records(tmp_path / "a")
     killed = agentic_cfg(tiny_models, tmp_path / "b", eval_samples=0, max_staleness=S)
     train_killed_at(killed, 2, monkeypatch)
-    train_mod.train(TrainConfig(**{**killed.__dict__, "resume": True}), show_progress=False)
+    train_mod.train(TrainConfig.from_flat(**{**killed.__dict__, "resume": True}), show_progress=False)
     got = step_records(tmp_path / "b")
     assert [r["step"] for r in got] == [0, 1, 2]
     for e, g in zip(expected, got, strict=True):
@@ -126,7 +126,7 @@ def test_agentic_resume_with_env_workers_equals_uninterrupted_in_process(tiny_mo
     real_batch = EnvWorkers.batch
     monkeypatch.setattr(EnvWorkers, "batch", lambda pool: batches.append(len(pool.workers)) or real_batch(pool))
     train_killed_at(killed, 2, monkeypatch)
-    train_mod.train(TrainConfig(**{**killed.__dict__, "resume": True}), show_progress=False)
+    train_mod.train(TrainConfig.from_flat(**{**killed.__dict__, "resume": True}), show_progress=False)
     assert len(batches) >= 3 and set(batches) == {2}  # the steps' and evaluation's episodes went to 2 workers
     got = read_metrics(tmp_path / "b")
     assert [r["step"] for r in step_records(tmp_path / "b")] == [0, 1, 2]
@@ -360,10 +360,10 @@ def test_expert_mistakes_option_is_checked():
     from opd.config import ConfigError, SFTConfig
 
     with pytest.raises(ConfigError, match=r"expert_mistakes=1.0 must be in \[0, 1\)"):
-        SFTConfig(arch="qwen2:1:8", env="toy", expert_mistakes=1.0)
+        SFTConfig.from_flat(arch="qwen2:1:8", env="toy", expert_mistakes=1.0)
     with pytest.raises(ConfigError, match="expert_mistakes needs --env"):
-        SFTConfig(arch="qwen2:1:8", expert_mistakes=0.25)
-    assert SFTConfig(arch="qwen2:1:8", env="toy", expert_mistakes=0.25).expert_mistakes == 0.25
+        SFTConfig.from_flat(arch="qwen2:1:8", expert_mistakes=0.25)
+    assert SFTConfig.from_flat(arch="qwen2:1:8", env="toy", expert_mistakes=0.25).expert_mistakes == 0.25
 
 
 # ------------------------------------------------------------------- DAgger: another player's states
@@ -449,7 +449,7 @@ def test_dagger_needs_an_expert_that_takes_over(student):
     from opd.config import SFTConfig
     from opd.training.sft import dagger_data
 
-    cfg = SFTConfig(arch="qwen2:1:8", env="toy", dagger_from=["/no/such/player"])
+    cfg = SFTConfig.from_flat(arch="qwen2:1:8", env="toy", dagger_from=["/no/such/player"])
     with pytest.raises(UserError, match=r"sessions have expert_next\(\) \(_NoNext has none\)"):
         dagger_data(cfg, env, [game], tok, "/no/such/player", "cpu")
 
@@ -474,6 +474,6 @@ def test_dagger_options_are_checked():
     from opd.config import ConfigError, SFTConfig
 
     with pytest.raises(ConfigError, match="dagger_from needs --env"):
-        SFTConfig(arch="qwen2:1:8", dagger_from=["m"])
+        SFTConfig.from_flat(arch="qwen2:1:8", dagger_from=["m"])
     with pytest.raises(ConfigError, match="dagger_branches=0 must be >= 1"):
-        SFTConfig(arch="qwen2:1:8", env="toy", dagger_from=["m"], dagger_branches=0)
+        SFTConfig.from_flat(arch="qwen2:1:8", env="toy", dagger_from=["m"], dagger_branches=0)

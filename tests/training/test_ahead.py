@@ -138,7 +138,9 @@ def test_two_ranks_running_ahead_match_one_process(tiny_models, tmp_path):
     student, teacher = tiny_models
     from helpers import SMALL
 
-    one = TrainConfig(student=str(student), teacher=str(teacher), out=str(tmp_path / "one"), **{**SMALL, **kw})
+    one = TrainConfig.from_flat(
+        student=str(student), teacher=str(teacher), out=str(tmp_path / "one"), **{**SMALL, **kw}
+    )
     train_mod.train(dataclasses.replace(one, batch_size=4), show_progress=False)
     assert_same_trajectory(step_records(tmp_path / "ddp"), step_records(tmp_path / "one"))
 

@@ -55,7 +55,7 @@ def single(tiny_models, tmp_path_factory):
     """One process, batch 4: the reference trajectories (lsm and sampled)."""
     root = tmp_path_factory.mktemp("single")
     for objective in ("lsm", "sampled"):
-        cfg = TrainConfig(
+        cfg = TrainConfig.from_flat(
             student=str(tiny_models[0]),
             teacher=str(tiny_models[1]),
             out=str(root / objective),
@@ -139,7 +139,7 @@ def test_fsdp_trains_in_mixed_precision(tiny_models, tmp_path):
 def test_fsdp_needs_several_processes(tiny_models, tmp_path):
     from opd.errors import UserError
 
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flat(
         student=str(tiny_models[0]), teacher=str(tiny_models[1]), out=str(tmp_path / "run"), fsdp=True, **SMALL
     )
     with pytest.raises(UserError, match="--fsdp needs several processes"):
@@ -184,9 +184,9 @@ def test_dist_timeout_bounds_a_wait_for_a_missing_rank():
 
     from opd.config import ConfigError, TrainConfig
 
-    assert TrainConfig().dist_timeout == 1800.0
+    assert TrainConfig.from_flat().dist_timeout == 1800.0
     with pytest.raises(ConfigError, match="dist_timeout=0.0 must be > 0"):
-        TrainConfig(dist_timeout=0.0)
+        TrainConfig.from_flat(dist_timeout=0.0)
     env = {**ENV, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     ranks = [
         subprocess.Popen(

@@ -62,15 +62,15 @@ def test_pruning_keeps_the_newest_and_the_best_by_the_rule(tmp_path):
 )
 def test_a_rule_the_run_cannot_meet_is_refused_at_start(options, message):
     with pytest.raises(ConfigError, match=message):
-        TrainConfig(student="s", teacher="t", **options)
+        TrainConfig.from_flat(student="s", teacher="t", **options)
 
 
 def test_rules_accept_the_figures_the_run_logs():
-    assert TrainConfig(student="s", teacher="t", keep_best="pass_at_k:max", eval_samples=2).keep_best
+    assert TrainConfig.from_flat(student="s", teacher="t", keep_best="pass_at_k:max", eval_samples=2).keep_best
     tasks = [{"name": "a", "task": "arithmetic"}, {"name": "b", "task": "arithmetic"}]
-    assert TrainConfig(student="s", teacher="t", tasks=tasks, keep_best="eval/b/accuracy:min").keep_best
+    assert TrainConfig.from_flat(student="s", teacher="t", tasks=tasks, keep_best="eval/b/accuracy:min").keep_best
     with pytest.raises(ConfigError, match="never evaluates eval/c/accuracy"):
-        TrainConfig(student="s", teacher="t", tasks=tasks, keep_best="eval/c/accuracy")
+        TrainConfig.from_flat(student="s", teacher="t", tasks=tasks, keep_best="eval/c/accuracy")
 
 
 def test_the_evaluations_own_figures_are_the_ones_rules_may_name():
@@ -96,7 +96,7 @@ def test_the_evaluations_own_figures_are_the_ones_rules_may_name():
     settings = {"n", "k", "maj_k", "sampling"}  # what the evaluation was, not how well it went
     for samples, maj_k in ((0, 0), (2, 0), (2, 2)):
         got = evaluate(None, Items(), EvalPlan(samples=samples, maj_k=maj_k)).figures
-        cfg = TrainConfig(student="s", teacher="t", eval_samples=samples, maj_k=maj_k)
+        cfg = TrainConfig.from_flat(student="s", teacher="t", eval_samples=samples, maj_k=maj_k)
         assert {f"eval/{k}" for k in got} - {f"eval/{k}" for k in settings} == evaluated_figures(cfg)
 
 

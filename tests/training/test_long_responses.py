@@ -153,7 +153,7 @@ def test_gradient_checkpointing_refused_for_a_model_without_it(tiny_models):
 )
 def test_token_budget_bad_input(kw, match):
     with pytest.raises(ConfigError, match=match):
-        TrainConfig(batch_size=4, **kw)
+        TrainConfig.from_flat(batch_size=4, **kw)
 
 
 def test_fsdp_with_token_budget_and_checkpointing_follows_one_process(tiny_models, tmp_path):
@@ -164,7 +164,7 @@ def test_fsdp_with_token_budget_and_checkpointing_follows_one_process(tiny_model
     from helpers import SMALL
 
     single = tmp_path / "single"
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flat(
         student=str(tiny_models[0]), teacher=str(tiny_models[1]), out=str(single), **{**SMALL, "steps": 3}
     )
     loop.train(dataclasses.replace(cfg, batch_size=4), show_progress=False)

@@ -108,7 +108,7 @@ def test_resume_equals_uninterrupted(tiny_models, tmp_path, monkeypatch):
     killed = cfg_for(tiny_models, tmp_path / "b", steps=4, ckpt_every=2, eval_samples=0)
     train_killed_at(killed, 3, monkeypatch)
     assert [r["step"] for r in step_records(tmp_path / "b" / "run")] == [0, 1, 2]
-    resumed = TrainConfig(**{**killed.__dict__, "resume": True})
+    resumed = TrainConfig.from_flat(**{**killed.__dict__, "resume": True})
     train_mod.train(resumed, show_progress=False)
     got = step_records(tmp_path / "b" / "run")
     assert [r["step"] for r in got] == [0, 1, 2, 3]
@@ -141,7 +141,7 @@ def test_corrupted_checkpoint_is_reported(tiny_models, tmp_path):
     state = tmp_path / "run" / "checkpoints" / "step_0000000" / "state.pt"
     state.write_bytes(b"not a checkpoint")
     with pytest.raises(UserError, match="corrupted"):
-        train_mod.train(TrainConfig(**{**cfg.__dict__, "resume": True, "steps": 2}), show_progress=False)
+        train_mod.train(TrainConfig.from_flat(**{**cfg.__dict__, "resume": True, "steps": 2}), show_progress=False)
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -52,7 +52,9 @@ def two_math(teacher2) -> list[dict]:
 
 def mt_cfg(models, out, tasks, **kw) -> TrainConfig:
     student, teacher = models
-    return TrainConfig(student=str(student), teacher=str(teacher), out=str(out), tasks=tasks, **{**BASE, **kw})
+    return TrainConfig.from_flat(
+        student=str(student), teacher=str(teacher), out=str(out), tasks=tasks, **{**BASE, **kw}
+    )
 
 
 def compare(got: list[dict], want: list[dict], rel: float = 1e-6, abs_: float = 1e-9) -> None:
@@ -128,7 +130,7 @@ def test_each_task_walks_its_own_prompt_order(tiny_models, teacher2, tmp_path):
 )
 def test_bad_task_lists_name_the_task_and_the_fix(tasks, kw, match):
     with pytest.raises(ConfigError, match=match):
-        TrainConfig(**{"teacher": "t", "tasks": tasks, **kw})
+        TrainConfig.from_flat(**{"teacher": "t", "tasks": tasks, **kw})
 
 
 def test_task_overrides_resolve_into_checked_configs(tmp_path):
@@ -141,7 +143,7 @@ def test_task_overrides_resolve_into_checked_configs(tmp_path):
             ]
         )
     )
-    cfg = TrainConfig(teacher="t", teacher_dtype="bfloat16", env="", tasks=[str(tasks_file)], task_mode="mix")
+    cfg = TrainConfig.from_flat(teacher="t", teacher_dtype="bfloat16", env="", tasks=[str(tasks_file)], task_mode="mix")
     assert [t["name"] for t in cfg.tasks] == ["math", "game"]  # the file's list, kept in config.json
     math, game = resolve_tasks(cfg)
     assert (math.share, game.share) == (0.75, 0.25)
@@ -151,7 +153,7 @@ def test_task_overrides_resolve_into_checked_configs(tmp_path):
     # a task's teacher_url replaces the global teacher (and its in-process dtype)
     assert (game.cfg.teacher, game.cfg.teacher_url, game.cfg.teacher_dtype) == ("", "http://127.0.0.1:9", "")
     assert game.cfg.batch_size == 2 and game.cfg.tasks is None
-    assert resolve_tasks(TrainConfig(teacher="t"))[0].name == ""  # a single-task run: one task, no name
+    assert resolve_tasks(TrainConfig.from_flat(teacher="t"))[0].name == ""  # a single-task run: one task, no name
 
 
 def test_a_teacher_with_another_vocabulary_names_its_task(tiny_models, tmp_path):
@@ -339,7 +341,7 @@ def test_resume_equals_uninterrupted_with_two_tasks_and_two_teachers(
     train_mod.train(mt_cfg(tiny_models, tmp_path / "a", tasks, **kw), show_progress=False)
     killed = mt_cfg(tiny_models, tmp_path / "b", tasks, **kw)
     train_killed_at(killed, 3, monkeypatch)
-    train_mod.train(TrainConfig(**{**killed.__dict__, "resume": True}), show_progress=False)
+    train_mod.train(TrainConfig.from_flat(**{**killed.__dict__, "resume": True}), show_progress=False)
     compare(read_metrics(tmp_path / "b"), read_metrics(tmp_path / "a"))
 
 
@@ -400,7 +402,7 @@ def test_special_token_masking_is_set_per_task(tiny_models, tiny_tokenizer, tmp_
     cfg = mt_cfg(tiny_models, tmp_path / "run", tasks, objective="lsm", steps=2, ckpt_every=0, eval_every=0)
     # many ordinary tokens made "special", so that both tasks' rollouts hold some: the test is not vacuous
     vocab = load_tokenizer(tiny_tokenizer).convert_ids_to_tokens(list(range(40, 140)))
-    cfg.special_tokens = sorted(set(vocab))
+    cfg = dataclasses.replace(cfg, special_tokens=sorted(set(vocab)))
     train_mod.train(cfg, show_progress=False)
     records = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
     seen = {"masked": 0, "kept": 0}

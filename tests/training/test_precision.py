@@ -92,8 +92,8 @@ def test_bfloat16_follows_float32_on_replayed_batches(objective, tmp_path):
         objective=objective,
         lr=1e-4,
     )
-    reference = TrainConfig(**base, out=str(tmp_path / "float32"))
-    got = replay(reference, TrainConfig(**base, out=str(tmp_path / "bfloat16"), dtype="bfloat16"), steps=20)
+    reference = TrainConfig.from_flat(**base, out=str(tmp_path / "float32"))
+    got = replay(reference, TrainConfig.from_flat(**base, out=str(tmp_path / "bfloat16"), dtype="bfloat16"), steps=20)
     if objective == "sampled":
         assert all(a == b for a, b in got.losses)
     else:
@@ -111,7 +111,7 @@ def test_resume_equals_uninterrupted_in_mixed_precision(tiny_models, tmp_path, m
     expected = step_records(tmp_path / "a" / "run")
     killed = cfg_for(tiny_models, tmp_path / "b", steps=4, ckpt_every=2, eval_samples=0, dtype="bfloat16")
     train_killed_at(killed, 3, monkeypatch)
-    train_mod.train(TrainConfig(**{**killed.__dict__, "resume": True}), show_progress=False)
+    train_mod.train(TrainConfig.from_flat(**{**killed.__dict__, "resume": True}), show_progress=False)
     got = step_records(tmp_path / "b" / "run")
     assert [r["step"] for r in got] == [0, 1, 2, 3]
     for e, g in zip(expected, got, strict=True):
@@ -123,7 +123,7 @@ def test_resume_equals_uninterrupted_in_mixed_precision(tiny_models, tmp_path, m
 def test_resume_with_other_precision_names_both(tiny_models, tmp_path):
     cfg = cfg_for(tiny_models, tmp_path, steps=1, ckpt_every=1, eval_samples=0, dtype="bfloat16")
     train_mod.train(cfg, show_progress=False)
-    again = TrainConfig(**{**cfg.__dict__, "resume": True, "steps": 2, "dtype": "float32"})
+    again = TrainConfig.from_flat(**{**cfg.__dict__, "resume": True, "steps": 2, "dtype": "float32"})
     with pytest.raises(UserError, match="bfloat16 compute with float32 weights.*float32 compute.*--dtype bfloat16"):
         train_mod.train(again, show_progress=False)
 
@@ -139,11 +139,11 @@ def test_lora_keeps_its_base_in_bfloat16_and_trains_a_float32_adapter(tiny_model
 @pytest.mark.parametrize("cls", [TrainConfig, SFTConfig])
 def test_float16_training_is_refused(cls):
     with pytest.raises(ConfigError, match="float16 needs loss scaling.*bfloat16"):
-        cls(dtype="float16")
+        cls.from_flat(dtype="float16")
 
 
 def test_float16_still_evaluates():
-    assert EvalConfig(dtype="float16").dtype == "float16"
+    assert EvalConfig.from_flat(dtype="float16").dtype == "float16"
 
 
 @pytest.fixture

@@ -104,7 +104,7 @@ def test_mixed_answers_thinking_off_and_an_eval_task(chat_models, tmp_path):
     assert "rollout accuracy is over the graded rollouts only" in page
     # the options reached the prompts the run trained on: thinking off after the generation prompt
     cfg = run_options(out) | {"out": str(tmp_path / "again")}
-    run = train_mod.setup(TrainConfig(**cfg))
+    run = train_mod.setup(TrainConfig.from_flat(**cfg))
     text = run.tokenizer.decode(run.tasks[0].source.prompts.prompt_ids[0])
     assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
@@ -136,7 +136,7 @@ def test_sft_on_conversations_without_answers_keeps_the_last_model(tiny_models, 
         }
         for e in EXAMPLES
     ]
-    cfg = SFTConfig(
+    cfg = SFTConfig.from_flat(
         init=str(tiny_models[0]),
         task=jsonl(tmp_path / "chats.jsonl", chats),
         out=str(tmp_path / "sft"),

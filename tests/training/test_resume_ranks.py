@@ -37,7 +37,9 @@ LAUNCHES = [{}, {"fsdp": False}, {}, {"fsdp": True}, {}]
 
 def one_process(models, out, **kw) -> TrainConfig:
     student, teacher = models
-    return TrainConfig(student=str(student), teacher=str(teacher), out=str(out), batch_size=4, **{**SMALL, **kw})
+    return TrainConfig.from_flat(
+        student=str(student), teacher=str(teacher), out=str(out), batch_size=4, **{**SMALL, **kw}
+    )
 
 
 def per_process_batch(out) -> int:
@@ -125,7 +127,7 @@ def test_rebatch_of_a_checkpoint_before_the_record_takes_its_own_batch_size(tiny
     for world, want in ((2, 2), (1, 4), (4, 1)):
         assert rebatch(cfg, resolve_tasks(cfg), old, world, tmp_path)[0].batch_size == want
     tasks = [{"name": "a", "share": 3}, {"name": "b", "batch_size": 2}]
-    mix = TrainConfig(teacher="t", batch_size=16, task_mode="mix", tasks=tasks)  # the launch's: 12 and 2
+    mix = TrainConfig.from_flat(teacher="t", batch_size=16, task_mode="mix", tasks=tasks)  # the launch's: 12 and 2
     then = {"rng": {}, "config": {"batch_size": 8, "task_mode": "mix", "tasks": tasks}}  # one process: 6 and 2
     got, got_specs = rebatch(mix, resolve_tasks(mix), then, 2, Path("ckpt"))
     assert got.batch_size == 4 and [s.cfg.batch_size for s in got_specs] == [3, 1]
@@ -133,7 +135,7 @@ def test_rebatch_of_a_checkpoint_before_the_record_takes_its_own_batch_size(tiny
 
 def test_rebatch_keeps_each_tasks_global_batch():
     tasks = [{"name": "a", "share": 3}, {"name": "b", "batch_size": 2}]
-    cfg = TrainConfig(teacher="t", batch_size=8, task_mode="mix", tasks=tasks)
+    cfg = TrainConfig.from_flat(teacher="t", batch_size=8, task_mode="mix", tasks=tasks)
     specs = resolve_tasks(cfg)
     assert [s.cfg.batch_size for s in specs] == [6, 2]  # round(0.75 * 8), and b's own
     state = {"rng": {}, "batch": {"a": 6, "b": 2}, "config": {"batch_size": 8}}  # written by one process

@@ -35,7 +35,7 @@ def record_targets(monkeypatch):
 def test_train_size_keeps_only_the_first_examples(tiny_models, tmp_path, monkeypatch):
     student, _ = tiny_models
     seen = record_targets(monkeypatch)
-    cfg = SFTConfig(init=str(student), out=str(tmp_path / "run"), train_size=2, **SMALL)
+    cfg = SFTConfig.from_flat(init=str(student), out=str(tmp_path / "run"), train_size=2, **SMALL)
     summary = sft_mod.sft(cfg, show_progress=False)
     first = load_task(cfg.task, cfg.task_level, cfg.seed).examples("train")[:2]
     assert len(seen) == 3 * 4
@@ -47,7 +47,7 @@ def test_train_size_keeps_only_the_first_examples(tiny_models, tmp_path, monkeyp
 def test_cold_start_targets_come_from_the_teacher(tiny_models, tmp_path, monkeypatch):
     student, teacher = tiny_models
     seen = record_targets(monkeypatch)
-    cfg = SFTConfig(init=str(student), teacher=str(teacher), out=str(tmp_path / "run"), **SMALL)
+    cfg = SFTConfig.from_flat(init=str(student), teacher=str(teacher), out=str(tmp_path / "run"), **SMALL)
     sft_mod.sft(cfg, show_progress=False)
     solutions = {e.solution for e in load_task(cfg.task, cfg.task_level, cfg.seed).examples("train")}
     assert seen and not any(t in solutions for _, t in seen), "targets must be teacher samples"
@@ -58,22 +58,28 @@ def test_data_file_and_its_errors(tiny_models, tmp_path, monkeypatch):
     data = tmp_path / "sft.jsonl"
     data.write_text(json.dumps({"prompt": "What is 1 + 1?", "solution": "The answer is \\boxed{2}"}) + "\n")
     seen = record_targets(monkeypatch)
-    sft_mod.sft(SFTConfig(init=str(student), data=str(data), out=str(tmp_path / "a"), **SMALL), show_progress=False)
+    sft_mod.sft(
+        SFTConfig.from_flat(init=str(student), data=str(data), out=str(tmp_path / "a"), **SMALL), show_progress=False
+    )
     assert set(seen) == {("What is 1 + 1?", "The answer is \\boxed{2}")}
     with pytest.raises(UserError, match="--train-size 5 is more than the 1 training examples"):
-        sft_mod.sft(SFTConfig(init=str(student), data=str(data), train_size=5, out=str(tmp_path / "b"), **SMALL))
+        sft_mod.sft(
+            SFTConfig.from_flat(init=str(student), data=str(data), train_size=5, out=str(tmp_path / "b"), **SMALL)
+        )
     data.write_text(json.dumps({"prompt": "no target"}) + "\n")
     with pytest.raises(
         UserError, match=r"sft\.jsonl: 1 of 1 rows have no solution, e\.g\. row 1; give each a 'solution'"
     ):
-        sft_mod.sft(SFTConfig(init=str(student), data=str(data), out=str(tmp_path / "c"), **SMALL))
+        sft_mod.sft(SFTConfig.from_flat(init=str(student), data=str(data), out=str(tmp_path / "c"), **SMALL))
     data.write_text(json.dumps({"prompt": "What is 2 + 2?", "completion": "\\boxed{4}"}) + "\n")
     seen.clear()
-    sft_mod.sft(SFTConfig(init=str(student), data=str(data), out=str(tmp_path / "d"), **SMALL), show_progress=False)
+    sft_mod.sft(
+        SFTConfig.from_flat(init=str(student), data=str(data), out=str(tmp_path / "d"), **SMALL), show_progress=False
+    )
     assert set(seen) == {("What is 2 + 2?", "\\boxed{4}")}  # a 'completion' column serves without 'solution'
 
     with pytest.raises(ConfigError, match="train_size"):
-        SFTConfig(init=str(student), train_size=-1)
+        SFTConfig.from_flat(init=str(student), train_size=-1)
 
 
 TOY_GAME = dict(env="toy", env_level=1, env_args=["n_train=4", "n_test=2"], max_new_tokens=96, max_action_tokens=8)
@@ -91,7 +97,7 @@ def test_one_model_learns_math_solutions_and_expert_episodes_together(tiny_model
         {"name": "math", "train_size": 2, "batch_size": 3},
         {"name": "game", **TOY_GAME, "train_size": 3, "batch_size": 2, "eval_size": 2},
     ]
-    cfg = SFTConfig(init=str(student), out=str(tmp_path / "run"), tasks=tasks, **SMALL)
+    cfg = SFTConfig.from_flat(init=str(student), out=str(tmp_path / "run"), tasks=tasks, **SMALL)
     summary = sft_mod.sft(cfg, show_progress=False)
     assert parts == [[0, 1]] * 3 and len(seen) == 3 * 3  # mix: both tasks at every step, math 3 a step
     first = load_task(cfg.task, cfg.task_level, cfg.seed).examples("train")[:2]
@@ -106,7 +112,7 @@ def test_one_model_learns_math_solutions_and_expert_episodes_together(tiny_model
     assert set(summary["best_by_task"]) == {"math", "game"}
 
     parts.clear()
-    alt = SFTConfig(init=str(student), out=str(tmp_path / "alt"), tasks=tasks, task_mode="alternate", **SMALL)
+    alt = SFTConfig.from_flat(init=str(student), out=str(tmp_path / "alt"), tasks=tasks, task_mode="alternate", **SMALL)
     sft_mod.sft(alt, show_progress=False)
     assert parts == [[0], [1], [0]]  # one task a step, by the schedule
 
@@ -123,7 +129,9 @@ def test_one_model_learns_math_solutions_and_expert_episodes_together(tiny_model
 def test_multi_task_sft_errors_name_the_task(tiny_models, tmp_path, tasks, match):
     student, _ = tiny_models
     with pytest.raises(UserError, match=match):
-        sft_mod.sft(SFTConfig(init=str(student), out=str(tmp_path / "r"), tasks=tasks, **SMALL), show_progress=False)
+        sft_mod.sft(
+            SFTConfig.from_flat(init=str(student), out=str(tmp_path / "r"), tasks=tasks, **SMALL), show_progress=False
+        )
 
 
 def test_dagger_from_adds_the_players_states_to_the_expert_episodes(tiny_models, tmp_path, monkeypatch, capsys):
@@ -135,7 +143,9 @@ def test_dagger_from_adds_the_players_states_to_the_expert_episodes(tiny_models,
     monkeypatch.setattr(sft_mod, "dagger_data", lambda *a: made.append(real_dagger(*a)) or made[-1])
     monkeypatch.setattr(sft_mod, "pad_right", lambda s, lab, pad: trained.extend(s) or real_pad(s, lab, pad))
     small = {**SMALL, "max_new_tokens": TOY_GAME["max_new_tokens"], "steps": 4}
-    cfg = SFTConfig(init=str(student), out=str(tmp_path / "run"), dagger_from=[str(student)], **{**TOY_GAME, **small})
+    cfg = SFTConfig.from_flat(
+        init=str(student), out=str(tmp_path / "run"), dagger_from=[str(student)], **{**TOY_GAME, **small}
+    )
     sft_mod.sft(cfg, show_progress=False)
     seqs, _ = made[0]
     # The random tiny student never plays the expert's command: one or two branches per game.
@@ -162,7 +172,7 @@ def test_the_kept_model_is_chosen_on_validation_data_and_reported_on_test(tiny_m
     monkeypatch.setattr(sft_mod, "save_final_model", lambda *a, **k: (saved.append(1), real_save(*a, **k)))
     seen = record_targets(monkeypatch)
     run = tmp_path / "run"
-    cfg = SFTConfig(init=str(student), out=str(run), task_level=1, **{**SMALL, "steps": 4, "eval_every": 2})
+    cfg = SFTConfig.from_flat(init=str(student), out=str(run), task_level=1, **{**SMALL, "steps": 4, "eval_every": 2})
     summary = sft_mod.sft(dataclasses.replace(cfg, validation_size=3), show_progress=False)
     assert seen and not {p for p, _ in seen} & validation  # never trained on
     assert asked == ["validation", "validation", "test"] and len(saved) == 1  # kept: the first checkpoint
@@ -194,7 +204,7 @@ def test_gradient_checkpointing_gives_the_plain_sft_step(tiny_models, tmp_path):
 
     student, _ = tiny_models
     tok = sft_mod.load_tokenizer(str(student))
-    cfg = SFTConfig(init=str(student), out=str(tmp_path))
+    cfg = SFTConfig.from_flat(init=str(student), out=str(tmp_path))
     examples = load_task(cfg.task, cfg.task_level, cfg.seed).examples("train")[:3]
     ids, att, lab = sft_mod.encode_pairs(tok, [e.prompt for e in examples], [e.solution for e in examples])
     got = {}

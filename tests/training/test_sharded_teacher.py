@@ -41,8 +41,8 @@ def test_make_teacher_shards_under_fsdp_only(tiny_models, monkeypatch):
 
     student = load_model(str(tiny_models[0]), "student", "float32", "cpu")
     tok = load_tokenizer(str(tiny_models[0]), "student")
-    plain = factory.make_teacher(TrainConfig(teacher=str(tiny_models[1])), student, tok)
+    plain = factory.make_teacher(TrainConfig.from_flat(teacher=str(tiny_models[1])), student, tok)
     assert isinstance(plain, factory.HFTeacher) and not made
     # a TrainConfig with --fsdp as a launch gives it (its checks need no process group)
-    cfg = TrainConfig(teacher=str(tiny_models[1]), fsdp=True)
+    cfg = TrainConfig.from_flat(teacher=str(tiny_models[1]), fsdp=True)
     assert factory.make_teacher(cfg, student, tok) == "sharded" and len(made) == 1

@@ -68,7 +68,7 @@ def test_the_recorder_sees_a_full_logits_tensor():
 
 def test_no_stage_allocates_rows_by_length_by_vocabulary(wide_vocab_pair, tmp_path):
     student, teacher = wide_vocab_pair
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flat(
         student=str(student),
         teacher=str(teacher),
         out=str(tmp_path / "run"),

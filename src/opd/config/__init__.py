@@ -9,44 +9,43 @@ settable from the CLI and a YAML/JSON file, dumped into every run directory.
 * :mod:`~opd.config.tasks` -- a multi-task run's task list, resolved into one config per task.
 * :mod:`~opd.config.options` -- :class:`TrainConfig`, :class:`SFTConfig`, :class:`EvalConfig`.
 * :mod:`~opd.config.sources` -- the options every command shares: models, prompts, games.
+* :mod:`~opd.config.teachers` -- the teacher's options of ``opd train``, served or in-process.
 """
 
 from opd.config.engines import STATIC_CACHE
 from opd.config.fields import DTYPES, REPORT_TO, ConfigError, check_device, check_report_to, coerce_numbers, opt
 from opd.config.files import build_config, config_record, dump_config, read_config_file, read_run_config
 from opd.config.options import (
-    CROSS_TOKENIZER,
-    DEFAULT_SPECIAL_TOKENS,
     EvalConfig,
     SFTConfig,
     TrainConfig,
     check_cross_tokenizer,
-    parse_special_map,
 )
 from opd.config.tasks import (
-    PER_TASK,
-    SFT_PER_TASK,
     TASK_MODES,
     TEACHER_SCORING,
     TaskSpec,
+    per_task_keys,
     read_task_list,
     resolve_tasks,
 )
+from opd.config.teachers import CROSS_TOKENIZER, TeacherOptions, parse_special_map
+from opd.objectives import DEFAULT_SPECIAL_TOKENS, ObjectiveOptions
 
 __all__ = [
     "CROSS_TOKENIZER",
     "DEFAULT_SPECIAL_TOKENS",
     "DTYPES",
-    "PER_TASK",
     "REPORT_TO",
-    "SFT_PER_TASK",
     "STATIC_CACHE",
     "TEACHER_SCORING",
     "TASK_MODES",
     "ConfigError",
     "EvalConfig",
+    "ObjectiveOptions",
     "SFTConfig",
     "TaskSpec",
+    "TeacherOptions",
     "TrainConfig",
     "build_config",
     "check_cross_tokenizer",
@@ -57,6 +56,7 @@ __all__ = [
     "dump_config",
     "opt",
     "parse_special_map",
+    "per_task_keys",
     "read_config_file",
     "read_run_config",
     "read_task_list",

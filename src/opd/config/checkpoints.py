@@ -25,21 +25,24 @@ GAMES = ("success_rate", "mean_turns_to_success", "invalid_action_rate", "env_er
 MODES = ("max", "min")
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointOptions:
     """Options of section "checkpoints"."""
 
     keep_checkpoints: int = opt(
-        2, "Keep the N newest checkpoints (older ones are deleted as new ones are written; resume reads the newest)."
+        2,
+        "Keep the N newest checkpoints (older ones are deleted as new ones are written; resume reads the newest).",
+        section="run",
     )
     keep_best: str = opt(
         "",
         "Also keep the best checkpoint by an evaluation figure, METRIC or METRIC:max / METRIC:min (default max), "
         "e.g. eval/accuracy or eval/pass_at_k: every evaluation then writes a checkpoint scored by it; its path "
         "is in checkpoints/best and summary.json. Refused when the run never evaluates that figure.",
+        section="run",
     )
     final_best: bool = opt(
-        False, "With --keep-best: final/ holds the best checkpoint's weights instead of the last step's."
+        False, "With --keep-best: final/ holds the best checkpoint's weights instead of the last step's.", section="run"
     )
 
 

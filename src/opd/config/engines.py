@@ -5,8 +5,10 @@ opd starts (``--vllm-args``), the policy check's bound and how long to wait for 
 
 from __future__ import annotations
 
+import functools
 import shlex
 from dataclasses import dataclass
+from typing import Any
 
 from opd.config.fields import ConfigError, opt, require
 from opd.service import url_problem
@@ -24,7 +26,7 @@ OPD_SETS = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class VLLMOptions:
     """Options of ``--rollout-engine vllm`` (section "rollout")."""
 
@@ -34,6 +36,7 @@ class VLLMOptions:
         "--out at the same path; its API key, if any, from OPD_VLLM_API_KEY), shared by every rank: rank 0 "
         "gives it the weights, each rank sends its share of the prompts. Unset, opd starts one per rank on the "
         "student from opd vllm-setup's environment, on the rank's GPU(s).",
+        section="rollout",
     )
     vllm_args: str = opt(
         "",
@@ -41,6 +44,7 @@ class VLLMOptions:
         "e.g. '--tensor-parallel-size 2' or '--gpu-memory-utilization 0.5' (which replaces "
         "opd's 0.3 where an engine shares a GPU with a trainer); a server that refuses one stops the run with "
         "its error line.",
+        section="rollout",
     )
     vllm_sync: str = opt(
         "auto",
@@ -49,6 +53,7 @@ class VLLMOptions:
         "LoRA run: the adapter alone, loaded by a server with --enable-lora), or auto: adapter for a LoRA run on a "
         "server opd starts on GPUs (not with --vllm-sleep 2), else shm where /dev/shm has room and opd starts the "
         "server, else file.",
+        section="rollout",
     )
     vllm_sleep: int = opt(
         0,
@@ -58,24 +63,35 @@ class VLLMOptions:
         "the sync writes the weights again: not with --vllm-sync adapter); 0: off, or 1 where --vllm-args has "
         "--enable-sleep-mode. opd adds --enable-sleep-mode to the servers it starts. opd train only (opd eval has "
         "no trainer to free the memory for).",
+        section="rollout",
     )
     vllm_max_gap: float = opt(
         0.0,
         "The policy check: the most the vLLM engine's log-probs of the sampled tokens may differ from the "
         "student's, in nats per token on average, before the run stops (0: 1e-3 in float32, 0.05 otherwise).",
+        section="rollout",
     )
-    vllm_start_timeout: float = opt(600.0, "Seconds to wait for the vLLM server opd starts to become healthy.")
+    vllm_start_timeout: float = opt(
+        600.0, "Seconds to wait for the vLLM server opd starts to become healthy.", section="rollout"
+    )
     vllm_wait: float = opt(
         600.0,
         "Seconds to wait for a vLLM engine that stops answering (at startup too), then checkpoint and stop; a "
         "server opd started that exits is restarted at once instead.",
+        section="rollout",
     )
+
+    @functools.cached_property
+    def vllm_argv(self) -> tuple[str, ...]:
+        """``--vllm-args`` as the list of options it stands for, split once (when the config is checked) as a
+        shell would split it; every reader takes this, never the string."""
+        return tuple(vllm_arg_list(self.vllm_args))
 
 
 STATIC_CACHE = ("auto", "on", "off")  # --static-cache (opd.rollout.static_cache)
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineOptions(VLLMOptions):
     """What generates the responses (section "rollout"): training's rollouts and evaluations, and ``opd eval``'s."""
 
@@ -84,6 +100,7 @@ class EngineOptions(VLLMOptions):
         "What generates the rollouts and evaluation responses: hf (opd's own sampling loop: per-prompt seeded, "
         "resumable exactly), vllm (a vLLM server given the student's weights before every batch; opd vllm-setup; "
         "docs/scale-out.md), or an engine registered with opd.rollout.registry.register (docs/architecture.md).",
+        section="rollout",
     )
     static_cache: str = opt(
         "off",
@@ -92,14 +109,15 @@ class EngineOptions(VLLMOptions):
         "cache, which grows every step). auto: on a GPU (not with --fsdp); on: on the CPU too, without a graph; off: "
         "the dynamic cache. Off by default until its speed on a GPU is measured (benchmarks/bench_decode.py, "
         "docs/benchmarks.md): then auto becomes the default if it is faster.",
+        section="rollout",
     )
 
 
 def check_engine_options(
-    cfg: EngineOptions, dtype: str, lora: bool = False, fsdp: bool = False, trains: bool = True
+    cfg: EngineOptions, lora: bool = False, fsdp: bool = False, trains: bool = True, staleness: int = 0
 ) -> None:
-    """The engine options of a run with compute dtype ``dtype``, that trains a LoRA adapter or not, under FSDP or
-    not, that trains or (``opd eval``) not (the engine's name is checked against the registry,
+    """The engine options of a run that trains a LoRA adapter or not, under FSDP or not, that trains or
+    (``opd eval``) not, with rollouts ``staleness`` steps ahead (the engine's name is checked against the registry,
     opd.rollout.registry, when the engine is made)."""
     require(bool(cfg.rollout_engine), "rollout_engine is empty: give hf, vllm or a registered engine's name")
     require(
@@ -117,7 +135,7 @@ def check_engine_options(
             "static_cache=on does not run with --fsdp (the sharded forward gathers the weights in hooks that a CUDA "
             "graph cannot capture); use --static-cache auto or off",
         )
-    check_vllm(cfg, cfg.rollout_engine, dtype, lora, trains)
+    check_vllm(cfg, cfg.rollout_engine, lora, trains, staleness)
 
 
 def vllm_arg_list(args: str) -> list[str]:
@@ -132,10 +150,9 @@ SYNC_WAYS = ("auto", "file", "shm", "adapter")  # opd.rollout.vllm_sync's
 SLEEP_FLAG = "--enable-sleep-mode"  # the vLLM server option that opens its sleep mode
 
 
-def check_vllm(cfg: VLLMOptions, engine: str, dtype: str, lora: bool, trains: bool = True) -> None:
-    """The vLLM options of a run whose engine is ``engine``, compute dtype ``dtype``, that trains a LoRA
-    adapter or not and trains or not; sets the policy check's bound where it is left at 0, and the sleep
-    level where vLLM's sleep mode is asked for in ``--vllm-args`` (in a run that trains)."""
+def check_vllm(cfg: VLLMOptions, engine: str, lora: bool, trains: bool = True, staleness: int = 0) -> None:
+    """The vLLM options of a run whose engine is ``engine``, that trains a LoRA adapter or not, trains or not,
+    with rollouts ``staleness`` steps ahead (:func:`resolve_vllm` has made their defaults explicit)."""
     require(
         cfg.vllm_max_gap >= 0 and cfg.vllm_start_timeout > 0 and cfg.vllm_wait >= 0,
         "vllm_max_gap must be >= 0, vllm_start_timeout > 0 and vllm_wait >= 0",
@@ -155,7 +172,7 @@ def check_vllm(cfg: VLLMOptions, engine: str, dtype: str, lora: bool, trains: bo
         given += ["--vllm-sync"] if cfg.vllm_sync != "auto" else []
         require(not given, f"{' and '.join(given)} set but rollout_engine is {engine}; add --rollout-engine vllm")
         return
-    args = vllm_arg_list(cfg.vllm_args)
+    args = cfg.vllm_argv
     require(
         not (args and cfg.vllm_url),
         "--vllm-args are the options of the servers opd starts, and --vllm-url names your own: start yours with "
@@ -171,22 +188,31 @@ def check_vllm(cfg: VLLMOptions, engine: str, dtype: str, lora: bool, trains: bo
         not (cfg.vllm_sleep and cfg.vllm_url),
         "--vllm-sleep puts to sleep the servers opd starts, and --vllm-url names your own: drop one of them",
     )
-    if trains and not cfg.vllm_sleep and SLEEP_FLAG in args:  # asked for in vLLM's words: the level that keeps
-        cfg.vllm_sleep = 1  # the weights
     if cfg.vllm_sleep:
-        _check_sleep(cfg, trains)
-    if not cfg.vllm_max_gap:
-        cfg.vllm_max_gap = 1e-3 if dtype == "float32" else 0.05
+        _check_sleep(cfg, trains, staleness)
+
+
+def resolve_vllm(values: dict[str, Any], trains: bool) -> dict[str, Any]:
+    """``values`` (a config's options) with the vLLM engine's defaults that depend on other options made
+    explicit: the policy check's bound where it is left at 0 (by ``--dtype``), and the sleep level where
+    vLLM's sleep mode is asked for in ``--vllm-args`` (in a run that trains)."""
+    if values["rollout_engine"] != "vllm":
+        return values
+    if trains and not values["vllm_sleep"] and SLEEP_FLAG in vllm_arg_list(values["vllm_args"]):
+        values["vllm_sleep"] = 1  # asked for in vLLM's words: the level that keeps the weights
+    if not values["vllm_max_gap"]:
+        values["vllm_max_gap"] = 1e-3 if values["dtype"] == "float32" else 0.05
+    return values
 
 
 def sleep_flag(cfg: VLLMOptions) -> str:
     """The option that asked for vLLM's sleep mode, as it was given (to name it in an error)."""
-    if cfg.vllm_sleep == 1 and SLEEP_FLAG in vllm_arg_list(cfg.vllm_args):
+    if cfg.vllm_sleep == 1 and SLEEP_FLAG in cfg.vllm_argv:
         return f"--vllm-args {SLEEP_FLAG}"
     return f"--vllm-sleep {cfg.vllm_sleep}"
 
 
-def _check_sleep(cfg: VLLMOptions, trains: bool) -> None:
+def _check_sleep(cfg: VLLMOptions, trains: bool, staleness: int) -> None:
     """What the sleep mode between rollouts cannot do, known from the config (GPUs are checked when the
     engine starts): sleep in ``opd eval``, beside a staleness worker, or drop the weights an adapter sync
     does not send again."""
@@ -196,7 +222,7 @@ def _check_sleep(cfg: VLLMOptions, trains: bool) -> None:
         f"{flag}: opd eval has no trainer to free the GPU's memory for between rollouts; drop it",
     )
     require(
-        not getattr(cfg, "max_staleness", 0),
+        not staleness,
         f"{flag} with --max-staleness: the rollout worker samples while the trainer trains, so the engine never "
         "rests; drop one of them",
     )

@@ -11,7 +11,7 @@ from opd.config.fields import opt, require
 EVAL_SAMPLING = ("greedy", "model", "explicit")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalOptions:
     """Options of an evaluation (section "eval"), the same in train and eval."""
 
@@ -22,33 +22,41 @@ class EvalOptions:
         "as the model's generation_config says (its temperature and top-p: thinking models such as Qwen3 loop "
         "when decoded greedily); explicit: the same from samples at the given temperature and top-p. "
         "eval.json states what was used.",
+        section="eval",
     )
     maj_k: int = opt(
         0,
         "Majority vote over the first K samples of each prompt (maj@K: the most frequent extracted answer, "
         "graded); at most the number of samples; 0: off.",
+        section="eval",
     )
     eval_batch_tokens: int = opt(
         262144,
         "Token budget of an evaluation's generation batch: rollouts per batch = this over (the longest prompt + "
         "--max-new-tokens), at most --batch-size for opd eval and 128 in training. Bounds the KV cache at long "
         "responses.",
+        section="eval",
     )
     eval_record_chars: int = opt(
         8000,
         "Per-sample records (eval_samples.jsonl): a prompt or response longer than this many characters keeps "
         "its first quarter and its last three quarters around a marker saying how much was cut; 0: no records.",
+        section="eval",
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainEvalOptions(EvalOptions):
     """Training's explicit evaluation sampling (``opd eval`` has --temperature and --top-p for it)."""
 
     eval_temperature: float = opt(
-        0.0, "Evaluation sampling temperature for --eval-sampling greedy or explicit (0: the rollouts' --temperature)."
+        0.0,
+        "Evaluation sampling temperature for --eval-sampling greedy or explicit (0: the rollouts' --temperature).",
+        section="eval",
     )
-    eval_top_p: float = opt(0.0, "Evaluation top-p for --eval-sampling greedy or explicit (0: the rollouts' --top-p).")
+    eval_top_p: float = opt(
+        0.0, "Evaluation top-p for --eval-sampling greedy or explicit (0: the rollouts' --top-p).", section="eval"
+    )
 
 
 def check_eval_options(cfg: EvalOptions, samples: int, samples_flag: str) -> None:

@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import field
 from types import UnionType
-from typing import TYPE_CHECKING, Any, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, Self, TypeVar, Union, cast, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -25,10 +25,12 @@ if TYPE_CHECKING:
 C = TypeVar("C", bound="DataclassInstance")
 
 
-def opt(default: Any, help: str, secret: bool = False, **kw: Any) -> Any:
-    """A dataclass field with help text (mutable defaults go through a factory). A ``secret`` one (an API
-    key) is left out of the config's repr and of every record of it (:func:`config_record`)."""
-    meta = {"help": help, **kw, **({"secret": True} if secret else {})}
+def opt(default: Any, help: str, *, section: str, per_task: bool = False, secret: bool = False) -> Any:
+    """A config option: a dataclass field with its help text, the section it sits in (``config.json`` and
+    ``--help``, :mod:`opd.config.sections`) and whether a task of a multi-task run may set it for itself
+    (:mod:`opd.config.tasks`); mutable defaults go through a factory. A ``secret`` one (an API key) is left out
+    of the config's repr and of every record of it (:func:`config_record`)."""
+    meta = {"help": help, "section": section, "per_task": per_task, **({"secret": True} if secret else {})}
     if isinstance(default, (list, dict, tuple)):
         value = default
         return field(default_factory=lambda: type(value)(value), metadata=meta, repr=not secret)
@@ -37,6 +39,62 @@ def opt(default: Any, help: str, secret: bool = False, **kw: Any) -> Any:
 
 class ConfigError(UserError):
     """A configuration value is invalid; the message names the field and the fix."""
+
+
+class CommandConfig:
+    """What every command's config (a frozen dataclass of options) can do: be built from flat option values
+    with the defaults that depend on other options resolved (:meth:`from_flat`), and give them back
+    (:meth:`flat`). A config is never changed after it is made: a changed one is a new one
+    (``dataclasses.replace``, or :meth:`from_flat` of a changed :meth:`flat`)."""
+
+    @classmethod
+    def resolve(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """Every option's value (``values`` holds them all) with what the user may leave to opd, or give in
+        another form, made what the config holds: a subclass resolves its own and calls this."""
+        return values
+
+    @classmethod
+    def from_flat(cls, **values: Any) -> Self:
+        """The config of these option values (the command line's names; the others at their defaults),
+        resolved and checked; an unknown option is a ConfigError naming it."""
+        fields = {f.name: f for f in dataclasses.fields(cast("DataclassInstance", cls))}
+        unknown = sorted(set(values) - set(fields))
+        if unknown:
+            raise ConfigError(
+                f"unknown option {', '.join(map(repr, unknown))} for {cls.__name__}; rename or remove it "
+                "(the command's --help lists its options)"
+            )
+        full = {name: values[name] if name in values else _default(f) for name, f in fields.items()}
+        return cls(**cls.resolve(full))
+
+    def replace(self, **changes: Any) -> Self:
+        """A new config with these options changed and what depends on them resolved again (``--rollout-engine
+        vllm``'s policy check bound, ``mask_special=None``: the objective's default), checked; where no
+        such default is involved, ``dataclasses.replace`` does the same."""
+        return type(self).from_flat(**{**self.flat(), **changes})
+
+    def flat(self) -> dict[str, Any]:
+        """Every option's value, by option name (the secret ones too: :func:`config_record` leaves them out)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(cast("DataclassInstance", self))}
+
+    def check_resolved(self) -> None:
+        """Refuse a config made directly with values :meth:`from_flat` would have resolved (an unset
+        ``mask_special``, a list of teacher URLs): every reader may rely on the resolved form."""
+        given = self.flat()
+        resolved = type(self).resolve(dict(given))
+        changed = [name for name, value in given.items() if resolved[name] != value]
+        require(
+            not changed,
+            f"{type(self).__name__} was given {', '.join(f'{n}={given[n]!r}' for n in changed)} unresolved; "
+            f"build it with {type(self).__name__}.from_flat(...) or change one with cfg.replace(...), which "
+            "resolve them",
+        )
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
 
 
 DTYPES = ("float32", "bfloat16", "float16")

@@ -6,17 +6,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import yaml
 
-from opd.config.fields import ConfigError, coerce_numbers, parse_problem, typed_values
+from opd.config.fields import CommandConfig, ConfigError, coerce_numbers, parse_problem, typed_values
 from opd.config.sections import flatten, nest
 
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
-
-C = TypeVar("C", bound="DataclassInstance")
+C = TypeVar("C", bound=CommandConfig)
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -43,7 +40,7 @@ def build_config(
 ) -> C:
     """Merge defaults < file < CLI into a validated ``cls`` instance; unknown keys are errors. The file's
     values may be nested by section (a run's ``config.json``) or flat (one written before sections)."""
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {f.name for f in dataclasses.fields(cast(Any, cls))}
     merged: dict[str, Any] = {}
     file_values = typed_values(cls, flatten(cls, file_values or {}, "config file"), "config file")
     for source, values in (("config file", file_values), ("command line", cli_values or {})):
@@ -58,16 +55,16 @@ def build_config(
                 )
             if value is not None:
                 merged[key] = value
-    return cls(**coerce_numbers(cls, merged))
+    return cls.from_flat(**coerce_numbers(cls, merged))
 
 
-def config_record(cfg: Any) -> dict[str, Any]:
+def config_record(cfg: CommandConfig) -> dict[str, Any]:
     """The config as a dict for config.json, checkpoints and trackers: every field but the secret ones."""
-    secret = {f.name for f in dataclasses.fields(cfg) if f.metadata.get("secret")}
-    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in secret}
+    secret = {f.name for f in dataclasses.fields(cast(Any, cfg)) if f.metadata.get("secret")}
+    return {k: v for k, v in dataclasses.asdict(cast(Any, cfg)).items() if k not in secret}
 
 
-def dump_config(cfg: Any, path: str | Path) -> None:
+def dump_config(cfg: CommandConfig, path: str | Path) -> None:
     """``config.json``: the record nested by section, in the order of ``--help``; ``--config`` reads it back."""
     Path(path).write_text(json.dumps(nest(type(cfg), config_record(cfg)), indent=2) + "\n")
 

@@ -12,18 +12,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from opd.config.checkpoints import CheckpointOptions, check_checkpoint_options
-from opd.config.engines import EngineOptions, check_engine_options
+from opd.config.engines import EngineOptions, check_engine_options, resolve_vllm
 from opd.config.evaluation import EvalOptions, TrainEvalOptions, check_eval_options
-from opd.config.fields import DTYPES, REPORT_TO_HELP, ConfigError, check_report_to, opt, require
-from opd.config.sources import EnvSource, ModelSource, TrainingSource, chat_options, out_option
+from opd.config.fields import REPORT_TO_HELP, check_report_to, opt, require
+from opd.config.sources import EnvSource, ModelSource, TrainingSource, out_option
 from opd.config.tasks import read_task_list, resolve_tasks
-from opd.crosstok.align import PAIRINGS
-from opd.crosstok.vocab_map import JOINABLE, UNMAPPED
-from opd.losses import SUPPORT_KINDS
-from opd.objectives import CROSS_TOKENIZER_GIVES, REGISTRY, objectives_help, refusal, usable_with
-from opd.service import check_url, url_problem
+from opd.config.teachers import (
+    TeacherOptions,
+    check_cross_tokenizer_options,
+    check_teacher_options,
+    resolve_teacher,
+)
+from opd.objectives import (
+    CROSS_TOKENIZER_GIVES,
+    REGISTRY,
+    ObjectiveOptions,
+    refusal,
+    usable_with,
+)
 
-DEFAULT_SPECIAL_TOKENS = ("<|im_end|>", "<think>", "</think>")
 # Rollouts run at most this many steps ahead of the trainer (--max-staleness): each step in flight holds a
 # copy of the weights, and a policy older than this is no longer distillation from the student's own samples.
 MAX_STALENESS = 4
@@ -31,123 +38,45 @@ MAX_STALENESS = 4
 MAX_DIST_TIMEOUT = 1e9
 
 
-@dataclass
-class TrainConfig(EnvSource, TrainingSource, EngineOptions, CheckpointOptions, TrainEvalOptions):
+@dataclass(frozen=True)
+class TrainConfig(
+    EnvSource, TrainingSource, EngineOptions, CheckpointOptions, TrainEvalOptions, TeacherOptions, ObjectiveOptions
+):
     """On-policy distillation: the student samples, the teacher scores, the student moves toward it."""
 
     out: str = out_option("train")
 
-    teacher: str = opt(
-        "", "Teacher model: a directory or a Hub name (its own tokenizer too: --cross-tokenizer, --teacher-tokenizer)."
-    )
-    teacher_tokenizer: str = opt(
-        "",
-        "Teacher tokenizer directory (default: the --teacher directory). With --teacher-url, the served "
-        "model's tokenizer: given and different from the student's, the server scores the teacher's own "
-        "tokenization (cross-tokenizer OPD).",
-    )
-    teacher_chat_template_kwargs: dict[str, Any] | None = opt(
-        None,
-        "Options for the teacher's chat template, a JSON object, where the teacher renders the prompts itself "
-        "(a teacher with another tokenizer: --cross-tokenizer); a teacher with the student's tokenizer reads the "
-        "student's rendering. Unset: --chat-template-kwargs; '{}': none.",
-    )
-    cross_tokenizer: str = opt(
-        "auto",
-        "Cross-tokenizer OPD, for a teacher with another tokenizer: auto (on when the two vocabularies differ), "
-        "on, or off (a different vocabulary is an error). The teacher reads the same text in its own chat "
-        "template and tokenization; its scores are aligned to the student's tokens by bytes. Trains lsm "
-        "(--support teacher_topk) or sampled (span reward); not full_kl, student-side supports or --env.",
-    )
-    cross_pairing: str = opt(
-        "group_start",
-        "Cross-tokenizer LSM: which student positions get the teacher's top-K. group_start: the first "
-        "token of every aligned group (both sides then read the same text prefix); one_to_one: only "
-        "tokens whose bytes are exactly one teacher token; within_group: group_start, and the later "
-        "tokens of a group with one teacher token (the student's '5' of the teacher's '15') get the "
-        "teacher's distribution at the group's start, kept where it goes on past the group's bytes so far.",
-    )
-    cross_unmapped: str = opt(
-        "drop",
-        "Cross-tokenizer LSM: a teacher token with no student token of the same bytes (the teacher's '19' "
-        "where the student writes each digit). drop: left out of the support; prefix: counted for the "
-        "longest student token its bytes begin with ('1'), the teacher's mass for how the text goes on. "
-        "For a teacher whose tokens are longer than the student's (docs/cross-tokenizer.md).",
-    )
-    cross_joinable: str = opt(
-        "keep",
-        "Cross-tokenizer LSM: support tokens the teacher's tokenizer would have joined to its token before the "
-        "position (the student's '5' after the teacher's '1', where the teacher writes '15'). keep, or drop them "
-        "from the support: the teacher's probability for them is that of a token boundary it never makes.",
-    )
-    teacher_special_map: list[Any] = opt(
-        [],
-        "Cross-tokenizer: student special tokens and the teacher's that stand for them, STUDENT=TEACHER, "
-        "comma-separated (e.g. '<|im_end|>=</s>'). Same-named specials pair by themselves; the student's "
-        "EOS pairs with the teacher's EOS unless given here.",
-    )
-    teacher_dtype: str = opt(
-        "",
-        "In-process teacher's dtype (default: --dtype). The teacher is never trained, so it can "
-        "run in bfloat16 while the student trains in float32, as a served teacher usually does; "
-        "its log-probs are still taken in float32.",
-    )
-    objective: str = opt("lsm", objectives_help())
-    k: int = opt(32, "Support size K for lsm (and the top-K of the diagnostics).")
-    support: str = opt("teacher_topk", f"Support set for lsm: {', '.join(SUPPORT_KINDS)}.")
-    renormalize: bool = opt(
-        True, "Renormalize student and teacher over the support (lsm). Off is the collapsing ablation."
-    )
-    tail: bool = opt(
-        False,
-        "lsm with a tail bucket: KL over the support's tokens (full-vocabulary probabilities, not "
-        "renormalized) plus one category for each model's mass outside the support, so the student's "
-        "mass outside it is no longer free (TRL's loss_add_tail). Works with every --support and a "
-        "served teacher (it needs only the teacher's top-K log-probs); replaces renormalization, so "
-        "not with --no-renormalize. Costs a pass over the student's head per step.",
-    )
-    forward_kl_share: float = opt(
-        0.0,
-        "lsm: the share b of forward KL on the renormalized support, loss (1 - b) KL(student||teacher) + "
-        "b KL(teacher||student). Reverse KL's pull on a token scales with the student's own probability of "
-        "it, so a token the teacher wants and the student has all but dropped is barely pulled back; forward "
-        "KL's pull does not shrink (docs/losses.md). 0: LSM as the paper has it.",
-    )
-    gamma: float = opt(0.0, "Discount of the sampled-token reward-to-go: 0 token level, 1 sequence level.")
-    kl_direction: str = opt("reverse", "Direction of full_kl: reverse (KL(student||teacher)) or forward.")
-    mask_special: bool | None = opt(
-        None,
-        "Leave positions whose sampled token is special (--special-tokens) out of the loss (default: on for "
-        "lsm, off otherwise; settable per task). With teacher top-K LSM this also leaves a format token the "
-        "teacher never ranks uncorrected; --tail corrects it at the positions before it is written.",
-    )
-    special_tokens: list[Any] = opt(list(DEFAULT_SPECIAL_TOKENS), "Tokens masked when mask_special is on.")
     long_prompts: str = opt(
         "skip",
         "Training prompts longer than --max-prompt-tokens: skip (left out, counted in data/prompts_skipped, "
         "one warning per task with the count and the longest) or error (the run stops before it starts).",
+        section="data",
     )
-    steps: int = opt(200, "Number of rollout batches (training steps).")
+    steps: int = opt(200, "Number of rollout batches (training steps).", section="optimizer")
     batch_size: int = opt(
         64,
         "Prompts per step and process (one rollout each unless samples_per_prompt > 1); "
         "N processes under torchrun/accelerate train on N x this per step; a --resume on another number of "
         "processes keeps the checkpoint's global batch (this is rescaled).",
+        section="optimizer",
+        per_task=True,
     )
-    samples_per_prompt: int = opt(1, "Rollouts per prompt.")
-    grad_accum: int = opt(1, "Micro-batches per optimizer step; the batch is split evenly.")
+    samples_per_prompt: int = opt(1, "Rollouts per prompt.", section="rollout")
+    grad_accum: int = opt(1, "Micro-batches per optimizer step; the batch is split evenly.", section="optimizer")
     micro_batch_tokens: int = opt(
         0,
         "Micro-batches by token budget instead of --grad-accum: the step's sequences (long and short responses "
         "together, longest first) packed so each micro-batch's rows x its longest sequence (prompt and response "
         "tokens) stays within N; a longer sequence goes alone. The step's loss and gradient are the unsplit "
         "step's. 0: off. Not with --grad-accum > 1.",
+        section="optimizer",
     )
     gradient_checkpointing: bool = opt(
         False,
         "Activation checkpointing per decoder layer in the student's update: each layer's activations are "
         "recomputed in the backward instead of kept, for long responses (docs/training.md, 'Long responses'). "
         "The rollout and the teacher are untouched.",
+        section="optimizer",
     )
     updates_per_batch: int = opt(
         1,
@@ -155,99 +84,98 @@ class TrainConfig(EnvSource, TrainingSource, EngineOptions, CheckpointOptions, T
         "PPO-clipped importance ratios; lsm and full_kl are computed exactly at each "
         "visited state and need no ratio, but those states then come from an older "
         "policy (mildly off-policy). Only the first update's loss is logged.",
+        section="optimizer",
     )
-    clip_eps: float = opt(0.2, "PPO clip for the importance ratio when updates_per_batch > 1.")
+    clip_eps: float = opt(0.2, "PPO clip for the importance ratio when updates_per_batch > 1.", section="optimizer")
     stale_weight_cap: float = opt(
         2.0,
         "With --max-staleness > 0 and --objective sampled: the cap C of the truncated importance weight "
         "min(pi/mu, C) against the older policy mu that sampled (inf: no truncation).",
+        section="optimizer",
     )
-    lr: float = opt(5e-4, "Peak learning rate (AdamW).")
-    weight_decay: float = opt(0.0, "AdamW weight decay.")
-    warmup_steps: int = opt(10, "Linear warm-up steps.")
-    schedule: str = opt("constant", "Learning-rate schedule after warm-up: constant, linear or cosine.")
-    max_grad_norm: float = opt(1.0, "Gradient clipping norm (0 disables).")
-    temperature: float = opt(1.0, "Rollout sampling temperature.")
-    top_p: float = opt(0.9, "Rollout nucleus (top-p) sampling, in (0, 1].")
-    reduction: str = opt(
-        "token_mean",
-        "Loss reduction: token_mean (over the batch's loss tokens), sequence_mean, or "
-        "constant_sum (summed, divided by rollouts x max_new_tokens, a constant that "
-        "does not depend on the batch, as in Dr. GRPO).",
+    lr: float = opt(5e-4, "Peak learning rate (AdamW).", section="optimizer", per_task=True)
+    weight_decay: float = opt(0.0, "AdamW weight decay.", section="optimizer")
+    warmup_steps: int = opt(10, "Linear warm-up steps.", section="optimizer")
+    schedule: str = opt(
+        "constant", "Learning-rate schedule after warm-up: constant, linear or cosine.", section="optimizer"
     )
+    max_grad_norm: float = opt(1.0, "Gradient clipping norm (0 disables).", section="optimizer")
+    temperature: float = opt(1.0, "Rollout sampling temperature.", section="rollout", per_task=True)
+    top_p: float = opt(0.9, "Rollout nucleus (top-p) sampling, in (0, 1].", section="rollout", per_task=True)
     keep_dropout: bool = opt(
         False,
         "Keep the student's dropout during OPD. Off by default, as RL and distillation "
         "trainers do: with dropout on, rollouts, loss and diagnostics each see a different "
         "random network. --lora-dropout is not affected.",
+        section="optimizer",
     )
-    eval_every: int = opt(50, "Evaluate every N steps (0: only at the end).")
-    eval_size: int = opt(200, "Number of test prompts for evaluation.")
-    eval_samples: int = opt(4, "Samples per prompt for avg@k / pass@k at evaluation (0: greedy only).")
-    ckpt_every: int = opt(50, "Checkpoint every N steps.")
-    log_rollouts: int = opt(4, "Rollouts per step written to rollouts.jsonl.")
-    report_to: list[Any] = opt(["none"], REPORT_TO_HELP)
-    diag_positions: int = opt(256, "Positions sampled per step for the full-vocabulary diagnostics.")
-    resume: bool = opt(False, "Resume from the latest checkpoint in the run directory.")
-    # a list too: the flag repeated, or a YAML/JSON list; validation joins it with commas (config.json keeps a string)
-    teacher_url: list[Any] | str = opt(
-        "",
-        "Served teacher (opd serve-teacher, or a vLLM server: vLLM's prompt_logprobs format), e.g. "
-        "http://127.0.0.1:8000; replaces --teacher. Several servers of the same teacher, comma-separated or the "
-        "flag repeated, share the requests (each to the least busy; one that fails is skipped until it answers "
-        "again). Works with --objective sampled and lsm with support teacher_topk or teacher_topk_plus_sampled.",
+    eval_every: int = opt(50, "Evaluate every N steps (0: only at the end).", section="eval")
+    eval_size: int = opt(200, "Number of test prompts for evaluation.", section="eval", per_task=True)
+    eval_samples: int = opt(
+        4, "Samples per prompt for avg@k / pass@k at evaluation (0: greedy only).", section="eval", per_task=True
     )
-    teacher_timeout: float = opt(120.0, "Seconds to wait for one served-teacher request before retrying.")
-    teacher_wait: float = opt(
-        600.0, "Seconds to wait for a served teacher that stops answering (at startup too), then checkpoint and stop."
-    )
-    teacher_retries: int | None = opt(None, "At most N retries of a failed served-teacher request (unset: no cap).")
-    teacher_api_key: str = opt(
-        "",
-        "API key sent to served teachers as 'Authorization: Bearer KEY' (the key of vLLM's or opd "
-        "serve-teacher's --api-key). Better set the environment variable OPD_TEACHER_API_KEY, which keeps it "
-        "out of process lists and shell history. Never written to config.json, checkpoints, logs or trackers.",
-        secret=True,
-    )
+    ckpt_every: int = opt(50, "Checkpoint every N steps.", section="run")
+    log_rollouts: int = opt(4, "Rollouts per step written to rollouts.jsonl.", section="run")
+    report_to: list[Any] = opt(["none"], REPORT_TO_HELP, section="run")
+    diag_positions: int = opt(256, "Positions sampled per step for the full-vocabulary diagnostics.", section="run")
+    resume: bool = opt(False, "Resume from the latest checkpoint in the run directory.", section="run")
     max_staleness: int = opt(
         0,
         "Rollouts generated ahead: step t's rollouts come from the policy of step t - S, generated in a "
         "worker process while the trainer scores and updates (0: on-policy in this process, as always). "
         f"At most {MAX_STALENESS}; with --rollout-engine vllm the worker syncs and samples the vLLM server.",
+        section="rollout",
     )
     rollout_worker_threads: int = opt(
         0,
         "With --max-staleness > 0: the rollout worker's torch threads; the trainer then keeps its own "
         "(OMP_NUM_THREADS). 0: the cores' threads are split, half to the worker (benchmarks/bench_async.py "
         "measures the splits).",
+        section="rollout",
     )
     fsdp: bool = opt(
-        False, "Shard the student with FSDP across the launched processes (torchrun/accelerate) instead of DDP."
+        False,
+        "Shard the student with FSDP across the launched processes (torchrun/accelerate) instead of DDP.",
+        section="run",
     )
     dist_timeout: float = opt(
         1800.0,
         "Seconds a rank waits for the others at a collective (the process group's timeout) before the run fails "
         "(torchrun/accelerate). Default 30 minutes, for nccl and gloo alike (torch's own: 10 and 30); at most 1e9.",
+        section="run",
     )
-    lora_r: int = opt(0, "LoRA rank: > 0 trains a peft LoRA adapter on the student instead of all its weights.")
-    lora_alpha: float = opt(16.0, "LoRA scaling alpha (the update is scaled by alpha / r).")
+    lora_r: int = opt(
+        0, "LoRA rank: > 0 trains a peft LoRA adapter on the student instead of all its weights.", section="lora"
+    )
+    lora_alpha: float = opt(16.0, "LoRA scaling alpha (the update is scaled by alpha / r).", section="lora")
     lora_targets: list[Any] = opt(
         ["all-linear"],
         "Linear layers given a LoRA adapter, by name, comma-separated "
         "(e.g. q_proj,v_proj); all-linear: every linear layer of the blocks.",
+        section="lora",
     )
-    lora_dropout: float = opt(0.0, "Dropout on the LoRA branch's input.")
+    lora_dropout: float = opt(0.0, "Dropout on the LoRA branch's input.", section="lora")
     tasks: list[Any] | None = opt(
         None,
         "Multi-task OPD: the run's tasks, each with its own teacher, data or environment and settings "
         "(a list in the --config file, or a YAML/JSON file holding it); see opd.training.schedule. Unset: one "
         "task, given by the options above.",
+        section="multitask",
     )
     task_mode: str = opt(
         "alternate",
         "With tasks: alternate (each step trains on one task, chosen by share, seed and step) or mix "
         "(every step holds every task's sub-batch, each scored by its own teacher, one optimizer step).",
+        section="multitask",
     )
+
+    @classmethod
+    def resolve(cls, values: dict[str, Any]) -> dict[str, Any]:
+        values = super().resolve(values)
+        values = resolve_teacher(values)
+        if values["mask_special"] is None and values["objective"] in REGISTRY:  # else _check_objective refuses it
+            values["mask_special"] = REGISTRY[values["objective"]].mask_special
+        return _resolve_run(resolve_vllm(values, trains=True))
 
     def teacher_chat_options(self) -> dict[str, Any]:
         """The teacher's chat template options: its own, or the student's when unset."""
@@ -256,13 +184,14 @@ class TrainConfig(EnvSource, TrainingSource, EngineOptions, CheckpointOptions, T
         return self.teacher_chat_template_kwargs
 
     def __post_init__(self) -> None:
+        self.check_resolved()
         self._check_common()
         self._check_env()
         for check in (
             _check_objective,
             _check_optimizer,
             _check_rollout,
-            _check_teacher,
+            check_teacher_options,
             _check_cross_tokenizer_options,
         ):
             check(self)
@@ -273,7 +202,6 @@ class TrainConfig(EnvSource, TrainingSource, EngineOptions, CheckpointOptions, T
             f"dist_timeout={self.dist_timeout} must be > 0 and at most {MAX_DIST_TIMEOUT:.0e} seconds (about 31 "
             "years: a larger wait overflows torch's process-group timers)",
         )
-        self.report_to = check_report_to(self.report_to)
         _check_lora(self)
         _check_tasks(self)
         check_checkpoint_options(self)
@@ -283,29 +211,8 @@ class TrainConfig(EnvSource, TrainingSource, EngineOptions, CheckpointOptions, T
 
 
 def _check_objective(cfg: TrainConfig) -> None:
-    require(cfg.objective in REGISTRY, f"objective={cfg.objective!r}: choose one of {', '.join(REGISTRY)}")
-    require(cfg.support in SUPPORT_KINDS, f"support={cfg.support!r}: choose one of {', '.join(SUPPORT_KINDS)}")
-    _check_counts(cfg, k=1)
-    require(0.0 <= cfg.gamma <= 1.0, f"gamma={cfg.gamma} must lie in [0, 1]")
-    require(cfg.kl_direction in ("reverse", "forward"), f"kl_direction={cfg.kl_direction!r}: reverse or forward")
-    _check_variants(cfg)
-    require(
-        not cfg.tail or cfg.renormalize,
-        "tail compares full-vocabulary masses plus the mass outside the support, in place of renormalizing; "
-        "--no-renormalize (the truncated ablation) cannot go with it: drop --no-renormalize or --tail",
-    )
-    require(0.0 <= cfg.forward_kl_share <= 1.0, f"forward_kl_share={cfg.forward_kl_share} must lie in [0, 1]")
-    require(
-        not cfg.forward_kl_share or (cfg.objective == "lsm" and cfg.renormalize and not cfg.tail),
-        "forward_kl_share mixes the two KL directions on lsm's renormalized support: use it with --objective lsm, "
-        "without --tail or --no-renormalize",
-    )
-    require(
-        cfg.reduction in ("token_mean", "sequence_mean", "constant_sum"),
-        f"reduction={cfg.reduction!r}: token_mean, sequence_mean or constant_sum",
-    )
-    if cfg.mask_special is None:
-        cfg.mask_special = REGISTRY[cfg.objective].mask_special
+    problem = cfg.problem()  # the objective's options check themselves (opd.objectives.ObjectiveOptions)
+    require(problem is None, str(problem))
 
 
 def _check_optimizer(cfg: TrainConfig) -> None:
@@ -333,7 +240,7 @@ def _check_rollout(cfg: TrainConfig) -> None:
     require(0.0 < cfg.top_p <= 1.0, f"top_p={cfg.top_p} must lie in (0, 1] (0.9 is the paper's setting)")
     _check_staleness(cfg)
     require(cfg.temperature > 0, f"temperature={cfg.temperature} must be > 0")
-    check_engine_options(cfg, cfg.dtype, lora=bool(cfg.lora_r), fsdp=cfg.fsdp)
+    check_engine_options(cfg, lora=bool(cfg.lora_r), fsdp=cfg.fsdp, staleness=cfg.max_staleness)
 
 
 def _check_staleness(cfg: TrainConfig) -> None:
@@ -353,53 +260,8 @@ def _check_staleness(cfg: TrainConfig) -> None:
     )
 
 
-def _check_teacher(cfg: TrainConfig) -> None:
-    require(cfg.teacher_dtype in ("", *DTYPES), f"teacher_dtype={cfg.teacher_dtype!r}: use {', '.join(DTYPES)}")
-    cfg.teacher_url = teacher_urls(cfg.teacher_url)
-    require(
-        not (cfg.teacher_dtype and cfg.teacher_url),
-        "teacher_dtype applies to an in-process teacher "
-        "(--teacher DIR); a served teacher keeps the dtype it was started with (opd serve-teacher --dtype): "
-        "drop --teacher-dtype",
-    )
-    require(
-        cfg.teacher_timeout > 0 and cfg.teacher_wait >= 0 and (cfg.teacher_retries or 0) >= 0,
-        "teacher_timeout must be > 0, teacher_wait >= 0 and teacher_retries >= 0 (or unset)",
-    )
-    if cfg.teacher_chat_template_kwargs is not None:
-        cfg.teacher_chat_template_kwargs = chat_options(
-            cfg.teacher_chat_template_kwargs, "teacher_chat_template_kwargs"
-        )
-
-
-def teacher_urls(value: Any) -> str:
-    """``--teacher-url``'s servers (a string, comma-separated, or a list of them), each checked, as one
-    comma-separated string: the form config.json has always held."""
-    given = [value] if isinstance(value, str) else value
-    require(
-        isinstance(given, list) and all(isinstance(v, str) for v in given),
-        f"teacher_url: {value!r} must be a URL, several comma-separated, or a list of them",
-    )
-    urls = [u.strip() for v in given for u in v.split(",") if u.strip()]
-    for url in urls:
-        problem = url_problem(url, "--teacher-url")
-        require(not problem, problem)
-    same = [check_url(u, "--teacher-url") for u in urls]  # http://h:1/ and http://h:1/v1 are http://h:1
-    twice = sorted({u for u in same if same.count(u) > 1})
-    require(not twice, f"--teacher-url lists {', '.join(twice)} more than once; list each server once")
-    return ",".join(urls)
-
-
 def _check_cross_tokenizer_options(cfg: TrainConfig) -> None:
-    for name, choices in (
-        ("cross_tokenizer", CROSS_TOKENIZER),
-        ("cross_pairing", PAIRINGS),
-        ("cross_joinable", JOINABLE),
-        ("cross_unmapped", UNMAPPED),
-    ):
-        value = getattr(cfg, name)
-        require(value in choices, f"{name}={value!r}: choose one of {', '.join(choices)}")
-    parse_special_map(cfg.teacher_special_map)
+    check_cross_tokenizer_options(cfg)
     if cfg.cross_tokenizer == "on":  # "auto" is decided, and checked, when the teachers load (teachers.factory)
         check_cross_tokenizer(cfg)
 
@@ -410,41 +272,12 @@ def _check_lora(cfg: TrainConfig) -> None:
     require(bool(cfg.lora_targets), "lora_targets is empty; name linear layers (e.g. q_proj v_proj) or use all-linear")
 
 
-def _check_variants(cfg: TrainConfig) -> None:
-    """A variant flag (``--tail``) set with an objective it is not a variant of is refused."""
-    for o in REGISTRY.values():
-        for flag in o.variants:
-            require(
-                not getattr(cfg, flag) or flag in REGISTRY[cfg.objective].variants,
-                f"{flag} is a variant of --objective {o.name}, not of {cfg.objective}; "
-                f"drop --{flag} or use --objective {o.name}",
-            )
-
-
 def _check_counts(cfg: object, **least: int) -> None:
     """Each named count is at least its bound: a negative one would otherwise slice its list from the end
     (``eval_size=-3`` evaluating all but three prompts) or divide by zero, instead of failing."""
     for name, bound in least.items():
         value = getattr(cfg, name)
         require(value >= bound, f"{name}={value} must be >= {bound}; set --{name.replace('_', '-')} to {bound} or more")
-
-
-CROSS_TOKENIZER = ("auto", "on", "off")
-
-
-def parse_special_map(items: list[str]) -> dict[str, str]:
-    """``--teacher-special-map`` items ``STUDENT=TEACHER`` (special token names; several comma-separated
-    or repeated), as a dict."""
-    out = {}
-    for item in (piece for value in items for piece in str(value).split(",") if piece.strip()):
-        student, sep, teacher = str(item).partition("=")
-        if not sep or not student.strip() or not teacher.strip():
-            raise ConfigError(
-                f"teacher_special_map item {item!r} is not STUDENT=TEACHER; write e.g. '<|im_end|>=</s>' "
-                "(a student special token, then the teacher's that stands for it)"
-            )
-        out[student.strip()] = teacher.strip()
-    return out
 
 
 def check_cross_tokenizer(cfg: TrainConfig) -> None:
@@ -478,79 +311,114 @@ def _check_tasks(cfg: TrainConfig | SFTConfig) -> None:
         f"task_mode={cfg.task_mode!r}: alternate (one task per step) or mix (every task at every step)",
     )
     if cfg.tasks is not None:
-        cfg.tasks = read_task_list(cfg.tasks)
         resolve_tasks(cfg)
 
 
-@dataclass
+def _resolve_run(values: dict[str, Any]) -> dict[str, Any]:
+    """What a training run's options (train and sft) hold resolved: the trackers' names normalised, and the
+    task list read from its file (or from one mapping per --tasks option)."""
+    values["report_to"] = check_report_to(values["report_to"])
+    if values["tasks"] is not None:
+        values["tasks"] = read_task_list(values["tasks"])
+    return values
+
+
+@dataclass(frozen=True)
 class SFTConfig(EnvSource, TrainingSource):
     """Supervised fine-tuning on (prompt, solution) pairs: makes teachers/students, off-policy cold start."""
 
     out: str = out_option("sft")
 
-    data: str = opt("", "JSONL with prompt and solution (or completion); empty: the task's own solutions.")
-    init: str = opt("", "Model to start from (a directory or a Hub name); empty with --arch builds a new model.")
-    arch: str = opt("", "New tiny model 'qwen2:LAYERS:WIDTH' (e.g. qwen2:4:256) when --init is empty.")
-    tokenizer: str = opt("", "Tokenizer directory for a new model (the demo trains one).")
+    data: str = opt(
+        "",
+        "JSONL with prompt and solution (or completion); empty: the task's own solutions.",
+        section="data",
+        per_task=True,
+    )
+    init: str = opt(
+        "", "Model to start from (a directory or a Hub name); empty with --arch builds a new model.", section="model"
+    )
+    arch: str = opt("", "New tiny model 'qwen2:LAYERS:WIDTH' (e.g. qwen2:4:256) when --init is empty.", section="model")
+    tokenizer: str = opt("", "Tokenizer directory for a new model (the demo trains one).", section="model")
     teacher: str = opt(
-        "", "Sample the targets from this teacher model (off-policy cold start) instead of using solutions."
+        "",
+        "Sample the targets from this teacher model (off-policy cold start) instead of using solutions.",
+        section="teacher",
+        per_task=True,
     )
     train_size: int = opt(
-        0, "Train on only the first N examples (0: all); a small labelled set, as the demo's student."
+        0,
+        "Train on only the first N examples (0: all); a small labelled set, as the demo's student.",
+        section="data",
+        per_task=True,
     )
     expert_mistakes: float = opt(
         0.0,
         "With --env: before each expert action, with this probability, play a command the game rejects first "
         "(not trained on), so the model learns to go on after a mistake (a game teacher for on-policy students).",
+        section="env",
+        per_task=True,
     )
     dagger_from: list[Any] = opt(
         [],
         "With --env: models that each play every training game once (sampling, top-p 0.9); the environment's "
         "expert labels the states they reached, and those sequences join the expert's episodes (DAgger's data, "
         "one round): a game teacher learns what to do after a student's own mistakes. Repeat for several.",
+        section="env",
+        per_task=True,
     )
     dagger_branches: int = opt(
         2,
         "With --dagger-from: sequences per played episode, each ending, at a turn where the player left the "
         "expert's path, with the expert's command from there.",
+        section="env",
+        per_task=True,
     )
-    steps: int = opt(2000, "Optimizer steps.")
-    batch_size: int = opt(64, "Examples per step.")
-    lr: float = opt(1e-3, "Peak learning rate (AdamW).")
-    warmup_steps: int = opt(100, "Linear warm-up steps.")
-    schedule: str = opt("cosine", "Learning-rate schedule: constant, linear or cosine.")
-    eval_every: int = opt(250, "Evaluate greedy accuracy every N steps (0: only at the end).")
-    eval_size: int = opt(200, "Test prompts for evaluation.")
-    patience: int = opt(0, "Stop after this many evaluations without improvement (0: never).")
+    steps: int = opt(2000, "Optimizer steps.", section="optimizer")
+    batch_size: int = opt(64, "Examples per step.", section="optimizer", per_task=True)
+    lr: float = opt(1e-3, "Peak learning rate (AdamW).", section="optimizer")
+    warmup_steps: int = opt(100, "Linear warm-up steps.", section="optimizer")
+    schedule: str = opt("cosine", "Learning-rate schedule: constant, linear or cosine.", section="optimizer")
+    eval_every: int = opt(250, "Evaluate greedy accuracy every N steps (0: only at the end).", section="eval")
+    eval_size: int = opt(200, "Test prompts for evaluation.", section="eval", per_task=True)
+    patience: int = opt(0, "Stop after this many evaluations without improvement (0: never).", section="eval")
     validation_size: int = opt(
         200,
         "Training examples (or games) held out of training, the last ones: the kept checkpoint is the best on "
         "them, and the test set only reports the kept model's accuracy (0: choose on the test set).",
+        section="eval",
     )
-    max_grad_norm: float = opt(1.0, "Gradient clipping norm.")
+    max_grad_norm: float = opt(1.0, "Gradient clipping norm.", section="optimizer")
     gradient_checkpointing: bool = opt(
         False,
         "Activation checkpointing per decoder layer: each layer's activations are recomputed in the backward "
         "instead of kept, for long solutions or episodes (docs/training.md, 'Long responses'). The teacher "
         "that samples the targets is untouched.",
+        section="optimizer",
     )
-    report_to: list[Any] = opt(["none"], REPORT_TO_HELP)
+    report_to: list[Any] = opt(["none"], REPORT_TO_HELP, section="run")
     tasks: list[Any] | None = opt(
         None,
         "Several tasks in one SFT run (e.g. math solutions and a game's expert episodes), each with its own "
         "data or environment, train_size and batch_size (a list in the --config file, or a YAML/JSON file "
         "holding it; see opd.training.schedule). The kept model is the one with the best mean accuracy over tasks.",
+        section="multitask",
     )
     task_mode: str = opt(
         "mix",
         "With tasks: mix (every step holds every task's batch, one token-mean loss over all) or alternate "
         "(each step trains on one task, chosen by share, seed and step).",
+        section="multitask",
     )
 
+    @classmethod
+    def resolve(cls, values: dict[str, Any]) -> dict[str, Any]:
+        return _resolve_run(super().resolve(values))
+
     def __post_init__(self) -> None:
+        self.check_resolved()
         self._check_common()
         self._check_env()
-        self.report_to = check_report_to(self.report_to)
         _check_counts(
             self, steps=1, batch_size=1, warmup_steps=0, eval_every=0, eval_size=1, patience=0, validation_size=0
         )
@@ -576,32 +444,42 @@ class SFTConfig(EnvSource, TrainingSource):
         _check_tasks(self)
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalConfig(EnvSource, ModelSource, EngineOptions, EvalOptions):
     """Accuracy, avg@k and pass@k of a model; gap recovery when the before/teacher accuracies are given."""
 
     out: str = out_option("eval")
 
-    eval_size: int = opt(500, "Test prompts.")
-    samples: int = opt(8, "Samples per prompt for avg@k / pass@k / maj@k (0: greedy only).")
-    temperature: float = opt(1.0, "Sampling temperature of the samples (--eval-sampling greedy or explicit).")
-    top_p: float = opt(1.0, "Top-p of the samples (--eval-sampling greedy or explicit).")
-    batch_size: int = opt(128, "Rollouts per generation batch at most (--eval-batch-tokens bounds it too).")
-    acc_before: float = opt(-1.0, "Student accuracy before OPD (for gap recovery; -1: not given).")
-    acc_teacher: float = opt(-1.0, "Teacher accuracy (for gap recovery; -1: not given).")
+    eval_size: int = opt(500, "Test prompts.", section="eval")
+    samples: int = opt(8, "Samples per prompt for avg@k / pass@k / maj@k (0: greedy only).", section="eval")
+    temperature: float = opt(
+        1.0, "Sampling temperature of the samples (--eval-sampling greedy or explicit).", section="rollout"
+    )
+    top_p: float = opt(1.0, "Top-p of the samples (--eval-sampling greedy or explicit).", section="rollout")
+    batch_size: int = opt(
+        128, "Rollouts per generation batch at most (--eval-batch-tokens bounds it too).", section="eval"
+    )
+    acc_before: float = opt(-1.0, "Student accuracy before OPD (for gap recovery; -1: not given).", section="eval")
+    acc_teacher: float = opt(-1.0, "Teacher accuracy (for gap recovery; -1: not given).", section="eval")
     tokenizer: str = opt(
         "",
         "Tokenizer directory (default: the --student directory), for a model whose tokenizer is saved apart "
         "(a SentencePiece-style tokenizer cannot live next to a Qwen2 config in transformers 5).",
+        section="model",
     )
 
+    @classmethod
+    def resolve(cls, values: dict[str, Any]) -> dict[str, Any]:
+        return resolve_vllm(super().resolve(values), trains=False)
+
     def __post_init__(self) -> None:
+        self.check_resolved()
         self._check_common()
         self._check_env()
         require(0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must lie in (0, 1]")
         _check_counts(self, samples=0, eval_size=1, batch_size=1)
         check_eval_options(self, self.samples, "--samples")
-        check_engine_options(self, self.dtype, trains=False)
+        check_engine_options(self, trains=False)
         require(
             self.temperature > 0,
             f"temperature={self.temperature} must be > 0 (greedy decoding: --eval-sampling greedy)",

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from opd.chat import template_kwargs
-from opd.config.fields import DTYPES, ConfigError, check_device, opt, require
+from opd.config.fields import DTYPES, CommandConfig, ConfigError, check_device, opt, require
 from opd.envs.workers import AUTO_WORKERS, MAX_WORKERS
 from opd.errors import UserError
 from opd.tasks.arithmetic import LEVELS
@@ -27,20 +27,23 @@ OUT_HELP = {
 def out_option(command: str) -> Any:
     """The ``out`` field of ``command``'s config: a default of its own, runs/COMMAND, so that one command's
     run never lands in another's folder."""
-    return opt(f"runs/{command}", OUT_HELP[command])
+    return opt(f"runs/{command}", OUT_HELP[command], section="run")
 
 
-@dataclass
-class ModelSource:
+@dataclass(frozen=True)
+class ModelSource(CommandConfig):
     """Where a run's models and prompts come from (shared by train, sft and eval)."""
 
     student: str = opt(
         "",
         "Student model: a local Hugging Face causal-LM directory, or a Hub name (ORG/NAME) read from the Hugging Face "
         "cache (downloaded where the network allows; HF_HOME, HF_HUB_OFFLINE honoured).",
+        section="model",
     )
     student_revision: str = opt(
-        "", "Hub revision (branch, tag or commit) of --student given by name (opd sft: of --init). Default: main."
+        "",
+        "Hub revision (branch, tag or commit) of --student given by name (opd sft: of --init). Default: main.",
+        section="model",
     )
     task: str = opt(
         "arithmetic",
@@ -48,42 +51,61 @@ class ModelSource:
         "files, parquet, arrow, JSON/JSONL or CSV files or a glob 'data/*.parquet'), 'arithmetic' (the built-in "
         "task), a benchmark preset (gsm8k, math500, aime24, aime25), or a Hub dataset name (ORG/NAME, or "
         "ORG/NAME:CONFIG) read with datasets.load_dataset (HF_HUB_OFFLINE: from the Hugging Face cache).",
+        section="data",
+        per_task=True,
     )
-    task_revision: str = opt("", "Hub revision (branch, tag or commit) of a --task given by Hub name. Default: main.")
+    task_revision: str = opt(
+        "",
+        "Hub revision (branch, tag or commit) of a --task given by Hub name. Default: main.",
+        section="data",
+        per_task=True,
+    )
     split: str = opt(
         "",
         "Which part of --task data trains and which is evaluated: TRAIN,TEST (two split names, e.g. "
         "train,validation) or a fraction held out at random, seeded by --seed (e.g. 0.1). Default: the "
         "train and test splits when the data has both, else 0.1 of its one split held out.",
+        section="data",
+        per_task=True,
     )
     prompt_field: str = opt(
         "prompt",
         "Column of prompts: strings, or chat messages (a conversation, kept whole up to its last user turn: "
         "system, user, assistant and tool turns). A 'messages' column is used when there is no 'prompt' column; "
         "a 'tools' column (a JSON list of tool schemas per row) is passed to the chat template.",
+        section="data",
+        per_task=True,
     )
     answer_field: str = opt(
         "answer",
         "Column of reference answers, read with --answer-format; a row without one takes its solution's final "
         "answer (--solution-field, or a chat's assistant turn), and a row with neither trains without being "
         "graded. Data without an 'answer' column is prompts only.",
+        section="data",
+        per_task=True,
     )
     solution_field: str = opt(
         "solution",
         "Column of worked solutions (optional; opd sft trains on them). A chat's assistant turn after "
         "the question serves when there is no such column.",
+        section="data",
+        per_task=True,
     )
-    system_prompt: str = opt("", "System turn before every prompt (replaces a system turn of chat messages).")
+    system_prompt: str = opt(
+        "", "System turn before every prompt (replaces a system turn of chat messages).", section="data", per_task=True
+    )
     chat_template_kwargs: dict[str, Any] = opt(
         {},
         "Options for the student's chat template, a JSON object (e.g. '{\"enable_thinking\": false}' for "
         "Qwen3's thinking switch): passed wherever opd renders a chat (prompts, SFT pairs, episodes, evaluation).",
+        section="data",
     )
     check_chat_template_kwargs: bool = opt(
         True,
         "Refuse a --chat-template-kwargs (or --teacher-chat-template-kwargs) key that the template never reads "
         "(found with jinja2's parser; a typo would leave the template's default on). --no-check-chat-template-kwargs: "
         "for a template that reads its options indirectly.",
+        section="data",
     )
     answer_format: str = opt(
         "boxed",
@@ -91,12 +113,16 @@ class ModelSource:
         "last \\boxed{}; a reference without one is the bare answer), gsm8k (after the last '####'), "
         "last_number, exact (compared as strings; the others with math-verify) or regex:PATTERN "
         "(the last match, its group 1 if it has a group).",
+        section="data",
+        per_task=True,
     )
     task_level: int = opt(
         2,
         f"Difficulty level of the built-in arithmetic task ({min(LEVELS)}-{max(LEVELS)}; see ArithmeticTask.from_level).",
+        section="data",
+        per_task=True,
     )
-    seed: int = opt(0, "Seed for data order, sampling and initialisation.")
+    seed: int = opt(0, "Seed for data order, sampling and initialisation.", section="run")
     out: str = out_option("train")  # each command sets its own (out_option)
     dtype: str = opt(
         "float32",
@@ -104,26 +130,40 @@ class ModelSource:
         "is mixed precision: float32 master weights, gradients and AdamW state, the transformer blocks under "
         "bfloat16 autocast, the head and losses in float32 (with --lora-r the frozen base in bfloat16). It pays off on "
         "GPUs and on CPUs with bfloat16 matrix instructions (AVX512-BF16, AMX). The final model is saved in it.",
+        section="model",
     )
     tf32: bool | None = opt(
         None,
         "TF32 for the float32 matmuls on NVIDIA GPUs (the head, the losses; every matmul of a float32 run). "
         "Unset: on (Ampere and later run them several times faster); --no-tf32 keeps them exact. The CPU has "
         "no TF32: ignored there, with a note.",
+        section="model",
     )
     device: str = opt(
         "auto",
         "Where models compute: auto (this process's GPU if torch sees one, else the CPU), "
         "cpu, cuda (this process's GPU: LOCAL_RANK under torchrun/accelerate) or cuda:N.",
+        section="model",
     )
     max_new_tokens: int = opt(
-        64, "Maximum number of generated tokens per response (with --env: per episode, actions and replies)."
+        64,
+        "Maximum number of generated tokens per response (with --env: per episode, actions and replies).",
+        section="rollout",
+        per_task=True,
     )
     max_prompt_tokens: int = opt(
         256,
         "Longest prompt, in tokens: opd train skips longer training prompts (--long-prompts); longer evaluation "
         "and SFT prompts are an error.",
+        section="data",
+        per_task=True,
     )
+
+    @classmethod
+    def resolve(cls, values: dict[str, Any]) -> dict[str, Any]:
+        values = super().resolve(values)
+        values["chat_template_kwargs"] = chat_options(values["chat_template_kwargs"], "chat_template_kwargs")
+        return values
 
     def _check_data(self) -> None:
         check_answer_format(self.answer_format)
@@ -131,7 +171,6 @@ class ModelSource:
 
     def _check_common(self) -> None:
         self._check_data()
-        self.chat_template_kwargs = chat_options(self.chat_template_kwargs, "chat_template_kwargs")
         require(self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens} must be >= 1")
         require(self.max_prompt_tokens >= 1, f"max_prompt_tokens={self.max_prompt_tokens} must be >= 1")
         require(self.task_level in LEVELS, f"task_level={self.task_level} must be one of {sorted(LEVELS)}")
@@ -147,7 +186,7 @@ def chat_options(value: Any, option: str) -> dict[str, Any]:
         raise ConfigError(str(exc)) from None
 
 
-@dataclass
+@dataclass(frozen=True)
 class EnvSource(ModelSource):
     """Agentic runs: an environment's games instead of prompts (train and eval)."""
 
@@ -155,14 +194,29 @@ class EnvSource(ModelSource):
         "",
         "Agentic environment whose games the student plays, multi-turn, instead of --task's prompts: "
         "alfworld, textworld, toy (or one you registered). Empty: single-turn prompts.",
+        section="env",
+        per_task=True,
     )
-    env_level: int = opt(1, "Difficulty level of the environment's games (its own scale; toy: level + 1 rooms).")
+    env_level: int = opt(
+        1,
+        "Difficulty level of the environment's games (its own scale; toy: level + 1 rooms).",
+        section="env",
+        per_task=True,
+    )
     env_args: list[Any] = opt(
-        [], "More arguments for the environment, KEY=VALUE comma-separated (e.g. n_train=256,max_turns=10)."
+        [],
+        "More arguments for the environment, KEY=VALUE comma-separated (e.g. n_train=256,max_turns=10).",
+        section="env",
+        per_task=True,
     )
-    max_turns: int = opt(0, "Actions per episode before it ends unwon (0: the environment's own limit).")
+    max_turns: int = opt(
+        0, "Actions per episode before it ends unwon (0: the environment's own limit).", section="env", per_task=True
+    )
     max_action_tokens: int = opt(
-        32, "Tokens the model may write in one turn (with --env; --max-new-tokens bounds the whole episode)."
+        32,
+        "Tokens the model may write in one turn (with --env; --max-new-tokens bounds the whole episode).",
+        section="env",
+        per_task=True,
     )
     env_workers: int | None = opt(
         None,
@@ -170,11 +224,13 @@ class EnvSource(ModelSource):
         "process generates (results do not depend on it). 0: in this process. Unset: one per CPU core the "
         "trainer leaves free (its torch threads when the model is on the CPU, one core on a GPU; the cores "
         f"shared among torchrun's ranks on the machine), at most {AUTO_WORKERS}.",
+        section="env",
     )
     env_step_timeout: float = opt(
         60.0,
         "With env workers: seconds a game may take to answer one action (or to start); a game that takes longer "
         "ends its episode as an environment error, counted, and its worker is replaced (0: no limit).",
+        section="env",
     )
 
     def episode_limits(self) -> dict[str, Any]:
@@ -198,7 +254,7 @@ class EnvSource(ModelSource):
         require(self.env_step_timeout >= 0, f"env_step_timeout={self.env_step_timeout} must be >= 0 (0: no limit)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainingSource(ModelSource):
     """A model source that trains, with an optional evaluation set of its own (train and sft)."""
 
@@ -206,20 +262,42 @@ class TrainingSource(ModelSource):
         True,
         "Evaluate the model (--no-eval: never; data is then not held out for it unless --split says so). "
         "Evaluation needs reference answers: without any in the held-out prompts it is off, with a note.",
+        section="eval",
+        per_task=True,
     )
     eval_task: str = opt(
         "",
         "Evaluate on other data than --task (the same kinds of source; it must have reference answers): its "
         "test split, or every row when it has one split. Default: the held-out part of --task.",
+        section="eval",
+        per_task=True,
     )
-    eval_split: str = opt("", "Split of --eval-task to evaluate on (default: test, or its only split).")
-    eval_revision: str = opt("", "Hub revision of an --eval-task given by Hub name (default: main).")
-    teacher_revision: str = opt("", "Hub revision (branch, tag or commit) of --teacher given by name (default: main).")
-    eval_prompt_field: str = opt("", "--prompt-field of --eval-task (default: --prompt-field).")
-    eval_answer_field: str = opt("", "--answer-field of --eval-task (default: --answer-field).")
-    eval_solution_field: str = opt("", "--solution-field of --eval-task (default: --solution-field).")
+    eval_split: str = opt(
+        "", "Split of --eval-task to evaluate on (default: test, or its only split).", section="eval", per_task=True
+    )
+    eval_revision: str = opt(
+        "", "Hub revision of an --eval-task given by Hub name (default: main).", section="eval", per_task=True
+    )
+    teacher_revision: str = opt(
+        "",
+        "Hub revision (branch, tag or commit) of --teacher given by name (default: main).",
+        section="teacher",
+        per_task=True,
+    )
+    eval_prompt_field: str = opt(
+        "", "--prompt-field of --eval-task (default: --prompt-field).", section="eval", per_task=True
+    )
+    eval_answer_field: str = opt(
+        "", "--answer-field of --eval-task (default: --answer-field).", section="eval", per_task=True
+    )
+    eval_solution_field: str = opt(
+        "", "--solution-field of --eval-task (default: --solution-field).", section="eval", per_task=True
+    )
     eval_answer_format: str = opt(
-        "", "--answer-format for --eval-task, its references and the model's outputs (default: --answer-format)."
+        "",
+        "--answer-format for --eval-task, its references and the model's outputs (default: --answer-format).",
+        section="eval",
+        per_task=True,
     )
 
     def _check_common(self) -> None:

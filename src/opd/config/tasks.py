@@ -17,39 +17,10 @@ from typing import Any
 import yaml
 
 from opd.config.fields import ConfigError, coerce_numbers, parse_problem, typed_values
+from opd.config.sections import SECTION_NAMES
 
 TASK_MODES = ("alternate", "mix")
 
-# What a task may set for itself: its data or environment, its lengths and evaluation size, and
-# (OPD) its teacher and sampling, or (SFT) its targets and how many of its examples it learns from.
-_SOURCE = (
-    "task",
-    "task_revision",
-    "split",
-    "prompt_field",
-    "answer_field",
-    "solution_field",
-    "system_prompt",
-    "answer_format",
-    "task_level",
-    "eval",
-    "eval_task",
-    "eval_split",
-    "eval_revision",
-    "eval_prompt_field",
-    "eval_answer_field",
-    "eval_solution_field",
-    "eval_answer_format",
-    "env",
-    "env_level",
-    "env_args",
-    "max_turns",
-    "max_action_tokens",
-    "max_new_tokens",
-    "max_prompt_tokens",
-    "eval_size",
-    "batch_size",
-)
 # How a task's teacher scores, beyond where it is: tasks that agree on all of these (and name the
 # same teacher) share one loaded teacher (opd.training.setup.build_tasks).
 TEACHER_SCORING = (
@@ -60,29 +31,6 @@ TEACHER_SCORING = (
     "cross_unmapped",
     "cross_joinable",
     "teacher_special_map",
-)
-PER_TASK = (
-    "teacher",
-    "teacher_revision",
-    "teacher_url",
-    *TEACHER_SCORING,
-    "mask_special",  # per task: a teacher's special-token conventions belong to it
-    "lr",  # per task in alternate mode: tasks differ in how large a step they take without breaking
-    *_SOURCE,
-    "temperature",
-    "top_p",
-    "eval_samples",
-)
-# teacher: where its targets are sampled from
-SFT_PER_TASK = (
-    *_SOURCE,
-    "data",
-    "teacher",
-    "teacher_revision",
-    "train_size",
-    "expert_mistakes",
-    "dagger_from",
-    "dagger_branches",
 )
 # Metric namespaces a task name would collide with.
 RESERVED = ("train", "rollout", "diag", "depth", "time", "eval", "step", "tasks")
@@ -155,8 +103,12 @@ def check_task_list(tasks: Any, mode: str) -> list[dict[str, Any]]:
 
 
 def per_task_keys(cfg: Any) -> tuple[str, ...]:
-    """The settings a task of this kind of run may set for itself."""
-    return PER_TASK if _is_opd(cfg) else SFT_PER_TASK
+    """The settings a task of this kind of run may set for itself: the options declared ``per_task``
+    (``opt(..., per_task=True)``): its data or environment, its lengths and evaluation size, and (OPD) its
+    teacher and sampling, or (SFT) its targets and how many of its examples it learns from."""
+    order = {name: i for i, name in enumerate(SECTION_NAMES)}
+    fields = [f for f in dataclasses.fields(cfg) if f.metadata.get("per_task")]
+    return tuple(f.name for f in sorted(fields, key=lambda f: order[f.metadata["section"]]))
 
 
 def _is_opd(cfg: Any) -> bool:
@@ -213,7 +165,7 @@ def resolve_tasks(cfg: Any) -> list[TaskSpec]:
     for entry in entries:
         name, share = entry["name"], float(entry.get("share", 1)) / total
         try:
-            view = dataclasses.replace(cfg, tasks=None, **_overrides(entry, cfg, cfg.task_mode, share))
+            view = type(cfg).from_flat(**{**cfg.flat(), "tasks": None, **_overrides(entry, cfg, cfg.task_mode, share)})
         except (ConfigError, TypeError) as exc:  # _overrides' own errors name the task already
             said = str(exc)
             raise ConfigError(said if said.startswith(f"task {name!r}") else f"task {name!r}: {said}") from None

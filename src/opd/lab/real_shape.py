@@ -144,7 +144,7 @@ def loss_and_backward(student, teacher, batch, scores, options: dict, k: int) ->
     from opd.training.loss import LossTotals, objective_loss, reduce_loss
 
     N, T = batch.response_ids_NT.shape
-    cfg = dataclasses.replace(TrainConfig(k=k, batch_size=N, max_new_tokens=T), **options)
+    cfg = dataclasses.replace(TrainConfig.from_flat(k=k, batch_size=N, max_new_tokens=T), **options)
     mask = batch.action_mask_NT
     loss_NT, _ = objective_loss(cfg, student, teacher, batch, scores, mask)
     reduce_loss("token_mean", loss_NT, mask, LossTotals(int(mask.sum()), N, N, T)).backward()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shlex
 from collections.abc import Callable
 from functools import cache
 from typing import Any
@@ -17,6 +18,7 @@ from opd.config import ConfigError, TrainConfig
 from opd.errors import UserError
 from opd.planning.memory import HEADROOM_FIXED, HEADROOM_SHARE, GiB, Layout, Plan, gib, micro_batch, plan_memory
 from opd.planning.shapes import ModelShape, model_shape
+from opd.rollout.vllm_server import without_option
 
 UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9}
 
@@ -88,8 +90,8 @@ def _engine_share(cfg: TrainConfig, plan: Plan) -> dict | None:
     util = (share.bytes - (plan.peak - plan.usable)) / plan.layout.gpu_bytes
     if util < 0.1:
         return None
-    args = re.sub(r"--gpu-memory-utilization[ =]\S+", "", cfg.vllm_args).strip()
-    return {"vllm_args": f"{args} --gpu-memory-utilization {util:.2f}".strip()}
+    flag = "--gpu-memory-utilization"
+    return {"vllm_args": shlex.join([*without_option(cfg.vllm_argv, flag), flag, f"{util:.2f}"])}
 
 
 def _lora(cfg: TrainConfig, plan: Plan) -> dict | None:

@@ -32,7 +32,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from opd.config import TrainConfig
-from opd.config.engines import vllm_arg_list
 from opd.losses.head import VOCAB_BLOCK
 from opd.models.precision import trained_weights_dtype
 from opd.planning.shapes import ModelShape
@@ -244,7 +243,7 @@ def _engine(cfg: TrainConfig, m: ModelShape, layout: Layout, notes: list[str]) -
     if cfg.rollout_engine == "vllm":
         if cfg.vllm_url:
             return [Part("vLLM engine", ("run",), 0, "a server of your own (--vllm-url)")]
-        args = vllm_arg_list(cfg.vllm_args)
+        args = cfg.vllm_argv
         # engine 0 beside trainer 0: on GPU 0 unless the machine has GPUs to spare (opd.rollout.vllm_server)
         place = place_engine(0, layout.node_ranks, layout.node_gpus, trainer_on_gpu=True, vllm_args=args)
         if "0" not in place.devices:

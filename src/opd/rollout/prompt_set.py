@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from opd.config import SFTConfig, TrainConfig
+from opd.config.sources import ModelSource, TrainingSource
 from opd.errors import UserError
 from opd.hub import looks_like_repo_id, split_config
 from opd.models.tokenizer import format_prompt
@@ -52,28 +54,43 @@ def load_task(task: str, level: int = 2, seed: int = 0, **options: Any) -> Task:
     return get_task("dataset", source=task, seed=seed, **options)
 
 
-def data_options(cfg: Any, prefix: str = "") -> dict[str, str]:
-    """The data options of ``cfg`` (``prefix="eval_"``: the evaluation set's, each defaulting to
-    the training set's)."""
-    names = ("prompt_field", "answer_field", "solution_field", "answer_format")
-    options = {n: getattr(cfg, prefix + n, "") or getattr(cfg, n) for n in names}
-    revision = getattr(cfg, "eval_revision" if prefix else "task_revision", "")  # not the other data's
-    return {**options, "system_prompt": cfg.system_prompt, "revision": revision}
+def data_options(cfg: ModelSource) -> dict[str, str]:
+    """The data options of ``cfg``: its columns, how its answers read, its system turn and revision."""
+    return {
+        "prompt_field": cfg.prompt_field,
+        "answer_field": cfg.answer_field,
+        "solution_field": cfg.solution_field,
+        "answer_format": cfg.answer_format,
+        "system_prompt": cfg.system_prompt,
+        "revision": cfg.task_revision,
+    }
 
 
-def load_tasks(cfg: Any) -> tuple[Task, Task | None]:
+def eval_data_options(cfg: TrainingSource) -> dict[str, str]:
+    """The data options of ``cfg``'s ``--eval-task``: its own, each defaulting to the training data's (but its
+    revision, which is the evaluation data's)."""
+    own = {
+        "prompt_field": cfg.eval_prompt_field,
+        "answer_field": cfg.eval_answer_field,
+        "solution_field": cfg.eval_solution_field,
+        "answer_format": cfg.eval_answer_format,
+    }
+    return {**data_options(cfg), **{k: v for k, v in own.items() if v}, "revision": cfg.eval_revision}
+
+
+def load_tasks(cfg: TrainingSource) -> tuple[Task, Task | None]:
     """``(training task, evaluation task)`` of a config; the evaluation task is the training task
     (its test split) unless ``cfg.eval_task`` names other data, whose test split (or, with one
     split, every row) is then evaluated, and nothing is held out of the training data unless ``--split``
     says so. None: no evaluation, by ``--no-eval`` (then nothing is held out either) or because no held-out prompt has a reference
     answer (:func:`grading_notes` says so). ``--eval-task`` data without answers is an error."""
-    evaluate = getattr(cfg, "eval", True)
-    holds_out = evaluate and not getattr(cfg, "eval_task", "")  # --eval-task: evaluation has its own data
+    evaluate = cfg.eval
+    holds_out = evaluate and not cfg.eval_task  # --eval-task: evaluation has its own data
     split = cfg.split or ("" if holds_out or cfg.task == "arithmetic" else "0")
     task = load_task(cfg.task, cfg.task_level, cfg.seed, split=split, **data_options(cfg))
     if not evaluate:
         return task, None
-    if not getattr(cfg, "eval_task", ""):
+    if not cfg.eval_task:
         held_out = task.examples("test")
         return task, (task if not held_out or any(e.answer is not None for e in held_out) else None)
     evaluation = load_task(
@@ -83,7 +100,7 @@ def load_tasks(cfg: Any) -> tuple[Task, Task | None]:
         split=cfg.eval_split,
         evaluation=True,
         flag_prefix="eval-",
-        **data_options(cfg, "eval_"),
+        **eval_data_options(cfg),
     )
     if not any(e.answer is not None for e in evaluation.examples("test")):
         raise UserError(
@@ -116,7 +133,9 @@ def say_grading_notes(command: str, specs: list, data: list) -> None:
             print(f"opd {command}: note: {where}{line}", file=sys.stderr, flush=True)
 
 
-def grading_notes(cfg: Any, task: Task, evaluation: Task | None, rollouts: bool = True) -> list[str]:
+def grading_notes(
+    cfg: TrainConfig | SFTConfig, task: Task, evaluation: Task | None, rollouts: bool = True
+) -> list[str]:
     """What a run says once, before training, about prompts without reference answers: that training
     logs no rollout accuracy (or one over the graded prompts; ``rollouts``: an OPD run, which grades
     its rollouts), and that evaluation is off (nothing to grade) or over the graded held-out prompts."""
@@ -131,7 +150,7 @@ def grading_notes(cfg: Any, task: Task, evaluation: Task | None, rollouts: bool 
             f"{n_graded} graded ones (rollout/ungraded counts the others in a step)"
         )
         notes.append(f"of the {len(train)} training prompts of {cfg.task}, {what}")
-    if evaluation is None and getattr(cfg, "eval", True):
+    if evaluation is None and cfg.eval:
         notes.append(
             f"none of the held-out prompts of {cfg.task} has a reference answer (looked for {answer_source(task)}), "
             "so there is nothing to grade and evaluation is off; give --eval-task DATA with answers to evaluate, "

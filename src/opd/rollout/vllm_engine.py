@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.distributed as tdist
 
-from opd.config.engines import SLEEP_FLAG, sleep_flag, vllm_arg_list
+from opd.config import TrainConfig
+from opd.config.engines import SLEEP_FLAG, sleep_flag
 from opd.errors import ServiceUnavailable, UserError
 from opd.models.loading import model_device
 from opd.models.precision import engine_dtype
@@ -287,7 +288,7 @@ def rank_placement(cfg, model) -> Placement:
         int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         torch.cuda.device_count(),
         trainer_on_gpu=model_device(model).type == "cuda",
-        vllm_args=vllm_arg_list(cfg.vllm_args),
+        vllm_args=cfg.vllm_argv,
         visible=os.environ.get("CUDA_VISIBLE_DEVICES", ""),
     )
 
@@ -313,7 +314,8 @@ def start_vllm(ctx: EngineContext) -> VLLMRollout:
             weights_dtype=engine_dtype(cfg.dtype),
         )
     shared = ctx.world > 1 and bool(cfg.vllm_url)
-    if shared and bool(getattr(cfg, "max_staleness", 0)):  # opd eval's config has no staleness, nor LoRA
+    trains = isinstance(cfg, TrainConfig)  # opd eval's config has no staleness, nor LoRA
+    if shared and trains and cfg.max_staleness:
         raise UserError(
             "--max-staleness with one server shared by several ranks (--vllm-url): each rank's rollout worker "
             "would reload its weights at its own moment; leave --vllm-url out (opd starts a server per rank), or "
@@ -337,8 +339,8 @@ def start_vllm(ctx: EngineContext) -> VLLMRollout:
         on_gpu=gpus,
         sleep=cfg.vllm_sleep,
     )
-    user_args = vllm_arg_list(cfg.vllm_args)
-    way_args, way_env = server_options(way, getattr(cfg, "lora_r", 0), user_args)
+    user_args = cfg.vllm_argv
+    way_args, way_env = server_options(way, cfg.lora_r if isinstance(cfg, TrainConfig) else 0, user_args)
     way_args += sleep_options(cfg, gpus, user_args)
     launch = functools.partial(
         start_vllm_server,
@@ -375,7 +377,7 @@ def start_vllm(ctx: EngineContext) -> VLLMRollout:
         raise
 
 
-def sleep_options(cfg, gpus: bool, user_args: list[str]) -> list[str]:
+def sleep_options(cfg, gpus: bool, user_args: Sequence[str]) -> list[str]:
     """The server options the sleep mode needs (``--enable-sleep-mode``, unless given), refused without GPUs
     (what the config alone shows it cannot do is refused when the config is made,
     :func:`opd.config.engines.check_vllm`)."""

@@ -136,6 +136,20 @@ def option_value(args: Sequence[str], *names: str) -> str | None:
     return value
 
 
+def without_option(args: Sequence[str], name: str) -> list[str]:
+    """``args`` (a vLLM command line) without option ``name`` and its value, given as two words or with ``=``."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == name:
+            skip = True
+        elif not arg.startswith(name + "="):
+            out.append(arg)
+    return out
+
+
 def place_engine(
     local_rank: int,
     local_world: int,

@@ -31,6 +31,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -130,7 +131,7 @@ def choose(
     return FolderSync("file", folder / "weights")
 
 
-def server_options(sync: WeightSync, lora_r: int, vllm_args: list[str]) -> tuple[list[str], dict[str, str]]:
+def server_options(sync: WeightSync, lora_r: int, vllm_args: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     """What a server opd starts needs for ``sync``: the adapter way's LoRA options (``--max-lora-rank`` the
     next rank vLLM accepts at or above ``lora_r``, unless ``vllm_args`` give theirs) and environment."""
     if sync.name != "adapter":

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import opd
+from opd.config import SFTConfig, TrainConfig
 from opd.hub import looks_like_repo_id
 from opd.runs.provenance import source_commit
 
@@ -92,26 +93,27 @@ SFT_METHOD = (
 )
 
 
-def _datasets(cfg: Any) -> list[str]:
-    tasks = [cfg.task, getattr(cfg, "eval_task", "")] + [
-        t.get("task", "") for t in (cfg.tasks or []) if isinstance(t, dict)
-    ]
+def _datasets(cfg: TrainConfig | SFTConfig) -> list[str]:
+    tasks = [cfg.task, cfg.eval_task] + [t.get("task", "") for t in (cfg.tasks or []) if isinstance(t, dict)]
     return list(dict.fromkeys(d for d in map(_dataset_id, [t for t in tasks if t]) if d))
 
 
-def _options(cfg: Any, names: tuple[str, ...]) -> list[str]:
-    rows = [(k, getattr(cfg, k)) for k in names if getattr(cfg, k, None) not in (None, "", [], 0) or k == "k"]
+def _options(cfg: TrainConfig | SFTConfig, names: tuple[str, ...]) -> list[str]:
+    values = cfg.flat()
+    rows = [(k, values[k]) for k in names if k in values and (values[k] not in (None, "", [], 0) or k == "k")]
     return ["## Method and options", "", "| option | value |", "|---|---|", *[f"| {k} | {_cell(v)} |" for k, v in rows]]
 
 
-def _card(cfg: Any, base: str, run_name: str, intro: str, names: tuple[str, ...], figures: list[str]) -> str:
-    lora = bool(getattr(cfg, "lora_r", 0))
+def _card(
+    cfg: TrainConfig | SFTConfig, base: str, run_name: str, intro: str, names: tuple[str, ...], figures: list[str]
+) -> str:
+    lora = isinstance(cfg, TrainConfig) and cfg.lora_r > 0
     lines = [front_matter(base, _datasets(cfg), lora).rstrip("\n"), "", f"# {run_name}", "", intro, ""]
     lines += [*_options(cfg, names), "", "## Evaluation", "", *figures, "", *_usage(lora=lora)]
     return "\n".join(lines) + "\n"
 
 
-def run_card(cfg: Any, run_name: str, evaluation: dict) -> str:
+def run_card(cfg: TrainConfig, run_name: str, evaluation: dict) -> str:
     """The card of an OPD run's ``final/``: ``cfg`` its TrainConfig, ``evaluation`` its last eval record."""
     teacher = cfg.teacher or cfg.teacher_url or "a served teacher"
     intro = (
@@ -128,7 +130,7 @@ def run_card(cfg: Any, run_name: str, evaluation: dict) -> str:
     return _card(cfg, cfg.student, run_name, intro, METHOD, table)
 
 
-def sft_card(cfg: Any, run_name: str, summary: dict) -> str:
+def sft_card(cfg: SFTConfig, run_name: str, summary: dict) -> str:
     """The card of an SFT run's ``final/``: ``cfg`` its SFTConfig, ``summary`` its summary.json."""
     start = f"**{cfg.init}**" if cfg.init else f"a new model ({cfg.arch})"
     data = cfg.data or f"the task's own solutions ({cfg.task or 'tasks'})"

@@ -47,6 +47,7 @@ import torch
 
 from opd.chat import render_chat
 from opd.errors import UserError
+from opd.losses import Head
 from opd.objectives import SERVED_GIVES, usable_with
 from opd.rollout.engine import RolloutBatch
 from opd.service import Patience, check_url, stderr_line
@@ -238,7 +239,7 @@ class HTTPTeacher:
             topk_ids_NTK=ids.to(dev), topk_logprobs_NTK=lps.to(dev), sampled_logprobs_NT=sampled.to(dev)
         )
 
-    def hidden_and_head(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def hidden_and_head(self, batch: RolloutBatch) -> tuple[torch.Tensor, Head]:
         raise UserError(f"a served teacher does not return full-vocabulary scores; use {SERVED_OBJECTIVES}")
 
     def _complete(

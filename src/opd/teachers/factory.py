@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import cast
+from typing import Any, cast
 
 from opd.chat import set_chat_options
-from opd.config import check_cross_tokenizer, parse_special_map
+from opd.config import TrainConfig, check_cross_tokenizer, parse_special_map
 from opd.errors import UserError
 from opd.models.loading import check_same_vocab, head_weight, load_model, load_tokenizer, model_device
 from opd.objectives import SERVED_GIVES, refusal
@@ -23,7 +23,7 @@ from opd.teachers.scoring import HFTeacher, TeacherScorer
 from opd.teachers.sharded import ShardedTeacher
 
 
-def make_teacher(cfg, student, tokenizer):
+def make_teacher(cfg: TrainConfig, student, tokenizer):
     """The trainer's teacher: in-process from ``cfg.teacher`` (sharded across the ranks under ``--fsdp``:
     :mod:`opd.teachers.sharded`), or served at ``cfg.teacher_url``; wrapped for cross-tokenizer OPD when
     its tokenizer differs (``cfg.cross_tokenizer``)."""
@@ -43,7 +43,9 @@ def make_teacher(cfg, student, tokenizer):
     if why:
         raise UserError(f"{why}; with --teacher-url use {SERVED_OBJECTIVES}, or use --teacher DIR")
     key = api_key(TEACHER_KEY_ENV, cfg.teacher_api_key)
-    client = dict(timeout=cfg.teacher_timeout, wait=cfg.teacher_wait, retries=cfg.teacher_retries, api_key=key, k=cfg.k)
+    client: dict[str, Any] = dict(
+        timeout=cfg.teacher_timeout, wait=cfg.teacher_wait, retries=cfg.teacher_retries, api_key=key, k=cfg.k
+    )
     if cfg.teacher_tokenizer:
         teacher_tok = teacher_tokenizer(cfg, cfg.teacher_tokenizer)
         if uses_cross_tokenizer(cfg, tokenizer, teacher_tok):
@@ -53,7 +55,7 @@ def make_teacher(cfg, student, tokenizer):
     return HTTPTeacher(cfg.teacher_url, tokenizer, head_weight(student).shape[0], **client)
 
 
-def teacher_tokenizer(cfg, path: str, revision: str = ""):
+def teacher_tokenizer(cfg: TrainConfig, path: str, revision: str = ""):
     """The teacher's tokenizer, with its chat template options (``--teacher-chat-template-kwargs``, by
     default the student's): used where the teacher renders prompts itself (cross-tokenizer)."""
     own = cfg.teacher_chat_template_kwargs is not None  # the student's options are checked on the student's template
@@ -68,14 +70,14 @@ def is_served(teacher: TeacherScorer) -> bool:
     return isinstance(teacher, HTTPTeacher)
 
 
-def uses_cross_tokenizer(cfg, student_tok, teacher_tok) -> bool:
+def uses_cross_tokenizer(cfg: TrainConfig, student_tok, teacher_tok) -> bool:
     """``--cross-tokenizer``: on, off, or auto (on exactly when the two vocabularies differ)."""
     if cfg.cross_tokenizer == "auto":
         return student_tok.get_vocab() != teacher_tok.get_vocab()
     return cfg.cross_tokenizer == "on"
 
 
-def cross_tokenizer_teacher(cfg, inner: TeacherScorer, student_tok, teacher_tok) -> TeacherScorer:
+def cross_tokenizer_teacher(cfg: TrainConfig, inner: TeacherScorer, student_tok, teacher_tok) -> TeacherScorer:
     """``inner`` wrapped to score in the student's frame, after the options it cannot do are refused."""
     if cfg.cross_tokenizer == "auto":  # found here, from the vocabularies; "on" was refused with the config
         check_cross_tokenizer(cfg)

@@ -17,8 +17,8 @@ mapping::
         max_new_tokens: 320
         max_turns: 12
 
-An entry may set the keys of :data:`opd.config.tasks.PER_TASK` (the task's data or environment, its teacher, its
-sampling, lengths and evaluation); every other setting (objective, K, support, optimizer, steps,
+An entry may set the options declared ``per_task`` (:func:`opd.config.tasks.per_task_keys`: the task's
+data or environment, its teacher, its sampling, lengths and evaluation); every other setting (objective, K, support, optimizer, steps,
 seed, student, ...) is global and stays at the top level. A key a task leaves out takes the
 global value, with two exceptions: a task that names ``teacher`` or ``teacher_url`` replaces the
 global teacher (both keys, and the global ``teacher_tokenizer``), and one that names ``task`` but no ``env`` trains on prompts even where
@@ -41,7 +41,7 @@ How steps use the tasks (``task_mode``):
   sequences, and ``constant_sum`` divides by the sum over tasks of rollouts x that task's
   ``max_new_tokens``.
 
-``opd sft`` reads the same list (:data:`opd.config.tasks.SFT_PER_TASK`: a task's data or environment, its
+``opd sft`` reads the same list (its ``per_task`` options: a task's data or environment, its
 ``train_size``, ``batch_size`` and lengths) to train one model on several tasks: see :mod:`opd.training.sft`.
 
 Metric names (``metrics.jsonl``): the usual keys are the whole step batch (all its tasks); each

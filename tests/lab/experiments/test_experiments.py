@@ -354,7 +354,7 @@ def test_a_run_is_reused_only_while_what_it_reads_is_unchanged(tmp_path, capsys,
 
 
 def _train_cfg(student, teacher, out, **kw):
-    return TrainConfig(
+    return TrainConfig.from_flat(
         student=str(student),
         teacher=str(teacher),
         out=str(out),
@@ -431,7 +431,7 @@ def _parse_flags(argv: list[str]) -> dict:
 
 
 def test_command_line_parses_back_to_the_same_config(tmp_path):
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flat(
         student="s dir",
         teacher="t",
         objective="sampled",
@@ -462,7 +462,7 @@ def test_a_multi_task_runs_command_line_runs_the_same_config(tmp_path, monkeypat
         {"name": "math", "share": 2, "teacher": "t dir", "task_level": 1, "batch_size": 8},
         {"name": "game", "teacher": "g", "env": "toy", "env_args": ["n_train=4"], "max_new_tokens": 96},
     ]
-    cfg = TrainConfig(student="s", tasks=tasks, task_mode="alternate", objective="sampled", steps=5)
+    cfg = TrainConfig.from_flat(student="s", tasks=tasks, task_mode="alternate", objective="sampled", steps=5)
     line = command_line(RunSpec("x", "train", cfg), tmp_path / "x")
     got = []
     monkeypatch.setattr(opd.training.loop, "train", lambda c: got.append(c))

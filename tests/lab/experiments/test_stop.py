@@ -28,7 +28,7 @@ STUDENT, TEACHER = {student!r}, {teacher!r}
 def plan(s):
     cfg = dict(student=STUDENT, teacher=TEACHER, steps={steps}, batch_size=2, max_new_tokens=8, eval_every=0,
                eval_size=2, eval_samples=0, ckpt_every=1, log_rollouts=1, diag_positions=8, warmup_steps=1)
-    return [RunSpec(f"run{{i}}", "train", TrainConfig(out=str(s.run_dir(f"run{{i}}")), seed=i, **cfg), needs=())
+    return [RunSpec(f"run{{i}}", "train", TrainConfig.from_flat(out=str(s.run_dir(f"run{{i}}")), seed=i, **cfg), needs=())
             for i in range(2)]
 
 

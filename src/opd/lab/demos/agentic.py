@@ -155,7 +155,7 @@ def _common(out: Path, quick: bool, seed: int, games: list[str]) -> dict:
 
 def student_sft_config(out: Path, quick: bool = False, seed: int = 0) -> SFTConfig:
     """The student's recipe: STUDENT_GAMES games' expert episodes, to its plateau."""
-    return SFTConfig(
+    return SFTConfig.from_flat(
         arch=STUDENT_ARCH,
         out=str(out / "runs" / "student"),
         train_size=8 if quick else STUDENT_GAMES,
@@ -177,7 +177,7 @@ def teacher_sft_configs(out: Path, quick: bool = False, seed: int = 0) -> list[S
         expert_mistakes=TEACHER_MISTAKES,
     )
     return [
-        SFTConfig(
+        SFTConfig.from_flat(
             arch=TEACHER_ARCH,
             out=str(out / "runs" / "teacher"),
             lr=1e-3,
@@ -189,11 +189,11 @@ def teacher_sft_configs(out: Path, quick: bool = False, seed: int = 0) -> list[S
         # Then the same episodes with rejected commands played before some expert actions: a
         # clone of flawless play, reading "Nothing happens.", repeated the mistake's objects,
         # which made it no guide in the states a student's mistakes reach.
-        SFTConfig(init=str(out / "runs" / "teacher" / "final"), out=str(recovery), **later, **common),
+        SFTConfig.from_flat(init=str(out / "runs" / "teacher" / "final"), out=str(recovery), **later, **common),
         # Then the states the student's sampled play and its own reach, each labelled with the
         # expert's next command: after the second stage it still recovered from only 9% of a
         # 40-game student's rejected commands (42% after this stage).
-        SFTConfig(
+        SFTConfig.from_flat(
             init=str(recovery / "final"),
             out=str(out / "runs" / "teacher-dagger"),
             dagger_from=[str(out / "student"), str(recovery / "final")],
@@ -231,7 +231,7 @@ def opd_config(assets: Path, seed: int = 0, steps: int = 0, quick: bool = False,
         k=32,
         **LIMITS,
     )
-    return TrainConfig(**{**settings, **change})
+    return TrainConfig.from_flat(**{**settings, **change})
 
 
 def run_agentic_demo(out: Path, steps: int = 0, quick: bool = False, assets: Path | None = None, seed: int = 0) -> dict:

@@ -21,7 +21,6 @@ import json
 import shutil
 import time
 from collections.abc import Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import cast
 
@@ -78,7 +77,7 @@ def student_sft_config(out: Path, tokenizer: str, quick: bool = False, seed: int
     STUDENT_TRAIN_SIZE solutions) at a constant rate until its accuracy stops improving: more of the
     same supervised training cannot raise it, while OPD brings the teacher's knowledge on every task
     prompt."""
-    return SFTConfig(
+    return SFTConfig.from_flat(
         arch=STUDENT_ARCH,
         out=str(out),
         lr=1e-3,
@@ -109,7 +108,7 @@ def teacher_sft_config(out: Path, tokenizer: str, quick: bool = False, seed: int
     """The demo teacher's recipe: a new TEACHER_ARCH model (``tokenizer``: its tokenizer directory)
     trained on every training solution of the task; ``quick``: a few steps that only show it runs.
     The cross-tokenizer experiment trains its teacher with this recipe and another tokenizer."""
-    return SFTConfig(
+    return SFTConfig.from_flat(
         arch=TEACHER_ARCH,
         out=str(out),
         lr=1e-3,
@@ -239,7 +238,7 @@ def opd_config(assets: Path, seed: int = 0, steps: int = 200, quick: bool = Fals
         top_p=TOP_P,
         k=32,
     )
-    return TrainConfig(**{**settings, **change})
+    return TrainConfig.from_flat(**{**settings, **change})
 
 
 def run_objectives(base: TrainConfig, objectives, out: Path, console: Console, workers: int = 1) -> dict:
@@ -252,7 +251,9 @@ def run_objectives(base: TrainConfig, objectives, out: Path, console: Console, w
     agentic demo's steps are mostly the game engine, which is single-threaded Python)."""
     changes = objectives if isinstance(objectives, dict) else {name: {"objective": name} for name in objectives}
     cfgs = {
-        name: replace(base, **{"mask_special": None, **change}, out=str(out / name)) for name, change in changes.items()
+        # each objective's own masking default: mask_special unset, resolved again
+        name: base.replace(**{"mask_special": None, **change, "out": str(out / name)})
+        for name, change in changes.items()
     }
     for cfg in cfgs.values():
         shutil.rmtree(cfg.out, ignore_errors=True)  # a demo run always starts from the packaged student

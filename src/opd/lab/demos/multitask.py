@@ -130,7 +130,7 @@ def student_sft_config(out: Path, tokenizer: str, quick: bool = False, seed: int
     STUDENT_MATH math solutions and the first STUDENT_GAMES games' expert episodes (every step holds
     a batch of each), at a constant rate until the mean of its math accuracy and game success stops
     improving."""
-    return SFTConfig(
+    return SFTConfig.from_flat(
         arch=demo_agentic.STUDENT_ARCH,
         out=str(out),
         tokenizer=tokenizer,
@@ -224,7 +224,7 @@ def opd_config(
     alternating (``math_share`` math steps per game step, at ``lr`` and ``game_lr``), each task scored
     by its own teacher and evaluated at the end; ``change``: the objective and its support."""
     entries = task_entries(assets, quick, game_lr, math_share)
-    return TrainConfig(
+    return TrainConfig.from_flat(
         student=str(assets / "student"),
         seed=seed,
         out=str(out),

@@ -116,14 +116,14 @@ def run_specs(
         k=32,
         **LIMITS,
     )
-    cfg = TrainConfig(**{**base, **change})  # ``change`` may override any of them (a longer warm-up, say)
+    cfg = TrainConfig.from_flat(**{**base, **change})  # ``change`` may override any of them (a longer warm-up, say)
     return [RunSpec(name, "train", cfg, needs=needs), eval_spec(s, name, str(s.run_dir(name) / "final"), seed)]
 
 
 def eval_spec(s: Settings, name: str, model: str, seed: int, needs: tuple[str, ...] | None = None) -> RunSpec:
     """``NAME/eval``: ``model``'s greedy success and avg@2 on the held-out games (after ``needs``;
     by default the run ``name``)."""
-    evaluation = EvalConfig(
+    evaluation = EvalConfig.from_flat(
         student=model,
         env=ENV,
         env_level=LEVEL,

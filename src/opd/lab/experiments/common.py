@@ -64,7 +64,7 @@ def opd_config(
         **size,
     )
     base.update(over)
-    return TrainConfig(**base)
+    return TrainConfig.from_flat(**base)
 
 
 def sft_config(
@@ -87,7 +87,7 @@ def sft_config(
         schedule="constant",
     )
     base.update(over)
-    return SFTConfig(**base)
+    return SFTConfig.from_flat(**base)
 
 
 def final_eval_spec(
@@ -95,7 +95,7 @@ def final_eval_spec(
 ) -> RunSpec:
     """``opd eval`` of ``model`` (default ``run_name/final``; ``tokenizer``: its tokenizer directory when
     not beside it): greedy and avg@k at top-p 0.9 on the test prompts."""
-    cfg = EvalConfig(
+    cfg = EvalConfig.from_flat(
         student=model or str(s.run_dir(run_name) / "final"),
         tokenizer=tokenizer,
         task="arithmetic",

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+from opd.config.sections import SECTION_NAMES
 from opd.errors import UserError
 from opd.lab.demos.parallel import process_pool, threads_per_worker, with_threads
 from opd.lab.experiments.keys import Keys
@@ -324,9 +325,12 @@ def _field_default(f: dataclasses.Field) -> Any:
 
 
 def _flag_values(cfg: Any) -> list[str]:
-    """``--flag value`` for every field that differs from its dataclass default."""
+    """``--flag value`` for every option that differs from its default, section by section as ``--help``
+    lists them: a run's command line, and so its key, does not depend on how the config class orders its
+    fields (a mixin's fields come first)."""
     parts = []
-    for f in dataclasses.fields(cfg):
+    order = {name: i for i, name in enumerate(SECTION_NAMES)}
+    for f in sorted(dataclasses.fields(cfg), key=lambda f: order[f.metadata["section"]]):
         value = getattr(cfg, f.name)
         if value == _field_default(f) or f.name == "resume":
             continue
