@@ -85,7 +85,9 @@ def models(tmp_path_factory) -> tuple[Path, Path]:
 
 def config(student, teacher, out: Path, device, **kw) -> TrainConfig:
     settings = dict(k=32, eval_every=0, eval_size=1, eval_samples=0, ckpt_every=0, log_rollouts=0, warmup_steps=1)
-    return TrainConfig.from_flat(student=str(student), teacher=str(teacher), out=str(out), device=str(device), **settings, **kw)
+    return TrainConfig.from_flat(
+        student=str(student), teacher=str(teacher), out=str(out), device=str(device), **settings, **kw
+    )
 
 
 def run_steps(cfg: TrainConfig, cudnn: bool) -> dict:
