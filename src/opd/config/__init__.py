@@ -13,7 +13,16 @@ settable from the CLI and a YAML/JSON file, dumped into every run directory.
 """
 
 from opd.config.engines import STATIC_CACHE
-from opd.config.fields import DTYPES, REPORT_TO, ConfigError, check_device, check_report_to, coerce_numbers, opt
+from opd.config.fields import (
+    DTYPES,
+    REPORT_TO,
+    CommandConfig,
+    ConfigError,
+    check_device,
+    check_report_to,
+    coerce_numbers,
+    opt,
+)
 from opd.config.files import build_config, config_record, dump_config, read_config_file, read_run_config
 from opd.config.options import (
     EvalConfig,
@@ -33,6 +42,7 @@ from opd.config.teachers import CROSS_TOKENIZER, TeacherOptions, parse_special_m
 from opd.objectives import DEFAULT_SPECIAL_TOKENS, ObjectiveOptions
 
 __all__ = [
+    "CommandConfig",
     "CROSS_TOKENIZER",
     "DEFAULT_SPECIAL_TOKENS",
     "DTYPES",

@@ -35,6 +35,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
+from opd.config import EvalConfig, TrainConfig
 from opd.errors import ServiceUnavailable, UserError
 from opd.models.loading import model_device
 
@@ -154,9 +155,9 @@ class EngineContext:
 
     model: Any
     tokenizer: Any
-    cfg: Any
+    cfg: TrainConfig | EvalConfig
     model_dir: str = ""
-    task_cfgs: Sequence[Any] = ()
+    task_cfgs: Sequence[TrainConfig] = ()
     folder: Path = field(default_factory=Path)
     world: int = 1
     attach: Any = None

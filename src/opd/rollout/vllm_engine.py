@@ -314,8 +314,7 @@ def start_vllm(ctx: EngineContext) -> VLLMRollout:
             weights_dtype=engine_dtype(cfg.dtype),
         )
     shared = ctx.world > 1 and bool(cfg.vllm_url)
-    trains = isinstance(cfg, TrainConfig)  # opd eval's config has no staleness, nor LoRA
-    if shared and trains and cfg.max_staleness:
+    if shared and isinstance(cfg, TrainConfig) and cfg.max_staleness:  # opd eval's config has no staleness
         raise UserError(
             "--max-staleness with one server shared by several ranks (--vllm-url): each rank's rollout worker "
             "would reload its weights at its own moment; leave --vllm-url out (opd starts a server per rank), or "

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from opd.config import check_report_to, config_record, dump_config
+from opd.config import CommandConfig, check_report_to, config_record, dump_config
 from opd.errors import UserError
 from opd.runs.progress import is_main_process
 from opd.runs.quiet import quiet_transformers
@@ -97,7 +97,7 @@ class RunDir:
         self.close(failed=exc_type is not None)
 
     # ------------------------------------------------------------------ logs
-    def write_config(self, cfg: Any) -> None:
+    def write_config(self, cfg: CommandConfig) -> None:
         if self.enabled:
             dump_config(cfg, self.path / "config.json")
             if self.tracking is not None:
