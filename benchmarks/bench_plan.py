@@ -15,8 +15,8 @@ math libraries' own buffers are in the baseline, and the warm-up's tensors are g
 memory the tensors hold, and not what glibc's allocator kept of freed ones (an RSS reset at the second step's
 rollout read 600 MiB where its live tensors were about 300), each cell runs with ``MALLOC_MMAP_THRESHOLD_``
 at 128 KiB (a larger block is its own mapping, returned to the system when freed) and ``malloc_trim(0)``
-as each stage starts. Planned: the plan's bytes held in that stage (the run's parts and the stage's), on
-``Layout(device="cpu")``.
+as each stage starts. Planned: the plan's bytes held in that stage (the run's parts and the stage's; for the
+update stage, the larger of its two ends: where the backward starts and AdamW's step), on ``Layout(device="cpu")``.
 
 The tolerance, from what the plan leaves out: one operation's temporaries (at most one layer's activations
 at the micro-batch's tokens: a matmul's output exists before the op that reads it frees its input), the
@@ -107,7 +107,7 @@ def cell(spec: dict) -> dict:
     one_layer = r_mb * seq * layer_activation_bytes(shapes(cfg)[0], seq, dtype)
     out = []
     for s in STAGES:
-        planned = plan.held(s)
+        planned = plan.stage_peak(s)  # the update stage: the larger of its backward's and its optimizer's
         slack = one_layer + SHARE_SLACK * planned + FIXED_SLACK
         got = measured[s]
         out.append(

@@ -16,7 +16,17 @@ from typing import Any
 
 from opd.config import ConfigError, TrainConfig
 from opd.errors import UserError
-from opd.planning.memory import HEADROOM_FIXED, HEADROOM_SHARE, GiB, Layout, Plan, gib, micro_batch, plan_memory
+from opd.planning.memory import (
+    HEADROOM_FIXED,
+    HEADROOM_SHARE,
+    PHASES,
+    GiB,
+    Layout,
+    Plan,
+    gib,
+    micro_batch,
+    plan_memory,
+)
 from opd.planning.shapes import ModelShape, model_shape
 from opd.rollout.vllm_server import without_option
 
@@ -158,7 +168,7 @@ def as_json(cfg: TrainConfig, plan: Plan, change: tuple[dict, Plan] | None) -> d
     out = {
         "layout": dataclasses.asdict(plan.layout),
         "parts": [dataclasses.asdict(p) for p in plan.parts],
-        "phases": {ph: plan.held(ph) for ph in ("rollout", "score", "update", "log", "eval")},
+        "phases": {ph: plan.held(ph) for ph in PHASES},
         "peak": plan.peak,
         "peak_phase": plan.peak_phase,
         "usable": plan.usable,
@@ -185,7 +195,7 @@ def render(plan: Plan, change: tuple[dict, Plan] | None, title: str) -> None:
         table.add_row(p.name, ", ".join(p.phases), f"{p.bytes / GiB:.2f}", p.how)
     console = Console()
     console.print(table)
-    phases = "  ".join(f"{ph} {gib(plan.held(ph))}" for ph in ("rollout", "score", "update", "log", "eval"))
+    phases = "  ".join(f"{ph} {gib(plan.held(ph))}" for ph in PHASES)
     console.print(f"held in each phase: {phases}")
     console.print(f"peak: {gib(plan.peak)} ({plan.peak_phase})")
     for note in plan.notes:

@@ -1,16 +1,26 @@
 """The memory of an ``opd train`` run on each GPU, from its options and the models' shapes alone.
 
 Each part is arithmetic on the shapes (:mod:`opd.planning.shapes`) and says how it was computed. A part
-lives in phases of a step: ``run`` (held the whole run: weights, gradients, AdamW state, the teacher, an
-engine's share, the staleness worker), ``rollout``, ``score``, ``update``, ``log`` and ``eval``; the
-plan's peak is the run's parts plus the largest phase. Where opd does something, the part follows it:
+lives in phases of a step: ``run`` (held the whole run: weights, AdamW state, the teacher, an engine's
+share, the staleness worker), ``rollout``, ``score``, ``update``, ``optimizer``, ``log`` and ``eval``;
+the plan's peak is the run's parts plus the largest phase. ``update`` and ``optimizer`` are the two ends
+of the update stage: its forward and backward, whose peak is where the backward starts (every activation
+alive), and the backward's end, the clipping and AdamW's step (every gradient alive, no activation).
+Where opd does something, the part follows it:
 
 * a trained student keeps float32 masters, gradients and AdamW's two moments (``models/precision.py``,
   ``training/optim.py``); with ``--lora-r`` the frozen base stays in ``--dtype`` and only the float32
   adapter has gradients and moments; ``--fsdp`` shards all of them over the ranks (``training/distributed.py``)
   and gathers one block at a time in ``--dtype`` (the root, embeddings and head, stays gathered through a
   forward and backward); DDP's gradients are its buckets (``gradient_as_bucket_view``), so no copy;
-* gradients are set to None only as the next update starts, so they are held through the rollout;
+* gradients are set to None as each update starts (``training/loop.py``), so they are held from one backward's
+  end through the logs, the evaluation and the next step's rollout and scoring; the backward that starts
+  the next update has only the head's gradient yet (a V x d buffer that becomes it), unless gradients
+  outlive ``set_to_none``: DDP's buckets, or an earlier micro-batch's backward of the same update;
+* AdamW's step (``training/optim.py``: torch's default implementation) makes temporaries: on a GPU its
+  foreach path takes the square root of every second moment at once (the trained parameters' size in
+  float32); on a CPU it goes a tensor at a time, two of the largest tensor's size (the square root and
+  the quotient);
 * the in-process teacher is whole on every rank, or sharded like the student under ``--fsdp``; a served
   teacher (``--teacher-url``) costs the trainer's GPU nothing; the in-process teacher's top-K casts a
   low-precision head to float32 ``VOCAB_BLOCK`` rows at a time (``losses/head.py``: never a whole copy), and
@@ -39,7 +49,16 @@ from opd.rollout.vllm_server import SHARED_GPU_MEMORY, option_value, place_engin
 
 GiB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-PHASES = ("rollout", "score", "update", "log", "eval")
+PHASES = ("rollout", "score", "update", "optimizer", "log", "eval")
+STEP_DATA = ("score", "update", "optimizer", "log")  # a step's scores and records, freed after its logs
+# the phases of each stage of a step (opd.training.loop's *_stage functions): a stage's peak is its largest
+STAGES = {
+    "rollout": ("rollout",),
+    "score": ("score",),
+    "update": ("update", "optimizer"),
+    "log": ("log",),
+    "eval": ("eval",),
+}
 ROWS_PER_CHUNK = 8  # rows per forward without gradients (opd.rollout.forward's chunks)
 LOSS_CHUNK = 128  # positions per chunk of the from-hidden losses (opd.losses' default chunk_size)
 SCORE_CHUNK = 128  # positions per chunk of the teacher's top-K from hidden states
@@ -94,6 +113,10 @@ class Plan:
         """Bytes held during ``phase``: the run's parts and the phase's own."""
         return sum(p.bytes for p in self.parts if "run" in p.phases or phase in p.phases)
 
+    def stage_peak(self, stage: str) -> int:
+        """Bytes held at the peak of a step's stage (:data:`STAGES`): its largest phase."""
+        return max(self.held(phase) for phase in STAGES[stage])
+
     @property
     def peak_phase(self) -> str:
         return max(PHASES, key=self.held)
@@ -136,6 +159,11 @@ def micro_batch(cfg: TrainConfig) -> tuple[int, int]:
     return rows // cfg.grad_accum, seq
 
 
+def micro_batches(cfg: TrainConfig) -> int:
+    """How many micro-batches an update takes, every row at the longest prompt and response."""
+    return -(-cfg.batch_size * cfg.samples_per_prompt // micro_batch(cfg)[0])
+
+
 def plan_memory(cfg: TrainConfig, student: ModelShape, teacher: ModelShape | None, layout: Layout) -> Plan:
     """Every part of ``cfg``'s run on one GPU of ``layout`` (``teacher`` None: served)."""
     plan = Plan([], layout)
@@ -168,8 +196,9 @@ def _student(cfg: TrainConfig, m: ModelShape, layout: Layout) -> list[Part]:
         what = f"{m.params:,}"
     parts = [
         weights,
-        Part("gradients", ("run",), trained * 4 // shard, f"{what} x 4 B{by}; held from one update to the next"),
+        _gradients(cfg, trained * 4 // shard, f"{what} x 4 B{by}", layout),
         Part("AdamW state", ("run",), 2 * trained * 4 // shard, f"2 moments x {what} x 4 B{by}"),
+        _adamw_temporaries(cfg, m, layout),
     ]
     if layout.world > 1 and not cfg.fsdp:
         parts.append(
@@ -187,6 +216,31 @@ def _student(cfg: TrainConfig, m: ModelShape, layout: Layout) -> list[Part]:
             )
         )
     return parts
+
+
+def _gradients(cfg: TrainConfig, size: int, how: str, layout: Layout) -> Part:
+    """The gradients, absent where the update's first backward starts unless something keeps them."""
+    ddp = layout.world > 1 and not cfg.fsdp
+    kept = "DDP's buckets" if ddp else "the update's earlier micro-batches" if micro_batches(cfg) > 1 else ""
+    if kept:
+        return Part("gradients", ("run",), size, f"{how}; kept by {kept} where the backward starts")
+    later = tuple(p for p in PHASES if p != "update")
+    return Part("gradients", later, size, f"{how}; from the backward's end to the next update's start")
+
+
+def _adamw_temporaries(cfg: TrainConfig, m: ModelShape, layout: Layout) -> Part:
+    """What AdamW's step allocates beside its state (the module docstring)."""
+    shard = layout.world if cfg.fsdp else 1
+    if layout.device != "cpu":
+        trained = m.lora_params(cfg.lora_r, cfg.lora_targets) if cfg.lora_r else m.params
+        return Part("AdamW's temporaries", ("optimizer",), trained * 4 // shard, "foreach: every second moment's sqrt")
+    if cfg.lora_r:
+        largest = cfg.lora_r * max((max(io) for io in m.lora_layers(cfg.lora_targets)), default=0)
+    else:
+        largest = m.hidden * max(m.vocab, m.intermediate, m.q_width)
+    return Part(
+        "AdamW's temporaries", ("optimizer",), 2 * largest * 4 // shard, "a tensor at a time: 2 x the largest x 4 B"
+    )
 
 
 def _teacher(cfg: TrainConfig, t: ModelShape | None, layout: Layout) -> list[Part]:
@@ -229,7 +283,7 @@ def _teacher(cfg: TrainConfig, t: ModelShape | None, layout: Layout) -> list[Par
         parts.append(
             Part(
                 "teacher's logits at the diagnostic positions",
-                ("score", "update", "log"),
+                STEP_DATA,
                 cfg.diag_positions * t.vocab * 4,
                 f"--diag-positions {cfg.diag_positions} x {t.vocab:,} x 4 B",
             )
@@ -309,7 +363,7 @@ def _update(cfg: TrainConfig, m: ModelShape, layout: Layout) -> list[Part]:
         _loss(cfg, m, rows_mb * T),
         Part(
             "hidden states kept for the step's logs",
-            ("update", "log"),
+            STEP_DATA[1:],
             rows * T * m.hidden * 4,
             f"{rows} x {T} x d x 4 B",
         ),
@@ -318,7 +372,12 @@ def _update(cfg: TrainConfig, m: ModelShape, layout: Layout) -> list[Part]:
         parts.append(Part("bfloat16 weight copies", ("update",), casts, "autocast's casts, kept for the backward"))
     if not cfg.lora_r:
         parts.append(
-            Part("head gradient buffer", ("update",), m.vocab * m.hidden * 4, f"{m.vocab:,} x {m.hidden} x 4 B")
+            Part(
+                "head gradient buffer",
+                ("update",),
+                m.vocab * m.hidden * 4,
+                f"{m.vocab:,} x {m.hidden} x 4 B, made as the backward starts (the head's gradient, or added to it)",
+            )
         )
     if cfg.fsdp and layout.world > 1:
         cb = BYTES[cfg.dtype]
@@ -344,7 +403,7 @@ def _logging(cfg: TrainConfig, m: ModelShape, t: ModelShape | None) -> list[Part
     scores = rows * T * (cfg.k * 12 + 4)
     vocab = max(m.vocab, t.vocab if t else 0)
     return [
-        Part("teacher's top-K for the step", ("score", "update", "log"), scores, f"{rows} x {T} x (K x 12 + 4) B"),
+        Part("teacher's top-K for the step", STEP_DATA, scores, f"{rows} x {T} x (K x 12 + 4) B"),
         Part(
             "diagnostics",
             ("log",),

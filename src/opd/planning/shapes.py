@@ -44,11 +44,15 @@ class ModelShape:
     def kv_width(self) -> int:
         return self.kv_heads * self.head_dim
 
-    def lora_params(self, r: int, targets: list[str]) -> int:
-        """A rank-``r`` adapter's parameters on ``targets`` (``all-linear``: every linear layer of the blocks)."""
+    def lora_layers(self, targets: list[str]) -> list[tuple[int, int]]:
+        """(in, out) features of each linear layer a LoRA on ``targets`` adapts (``all-linear``: every one)."""
         names = {n for t in targets for n in str(t).split(",") if n}
         every = not names or "all-linear" in names
-        return sum(r * (i + o) for n, i, o in self.lora_dims if every or n in names)
+        return [(i, o) for n, i, o in self.lora_dims if every or n in names]
+
+    def lora_params(self, r: int, targets: list[str]) -> int:
+        """A rank-``r`` adapter's parameters on ``targets``."""
+        return sum(r * (i + o) for i, o in self.lora_layers(targets))
 
 
 def read_config(folder: Path) -> dict:
