@@ -81,26 +81,30 @@ def test_plan_by_hand():
 def test_when_gradients_are_held_by_hand():
     """Set to None as each update starts, gradients are absent where its first backward starts, unless DDP's
     buckets or an earlier micro-batch keep them; AdamW's step on a CPU adds two of the largest tensor."""
-    cfg = TrainConfig(student="s", teacher_url="http://t:1", batch_size=4, max_new_tokens=10, max_prompt_tokens=6)
+    cfg = TrainConfig.from_flat(
+        student="s", teacher_url="http://t:1", batch_size=4, max_new_tokens=10, max_prompt_tokens=6
+    )
     phases = lambda c, layout: next(
         p.phases for p in plan_memory(c, shape(), None, layout).parts if p.name == "gradients"
     )
     assert phases(cfg, Layout(1)) == ("rollout", "score", "optimizer", "log", "eval")
     assert phases(cfg, Layout(2)) == ("run",)  # DDP: the gradients are views of its buckets, never freed
-    assert phases(TrainConfig(**{**vars(cfg), "fsdp": True}), Layout(2)) == (
+    assert phases(TrainConfig.from_flat(**{**cfg.flat(), "fsdp": True}), Layout(2)) == (
         "rollout",
         "score",
         "optimizer",
         "log",
         "eval",
     )
-    assert phases(TrainConfig(**{**vars(cfg), "grad_accum": 2}), Layout(1)) == ("run",)
-    assert phases(TrainConfig(**{**vars(cfg), "micro_batch_tokens": 16 * 3}), Layout(1)) == ("run",)  # 3 rows of 4
-    assert phases(TrainConfig(**{**vars(cfg), "micro_batch_tokens": 16 * 4}), Layout(1)) != ("run",)
+    assert phases(TrainConfig.from_flat(**{**cfg.flat(), "grad_accum": 2}), Layout(1)) == ("run",)
+    assert phases(TrainConfig.from_flat(**{**cfg.flat(), "micro_batch_tokens": 16 * 3}), Layout(1)) == (
+        "run",
+    )  # 3 rows of 4
+    assert phases(TrainConfig.from_flat(**{**cfg.flat(), "micro_batch_tokens": 16 * 4}), Layout(1)) != ("run",)
     cpu = {p.name: p for p in plan_memory(cfg, shape(), None, Layout(1, device="cpu")).parts}
     assert cpu["AdamW's temporaries"].bytes == 2 * 100 * 8 * 4  # the (tied) embedding, 100 x 8, twice
     lora = shape(lora_dims=(("q_proj", 8, 8), ("down_proj", 16, 8)))
-    lcfg = TrainConfig(**{**vars(cfg), "lora_r": 2, "lora_targets": ["all-linear"]})
+    lcfg = TrainConfig.from_flat(**{**cfg.flat(), "lora_r": 2, "lora_targets": ["all-linear"]})
     got = {p.name: p.bytes for p in plan_memory(lcfg, lora, None, Layout(1, device="cpu")).parts}
     assert got["AdamW's temporaries"] == 2 * 2 * 16 * 4  # down_proj's A, r 2 x 16 in-features
     got = {p.name: p.bytes for p in plan_memory(lcfg, lora, None, Layout(1)).parts}
