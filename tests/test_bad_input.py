@@ -919,6 +919,11 @@ OWNED = [
         r"process-group timers\)",
     ),
     (
+        "dist-timeout-nan",
+        f"{T0} --out <OUT> --dist-timeout nan",
+        r"dist_timeout=nan must be > 0 and at most 1e\+09 seconds .+",
+    ),
+    (
         "dist-timeout-huge",
         f"{T0} --out <OUT> --dist-timeout 1e15",
         r"dist_timeout=1000000000000000\.0 must be > 0 and at most 1e\+09 seconds .+",

@@ -38,6 +38,13 @@ def test_every_option_of_every_command_declares_a_known_section_and_whether_task
     assert {"train_size", "dagger_from", "teacher", "task", "env", "batch_size"} <= sft
     assert not {"objective", "k", "steps", "seed", "student", "lora_r"} & (train | sft)
     assert "lr" not in sft  # one optimizer for every task's examples
+    # one name, one section in every command (the report reads options by name: report/load.py), but for eval's own batch
+    where: dict[str, set[str]] = {}
+    for cls in CLASSES:
+        for f in dataclasses.fields(cls):
+            if not (cls is EvalConfig and f.name == "batch_size"):
+                where.setdefault(f.name, set()).add(f.metadata["section"])
+    assert {name: sections for name, sections in where.items() if len(sections) > 1} == {}
 
 
 def test_config_json_is_nested_by_section_and_reads_back_equal(tmp_path):

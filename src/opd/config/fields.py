@@ -68,9 +68,10 @@ class CommandConfig:
         return cls(**cls.resolve(full))
 
     def replace(self, **changes: Any) -> Self:
-        """A new config with these options changed and what depends on them resolved again (``--rollout-engine
-        vllm``'s policy check bound, ``mask_special=None``: the objective's default), checked; where no
-        such default is involved, ``dataclasses.replace`` does the same."""
+        """A new config with these options changed, checked. A default that depends on other options keeps
+        the value it was resolved to (as ``dataclasses.replace`` would): give it unset again to have it
+        resolved for the change (``mask_special=None``: the new objective's; ``vllm_max_gap=0``: the new
+        dtype's bound; ``vllm_sleep=0``: from the new ``--vllm-args``)."""
         return type(self).from_flat(**{**self.flat(), **changes})
 
     def flat(self) -> dict[str, Any]:
@@ -82,7 +83,9 @@ class CommandConfig:
         ``mask_special``, a list of teacher URLs): every reader may rely on the resolved form."""
         given = self.flat()
         resolved = type(self).resolve(dict(given))
-        changed = [name for name, value in given.items() if resolved[name] != value]
+        changed = [
+            name for name, value in given.items() if resolved[name] is not value and resolved[name] != value
+        ]  # NaN
         require(
             not changed,
             f"{type(self).__name__} was given {', '.join(f'{n}={given[n]!r}' for n in changed)} unresolved; "

@@ -15,7 +15,7 @@ from opd.config.checkpoints import CheckpointOptions, check_checkpoint_options
 from opd.config.engines import EngineOptions, check_engine_options, resolve_vllm
 from opd.config.evaluation import EvalOptions, TrainEvalOptions, check_eval_options
 from opd.config.fields import REPORT_TO_HELP, check_report_to, opt, require
-from opd.config.sources import EnvSource, ModelSource, TrainingSource, out_option
+from opd.config.sources import EnvSource, ModelSource, TrainingSource, check_eval_schedule, out_option
 from opd.config.tasks import read_task_list, resolve_tasks
 from opd.config.teachers import (
     TeacherOptions,
@@ -197,6 +197,7 @@ class TrainConfig(
             check(self)
         _check_counts(self, eval_every=0, eval_size=1, eval_samples=0, ckpt_every=0, log_rollouts=0, diag_positions=0)
         check_eval_options(self, self.eval_samples, "--eval-samples")
+        check_eval_schedule(self, self.eval_every)
         require(
             0 < self.dist_timeout <= MAX_DIST_TIMEOUT,  # NaN and inf fail too: torch's timedelta cannot hold them
             f"dist_timeout={self.dist_timeout} must be > 0 and at most {MAX_DIST_TIMEOUT:.0e} seconds (about 31 "
@@ -422,6 +423,7 @@ class SFTConfig(EnvSource, TrainingSource):
         _check_counts(
             self, steps=1, batch_size=1, warmup_steps=0, eval_every=0, eval_size=1, patience=0, validation_size=0
         )
+        check_eval_schedule(self, self.eval_every)
         require(self.lr > 0, f"lr={self.lr} must be > 0")
         require(self.train_size >= 0, f"train_size={self.train_size} must be >= 0 (0 uses every example)")
         require(0.0 <= self.expert_mistakes < 1.0, f"expert_mistakes={self.expert_mistakes} must be in [0, 1)")

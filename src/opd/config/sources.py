@@ -325,10 +325,13 @@ class TrainingSource(ModelSource):
             self.eval or not self.eval_task,
             f"eval_task={self.eval_task!r} is set with evaluation off (--no-eval); drop one of them",
         )
-        # a schedule of evaluations with evaluation off is a contradiction (the default and 0, "at the end", are not)
-        default = next((f.default for f in dataclasses.fields(self) if f.name == "eval_every"), None)
-        every = getattr(self, "eval_every", default)
-        require(
-            self.eval or every in (0, default),
-            f"eval_every={every} is set with evaluation off (--no-eval); drop one of them",
-        )
+
+
+def check_eval_schedule(cfg: TrainingSource, every: int) -> None:
+    """A schedule of evaluations (``every``: the command's ``eval_every``) with evaluation off is a
+    contradiction; its default and 0 ("at the end") are not."""
+    default = next(f.default for f in dataclasses.fields(cfg) if f.name == "eval_every")
+    require(
+        cfg.eval or every in (0, default),
+        f"eval_every={every} is set with evaluation off (--no-eval); drop one of them",
+    )

@@ -810,3 +810,50 @@ def test_a_copy_of_the_tree_sent_elsewhere_names_its_commit_from_opd_commit(monk
     cpu = {"cpu_cores": 2, "torch": "2.13.0+cpu"}
     assert machine_words(cpu) == "2 CPU cores, torch 2.13.0+cpu"
     assert machine_words(cpu | {"gpu": "NVIDIA H100"}) == "2 CPU cores, torch 2.13.0+cpu on an NVIDIA H100"
+
+
+def test_runs_recorded_with_their_options_in_another_order_are_rekeyed_not_made_again(tmp_path, capsys):
+    """A run recorded with the same flags listed in another order (the runner's order changed) takes today's
+    key, chained runs included; one whose recorded key says its inputs differed, or whose flags differ, is
+    left to be made again."""
+    from opd.config import EvalConfig
+    from opd.lab.experiments.core import _up_to_date, rekey_reordered
+
+    s = Settings(tmp_path / "exp", seeds=1, quick=True)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "weights.bin").write_bytes(b"w")
+
+    def spec(name: str, student: Path, size: int) -> RunSpec:
+        return RunSpec(name, "eval", EvalConfig.from_flat(student=str(student), eval_size=size, max_new_tokens=7))
+
+    specs = [spec("a", model, 3), spec("b", s.run_dir("a"), 5), spec("c", model, 4), spec("d", model, 6)]
+    keys = Keys(specs, s.run_dir, command_line)
+
+    def reordered(sp: RunSpec, run_dir: Path) -> str:
+        words = shlex.split(command_line(sp, run_dir))
+        flags = [i for i, w in enumerate(words) if w.startswith("--")]
+        groups = [words[i:j] for i, j in zip(flags, [*flags[1:], len(words)], strict=True)]
+        assert len(groups) >= 3
+        return " ".join([*words[: flags[0]], *(shlex.join(g) for g in reversed(groups))])
+
+    old = Keys(specs, s.run_dir, reordered)
+    records = {
+        "a": (reordered(specs[0], s.run_dir("a")), old["a"]),
+        "b": (reordered(specs[1], s.run_dir("b")), old["b"]),  # reads a's folder: its key chains through a's
+        "c": (reordered(specs[2], s.run_dir("c")), "0" * 64),  # recorded with other inputs
+        "d": (reordered(specs[2], s.run_dir("d")).replace("--eval-size 4", "--eval-size 9"), old["d"]),
+    }
+    for name, (command, key) in records.items():
+        s.run_dir(name).mkdir(parents=True)
+        (s.run_dir(name) / DONE).write_text(json.dumps({"command": command, "key": key}) + "\n")
+        assert command != command_line(specs["abcd".index(name)], s.run_dir(name))
+    assert old["a"] != keys["a"] and old["b"] != keys["b"]
+
+    assert rekey_reordered(specs, s, keys) == ["a", "b"]
+    assert [_up_to_date(sp, s, keys[sp.name]) for sp in specs] == [True, True, False, False]
+    done_a = json.loads((s.run_dir("a") / DONE).read_text())
+    assert done_a == {"command": command_line(specs[0], s.run_dir("a")), "key": keys["a"]}
+    assert json.loads((s.run_dir("c") / DONE).read_text())["key"] == "0" * 64
+    assert "a: re-keyed" in capsys.readouterr().out
+    assert rekey_reordered(specs, s, keys) == []  # once

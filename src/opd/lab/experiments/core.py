@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import sys
 import time
@@ -144,6 +145,57 @@ def _started_as(run_dir: Path) -> dict | None:
     return {"command": started.get("command"), "key": started.get("key")}
 
 
+def _flag_groups(command: str) -> list[tuple[str, ...]]:
+    """A command's words flag by flag (each flag with the values after it), sorted: its order left out."""
+    groups: list[list[str]] = []
+    for word in shlex.split(command):
+        if word.startswith("--") or not groups:
+            groups.append([word])
+        else:
+            groups[-1].append(word)
+    return sorted(tuple(g) for g in groups)
+
+
+def rekey_reordered(specs: list[RunSpec], settings: Settings, keys: Keys) -> list[str]:
+    """Runs recorded with a command that lists today's flags in another order (opd's options moved between
+    config classes, and the runner lists them by section since) take today's key, so a finished run is
+    reused and a begun one resumed rather than made again. Only where the recorded key is what the recorded
+    commands give with today's inputs (keys chain: the plan's runs are all read through their own records
+    here), so a run whose inputs changed since is still made again. Returns the names re-keyed."""
+    records: dict[str, list[tuple[Path, dict]]] = {}
+    for s in specs:
+        run_dir = settings.run_dir(s.name)
+        now = command_line(s, run_dir)
+        for path in (run_dir / DONE, run_dir / STARTED):
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            then = data.get("command")
+            if s.kind != "python" and isinstance(then, str) and then != now and _flag_groups(then) == _flag_groups(now):
+                records.setdefault(s.name, []).append((path, data))
+    if not records:
+        return []
+    recorded = Keys(
+        specs,
+        settings.run_dir,
+        lambda s, d: records[s.name][0][1]["command"] if s.name in records else command_line(s, d),
+    )
+    done = []
+    for name, found in records.items():
+        for path, data in found:
+            if data.get("key") == recorded[name] != keys[name]:
+                now = command_line(recorded.specs[name], settings.run_dir(name))
+                indent = 2 if path.name == DONE else None
+                path.write_text(
+                    json.dumps({**data, "command": now, "key": keys[name]}, indent=indent, default=str) + "\n"
+                )
+                done.append(name)
+    for name in dict.fromkeys(done):
+        print(f"{name}: re-keyed (recorded with the same options in another order)", flush=True)
+    return list(dict.fromkeys(done))
+
+
 def _execute(spec: RunSpec, run_dir: Path, show_progress: bool, command: str, key: str) -> dict:
     if spec.kind == "train":
         from opd.runs.rundir import RunDir, mark_run
@@ -182,6 +234,7 @@ def run_specs(specs: list[RunSpec], settings: Settings, show_progress: bool = Tr
     if workers < 1:
         raise UserError(f"--workers {workers} must be >= 1")
     keys = Keys(specs, settings.run_dir, command_line)  # before any run: a changed input shows at once
+    rekey_reordered(specs, settings, keys)
     kept = {s.name: {"run": s.name, "status": RECORDED} for s in specs if s.name in settings.run_data.kept}
     made = [s for s in specs if s.name not in kept]
     if workers == 1:
