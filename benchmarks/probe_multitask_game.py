@@ -17,7 +17,6 @@ prints their records as JSON (what docs/results/probes/multitask-game.json holds
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -39,7 +38,7 @@ def probe_config(a: argparse.Namespace):
         else:
             t.update(env_args=[*t["env_args"], "test_split=valid", f"num_valid={NUM_VALID}"], eval_samples=0)
         tasks.append(t)
-    return dataclasses.replace(cfg, tasks=tasks, eval_every=a.eval_every, ckpt_every=a.steps)
+    return cfg.replace(tasks=tasks, eval_every=a.eval_every, ckpt_every=a.steps)
 
 
 def record(run: Path) -> dict:

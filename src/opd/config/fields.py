@@ -1,5 +1,6 @@
-"""The machinery of opd's configurations: fields with help texts, one error type, shared checks,
-and reading, merging and writing configs (defaults < a YAML/JSON file < the command line).
+"""The machinery of opd's configurations: fields with help texts, one error type, shared checks, and
+:class:`CommandConfig` (``from_flat``, ``replace``, ``flat``: frozen configs built with their dependent
+defaults resolved); reading, merging and writing files is :mod:`opd.config.files`.
 
 Below every config class and the task list (:mod:`opd.config.tasks`), which import it.
 """

@@ -51,7 +51,7 @@ GiB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PHASES = ("rollout", "score", "update", "optimizer", "log", "eval")
 STEP_DATA = ("score", "update", "optimizer", "log")  # a step's scores and records, freed after its logs
-# the phases of each stage of a step (opd.training.loop's *_stage functions): a stage's peak is its largest
+# the phases of each stage of a step (the *_stage functions of opd.training.producer and opd.training.loop): a stage's peak is its largest
 STAGES = {
     "rollout": ("rollout",),
     "score": ("score",),

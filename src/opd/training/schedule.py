@@ -23,7 +23,7 @@ seed, student, ...) is global and stays at the top level. A key a task leaves ou
 global value, with two exceptions: a task that names ``teacher`` or ``teacher_url`` replaces the
 global teacher (both keys, and the global ``teacher_tokenizer``), and one that names ``task`` but no ``env`` trains on prompts even where
 the global config names an environment. Each task resolves into its own validated
-:class:`~opd.config.TrainConfig` (``dataclasses.replace`` of the run's config with its overrides),
+:class:`~opd.config.TrainConfig` (``from_flat`` of the run's options, ``cfg.flat()``, with its overrides),
 so data loading, teachers and every check are those of a single-task run (the list is read and
 resolved with the configs, by :mod:`opd.config.tasks`; this module holds how steps use the tasks).
 
