@@ -226,3 +226,45 @@ def test_a_multi_rank_checkpoint_holding_rank_0s_rollouts_alone_is_refused(tiny_
     check_same_run({**old, "ahead": {}}, cfg, tmp_path / "ckpt", 2)
     check_same_run({**old, "ahead": [in_flight_of(0), in_flight_of(1)]}, cfg, tmp_path / "ckpt", 2)
     check_same_run({**old, "rng": {}}, cfg, tmp_path / "ckpt", 1)
+
+
+def _start_watcher_and_wait(pids) -> None:
+    """A stand-in trainer: starts a process that runs the worker's trainer watch, says its pid, waits."""
+    import multiprocessing
+    import time
+
+    from opd.training.ahead import _exit_with_trainer
+
+    watcher = multiprocessing.get_context("spawn").Process(target=_exit_with_trainer)
+    watcher.start()
+    pids.put(watcher.pid)
+    time.sleep(600)
+
+
+def test_the_rollout_worker_leaves_when_its_trainer_is_killed_outright():
+    """kill -9 of a trainer never shuts its executor down: the worker must not wait for work forever."""
+    import multiprocessing
+    import time
+
+    ctx = multiprocessing.get_context("spawn")
+    pids = ctx.Queue()
+    trainer = ctx.Process(target=_start_watcher_and_wait, args=(pids,))
+    trainer.start()
+    watcher = pids.get(timeout=60)
+    time.sleep(0.5)
+    assert _running(watcher), "the watch ended while its trainer lived"
+    os.kill(trainer.pid, signal.SIGKILL)
+    trainer.join()
+    deadline = time.monotonic() + 30
+    while _running(watcher) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(watcher), "the worker outlived its killed trainer"
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's exit is reaped by init, not by us)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return False

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import os
+import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -264,6 +266,7 @@ def _init_worker(cfg, threads: int) -> None:
     from opd.training.setup import load_student
     from opd.training.sources import task_data, train_source
 
+    threading.Thread(target=_exit_with_trainer, name="opd-watch-trainer", daemon=True).start()
     torch.set_num_threads(threads)
     model, tok = load_student(cfg, resolve_device(cfg.device), check=False)  # the chat options: checked there
     model.eval()
@@ -271,6 +274,16 @@ def _init_worker(cfg, threads: int) -> None:
     cfgs = [replace(s.cfg, env_workers=0) if s.cfg.env else s.cfg for s in resolve_tasks(cfg)]
     sources = [train_source(c, tok, task_data(c)[0]) for c in cfgs]
     _WORKER.update(cfg=cfg, model=model, tok=tok, cfgs=cfgs, sources=sources, engine=None, handle=None)
+
+
+def _exit_with_trainer() -> None:
+    """Leave when the trainer's process ends. A trainer killed outright (kill -9, the OOM killer) never shuts
+    its executor down, and this process holds both ends of the executor's call queue, so it would wait for
+    work forever, holding a copy of the student (seen after a killed 2-rank run)."""
+    trainer = multiprocessing.parent_process()
+    if trainer is not None:
+        trainer.join()  # returns once the trainer's process has ended
+        os._exit(1)
 
 
 def _engine(handle: EngineHandle) -> RolloutEngine:
