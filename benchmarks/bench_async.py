@@ -56,7 +56,6 @@ import tempfile
 import time
 import urllib.request
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -98,9 +97,9 @@ WARM_GAMES = ["num_train=32", "num_test=50"]  # games the timed steps replay (2 
 def measure(cfg, S: int) -> dict:
     _pddl_cache.clear()  # this process's game parses: every run starts as cold as a new worker
     train_mod.train(cfg, show_progress=False)
-    records = [json.loads(x) for x in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(x) for x in (Path(cfg.run.out) / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if "time/step" in r][max(S + 1, WARM_STEPS) :]
-    row = {"steps_timed": len(timed), "rollouts": cfg.batch_size * cfg.samples_per_prompt}
+    row = {"steps_timed": len(timed), "rollouts": cfg.optimizer.batch_size * cfg.rollout.samples_per_prompt}
     row["per_step"] = {}  # the values behind each median, so a row can be checked
     for stage in STAGES:
         values = [r[f"time/{stage}"] for r in timed if f"time/{stage}" in r]
@@ -162,8 +161,8 @@ def run(quick: bool, steps: int, settings: list) -> list[dict]:
                     rollout_engine=engine,  # vllm: its policy check's bound resolved again
                 )
                 if teacher == "served":
-                    with served_teacher(cfg.teacher, Path(tmp) / f"{name}-teacher.log") as url:
-                        measured = measure(replace(cfg, teacher="", teacher_url=url), S)
+                    with served_teacher(cfg.teacher.teacher, Path(tmp) / f"{name}-teacher.log") as url:
+                        measured = measure(cfg.replace(teacher="", teacher_url=url), S)
                 else:
                     measured = measure(cfg, S)
                 row = {"workload": name, "engine": engine, "teacher": teacher, "S": S, **measured}

@@ -77,7 +77,7 @@ def main() -> None:
         cfg = TrainConfig.from_flat(student=str(DEMO / "student"), teacher=str(DEMO / "teacher"), rollout_engine="vllm")
         folder = Path(tempfile.mkdtemp(prefix="bench-eval-vllm-"))
         t0 = time.perf_counter()
-        served = start_vllm(EngineContext(model, tok, cfg, cfg.student, folder=folder))
+        served = start_vllm(EngineContext(model, tok, cfg, cfg.model.student, folder=folder))
         start_s = time.perf_counter() - t0
         engines["vLLM (CPU build)"] = lambda: served
     rows = []

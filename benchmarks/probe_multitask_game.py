@@ -31,7 +31,7 @@ def probe_config(a: argparse.Namespace):
     change = {"objective": a.objective, "tail": a.tail}
     cfg = M.opd_config(M.ASSETS, Path(a.out), a.steps, False, a.seed, game_lr=a.game_lr, **change)
     tasks = []
-    for t in cfg.tasks:
+    for t in cfg.multitask.tasks:
         t = dict(t)
         if t["name"] == M.MATH:
             t.update(share=a.math_share, batch_size=a.math_batch, eval_samples=0)

@@ -1006,4 +1006,4 @@ def test_a_task_left_out_of_evaluation_is_no_eval_every_contradiction():
 
     # the run's --eval-every is for the tasks that evaluate; one with eval: false is not refused for it
     cfg = TrainConfig.from_flat(teacher="t", eval_every=5, tasks=[{"name": "a", "eval": False}, {"name": "b"}])
-    assert [(s.cfg.eval, s.cfg.eval_every) for s in resolve_tasks(cfg)] == [(False, 0), (True, 5)]
+    assert [(s.cfg.eval.eval, s.cfg.eval.eval_every) for s in resolve_tasks(cfg)] == [(False, 0), (True, 5)]

@@ -33,9 +33,9 @@ def test_an_example_names_its_command_and_loads_as_written(path):
     cfg = build_config(TrainConfig, read_config_file(path))
     for option, value in written.items():
         if option == "tasks":  # resolved into one full config per task
-            assert [t["name"] for t in cfg.tasks] == [t["name"] for t in value]
+            assert [t["name"] for t in cfg.multitask.tasks] == [t["name"] for t in value]
             continue
-        assert getattr(cfg, option) == value, option
+        assert cfg.flat()[option] == value, option
 
 
 def _gsm8k_like(path: Path) -> Path:
@@ -92,11 +92,11 @@ def test_the_qwen3_thinking_example_sets_up_against_narrow_stand_ins(tmp_path, c
     paths["check_chat_template_kwargs"] = False  # the stand-ins have the demo's template: no thinking switch
     paths |= dict(task=str(_problems(tmp_path / "train.jsonl", 12)), eval_task=str(_problems(tmp_path / "t.jsonl", 4)))
     cfg = build_config(TrainConfig, read_config_file(EXAMPLES / "qwen3_thinking.yaml"), paths | {"report_to": ["none"]})
-    if context < cfg.max_prompt_tokens + cfg.max_new_tokens:
+    if context < cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens:
         with pytest.raises(UserError, match=rf"plus max_new_tokens=8192 exceeds the model's context of {context}"):
             setup(cfg)
         return
     run = setup(cfg)
-    assert (cfg.max_new_tokens, cfg.micro_batch_tokens, cfg.dtype) == (8192, 16384, "bfloat16")
+    assert (cfg.rollout.max_new_tokens, cfg.optimizer.micro_batch_tokens, cfg.model.dtype) == (8192, 16384, "bfloat16")
     assert run.student.model.layers[0].gradient_checkpointing
     assert len(run.tasks[0].source) == 12  # --eval-task: nothing held out of the training data

@@ -93,11 +93,17 @@ def test_a_short_lsm_run_raises_the_students_accuracy(tmp_path):
     from opd.rollout.prompt_set import PromptSet, load_task
 
     cfg = golden_config(tmp_path / "run", steps=40, batch_size=32, max_new_tokens=48, warmup_steps=2, eval_size=100)
-    tok = load_tokenizer(cfg.student)
-    task = load_task(cfg.task, cfg.task_level, cfg.seed)
-    prompts = PromptSet.build(task.examples("test")[: cfg.eval_size], tok, cfg.max_prompt_tokens, "test prompts")
+    tok = load_tokenizer(cfg.model.student)
+    task = load_task(cfg.data.task, cfg.data.task_level, cfg.run.seed)
+    prompts = PromptSet.build(
+        task.examples("test")[: cfg.eval.eval_size], tok, cfg.data.max_prompt_tokens, "test prompts"
+    )
     before = evaluate_model(
-        load_model(cfg.student, device=torch.device("cpu")), tok, prompts, task, max_new_tokens=cfg.max_new_tokens
+        load_model(cfg.model.student, device=torch.device("cpu")),
+        tok,
+        prompts,
+        task,
+        max_new_tokens=cfg.rollout.max_new_tokens,
     )["accuracy"]
     after = train_mod.train(cfg, show_progress=False)["eval/accuracy"]  # the same 100 prompts, greedy
     assert after >= before + 0.10, (before, after)

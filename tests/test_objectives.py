@@ -19,7 +19,7 @@ from opd.training import loop as train_mod
 from opd.training.loss import loss_mask, needs_student_topk
 
 
-def _teacher_argmax_ce(x: O.ObjectiveInputs, cfg) -> torch.Tensor:
+def _teacher_argmax_ce(x: O.ObjectiveInputs, cfg, update) -> torch.Tensor:
     """Cross-entropy on the teacher's top token: -log p(argmax q) at each counted position."""
     logp_NT = L.token_logprobs_from_hidden(x.hidden_NTD, x.head_VD, x.teacher_topk_ids_NTK[..., 0])
     return (-logp_NT).masked_fill(~x.mask_NT, 0.0)  # as docs/architecture.md writes it
@@ -42,7 +42,7 @@ def registered():
 def test_an_objective_added_as_one_entry_trains(tiny_models, tmp_path, registered):
     registered(O.Objective("argmax_ce", "CE on the teacher's top token", _teacher_argmax_ce, lambda c: {O.TOPK}))
     cfg = cfg_for(tiny_models, tmp_path, objective="argmax_ce", steps=3, lr=1e-2)
-    assert cfg.mask_special is False  # the entry's default
+    assert cfg.objective.mask_special is False  # the entry's default
     train_mod.train(cfg, show_progress=False)
     losses = [r["train/loss"] for r in step_records(tmp_path / "run")]
     assert len(losses) == 3 and all(math.isfinite(v) and v > 0 for v in losses)
@@ -58,8 +58,8 @@ def test_the_entry_loss_is_what_the_trainer_minimises(tiny_models, tmp_path, reg
 
     run = train_mod.setup(cfg_for(tiny_models, tmp_path, objective="argmax_ce"))
     batch, _, _ = first_rollout(run)
-    mask = loss_mask(batch, run.special_ids, run.cfg.mask_special)
-    scores = run.tasks[0].teacher.score(batch, run.cfg.k)
+    mask = loss_mask(batch, run.special_ids, run.cfg.objective.mask_special)
+    scores = run.tasks[0].teacher.score(batch, run.cfg.objective.k)
     loss_NT, _ = objective_loss(run.cfg, run.student, run.tasks[0].teacher, batch, scores, mask)
     logits = (response_hidden(run.student, batch) @ head_weight(run.student).T).double()
     want = -logits.log_softmax(-1).gather(-1, scores.topk_ids_NTK[..., :1]).squeeze(-1)
@@ -101,7 +101,7 @@ def test_needs_decide_which_teachers_can_train_an_objective(tiny_models, registe
 def test_lsm_supports_and_their_needs(support, student_topk, served):
     cfg = TrainConfig.from_flat(support=support)
     assert needs_student_topk(cfg) is student_topk
-    assert (O.refusal(cfg, O.SERVED_GIVES, "x") is None) is served
+    assert (O.refusal(cfg.objective, O.SERVED_GIVES, "x") is None) is served
 
 
 def test_variant_flags_and_mask_default_come_from_the_entry(registered):
@@ -109,8 +109,8 @@ def test_variant_flags_and_mask_default_come_from_the_entry(registered):
         TrainConfig.from_flat(objective="full_kl", tail=True)
     registered(O.Objective("tailed", "has a tail", _teacher_argmax_ce, lambda c: {O.TOPK}, True, ("tail",)))
     cfg = TrainConfig.from_flat(objective="tailed", tail=True)
-    assert cfg.mask_special is True
-    assert TrainConfig.from_flat(objective="sampled").mask_special is False
+    assert cfg.objective.mask_special is True
+    assert TrainConfig.from_flat(objective="sampled").objective.mask_special is False
 
 
 def test_an_unknown_objective_names_the_registered_ones(registered):

@@ -8,17 +8,17 @@ exit with status 2 instead of a traceback.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional, get_args, get_origin, get_type_hints
+from typing import Any, Optional, get_args, get_origin
 
 import typer
 
 from opd.config import DTYPES, EvalConfig, SFTConfig, TrainConfig, build_config, read_config_file
-from opd.config.sections import TITLES, section_of
+from opd.config.fields import option_fields, option_hints
+from opd.config.sections import TITLES
 from opd.errors import UserError
 
 app = typer.Typer(
@@ -45,7 +45,7 @@ def config_command(
     command's own (name: (annotation, typer.Option)), passed to ``run`` by name."""
 
     def register(run: Callable[..., None]) -> None:
-        hints = get_type_hints(cls)
+        hints = option_hints(cls)
         params = [
             inspect.Parameter(
                 "config",
@@ -59,8 +59,7 @@ def config_command(
                 ),
             )
         ]
-        panels = list(TITLES)  # --help shows the sections in their order, not the fields'
-        for f in sorted(dataclasses.fields(cls), key=lambda f: panels.index(section_of(cls, f.name))):
+        for where, f in option_fields(cls):  # section by section, as config.json
             flag = "--" + f.name.replace("_", "-")
             decl = f"{flag}/--no-{flag[2:]}" if hints[f.name] in (bool, Optional[bool]) else flag
             params.append(
@@ -73,7 +72,7 @@ def config_command(
                         decl,
                         help=f.metadata.get("help", ""),
                         show_default=False,
-                        rich_help_panel=TITLES[section_of(cls, f.name)],
+                        rich_help_panel=TITLES[where],
                     ),
                 )
             )

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, Protocol, cast
 
 import torch
@@ -99,24 +98,10 @@ class ObjectiveInputs:
     teacher_head_VE: L.HeadLike | None = None
 
 
-class Options(Protocol):
-    """What an objective's loss, needs and check read of a run's options (:class:`ObjectiveOptions`, and
-    the optimizer's clip and staleness cap); :class:`opd.config.TrainConfig` holds them all."""
+class UpdateOptions(Protocol):
+    """What a policy-gradient loss reads of the optimizer's options besides its own (the optimizer section of
+    :class:`opd.config.TrainConfig`): the PPO clip of a reused batch and the staleness weight's cap."""
 
-    @property
-    def objective(self) -> str: ...
-    @property
-    def support(self) -> str: ...
-    @property
-    def renormalize(self) -> bool: ...
-    @property
-    def tail(self) -> bool: ...
-    @property
-    def forward_kl_share(self) -> float: ...
-    @property
-    def gamma(self) -> float: ...
-    @property
-    def kl_direction(self) -> str: ...
     @property
     def clip_eps(self) -> float: ...
     @property
@@ -129,8 +114,8 @@ class Objective:
 
     name: str
     help: str
-    loss: Callable[[ObjectiveInputs, Options], torch.Tensor]
-    needs: Callable[[Options], frozenset[str]]
+    loss: Callable[[ObjectiveInputs, ObjectiveOptions, UpdateOptions], torch.Tensor]
+    needs: Callable[[ObjectiveOptions], frozenset[str]]
     mask_special: bool = False
     variants: tuple[str, ...] = ()
     # A policy gradient (its expectation is over the sampling policy): with --max-staleness its loss
@@ -195,7 +180,7 @@ def lsm_support(x: ObjectiveInputs, support: str) -> tuple[torch.Tensor, torch.T
     return ids, smask, t_lp
 
 
-def _lsm_loss(x: ObjectiveInputs, cfg: Options) -> torch.Tensor:
+def _lsm_loss(x: ObjectiveInputs, cfg: ObjectiveOptions, update: UpdateOptions) -> torch.Tensor:
     ids, smask, t_lp = lsm_support(x, cfg.support)
     h, W, mask = x.hidden_NTD, x.head_VD, x.mask_NT
     if cfg.tail:
@@ -204,7 +189,7 @@ def _lsm_loss(x: ObjectiveInputs, cfg: Options) -> torch.Tensor:
     return L.local_support_kl_from_hidden(h, W, ids, t_lp, mask, smask, forward_share=share, renormalize=renorm)
 
 
-def _lsm_needs(cfg: Options) -> frozenset[str]:
+def _lsm_needs(cfg: ObjectiveOptions) -> frozenset[str]:
     extra = _SUPPORT_NEEDS.get(cfg.support)
     return frozenset({TOPK, extra} if extra else {TOPK})
 
@@ -242,7 +227,7 @@ register(
 # --- sampled: sampled-token OPD (a policy gradient on r_t = log q(y_t) - log p(y_t)) ------------
 
 
-def _sampled_loss(x: ObjectiveInputs, cfg: Options) -> torch.Tensor:
+def _sampled_loss(x: ObjectiveInputs, cfg: ObjectiveOptions, update: UpdateOptions) -> torch.Tensor:
     """On policy, the reward reads the sampling policy's log-probs. Stale rollouts (``policy_logprobs_NT``
     given) are one documented composition: the reward r_t = log q - log pi reads the policy being
     updated, the PPO ratio (reused batches) is taken against that same policy, and the whole
@@ -253,11 +238,11 @@ def _sampled_loss(x: ObjectiveInputs, cfg: Options) -> torch.Tensor:
     adv = L.sampled_token_advantages(
         reward_logp, x.teacher_sampled_logprobs_NT, x.mask_NT, cfg.gamma, action_mask_BT=x.action_mask_NT
     )
-    clip = cfg.clip_eps if x.old_logprobs_NT is not None else None
+    clip = update.clip_eps if x.old_logprobs_NT is not None else None
     loss = L.sampled_token_pg_loss(logp, adv, x.mask_NT, x.old_logprobs_NT, clip)
     if x.policy_logprobs_NT is None:
         return loss
-    w = L.truncated_importance_weight(reward_logp, x.behaviour_logprobs_NT, x.mask_NT, cfg.stale_weight_cap)
+    w = L.truncated_importance_weight(reward_logp, x.behaviour_logprobs_NT, x.mask_NT, update.stale_weight_cap)
     return loss * w
 
 
@@ -269,7 +254,7 @@ register(
 # --- full_kl: the dense KL over the whole vocabulary -------------------------------------------
 
 
-def _full_kl_loss(x: ObjectiveInputs, cfg: Options) -> torch.Tensor:
+def _full_kl_loss(x: ObjectiveInputs, cfg: ObjectiveOptions, update: UpdateOptions) -> torch.Tensor:
     h, W = x.hidden_NTD, x.head_VD
     # The entry needs FULL, so the trainer gave the teacher's hidden states and head.
     h_t, W_t = cast(torch.Tensor, x.teacher_hidden_NTE), cast(L.HeadLike, x.teacher_head_VE)
@@ -281,7 +266,7 @@ register(
 )
 
 
-def refusal(cfg: Options, gives: frozenset[str], teacher: str) -> str | None:
+def refusal(cfg: ObjectiveOptions, gives: frozenset[str], teacher: str) -> str | None:
     """Why a teacher that gives only ``gives`` cannot train ``cfg``'s objective, beginning
     "objective=... needs ..., which {teacher}" (``teacher``: e.g. "a vLLM-format server does not
     return"); None when it can."""
@@ -297,7 +282,7 @@ def usable_with(gives: frozenset[str]) -> str:
     name in an error message: those usable with any support first."""
     anywhere, some = [], []
     for o in REGISTRY.values():
-        fits = [s for s in L.SUPPORT_KINDS if o.needs(SimpleNamespace(support=s)) <= gives]
+        fits = [s for s in L.SUPPORT_KINDS if o.needs(ObjectiveOptions(support=s)) <= gives]
         if len(fits) == len(L.SUPPORT_KINDS):
             anywhere.append(f"--objective {o.name}")
         elif fits:
@@ -319,7 +304,7 @@ REDUCTIONS = ("token_mean", "sequence_mean", "constant_sum")
 def _option(default: Any, help: str, per_task: bool = False) -> Any:
     """An option of the config's "objective" section, as :func:`opd.config.fields.opt` declares one (this
     module sits below the config, so it writes the field's metadata itself)."""
-    meta = {"help": help, "section": "objective", "per_task": per_task}
+    meta = {"help": help, "per_task": per_task}
     if isinstance(default, list):
         value = default
         return field(default_factory=lambda: list(value), metadata=meta)
@@ -369,6 +354,11 @@ class ObjectiveOptions:
         "constant_sum (summed, divided by rollouts x max_new_tokens, a constant that "
         "does not depend on the batch, as in Dr. GRPO).",
     )
+
+    def __bool__(self) -> bool:
+        # the section shares its name with the option: `if cfg.objective:` would always hold (as opd.config's
+        # Section refuses a truth test, which this module, below the config, cannot import)
+        raise TypeError("ObjectiveOptions is a section of options, never true or false; read cfg.objective.objective")
 
     def problem(self) -> str | None:
         """What is wrong with these options, as one message naming the option and the fix; None: nothing.

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from opd.cli import app
 from opd.config import ConfigError, EvalConfig, SFTConfig, TrainConfig, build_config, dump_config, read_run_config
+from opd.config.fields import option_fields, section_types
 from opd.config.sections import SECTION_NAMES, TITLES, section_of
 from opd.config.tasks import per_task_keys
 from opd.report.load import load_run
@@ -27,11 +28,18 @@ def _train(**kw) -> TrainConfig:
     return TrainConfig.from_flat(student="/m/student", teacher="/m/teacher", **kw)
 
 
-def test_every_option_of_every_command_declares_a_known_section_and_whether_tasks_set_it():
+def test_every_option_of_every_command_sits_in_a_known_section_and_declares_whether_tasks_set_it():
     for cls in CLASSES:
-        for f in dataclasses.fields(cls):
-            assert f.metadata["section"] in SECTION_NAMES, (cls.__name__, f.name)
+        # the sections in config.json's and --help's order, each a frozen dataclass of options
+        assert list(section_types(cls)) == [s for s in SECTION_NAMES if s in section_types(cls)], cls.__name__
+        for where, f in option_fields(cls):
+            assert where in SECTION_NAMES, (cls.__name__, f.name)
             assert isinstance(f.metadata["per_task"], bool), (cls.__name__, f.name)
+        cfg = cls.from_flat(student="/m/s", init="/m/s") if cls is SFTConfig else cls.from_flat()
+        for where, f in option_fields(cls):
+            assert getattr(getattr(cfg, where), f.name) == cfg.flat()[f.name]
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                setattr(getattr(cfg, where), f.name, None)
     train, sft = set(per_task_keys(TrainConfig)), set(per_task_keys(SFTConfig))
     # OPD tasks bring their teacher and sampling, SFT tasks their targets; both their data and lengths
     assert {"teacher_url", "mask_special", "lr", "top_p", "task", "env", "batch_size"} <= train
@@ -41,9 +49,9 @@ def test_every_option_of_every_command_declares_a_known_section_and_whether_task
     # one name, one section in every command (the report reads options by name: report/load.py), but for eval's own batch
     where: dict[str, set[str]] = {}
     for cls in CLASSES:
-        for f in dataclasses.fields(cls):
+        for section, f in option_fields(cls):
             if not (cls is EvalConfig and f.name == "batch_size"):
-                where.setdefault(f.name, set()).add(f.metadata["section"])
+                where.setdefault(f.name, set()).add(section)
     assert {name: sections for name, sections in where.items() if len(sections) > 1} == {}
 
 
@@ -71,13 +79,19 @@ def test_a_flat_config_json_of_version_0_1_0_still_loads(tmp_path):
     flat = json.loads(FLAT_0_1_0.read_text())
     assert not any(isinstance(v, dict) for v in flat.values())  # the fixture is flat, as 0.1.0 wrote it
     cfg = build_config(TrainConfig, flat)
-    assert (cfg.objective, cfg.support, cfg.k, cfg.steps, cfg.lr) == ("lsm", "student_topk", 8, 100, 5e-4)
+    assert (cfg.objective.objective, cfg.objective.support, cfg.objective.k, cfg.optimizer.steps, cfg.optimizer.lr) == (
+        "lsm",
+        "student_topk",
+        8,
+        100,
+        5e-4,
+    )
     assert read_run_config(FLAT_0_1_0, TrainConfig) == flat
     # Written again it is nested, and the nested file is the same config.
     dump_config(cfg, tmp_path / "config.json")
     assert build_config(TrainConfig, json.loads((tmp_path / "config.json").read_text())) == cfg
     assert read_run_config(tmp_path / "config.json", TrainConfig) == {
-        k: v for k, v in dataclasses.asdict(cfg).items() if k != "teacher_api_key"
+        k: v for k, v in cfg.flat().items() if k != "teacher_api_key"
     }
 
 
@@ -91,12 +105,18 @@ def test_a_yaml_file_may_mix_sections_and_flat_options_and_the_command_line_wins
     student: /m/student
     """
     cfg = build_config(TrainConfig, yaml.safe_load(text), {"k": 4})
-    assert (cfg.teacher, cfg.teacher_dtype, cfg.k, cfg.lr, cfg.steps) == ("/m/teacher", "bfloat16", 4, 1e-4, 7)
+    assert (cfg.teacher.teacher, cfg.teacher.teacher_dtype, cfg.objective.k, cfg.optimizer.lr, cfg.optimizer.steps) == (
+        "/m/teacher",
+        "bfloat16",
+        4,
+        1e-4,
+        7,
+    )
 
 
 def test_a_string_under_a_section_name_is_the_option_of_that_name():
     cfg = build_config(TrainConfig, {"student": "/m/s", "teacher": "/m/t", "objective": "sampled", "env": ""})
-    assert (cfg.teacher, cfg.objective) == ("/m/t", "sampled")
+    assert (cfg.teacher.teacher, cfg.objective.objective) == ("/m/t", "sampled")
 
 
 @pytest.mark.parametrize(
@@ -131,7 +151,7 @@ def test_the_report_reads_nested_and_flat_config_json_alike(tmp_path):
         d.mkdir()
         (d / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss": 1.0}) + "\n")
     dump_config(cfg, nested / "config.json")
-    record = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "teacher_api_key"}
+    record = {k: v for k, v in cfg.flat().items() if k != "teacher_api_key"}
     (flat / "config.json").write_text(json.dumps(record))
     assert load_run(nested).config == load_run(flat).config == record
 

@@ -28,16 +28,27 @@ def test_a_nested_config_json_written_at_6c1edfd_loads_to_its_values_and_is_writ
 
 def test_the_nested_fixtures_hold_what_they_were_written_with():
     train = build_config(TrainConfig, json.loads((HERE / "nested_train_6c1edfd.json").read_text()))
-    assert (train.k, train.tail, train.mask_special, train.top_p, train.lr) == (16, True, True, 0.95, 2e-4)
-    assert train.vllm_args == "--gpu-memory-utilization 0.5 --enforce-eager" and train.lora_targets == [
+    assert (
+        train.objective.k,
+        train.objective.tail,
+        train.objective.mask_special,
+        train.rollout.top_p,
+        train.optimizer.lr,
+    ) == (16, True, True, 0.95, 2e-4)
+    assert train.rollout.vllm_args == "--gpu-memory-utilization 0.5 --enforce-eager" and train.lora.lora_targets == [
         "q_proj",
         "v_proj",
     ]
-    assert [t["name"] for t in train.tasks] == ["math", "code"]
+    assert [t["name"] for t in train.multitask.tasks] == ["math", "code"]
     sft = build_config(SFTConfig, json.loads((HERE / "nested_sft_6c1edfd.json").read_text()))
-    assert (sft.init, sft.steps, sft.schedule, sft.patience) == ("/m/init", 300, "linear", 3)
+    assert (sft.model.init, sft.optimizer.steps, sft.optimizer.schedule, sft.eval.patience) == (
+        "/m/init",
+        300,
+        "linear",
+        3,
+    )
     ev = build_config(EvalConfig, json.loads((HERE / "nested_eval_6c1edfd.json").read_text()))
-    assert (ev.samples, ev.batch_size, ev.maj_k, ev.acc_teacher) == (4, 32, 4, 0.75)
+    assert (ev.eval.samples, ev.eval.batch_size, ev.eval.maj_k, ev.eval.acc_teacher) == (4, 32, 4, 0.75)
 
 
 def test_the_flat_config_json_of_0_1_0_loads_to_its_values_and_is_written_nested(tmp_path):

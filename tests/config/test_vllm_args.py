@@ -10,13 +10,13 @@ from opd.rollout.vllm_server import option_value, without_option
 
 def test_the_config_holds_the_split_options_and_keeps_the_string_config_json_has_held():
     cfg = TrainConfig.from_flat(rollout_engine="vllm", vllm_args="--enforce-eager --served-model-name 'a b' -tp=2")
-    assert cfg.vllm_argv == ("--enforce-eager", "--served-model-name", "a b", "-tp=2")
-    assert cfg.vllm_argv is cfg.vllm_argv  # split once, not per reader
-    assert cfg.vllm_args == "--enforce-eager --served-model-name 'a b' -tp=2"
-    assert EvalConfig.from_flat(student="s", rollout_engine="vllm", vllm_args="--enforce-eager").vllm_argv == (
+    assert cfg.rollout.vllm_argv == ("--enforce-eager", "--served-model-name", "a b", "-tp=2")
+    assert cfg.rollout.vllm_argv is cfg.rollout.vllm_argv  # split once, not per reader
+    assert cfg.rollout.vllm_args == "--enforce-eager --served-model-name 'a b' -tp=2"
+    assert EvalConfig.from_flat(student="s", rollout_engine="vllm", vllm_args="--enforce-eager").rollout.vllm_argv == (
         "--enforce-eager",
     )
-    assert TrainConfig.from_flat().vllm_argv == ()
+    assert TrainConfig.from_flat().rollout.vllm_argv == ()
 
 
 def test_vllm_args_that_cannot_be_split_are_refused_when_the_config_is_made():

@@ -195,7 +195,7 @@ def test_bad_env_workers_settings_are_clear_errors(tmp_path):
             TrainConfig.from_flat(env="toy", env_workers=bad)
     with pytest.raises(ConfigError, match="env_step_timeout=-1.0 must be >= 0"):
         TrainConfig.from_flat(env="toy", env_step_timeout=-1.0)
-    assert TrainConfig.from_flat(env="toy", env_workers=0).env_workers == 0
+    assert TrainConfig.from_flat(env="toy", env_workers=0).env.env_workers == 0
     result = CliRunner().invoke(app, ["train", "--env", "toy", "--env-workers", "-3", "--out", str(tmp_path)])
     assert isinstance(result.exception, ConfigError) and "env_workers=-3: use 0" in str(result.exception)
     with pytest.raises(UserError, match="use 1 to 256"):

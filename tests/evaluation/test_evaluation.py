@@ -4,7 +4,6 @@ engines (its loop with and without the static cache) and ``opd eval``."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -301,7 +300,7 @@ def test_a_records_place_that_cannot_be_a_file_is_found_before_the_model_loads(t
     cfg = EvalConfig.from_flat(
         out=str(tmp_path / "out"), student=str(DEMO / "student"), device="cpu", eval_size=2, samples=0
     )
-    run_eval(dataclasses.replace(cfg, max_new_tokens=4))
+    run_eval(cfg.replace(max_new_tokens=4))
     (tmp_path / "out" / "eval_samples.jsonl").unlink()
     (tmp_path / "out" / "eval_samples.jsonl").mkdir()
     loaded = []
@@ -318,7 +317,7 @@ def test_each_training_evaluation_writes_its_records(tiny_models, tmp_path):
 
     cfg = cfg_for(tiny_models, tmp_path, steps=2, eval_every=1, eval_size=4, eval_samples=2, maj_k=2)
     loop.train(cfg, show_progress=False)
-    run = Path(cfg.out)
+    run = Path(cfg.run.out)
     evals = [r for r in read_metrics(run) if "eval/accuracy" in r]
     assert [p.name for p in sorted((run / "eval_samples").iterdir())] == [f"step_{r['step']:07d}.jsonl" for r in evals]
     for r in evals:
@@ -332,7 +331,7 @@ def test_each_training_evaluation_writes_its_records(tiny_models, tmp_path):
         "greedy_response": True,
         "samples": 2,
         "temperature": 1.0,
-        "top_p": cfg.top_p,
+        "top_p": cfg.rollout.top_p,
         "top_k": 0,
     }
 
@@ -374,7 +373,7 @@ def test_training_evaluation_samples_reach_the_trackers(tiny_models, tmp_path):
 
     cfg = cfg_for(tiny_models, tmp_path, steps=2, eval_every=1, eval_size=3, eval_samples=1, report_to=["tensorboard"])
     loop.train(cfg, show_progress=False)
-    run = Path(cfg.out)
+    run = Path(cfg.run.out)
     acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"tensors": 0})
     acc.Reload()
     events = acc.Tensors("eval/samples/text_summary")

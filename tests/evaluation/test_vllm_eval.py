@@ -35,7 +35,7 @@ def vllm_engine(tmp_path_factory):
     tok = load_tokenizer(DEMO / "student", "student")
     cfg = EvalConfig.from_flat(student=str(DEMO / "student"), rollout_engine="vllm")  # as opd eval starts it
     model = load_model(DEMO / "student", "student")
-    engine = start_vllm(EngineContext(model, tok, cfg, cfg.student, folder=tmp_path_factory.mktemp("vllm")))
+    engine = start_vllm(EngineContext(model, tok, cfg, cfg.model.student, folder=tmp_path_factory.mktemp("vllm")))
     yield model, tok, engine
     engine.close()
 

@@ -102,10 +102,10 @@ def run_steps(cfg: TrainConfig, cudnn: bool) -> dict:
     finally:
         producer.close()
         torch.backends.cuda.enable_cudnn_sdp(False)
-    recs = [json.loads(x) for x in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(x) for x in (Path(cfg.run.out) / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "train/loss" in r]
     finite = all(math.isfinite(r["train/loss"]) and math.isfinite(r["train/grad_norm"]) for r in steps)
-    return {"finite": finite and len(steps) == cfg.steps, "steps": steps}
+    return {"finite": finite and len(steps) == cfg.optimizer.steps, "steps": steps}
 
 
 def test_sdpa_fully_masked_rows_bfloat16(device, record_property):
@@ -169,7 +169,7 @@ def test_step_split_bfloat16(models, device, tmp_path, record_property):
     later = got["steps"][1:]  # the first step includes warm-up
     for key in ("time/generate", "time/score", "time/update", "time/step"):
         record_property(key.split("/")[1] + "_s", statistics.median(s[key] for s in later))
-    tokens = statistics.median(s["rollout/response_len"] for s in later) * cfg.batch_size
+    tokens = statistics.median(s["rollout/response_len"] for s in later) * cfg.optimizer.batch_size
     record_property("rollout_tokens_per_s", tokens / statistics.median(s["time/generate"] for s in later))
 
 

@@ -666,7 +666,7 @@ def test_stale_sampled_objective_against_reference(shape, mask_kind, gamma):
     reference's: reward from the policy being updated, REINFORCE weighted by min(pi / mu, 2)."""
     from types import SimpleNamespace
 
-    from opd.objectives import ObjectiveInputs, lookup
+    from opd.objectives import ObjectiveInputs, ObjectiveOptions, lookup
 
     B, T, V, _ = shape
     g = gen(29)
@@ -690,7 +690,9 @@ def test_stale_sampled_objective_against_reference(shape, mask_kind, gamma):
         teacher_sampled_logprobs_NT=teacher,
         policy_logprobs_NT=now,
     )
-    out = lookup("sampled").loss(x, SimpleNamespace(gamma=gamma, clip_eps=0.2, stale_weight_cap=2.0))
+    out = lookup("sampled").loss(
+        x, ObjectiveOptions("sampled", gamma=gamma), SimpleNamespace(clip_eps=0.2, stale_weight_cap=2.0)
+    )
     lp = L.token_logprobs_from_hidden(h, W, ids)
     ref, ref_g_lp = R.ref_stale_sampled_loss(lp, now, beh, teacher, mask, gamma, 2.0, mask, gout)
     close(out, ref, F64, "value")

@@ -347,8 +347,8 @@ def test_all_masked_input_is_zero_with_zero_gradients(dtype):
 
 
 def test_tail_option_defaults_off_and_refuses_what_it_cannot_do():
-    assert TrainConfig.from_flat().tail is False
-    assert TrainConfig.from_flat(tail=True).tail is True
+    assert TrainConfig.from_flat().objective.tail is False
+    assert TrainConfig.from_flat(tail=True).objective.tail is True
     with pytest.raises(ConfigError, match="--objective lsm"):
         TrainConfig.from_flat(tail=True, objective="sampled")
     with pytest.raises(ConfigError, match="no-renormalize"):
@@ -370,8 +370,8 @@ def test_trainer_tail_loss_is_the_dense_one_on_rollouts(tiny_models, tmp_path):
     )
     run = train_mod.setup(cfg)
     batch, _, _ = first_rollout(run)
-    mask = loss_mask(batch, run.special_ids, run.cfg.mask_special)
-    scores = run.tasks[0].teacher.score(batch, run.cfg.k)
+    mask = loss_mask(batch, run.special_ids, run.cfg.objective.mask_special)
+    scores = run.tasks[0].teacher.score(batch, run.cfg.objective.k)
     params = [p for p in run.student.parameters() if p.requires_grad]
     loss_NT, _ = objective_loss(run.cfg, run.student, run.tasks[0].teacher, batch, scores, mask)
     ids, smask = L.build_support("teacher_topk", scores.topk_ids_NTK)  # the default support

@@ -127,7 +127,7 @@ def test_bad_options_are_one_line_errors(value, message):
 
 def test_the_teachers_options_default_to_the_students():
     cfg = TrainConfig.from_flat(chat_template_kwargs='{"enable_thinking": false}')
-    assert cfg.chat_template_kwargs == OFF and cfg.teacher_chat_options() == OFF
+    assert cfg.data.chat_template_kwargs == OFF and cfg.teacher_chat_options() == OFF
     assert (
         TrainConfig.from_flat(chat_template_kwargs=OFF, teacher_chat_template_kwargs="{}").teacher_chat_options() == {}
     )

@@ -3,7 +3,6 @@ folder winning, revisions honoured, and one-line errors naming the cache and the
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 
@@ -116,7 +115,7 @@ def test_an_engine_of_its_own_is_given_the_folder_the_students_name_resolved_to(
     registry.register("recording", recording)
     try:
         cfg = cfg_for(("acme/student", tiny_models[1]), tmp_path, student_revision="r2", steps=1, eval=False)
-        train_mod.train(dataclasses.replace(cfg, rollout_engine="recording"), show_progress=False)
+        train_mod.train(cfg.replace(rollout_engine="recording"), show_progress=False)
     finally:
         registry.ENGINES.pop("recording")
     assert seen == [str(snap)]

@@ -327,7 +327,7 @@ def test_a_session_past_its_budget_is_refused(demo):
 def test_the_option_reaches_the_engine_and_bad_values_are_refused(demo):
     model, tok = demo
     base = dict(student="/m/student", teacher="/m/teacher")
-    assert TrainConfig.from_flat(**base).static_cache == "off"  # until a GPU run measures it faster
+    assert TrainConfig.from_flat(**base).rollout.static_cache == "off"  # until a GPU run measures it faster
     for cfg, mode in ((TrainConfig.from_flat(**base, static_cache="auto"), "auto"), (TrainConfig.from_flat(**base, static_cache="on"), "on"),
                       (TrainConfig.from_flat(**base, static_cache="auto", fsdp=True), "off")):  # fmt: skip
         assert start_hf(EngineContext(model, tok, cfg)).static.mode == mode

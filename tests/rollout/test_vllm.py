@@ -238,7 +238,7 @@ def test_a_lora_students_adapter_alone_reaches_the_engine(tmp_path):
                 if "lora_B" in name:
                     p.normal_(0, 0.05)
 
-    engine = start_vllm(EngineContext(model, tok, cfg, cfg.student, folder=tmp_path / "engine"))
+    engine = start_vllm(EngineContext(model, tok, cfg, cfg.model.student, folder=tmp_path / "engine"))
     try:
         assert engine.way.name == "adapter" and "--enable-lora --max-lora-rank 8" in engine.server.log_path.read_text()
         ids = [tok(f"Compute {i} + {i * 7}.")["input_ids"] for i in range(8)]
@@ -574,7 +574,7 @@ def test_vllm_args_the_engine_refuses_stop_it_with_its_error_line(tmp_path, args
     )
     t0 = time.monotonic()
     with pytest.raises(UserError, match=r"the vLLM server exited \(status \d+\) before it was ready") as err:
-        start_vllm(EngineContext(load_model(DEMO / "student", "student"), tok, cfg, cfg.student, folder=tmp_path))
+        start_vllm(EngineContext(load_model(DEMO / "student", "student"), tok, cfg, cfg.model.student, folder=tmp_path))
     assert said in str(err.value) and time.monotonic() - t0 < 120
 
 
@@ -601,7 +601,9 @@ def test_a_batch_of_seeded_prompts_over_the_engines_token_budget(tmp_path):
 
     tok = load_tokenizer(DEMO / "student", "student")
     cfg = TrainConfig.from_flat(student=str(DEMO / "student"), teacher=str(DEMO / "teacher"), rollout_engine="vllm")
-    engine = start_vllm(EngineContext(load_model(DEMO / "student", "student"), tok, cfg, cfg.student, folder=tmp_path))
+    engine = start_vllm(
+        EngineContext(load_model(DEMO / "student", "student"), tok, cfg, cfg.model.student, folder=tmp_path)
+    )
     try:
         prompts = PromptSet.build(load_task("arithmetic", 2, 0).examples("train")[:128], tok, 256).prompt_ids
         batch = engine.generate(prompts, list(range(128)), max_new_tokens=48, top_p=0.9)

@@ -86,7 +86,7 @@ def test_rollout_engine_options_are_checked(tiny_models):
         UserError, match=r"rollout_engine='sglang' is not a registered rollout engine; choose one of hf, vllm"
     ):
         check_engine(
-            TrainConfig.from_flat(**base, rollout_engine="sglang").rollout_engine
+            TrainConfig.from_flat(**base, rollout_engine="sglang").rollout.rollout_engine
         )  # the registry is rollout/'s
     with pytest.raises(ConfigError, match="add --rollout-engine vllm"):
         TrainConfig.from_flat(**base, vllm_url="http://127.0.0.1:8000")
@@ -98,9 +98,9 @@ def test_rollout_engine_options_are_checked(tiny_models):
         TrainConfig.from_flat(**base, rollout_engine="vllm", vllm_wait=-1.0)
     assert TrainConfig.from_flat(
         **base, rollout_engine="vllm", fsdp=True
-    ).fsdp  # each rank's engine gets the gathered weights
-    assert TrainConfig.from_flat(**base, rollout_engine="vllm").vllm_max_gap == 1e-3
-    assert TrainConfig.from_flat(**base, rollout_engine="vllm", dtype="bfloat16").vllm_max_gap == 0.05
+    ).run.fsdp  # each rank's engine gets the gathered weights
+    assert TrainConfig.from_flat(**base, rollout_engine="vllm").rollout.vllm_max_gap == 1e-3
+    assert TrainConfig.from_flat(**base, rollout_engine="vllm", dtype="bfloat16").rollout.vllm_max_gap == 0.05
 
 
 def test_prompts_and_responses_beyond_the_students_context_are_refused_before_the_engine_starts(tiny_models, tmp_path):

@@ -219,11 +219,16 @@ def test_a_failed_rollout_leaves_the_engine_awake_and_its_error_raised(stand_in,
 
 
 def test_sleep_options_are_checked():
-    assert TrainConfig.from_flat(rollout_engine="vllm", vllm_args="--enable-sleep-mode").vllm_sleep == 1  # vLLM's words
-    assert TrainConfig.from_flat(rollout_engine="vllm", vllm_sleep=2, vllm_args="--enable-sleep-mode").vllm_sleep == 2
-    assert TrainConfig.from_flat(rollout_engine="vllm").vllm_sleep == 0
     assert (
-        TrainConfig.from_flat(rollout_engine="vllm", vllm_sleep=2, lora_r=4).vllm_sync == "auto"
+        TrainConfig.from_flat(rollout_engine="vllm", vllm_args="--enable-sleep-mode").rollout.vllm_sleep == 1
+    )  # vLLM's words
+    assert (
+        TrainConfig.from_flat(rollout_engine="vllm", vllm_sleep=2, vllm_args="--enable-sleep-mode").rollout.vllm_sleep
+        == 2
+    )
+    assert TrainConfig.from_flat(rollout_engine="vllm").rollout.vllm_sleep == 0
+    assert (
+        TrainConfig.from_flat(rollout_engine="vllm", vllm_sleep=2, lora_r=4).rollout.vllm_sync == "auto"
     )  # auto picks shm or file
     vllm = dict(rollout_engine="vllm")
     by_args = dict(vllm, vllm_args="--enable-sleep-mode")
@@ -242,17 +247,20 @@ def test_sleep_options_are_checked():
         with pytest.raises(ConfigError, match=match):
             TrainConfig.from_flat(**kw)
     cfg = TrainConfig.from_flat(rollout_engine="vllm", vllm_sleep=2)
-    assert sleep_options(cfg, True, []) == ["--enable-sleep-mode"]
-    assert sleep_options(cfg, True, ["--enable-sleep-mode"]) == []
-    assert sleep_options(TrainConfig.from_flat(rollout_engine="vllm"), False, []) == []
+    assert sleep_options(cfg.rollout, True, []) == ["--enable-sleep-mode"]
+    assert sleep_options(cfg.rollout, True, ["--enable-sleep-mode"]) == []
+    assert sleep_options(TrainConfig.from_flat(rollout_engine="vllm").rollout, False, []) == []
     with pytest.raises(UserError, match="^--vllm-sleep 2: vLLM's sleep mode runs on GPUs only"):
-        sleep_options(cfg, False, [])
+        sleep_options(cfg.rollout, False, [])
     with pytest.raises(UserError, match="^--vllm-args --enable-sleep-mode: vLLM's sleep mode runs on GPUs only"):
-        sleep_options(TrainConfig.from_flat(**by_args), False, ["--enable-sleep-mode"])
+        sleep_options(TrainConfig.from_flat(**by_args).rollout, False, ["--enable-sleep-mode"])
 
 
 def test_opd_eval_refuses_the_sleep_mode():
     """opd eval has no trainer to free the GPU for; vLLM's own flag is passed through, as it always was."""
     with pytest.raises(ConfigError, match="^--vllm-sleep 1: opd eval has no trainer"):
         EvalConfig.from_flat(student="s", rollout_engine="vllm", vllm_sleep=1)
-    assert EvalConfig.from_flat(student="s", rollout_engine="vllm", vllm_args="--enable-sleep-mode").vllm_sleep == 0
+    assert (
+        EvalConfig.from_flat(student="s", rollout_engine="vllm", vllm_args="--enable-sleep-mode").rollout.vllm_sleep
+        == 0
+    )

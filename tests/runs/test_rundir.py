@@ -3,7 +3,6 @@ folder is claimed for one command (its marker, or its layout for folders written
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import stat
@@ -114,7 +113,7 @@ def test_a_train_run_from_before_the_marker_resumes_and_reports(tiny_models, tmp
     train_mod.train(cfg, show_progress=False)
     (tmp_path / "run" / MARKER).unlink()  # as a run written before the marker existed
     assert run_owner(tmp_path / "run") == "train"
-    train_mod.train(dataclasses.replace(cfg, steps=3, resume=True), show_progress=False)
+    train_mod.train(cfg.replace(steps=3, resume=True), show_progress=False)
     assert json.loads((tmp_path / "run" / MARKER).read_text()) == {"command": "train"}
     steps = [r["step"] for r in load_run(tmp_path / "run").steps]
     assert steps == [0, 1, 2]

@@ -106,11 +106,13 @@ def tiny_train_cfg(models, out, **kw) -> TrainConfig:
 
 
 def test_report_to_is_parsed_like_other_lists():
-    assert TrainConfig.from_flat().report_to == ["none"] and SFTConfig.from_flat(arch="qwen2:1:8").report_to == ["none"]
-    assert build_config(TrainConfig, {}, {"report_to": ["tensorboard,wandb"]}).report_to == ["tensorboard", "wandb"]
+    assert TrainConfig.from_flat().run.report_to == ["none"] and SFTConfig.from_flat(
+        arch="qwen2:1:8"
+    ).run.report_to == ["none"]
+    assert build_config(TrainConfig, {}, {"report_to": ["tensorboard,wandb"]}).run.report_to == ["tensorboard", "wandb"]
     repeated = build_config(TrainConfig, {}, {"report_to": ["TensorBoard", "wandb", "tensorboard"]})
-    assert repeated.report_to == ["tensorboard", "wandb"]
-    assert build_config(SFTConfig, {"report_to": "trackio", "arch": "qwen2:1:8"}).report_to == [
+    assert repeated.run.report_to == ["tensorboard", "wandb"]
+    assert build_config(SFTConfig, {"report_to": "trackio", "arch": "qwen2:1:8"}).run.report_to == [
         "trackio"
     ]  # YAML scalar
 
@@ -138,7 +140,7 @@ def test_cli_takes_repeated_and_comma_separated_report_to(monkeypatch, tmp_path)
     import opd.training.loop as train_mod
 
     seen = []
-    monkeypatch.setattr(train_mod, "train", lambda cfg: seen.append(cfg.report_to))
+    monkeypatch.setattr(train_mod, "train", lambda cfg: seen.append(cfg.run.report_to))
     for args in (["--report-to", "tensorboard", "--report-to", "wandb"], ["--report-to", "tensorboard,wandb"]):
         result = CliRunner().invoke(app, ["train", "--out", str(tmp_path / "run"), *args])
         assert result.exit_code == 0, result.output + repr(result.exception)
@@ -198,7 +200,7 @@ def test_tensorboard_holds_the_scalars_of_metrics_jsonl_and_the_config(tmp_path)
 
     out = tmp_path / "run"
     cfg = TrainConfig.from_flat(out=str(out), report_to=["tensorboard"], lr=3e-3, lora_targets=["q_proj", "v_proj"])
-    with RunDir(out, enabled=True, report_to=cfg.report_to) as run:
+    with RunDir(out, enabled=True, report_to=cfg.run.report_to) as run:
         run.write_config(cfg)
         for step in range(5):
             run.log_metrics(record(step))
@@ -248,7 +250,7 @@ def test_opd_train_killed_and_resumed_with_tensorboard(tiny_models, tmp_path, mo
     monkeypatch.setattr(setup_mod, "RunDir", lambda path, **kw: RunDir(path, **{"report_to": ["tensorboard"], **kw}))
     cfg = tiny_train_cfg(tiny_models, tmp_path / "run", report_to=["tensorboard"])
     train_killed_at(cfg, 3, monkeypatch)
-    train_mod.train(TrainConfig.from_flat(**{**cfg.__dict__, "resume": True}), show_progress=False)
+    train_mod.train(cfg.replace(resume=True), show_progress=False)
 
     records = read_metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [0, 1, 2, 3, 3]  # the last is the final evaluation

@@ -114,10 +114,10 @@ def test_nothing_to_grade_turns_evaluation_off_with_a_note(tmp_path):
     notes = grading_notes(cfg, task, evaluation)
     assert (
         notes[0]
-        == f"of the 9 training prompts of {cfg.task}, none has a reference answer: they train, and no rollout accuracy is logged"
+        == f"of the 9 training prompts of {cfg.data.task}, none has a reference answer: they train, and no rollout accuracy is logged"
     )
     assert notes[1].startswith(
-        f"none of the held-out prompts of {cfg.task} has a reference answer (looked for an 'answer' column"
+        f"none of the held-out prompts of {cfg.data.task} has a reference answer (looked for an 'answer' column"
     )
     assert notes[1].endswith(
         "so there is nothing to grade and evaluation is off; give --eval-task DATA with answers to evaluate, or --no-eval to train on every row"

@@ -73,7 +73,7 @@ def test_identical_tokenizers_score_and_lsm_loss_equal_ordinary(tiny_models, tmp
     # teacher minus student is the span reward, here the token reward: equal up to one rounding
     torch.testing.assert_close(cross.sampled_logprobs_NT[action], plain.sampled_logprobs_NT[action])
     assert cross.metrics == {"cross/one_to_one": 1.0, "cross/mapped_mass": 1.0}
-    mask = loss_mask(batch, run.special_ids, run.cfg.mask_special)
+    mask = loss_mask(batch, run.special_ids, run.cfg.objective.mask_special)
     kept, metrics = scored_loss_mask(mask, cross)
     assert torch.equal(kept, mask) and metrics == {"cross/dropped": 0.0}
     loss_cross, _ = objective_loss(run.cfg, run.student, run.tasks[0].teacher, batch, cross, kept)

@@ -9,7 +9,6 @@ real process (test_teacher_restart.ServedTeacher), started once for this module.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import shlex
@@ -50,16 +49,16 @@ def test_teacher_url_takes_servers_comma_separated_repeated_or_as_a_yaml_list(ti
     args = ["train", "--student", student, "--teacher-url", URLS[0], "--teacher-url", f"{URLS[1]}, {URLS[2]}"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    assert seen[0].teacher_url == joined  # repeated and comma-separated flags add up, in order
+    assert seen[0].teacher.teacher_url == joined  # repeated and comma-separated flags add up, in order
     (tmp_path / "list.yaml").write_text(f"student: {student}\nteacher_url:\n" + "".join(f"  - {u}\n" for u in URLS))
     (tmp_path / "one.yaml").write_text(f"student: {student}\nteacher_url: {URLS[0]}\n")
-    assert build_config(TrainConfig, read_config_file(tmp_path / "list.yaml")).teacher_url == joined
-    assert build_config(TrainConfig, read_config_file(tmp_path / "one.yaml")).teacher_url == URLS[0]
+    assert build_config(TrainConfig, read_config_file(tmp_path / "list.yaml")).teacher.teacher_url == joined
+    assert build_config(TrainConfig, read_config_file(tmp_path / "one.yaml")).teacher.teacher_url == URLS[0]
     # config.json keeps one string: a run's own (a pool's) and an older single-URL one load back the same
     for url in (joined, URLS[0]):
         dump_config(TrainConfig.from_flat(student=student, teacher_url=url), tmp_path / "config.json")
         assert json.loads((tmp_path / "config.json").read_text())["teacher"]["teacher_url"] == url
-        assert build_config(TrainConfig, read_config_file(tmp_path / "config.json")).teacher_url == url
+        assert build_config(TrainConfig, read_config_file(tmp_path / "config.json")).teacher.teacher_url == url
 
 
 @pytest.mark.parametrize(
@@ -439,7 +438,7 @@ def test_a_server_killed_mid_run_costs_no_step(two, tmp_path, monkeypatch):
     monkeypatch.setattr(producer, "rollout_stage", rollout)
     urls = ",".join(s.url for s in servers)
     try:
-        train_mod.train(dataclasses.replace(cfg, out=str(tmp_path / "run"), teacher_url=urls), show_progress=False)
+        train_mod.train(cfg.replace(out=str(tmp_path / "run"), teacher_url=urls), show_progress=False)
     finally:
         victim.start()  # for whichever test comes next
     assert lines == [

@@ -7,7 +7,6 @@ step's start (a hook, not a timer) and compare what the run wrote with an uninte
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import signal
 import subprocess
@@ -219,7 +218,7 @@ def test_teacher_wait_option_and_old_configs(tiny_models):
     student = str(tiny_models[0])
     old = {"student": student, "teacher_url": "http://127.0.0.1:1", "teacher_retries": 3}
     cfg = build_config(TrainConfig, old)  # a config.json of an older run still loads, with its cap
-    assert (cfg.teacher_wait, cfg.teacher_retries) == (600.0, 3)
+    assert (cfg.teacher.teacher_wait, cfg.teacher.teacher_retries) == (600.0, 3)
     with pytest.raises(ConfigError, match="teacher_wait >= 0"):
         TrainConfig.from_flat(student=student, teacher_wait=-1.0)
     # make_teacher passes the settings on: no patience is an error at the first refusal
@@ -351,7 +350,7 @@ def test_a_run_waits_out_a_kill_9_and_restart_of_its_teacher(served_run, tmp_pat
 
     monkeypatch.setattr(setup_mod, "make_teacher", make)
     kill_at_step(monkeypatch, server)
-    cfg = dataclasses.replace(cfg, out=str(tmp_path / "run"), teacher_wait=120.0)
+    cfg = cfg.replace(out=str(tmp_path / "run"), teacher_wait=120.0)
     train_mod.train(cfg, show_progress=False)
     server.wait_ready()
     assert len(lines) >= 2 and "unreachable (connection refused); waiting up to 120 s" in lines[0]
@@ -367,7 +366,7 @@ def test_a_teacher_that_stays_down_leaves_a_checkpoint_and_resume_loses_nothing(
     seen_rng = []
     kill_at_step(monkeypatch, server, seen_rng)
     out = tmp_path / "run"
-    cfg = dataclasses.replace(cfg, out=str(out), teacher_wait=1.0)
+    cfg = cfg.replace(out=str(out), teacher_wait=1.0)
     t0 = time.monotonic()
     with pytest.raises(UserError) as err:
         train_mod.train(cfg, show_progress=False)
@@ -386,7 +385,7 @@ def test_a_teacher_that_stays_down_leaves_a_checkpoint_and_resume_loses_nothing(
     monkeypatch.undo()
     server.start()
     server.wait_ready()
-    train_mod.train(dataclasses.replace(cfg, resume=True), show_progress=False)
+    train_mod.train(cfg.replace(resume=True), show_progress=False)
     same_run(out, whole)
 
 
@@ -399,7 +398,7 @@ def test_giving_up_before_any_step_says_there_is_no_checkpoint(served_run, tmp_p
 
     monkeypatch.setattr(producer, "score_stage", down)
     with pytest.raises(TeacherUnavailable, match="no step had finished, so nothing was checkpointed; run the same"):
-        train_mod.train(dataclasses.replace(cfg, out=str(tmp_path / "run")), show_progress=False)
+        train_mod.train(cfg.replace(out=str(tmp_path / "run")), show_progress=False)
     assert (tmp_path / "run" / "config.json").exists() and not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -411,7 +410,7 @@ def test_a_multi_task_step_cut_short_between_its_parts_is_redone_whole(tiny_mode
     small = {**RUN, "steps": 3, "eval_size": 2}  # mix: the batch of 2 is one prompt per task
     cfg = TrainConfig.from_flat(student=str(student), teacher=str(teacher), tasks=tasks, task_mode="mix", **small)
     whole, out = tmp_path / "whole", tmp_path / "cut"
-    train_mod.train(dataclasses.replace(cfg, out=str(whole)), show_progress=False)
+    train_mod.train(cfg.replace(out=str(whole)), show_progress=False)
     real_make = setup_mod.make_teacher
 
     class GivesUp:  # the teacher both tasks share: its 6th call is task b's part of step 2
@@ -426,10 +425,10 @@ def test_a_multi_task_step_cut_short_between_its_parts_is_redone_whole(tiny_mode
 
     monkeypatch.setattr(setup_mod, "make_teacher", lambda *a: GivesUp(real_make(*a)))
     with pytest.raises(UserError, match=r"^task 'b': teacher server http://t is unreachable .*checkpoint of step 1 "):
-        train_mod.train(dataclasses.replace(cfg, out=str(out)), show_progress=False)
+        train_mod.train(cfg.replace(out=str(out)), show_progress=False)
     assert [r["step"] for r in read_metrics(out)] == [0, 1]
     monkeypatch.undo()
-    train_mod.train(dataclasses.replace(cfg, out=str(out), resume=True), show_progress=False)
+    train_mod.train(cfg.replace(out=str(out), resume=True), show_progress=False)
     same_run(out, whole)
 
 
@@ -443,7 +442,7 @@ def served_ahead_run(served_run, tmp_path_factory):
     server, cfg, _ = served_run
     server.wait_ready()
     out = tmp_path_factory.mktemp("served-ahead") / "whole"
-    cfg = dataclasses.replace(cfg, out=str(out), max_staleness=1)
+    cfg = cfg.replace(out=str(out), max_staleness=1)
     train_mod.train(cfg, show_progress=False)
     return server, cfg, out
 
@@ -463,7 +462,7 @@ def test_a_served_teacher_scores_the_next_step_while_the_trainer_updates(served_
         return real_score(*args)
 
     def update(run, step, parts):
-        if step < cfg.steps - 1:
+        if step < cfg.optimizer.steps - 1:
             waits.append(started.wait(60))
             started.clear()
         return real_update(run, step, parts)
@@ -471,16 +470,16 @@ def test_a_served_teacher_scores_the_next_step_while_the_trainer_updates(served_
     monkeypatch.setattr(producer, "score_stage", score)
     monkeypatch.setattr(train_mod, "update_stage", update)
     ahead = tmp_path / "ahead"
-    train_mod.train(dataclasses.replace(cfg, out=str(ahead)), show_progress=False)
-    assert waits == [True] * (cfg.steps - 1)
+    train_mod.train(cfg.replace(out=str(ahead)), show_progress=False)
+    assert waits == [True] * (cfg.optimizer.steps - 1)
     monkeypatch.undo()
     monkeypatch.setattr(producer.Ahead, "_score_ahead", lambda self, step: None)
     in_turn = tmp_path / "in-turn"
-    train_mod.train(dataclasses.replace(cfg, out=str(in_turn)), show_progress=False)
+    train_mod.train(cfg.replace(out=str(in_turn)), show_progress=False)
     same_run(ahead, in_turn)
     same_run(whole, in_turn)
     scored = [r for r in read_metrics(ahead) if "train/loss" in r]
-    assert ["time/score_ahead" in r for r in scored] == [False] + [True] * (cfg.steps - 1)
+    assert ["time/score_ahead" in r for r in scored] == [False] + [True] * (cfg.optimizer.steps - 1)
     assert not any("time/score_ahead" in r for r in read_metrics(in_turn))
 
 
@@ -501,12 +500,12 @@ def test_a_teacher_lost_while_scoring_ahead_stops_the_next_step_and_resume_loses
 
     monkeypatch.setattr(producer.Ahead, "_score_ahead", kill_then_score)
     out = tmp_path / "run"
-    cut = dataclasses.replace(cfg, out=str(out), teacher_wait=1.0)
+    cut = cfg.replace(out=str(out), teacher_wait=1.0)
     with pytest.raises(TeacherUnavailable, match=f"checkpoint of step {KILL_AT - 1} written in "):
         train_mod.train(cut, show_progress=False)
     assert [r["step"] for r in read_metrics(out)] == list(range(KILL_AT))
     monkeypatch.undo()
     server.start()
     server.wait_ready()
-    train_mod.train(dataclasses.replace(cut, resume=True), show_progress=False)
+    train_mod.train(cut.replace(resume=True), show_progress=False)
     same_run(out, whole)

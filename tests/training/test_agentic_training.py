@@ -107,7 +107,7 @@ def test_agentic_resume_equals_uninterrupted(tiny_models, tmp_path, monkeypatch,
     expected = step_records(tmp_path / "a")
     killed = agentic_cfg(tiny_models, tmp_path / "b", eval_samples=0, max_staleness=S)
     train_killed_at(killed, 2, monkeypatch)
-    train_mod.train(TrainConfig.from_flat(**{**killed.__dict__, "resume": True}), show_progress=False)
+    train_mod.train(killed.replace(resume=True), show_progress=False)
     got = step_records(tmp_path / "b")
     assert [r["step"] for r in got] == [0, 1, 2]
     for e, g in zip(expected, got, strict=True):
@@ -126,7 +126,7 @@ def test_agentic_resume_with_env_workers_equals_uninterrupted_in_process(tiny_mo
     real_batch = EnvWorkers.batch
     monkeypatch.setattr(EnvWorkers, "batch", lambda pool: batches.append(len(pool.workers)) or real_batch(pool))
     train_killed_at(killed, 2, monkeypatch)
-    train_mod.train(TrainConfig.from_flat(**{**killed.__dict__, "resume": True}), show_progress=False)
+    train_mod.train(killed.replace(resume=True), show_progress=False)
     assert len(batches) >= 3 and set(batches) == {2}  # the steps' and evaluation's episodes went to 2 workers
     got = read_metrics(tmp_path / "b")
     assert [r["step"] for r in step_records(tmp_path / "b")] == [0, 1, 2]
@@ -363,7 +363,7 @@ def test_expert_mistakes_option_is_checked():
         SFTConfig.from_flat(arch="qwen2:1:8", env="toy", expert_mistakes=1.0)
     with pytest.raises(ConfigError, match="expert_mistakes needs --env"):
         SFTConfig.from_flat(arch="qwen2:1:8", expert_mistakes=0.25)
-    assert SFTConfig.from_flat(arch="qwen2:1:8", env="toy", expert_mistakes=0.25).expert_mistakes == 0.25
+    assert SFTConfig.from_flat(arch="qwen2:1:8", env="toy", expert_mistakes=0.25).env.expert_mistakes == 0.25
 
 
 # ------------------------------------------------------------------- DAgger: another player's states

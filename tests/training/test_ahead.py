@@ -9,7 +9,6 @@ and its step's rollouts made again, nothing lost and the restart counted; bad se
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 
@@ -70,16 +69,20 @@ def test_step_t_rolls_out_the_policy_of_step_t_minus_s(tiny_models, tmp_path, mo
     train_mod.train(cfg, show_progress=False)
     assert [r["rollout/staleness"] for r in step_records(tmp_path / "run")] == [0.0, 1.0, 1.0, 1.0]
 
-    tok = load_tokenizer(cfg.student, "student")
-    run = train_mod.setup(dataclasses.replace(cfg, out=str(tmp_path / "probe"), max_staleness=0))
-    model = load_model(cfg.student, "student", "float32", "cpu")
+    tok = load_tokenizer(cfg.model.student, "student")
+    run = train_mod.setup(cfg.replace(out=str(tmp_path / "probe"), max_staleness=0))
+    model = load_model(cfg.model.student, "student", "float32", "cpu")
 
     def rollout(weights, step):
         model.load_state_dict(weights)
         rows, seeds = producer.rollout_request(run, step, producer.step_tasks(run, step)[0])
         ids = [run.tasks[0].source.prompts.prompt_ids[i] for i in rows]
         b = HFRollout(model, tok.eos_token_id, tok.pad_token_id).generate(
-            ids, seeds, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p
+            ids,
+            seeds,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
         )
         return (b.response_ids_NT * b.response_mask_NT).tolist()
 
@@ -100,7 +103,7 @@ def test_a_stale_run_killed_and_resumed_equals_the_uninterrupted_run(tiny_models
     train_mod.train(cfg_for(tiny_models, tmp_path / "a", **kw), show_progress=False)
     killed = cfg_for(tiny_models, tmp_path / "b", **kw)
     train_killed_at(killed, 3, monkeypatch)
-    train_mod.train(dataclasses.replace(killed, resume=True), show_progress=False)
+    train_mod.train(killed.replace(resume=True), show_progress=False)
     want = step_records(tmp_path / "a" / "run")
     assert [r["rollout/staleness"] for r in want] == [float(min(t, S)) for t in range(5)]
     same_steps(step_records(tmp_path / "b" / "run"), want)
@@ -141,7 +144,7 @@ def test_two_ranks_running_ahead_match_one_process(tiny_models, tmp_path):
     one = TrainConfig.from_flat(
         student=str(student), teacher=str(teacher), out=str(tmp_path / "one"), **{**SMALL, **kw}
     )
-    train_mod.train(dataclasses.replace(one, batch_size=4), show_progress=False)
+    train_mod.train(one.replace(batch_size=4), show_progress=False)
     assert_same_trajectory(step_records(tmp_path / "ddp"), step_records(tmp_path / "one"))
 
 
@@ -161,9 +164,9 @@ def test_bad_staleness_settings_are_refused(tiny_models, tmp_path, kw, match):
 
 def test_resuming_with_another_staleness_is_refused(tiny_models, tmp_path):
     cfg = cfg_for(tiny_models, tmp_path, steps=2, ckpt_every=1, eval_samples=0, max_staleness=1)
-    train_mod.train(dataclasses.replace(cfg, steps=1), show_progress=False)
+    train_mod.train(cfg.replace(steps=1), show_progress=False)
     with pytest.raises(UserError, match="written with --max-staleness 1.*resume with --max-staleness 1"):
-        train_mod.train(dataclasses.replace(cfg, resume=True, max_staleness=0), show_progress=False)
+        train_mod.train(cfg.replace(resume=True, max_staleness=0), show_progress=False)
 
 
 @pytest.mark.slow  # three 2-rank torchrun launches: 205 s on the shared 2-core machine

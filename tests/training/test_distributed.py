@@ -184,7 +184,7 @@ def test_dist_timeout_bounds_a_wait_for_a_missing_rank():
 
     from opd.config import ConfigError, TrainConfig
 
-    assert TrainConfig.from_flat().dist_timeout == 1800.0
+    assert TrainConfig.from_flat().run.dist_timeout == 1800.0
     with pytest.raises(ConfigError, match="dist_timeout=0.0 must be > 0"):
         TrainConfig.from_flat(dist_timeout=0.0)
     env = {**ENV, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}

@@ -66,16 +66,16 @@ def test_a_rule_the_run_cannot_meet_is_refused_at_start(options, message):
 
 
 def test_rules_accept_the_figures_the_run_logs():
-    assert TrainConfig.from_flat(student="s", teacher="t", keep_best="pass_at_k:max", eval_samples=2).keep_best
+    assert TrainConfig.from_flat(student="s", teacher="t", keep_best="pass_at_k:max", eval_samples=2).run.keep_best
     tasks = [{"name": "a", "task": "arithmetic"}, {"name": "b", "task": "arithmetic"}]
-    assert TrainConfig.from_flat(student="s", teacher="t", tasks=tasks, keep_best="eval/b/accuracy:min").keep_best
+    assert TrainConfig.from_flat(student="s", teacher="t", tasks=tasks, keep_best="eval/b/accuracy:min").run.keep_best
     with pytest.raises(ConfigError, match="never evaluates eval/c/accuracy"):
         TrainConfig.from_flat(student="s", teacher="t", tasks=tasks, keep_best="eval/c/accuracy")
 
 
 def test_the_evaluations_own_figures_are_the_ones_rules_may_name():
     """The rule's list of figures and what the evaluation returns must not drift apart."""
-    from opd.config.checkpoints import evaluated_figures
+    from opd.config.options import evaluated_figures
     from opd.evaluation.core import EvalPlan, Rollout, evaluate
 
     class Items:  # three prompts with answers; every rollout correct when its seed is even

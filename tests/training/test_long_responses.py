@@ -167,7 +167,7 @@ def test_fsdp_with_token_budget_and_checkpointing_follows_one_process(tiny_model
     cfg = TrainConfig.from_flat(
         student=str(tiny_models[0]), teacher=str(tiny_models[1]), out=str(single), **{**SMALL, "steps": 3}
     )
-    loop.train(dataclasses.replace(cfg, batch_size=4), show_progress=False)
+    loop.train(cfg.replace(batch_size=4), show_progress=False)
     out = tmp_path / "fsdp"
     args = dict(batch_size=2, fsdp=True, micro_batch_tokens=100, gradient_checkpointing=True, steps=3)
     launch("torchrun", cli_args(tiny_models, out, **args))

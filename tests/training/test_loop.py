@@ -3,7 +3,6 @@ gradients caught, batch reuse with the analytic losses, and evaluation graded li
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import shutil
@@ -39,7 +38,7 @@ def test_constant_sum_weighs_a_token_the_same_whatever_the_batch_length(tiny_mod
         mask_NT[0, :longest] = True
         loss_NT = torch.zeros(4, longest)
         loss_NT[1, 0] = 1.0  # the same token, with the same loss, in both batches
-        totals = train_mod.global_totals(run, [mask_NT], [cfg.max_new_tokens])
+        totals = train_mod.global_totals(run, [mask_NT], [cfg.rollout.max_new_tokens])
         weights.append(float(reduce_loss("constant_sum", loss_NT, mask_NT, totals)))
     assert weights[0] == weights[1] == pytest.approx(1.0 / (4 * 16))
 
@@ -157,18 +156,18 @@ def test_updates_per_batch_with_an_analytic_loss(tiny_models, tmp_path, objectiv
     """Two updates per batch: the logged loss is the first (on-policy) one, so step 0 matches a run
     with one update; the second update is real (later steps differ, the schedule moves twice)."""
     once = cfg_for(tiny_models, tmp_path / "once", objective=objective, eval_samples=0, steps=2)
-    twice = dataclasses.replace(once, out=str(tmp_path / "twice" / "run"), updates_per_batch=2)
+    twice = once.replace(out=str(tmp_path / "twice" / "run"), updates_per_batch=2)
     train_mod.train(once, show_progress=False)
-    run = train_mod.setup(dataclasses.replace(twice, steps=1))
+    run = train_mod.setup(twice.replace(steps=1))
     batch, _, _ = first_rollout(run)
-    mask = loss_mask(batch, run.special_ids, run.cfg.mask_special)
-    diag = producer.diag_index(mask, run.cfg.diag_positions, 0, run.cfg.seed)
+    mask = loss_mask(batch, run.special_ids, run.cfg.objective.mask_special)
+    diag = producer.diag_index(mask, run.cfg.run.diag_positions, 0, run.cfg.run.seed)
     scores, ids = producer.score_stage(run, batch, diag, run.tasks[0])
     before = {n: p.detach().clone() for n, p in run.student.named_parameters()}
     part = producer.StepPart(run.tasks[0], batch, list(range(batch.num_rollouts)), None, mask, diag, scores, ids, {})
     train_mod.update_stage(run, 0, [part])
     assert run.scheduler.last_epoch == 2
-    shutil.rmtree(twice.out)
+    shutil.rmtree(twice.run.out)
     train_mod.train(twice, show_progress=False)
     a, b = step_records(tmp_path / "once" / "run"), step_records(tmp_path / "twice" / "run")
     assert b[0]["train/loss"] == pytest.approx(a[0]["train/loss"], rel=1e-6)
@@ -226,8 +225,8 @@ def test_full_kl_from_hidden_states_equals_the_dense_loss_on_rollouts(tiny_model
 
     run = train_mod.setup(cfg_for(tiny_models, tmp_path, objective="full_kl", kl_direction=direction))
     batch, _, _ = first_rollout(run)
-    mask = loss_mask(batch, run.special_ids, run.cfg.mask_special)
-    scores = run.tasks[0].teacher.score(batch, run.cfg.k)
+    mask = loss_mask(batch, run.special_ids, run.cfg.objective.mask_special)
+    scores = run.tasks[0].teacher.score(batch, run.cfg.objective.k)
     params = [p for p in run.student.parameters() if p.requires_grad]
 
     loss_NT, _ = objective_loss(run.cfg, run.student, run.tasks[0].teacher, batch, scores, mask)
@@ -247,5 +246,5 @@ def test_resume_before_any_checkpoint_starts_the_logs_over(tiny_models, tmp_path
     cfg = cfg_for(tiny_models, tmp_path, steps=3, ckpt_every=0, eval_samples=0)
     train_killed_at(cfg, 2, monkeypatch)
     assert [r["step"] for r in step_records(tmp_path / "run")] == [0, 1]
-    train_mod.train(dataclasses.replace(cfg, resume=True), show_progress=False)
+    train_mod.train(cfg.replace(resume=True), show_progress=False)
     assert [r["step"] for r in step_records(tmp_path / "run")] == [0, 1, 2]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -11,7 +10,7 @@ from helpers import QUICK_RUN, cfg_for, first_rollout, read_metrics, run_options
 from typer.testing import CliRunner
 
 from opd.cli import app
-from opd.config import ConfigError, TrainConfig
+from opd.config import ConfigError
 from opd.errors import UserError
 from opd.training import loop as train_mod
 from opd.training import producer
@@ -87,7 +86,7 @@ def test_lsm_loss_decreases_on_a_fixed_batch(tiny_models, tmp_path):
     run = train_mod.setup(cfg_for(tiny_models, tmp_path, lr=3e-3, warmup_steps=0, batch_size=8))
     batch, _, _ = first_rollout(run)
     mask = loss_mask(batch, run.special_ids, True)
-    scores = run.tasks[0].teacher.score(batch, run.cfg.k)
+    scores = run.tasks[0].teacher.score(batch, run.cfg.objective.k)
     totals = LossTotals(int(mask.sum()), int((mask.sum(-1) > 0).sum()), *mask.shape)
     losses = []
     for _ in range(30):
@@ -108,7 +107,7 @@ def test_resume_equals_uninterrupted(tiny_models, tmp_path, monkeypatch):
     killed = cfg_for(tiny_models, tmp_path / "b", steps=4, ckpt_every=2, eval_samples=0)
     train_killed_at(killed, 3, monkeypatch)
     assert [r["step"] for r in step_records(tmp_path / "b" / "run")] == [0, 1, 2]
-    resumed = TrainConfig.from_flat(**{**killed.__dict__, "resume": True})
+    resumed = killed.replace(resume=True)
     train_mod.train(resumed, show_progress=False)
     got = step_records(tmp_path / "b" / "run")
     assert [r["step"] for r in got] == [0, 1, 2, 3]
@@ -141,7 +140,7 @@ def test_corrupted_checkpoint_is_reported(tiny_models, tmp_path):
     state = tmp_path / "run" / "checkpoints" / "step_0000000" / "state.pt"
     state.write_bytes(b"not a checkpoint")
     with pytest.raises(UserError, match="corrupted"):
-        train_mod.train(TrainConfig.from_flat(**{**cfg.__dict__, "resume": True, "steps": 2}), show_progress=False)
+        train_mod.train(cfg.replace(resume=True, steps=2), show_progress=False)
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -263,7 +262,7 @@ def test_steps_make_no_tensor_on_the_default_device(tiny_models, tmp_path, monke
     if served:  # the served teacher's answers become tensors on the trainer's side
         teacher = tiny_models[1]
         server = start_server(TeacherApp(load_model(teacher, "teacher"), load_tokenizer(teacher, "teacher"), "t"))
-        cfg = dataclasses.replace(cfg, teacher="", teacher_url=f"http://127.0.0.1:{server.server_address[1]}")
+        cfg = cfg.replace(teacher="", teacher_url=f"http://127.0.0.1:{server.server_address[1]}")
     try:
         train_mod.train(cfg, show_progress=False)
     finally:

@@ -3,7 +3,6 @@ metrics and evaluation, resume and 2 ranks, and the config's errors. Tiny random
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -101,7 +100,7 @@ def test_each_task_walks_its_own_prompt_order(tiny_models, teacher2, tmp_path):
         (at,) = producer.step_tasks(run, step)
         assert at.visit == seen[at.task.name] and at.slot0 == 0
         _, rows, _ = producer.rollout_stage(run, step, at)
-        assert rows == batch_indices(len(at.task.source), at.visit, 2, run.cfg.seed)
+        assert rows == batch_indices(len(at.task.source), at.visit, 2, run.cfg.run.seed)
         seen[at.task.name] += 1
     assert seen == {"easy": 3, "hard": 1}  # A, B, A, A
 
@@ -144,15 +143,19 @@ def test_task_overrides_resolve_into_checked_configs(tmp_path):
         )
     )
     cfg = TrainConfig.from_flat(teacher="t", teacher_dtype="bfloat16", env="", tasks=[str(tasks_file)], task_mode="mix")
-    assert [t["name"] for t in cfg.tasks] == ["math", "game"]  # the file's list, kept in config.json
+    assert [t["name"] for t in cfg.multitask.tasks] == ["math", "game"]  # the file's list, kept in config.json
     math, game = resolve_tasks(cfg)
     assert (math.share, game.share) == (0.75, 0.25)
-    assert math.cfg.max_new_tokens == 512 and isinstance(math.cfg.temperature, float)
-    assert math.cfg.batch_size == 48  # round(0.75 * 64) in mix mode
-    assert (math.cfg.teacher, math.cfg.teacher_dtype) == ("t", "bfloat16")
+    assert math.cfg.rollout.max_new_tokens == 512 and isinstance(math.cfg.rollout.temperature, float)
+    assert math.cfg.optimizer.batch_size == 48  # round(0.75 * 64) in mix mode
+    assert (math.cfg.teacher.teacher, math.cfg.teacher.teacher_dtype) == ("t", "bfloat16")
     # a task's teacher_url replaces the global teacher (and its in-process dtype)
-    assert (game.cfg.teacher, game.cfg.teacher_url, game.cfg.teacher_dtype) == ("", "http://127.0.0.1:9", "")
-    assert game.cfg.batch_size == 2 and game.cfg.tasks is None
+    assert (game.cfg.teacher.teacher, game.cfg.teacher.teacher_url, game.cfg.teacher.teacher_dtype) == (
+        "",
+        "http://127.0.0.1:9",
+        "",
+    )
+    assert game.cfg.optimizer.batch_size == 2 and game.cfg.multitask.tasks is None
     assert resolve_tasks(TrainConfig.from_flat(teacher="t"))[0].name == ""  # a single-task run: one task, no name
 
 
@@ -197,8 +200,8 @@ def test_each_rollout_is_scored_by_its_own_tasks_teacher(tiny_models, teacher2, 
     real_make = setup_mod.make_teacher
 
     def spy_make(cfg, student, tok):
-        made.append(cfg.teacher)
-        return _Spy(real_make(cfg, student, tok), "t2" if cfg.teacher == str(teacher2) else "t1", log)
+        made.append(cfg.teacher.teacher)
+        return _Spy(real_make(cfg, student, tok), "t2" if cfg.teacher.teacher == str(teacher2) else "t1", log)
 
     monkeypatch.setattr(setup_mod, "make_teacher", spy_make)
     tasks = [
@@ -234,7 +237,7 @@ def test_a_teacher_server_that_is_down_names_its_task(tiny_models, teacher2, tmp
 
     def make(cfg, student, tok):
         real = real_make(cfg, student, tok)
-        return GoesDown(real, "t2", []) if cfg.teacher == str(teacher2) else real
+        return GoesDown(real, "t2", []) if cfg.teacher.teacher == str(teacher2) else real
 
     monkeypatch.setattr(setup_mod, "make_teacher", make)
     with pytest.raises(UserError, match="task 'hard': teacher server http://x is unreachable"):
@@ -341,7 +344,7 @@ def test_resume_equals_uninterrupted_with_two_tasks_and_two_teachers(
     train_mod.train(mt_cfg(tiny_models, tmp_path / "a", tasks, **kw), show_progress=False)
     killed = mt_cfg(tiny_models, tmp_path / "b", tasks, **kw)
     train_killed_at(killed, 3, monkeypatch)
-    train_mod.train(TrainConfig.from_flat(**{**killed.__dict__, "resume": True}), show_progress=False)
+    train_mod.train(killed.replace(resume=True), show_progress=False)
     compare(read_metrics(tmp_path / "b"), read_metrics(tmp_path / "a"))
 
 
@@ -402,13 +405,13 @@ def test_special_token_masking_is_set_per_task(tiny_models, tiny_tokenizer, tmp_
     cfg = mt_cfg(tiny_models, tmp_path / "run", tasks, objective="lsm", steps=2, ckpt_every=0, eval_every=0)
     # many ordinary tokens made "special", so that both tasks' rollouts hold some: the test is not vacuous
     vocab = load_tokenizer(tiny_tokenizer).convert_ids_to_tokens(list(range(40, 140)))
-    cfg = dataclasses.replace(cfg, special_tokens=sorted(set(vocab)))
+    cfg = cfg.replace(special_tokens=sorted(set(vocab)))
     train_mod.train(cfg, show_progress=False)
     records = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
     seen = {"masked": 0, "kept": 0}
     for r in records:
         wrote = [i for i, lp in enumerate(r["student_logprobs"]) if lp is not None]
-        special = [i for i in wrote if r["tokens"][i] in cfg.special_tokens]
+        special = [i for i in wrote if r["tokens"][i] in cfg.objective.special_tokens]
         seen[r["task"]] += len(special)
         want = set(wrote) - set(special) if r["task"] == "masked" else set(wrote)
         assert {i for i, m in enumerate(r["loss_mask"]) if m} == want, r["task"]
@@ -427,7 +430,7 @@ def test_a_task_may_set_its_own_lr_in_alternate_mode(tiny_models, teacher2, tmp_
     cfg2 = mt_cfg(
         tiny_models, tmp_path / "same", [tasks[0], {**tasks[1], "lr": 1e-3}], lr=1e-3, warmup_steps=0, steps=4
     )
-    train_mod.train(dataclasses.replace(cfg2, ckpt_every=0, eval_every=0), show_progress=False)
+    train_mod.train(cfg2.replace(ckpt_every=0, eval_every=0), show_progress=False)
     got, want = step_records(tmp_path / "run"), step_records(tmp_path / "same")
     assert got[0]["train/loss"] == pytest.approx(want[0]["train/loss"], rel=1e-6)
     assert got[1]["train/loss"] == pytest.approx(want[1]["train/loss"], rel=1e-6)  # b's first loss: before its update

@@ -111,7 +111,7 @@ def test_resume_equals_uninterrupted_in_mixed_precision(tiny_models, tmp_path, m
     expected = step_records(tmp_path / "a" / "run")
     killed = cfg_for(tiny_models, tmp_path / "b", steps=4, ckpt_every=2, eval_samples=0, dtype="bfloat16")
     train_killed_at(killed, 3, monkeypatch)
-    train_mod.train(TrainConfig.from_flat(**{**killed.__dict__, "resume": True}), show_progress=False)
+    train_mod.train(killed.replace(resume=True), show_progress=False)
     got = step_records(tmp_path / "b" / "run")
     assert [r["step"] for r in got] == [0, 1, 2, 3]
     for e, g in zip(expected, got, strict=True):
@@ -123,7 +123,7 @@ def test_resume_equals_uninterrupted_in_mixed_precision(tiny_models, tmp_path, m
 def test_resume_with_other_precision_names_both(tiny_models, tmp_path):
     cfg = cfg_for(tiny_models, tmp_path, steps=1, ckpt_every=1, eval_samples=0, dtype="bfloat16")
     train_mod.train(cfg, show_progress=False)
-    again = TrainConfig.from_flat(**{**cfg.__dict__, "resume": True, "steps": 2, "dtype": "float32"})
+    again = cfg.replace(resume=True, steps=2, dtype="float32")
     with pytest.raises(UserError, match="bfloat16 compute with float32 weights.*float32 compute.*--dtype bfloat16"):
         train_mod.train(again, show_progress=False)
 
@@ -143,7 +143,7 @@ def test_float16_training_is_refused(cls):
 
 
 def test_float16_still_evaluates():
-    assert EvalConfig.from_flat(dtype="float16").dtype == "float16"
+    assert EvalConfig.from_flat(dtype="float16").model.dtype == "float16"
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ another reduction order), plus the logged rollouts' text, which must be identica
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -78,7 +77,7 @@ def test_a_steps_prompts_and_seeds_are_those_of_its_global_batch_on_any_number_o
     source = SimpleNamespace(batch_indices=lambda step, size, seed: batch_indices(10, step, size, seed))
 
     def drawn(world: int, step: int) -> tuple[list, list]:
-        cfg = SimpleNamespace(batch_size=4 // world, samples_per_prompt=2, seed=3)
+        cfg = TrainConfig.from_flat(batch_size=4 // world, samples_per_prompt=2, seed=3)
         at = Assignment(SimpleNamespace(source=source, cfg=cfg), visit=step, slot0=0)
         shares = [rollout_request(SimpleNamespace(dist=Dist(r, world)), step, at) for r in range(world)]
         return [i for rows, _ in shares for i in rows], [s for _, seeds in shares for s in seeds]
@@ -100,8 +99,8 @@ def test_rebatch_keeps_the_global_batch_or_names_the_counts_that_divide_it(tiny_
     assert rebatch(cfg, specs, saved(2, 2), 2, tmp_path) == (cfg, specs)  # as many processes: unchanged
     for world, want in ((1, 4), (4, 1)):
         got, got_specs = rebatch(cfg, specs, saved(2, 2), world, tmp_path)
-        assert got.batch_size == want and got_specs[0].cfg is got
-        assert dataclasses.replace(got, batch_size=2) == cfg  # nothing else changes
+        assert got.optimizer.batch_size == want and got_specs[0].cfg is got
+        assert got.replace(batch_size=2) == cfg  # nothing else changes
     with pytest.raises(
         UserError, match=r"global batch of 4 prompts a step, which 3 processes cannot share.*\(1, 2, 4\)"
     ):
@@ -115,9 +114,9 @@ def test_rebatch_keeps_the_recorded_global_batch_on_as_many_processes(tiny_model
     """--batch-size 4 on 1 process, resumed on 2 (2 each), then again on 2 with the first command: still 2 each."""
     first = cfg_for(tiny_models, tmp_path, batch_size=4)
     second, _ = rebatch(first, resolve_tasks(first), saved(1, 4, batch_size=4), 2, tmp_path)
-    assert second.batch_size == 2
+    assert second.optimizer.batch_size == 2
     third, specs = rebatch(first, resolve_tasks(first), saved(2, 2, batch_size=2), 2, tmp_path)
-    assert third.batch_size == 2 and specs[0].cfg is third
+    assert third.optimizer.batch_size == 2 and specs[0].cfg is third
     assert "global batch of 4 prompts a step, this launch has 2" in capsys.readouterr().err
 
 
@@ -125,22 +124,22 @@ def test_rebatch_of_a_checkpoint_before_the_record_takes_its_own_batch_size(tiny
     cfg = cfg_for(tiny_models, tmp_path, batch_size=4)
     old = {"rng": [{}] * 2, "config": {"batch_size": 2}}  # 2 processes of 2, no "batch"
     for world, want in ((2, 2), (1, 4), (4, 1)):
-        assert rebatch(cfg, resolve_tasks(cfg), old, world, tmp_path)[0].batch_size == want
+        assert rebatch(cfg, resolve_tasks(cfg), old, world, tmp_path)[0].optimizer.batch_size == want
     tasks = [{"name": "a", "share": 3}, {"name": "b", "batch_size": 2}]
     mix = TrainConfig.from_flat(teacher="t", batch_size=16, task_mode="mix", tasks=tasks)  # the launch's: 12 and 2
     then = {"rng": {}, "config": {"batch_size": 8, "task_mode": "mix", "tasks": tasks}}  # one process: 6 and 2
     got, got_specs = rebatch(mix, resolve_tasks(mix), then, 2, Path("ckpt"))
-    assert got.batch_size == 4 and [s.cfg.batch_size for s in got_specs] == [3, 1]
+    assert got.optimizer.batch_size == 4 and [s.cfg.optimizer.batch_size for s in got_specs] == [3, 1]
 
 
 def test_rebatch_keeps_each_tasks_global_batch():
     tasks = [{"name": "a", "share": 3}, {"name": "b", "batch_size": 2}]
     cfg = TrainConfig.from_flat(teacher="t", batch_size=8, task_mode="mix", tasks=tasks)
     specs = resolve_tasks(cfg)
-    assert [s.cfg.batch_size for s in specs] == [6, 2]  # round(0.75 * 8), and b's own
+    assert [s.cfg.optimizer.batch_size for s in specs] == [6, 2]  # round(0.75 * 8), and b's own
     state = {"rng": {}, "batch": {"a": 6, "b": 2}, "config": {"batch_size": 8}}  # written by one process
     got, got_specs = rebatch(cfg, specs, state, 2, Path("ckpt"))
-    assert got.batch_size == 4 and [s.cfg.batch_size for s in got_specs] == [3, 1]
+    assert got.optimizer.batch_size == 4 and [s.cfg.optimizer.batch_size for s in got_specs] == [3, 1]
     with pytest.raises(UserError, match=r"task 'a': .*global batch of 6 prompts a step, which 4 processes"):
         rebatch(cfg, specs, state, 4, Path("ckpt"))
 
@@ -188,7 +187,7 @@ def test_a_resume_that_changes_the_run_names_what_differs(tiny_models, one_step,
     if "student" in change:  # another model: the teacher's
         change = {"student": str(tiny_models[1])}
     with pytest.raises(UserError, match=said):
-        train_mod.setup(dataclasses.replace(one_step, resume=True, steps=2, **change))
+        train_mod.setup(one_step.replace(resume=True, steps=2, **change))
 
 
 def test_another_number_of_processes_is_refused_with_rollouts_in_flight(tiny_models, tmp_path):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -37,7 +36,7 @@ def test_train_size_keeps_only_the_first_examples(tiny_models, tmp_path, monkeyp
     seen = record_targets(monkeypatch)
     cfg = SFTConfig.from_flat(init=str(student), out=str(tmp_path / "run"), train_size=2, **SMALL)
     summary = sft_mod.sft(cfg, show_progress=False)
-    first = load_task(cfg.task, cfg.task_level, cfg.seed).examples("train")[:2]
+    first = load_task(cfg.data.task, cfg.data.task_level, cfg.run.seed).examples("train")[:2]
     assert len(seen) == 3 * 4
     assert {p for p, _ in seen} == {e.prompt for e in first}
     assert all(t == next(e.solution for e in first if e.prompt == p) for p, t in seen)
@@ -49,7 +48,7 @@ def test_cold_start_targets_come_from_the_teacher(tiny_models, tmp_path, monkeyp
     seen = record_targets(monkeypatch)
     cfg = SFTConfig.from_flat(init=str(student), teacher=str(teacher), out=str(tmp_path / "run"), **SMALL)
     sft_mod.sft(cfg, show_progress=False)
-    solutions = {e.solution for e in load_task(cfg.task, cfg.task_level, cfg.seed).examples("train")}
+    solutions = {e.solution for e in load_task(cfg.data.task, cfg.data.task_level, cfg.run.seed).examples("train")}
     assert seen and not any(t in solutions for _, t in seen), "targets must be teacher samples"
 
 
@@ -100,7 +99,7 @@ def test_one_model_learns_math_solutions_and_expert_episodes_together(tiny_model
     cfg = SFTConfig.from_flat(init=str(student), out=str(tmp_path / "run"), tasks=tasks, **SMALL)
     summary = sft_mod.sft(cfg, show_progress=False)
     assert parts == [[0, 1]] * 3 and len(seen) == 3 * 3  # mix: both tasks at every step, math 3 a step
-    first = load_task(cfg.task, cfg.task_level, cfg.seed).examples("train")[:2]
+    first = load_task(cfg.data.task, cfg.data.task_level, cfg.run.seed).examples("train")[:2]
     assert {p for p, _ in seen} == {e.prompt for e in first}
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "train/loss" in r]
@@ -173,7 +172,7 @@ def test_the_kept_model_is_chosen_on_validation_data_and_reported_on_test(tiny_m
     seen = record_targets(monkeypatch)
     run = tmp_path / "run"
     cfg = SFTConfig.from_flat(init=str(student), out=str(run), task_level=1, **{**SMALL, "steps": 4, "eval_every": 2})
-    summary = sft_mod.sft(dataclasses.replace(cfg, validation_size=3), show_progress=False)
+    summary = sft_mod.sft(cfg.replace(validation_size=3), show_progress=False)
     assert seen and not {p for p, _ in seen} & validation  # never trained on
     assert asked == ["validation", "validation", "test"] and len(saved) == 1  # kept: the first checkpoint
     assert summary["best_accuracy"] == 0.5 and summary["test_accuracy"] == 0.7
@@ -194,7 +193,7 @@ def test_the_kept_model_is_chosen_on_validation_data_and_reported_on_test(tiny_m
         "".join(json.dumps({"prompt": f"{n} + 1?", "solution": f"\\boxed{{{n + 1}}}"}) + "\n" for n in range(4))
     )
     with pytest.raises(UserError, match=r"--validation-size 9 leaves none of the 4 training examples"):
-        sft_mod.sft(dataclasses.replace(cfg, data=str(data), validation_size=9, out=str(tmp_path / "b")))
+        sft_mod.sft(cfg.replace(data=str(data), validation_size=9, out=str(tmp_path / "b")))
 
 
 def test_gradient_checkpointing_gives_the_plain_sft_step(tiny_models, tmp_path):
@@ -205,11 +204,11 @@ def test_gradient_checkpointing_gives_the_plain_sft_step(tiny_models, tmp_path):
     student, _ = tiny_models
     tok = sft_mod.load_tokenizer(str(student))
     cfg = SFTConfig.from_flat(init=str(student), out=str(tmp_path))
-    examples = load_task(cfg.task, cfg.task_level, cfg.seed).examples("train")[:3]
+    examples = load_task(cfg.data.task, cfg.data.task_level, cfg.run.seed).examples("train")[:3]
     ids, att, lab = sft_mod.encode_pairs(tok, [e.prompt for e in examples], [e.solution for e in examples])
     got = {}
     for ckpt in (False, True):
-        model, _ = sft_mod.build_model(dataclasses.replace(cfg, gradient_checkpointing=ckpt))
+        model, _ = sft_mod.build_model(cfg.replace(gradient_checkpointing=ckpt))
         model = model.double().train()
         layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
         assert bool(layers) == ckpt

@@ -18,10 +18,14 @@ from opd.config.fields import (
     REPORT_TO,
     CommandConfig,
     ConfigError,
+    Section,
     check_device,
     check_report_to,
     coerce_numbers,
     opt,
+    option_fields,
+    option_hints,
+    section_types,
 )
 from opd.config.files import build_config, config_record, dump_config, read_config_file, read_run_config
 from opd.config.options import (
@@ -54,6 +58,7 @@ __all__ = [
     "EvalConfig",
     "ObjectiveOptions",
     "SFTConfig",
+    "Section",
     "TaskSpec",
     "TeacherOptions",
     "TrainConfig",
@@ -65,10 +70,13 @@ __all__ = [
     "config_record",
     "dump_config",
     "opt",
+    "option_fields",
+    "option_hints",
     "parse_special_map",
     "per_task_keys",
     "read_config_file",
     "read_run_config",
     "read_task_list",
     "resolve_tasks",
+    "section_types",
 ]

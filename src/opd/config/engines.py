@@ -10,7 +10,8 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from opd.config.fields import ConfigError, opt, require
+from opd.config.fields import ConfigError, Section, opt, require
+from opd.config.sources import GenerationOptions
 from opd.service import url_problem
 
 # vLLM options opd sets on the servers it starts, from the run's own settings: given in --vllm-args they
@@ -27,7 +28,7 @@ OPD_SETS = {
 
 
 @dataclass(frozen=True)
-class VLLMOptions:
+class VLLMOptions(Section):
     """Options of ``--rollout-engine vllm`` (section "rollout")."""
 
     vllm_url: str = opt(
@@ -36,7 +37,6 @@ class VLLMOptions:
         "--out at the same path; its API key, if any, from OPD_VLLM_API_KEY), shared by every rank: rank 0 "
         "gives it the weights, each rank sends its share of the prompts. Unset, opd starts one per rank on the "
         "student from opd vllm-setup's environment, on the rank's GPU(s).",
-        section="rollout",
     )
     vllm_args: str = opt(
         "",
@@ -44,7 +44,6 @@ class VLLMOptions:
         "e.g. '--tensor-parallel-size 2' or '--gpu-memory-utilization 0.5' (which replaces "
         "opd's 0.3 where an engine shares a GPU with a trainer); a server that refuses one stops the run with "
         "its error line.",
-        section="rollout",
     )
     vllm_sync: str = opt(
         "auto",
@@ -53,7 +52,6 @@ class VLLMOptions:
         "LoRA run: the adapter alone, loaded by a server with --enable-lora), or auto: adapter for a LoRA run on a "
         "server opd starts on GPUs (not with --vllm-sleep 2), else shm where /dev/shm has room and opd starts the "
         "server, else file.",
-        section="rollout",
     )
     vllm_sleep: int = opt(
         0,
@@ -63,22 +61,17 @@ class VLLMOptions:
         "the sync writes the weights again: not with --vllm-sync adapter); 0: off, or 1 where --vllm-args has "
         "--enable-sleep-mode. opd adds --enable-sleep-mode to the servers it starts. opd train only (opd eval has "
         "no trainer to free the memory for).",
-        section="rollout",
     )
     vllm_max_gap: float = opt(
         0.0,
         "The policy check: the most the vLLM engine's log-probs of the sampled tokens may differ from the "
         "student's, in nats per token on average, before the run stops (0: 1e-3 in float32, 0.05 otherwise).",
-        section="rollout",
     )
-    vllm_start_timeout: float = opt(
-        600.0, "Seconds to wait for the vLLM server opd starts to become healthy.", section="rollout"
-    )
+    vllm_start_timeout: float = opt(600.0, "Seconds to wait for the vLLM server opd starts to become healthy.")
     vllm_wait: float = opt(
         600.0,
         "Seconds to wait for a vLLM engine that stops answering (at startup too), then checkpoint and stop; a "
         "server opd started that exits is restarted at once instead.",
-        section="rollout",
     )
 
     @functools.cached_property
@@ -92,7 +85,7 @@ STATIC_CACHE = ("auto", "on", "off")  # --static-cache (opd.rollout.static_cache
 
 
 @dataclass(frozen=True)
-class EngineOptions(VLLMOptions):
+class EngineOptions(GenerationOptions, VLLMOptions):
     """What generates the responses (section "rollout"): training's rollouts and evaluations, and ``opd eval``'s."""
 
     rollout_engine: str = opt(
@@ -100,7 +93,6 @@ class EngineOptions(VLLMOptions):
         "What generates the rollouts and evaluation responses: hf (opd's own sampling loop: per-prompt seeded, "
         "resumable exactly), vllm (a vLLM server given the student's weights before every batch; opd vllm-setup; "
         "docs/scale-out.md), or an engine registered with opd.rollout.registry.register (docs/architecture.md).",
-        section="rollout",
     )
     static_cache: str = opt(
         "off",
@@ -109,7 +101,6 @@ class EngineOptions(VLLMOptions):
         "cache, which grows every step). auto: on a GPU (not with --fsdp); on: on the CPU too, without a graph; off: "
         "the dynamic cache. Off by default until its speed on a GPU is measured (benchmarks/bench_decode.py, "
         "docs/benchmarks.md): then auto becomes the default if it is faster.",
-        section="rollout",
     )
 
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from opd.config.fields import opt, require
+from opd.config.fields import Section, check_counts, default_of, opt, require
+from opd.config.sources import EvalSource, check_eval_schedule
 
 EVAL_SAMPLING = ("greedy", "model", "explicit")
 
 
 @dataclass(frozen=True)
-class EvalOptions:
+class EvalOptions(Section):
     """Options of an evaluation (section "eval"), the same in train and eval."""
 
     eval_sampling: str = opt(
@@ -22,41 +23,78 @@ class EvalOptions:
         "as the model's generation_config says (its temperature and top-p: thinking models such as Qwen3 loop "
         "when decoded greedily); explicit: the same from samples at the given temperature and top-p. "
         "eval.json states what was used.",
-        section="eval",
     )
     maj_k: int = opt(
         0,
         "Majority vote over the first K samples of each prompt (maj@K: the most frequent extracted answer, "
         "graded); at most the number of samples; 0: off.",
-        section="eval",
     )
     eval_batch_tokens: int = opt(
         262144,
         "Token budget of an evaluation's generation batch: rollouts per batch = this over (the longest prompt + "
         "--max-new-tokens), at most --batch-size for opd eval and 128 in training. Bounds the KV cache at long "
         "responses.",
-        section="eval",
     )
     eval_record_chars: int = opt(
         8000,
         "Per-sample records (eval_samples.jsonl): a prompt or response longer than this many characters keeps "
         "its first quarter and its last three quarters around a marker saying how much was cut; 0: no records.",
-        section="eval",
     )
 
 
 @dataclass(frozen=True)
-class TrainEvalOptions(EvalOptions):
-    """Training's explicit evaluation sampling (``opd eval`` has --temperature and --top-p for it)."""
+class TrainEvalOptions(EvalSource, EvalOptions):
+    """Section "eval" of opd train: its in-training evaluations, with their own sampling (``opd eval`` has
+    --temperature and --top-p for it)."""
 
     eval_temperature: float = opt(
         0.0,
         "Evaluation sampling temperature for --eval-sampling greedy or explicit (0: the rollouts' --temperature).",
-        section="eval",
     )
-    eval_top_p: float = opt(
-        0.0, "Evaluation top-p for --eval-sampling greedy or explicit (0: the rollouts' --top-p).", section="eval"
+    eval_top_p: float = opt(0.0, "Evaluation top-p for --eval-sampling greedy or explicit (0: the rollouts' --top-p).")
+    eval_every: int = opt(50, "Evaluate every N steps (0: only at the end).")
+    eval_size: int = opt(200, "Number of test prompts for evaluation.", per_task=True)
+    eval_samples: int = opt(4, "Samples per prompt for avg@k / pass@k at evaluation (0: greedy only).", per_task=True)
+
+    def check(self) -> None:
+        EvalSource.check(self)
+        check_counts(self, eval_every=0, eval_size=1, eval_samples=0)
+        check_eval_options(self, self.eval_samples, "--eval-samples")
+        check_eval_schedule(self, self.eval_every, default_of(TrainEvalOptions, "eval_every"))
+
+
+@dataclass(frozen=True)
+class SFTEvalOptions(EvalSource):
+    """Section "eval" of opd sft: what the model is evaluated on, how often, and which checkpoint is kept."""
+
+    eval_every: int = opt(250, "Evaluate greedy accuracy every N steps (0: only at the end).")
+    eval_size: int = opt(200, "Test prompts for evaluation.", per_task=True)
+    patience: int = opt(0, "Stop after this many evaluations without improvement (0: never).")
+    validation_size: int = opt(
+        200,
+        "Training examples (or games) held out of training, the last ones: the kept checkpoint is the best on "
+        "them, and the test set only reports the kept model's accuracy (0: choose on the test set).",
     )
+
+    def check(self) -> None:
+        super().check()
+        check_counts(self, eval_every=0, eval_size=1, patience=0, validation_size=0)
+        check_eval_schedule(self, self.eval_every, default_of(SFTEvalOptions, "eval_every"))
+
+
+@dataclass(frozen=True)
+class EvalCommandOptions(EvalOptions):
+    """Section "eval" of opd eval: how many prompts and samples, and the accuracies gap recovery needs."""
+
+    eval_size: int = opt(500, "Test prompts.")
+    samples: int = opt(8, "Samples per prompt for avg@k / pass@k / maj@k (0: greedy only).")
+    batch_size: int = opt(128, "Rollouts per generation batch at most (--eval-batch-tokens bounds it too).")
+    acc_before: float = opt(-1.0, "Student accuracy before OPD (for gap recovery; -1: not given).")
+    acc_teacher: float = opt(-1.0, "Teacher accuracy (for gap recovery; -1: not given).")
+
+    def check(self) -> None:
+        check_counts(self, samples=0, eval_size=1, batch_size=1)
+        check_eval_options(self, self.samples, "--samples")
 
 
 def check_eval_options(cfg: EvalOptions, samples: int, samples_flag: str) -> None:

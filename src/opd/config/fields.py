@@ -8,13 +8,14 @@ Below every config class and the task list (:mod:`opd.config.tasks`), which impo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
 from collections.abc import Iterable
 from dataclasses import field
 from types import UnionType
-from typing import TYPE_CHECKING, Any, Self, TypeVar, Union, cast, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, Self, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -24,14 +25,15 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 C = TypeVar("C", bound="DataclassInstance")
+S = TypeVar("S")
 
 
-def opt(default: Any, help: str, *, section: str, per_task: bool = False, secret: bool = False) -> Any:
-    """A config option: a dataclass field with its help text, the section it sits in (``config.json`` and
-    ``--help``, :mod:`opd.config.sections`) and whether a task of a multi-task run may set it for itself
-    (:mod:`opd.config.tasks`); mutable defaults go through a factory. A ``secret`` one (an API key) is left out
-    of the config's repr and of every record of it (:func:`config_record`)."""
-    meta = {"help": help, "section": section, "per_task": per_task, **({"secret": True} if secret else {})}
+def opt(default: Any, help: str, *, per_task: bool = False, secret: bool = False) -> Any:
+    """A config option: a dataclass field of a section (:class:`Section`) with its help text and whether a
+    task of a multi-task run may set it for itself (:mod:`opd.config.tasks`); mutable defaults go through a
+    factory. A ``secret`` one (an API key) is left out of the config's repr and of every record of it
+    (:func:`config_record`)."""
+    meta = {"help": help, "per_task": per_task, **({"secret": True} if secret else {})}
     if isinstance(default, (list, dict, tuple)):
         value = default
         return field(default_factory=lambda: type(value)(value), metadata=meta, repr=not secret)
@@ -42,11 +44,62 @@ class ConfigError(UserError):
     """A configuration value is invalid; the message names the field and the fix."""
 
 
+class Section:
+    """A section of a command's options (a frozen dataclass of :func:`opt` fields: ``cfg.rollout``), what the
+    components that read it are given. :meth:`check` refuses a value out of its option's range; what
+    depends on other sections is the command's check."""
+
+    def check(self) -> None:
+        """Each option's own range, with a ConfigError naming the option and the fix."""
+
+    def __bool__(self) -> bool:
+        # six sections share their name with an option (cfg.eval is the section, cfg.eval.eval the option):
+        # a truth test of a section is always a mistaken read of that option
+        raise TypeError(
+            f"{type(self).__name__} is a section of options, never true or false; read the option in it "
+            "(cfg.eval.eval, cfg.teacher.teacher, cfg.env.env, ...)"
+        )
+
+
+def section(kind: type[S]) -> S:
+    """A command config's field holding section ``kind`` (its defaults; :meth:`CommandConfig.from_flat`
+    resolves them)."""
+    made: S = field(default_factory=kind)
+    return made
+
+
+_LAYOUTS: dict[type, tuple[dict[str, type[DataclassInstance]], tuple[tuple[str, dataclasses.Field[Any]], ...]]] = {}
+
+
+def _layout(cls: type) -> tuple[dict[str, type[DataclassInstance]], tuple[tuple[str, dataclasses.Field[Any]], ...]]:
+    if cls not in _LAYOUTS:
+        hints = get_type_hints(cls)
+        kinds = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+        _LAYOUTS[cls] = kinds, tuple((name, f) for name, kind in kinds.items() for f in dataclasses.fields(kind))
+    return _LAYOUTS[cls]
+
+
+def section_types(cls: type) -> dict[str, type[DataclassInstance]]:
+    """The sections of command config class ``cls``: name -> section class, in the order of its fields."""
+    return _layout(cls)[0]
+
+
+def option_fields(cls: type) -> tuple[tuple[str, dataclasses.Field[Any]], ...]:
+    """Every option of command config class ``cls`` as (its section, its field), section by section."""
+    return _layout(cls)[1]
+
+
+@functools.cache
+def option_hints(cls: type) -> dict[str, Any]:
+    """Every option of command config class ``cls`` and its type."""
+    return {name: hint for kind in section_types(cls).values() for name, hint in get_type_hints(kind).items()}
+
+
 class CommandConfig:
-    """What every command's config (a frozen dataclass of options) can do: be built from flat option values
-    with the defaults that depend on other options resolved (:meth:`from_flat`), and give them back
-    (:meth:`flat`). A config is never changed after it is made: a changed one is a new one
-    (``dataclasses.replace``, or :meth:`from_flat` of a changed :meth:`flat`)."""
+    """What every command's config (a frozen dataclass of sections, each a frozen dataclass of options) can
+    do: be built from flat option values (the command line's) with the defaults that depend on other options
+    resolved (:meth:`from_flat`), give them back flat (:meth:`flat`), and be changed into a new one
+    (:meth:`replace`). A config is never changed after it is made."""
 
     @classmethod
     def resolve(cls, values: dict[str, Any]) -> dict[str, Any]:
@@ -57,8 +110,8 @@ class CommandConfig:
     @classmethod
     def from_flat(cls, **values: Any) -> Self:
         """The config of these option values (the command line's names; the others at their defaults),
-        resolved and checked; an unknown option is a ConfigError naming it."""
-        fields = {f.name: f for f in dataclasses.fields(cast("DataclassInstance", cls))}
+        resolved, placed in their sections and checked; an unknown option is a ConfigError naming it."""
+        fields = {f.name: f for _, f in option_fields(cls)}
         unknown = sorted(set(values) - set(fields))
         if unknown:
             raise ConfigError(
@@ -66,18 +119,23 @@ class CommandConfig:
                 "(the command's --help lists its options)"
             )
         full = {name: values[name] if name in values else _default(f) for name, f in fields.items()}
-        return cls(**cls.resolve(full))
+        return cls._placed(cls.resolve(full))
+
+    @classmethod
+    def _placed(cls, flat: dict[str, Any]) -> Self:
+        kinds = section_types(cls)
+        return cls(**{s: kind(**{f.name: flat[f.name] for f in dataclasses.fields(kind)}) for s, kind in kinds.items()})
 
     def replace(self, **changes: Any) -> Self:
-        """A new config with these options changed, checked. A default that depends on other options keeps
-        the value it was resolved to (as ``dataclasses.replace`` would): give it unset again to have it
-        resolved for the change (``mask_special=None``: the new objective's; ``vllm_max_gap=0``: the new
-        dtype's bound; ``vllm_sleep=0``: from the new ``--vllm-args``)."""
+        """A new config with these options (flat names) changed, checked. A default that depends on other
+        options keeps the value it was resolved to: give it unset again to have it resolved for the change
+        (``mask_special=None``: the new objective's; ``vllm_max_gap=0``: the new dtype's bound;
+        ``vllm_sleep=0``: from the new ``--vllm-args``)."""
         return type(self).from_flat(**{**self.flat(), **changes})
 
     def flat(self) -> dict[str, Any]:
         """Every option's value, by option name (the secret ones too: :func:`config_record` leaves them out)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(cast("DataclassInstance", self))}
+        return {f.name: getattr(getattr(self, s), f.name) for s, f in option_fields(type(self))}
 
     def check_resolved(self) -> None:
         """Refuse a config made directly with values :meth:`from_flat` would have resolved (an unset
@@ -94,6 +152,14 @@ class CommandConfig:
             "resolve them",
         )
 
+    def check_sections(self) -> None:
+        """Every section's own check (:meth:`Section.check`; the objective's options, declared below the
+        config with the objectives, check themselves: ``ObjectiveOptions.problem``)."""
+        for name in section_types(type(self)):
+            part = getattr(self, name)
+            if isinstance(part, Section):
+                part.check()
+
 
 def _default(f: dataclasses.Field[Any]) -> Any:
     if f.default_factory is not dataclasses.MISSING:
@@ -108,6 +174,19 @@ DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
 def require(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
+
+
+def check_counts(section: object, **least: int) -> None:
+    """Each named count of ``section`` is at least its bound: a negative one would otherwise slice its list
+    from the end (``eval_size=-3`` evaluating all but three prompts) or divide by zero, instead of failing."""
+    for name, bound in least.items():
+        value = getattr(section, name)
+        require(value >= bound, f"{name}={value} must be >= {bound}; set --{name.replace('_', '-')} to {bound} or more")
+
+
+def default_of(kind: type, option: str) -> Any:
+    """The default of ``option`` in section class ``kind``."""
+    return next(_default(f) for f in dataclasses.fields(kind) if f.name == option)
 
 
 def check_device(spec: str) -> None:
@@ -159,8 +238,8 @@ def typed_values(cls: type, values: dict[str, Any], source: str) -> dict[str, An
     and the command line's types are typer's; unchecked, ``steps: many`` or ``k: 1.5`` fails deep inside a
     run with a traceback. Numeric strings pass for float fields (PyYAML reads ``lr: 5e-4`` as a string)
     and numbers and paths for string fields (``split: 0.1``); list fields are checked by their own validation."""
-    hints = get_type_hints(cls)
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    hints = option_hints(cls)
+    defaults = {f.name: f.default for _, f in option_fields(cls)}
     out = dict(values)
     for key, value in values.items():
         hint = hints.get(key.replace("-", "_"))
@@ -194,7 +273,7 @@ def typed_values(cls: type, values: dict[str, Any], source: str) -> dict[str, An
 
 def coerce_numbers(cls: type, values: dict[str, Any]) -> dict[str, Any]:
     """``values`` with whole numbers given for float fields made floats (YAML reads ``lr: 1`` as an int)."""
-    hints = get_type_hints(cls)
+    hints = option_hints(cls)
     return {
         k: float(v) if hints.get(k) is float and isinstance(v, int) and not isinstance(v, bool) else v
         for k, v in values.items()

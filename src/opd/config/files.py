@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import json
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import yaml
 
-from opd.config.fields import CommandConfig, ConfigError, coerce_numbers, parse_problem, typed_values
+from opd.config.fields import CommandConfig, ConfigError, coerce_numbers, option_fields, parse_problem, typed_values
 from opd.config.sections import flatten, nest
 
 C = TypeVar("C", bound=CommandConfig)
@@ -40,7 +40,7 @@ def build_config(
 ) -> C:
     """Merge defaults < file < CLI into a validated ``cls`` instance; unknown keys are errors. The file's
     values may be nested by section (a run's ``config.json``) or flat (one written before sections)."""
-    names = {f.name for f in dataclasses.fields(cast(Any, cls))}
+    names = {f.name for _, f in option_fields(cls)}
     merged: dict[str, Any] = {}
     file_values = typed_values(cls, flatten(cls, file_values or {}, "config file"), "config file")
     for source, values in (("config file", file_values), ("command line", cli_values or {})):
@@ -60,8 +60,8 @@ def build_config(
 
 def config_record(cfg: CommandConfig) -> dict[str, Any]:
     """The config as a dict for config.json, checkpoints and trackers: every field but the secret ones."""
-    secret = {f.name for f in dataclasses.fields(cast(Any, cfg)) if f.metadata.get("secret")}
-    return {k: v for k, v in dataclasses.asdict(cast(Any, cfg)).items() if k not in secret}
+    secret = {f.name for _, f in option_fields(type(cfg)) if f.metadata.get("secret")}
+    return {k: copy.deepcopy(v) for k, v in cfg.flat().items() if k not in secret}
 
 
 def dump_config(cfg: CommandConfig, path: str | Path) -> None:

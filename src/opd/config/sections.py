@@ -1,11 +1,11 @@
 """The sections of opd's configurations: which options belong together, in files and in ``--help``.
 
-A config class stays one flat dataclass (``cfg.eval_every``; the flat command-line flags are its
-fields), each option declares its section where it is declared (``opt(..., section="eval")``), and every
-option has one name everywhere: its flag (``--eval-every``), its attribute and its
-key in a YAML/JSON file and in a run's ``config.json`` (``eval_every``). What sections add is where
-an option sits: ``config.json`` is written nested by section (``{"eval": {"eval_every": 50, ...}}``)
-and ``--help`` shows one panel per section. A file may give its options nested, flat (every
+A command's config is a frozen dataclass of sections, each a frozen dataclass of options (``cfg.eval`` is
+a :class:`opd.config.fields.Section`; ``cfg.eval.eval_every`` an option): an option sits in the section whose
+class declares it. Every option has one name everywhere: its flag (``--eval-every``, flat: the command
+line names no section), its attribute in its section and its key in a YAML/JSON file and in a run's
+``config.json`` (``eval_every``). ``config.json`` is written nested by section (``{"eval": {"eval_every":
+50, ...}}``) and ``--help`` shows one panel per section. A file may give its options nested, flat (every
 ``config.json`` written before sections), or both; an option in a section it does not belong to is an
 error naming its section, so a nested file cannot silently set nothing.
 
@@ -17,14 +17,13 @@ string (``eval``: true or false), never a mapping, so ``teacher: /models/t`` is 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from opd.config.fields import ConfigError
+from opd.config.fields import ConfigError, option_fields
 
-# The sections, in the order of config.json and --help, with their titles there. An option names its own
-# section (``opt(..., section=...)``); an option name means the same thing in train, sft and eval (``opd
-# eval``'s batch_size, its generation batch, sits in its eval section).
+# The sections, in the order of config.json and --help, with their titles there (a command's config class
+# declares them in this order). An option name means the same thing in train, sft and eval (``opd eval``'s
+# batch_size, its generation batch, sits in its eval section).
 SECTIONS: tuple[tuple[str, str], ...] = (
     ("model", "Student model"),
     ("data", "Data: prompts and answers"),
@@ -44,8 +43,8 @@ TITLES = dict(SECTIONS)
 
 
 def sections_of(cls: type) -> dict[str, str]:
-    """Every option of config class ``cls`` and its section, in the class's field order."""
-    return {f.name: f.metadata["section"] for f in dataclasses.fields(cls)}
+    """Every option of config class ``cls`` and its section, section by section."""
+    return {f.name: where for where, f in option_fields(cls)}
 
 
 def section_of(cls: type, option: str) -> str:
@@ -74,7 +73,7 @@ def flatten(cls: type, data: dict[str, Any], source: str) -> dict[str, Any]:
     """A file's mapping, nested by section, flat or both, as option -> value (keys as written, dashes kept).
 
     Refused: an option inside a section it does not belong to, and one given twice (flat and nested)."""
-    options = {f.name for f in dataclasses.fields(cls)}
+    options = set(sections_of(cls))
     flat: dict[str, Any] = {}
     where: dict[str, str] = {}
     for key, value in data.items():

@@ -7,17 +7,15 @@ config has ``teacher_url``), which keeps it below the classes that call it while
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import yaml
 
-from opd.config.fields import ConfigError, coerce_numbers, parse_problem, typed_values
-from opd.config.sections import SECTION_NAMES
+from opd.config.fields import ConfigError, coerce_numbers, option_fields, parse_problem, typed_values
 
 TASK_MODES = ("alternate", "mix")
 
@@ -37,14 +35,43 @@ RESERVED = ("train", "rollout", "diag", "depth", "time", "eval", "step", "tasks"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
+class TaskList(Protocol):
+    """The multitask section of a command that trains (train and sft)."""
+
+    @property
+    def tasks(self) -> list[Any] | None: ...
+    @property
+    def task_mode(self) -> str: ...
+
+
+class Batches(Protocol):
+    """The optimizer section of a command that trains: its batch is what a mix run shares out."""
+
+    @property
+    def batch_size(self) -> int: ...
+
+
+class TrainingConfig(Protocol):
+    """What this module reads of a command that trains (``TrainConfig`` or ``SFTConfig``, which sit above it)."""
+
+    @property
+    def multitask(self) -> TaskList: ...
+    @property
+    def optimizer(self) -> Batches: ...
+    def flat(self) -> dict[str, Any]: ...
+
+
+C = TypeVar("C", bound=TrainingConfig)
+
+
 @dataclass
-class TaskSpec:
+class TaskSpec(Generic[C]):
     """One task of a run: its name ("" in a single-task run: no prefix anywhere), its share of the
     steps (normalised) and its config (the run's, with its overrides)."""
 
     name: str
     share: float
-    cfg: Any  # the run's TrainConfig or SFTConfig, with the task's overrides
+    cfg: C  # the run's TrainConfig or SFTConfig, with the task's overrides
 
 
 def read_task_list(value: Any) -> Any:
@@ -102,27 +129,30 @@ def check_task_list(tasks: Any, mode: str) -> list[dict[str, Any]]:
     return tasks
 
 
-def per_task_keys(cfg: Any) -> tuple[str, ...]:
+def per_task_keys(cfg: TrainingConfig | type) -> tuple[str, ...]:
     """The settings a task of this kind of run may set for itself: the options declared ``per_task``
     (``opt(..., per_task=True)``): its data or environment, its lengths and evaluation size, and (OPD) its
     teacher and sampling, or (SFT) its targets and how many of its examples it learns from."""
-    order = {name: i for i, name in enumerate(SECTION_NAMES)}
-    fields = [f for f in dataclasses.fields(cfg) if f.metadata.get("per_task")]
-    return tuple(f.name for f in sorted(fields, key=lambda f: order[f.metadata["section"]]))
+    cls = cfg if isinstance(cfg, type) else type(cfg)
+    return tuple(f.name for _, f in option_fields(cls) if f.metadata.get("per_task"))
 
 
-def _is_opd(cfg: Any) -> bool:
+def _is_opd(cfg: TrainingConfig) -> bool:
     """An OPD run's config (its tasks need a teacher, in-process or served), not an SFT run's."""
-    return hasattr(cfg, "teacher_url")
+    return "teacher_url" in _options(cfg)
 
 
-def _overrides(entry: dict[str, Any], cfg: Any, mode: str, share: float) -> dict[str, Any]:
+def _options(cfg: TrainingConfig) -> set[str]:
+    return {f.name for _, f in option_fields(type(cfg))}
+
+
+def _overrides(entry: dict[str, Any], cfg: TrainingConfig, mode: str, share: float) -> dict[str, Any]:
     """The entry's settings as config fields, with the implied ones (see the module docstring)."""
     name, allowed = entry["name"], per_task_keys(cfg)
     given = {k: v for k, v in entry.items() if k not in ("name", "share")}
     for key in given:
         if key not in allowed:
-            where = "is a global setting: set it at the top level" if hasattr(cfg, key) else "is not a setting"
+            where = "is a global setting: set it at the top level" if key in _options(cfg) else "is not a setting"
             raise ConfigError(f"task {name!r}: {key!r} {where}; a task may set {', '.join(allowed)}")
     if "lr" in given and mode == "mix" and _is_opd(cfg):
         raise ConfigError(
@@ -141,35 +171,37 @@ def _overrides(entry: dict[str, Any], cfg: Any, mode: str, share: float) -> dict
         out.update(keep_best="", final_best=False)
     if "task" in given:
         out.setdefault("env", "")
-    if out.get("eval") is False and hasattr(cfg, "eval_every"):
+    if out.get("eval") is False and "eval_every" in _options(cfg):
         out["eval_every"] = 0  # a task left out of evaluation has no schedule of its own: the run's is the others'
     if mode == "mix" and "batch_size" not in given:
-        out["batch_size"] = round(share * cfg.batch_size)
+        out["batch_size"] = round(share * cfg.optimizer.batch_size)
         if out["batch_size"] < 1:
             raise ConfigError(
-                f"task {name!r} gets no prompts in mix mode (share {share:.3g} of batch_size {cfg.batch_size} "
+                f"task {name!r} gets no prompts in mix mode (share {share:.3g} of batch_size {cfg.optimizer.batch_size} "
                 "rounds to 0); raise its share or batch_size, or give the task its own batch_size"
             )
     return out
 
 
-def resolve_tasks(cfg: Any) -> list[TaskSpec]:
+def resolve_tasks(cfg: C) -> list[TaskSpec[C]]:
     """Every task of ``cfg`` as a validated config; a single-task run is one task named "".
 
     An OPD run's task needs a teacher; an SFT run's may name one (its targets are then sampled)."""
-    if cfg.tasks is None:
+    if cfg.multitask.tasks is None:
         return [TaskSpec("", 1.0, cfg)]
-    entries = check_task_list(cfg.tasks, cfg.task_mode)
+    entries = check_task_list(cfg.multitask.tasks, cfg.multitask.task_mode)
     total = sum(float(e.get("share", 1)) for e in entries)
     specs = []
     for entry in entries:
         name, share = entry["name"], float(entry.get("share", 1)) / total
         try:
-            view = type(cfg).from_flat(**{**cfg.flat(), "tasks": None, **_overrides(entry, cfg, cfg.task_mode, share)})
+            changes = _overrides(entry, cfg, cfg.multitask.task_mode, share)
+            view = cast(C, cast(Any, type(cfg)).from_flat(**{**cfg.flat(), "tasks": None, **changes}))
         except (ConfigError, TypeError) as exc:  # _overrides' own errors name the task already
             said = str(exc)
             raise ConfigError(said if said.startswith(f"task {name!r}") else f"task {name!r}: {said}") from None
-        if _is_opd(view) and not (view.teacher or view.teacher_url):
+        flat = view.flat()
+        if _is_opd(view) and not (flat["teacher"] or flat["teacher_url"]):
             raise ConfigError(
                 f"task {name!r} has no teacher; give it teacher: DIR or teacher_url: URL, or set a global --teacher"
             )

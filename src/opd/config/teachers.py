@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from opd.config.fields import DTYPES, ConfigError, opt, require
-from opd.config.sources import chat_options
+from opd.config.fields import DTYPES, ConfigError, Section, opt, require
+from opd.config.sources import chat_options, teacher_revision_option
 from opd.crosstok.align import PAIRINGS
 from opd.crosstok.vocab_map import JOINABLE, UNMAPPED
 from opd.service import check_url, url_problem
@@ -18,22 +18,21 @@ CROSS_TOKENIZER = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
-class TeacherOptions:
-    """Options of sections "teacher" and "cross_tokenizer" (``--teacher-revision``, which ``opd sft``
-    shares, is :class:`opd.config.sources.TrainingSource`'s)."""
+class TeacherOptions(Section):
+    """Section "teacher" of opd train: which teacher, in-process or served, and how long to wait for it
+    (``--teacher-revision`` is ``opd sft``'s too: :func:`opd.config.sources.teacher_revision_option`)."""
 
     teacher: str = opt(
         "",
         "Teacher model: a directory or a Hub name (its own tokenizer too: --cross-tokenizer, --teacher-tokenizer).",
-        section="teacher",
         per_task=True,
     )
+    teacher_revision: str = teacher_revision_option()
     teacher_tokenizer: str = opt(
         "",
         "Teacher tokenizer directory (default: the --teacher directory). With --teacher-url, the served "
         "model's tokenizer: given and different from the student's, the server scores the teacher's own "
         "tokenization (cross-tokenizer OPD).",
-        section="teacher",
         per_task=True,
     )
     teacher_chat_template_kwargs: dict[str, Any] | None = opt(
@@ -41,14 +40,12 @@ class TeacherOptions:
         "Options for the teacher's chat template, a JSON object, where the teacher renders the prompts itself "
         "(a teacher with another tokenizer: --cross-tokenizer); a teacher with the student's tokenizer reads the "
         "student's rendering. Unset: --chat-template-kwargs; '{}': none.",
-        section="teacher",
     )
     teacher_dtype: str = opt(
         "",
         "In-process teacher's dtype (default: --dtype). The teacher is never trained, so it can "
         "run in bfloat16 while the student trains in float32, as a served teacher usually does; "
         "its log-probs are still taken in float32.",
-        section="teacher",
         per_task=True,
     )
     # a list too: the flag repeated, or a YAML/JSON list; validation joins it with commas (config.json keeps a string)
@@ -58,35 +55,36 @@ class TeacherOptions:
         "http://127.0.0.1:8000; replaces --teacher. Several servers of the same teacher, comma-separated or the "
         "flag repeated, share the requests (each to the least busy; one that fails is skipped until it answers "
         "again). Works with --objective sampled and lsm with support teacher_topk or teacher_topk_plus_sampled.",
-        section="teacher",
         per_task=True,
     )
-    teacher_timeout: float = opt(
-        120.0, "Seconds to wait for one served-teacher request before retrying.", section="teacher"
-    )
+    teacher_timeout: float = opt(120.0, "Seconds to wait for one served-teacher request before retrying.")
     teacher_wait: float = opt(
         600.0,
         "Seconds to wait for a served teacher that stops answering (at startup too), then checkpoint and stop.",
-        section="teacher",
     )
-    teacher_retries: int | None = opt(
-        None, "At most N retries of a failed served-teacher request (unset: no cap).", section="teacher"
-    )
+    teacher_retries: int | None = opt(None, "At most N retries of a failed served-teacher request (unset: no cap).")
     teacher_api_key: str = opt(
         "",
         "API key sent to served teachers as 'Authorization: Bearer KEY' (the key of vLLM's or opd "
         "serve-teacher's --api-key). Better set the environment variable OPD_TEACHER_API_KEY, which keeps it "
         "out of process lists and shell history. Never written to config.json, checkpoints, logs or trackers.",
         secret=True,
-        section="teacher",
     )
+
+    def check(self) -> None:
+        check_teacher_options(self)
+
+
+@dataclass(frozen=True)
+class CrossTokenizerOptions(Section):
+    """Section "cross_tokenizer" (opd train): how a teacher with another tokenizer is paired with the student."""
+
     cross_tokenizer: str = opt(
         "auto",
         "Cross-tokenizer OPD, for a teacher with another tokenizer: auto (on when the two vocabularies differ), "
         "on, or off (a different vocabulary is an error). The teacher reads the same text in its own chat "
         "template and tokenization; its scores are aligned to the student's tokens by bytes. Trains lsm "
         "(--support teacher_topk) or sampled (span reward); not full_kl, student-side supports or --env.",
-        section="cross_tokenizer",
         per_task=True,
     )
     cross_pairing: str = opt(
@@ -96,7 +94,6 @@ class TeacherOptions:
         "tokens whose bytes are exactly one teacher token; within_group: group_start, and the later "
         "tokens of a group with one teacher token (the student's '5' of the teacher's '15') get the "
         "teacher's distribution at the group's start, kept where it goes on past the group's bytes so far.",
-        section="cross_tokenizer",
         per_task=True,
     )
     cross_unmapped: str = opt(
@@ -105,7 +102,6 @@ class TeacherOptions:
         "where the student writes each digit). drop: left out of the support; prefix: counted for the "
         "longest student token its bytes begin with ('1'), the teacher's mass for how the text goes on. "
         "For a teacher whose tokens are longer than the student's (docs/cross-tokenizer.md).",
-        section="cross_tokenizer",
         per_task=True,
     )
     cross_joinable: str = opt(
@@ -113,7 +109,6 @@ class TeacherOptions:
         "Cross-tokenizer LSM: support tokens the teacher's tokenizer would have joined to its token before the "
         "position (the student's '5' after the teacher's '1', where the teacher writes '15'). keep, or drop them "
         "from the support: the teacher's probability for them is that of a token boundary it never makes.",
-        section="cross_tokenizer",
         per_task=True,
     )
     teacher_special_map: list[Any] = opt(
@@ -121,9 +116,11 @@ class TeacherOptions:
         "Cross-tokenizer: student special tokens and the teacher's that stand for them, STUDENT=TEACHER, "
         "comma-separated (e.g. '<|im_end|>=</s>'). Same-named specials pair by themselves; the student's "
         "EOS pairs with the teacher's EOS unless given here.",
-        section="cross_tokenizer",
         per_task=True,
     )
+
+    def check(self) -> None:
+        check_cross_tokenizer_options(self)
 
 
 def resolve_teacher(values: dict[str, Any]) -> dict[str, Any]:
@@ -152,7 +149,7 @@ def check_teacher_options(cfg: TeacherOptions) -> None:
     )
 
 
-def check_cross_tokenizer_options(cfg: TeacherOptions) -> None:
+def check_cross_tokenizer_options(cfg: CrossTokenizerOptions) -> None:
     """The cross_tokenizer section's options, each one of its choices (what they can train is
     :func:`opd.config.options.check_cross_tokenizer`'s)."""
     for name, value, choices in (

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from opd.config.evaluation import EvalOptions
 from opd.evaluation.estimators import avg_at_k, maj_at_k, mean_pass_at_k
 from opd.evaluation.sharing import ALONE, Share
 from opd.rollout.engine import RolloutEngine, Sampling
@@ -107,16 +108,18 @@ class EvalPlan:
     show_progress: bool = False
 
     @classmethod
-    def of(cls, cfg, samples: int, sampling: EvalSampling, seed: int, max_batch: int = 128, **kw: Any) -> EvalPlan:
-        """A plan from a config's evaluation options (:class:`opd.config.evaluation.EvalOptions`)."""
+    def of(
+        cls, options: EvalOptions, samples: int, sampling: EvalSampling, seed: int, max_batch: int = 128, **kw: Any
+    ) -> EvalPlan:
+        """A plan from a config's eval section (its :class:`opd.config.evaluation.EvalOptions`)."""
         return cls(
             samples=samples,
             sampling=sampling,
-            maj_k=cfg.maj_k,
-            batch_tokens=cfg.eval_batch_tokens,
+            maj_k=options.maj_k,
+            batch_tokens=options.eval_batch_tokens,
             max_batch=max_batch,
             seed=seed,
-            record_chars=cfg.eval_record_chars,
+            record_chars=options.eval_record_chars,
             **kw,
         )
 

@@ -28,7 +28,7 @@ from opd.rollout.game_set import GameSet, invalid_action_rate
 
 @dataclass
 class GameItems:
-    """Games played by an engine; ``limits``: the episode limits (``cfg.episode_limits()``); ``chat``: the
+    """Games played by an engine; ``limits``: the episode limits (``opd.config.sources.episode_limits``); ``chat``: the
     episodes' chat format when already checked (else made from ``tokenizer``)."""
 
     games: GameSet

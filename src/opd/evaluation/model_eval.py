@@ -17,6 +17,7 @@ from typing import Any
 
 from opd.chat import set_chat_options
 from opd.config import EvalConfig
+from opd.config.sources import episode_limits
 from opd.errors import UserError
 from opd.evaluation.core import EvalPlan, Evaluation, Items, Rollout, evaluate, figures_on_model, resolve_sampling
 from opd.evaluation.estimators import gap_recovery
@@ -130,7 +131,7 @@ def check_graded(cfg: EvalConfig, task: Task) -> None:
     n = len(graded(held_out))
     if not n:
         raise UserError(
-            f"--task {cfg.task} has no reference answers to grade against (looked for {answer_source(task)}); "
+            f"--task {cfg.data.task} has no reference answers to grade against (looked for {answer_source(task)}); "
             "opd eval measures accuracy: give data with answers (--answer-field names its column)"
         )
     if n < len(held_out):
@@ -142,8 +143,8 @@ def check_graded(cfg: EvalConfig, task: Task) -> None:
 def _on_engine(cfg: EvalConfig, model, tok, model_dir: str, rundir: RunDir, items: Items, plan: EvalPlan) -> Evaluation:
     """``items`` evaluated by ``--rollout-engine`` (opd's loop, with ``--static-cache``; vLLM, its files in
     OUT/vllm/), made as training makes it; an engine with weights of its own is given the model's once."""
-    ctx = EngineContext(model, tok, cfg, model_dir, folder=rundir.path / cfg.rollout_engine)
-    engine = make_engine(cfg.rollout_engine, ctx)
+    ctx = EngineContext(model, tok, cfg, model_dir, folder=rundir.path / cfg.rollout.rollout_engine)
+    engine = make_engine(cfg.rollout.rollout_engine, ctx)
     try:  # the weights never change here: synced once, before the first rollout
         return evaluate(engine, items, plan)
     finally:
@@ -153,46 +154,63 @@ def _on_engine(cfg: EvalConfig, model, tok, model_dir: str, rundir: RunDir, item
 def run_eval(cfg: EvalConfig) -> dict:
     """``opd eval``: the figures in ``OUT/eval.json`` and every response in ``OUT/eval_samples.jsonl``."""
     # Where the figures go is checked (and claimed) first: a folder that cannot take them would lose a whole evaluation.
-    rundir = RunDir(cfg.out, command="eval", models={"student": cfg.student, "tokenizer": cfg.tokenizer})
+    rundir = RunDir(
+        cfg.run.out, command="eval", models={"student": cfg.model.student, "tokenizer": cfg.model.tokenizer}
+    )
     records = rundir.path / "eval_samples.jsonl"
-    if cfg.eval_record_chars:
+    if cfg.eval.eval_record_chars:
         check_writable(records)  # likewise the records
     # Data named for evaluation is evaluated whole, as --eval-task is (its test split, or every row
     # of a one-split set); --split instead picks the held-out part, as training holds it out.
-    if not cfg.env:  # before the model: a data problem shows at once
-        options = data_options(cfg)
-        task = load_task(cfg.task, cfg.task_level, cfg.seed, split=cfg.split, evaluation=not cfg.split, **options)
+    if not cfg.env.env:  # before the model: a data problem shows at once
+        options = data_options(cfg.data)
+        task = load_task(
+            cfg.data.task,
+            cfg.data.task_level,
+            cfg.run.seed,
+            split=cfg.data.split,
+            evaluation=not cfg.data.split,
+            **options,
+        )
         check_graded(cfg, task)
-    check_engine(cfg.rollout_engine)  # before the model loads
-    rev = cfg.student_revision
+    check_engine(cfg.rollout.rollout_engine)  # before the model loads
+    rev = cfg.model.student_revision
     tok = set_chat_options(
-        load_tokenizer(cfg.tokenizer or cfg.student, revision="" if cfg.tokenizer else rev),
-        cfg.chat_template_kwargs,
-        check=cfg.check_chat_template_kwargs,
+        load_tokenizer(cfg.model.tokenizer or cfg.model.student, revision="" if cfg.model.tokenizer else rev),
+        cfg.data.chat_template_kwargs,
+        check=cfg.data.check_chat_template_kwargs,
     )
-    device = resolve_device(cfg.device)
-    configure_device_math(device, cfg.dtype, cfg.tf32, "opd eval")
-    model = load_model(cfg.student, dtype=cfg.dtype, device=device, revision=rev)
-    model_dir = str(resolve_model(cfg.student, rev))
-    sampling = resolve_sampling(cfg.eval_sampling, cfg.temperature, cfg.top_p, model_dir)
-    plan = EvalPlan.of(cfg, cfg.samples, sampling, cfg.seed, max_batch=cfg.batch_size, show_progress=True)
+    device = resolve_device(cfg.model.device)
+    configure_device_math(device, cfg.model.dtype, cfg.model.tf32, "opd eval")
+    model = load_model(cfg.model.student, dtype=cfg.model.dtype, device=device, revision=rev)
+    model_dir = str(resolve_model(cfg.model.student, rev))
+    sampling = resolve_sampling(cfg.eval.eval_sampling, cfg.rollout.temperature, cfg.rollout.top_p, model_dir)
+    plan = EvalPlan.of(
+        cfg.eval, cfg.eval.samples, sampling, cfg.run.seed, max_batch=cfg.eval.batch_size, show_progress=True
+    )
     t0 = time.time()
-    if cfg.env:  # the held-out games of an environment: success rate (opd.evaluation.game_eval)
-        check_episode_context(model, cfg.max_prompt_tokens, cfg.max_new_tokens)
-        env = play_env(cfg)
+    if cfg.env.env:  # the held-out games of an environment: success rate (opd.evaluation.game_eval)
+        check_episode_context(model, cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens)
+        env = play_env(cfg.env, cfg.model.device)
         try:
-            games = GameItems(GameSet.build(env, "test", cfg.eval_size), tok, cfg.episode_limits())
+            games = GameItems(
+                GameSet.build(env, "test", cfg.eval.eval_size), tok, episode_limits(cfg.env, cfg.data, cfg.rollout)
+            )
             done = _on_engine(cfg, model, tok, model_dir, rundir, games, plan)
         finally:
             getattr(env, "close", lambda: None)()
     else:
-        prompts = PromptSet.build(eval_prompts(task, cfg.eval_size), tok, cfg.max_prompt_tokens, "test prompts")
-        done = _on_engine(cfg, model, tok, model_dir, rundir, PromptItems(prompts, task, tok, cfg.max_new_tokens), plan)
+        prompts = PromptSet.build(
+            eval_prompts(task, cfg.eval.eval_size), tok, cfg.data.max_prompt_tokens, "test prompts"
+        )
+        done = _on_engine(
+            cfg, model, tok, model_dir, rundir, PromptItems(prompts, task, tok, cfg.rollout.max_new_tokens), plan
+        )
     result = done.figures
     result["wall_s"] = round(time.time() - t0, 2)
-    if cfg.acc_before >= 0 and cfg.acc_teacher >= 0:
-        result["gap_recovery"] = gap_recovery(cfg.acc_before, result["accuracy"], cfg.acc_teacher)
-    if cfg.eval_record_chars:
+    if cfg.eval.acc_before >= 0 and cfg.eval.acc_teacher >= 0:
+        result["gap_recovery"] = gap_recovery(cfg.eval.acc_before, result["accuracy"], cfg.eval.acc_teacher)
+    if cfg.eval.eval_record_chars:
         write_records(records, done.records)
         result["records"] = records.name
     rundir.write_json("eval.json", result)

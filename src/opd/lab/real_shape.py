@@ -138,13 +138,12 @@ def cross_tokenizer_teacher(teacher_model, tok):
 def loss_and_backward(student, teacher, batch, scores, options: dict, k: int) -> None:
     """One objective's loss on ``batch`` and its backward into ``student``, as the trainer computes it
     (token-mean reduction); ``options``: TrainConfig fields, an entry of :data:`OBJECTIVES`."""
-    import dataclasses
 
     from opd.config import TrainConfig
     from opd.training.loss import LossTotals, objective_loss, reduce_loss
 
     N, T = batch.response_ids_NT.shape
-    cfg = dataclasses.replace(TrainConfig.from_flat(k=k, batch_size=N, max_new_tokens=T), **options)
+    cfg = TrainConfig.from_flat(k=k, batch_size=N, max_new_tokens=T, **options)
     mask = batch.action_mask_NT
     loss_NT, _ = objective_loss(cfg, student, teacher, batch, scores, mask)
     reduce_loss("token_mean", loss_NT, mask, LossTotals(int(mask.sum()), N, N, T)).backward()

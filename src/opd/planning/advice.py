@@ -49,14 +49,14 @@ def _shape(name: str, revision: str, what: str) -> ModelShape:
 
 def shapes(cfg: TrainConfig) -> tuple[ModelShape, ModelShape | None]:
     """The student's and the in-process teacher's shapes (None: served)."""
-    if not cfg.student:
+    if not cfg.model.student:
         raise UserError("--student is empty: give the student model (a folder or a Hub name) to plan for")
-    student = _shape(cfg.student, cfg.student_revision, "student model (--student)")
-    if cfg.teacher_url:
+    student = _shape(cfg.model.student, cfg.model.student_revision, "student model (--student)")
+    if cfg.teacher.teacher_url:
         return student, None
-    if not cfg.teacher:
+    if not cfg.teacher.teacher:
         raise UserError("give --teacher (a folder or a Hub name) or --teacher-url (served: no teacher memory here)")
-    return student, _shape(cfg.teacher, cfg.teacher_revision, "teacher model (--teacher)")
+    return student, _shape(cfg.teacher.teacher, cfg.teacher.teacher_revision, "teacher model (--teacher)")
 
 
 def plan_run(cfg: TrainConfig, layout: Layout) -> Plan:
@@ -67,19 +67,19 @@ Change = Callable[[TrainConfig, Plan], dict | None]
 
 
 def _checkpointing(cfg: TrainConfig, plan: Plan) -> dict | None:
-    return None if cfg.gradient_checkpointing else {"gradient_checkpointing": True}
+    return None if cfg.optimizer.gradient_checkpointing else {"gradient_checkpointing": True}
 
 
 def _fsdp(cfg: TrainConfig, plan: Plan) -> dict | None:
-    return None if cfg.fsdp or plan.layout.world < 2 else {"fsdp": True}
+    return None if cfg.run.fsdp or plan.layout.world < 2 else {"fsdp": True}
 
 
 def _serve_teacher(cfg: TrainConfig, plan: Plan) -> dict | None:
-    return None if cfg.teacher_url else {"teacher_url": "http://TEACHER:8000", "teacher": ""}
+    return None if cfg.teacher.teacher_url else {"teacher_url": "http://TEACHER:8000", "teacher": ""}
 
 
 def _on_policy(cfg: TrainConfig, plan: Plan) -> dict | None:
-    return {"max_staleness": 0} if cfg.max_staleness else None
+    return {"max_staleness": 0} if cfg.rollout.max_staleness else None
 
 
 def _token_budget(cfg: TrainConfig, plan: Plan) -> dict | None:
@@ -87,7 +87,7 @@ def _token_budget(cfg: TrainConfig, plan: Plan) -> dict | None:
     rows, seq = micro_batch(cfg)
     for r in range(rows - 1, 0, -1):
         change: dict[str, Any] = {"micro_batch_tokens": r * seq, "grad_accum": 1}
-        if plan_run(dataclasses.replace(cfg, **change), plan.layout).fits:
+        if plan_run(cfg.replace(**change), plan.layout).fits:
             return change
     return None if rows <= 1 else {"micro_batch_tokens": seq, "grad_accum": 1}
 
@@ -101,11 +101,11 @@ def _engine_share(cfg: TrainConfig, plan: Plan) -> dict | None:
     if util < 0.1:
         return None
     flag = "--gpu-memory-utilization"
-    return {"vllm_args": shlex.join([*without_option(cfg.vllm_argv, flag), flag, f"{util:.2f}"])}
+    return {"vllm_args": shlex.join([*without_option(cfg.rollout.vllm_argv, flag), flag, f"{util:.2f}"])}
 
 
 def _lora(cfg: TrainConfig, plan: Plan) -> dict | None:
-    return None if cfg.lora_r else {"lora_r": 16}
+    return None if cfg.lora.lora_r else {"lora_r": 16}
 
 
 # In the order they are tried: each keeps what the run computes (the loss and the update) where it can.
@@ -129,7 +129,7 @@ def flags(change: dict) -> str:
 
 def _tried(cfg: TrainConfig, change: dict, layout: Layout) -> tuple[TrainConfig, Plan] | None:
     try:
-        new = dataclasses.replace(cfg, **change)
+        new = cfg.replace(**change)
     except ConfigError:  # options opd refuses together
         return None
     return new, plan_run(new, layout)
@@ -141,7 +141,7 @@ def fitting_change(cfg: TrainConfig, plan: Plan) -> tuple[dict, Plan] | None:
     for _ in range(3):
         grown = []
         for base in tried:
-            base_cfg = dataclasses.replace(cfg, **base) if base else cfg
+            base_cfg = cfg.replace(**base) if base else cfg
             base_plan = plan if not base else plan_run(base_cfg, plan.layout)
             for make in CHANGES:
                 step = make(base_cfg, base_plan)
@@ -233,5 +233,5 @@ def run_plan(cfg: TrainConfig, layout: Layout, as_json_out: bool) -> int:
         print(json.dumps(as_json(cfg, plan, change), indent=1))
     else:
         where = f"{layout.world} rank(s)" + (f", {gib(layout.gpu_bytes)} each" if layout.gpu_bytes else "")
-        render(plan, change, f"opd plan: {cfg.student} on {where}, memory per GPU")
+        render(plan, change, f"opd plan: {cfg.model.student} on {where}, memory per GPU")
     return 1 if plan.fits is False else 0

@@ -153,15 +153,18 @@ def layer_activation_bytes(m: ModelShape, seq: int, dtype: str) -> int:
 
 def micro_batch(cfg: TrainConfig) -> tuple[int, int]:
     """(rows, padded sequence length) of the largest micro-batch, at the longest prompt and response."""
-    rows, seq = cfg.batch_size * cfg.samples_per_prompt, cfg.max_prompt_tokens + cfg.max_new_tokens
-    if cfg.micro_batch_tokens:
-        return max(1, min(rows, cfg.micro_batch_tokens // seq)), seq
-    return rows // cfg.grad_accum, seq
+    rows, seq = (
+        cfg.optimizer.batch_size * cfg.rollout.samples_per_prompt,
+        cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
+    )
+    if cfg.optimizer.micro_batch_tokens:
+        return max(1, min(rows, cfg.optimizer.micro_batch_tokens // seq)), seq
+    return rows // cfg.optimizer.grad_accum, seq
 
 
 def micro_batches(cfg: TrainConfig) -> int:
     """How many micro-batches an update takes, every row at the longest prompt and response."""
-    return -(-cfg.batch_size * cfg.samples_per_prompt // micro_batch(cfg)[0])
+    return -(-cfg.optimizer.batch_size * cfg.rollout.samples_per_prompt // micro_batch(cfg)[0])
 
 
 def plan_memory(cfg: TrainConfig, student: ModelShape, teacher: ModelShape | None, layout: Layout) -> Plan:
@@ -172,17 +175,17 @@ def plan_memory(cfg: TrainConfig, student: ModelShape, teacher: ModelShape | Non
     plan.parts += _engine(cfg, student, layout, plan.notes)
     plan.parts += _update(cfg, student, layout)
     plan.parts += _logging(cfg, student, teacher)
-    if cfg.tasks:
+    if cfg.multitask.tasks:
         plan.notes.append("a multi-task run is planned at its top-level options; each task's own are not read")
     return plan
 
 
 def _student(cfg: TrainConfig, m: ModelShape, layout: Layout) -> list[Part]:
-    shard = layout.world if cfg.fsdp else 1
+    shard = layout.world if cfg.run.fsdp else 1
     by = f" / {shard} ranks (FSDP)" if shard > 1 else ""
-    if cfg.lora_r:
-        trained = m.lora_params(cfg.lora_r, cfg.lora_targets)
-        base = BYTES[trained_weights_dtype(cfg.dtype, True)]
+    if cfg.lora.lora_r:
+        trained = m.lora_params(cfg.lora.lora_r, cfg.lora.lora_targets)
+        base = BYTES[trained_weights_dtype(cfg.model.dtype, True)]
         weights = Part(
             "student weights",
             ("run",),
@@ -200,18 +203,18 @@ def _student(cfg: TrainConfig, m: ModelShape, layout: Layout) -> list[Part]:
         Part("AdamW state", ("run",), 2 * trained * 4 // shard, f"2 moments x {what} x 4 B{by}"),
         _adamw_temporaries(cfg, m, layout),
     ]
-    if layout.world > 1 and not cfg.fsdp:
+    if layout.world > 1 and not cfg.run.fsdp:
         parts.append(
             Part("DDP bucket copy", ("run",), 0, "none: gradient_as_bucket_view (the gradients are the buckets)")
         )
-    if cfg.max_staleness:
-        wb = BYTES[trained_weights_dtype(cfg.dtype, bool(cfg.lora_r))]
+    if cfg.rollout.max_staleness:
+        wb = BYTES[trained_weights_dtype(cfg.model.dtype, bool(cfg.lora.lora_r))]
         parts.append(
             Part(
                 "staleness worker's student",
                 ("run",),
                 m.params * wb,
-                f"--max-staleness {cfg.max_staleness}: the worker process's whole copy, {m.params:,} x {wb} B "
+                f"--max-staleness {cfg.rollout.max_staleness}: the worker process's whole copy, {m.params:,} x {wb} B "
                 "(the weights sent with each request wait in host memory)",
             )
         )
@@ -220,7 +223,7 @@ def _student(cfg: TrainConfig, m: ModelShape, layout: Layout) -> list[Part]:
 
 def _gradients(cfg: TrainConfig, size: int, how: str, layout: Layout) -> Part:
     """The gradients, absent where the update's first backward starts unless something keeps them."""
-    ddp = layout.world > 1 and not cfg.fsdp
+    ddp = layout.world > 1 and not cfg.run.fsdp
     kept = "DDP's buckets" if ddp else "the update's earlier micro-batches" if micro_batches(cfg) > 1 else ""
     if kept:
         return Part("gradients", ("run",), size, f"{how}; kept by {kept} where the backward starts")
@@ -230,12 +233,12 @@ def _gradients(cfg: TrainConfig, size: int, how: str, layout: Layout) -> Part:
 
 def _adamw_temporaries(cfg: TrainConfig, m: ModelShape, layout: Layout) -> Part:
     """What AdamW's step allocates beside its state (the module docstring)."""
-    shard = layout.world if cfg.fsdp else 1
+    shard = layout.world if cfg.run.fsdp else 1
     if layout.device != "cpu":
-        trained = m.lora_params(cfg.lora_r, cfg.lora_targets) if cfg.lora_r else m.params
+        trained = m.lora_params(cfg.lora.lora_r, cfg.lora.lora_targets) if cfg.lora.lora_r else m.params
         return Part("AdamW's temporaries", ("optimizer",), trained * 4 // shard, "foreach: every second moment's sqrt")
-    if cfg.lora_r:
-        largest = cfg.lora_r * max((max(io) for io in m.lora_layers(cfg.lora_targets)), default=0)
+    if cfg.lora.lora_r:
+        largest = cfg.lora.lora_r * max((max(io) for io in m.lora_layers(cfg.lora.lora_targets)), default=0)
     else:
         largest = m.hidden * max(m.vocab, m.intermediate, m.q_width)
     return Part(
@@ -246,17 +249,17 @@ def _adamw_temporaries(cfg: TrainConfig, m: ModelShape, layout: Layout) -> Part:
 def _teacher(cfg: TrainConfig, t: ModelShape | None, layout: Layout) -> list[Part]:
     if t is None:
         return [Part("teacher", ("run",), 0, "served (--teacher-url): on GPUs of its own")]
-    tb = BYTES[cfg.teacher_dtype or cfg.dtype]
-    rows, T = cfg.batch_size * cfg.samples_per_prompt, cfg.max_new_tokens
+    tb = BYTES[cfg.teacher.teacher_dtype or cfg.model.dtype]
+    rows, T = cfg.optimizer.batch_size * cfg.rollout.samples_per_prompt, cfg.rollout.max_new_tokens
     parts = []
-    if cfg.fsdp and layout.world > 1:
+    if cfg.run.fsdp and layout.world > 1:
         parts.append(
             Part("teacher", ("run",), t.params * tb // layout.world, f"{t.params:,} x {tb} B / {layout.world} (FSDP)")
         )
         parts.append(Part("teacher's gathered block", ("score",), 2 * t.layer_params * tb, "2 blocks (one prefetched)"))
     else:
         parts.append(Part("teacher", ("run",), t.params * tb, f"{t.params:,} x {tb} B, whole on every rank"))
-    chunk, seq = min(rows, ROWS_PER_CHUNK), cfg.max_prompt_tokens + T
+    chunk, seq = min(rows, ROWS_PER_CHUNK), cfg.data.max_prompt_tokens + T
     parts += [
         Part(
             "teacher's forward",
@@ -278,26 +281,29 @@ def _teacher(cfg: TrainConfig, t: ModelShape | None, layout: Layout) -> list[Par
             + (f" + the head cast {VOCAB_BLOCK:,} rows at a time, x {t.hidden} x 4 B" if tb != 4 else ""),
         ),
     ]
-    if cfg.diag_positions:
+    if cfg.run.diag_positions:
         # made with the scores (opd.teachers.scoring) and read by the step's logs
         parts.append(
             Part(
                 "teacher's logits at the diagnostic positions",
                 STEP_DATA,
-                cfg.diag_positions * t.vocab * 4,
-                f"--diag-positions {cfg.diag_positions} x {t.vocab:,} x 4 B",
+                cfg.run.diag_positions * t.vocab * 4,
+                f"--diag-positions {cfg.run.diag_positions} x {t.vocab:,} x 4 B",
             )
         )
     return parts
 
 
 def _engine(cfg: TrainConfig, m: ModelShape, layout: Layout, notes: list[str]) -> list[Part]:
-    rows, seq = cfg.batch_size * cfg.samples_per_prompt, cfg.max_prompt_tokens + cfg.max_new_tokens
-    cb = BYTES[cfg.dtype]
-    if cfg.rollout_engine == "vllm":
-        if cfg.vllm_url:
+    rows, seq = (
+        cfg.optimizer.batch_size * cfg.rollout.samples_per_prompt,
+        cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
+    )
+    cb = BYTES[cfg.model.dtype]
+    if cfg.rollout.rollout_engine == "vllm":
+        if cfg.rollout.vllm_url:
             return [Part("vLLM engine", ("run",), 0, "a server of your own (--vllm-url)")]
-        args = cfg.vllm_argv
+        args = cfg.rollout.vllm_argv
         # engine 0 beside trainer 0: on GPU 0 unless the machine has GPUs to spare (opd.rollout.vllm_server)
         place = place_engine(0, layout.node_ranks, layout.node_gpus, trainer_on_gpu=True, vllm_args=args)
         if "0" not in place.devices:
@@ -315,18 +321,23 @@ def _engine(cfg: TrainConfig, m: ModelShape, layout: Layout, notes: list[str]) -
         return [Part("vLLM engine's share", ("run",), share, f"--gpu-memory-utilization {util} of the GPU (KV inside)")]
     kv = 2 * m.layers * m.kv_width * rows * seq * cb
     sampler = rows * m.vocab * SAMPLER_BYTES
-    phase = ("run",) if cfg.max_staleness else ("rollout",)
-    who = "the worker's, beside the update" if cfg.max_staleness else "opd's loop"
+    phase = ("run",) if cfg.rollout.max_staleness else ("rollout",)
+    who = "the worker's, beside the update" if cfg.rollout.max_staleness else "opd's loop"
     parts = [
         Part("KV cache", phase, kv, f"{who}: 2 x {m.layers} layers x {m.kv_width} x {rows} rows x {seq} x {cb} B"),
         Part("sampler's vocabulary rows", phase, sampler, f"{rows} rows x {m.vocab:,} x {SAMPLER_BYTES} B"),
     ]
-    if cfg.fsdp and layout.world > 1:
+    if cfg.run.fsdp and layout.world > 1:
         parts.append(Part("student gathered for generation", ("rollout",), m.params * cb, f"{m.params:,} x {cb} B"))
-    if cfg.eval:
-        eval_kv = 2 * m.layers * m.kv_width * cfg.eval_batch_tokens * cb
+    if cfg.eval.eval:
+        eval_kv = 2 * m.layers * m.kv_width * cfg.eval.eval_batch_tokens * cb
         parts.append(
-            Part("evaluation's KV cache", ("eval",), eval_kv, f"--eval-batch-tokens {cfg.eval_batch_tokens:,} tokens")
+            Part(
+                "evaluation's KV cache",
+                ("eval",),
+                eval_kv,
+                f"--eval-batch-tokens {cfg.eval.eval_batch_tokens:,} tokens",
+            )
         )
     return parts
 
@@ -334,10 +345,10 @@ def _engine(cfg: TrainConfig, m: ModelShape, layout: Layout, notes: list[str]) -
 def _update(cfg: TrainConfig, m: ModelShape, layout: Layout) -> list[Part]:
     rows_mb, seq = micro_batch(cfg)
     tokens = rows_mb * seq
-    per_layer = layer_activation_bytes(m, seq, cfg.dtype)
-    mixed = cfg.dtype != "float32" and not cfg.lora_r  # a LoRA base is already in --dtype: no cast copies
+    per_layer = layer_activation_bytes(m, seq, cfg.model.dtype)
+    mixed = cfg.model.dtype != "float32" and not cfg.lora.lora_r  # a LoRA base is already in --dtype: no cast copies
     body = m.layers * m.layer_params
-    if cfg.gradient_checkpointing:
+    if cfg.optimizer.gradient_checkpointing:
         acts = tokens * (m.layers * m.hidden * 4 + per_layer) + tokens * seq * 4
         how = (
             f"{rows_mb} rows x {seq} tokens x ({m.layers} layers x {m.hidden} x 4 B kept + one layer recomputed, "
@@ -348,8 +359,8 @@ def _update(cfg: TrainConfig, m: ModelShape, layout: Layout) -> list[Part]:
         acts = tokens * m.layers * per_layer
         how = f"{rows_mb} rows x {seq} tokens x {m.layers} layers x {per_layer:,} B"
         casts = body * 2 if mixed else 0
-    T, cb = cfg.max_new_tokens, BYTES[cfg.dtype]
-    rows = cfg.batch_size * cfg.samples_per_prompt
+    T, cb = cfg.rollout.max_new_tokens, BYTES[cfg.model.dtype]
+    rows = cfg.optimizer.batch_size * cfg.rollout.samples_per_prompt
     parts = [
         Part("activations", ("update",), acts, how),
         Part(
@@ -370,7 +381,7 @@ def _update(cfg: TrainConfig, m: ModelShape, layout: Layout) -> list[Part]:
     ]
     if casts:
         parts.append(Part("bfloat16 weight copies", ("update",), casts, "autocast's casts, kept for the backward"))
-    if not cfg.lora_r:
+    if not cfg.lora.lora_r:
         parts.append(
             Part(
                 "head gradient buffer",
@@ -379,8 +390,8 @@ def _update(cfg: TrainConfig, m: ModelShape, layout: Layout) -> list[Part]:
                 f"{m.vocab:,} x {m.hidden} x 4 B, made as the backward starts (the head's gradient, or added to it)",
             )
         )
-    if cfg.fsdp and layout.world > 1:
-        cb = BYTES[cfg.dtype]
+    if cfg.run.fsdp and layout.world > 1:
+        cb = BYTES[cfg.model.dtype]
         root = (m.params - body) * 4
         parts.append(
             Part("FSDP gathered blocks and root", ("update",), 2 * m.layer_params * (cb + 4) + root, "2 blocks, root")
@@ -390,24 +401,24 @@ def _update(cfg: TrainConfig, m: ModelShape, layout: Layout) -> list[Part]:
 
 def _loss(cfg: TrainConfig, m: ModelShape, positions: int) -> Part:
     """The loss's own buffers for one micro-batch of ``positions`` response positions."""
-    k_wide = positions * cfg.k * LSM_SLOT_BYTES + LOSS_CHUNK * cfg.k * m.hidden * 4
-    if cfg.objective == "lsm" and not cfg.tail:
-        how = f"{positions:,} positions x K {cfg.k} x {LSM_SLOT_BYTES} B + a {LOSS_CHUNK} x K x d chunk (K-wide, not V)"
+    k_wide = positions * cfg.objective.k * LSM_SLOT_BYTES + LOSS_CHUNK * cfg.objective.k * m.hidden * 4
+    if cfg.objective.objective == "lsm" and not cfg.objective.tail:
+        how = f"{positions:,} positions x K {cfg.objective.k} x {LSM_SLOT_BYTES} B + a {LOSS_CHUNK} x K x d chunk (K-wide, not V)"
         return Part("loss buffers", ("update",), k_wide, how)
     v_wide = 2 * LOSS_CHUNK * m.vocab * 4
     return Part("loss buffers", ("update",), k_wide + v_wide, f"K-wide + 2 chunks of {LOSS_CHUNK} x {m.vocab:,} x 4 B")
 
 
 def _logging(cfg: TrainConfig, m: ModelShape, t: ModelShape | None) -> list[Part]:
-    rows, T = cfg.batch_size * cfg.samples_per_prompt, cfg.max_new_tokens
-    scores = rows * T * (cfg.k * 12 + 4)
+    rows, T = cfg.optimizer.batch_size * cfg.rollout.samples_per_prompt, cfg.rollout.max_new_tokens
+    scores = rows * T * (cfg.objective.k * 12 + 4)
     vocab = max(m.vocab, t.vocab if t else 0)
     return [
         Part("teacher's top-K for the step", STEP_DATA, scores, f"{rows} x {T} x (K x 12 + 4) B"),
         Part(
             "diagnostics",
             ("log",),
-            cfg.diag_positions * vocab * 4 * 4,
-            f"{cfg.diag_positions} positions x {vocab:,} x 4 B x 4",
+            cfg.run.diag_positions * vocab * 4 * 4,
+            f"{cfg.run.diag_positions} positions x {vocab:,} x 4 B x 4",
         ),
     ]

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import yaml
 
+from opd.config.sources import EnvOptions
 from opd.envs import Environment, Game, get_env
 from opd.envs.workers import AUTO_WORKERS, EnvWorkers
 from opd.errors import UserError
@@ -58,11 +59,12 @@ def make_env(name: str, level: int, env_args: list[str]) -> Environment:
         raise UserError(f"environment {name!r} does not accept these arguments ({err}); fix --env-args") from None
 
 
-def play_env(cfg) -> Environment:
-    """The environment of a config's ``--env`` options (an EnvSource), its games where ``--env-workers`` says."""
-    workers = auto_workers(resolve_device(cfg.device)) if cfg.env_workers is None else cfg.env_workers
-    env = make_env(cfg.env, cfg.env_level, cfg.env_args)
-    return in_workers(env, workers, cfg.env_step_timeout, required=cfg.env_workers is not None)
+def play_env(options: EnvOptions, device: str) -> Environment:
+    """The environment of a config's env section, its games where ``--env-workers`` says (unset: by the cores
+    the trainer on ``device``, the ``--device`` option, leaves free)."""
+    workers = auto_workers(resolve_device(device)) if options.env_workers is None else options.env_workers
+    env = make_env(options.env, options.env_level, options.env_args)
+    return in_workers(env, workers, options.env_step_timeout, required=options.env_workers is not None)
 
 
 def in_workers(env: Environment, workers: int, step_timeout: float = 60.0, required: bool = True) -> Environment:

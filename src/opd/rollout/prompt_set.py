@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from opd.config import SFTConfig, TrainConfig
-from opd.config.sources import ModelSource, TrainingSource
+from opd.config.sources import DataOptions, EvalSource
 from opd.errors import UserError
 from opd.hub import looks_like_repo_id, split_config
 from opd.models.tokenizer import format_prompt
@@ -54,57 +54,59 @@ def load_task(task: str, level: int = 2, seed: int = 0, **options: Any) -> Task:
     return get_task("dataset", source=task, seed=seed, **options)
 
 
-def data_options(cfg: ModelSource) -> dict[str, str]:
-    """The data options of ``cfg``: its columns, how its answers read, its system turn and revision."""
+def data_options(data: DataOptions) -> dict[str, str]:
+    """The data section's options a task is loaded with: its columns, how its answers read, its system turn
+    and revision."""
     return {
-        "prompt_field": cfg.prompt_field,
-        "answer_field": cfg.answer_field,
-        "solution_field": cfg.solution_field,
-        "answer_format": cfg.answer_format,
-        "system_prompt": cfg.system_prompt,
-        "revision": cfg.task_revision,
+        "prompt_field": data.prompt_field,
+        "answer_field": data.answer_field,
+        "solution_field": data.solution_field,
+        "answer_format": data.answer_format,
+        "system_prompt": data.system_prompt,
+        "revision": data.task_revision,
     }
 
 
-def eval_data_options(cfg: TrainingSource) -> dict[str, str]:
-    """The data options of ``cfg``'s ``--eval-task``: its own, each defaulting to the training data's (but its
+def eval_data_options(data: DataOptions, source: EvalSource) -> dict[str, str]:
+    """The data options of ``--eval-task``: its own, each defaulting to the training data's (but its
     revision, which is the evaluation data's)."""
     own = {
-        "prompt_field": cfg.eval_prompt_field,
-        "answer_field": cfg.eval_answer_field,
-        "solution_field": cfg.eval_solution_field,
-        "answer_format": cfg.eval_answer_format,
+        "prompt_field": source.eval_prompt_field,
+        "answer_field": source.eval_answer_field,
+        "solution_field": source.eval_solution_field,
+        "answer_format": source.eval_answer_format,
     }
-    return {**data_options(cfg), **{k: v for k, v in own.items() if v}, "revision": cfg.eval_revision}
+    return {**data_options(data), **{k: v for k, v in own.items() if v}, "revision": source.eval_revision}
 
 
-def load_tasks(cfg: TrainingSource) -> tuple[Task, Task | None]:
+def load_tasks(cfg: TrainConfig | SFTConfig) -> tuple[Task, Task | None]:
     """``(training task, evaluation task)`` of a config; the evaluation task is the training task
-    (its test split) unless ``cfg.eval_task`` names other data, whose test split (or, with one
+    (its test split) unless ``--eval-task`` names other data, whose test split (or, with one
     split, every row) is then evaluated, and nothing is held out of the training data unless ``--split``
     says so. None: no evaluation, by ``--no-eval`` (then nothing is held out either) or because no held-out prompt has a reference
     answer (:func:`grading_notes` says so). ``--eval-task`` data without answers is an error."""
-    evaluate = cfg.eval
-    holds_out = evaluate and not cfg.eval_task  # --eval-task: evaluation has its own data
-    split = cfg.split or ("" if holds_out or cfg.task == "arithmetic" else "0")
-    task = load_task(cfg.task, cfg.task_level, cfg.seed, split=split, **data_options(cfg))
+    data, source, seed = cfg.data, cfg.eval, cfg.run.seed
+    evaluate = source.eval
+    holds_out = evaluate and not source.eval_task  # --eval-task: evaluation has its own data
+    split = data.split or ("" if holds_out or data.task == "arithmetic" else "0")
+    task = load_task(data.task, data.task_level, seed, split=split, **data_options(data))
     if not evaluate:
         return task, None
-    if not cfg.eval_task:
+    if not source.eval_task:
         held_out = task.examples("test")
         return task, (task if not held_out or any(e.answer is not None for e in held_out) else None)
     evaluation = load_task(
-        cfg.eval_task,
-        cfg.task_level,
-        cfg.seed,
-        split=cfg.eval_split,
+        source.eval_task,
+        data.task_level,
+        seed,
+        split=source.eval_split,
         evaluation=True,
         flag_prefix="eval-",
-        **eval_data_options(cfg),
+        **eval_data_options(data, source),
     )
     if not any(e.answer is not None for e in evaluation.examples("test")):
         raise UserError(
-            f"--eval-task {cfg.eval_task} has no reference answers to grade (looked for {answer_source(evaluation)}); "
+            f"--eval-task {source.eval_task} has no reference answers to grade (looked for {answer_source(evaluation)}); "
             "give evaluation data with answers (--eval-answer-field names its column), or drop --eval-task"
         )
     return task, evaluation
@@ -149,10 +151,10 @@ def grading_notes(
             else f"{len(train) - n_graded} have no reference answer: rollout accuracy is over the "
             f"{n_graded} graded ones (rollout/ungraded counts the others in a step)"
         )
-        notes.append(f"of the {len(train)} training prompts of {cfg.task}, {what}")
-    if evaluation is None and cfg.eval:
+        notes.append(f"of the {len(train)} training prompts of {cfg.data.task}, {what}")
+    if evaluation is None and cfg.eval.eval:
         notes.append(
-            f"none of the held-out prompts of {cfg.task} has a reference answer (looked for {answer_source(task)}), "
+            f"none of the held-out prompts of {cfg.data.task} has a reference answer (looked for {answer_source(task)}), "
             "so there is nothing to grade and evaluation is off; give --eval-task DATA with answers to evaluate, "
             "or --no-eval to train on every row"
         )
@@ -162,7 +164,7 @@ def grading_notes(
         if n < len(held_out):
             notes.append(
                 f"{len(held_out) - n} of the {len(held_out)} held-out prompts have no reference answer: evaluation "
-                f"grades the {n} others (at most --eval-size {cfg.eval_size})"
+                f"grades the {n} others (at most --eval-size {cfg.eval.eval_size})"
             )
     return notes
 

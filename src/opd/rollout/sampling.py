@@ -42,7 +42,6 @@ import torch
 from transformers import PreTrainedModel
 
 from opd.config import TrainConfig
-from opd.config.engines import EngineOptions
 from opd.errors import UserError
 from opd.models.loading import model_device
 from opd.rollout.engine import (
@@ -206,9 +205,9 @@ def start_hf(ctx: EngineContext) -> HFRollout:
     """The registry's ``hf`` engine: this process's student (the trainer's, or a staleness worker's copy), with
     the run's ``--static-cache`` (``auto``, unless FSDP shards the weights: its forward gathers them in hooks
     that a CUDA graph cannot hold, and the configuration refuses ``on`` with it)."""
-    cfg: EngineOptions = ctx.cfg
-    mode = cfg.static_cache
-    if mode == "auto" and isinstance(cfg, TrainConfig) and cfg.fsdp:  # opd eval's config has no FSDP
+    cfg = ctx.cfg
+    mode = cfg.rollout.static_cache
+    if mode == "auto" and isinstance(cfg, TrainConfig) and cfg.run.fsdp:  # opd eval's config has no FSDP
         mode = "off"
     return HFRollout(ctx.model, ctx.tokenizer.eos_token_id, ctx.tokenizer.pad_token_id, static_cache=mode)
 

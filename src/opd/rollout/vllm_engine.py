@@ -41,7 +41,7 @@ import torch
 import torch.distributed as tdist
 
 from opd.config import TrainConfig
-from opd.config.engines import SLEEP_FLAG, sleep_flag
+from opd.config.engines import SLEEP_FLAG, EngineOptions, VLLMOptions, sleep_flag
 from opd.errors import ServiceUnavailable, UserError
 from opd.models.loading import model_device
 from opd.models.precision import engine_dtype
@@ -280,7 +280,7 @@ class VLLMRollout(ServerEngine):
             self.way.close()
 
 
-def rank_placement(cfg, model) -> Placement:
+def rank_placement(engine: EngineOptions, model) -> Placement:
     """This rank's engine's GPUs (:func:`~opd.rollout.vllm_server.place_engine`), from the launcher's
     ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``, the GPUs torch sees and where the trainer computes."""
     return place_engine(
@@ -288,7 +288,7 @@ def rank_placement(cfg, model) -> Placement:
         int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         torch.cuda.device_count(),
         trainer_on_gpu=model_device(model).type == "cuda",
-        vllm_args=cfg.vllm_argv,
+        vllm_args=engine.vllm_argv,
         visible=os.environ.get("CUDA_VISIBLE_DEVICES", ""),
     )
 
@@ -311,63 +311,63 @@ def start_vllm(ctx: EngineContext) -> VLLMRollout:
             max_gap=max_gap,
             wait=0.0,
             attached=True,
-            weights_dtype=engine_dtype(cfg.dtype),
+            weights_dtype=engine_dtype(cfg.model.dtype),
         )
-    shared = ctx.world > 1 and bool(cfg.vllm_url)
-    if shared and isinstance(cfg, TrainConfig) and cfg.max_staleness:  # opd eval's config has no staleness
+    shared = ctx.world > 1 and bool(cfg.rollout.vllm_url)
+    if shared and isinstance(cfg, TrainConfig) and cfg.rollout.max_staleness:  # opd eval's config has no staleness
         raise UserError(
             "--max-staleness with one server shared by several ranks (--vllm-url): each rank's rollout worker "
             "would reload its weights at its own moment; leave --vllm-url out (opd starts a server per rank), or "
             "train with --max-staleness 0"
         )
-    worst = max((cfg, *ctx.task_cfgs), key=lambda c: c.max_prompt_tokens + c.max_new_tokens)
-    context = worst.max_prompt_tokens + worst.max_new_tokens
+    worst = max((cfg, *ctx.task_cfgs), key=lambda c: c.data.max_prompt_tokens + c.rollout.max_new_tokens)
+    context = worst.data.max_prompt_tokens + worst.rollout.max_new_tokens
     limit = getattr(ctx.model.config, "max_position_embeddings", None) or context
     if context > limit:
         raise UserError(
-            f"--max-prompt-tokens {worst.max_prompt_tokens} + --max-new-tokens {worst.max_new_tokens} = {context} "
+            f"--max-prompt-tokens {worst.data.max_prompt_tokens} + --max-new-tokens {worst.rollout.max_new_tokens} = {context} "
             f"tokens exceed the student's context ({limit}, max_position_embeddings); lower one of them"
         )
-    own, gpus = not cfg.vllm_url, torch.cuda.is_available()
+    own, gpus = not cfg.rollout.vllm_url, torch.cuda.is_available()
     way = choose(
-        cfg.vllm_sync,
+        cfg.rollout.vllm_sync,
         ctx.model,
         ctx.folder,
         own_server=own,
-        dtype=engine_dtype(cfg.dtype),
+        dtype=engine_dtype(cfg.model.dtype),
         on_gpu=gpus,
-        sleep=cfg.vllm_sleep,
+        sleep=cfg.rollout.vllm_sleep,
     )
-    user_args = cfg.vllm_argv
-    way_args, way_env = server_options(way, cfg.lora_r if isinstance(cfg, TrainConfig) else 0, user_args)
-    way_args += sleep_options(cfg, gpus, user_args)
+    user_args = cfg.rollout.vllm_argv
+    way_args, way_env = server_options(way, cfg.lora.lora_r if isinstance(cfg, TrainConfig) else 0, user_args)
+    way_args += sleep_options(cfg.rollout, gpus, user_args)
     launch = functools.partial(
         start_vllm_server,
-        ctx.model_dir or cfg.student,
+        ctx.model_dir or cfg.model.student,
         ctx.folder / "server.log",
-        dtype=cfg.dtype,
+        dtype=cfg.model.dtype,
         max_model_len=context,
         dev_mode=True,
         extra_args=[*(SEEDED_ON_CPU if not torch.cuda.is_available() else ()), *way_args, *user_args],
         extra_env=way_env,
-        placement=rank_placement(cfg, ctx.model),
-        timeout=cfg.vllm_start_timeout,
+        placement=rank_placement(cfg.rollout, ctx.model),
+        timeout=cfg.rollout.vllm_start_timeout,
     )
-    server = None if cfg.vllm_url else launch()
+    server = None if cfg.rollout.vllm_url else launch()
     try:
         return VLLMRollout(
             ctx.model,
             ctx.tokenizer,
             ctx.folder / "weights",
             sync=way,
-            url=cfg.vllm_url,
+            url=cfg.rollout.vllm_url,
             server=server,
-            relaunch=None if cfg.vllm_url else launch,
-            max_gap=cfg.vllm_max_gap,
-            wait=cfg.vllm_wait,
+            relaunch=None if cfg.rollout.vllm_url else launch,
+            max_gap=cfg.rollout.vllm_max_gap,
+            wait=cfg.rollout.vllm_wait,
             shared=shared,
-            weights_dtype=engine_dtype(cfg.dtype),
-            sleep=cfg.vllm_sleep,
+            weights_dtype=engine_dtype(cfg.model.dtype),
+            sleep=cfg.rollout.vllm_sleep,
         )
     except BaseException:
         if server is not None:
@@ -376,12 +376,12 @@ def start_vllm(ctx: EngineContext) -> VLLMRollout:
         raise
 
 
-def sleep_options(cfg, gpus: bool, user_args: Sequence[str]) -> list[str]:
+def sleep_options(engine: VLLMOptions, gpus: bool, user_args: Sequence[str]) -> list[str]:
     """The server options the sleep mode needs (``--enable-sleep-mode``, unless given), refused without GPUs
     (what the config alone shows it cannot do is refused when the config is made,
     :func:`opd.config.engines.check_vllm`)."""
-    if not cfg.vllm_sleep:
+    if not engine.vllm_sleep:
         return []
     if not gpus:
-        raise UserError(f"{sleep_flag(cfg)}: vLLM's sleep mode runs on GPUs only, and torch sees none here; drop it")
+        raise UserError(f"{sleep_flag(engine)}: vLLM's sleep mode runs on GPUs only, and torch sees none here; drop it")
     return [] if SLEEP_FLAG in user_args else [SLEEP_FLAG]

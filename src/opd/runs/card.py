@@ -94,7 +94,9 @@ SFT_METHOD = (
 
 
 def _datasets(cfg: TrainConfig | SFTConfig) -> list[str]:
-    tasks = [cfg.task, cfg.eval_task] + [t.get("task", "") for t in (cfg.tasks or []) if isinstance(t, dict)]
+    tasks = [cfg.data.task, cfg.eval.eval_task] + [
+        t.get("task", "") for t in (cfg.multitask.tasks or []) if isinstance(t, dict)
+    ]
     return list(dict.fromkeys(d for d in map(_dataset_id, [t for t in tasks if t]) if d))
 
 
@@ -107,7 +109,7 @@ def _options(cfg: TrainConfig | SFTConfig, names: tuple[str, ...]) -> list[str]:
 def _card(
     cfg: TrainConfig | SFTConfig, base: str, run_name: str, intro: str, names: tuple[str, ...], figures: list[str]
 ) -> str:
-    lora = isinstance(cfg, TrainConfig) and cfg.lora_r > 0
+    lora = isinstance(cfg, TrainConfig) and cfg.lora.lora_r > 0
     lines = [front_matter(base, _datasets(cfg), lora).rstrip("\n"), "", f"# {run_name}", "", intro, ""]
     lines += [*_options(cfg, names), "", "## Evaluation", "", *figures, "", *_usage(lora=lora)]
     return "\n".join(lines) + "\n"
@@ -115,11 +117,11 @@ def _card(
 
 def run_card(cfg: TrainConfig, run_name: str, evaluation: dict) -> str:
     """The card of an OPD run's ``final/``: ``cfg`` its TrainConfig, ``evaluation`` its last eval record."""
-    teacher = cfg.teacher or cfg.teacher_url or "a served teacher"
+    teacher = cfg.teacher.teacher or cfg.teacher.teacher_url or "a served teacher"
     intro = (
-        f"**{cfg.student}** distilled on-policy from the teacher **{teacher}** with "
+        f"**{cfg.model.student}** distilled on-policy from the teacher **{teacher}** with "
         f"opd {opd.__version__} (commit {source_commit()}): the student samples, the "
-        f"teacher scores every token of the samples, and the student moves toward it (objective `{cfg.objective}`)."
+        f"teacher scores every token of the samples, and the student moves toward it (objective `{cfg.objective.objective}`)."
     )
     figures = sorted((k, v) for k, v in evaluation.items() if k.startswith("eval/") and isinstance(v, (int, float)))
     if figures:
@@ -127,13 +129,13 @@ def run_card(cfg: TrainConfig, run_name: str, evaluation: dict) -> str:
         table += ["| figure | value |", "|---|---|", *[f"| {k} | {v:.4g} |" for k, v in figures]]
     else:
         table = ["The run did not evaluate (--no-eval, or no held-out reference answers)."]
-    return _card(cfg, cfg.student, run_name, intro, METHOD, table)
+    return _card(cfg, cfg.model.student, run_name, intro, METHOD, table)
 
 
 def sft_card(cfg: SFTConfig, run_name: str, summary: dict) -> str:
     """The card of an SFT run's ``final/``: ``cfg`` its SFTConfig, ``summary`` its summary.json."""
-    start = f"**{cfg.init}**" if cfg.init else f"a new model ({cfg.arch})"
-    data = cfg.data or f"the task's own solutions ({cfg.task or 'tasks'})"
+    start = f"**{cfg.model.init}**" if cfg.model.init else f"a new model ({cfg.model.arch})"
+    data = cfg.data.data or f"the task's own solutions ({cfg.data.task or 'tasks'})"
     intro = f"{start} fine-tuned (SFT) on {data} with opd {opd.__version__} (commit {source_commit()})."
     keys = ("best_accuracy", "test_accuracy", "chosen_on", "steps")
     rows = [(k, summary[k]) for k in keys if k in summary]
@@ -142,7 +144,7 @@ def sft_card(cfg: SFTConfig, run_name: str, summary: dict) -> str:
         table += ["| figure | value |", "|---|---|", *[f"| {k} | {_cell(v)} |" for k, v in rows]]
     else:
         table = ["The run did not evaluate: the last step's weights are kept."]
-    return _card(cfg, cfg.init, run_name, intro, SFT_METHOD, table)
+    return _card(cfg, cfg.model.init, run_name, intro, SFT_METHOD, table)
 
 
 def merged_card(adapter: Path, base: str) -> str:

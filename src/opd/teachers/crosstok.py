@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from types import SimpleNamespace
 from typing import cast
 
 import torch
@@ -63,7 +62,7 @@ from opd.crosstok.vocab_map import JOINABLE, build_vocab_map, longest_prefix_id,
 from opd.errors import UserError
 from opd.losses import Head
 from opd.losses.cross import cross_tokenizer_support, mapped_topk_mass, one_to_one_share, span_reward
-from opd.objectives import CROSS_TOKENIZER_GIVES, TOPK, lookup, usable_with
+from opd.objectives import CROSS_TOKENIZER_GIVES, TOPK, ObjectiveOptions, lookup, usable_with
 from opd.rollout.prompt_set import PromptSet
 from opd.rollout.sampling import RolloutBatch, left_pad
 from opd.teachers.scoring import TeacherScorer, TeacherScores
@@ -101,7 +100,7 @@ class CrossTokenizerTeacher:
         teacher_context: int | None = None,
     ):
         # the config has refused the supports this teacher cannot score, so teacher_topk stands for them
-        needs = lookup(objective).needs(SimpleNamespace(support="teacher_topk"))
+        needs = lookup(objective).needs(ObjectiveOptions(objective, support="teacher_topk"))
         if not needs <= CROSS_TOKENIZER_GIVES:
             raise UserError(f"a cross-tokenizer teacher trains {usable_with(CROSS_TOKENIZER_GIVES)}, not {objective}")
         # The top-K objectives (lsm) read the mapped top-K at aligned positions; the others the

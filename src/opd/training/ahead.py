@@ -48,6 +48,7 @@ from typing import Any, cast
 
 import torch
 
+from opd.config import TrainConfig
 from opd.errors import UserError
 from opd.hub import resolve_model
 from opd.rollout.engine import EngineContext, EngineUnavailable, RolloutEngine
@@ -97,7 +98,7 @@ def split_threads(total: int) -> tuple[int, int]:
 class AheadRollouts:
     """The worker and the requests in flight (see the module docstring)."""
 
-    def __init__(self, cfg, threads: int, engine: RolloutEngine):
+    def __init__(self, cfg: TrainConfig, threads: int, engine: RolloutEngine):
         """``engine``: the trainer's, which the worker reaches (its handle) and the trainer brings back."""
         self.cfg, self.threads, self.engine = cfg, threads, engine
         self.pending: dict[int, Request] = {}  # sent, not yet taken
@@ -192,7 +193,7 @@ class AheadRollouts:
         self.taken = {s: r for s, r in self.taken.items() if s > after}
         out: InFlight = {}
         for step in sorted({*self.taken, *self.pending}):
-            if step > after + self.cfg.max_staleness:
+            if step > after + self.cfg.rollout.max_staleness:
                 continue  # asked for with weights newer than the checkpoint's: a resume asks again
             req = self.taken.get(step) or self.pending[step]
             made = req.made() if self.gone else self._wait(req)
@@ -256,10 +257,9 @@ def on_cpu(obj: Any) -> Any:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(cfg, threads: int) -> None:
+def _init_worker(cfg: TrainConfig, threads: int) -> None:
     """The student and each task's training source, built as the trainer builds them; the engine is
     reached with the first request (:func:`_engine`)."""
-    from dataclasses import replace
 
     from opd.config import resolve_tasks
     from opd.models.loading import resolve_device
@@ -268,10 +268,10 @@ def _init_worker(cfg, threads: int) -> None:
 
     threading.Thread(target=_exit_with_trainer, name="opd-watch-trainer", daemon=True).start()
     torch.set_num_threads(threads)
-    model, tok = load_student(cfg, resolve_device(cfg.device), check=False)  # the chat options: checked there
+    model, tok = load_student(cfg, resolve_device(cfg.model.device), check=False)  # the chat options: checked there
     model.eval()
     # the games step here, in this process (a game's result does not depend on where it steps)
-    cfgs = [replace(s.cfg, env_workers=0) if s.cfg.env else s.cfg for s in resolve_tasks(cfg)]
+    cfgs = [s.cfg.replace(env_workers=0) if s.cfg.env.env else s.cfg for s in resolve_tasks(cfg)]
     sources = [train_source(c, tok, task_data(c)[0]) for c in cfgs]
     _WORKER.update(cfg=cfg, model=model, tok=tok, cfgs=cfgs, sources=sources, engine=None, handle=None)
 
@@ -296,7 +296,9 @@ def _engine(handle: EngineHandle) -> RolloutEngine:
     if w["handle"] != handle:
         if w["engine"] is not None:
             w["engine"].close()
-        model_dir = str(resolve_model(w["cfg"].student, w["cfg"].student_revision))  # as the trainer's (setup)
+        model_dir = str(
+            resolve_model(w["cfg"].model.student, w["cfg"].model.student_revision)
+        )  # as the trainer's (setup)
         ctx = EngineContext(w["model"], w["tok"], w["cfg"], model_dir, w["cfgs"], attach=handle.address)
         w["engine"], w["handle"] = make_engine(handle.name, ctx), handle
     return w["engine"]

@@ -34,8 +34,8 @@ def eval_stage(run: Run, step: int) -> dict:
     # Through the run's engine (opd's loop, its static cache, vLLM), which has this step's weights; with rollouts
     # ahead (--max-staleness) a worker may load older weights into a shared engine between two batches, so the
     # trainer's own model is evaluated with opd's loop instead.
-    plans = [eval_plan(t.cfg, run.cfg.seed, share) for t, _ in tasks]
-    engine_of = lambda s, t: local_engine(s, run.tokenizer) if run.cfg.max_staleness else t.engine
+    plans = [eval_plan(t.cfg, run.cfg.run.seed, share) for t, _ in tasks]
+    engine_of = lambda s, t: local_engine(s, run.tokenizer) if run.cfg.rollout.max_staleness else t.engine
     evaluate = lambda s: [
         test.evaluate(engine_of(s, t), run.tokenizer, t.cfg, p) for (t, test), p in zip(tasks, plans, strict=True)
     ]
@@ -50,7 +50,7 @@ def eval_stage(run: Run, step: int) -> dict:
         if not (run.rundir.path / t.files / "eval.jsonl").is_file():  # listed once played (once)
             listed = cast(list[dict], test.listing(run.rundir.path / t.files, played=True))  # played: listed
             run.rundir.write_jsonl(f"{t.files}eval.jsonl", listed)
-        if t.cfg.eval_record_chars and run.rundir.enabled:
+        if t.cfg.eval.eval_record_chars and run.rundir.enabled:
             write_records(step_records(run.rundir.path / t.files, step), d.records)
             run.rundir.log_samples(f"eval/{t.name}/samples" if t.name else "eval/samples", d.records, step)
         # The decoding used (--eval-sampling model: what the generation config said) is a setting, not a metric.

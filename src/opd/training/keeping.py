@@ -17,7 +17,7 @@ from opd.runs.rundir import RunDir
 
 def best_rule(cfg: TrainConfig) -> tuple[str, str] | None:
     """(metric, "max" or "min") of ``--keep-best``, or None."""
-    return parse_keep_best(cfg.keep_best) if cfg.keep_best else None
+    return parse_keep_best(cfg.run.keep_best) if cfg.run.keep_best else None
 
 
 def checkpoint_score(cfg: TrainConfig, record: dict) -> float | None:
@@ -29,7 +29,7 @@ def checkpoint_score(cfg: TrainConfig, record: dict) -> float | None:
 
 def best_weights(cfg: TrainConfig, rundir: RunDir) -> dict[str, torch.Tensor] | None:
     """The best checkpoint's weights, for ``final/`` under ``--final-best`` (None: keep the last step's)."""
-    best = rundir.best_checkpoint() if cfg.final_best else None
+    best = rundir.best_checkpoint() if cfg.run.final_best else None
     if best is None:
         return None
     from safetensors.torch import load_file
@@ -43,7 +43,7 @@ def best_weights(cfg: TrainConfig, rundir: RunDir) -> dict[str, torch.Tensor] | 
 def write_summary(cfg: TrainConfig, rundir: RunDir, steps: int, last_eval: dict) -> None:
     """``summary.json`` of a run with ``--keep-best``: the best checkpoint (path, step, figure) and what
     ``final/`` holds. Not written otherwise: the report then reads the demo's summary beside the run."""
-    if not cfg.keep_best:
+    if not cfg.run.keep_best:
         return
     best = rundir.best_checkpoint()
     rundir.write_json(
@@ -51,7 +51,7 @@ def write_summary(cfg: TrainConfig, rundir: RunDir, steps: int, last_eval: dict)
         {
             "steps": steps,
             "best_checkpoint": best,
-            "final": "best checkpoint" if cfg.final_best and best else "last step",
+            "final": "best checkpoint" if cfg.run.final_best and best else "last step",
             "last_eval": {k: v for k, v in last_eval.items() if k != "step"},
         },
     )
@@ -60,7 +60,7 @@ def write_summary(cfg: TrainConfig, rundir: RunDir, steps: int, last_eval: dict)
 def final_evaluation(cfg: TrainConfig, rundir: RunDir, last_eval: dict) -> dict:
     """The evaluation record of the weights in ``final/``: under ``--final-best`` the best checkpoint's
     step's (from ``metrics.jsonl``), else the last evaluation; what its model card reports."""
-    best = rundir.best_checkpoint() if cfg.final_best else None
+    best = rundir.best_checkpoint() if cfg.run.final_best else None
     metrics = rundir.path / "metrics.jsonl"
     if best is None or not metrics.is_file():
         return last_eval

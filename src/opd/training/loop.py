@@ -87,7 +87,9 @@ def global_totals(run: Run, masks: list[torch.Tensor], horizons: list[int]) -> L
             sum(float(m.shape[0] * h) for m, h in zip(masks, horizons, strict=True)),
         ]
     )
-    return LossTotals(int(tokens), int(seqs), int(rollouts), run.cfg.max_new_tokens, run.dist.world, int(budget))
+    return LossTotals(
+        int(tokens), int(seqs), int(rollouts), run.cfg.rollout.max_new_tokens, run.dist.world, int(budget)
+    )
 
 
 def _objective(student, run: Run, teacher: TeacherScorer, *args):
@@ -97,12 +99,12 @@ def _objective(student, run: Run, teacher: TeacherScorer, *args):
 def micro_batches_of(run: Run, parts: list[StepPart]) -> list[MicroBatch]:
     """The step's micro-batches on this rank (:mod:`opd.training.microbatch`), padded to the busiest rank's count."""
     lengths = [p.batch.attention_mask_NL.sum(-1).cpu() for p in parts]  # prompt and response tokens per row
-    note = over_budget(lengths, run.cfg.micro_batch_tokens)
+    note = over_budget(lengths, run.cfg.optimizer.micro_batch_tokens)
     if note and "budget" not in run.said:
         run.said.add("budget")
         if run.dist.is_main:
             print(f"opd train: note: {note}", file=sys.stderr, flush=True)
-    micro = split_rows(lengths, run.cfg.grad_accum, run.cfg.micro_batch_tokens)
+    micro = split_rows(lengths, run.cfg.optimizer.grad_accum, run.cfg.optimizer.micro_batch_tokens)
     return pad_to(micro, max(run.dist.gather(len(micro)))) if run.dist.active else micro
 
 
@@ -125,7 +127,7 @@ def micro_step(run: Run, parts: list[StepPart], m: MicroBatch, totals: LossTotal
     with run.dist.sync_gradients(last):
         args = (batch, scores, mask_NT, ids, old, now)
         loss_NT, h = run.dist.train_call(_objective, run, p.task.teacher, *args)
-        loss = reduce_loss(run.cfg.reduction, loss_NT, mask_NT, totals) * float(m.counted)
+        loss = reduce_loss(run.cfg.objective.reduction, loss_NT, mask_NT, totals) * float(m.counted)
         loss.backward()
     return loss_NT.detach(), h.detach(), float(loss.detach())
 
@@ -139,26 +141,28 @@ def update_stage(run: Run, step: int, parts: list[StepPart]) -> list[StepUpdate]
     an older policy visited. Only the first update's loss is logged (the on-policy one).
     """
     cfg = run.cfg
-    totals = global_totals(run, [p.mask_NT for p in parts], [p.task.cfg.max_new_tokens for p in parts])
+    totals = global_totals(run, [p.mask_NT for p in parts], [p.task.cfg.rollout.max_new_tokens for p in parts])
     micro = micro_batches_of(run, parts)
     scale = task_lr_scale(run, parts)
     policy = policy_logprobs_of(run, parts, micro)
     first: list[StepUpdate] = []
-    for update in range(cfg.updates_per_batch):
+    for update in range(cfg.optimizer.updates_per_batch):
         run.optimizer.zero_grad(set_to_none=True)
         loss_value = 0.0
         kept: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [[] for _ in parts]  # rows, loss, h
         for j, m in enumerate(micro):
             now = None if policy is None else policy[j]  # stale rollouts: the trainer's, before the first update
             old = None
-            if cfg.updates_per_batch > 1:  # the later updates' importance ratios start from these
+            if cfg.optimizer.updates_per_batch > 1:  # the later updates' importance ratios start from these
                 old = micro_inputs(parts[m.part], m)[0].logprobs_NT if now is None else now
             loss_NT, h, value = micro_step(run, parts, m, totals, old, now, last=j == len(micro) - 1)
             loss_value += value
             if update == 0 and m.counted:
                 kept[m.part].append((m.rows, loss_NT, h))
         loss_value = run.dist.all_sum([loss_value])[0] / run.dist.world  # see reduce_loss
-        norm_t = torch.nn.utils.clip_grad_norm_(run.dist.module.parameters(), cfg.max_grad_norm or float("inf"))
+        norm_t = torch.nn.utils.clip_grad_norm_(
+            run.dist.module.parameters(), cfg.optimizer.max_grad_norm or float("inf")
+        )
         norm = float(norm_t.full_tensor() if hasattr(norm_t, "full_tensor") else norm_t)  # FSDP: a DTensor
         check_finite(run, step, loss=loss_value, gradient_norm=norm)
         for group in run.optimizer.param_groups:  # the scheduler's next step resets it from the base lr
@@ -166,9 +170,9 @@ def update_stage(run: Run, step: int, parts: list[StepPart]) -> list[StepUpdate]
         run.optimizer.step()
         run.scheduler.step()
         if update == 0:
-            clipped = bool(cfg.max_grad_norm and norm > cfg.max_grad_norm)
+            clipped = bool(cfg.optimizer.max_grad_norm and norm > cfg.optimizer.max_grad_norm)
             first = [
-                _first_update(p, k, loss_value, norm, clipped, cfg.log_rollouts)
+                _first_update(p, k, loss_value, norm, clipped, cfg.run.log_rollouts)
                 for p, k in zip(parts, kept, strict=True)
             ]
     for u in first:
@@ -193,7 +197,7 @@ def policy_logprobs_of(run: Run, parts: list[StepPart], micro: list[MicroBatch])
 
 def task_lr_scale(run: Run, parts: list[StepPart]) -> float:
     """The step's task lr over the run's (1 but for an alternate-mode step whose task sets its own lr)."""
-    return parts[0].task.cfg.lr / run.cfg.lr if len(parts) == 1 else 1.0
+    return parts[0].task.cfg.optimizer.lr / run.cfg.optimizer.lr if len(parts) == 1 else 1.0
 
 
 def _first_update(p: StepPart, kept: list, loss: float, norm: float, clipped: bool, log_rollouts: int):
@@ -231,15 +235,17 @@ def part_metrics(run: Run, step: int, p: StepPart, upd: StepUpdate, W: Head) -> 
     mask_NT, scores = p.mask_NT, p.scores
     examples = [p.task.source.examples[i] for i in p.rows]
     texts, correct, episodes = p.task.source.grade(run.tokenizer, examples, p.batch, p.records)
-    horizon = c.max_new_tokens
+    horizon = c.rollout.max_new_tokens
     format_ids = [i for i in run.special_ids if i != run.tokenizer.eos_token_id]
-    stats = step_metrics(p.batch, correct, scores, upd, mask_NT, W, k=cfg.k, horizon=horizon, format_ids=format_ids)
+    stats = step_metrics(
+        p.batch, correct, scores, upd, mask_NT, W, k=cfg.objective.k, horizon=horizon, format_ids=format_ids
+    )
     metrics = {**stats, **p.score_metrics, **episodes}
     weights = metric_weights(p.batch, mask_NT, upd.diag_hidden_MD.shape[0], horizon, correct)
     if p.task.name:  # a task's own loss: the token mean of its per-token loss (the step's loss is global)
         metrics["train/loss"] = M.masked_mean(upd.loss_NT, mask_NT)
         weights["train/loss"] = int(mask_NT.sum())
-    if not (cfg.log_rollouts and run.dist.is_main):
+    if not (cfg.run.log_rollouts and run.dist.is_main):
         return metrics, weights, []
     records = rollout_records(
         run.tokenizer, W, step, p.batch, examples, texts, correct, scores, upd, mask_NT, p.records
@@ -290,13 +296,13 @@ def checkpoint_stage(
         "rng": rngs if run.dist.active else rngs[0],
         "fsdp": run.dist.fsdp,
         "batch": global_batches(run.tasks, run.dist.world),  # kept by a resume on another number of processes
-        "precision": precision_record(run.cfg.dtype, bool(run.cfg.lora_r)),
+        "precision": precision_record(run.cfg.model.dtype, bool(run.cfg.lora.lora_r)),
         "config": config_record(run.cfg),
-        "max_staleness": run.cfg.max_staleness,
+        "max_staleness": run.cfg.rollout.max_staleness,
         **producer.in_flight(step),  # every rank's rollouts asked for with the weights this checkpoint has seen
     }
     weights = run.dist.full_state_dict(run.student)
-    keep, best = run.cfg.keep_checkpoints, best_rule(run.cfg)
+    keep, best = run.cfg.run.keep_checkpoints, best_rule(run.cfg)
     run.rundir.save_checkpoint(step, run.student, state, keep, model_state=weights, score=score, best=best)
     run.dist.barrier()
 
@@ -306,7 +312,7 @@ def stop_at(run: Run, producer: Producer, step: int, rng: dict, down: ServiceDow
     here together: the checkpoint is collective): step - 1 is checkpointed and the run stops. Nothing of
     this step has reached the weights, so --resume redoes it from its rollouts on and loses nothing.
     ``rng``: the generators' state as the step began, which is the one a checkpoint of step - 1 holds."""
-    if step > run.start_step and not (run.cfg.ckpt_every and step % run.cfg.ckpt_every == 0):
+    if step > run.start_step and not (run.cfg.run.ckpt_every and step % run.cfg.run.ckpt_every == 0):
         # else the loop wrote it, or the run resumed from it (or none ran)
         checkpoint_stage(run, producer, step - 1, rng)
     then = (
@@ -324,9 +330,12 @@ def train_steps(run: Run, producer: Producer, show_progress: bool) -> dict:
     """The steps from ``run.start_step`` on; the last evaluation's record."""
     cfg = run.cfg
     last_eval: dict = {}
-    with run.rundir, progress_bar(f"OPD {cfg.objective}", total=cfg.steps, enabled=show_progress) as bar:
+    with (
+        run.rundir,
+        progress_bar(f"OPD {cfg.objective.objective}", total=cfg.optimizer.steps, enabled=show_progress) as bar,
+    ):
         bar.advance(run.start_step)
-        for step in range(run.start_step, cfg.steps):
+        for step in range(run.start_step, cfg.optimizer.steps):
             t0, rng = time.perf_counter(), rng_state(run.dist.device)
             try:  # rollout -> score
                 parts, timings = producer.take(step)
@@ -343,12 +352,16 @@ def train_steps(run: Run, producer: Producer, show_progress: bool) -> dict:
             bar.advance(1)
             acc = record.get("rollout/accuracy")  # absent where no rollout had a reference answer
             bar.describe(f"loss {record['train/loss']:.4f}" + ("" if acc is None else f"  acc {acc:.2f}"))
-            last = step == cfg.steps - 1
-            evaluated = last or bool(cfg.eval_every and (step + 1) % cfg.eval_every == 0)
+            last = step == cfg.optimizer.steps - 1
+            evaluated = last or bool(cfg.eval.eval_every and (step + 1) % cfg.eval.eval_every == 0)
             if evaluated:
                 last_eval = eval_stage(run, step)
             # --keep-best: every evaluation is a scored checkpoint
-            if last or (cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0) or (cfg.keep_best and evaluated):
+            if (
+                last
+                or (cfg.run.ckpt_every and (step + 1) % cfg.run.ckpt_every == 0)
+                or (cfg.run.keep_best and evaluated)
+            ):
                 checkpoint_stage(run, producer, step, score=checkpoint_score(cfg, last_eval) if evaluated else None)
     return last_eval
 
@@ -375,9 +388,9 @@ def train(cfg: TrainConfig, show_progress: bool = True) -> dict:
         run.tokenizer,
         run.rundir.enabled,
         model_state=weights if best is None else best,
-        dtype=saved_dtype(cfg.dtype, bool(cfg.lora_r)),
+        dtype=saved_dtype(cfg.model.dtype, bool(cfg.lora.lora_r)),
     )
-    write_summary(cfg, run.rundir, cfg.steps, last_eval)
+    write_summary(cfg, run.rundir, cfg.optimizer.steps, last_eval)
     if run.rundir.enabled:
         card_eval = final_evaluation(cfg, run.rundir, last_eval)  # --final-best: the best step's figures
         write_card(run.rundir.path / "final", run_card(cfg, run.rundir.path.name, card_eval))

@@ -59,13 +59,13 @@ def policy_logprobs(student, batch: RolloutBatch) -> torch.Tensor:
 def reads_policy_logprobs(cfg: TrainConfig) -> bool:
     """Whether a step computes :func:`policy_logprobs` first: a policy-gradient objective's rollouts
     come from an older policy (--max-staleness > 0)."""
-    return cfg.max_staleness > 0 and lookup(cfg.objective).policy_gradient
+    return cfg.rollout.max_staleness > 0 and lookup(cfg.objective.objective).policy_gradient
 
 
 def needs_student_topk(cfg: TrainConfig) -> bool:
     """Whether the objective reads the student's own top-K (student-side supports), which the
     score stage computes and the teacher scores."""
-    return QUERY in lookup(cfg.objective).needs(cfg)
+    return QUERY in lookup(cfg.objective.objective).needs(cfg.objective)
 
 
 @dataclass
@@ -116,12 +116,12 @@ def objective_loss(
     old_logprobs_NT: torch.Tensor | None = None,
     policy_logprobs_NT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-position loss (N, T) of ``cfg.objective`` (gradients to the student only) and the
+    """Per-position loss (N, T) of ``cfg.objective.objective`` (gradients to the student only) and the
     student's response hidden states (N, T, D) it was computed from (for diagnostics)."""
-    objective = lookup(cfg.objective)
+    objective = lookup(cfg.objective.objective)
     h = response_hidden(student, batch)
     t_h = t_W = None
-    if FULL in objective.needs(cfg):
+    if FULL in objective.needs(cfg.objective):
         t_h, t_W = teacher.hidden_and_head(batch)
     x = ObjectiveInputs(
         hidden_NTD=h,
@@ -140,4 +140,4 @@ def objective_loss(
         teacher_hidden_NTE=t_h,
         teacher_head_VE=t_W,
     )
-    return objective.loss(x, cfg), h
+    return objective.loss(x, cfg.objective, cfg.optimizer), h

@@ -90,7 +90,7 @@ class Producer(Protocol):
 
 def make_producer(run: Run) -> Producer:
     """The run's producer: on-policy, or ahead of the trainer with --max-staleness."""
-    return Ahead(run) if run.cfg.max_staleness else OnPolicy(run)
+    return Ahead(run) if run.cfg.rollout.max_staleness else OnPolicy(run)
 
 
 # ----------------------------------------------------------------------------- rollout
@@ -99,13 +99,13 @@ def make_producer(run: Run) -> Producer:
 def step_tasks(run: Run, step: int) -> list[Assignment]:
     """The tasks ``step`` trains on: the single task; the scheduled one (alternate); every task (mix),
     their rollouts numbered one after the other in the step's global batch."""
-    if run.cfg.task_mode == "alternate":
+    if run.cfg.multitask.task_mode == "alternate":
         i, visit = run.schedule[step]
         return [Assignment(run.tasks[i], visit, 0)]
     out, slot0 = [], 0
     for t in run.tasks:
         out.append(Assignment(t, step, slot0))
-        slot0 += t.cfg.batch_size * t.cfg.samples_per_prompt * run.dist.world
+        slot0 += t.cfg.optimizer.batch_size * t.cfg.rollout.samples_per_prompt * run.dist.world
     return out
 
 
@@ -113,10 +113,10 @@ def rollout_request(run: Run, step: int, at: Assignment) -> tuple[list[int], lis
     """This rank's share of one task of the step (``at``, from :func:`step_tasks`): its contiguous
     block of the task's global batch (the items, a rollout per sample), each seeded by its global slot."""
     task, cfg = at.task, at.task.cfg
-    idx = task.source.batch_indices(at.visit, cfg.batch_size * run.dist.world, cfg.seed)
-    global_rows = [i for i in idx for _ in range(cfg.samples_per_prompt)]
+    idx = task.source.batch_indices(at.visit, cfg.optimizer.batch_size * run.dist.world, cfg.run.seed)
+    global_rows = [i for i in idx for _ in range(cfg.rollout.samples_per_prompt)]
     slots = run.dist.shard(list(range(len(global_rows))))
-    return [global_rows[s] for s in slots], [sample_seed(cfg.seed, step, at.slot0 + s) for s in slots]
+    return [global_rows[s] for s in slots], [sample_seed(cfg.run.seed, step, at.slot0 + s) for s in slots]
 
 
 def rollout_stage(run: Run, step: int, at: Assignment) -> Rollout:
@@ -156,16 +156,18 @@ def score_stage(run: Run, batch: RolloutBatch, diag_M: torch.Tensor, task: TaskR
     """The teacher's scores of one task's rollouts, by that task's teacher."""
     cfg = run.cfg
     needs_student = needs_student_topk(cfg)
-    student_ids = run.dist.full_call(lambda s: student_topk_ids(s, batch, cfg.k)) if needs_student else None
+    student_ids = run.dist.full_call(lambda s: student_topk_ids(s, batch, cfg.objective.k)) if needs_student else None
     # a served teacher that stays down stops the run at this step, naming its task
-    scores = for_task(task.name, task.teacher.score, batch, cfg.k, query_ids_NTQ=student_ids, diag_index_M=diag_M)
+    scores = for_task(
+        task.name, task.teacher.score, batch, cfg.objective.k, query_ids_NTQ=student_ids, diag_index_M=diag_M
+    )
     return scores, student_ids
 
 
 def scored_positions(run: Run, step: int, task: TaskRun, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss mask of one task's rollouts and the positions of its full-vocabulary diagnostics."""
-    mask_NT = loss_mask(batch, run.special_ids, task.cfg.mask_special)
-    return mask_NT, diag_index(mask_NT, run.cfg.diag_positions, step, run.cfg.seed)
+    mask_NT = loss_mask(batch, run.special_ids, task.cfg.objective.mask_special)
+    return mask_NT, diag_index(mask_NT, run.cfg.run.diag_positions, step, run.cfg.run.seed)
 
 
 def scored_part(
@@ -243,8 +245,8 @@ class Ahead:
 
     def __init__(self, run: Run):
         cfg, engine = run.cfg, run.tasks[0].engine  # the tasks share the run's one engine
-        if cfg.rollout_worker_threads:
-            threads = cfg.rollout_worker_threads
+        if cfg.rollout.rollout_worker_threads:
+            threads = cfg.rollout.rollout_worker_threads
         else:  # the worker takes its share of the cores' torch threads; the trainer keeps the rest
             trainer, threads = split_threads(torch.get_num_threads())
             torch.set_num_threads(trainer)
@@ -282,7 +284,7 @@ class Ahead:
         step starts from, and step ``step``'s rollouts (asked for S steps ago) are taken."""
         run, ahead = self.run, self.rollouts
         weights = None
-        for later in range(ahead.last + 1, min(step + run.cfg.max_staleness, run.cfg.steps - 1) + 1):
+        for later in range(ahead.last + 1, min(step + run.cfg.rollout.max_staleness, run.cfg.optimizer.steps - 1) + 1):
             weights = weights or run.dist.full_call(merged_weights)
             parts = [(run.tasks.index(at.task), *rollout_request(run, later, at)) for at in step_tasks(run, later)]
             ahead.submit(later, step, parts, weights)
@@ -300,7 +302,7 @@ class Ahead:
         present weights (student-side supports) or a teacher is in this process (it would score on the
         trainer's own cores): None then, and the step scores in turn."""
         run = self.run
-        if self.pool is None or step >= run.cfg.steps or needs_student_topk(run.cfg):
+        if self.pool is None or step >= run.cfg.optimizer.steps or needs_student_topk(run.cfg):
             return None
         req = self.rollouts.pending.get(step)
         tasks = step_tasks(run, step)

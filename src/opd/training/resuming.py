@@ -53,11 +53,11 @@ def saved_world(state: dict) -> int:
 
 def check_same_run(state: dict, cfg: TrainConfig, ckpt: Path, world: int) -> None:
     """Refuse, naming what differs, a launch that cannot continue the checkpoint's run."""
-    written = state.get("config", {})
+    written, flat = state.get("config", {}), cfg.flat()
     for name in SAME_RUN:
         if name not in written:  # a checkpoint of an opd before the option
             continue
-        was, now = written[name], getattr(cfg, name)
+        was, now = written[name], flat[name]
         if name == "student" and _same_place(was, now):
             continue
         if was != now:
@@ -68,11 +68,11 @@ def check_same_run(state: dict, cfg: TrainConfig, ckpt: Path, world: int) -> Non
                 "new run in another --out"
             )
     pure = {"compute": written.get("dtype", "float32"), "weights": written.get("dtype", "float32")}
-    check_resumable(state.get("precision", pure), precision_record(cfg.dtype, bool(cfg.lora_r)), ckpt)
+    check_resumable(state.get("precision", pure), precision_record(cfg.model.dtype, bool(cfg.lora.lora_r)), ckpt)
     staleness = state.get("max_staleness", 0)
-    if staleness != cfg.max_staleness:  # the rollouts in flight, and each step's policy, would change
+    if staleness != cfg.rollout.max_staleness:  # the rollouts in flight, and each step's policy, would change
         raise UserError(
-            f"checkpoint {ckpt} was written with --max-staleness {staleness}, this run has {cfg.max_staleness}; "
+            f"checkpoint {ckpt} was written with --max-staleness {staleness}, this run has {cfg.rollout.max_staleness}; "
             f"resume with --max-staleness {staleness} (a run's rollouts depend on it)"
         )
     n = saved_world(state)
@@ -108,24 +108,27 @@ def _same_place(a: str, b: str) -> bool:
 def global_batches(tasks: Sequence[Any], world: int) -> dict[str, int]:
     """Each task's prompts per step over all processes (what a checkpoint records as ``"batch"``);
     ``tasks``: the run's TaskSpecs or TaskRuns (a name and a config each)."""
-    return {t.name: t.cfg.batch_size * world for t in tasks}
+    return {t.name: t.cfg.optimizer.batch_size * world for t in tasks}
 
 
 def rebatch(
-    cfg: TrainConfig, specs: list[TaskSpec], state: dict, world: int, ckpt: Path
-) -> tuple[TrainConfig, list[TaskSpec]]:
+    cfg: TrainConfig, specs: list[TaskSpec[TrainConfig]], state: dict, world: int, ckpt: Path
+) -> tuple[TrainConfig, list[TaskSpec[TrainConfig]]]:
     """The config and its tasks with each per-process batch set so that ``world`` processes keep the
     checkpoint's global batches, whatever the launch's ``--batch-size`` (unchanged where it already does)."""
     n = saved_world(state)
     totals = recorded_batches(cfg, specs, state)
-    top = state.get("config", {}).get("batch_size", cfg.batch_size) * n  # a multi-task run's shares are of it
-    new = _per_process(cfg, top if cfg.tasks is not None else totals.get("", top), n, world, ckpt)
-    if cfg.tasks is None:
+    top = state.get("config", {}).get("batch_size", cfg.optimizer.batch_size) * n  # a multi-task run's shares are of it
+    new = _per_process(cfg, top if cfg.multitask.tasks is not None else totals.get("", top), n, world, ckpt)
+    if cfg.multitask.tasks is None:
         new_specs = [dataclasses.replace(specs[0], cfg=new)]
     else:
         new_specs = [
             dataclasses.replace(
-                s, cfg=for_task(s.name, _per_process, s.cfg, totals.get(s.name, s.cfg.batch_size * n), n, world, ckpt)
+                s,
+                cfg=for_task(
+                    s.name, _per_process, s.cfg, totals.get(s.name, s.cfg.optimizer.batch_size * n), n, world, ckpt
+                ),
             )
             for s in specs
         ]
@@ -133,7 +136,7 @@ def rebatch(
         return cfg, specs
     if os.environ.get("RANK", "0") == "0":
         named = lambda name: f" ({name})" if name else ""
-        each = ", ".join(f"{s.cfg.batch_size}{named(s.name)}" for s in new_specs)
+        each = ", ".join(f"{s.cfg.optimizer.batch_size}{named(s.name)}" for s in new_specs)
         kept = ", ".join(f"{total}{named(name)}" for name, total in totals.items())
         print(
             f"opd train: note: {ckpt} was written by {n} process(es) with a global batch of {kept} prompts a "
@@ -145,7 +148,7 @@ def rebatch(
     return new, new_specs
 
 
-def recorded_batches(cfg: TrainConfig, specs: list[TaskSpec], state: dict) -> dict[str, int]:
+def recorded_batches(cfg: TrainConfig, specs: list[TaskSpec[TrainConfig]], state: dict) -> dict[str, int]:
     """Each task's global batch in the checkpoint: its record (``"batch"``), or for a checkpoint of an opd
     before it, its own config's ``--batch-size`` (each task's, from its task list) on its processes; the
     launch's only where the checkpoint holds no config at all."""
@@ -154,11 +157,11 @@ def recorded_batches(cfg: TrainConfig, specs: list[TaskSpec], state: dict) -> di
     n, written = saved_world(state), state.get("config", {})
     if "batch_size" not in written:
         return global_batches(specs, n)
-    if cfg.tasks is None:
+    if cfg.multitask.tasks is None:
         return {"": written["batch_size"] * n}
     then = {k: written[k] for k in ("batch_size", "task_mode", "tasks") if k in written}
     try:  # the task list as it was then: a task's batch is its own, or its share of the run's
-        return global_batches(resolve_tasks(dataclasses.replace(cfg, **then)), n)
+        return global_batches(resolve_tasks(cfg.replace(**then)), n)
     except (ConfigError, TypeError):  # a task list this opd no longer reads: the launch's, as before the record
         return global_batches(specs, n)
 
@@ -173,7 +176,7 @@ def _per_process(c: TrainConfig, total: int, n: int, world: int, ckpt: Path) -> 
             f"processes that divides {total} ({', '.join(map(str, fits))})"
         )
     try:
-        return dataclasses.replace(c, batch_size=total // world)
+        return c.replace(batch_size=total // world)
     except ConfigError as exc:  # --grad-accum must divide the per-process rollouts
         raise UserError(
             f"checkpoint {ckpt} on {world} processes: --batch-size becomes {total // world} per process (the "

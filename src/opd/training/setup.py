@@ -89,53 +89,74 @@ class Run:
 
 
 def setup(cfg: TrainConfig) -> Run:
-    torch.manual_seed(cfg.seed)
-    device = resolve_device(cfg.device)
-    configure_device_math(device, cfg.dtype, cfg.tf32, "opd train")
-    dist = init_distributed(cfg.fsdp, device, cfg.dtype, cfg.dist_timeout)
-    models = {"student": cfg.student, "teacher": cfg.teacher, "teacher-tokenizer": cfg.teacher_tokenizer}
-    rundir = RunDir(cfg.out, report_to=cfg.report_to, command="train", resume=cfg.resume, models=models)
-    ckpt = rundir.latest_checkpoint() if cfg.resume else None
+    torch.manual_seed(cfg.run.seed)
+    device = resolve_device(cfg.model.device)
+    configure_device_math(device, cfg.model.dtype, cfg.model.tf32, "opd train")
+    dist = init_distributed(cfg.run.fsdp, device, cfg.model.dtype, cfg.run.dist_timeout)
+    models = {
+        "student": cfg.model.student,
+        "teacher": cfg.teacher.teacher,
+        "teacher-tokenizer": cfg.teacher.teacher_tokenizer,
+    }
+    rundir = RunDir(cfg.run.out, report_to=cfg.run.report_to, command="train", resume=cfg.run.resume, models=models)
+    ckpt = rundir.latest_checkpoint() if cfg.run.resume else None
     state = rundir.load_state(ckpt) if ckpt is not None else None
     specs = resolve_tasks(cfg)
     if ckpt is not None and state is not None:  # before the models: what cannot resume shows at once
         check_same_run(state, cfg, ckpt, dist.world)
         cfg, specs = rebatch(cfg, specs, state, dist.world, ckpt)
-    check_engine(cfg.rollout_engine)
+    check_engine(cfg.rollout.rollout_engine)
     # before the models: a data problem shows at once
     data = [for_task(s.name, task_data, s.cfg) for s in specs]
     say_grading_notes("train", specs, data)
-    student, tok = load_student(cfg, device, check=cfg.check_chat_template_kwargs)
+    student, tok = load_student(cfg, device, check=cfg.data.check_chat_template_kwargs)
     tasks = build_tasks(specs, data, student, tok)
     V = head_weight(student).shape[0]
-    if cfg.k > V:
-        raise UserError(f"k={cfg.k} is larger than the vocabulary ({V} tokens); choose --k <= {V}")
-    special_ids = list(dict.fromkeys(special_token_ids(tok, cfg.special_tokens) + tool_marker_ids(tok, tasks)))
-    if not cfg.keep_dropout:  # before LoRA, so --lora-dropout still applies to the adapter
+    if cfg.objective.k > V:
+        raise UserError(f"k={cfg.objective.k} is larger than the vocabulary ({V} tokens); choose --k <= {V}")
+    special_ids = list(
+        dict.fromkeys(special_token_ids(tok, cfg.objective.special_tokens) + tool_marker_ids(tok, tasks))
+    )
+    if not cfg.optimizer.keep_dropout:  # before LoRA, so --lora-dropout still applies to the adapter
         disable_dropout(student)
-    if cfg.gradient_checkpointing:
+    if cfg.optimizer.gradient_checkpointing:
         checkpoint_layers(student)
-    if cfg.lora_r:
+    if cfg.lora.lora_r:
         student = apply_lora(
-            student, cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout, cfg.student, cfg.student_revision
+            student,
+            cfg.lora.lora_r,
+            cfg.lora.lora_alpha,
+            cfg.lora.lora_targets,
+            cfg.lora.lora_dropout,
+            cfg.model.student,
+            cfg.model.student_revision,
         )
     if ckpt is not None:
         load_weights(student, ckpt / "model")  # before wrapping: FSDP shards the weights it is given
     student.train()
-    optimizer = make_optimizer(dist.wrap(student), cfg.lr, cfg.weight_decay)
+    optimizer = make_optimizer(dist.wrap(student), cfg.optimizer.lr, cfg.optimizer.weight_decay)
     engine = start_engine(cfg, specs, student, tok, rundir, dist)
     for t in tasks:
         t.engine = engine
-    scheduler = make_scheduler(optimizer, cfg.warmup_steps, cfg.steps * cfg.updates_per_batch, cfg.schedule)
-    schedule = task_schedule(cfg.steps, [t.share for t in tasks], cfg.seed) if cfg.task_mode == "alternate" else []
+    scheduler = make_scheduler(
+        optimizer,
+        cfg.optimizer.warmup_steps,
+        cfg.optimizer.steps * cfg.optimizer.updates_per_batch,
+        cfg.optimizer.schedule,
+    )
+    schedule = (
+        task_schedule(cfg.optimizer.steps, [t.share for t in tasks], cfg.run.seed)
+        if cfg.multitask.task_mode == "alternate"
+        else []
+    )
     run = Run(cfg, student, tok, tasks, optimizer, scheduler, rundir, special_ids, dist, schedule=schedule)
     if ckpt is not None and state is not None:
         resume(run, ckpt, state)
-    elif cfg.resume:  # killed before its first checkpoint: it starts over, so must its logs
+    elif cfg.run.resume:  # killed before its first checkpoint: it starts over, so must its logs
         rundir.truncate_logs_after(-1)
     rundir.write_config(cfg)
     for t in tasks:  # an environment's games are listed once played (eval_stage)
-        if t.test is not None and t.cfg.eval_record_chars and rundir.enabled:
+        if t.test is not None and t.cfg.eval.eval_record_chars and rundir.enabled:
             check_writable(step_records(rundir.path / t.files, 0))  # before any step: a read-only place shows now
         listed = t.test.listing(rundir.path / t.files, played=False) if t.test is not None else None
         if listed is not None:
@@ -149,39 +170,52 @@ def load_student(
     """The student as a run trains it (float32 masters, its body computing in --dtype) and its tokenizer
     with the chat options (``check``: refuse options its template ignores). The trainer's, and the
     --max-staleness worker's copy (opd.training.ahead), so a rollout there computes what the trainer would."""
-    rev = cfg.student_revision
-    tok = set_chat_options(load_tokenizer(cfg.student, "student", revision=rev), cfg.chat_template_kwargs, check=check)
-    weights_dtype = trained_weights_dtype(cfg.dtype, bool(cfg.lora_r))
-    student = compute_in(load_model(cfg.student, "student", weights_dtype, device, revision=rev), cfg.dtype)
+    rev = cfg.model.student_revision
+    tok = set_chat_options(
+        load_tokenizer(cfg.model.student, "student", revision=rev), cfg.data.chat_template_kwargs, check=check
+    )
+    weights_dtype = trained_weights_dtype(cfg.model.dtype, bool(cfg.lora.lora_r))
+    student = compute_in(load_model(cfg.model.student, "student", weights_dtype, device, revision=rev), cfg.model.dtype)
     return student, tok
 
 
-def start_engine(cfg: TrainConfig, specs: list[TaskSpec], student, tok, rundir: RunDir, dist: Dist) -> RolloutEngine:
+def start_engine(
+    cfg: TrainConfig, specs: list[TaskSpec[TrainConfig]], student, tok, rundir: RunDir, dist: Dist
+) -> RolloutEngine:
     """``--rollout-engine``: the one engine every task rolls out from (:mod:`opd.rollout.registry`; opd's own
     sampling loop by default), on the student (LoRA's wrapper included); one with weights of its own is
     told after each update (the loop's update stage calls its ``weights_changed``). Under torchrun/accelerate
     each rank has its own (its files in a folder of its own), or reaches one that all share (``--vllm-url``),
     and rolls out its share of the batch. Under FSDP it is given the weights gathered for the rollout. With
     --max-staleness the rollout worker samples instead, reaching the engine (opd.training.ahead)."""
-    folder = rundir.path / cfg.rollout_engine / (f"rank{dist.rank}" if dist.world > 1 else "")
+    folder = rundir.path / cfg.rollout.rollout_engine / (f"rank{dist.rank}" if dist.world > 1 else "")
     # an engine of its own (vLLM) reads the folder a Hub name resolved to: the same files as the trainer
-    model_dir = str(resolve_model(cfg.student, cfg.student_revision))
+    model_dir = str(resolve_model(cfg.model.student, cfg.model.student_revision))
     ctx = EngineContext(student, tok, cfg, model_dir, [s.cfg for s in specs], folder, dist.world)
-    return make_engine(cfg.rollout_engine, ctx)
+    return make_engine(cfg.rollout.rollout_engine, ctx)
 
 
 def _teacher_key(c: TrainConfig) -> tuple:
     """Where a task's teacher is and how it scores (:data:`opd.config.tasks.TEACHER_SCORING`): the
     same model read with another dtype or tokenizer setting scores differently, so is not shared. Served:
     the set of its servers (in any order, each as :func:`~opd.service.check_url` writes it), one pool."""
-    urls = c.teacher_url.split(",") if isinstance(c.teacher_url, str) else c.teacher_url  # joined, once checked
+    flat = c.flat()
+    urls = (
+        c.teacher.teacher_url.split(",") if isinstance(c.teacher.teacher_url, str) else c.teacher.teacher_url
+    )  # joined, once checked
     servers = sorted({check_url(u, "--teacher-url") for u in urls if u})
-    where = ("url", tuple(servers)) if servers else ("dir", str(Path(c.teacher).resolve()), c.teacher_revision)
-    values = (c.dtype if f == "teacher_dtype" and not c.teacher_dtype else getattr(c, f) for f in TEACHER_SCORING)
+    where = (
+        ("url", tuple(servers))
+        if servers
+        else ("dir", str(Path(c.teacher.teacher).resolve()), c.teacher.teacher_revision)
+    )
+    values = (
+        c.model.dtype if f == "teacher_dtype" and not c.teacher.teacher_dtype else flat[f] for f in TEACHER_SCORING
+    )
     return (*where, *(tuple(v) if isinstance(v, list) else v for v in values))
 
 
-def build_tasks(specs: list[TaskSpec], data: list[tuple], student, tok) -> list[TaskRun]:
+def build_tasks(specs: list[TaskSpec[TrainConfig]], data: list[tuple], student, tok) -> list[TaskRun]:
     """Each task's teacher and sources. A teacher that several tasks name (the
     same directory or URL, with the same dtype and tokenizer settings) is loaded once and shared."""
     teachers: dict[tuple, TeacherScorer] = {}

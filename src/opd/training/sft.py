@@ -36,6 +36,7 @@ import torch
 
 from opd.chat import set_chat_options
 from opd.config import SFTConfig, TaskSpec, resolve_tasks
+from opd.config.sources import episode_limits
 from opd.errors import UserError
 from opd.evaluation.model_eval import decode_responses, evaluate_model
 from opd.models.loading import (
@@ -74,46 +75,50 @@ def load_sft_examples(cfg: SFTConfig) -> list[Example]:
     """``--data``, every row trained on: read as ``--task`` data is (:func:`opd.rollout.prompt_set.load_task`,
     with its checks: the encoding, empty prompts, the columns' types), its targets the ``--solution-field``
     column, or a 'completion' column when the data has no such column."""
-    p = Path(cfg.data)
+    p = Path(cfg.data.data)
     if not p.is_file():
         raise UserError(f"SFT data file {p} does not exist; pass a JSONL file with prompt and solution per line")
     if not p.read_bytes().strip():  # bytes: the reader below names an encoding problem
         raise UserError(
             f'SFT data file {p} has no examples; write one {{"prompt": ..., "solution": ...}} object per line'
         )
-    options = data_options(cfg)
-    task = load_task(str(p), cfg.task_level, cfg.seed, split="0", **options)
+    options = data_options(cfg.data)
+    task = load_task(str(p), cfg.data.task_level, cfg.run.seed, split="0", **options)
     columns = getattr(task, "columns", [])
-    if cfg.solution_field not in columns and "completion" in columns:
-        task = load_task(str(p), cfg.task_level, cfg.seed, split="0", **{**options, "solution_field": "completion"})
+    if cfg.data.solution_field not in columns and "completion" in columns:
+        task = load_task(
+            str(p), cfg.data.task_level, cfg.run.seed, split="0", **{**options, "solution_field": "completion"}
+        )
     examples = task.examples("train")
     missing = [i for i, e in enumerate(examples, 1) if not e.solution]
     if missing:
         raise UserError(
             f"{p}: {len(missing)} of {len(examples)} rows have no solution, e.g. row {missing[0]}; give each a "
-            f"'{cfg.solution_field}' (or 'completion') field"
+            f"'{cfg.data.solution_field}' (or 'completion') field"
         )
     return examples
 
 
 def build_model(cfg: SFTConfig):
     """The model to train (float32 masters, its body computing in --dtype: opd.models.precision) and its tokenizer."""
-    device = resolve_device(cfg.device)
-    configure_device_math(device, cfg.dtype, cfg.tf32, "opd sft")
-    if cfg.init:
-        model = load_model(cfg.init, "init", trained_weights_dtype(cfg.dtype), device, revision=cfg.student_revision)
-        tok = load_tokenizer(cfg.init, "init", revision=cfg.student_revision)
+    device = resolve_device(cfg.model.device)
+    configure_device_math(device, cfg.model.dtype, cfg.model.tf32, "opd sft")
+    if cfg.model.init:
+        model = load_model(
+            cfg.model.init, "init", trained_weights_dtype(cfg.model.dtype), device, revision=cfg.model.student_revision
+        )
+        tok = load_tokenizer(cfg.model.init, "init", revision=cfg.model.student_revision)
     else:
-        if not cfg.tokenizer:
+        if not cfg.model.tokenizer:
             raise UserError("a new model (--arch) needs --tokenizer DIR (a tokenizer saved with save_pretrained)")
-        tok = load_tokenizer(cfg.tokenizer, "tokenizer")
-        layers, width = parse_arch(cfg.arch)
-        torch.manual_seed(cfg.seed)
+        tok = load_tokenizer(cfg.model.tokenizer, "tokenizer")
+        layers, width = parse_arch(cfg.model.arch)
+        torch.manual_seed(cfg.run.seed)
         built = tiny_qwen2(len(tok), layers, width, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
         # transformers wraps PreTrainedModel.to in functools.wraps, which mypy does not bind as a method
         model = built.to(device)  # type: ignore[arg-type]
-    model = compute_in(model, cfg.dtype)
-    if cfg.gradient_checkpointing:  # as opd train does it, after the body is set to compute in --dtype
+    model = compute_in(model, cfg.model.dtype)
+    if cfg.optimizer.gradient_checkpointing:  # as opd train does it, after the body is set to compute in --dtype
         checkpoint_layers(model)
     return model, tok
 
@@ -157,8 +162,8 @@ def teacher_completions(
 ) -> list[str]:
     batch = engine.generate(
         [prompts.prompt_ids[i] for i in idx],
-        [sample_seed(cfg.seed, step, j) for j in range(len(idx))],
-        max_new_tokens=cfg.max_new_tokens,
+        [sample_seed(cfg.run.seed, step, j) for j in range(len(idx))],
+        max_new_tokens=cfg.rollout.max_new_tokens,
         temperature=1.0,
         top_p=1.0,
     )
@@ -167,7 +172,7 @@ def teacher_completions(
 
 def held_out_for_validation(items: list, cfg: SFTConfig, what: str) -> tuple[list, list]:
     """The training items less the last ``--validation-size`` of them, and those (never trained on)."""
-    n = cfg.validation_size
+    n = cfg.eval.validation_size
     if not n:
         return items, []
     if n >= len(items):
@@ -182,39 +187,41 @@ def prompt_source(cfg: SFTConfig, tok, model, task, eval_task) -> tuple[Callable
     """The batch of a step (ids, attention mask, labels), and the greedy accuracy on the validation
     prompts (what the checkpoint is chosen on) and on the test prompts, for prompts; no accuracy
     (None) without an evaluation task (--no-eval, or nothing to grade: load_tasks)."""
-    if cfg.data:
+    if cfg.data.data:
         examples = load_sft_examples(cfg)  # --system-prompt applied by the reader, as for --task
     else:
         examples = task.examples("train")
     examples, validation = held_out_for_validation(examples, cfg, "examples") if eval_task else (examples, [])
     validation = graded(validation)
-    if cfg.validation_size and eval_task and not validation:
+    if cfg.eval.validation_size and eval_task and not validation:
         raise UserError(
-            f"--validation-size {cfg.validation_size} holds out training examples to choose the checkpoint on, and "
+            f"--validation-size {cfg.eval.validation_size} holds out training examples to choose the checkpoint on, and "
             "none of them has a reference answer; pass --validation-size 0 (choose on the test set) or --no-eval"
         )
-    if cfg.train_size > len(examples):
+    if cfg.data.train_size > len(examples):
         raise UserError(
-            f"--train-size {cfg.train_size} is more than the {len(examples)} training examples; "
+            f"--train-size {cfg.data.train_size} is more than the {len(examples)} training examples; "
             "lower it or pass 0 to use them all"
         )
-    examples = examples[: cfg.train_size or None]
-    if not cfg.teacher and any(not e.solution for e in examples):
+    examples = examples[: cfg.data.train_size or None]
+    if not cfg.teacher.teacher and any(not e.solution for e in examples):
         raise UserError(
             "some training examples have no solution; give --data with solutions or --teacher to sample them"
         )
-    train_set = PromptSet.build(examples, tok, cfg.max_prompt_tokens, "SFT prompts")
+    train_set = PromptSet.build(examples, tok, cfg.data.max_prompt_tokens, "SFT prompts")
     # as opd train's rollouts are checked: the longest prompt and the token budget must fit the model's positions
     longest = max(len(ids) for ids in train_set.prompt_ids)
     positions = getattr(model.config, "max_position_embeddings", None)
-    check_context(longest, cfg.max_new_tokens, positions, "shorten the prompts or lower --max-new-tokens")
+    check_context(longest, cfg.rollout.max_new_tokens, positions, "shorten the prompts or lower --max-new-tokens")
     teacher_engine = None
-    if cfg.teacher:
-        teacher = load_model(cfg.teacher, "teacher", cfg.dtype, model_device(model), revision=cfg.teacher_revision)
+    if cfg.teacher.teacher:
+        teacher = load_model(
+            cfg.teacher.teacher, "teacher", cfg.model.dtype, model_device(model), revision=cfg.teacher.teacher_revision
+        )
         teacher_engine = local_engine(teacher, tok)
 
     def batch(step: int) -> tuple:
-        idx = train_set.batch_indices(step, cfg.batch_size, cfg.seed)
+        idx = train_set.batch_indices(step, cfg.optimizer.batch_size, cfg.run.seed)
         chosen = [train_set.examples[i] for i in idx]
         targets = (
             teacher_completions(teacher_engine, tok, train_set, idx, step, cfg)
@@ -225,7 +232,9 @@ def prompt_source(cfg: SFTConfig, tok, model, task, eval_task) -> tuple[Callable
 
     def accuracy_on(prompts: PromptSet) -> Callable[[object], float]:
         def accuracy(m) -> float:
-            res = evaluate_model(m, tok, prompts, eval_task, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+            res = evaluate_model(
+                m, tok, prompts, eval_task, max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed
+            )
             return res["accuracy"]
 
         return accuracy
@@ -233,11 +242,15 @@ def prompt_source(cfg: SFTConfig, tok, model, task, eval_task) -> tuple[Callable
     if eval_task is None:
         return batch, None, None
     on_test = accuracy_on(
-        PromptSet.build(eval_prompts(eval_task, cfg.eval_size), tok, cfg.max_prompt_tokens, "test prompts")
+        PromptSet.build(eval_prompts(eval_task, cfg.eval.eval_size), tok, cfg.data.max_prompt_tokens, "test prompts")
     )
     if not validation:
         return batch, on_test, on_test
-    return batch, accuracy_on(PromptSet.build(validation, tok, cfg.max_prompt_tokens, "validation prompts")), on_test
+    return (
+        batch,
+        accuracy_on(PromptSet.build(validation, tok, cfg.data.max_prompt_tokens, "validation prompts")),
+        on_test,
+    )
 
 
 def episode_source(cfg: SFTConfig, tok, model) -> tuple[Callable, Callable | None, Callable | None]:
@@ -247,41 +260,50 @@ def episode_source(cfg: SFTConfig, tok, model) -> tuple[Callable, Callable | Non
     from opd.rollout.game_set import GameSet, check_episode_context, play_env
     from opd.training.cloning import expert_sequences
 
-    if cfg.teacher or cfg.data:
+    if cfg.teacher.teacher or cfg.data.data:
         raise UserError("--env trains on the environment's expert episodes; --teacher and --data are for prompts")
-    check_episode_context(model, cfg.max_prompt_tokens, cfg.max_new_tokens)
-    env = play_env(cfg)  # sessions opened by hand (the expert's) stay here; played episodes go to its workers
+    check_episode_context(model, cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens)
+    env = play_env(
+        cfg.env, cfg.model.device
+    )  # sessions opened by hand (the expert's) stay here; played episodes go to its workers
     games = GameSet.build(env, "train").games
-    games, validation = held_out_for_validation(games, cfg, "games") if cfg.eval else (games, [])
-    games = games[: cfg.train_size or None]
+    games, validation = held_out_for_validation(games, cfg, "games") if cfg.eval.eval else (games, [])
+    games = games[: cfg.data.train_size or None]
     seqs, labels, skipped = expert_sequences(
-        env, games, tok, cfg.max_new_tokens + cfg.max_prompt_tokens, mistakes=cfg.expert_mistakes, seed=cfg.seed
+        env,
+        games,
+        tok,
+        cfg.rollout.max_new_tokens + cfg.data.max_prompt_tokens,
+        mistakes=cfg.env.expert_mistakes,
+        seed=cfg.run.seed,
     )
     if not seqs:
         raise UserError(
             f"none of the {len(games)} training games of {env.name!r} gave an expert episode that wins within "
-            f"{cfg.max_new_tokens + cfg.max_prompt_tokens} tokens; raise --max-new-tokens or check the environment"
+            f"{cfg.rollout.max_new_tokens + cfg.data.max_prompt_tokens} tokens; raise --max-new-tokens or check the environment"
         )
     if skipped:
         print(f"opd sft: {skipped} of {len(games)} training games left out (no winning expert episode that fits)")
-    for player in cfg.dagger_from:
+    for player in cfg.env.dagger_from:
         more, more_labels = dagger_data(cfg, env, games, tok, player, model_device(model))
         seqs, labels = seqs + more, labels + more_labels
 
     def batch(step: int) -> tuple:
-        idx = batch_indices(len(seqs), step, cfg.batch_size, cfg.seed)
+        idx = batch_indices(len(seqs), step, cfg.optimizer.batch_size, cfg.run.seed)
         return pad_right([seqs[i] for i in idx], [labels[i] for i in idx], tok.pad_token_id)
 
-    if not cfg.eval:
+    if not cfg.eval.eval:
         return batch, None, None
 
     def success_on(games: GameSet) -> Callable[[object], float]:
         def success(m) -> float:
-            return evaluate_agent(m, tok, games, seed=cfg.seed, **cfg.episode_limits())["success_rate"]
+            return evaluate_agent(m, tok, games, seed=cfg.run.seed, **episode_limits(cfg.env, cfg.data, cfg.rollout))[
+                "success_rate"
+            ]
 
         return success
 
-    on_test = success_on(GameSet.build(env, "test", cfg.eval_size))
+    on_test = success_on(GameSet.build(env, "test", cfg.eval.eval_size))
     if not validation:
         return batch, on_test, on_test
     examples = [Example(prompt=g.goal or g.id, answer="", task=env.name) for g in validation]
@@ -299,17 +321,19 @@ def dagger_data(cfg: SFTConfig, env, games: list, tok, player: str, device) -> t
         require_expert_next(session)
     finally:
         session.close()
-    model, player_tok = load_model(player, "--dagger-from model", cfg.dtype, device), load_tokenizer(player)
+    model, player_tok = load_model(player, "--dagger-from model", cfg.model.dtype, device), load_tokenizer(player)
     engine, played = EpisodeRollout(model, player_tok), []
     with progress_bar(f"{player} plays the training games", total=len(games)) as bar:
         for start in range(0, len(games), 64):
             chunk = games[start : start + 64]
-            seeds = [sample_seed(cfg.seed, -1, start + j) for j in range(len(chunk))]
-            records = engine.play(env, chunk, seeds, top_p=0.9, **cfg.episode_limits()).records
+            seeds = [sample_seed(cfg.run.seed, -1, start + j) for j in range(len(chunk))]
+            records = engine.play(
+                env, chunk, seeds, top_p=0.9, **episode_limits(cfg.env, cfg.data, cfg.rollout)
+            ).records
             played += list(zip(chunk, records, strict=True))
             bar.advance(len(chunk))
-    limit = cfg.max_new_tokens + cfg.max_prompt_tokens
-    seqs, labels, skipped = dagger_sequences(env, played, tok, limit, cfg.dagger_branches, cfg.seed)
+    limit = cfg.rollout.max_new_tokens + cfg.data.max_prompt_tokens
+    seqs, labels, skipped = dagger_sequences(env, played, tok, limit, cfg.env.dagger_branches, cfg.run.seed)
     won = sum(r.won for _, r in played)
     print(
         f"opd sft: {player} won {won} of {len(played)} training games; {len(seqs)} sequences from the states it "
@@ -318,14 +342,14 @@ def dagger_data(cfg: SFTConfig, env, games: list, tok, player: str, device) -> t
     return seqs, labels
 
 
-def task_sources(specs: list[TaskSpec], data: list, tok, model) -> list[tuple]:
+def task_sources(specs: list[TaskSpec[SFTConfig]], data: list, tok, model) -> list[tuple]:
     """Each task's (name, batch of its k-th step, greedy validation accuracy, greedy test accuracy; the
     two accuracies are one function with --validation-size 0, None without evaluation): one task named "" unless
     the config lists several (each resolved into its own checked SFTConfig by opd.config.tasks).
     ``data``: each prompt task's (training task, evaluation task), None for an environment."""
     out = []
     for spec, tasks in zip(specs, data, strict=True):
-        if spec.cfg.env:
+        if spec.cfg.env.env:
             out.append((spec.name, *for_task(spec.name, episode_source, spec.cfg, tok, model)))
         else:
             out.append((spec.name, *for_task(spec.name, prompt_source, spec.cfg, tok, model, *tasks)))
@@ -370,7 +394,7 @@ def accuracy_record(step: int, acc: float, accs: dict[str, float], split: str = 
 def kept_on_test(cfg: SFTConfig, rundir: RunDir, sources: list, step: int, multi: bool) -> dict:
     """The kept model (``final/``, chosen on validation data) on the test data, once: logged at the last
     step as ``eval/accuracy`` and returned as the summary's ``test_accuracy`` (and ``test_by_task``)."""
-    kept = load_model(rundir.path / "final", "the kept SFT model", cfg.dtype, resolve_device(cfg.device))
+    kept = load_model(rundir.path / "final", "the kept SFT model", cfg.model.dtype, resolve_device(cfg.model.device))
     accs = {name: on_test(kept) for name, _, _, on_test in sources}
     acc = sum(accs.values()) / len(accs)
     rundir.log_metrics(accuracy_record(step, acc, accs))
@@ -378,30 +402,30 @@ def kept_on_test(cfg: SFTConfig, rundir: RunDir, sources: list, step: int, multi
 
 
 def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
-    models = {"init": cfg.init, "teacher": cfg.teacher, "tokenizer": cfg.tokenizer}
-    rundir = RunDir(cfg.out, report_to=cfg.report_to, command="sft", models=models)
+    models = {"init": cfg.model.init, "teacher": cfg.teacher.teacher, "tokenizer": cfg.model.tokenizer}
+    rundir = RunDir(cfg.run.out, report_to=cfg.run.report_to, command="sft", models=models)
     specs = resolve_tasks(cfg)
     # before the model: a data problem shows at once
-    data = [None if spec.cfg.env else for_task(spec.name, load_tasks, spec.cfg) for spec in specs]
+    data = [None if spec.cfg.env.env else for_task(spec.name, load_tasks, spec.cfg) for spec in specs]
     say_grading_notes("sft", specs, data)
     model, tok = build_model(cfg)
-    set_chat_options(tok, cfg.chat_template_kwargs, check=cfg.check_chat_template_kwargs)
+    set_chat_options(tok, cfg.data.chat_template_kwargs, check=cfg.data.check_chat_template_kwargs)
     sources = task_sources(specs, data, tok, model)
     rundir.write_config(cfg)  # once data and model passed their checks: a refused run leaves only the marker
     graded_sources = [s for s in sources if s[2] is not None]  # the others: --no-eval, or nothing to grade
     names = [spec.name for spec in specs]
-    multi = cfg.tasks is not None
-    alternate = multi and cfg.task_mode == "alternate"
-    schedule = task_schedule(cfg.steps, [s.share for s in specs], cfg.seed) if alternate else []
-    opt = make_optimizer(model, cfg.lr)
-    sched = make_scheduler(opt, cfg.warmup_steps, cfg.steps, cfg.schedule)
+    multi = cfg.multitask.tasks is not None
+    alternate = multi and cfg.multitask.task_mode == "alternate"
+    schedule = task_schedule(cfg.optimizer.steps, [s.share for s in specs], cfg.run.seed) if alternate else []
+    opt = make_optimizer(model, cfg.optimizer.lr)
+    sched = make_scheduler(opt, cfg.optimizer.warmup_steps, cfg.optimizer.steps, cfg.optimizer.schedule)
     best, best_by_task, stale, t0 = -1.0, {}, 0, time.time()
     model.train()
-    with rundir, progress_bar("SFT", total=cfg.steps, enabled=show_progress) as bar:
-        for step in range(cfg.steps):
+    with rundir, progress_bar("SFT", total=cfg.optimizer.steps, enabled=show_progress) as bar:
+        for step in range(cfg.optimizer.steps):
             opt.zero_grad(set_to_none=True)
             loss, own = parts_loss(model, step_parts(sources, schedule, step), step)
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.max_grad_norm)
             opt.step()
             sched.step()
             record = {
@@ -414,29 +438,31 @@ def sft(cfg: SFTConfig, show_progress: bool = True) -> dict:
             rundir.log_metrics(record)
             bar.advance(1)
             bar.describe(f"loss {loss:.3f}" + (f"  best acc {max(best, 0):.3f}" if graded_sources else ""))
-            due = (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step == cfg.steps - 1
+            due = (cfg.eval.eval_every and (step + 1) % cfg.eval.eval_every == 0) or step == cfg.optimizer.steps - 1
             if graded_sources and due:
                 # several tasks: the model is chosen by the unweighted mean of their accuracies
                 accs = {name: accuracy(model) for name, _, accuracy, _ in graded_sources}
                 acc = sum(accs.values()) / len(accs)
                 model.train()
-                rundir.log_metrics(accuracy_record(step, acc, accs, "validation/" if cfg.validation_size else ""))
+                rundir.log_metrics(accuracy_record(step, acc, accs, "validation/" if cfg.eval.validation_size else ""))
                 if acc > best:
                     best, best_by_task, stale = acc, accs, 0
-                    save_final_model(rundir.path / "final", model, tok, dtype=saved_dtype(cfg.dtype))
+                    save_final_model(rundir.path / "final", model, tok, dtype=saved_dtype(cfg.model.dtype))
                 else:
                     stale += 1
-                if cfg.patience and stale >= cfg.patience:
+                if cfg.eval.patience and stale >= cfg.eval.patience:
                     break
     summary: dict[str, Any] = {"steps": step + 1, "wall_s": round(time.time() - t0, 1)}
     if not graded_sources:  # no evaluation to choose on: the last model is kept
-        save_final_model(rundir.path / "final", model, tok, dtype=saved_dtype(cfg.dtype))
+        save_final_model(rundir.path / "final", model, tok, dtype=saved_dtype(cfg.model.dtype))
         summary["chosen_on"] = "last step"
     else:
         summary["best_accuracy"] = best
     if multi and graded_sources:
         summary["best_by_task"] = best_by_task
-    if cfg.validation_size and graded_sources:  # chosen on validation data; the kept model's test accuracy is reported
+    if (
+        cfg.eval.validation_size and graded_sources
+    ):  # chosen on validation data; the kept model's test accuracy is reported
         summary["chosen_on"] = "validation"
         summary.update(kept_on_test(cfg, rundir, graded_sources, step, multi))
     write_card(rundir.path / "final", sft_card(cfg, rundir.path.name, summary))

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 from opd.config import TrainConfig
+from opd.config.sources import episode_limits
 from opd.evaluation.core import EvalPlan, Evaluation, evaluate, resolve_sampling
 from opd.evaluation.game_eval import GameItems, write_eval_games
 from opd.evaluation.model_eval import PromptItems, decode_responses
@@ -46,7 +47,7 @@ class Source(Protocol):
         """Before any work: a model that cannot hold this source's rollouts is refused."""
 
     def rollout(
-        self, engine: RolloutEngine, rows: list[int], seeds: list[int], cfg
+        self, engine: RolloutEngine, rows: list[int], seeds: list[int], cfg: TrainConfig
     ) -> tuple[RolloutBatch, list | None]:
         """The rollouts of items ``rows`` by ``engine``, with per-rollout seeds, and each episode's record
         (None for prompts)."""
@@ -55,7 +56,7 @@ class Source(Protocol):
         """Each rollout's text (for the logs) and reward (None: a prompt without a reference answer, not
         graded), and what a step logs beyond the common metrics."""
 
-    def evaluate(self, engine: RolloutEngine, tok, cfg, plan: EvalPlan) -> Evaluation:
+    def evaluate(self, engine: RolloutEngine, tok, cfg: TrainConfig, plan: EvalPlan) -> Evaluation:
         """The model ``engine`` samples, on this (held-out) split with a config's lengths and ``plan``
         (:func:`eval_plan`): the figures (``accuracy``, avg@k, ...) and the per-sample records; every rank
         gets all of them (``plan.share``: this rank's items when the ranks evaluate together)."""
@@ -86,12 +87,16 @@ class PromptSource:
     def check_model(self, model, cfg: TrainConfig) -> None:
         longest = max(len(p) for p in self.prompts.prompt_ids)
         fix = HELD_OUT_FIX if self.held_out else FIX
-        check_context(longest, cfg.max_new_tokens, getattr(model.config, "max_position_embeddings", None), fix)
+        check_context(longest, cfg.rollout.max_new_tokens, getattr(model.config, "max_position_embeddings", None), fix)
 
-    def rollout(self, engine: RolloutEngine, rows, seeds, cfg) -> tuple[RolloutBatch, None]:
+    def rollout(self, engine: RolloutEngine, rows, seeds, cfg: TrainConfig) -> tuple[RolloutBatch, None]:
         ids = [self.prompts.prompt_ids[i] for i in rows]
         batch = engine.generate(
-            ids, seeds, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p
+            ids,
+            seeds,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
         )
         check_count(engine.name, batch.num_rollouts, len(ids))
         return batch, None
@@ -102,8 +107,8 @@ class PromptSource:
         skipped = {"data/prompts_skipped": float(self.prompts.skipped)} if self.prompts.skipped else {}
         return texts, [reward_of(self.task, t, e) for t, e in zip(texts, examples, strict=True)], skipped
 
-    def evaluate(self, engine: RolloutEngine, tok, cfg, plan: EvalPlan) -> Evaluation:
-        return evaluate(engine, PromptItems(self.prompts, self.task, tok, cfg.max_new_tokens), plan)
+    def evaluate(self, engine: RolloutEngine, tok, cfg: TrainConfig, plan: EvalPlan) -> Evaluation:
+        return evaluate(engine, PromptItems(self.prompts, self.task, tok, cfg.rollout.max_new_tokens), plan)
 
     def listing(self, run_dir: Path, played: bool) -> list[dict]:
         return [{"prompt": e.prompt, "answer": e.answer} for e in self.prompts.examples]
@@ -134,14 +139,16 @@ class GameSource:
         return self.games.batch_indices(step, batch_size, seed)
 
     def check_model(self, model, cfg: TrainConfig) -> None:
-        check_episode_context(model, cfg.max_prompt_tokens, cfg.max_new_tokens)
+        check_episode_context(model, cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens)
         self.chat  # noqa: B018 -- a template episodes cannot use is refused now, not at the first step
 
-    def rollout(self, engine: RolloutEngine, rows, seeds, cfg) -> tuple[RolloutBatch, list[EpisodeRecord]]:
+    def rollout(self, engine: RolloutEngine, rows, seeds, cfg: TrainConfig) -> tuple[RolloutBatch, list[EpisodeRecord]]:
         games = [self.games.games[i] for i in rows]
-        limits = cfg.episode_limits()
+        limits = episode_limits(cfg.env, cfg.data, cfg.rollout)
         player = EpisodeRollout(engine, self.tokenizer, chat=self.chat)
-        played = player.play(self.games.env, games, seeds, temperature=cfg.temperature, top_p=cfg.top_p, **limits)
+        played = player.play(
+            self.games.env, games, seeds, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, **limits
+        )
         return played.batch, played.records
 
     def grade(self, tok, examples, batch, records) -> tuple[list[str], list[float | None], dict]:
@@ -149,8 +156,12 @@ class GameSource:
         rewards: list[float | None] = list(won)  # every episode is graded: won or not
         return texts, rewards, episode_metrics(records)
 
-    def evaluate(self, engine: RolloutEngine, tok, cfg, plan: EvalPlan) -> Evaluation:
-        return evaluate(engine, GameItems(self.games, self.tokenizer, cfg.episode_limits(), self.chat), plan)
+    def evaluate(self, engine: RolloutEngine, tok, cfg: TrainConfig, plan: EvalPlan) -> Evaluation:
+        return evaluate(
+            engine,
+            GameItems(self.games, self.tokenizer, episode_limits(cfg.env, cfg.data, cfg.rollout), self.chat),
+            plan,
+        )
 
     def listing(self, run_dir: Path, played: bool) -> list[dict] | None:
         # Generated games have their files once opened: copied into the run directory after they are played.
@@ -165,16 +176,18 @@ class GameSource:
 def eval_plan(cfg: TrainConfig, seed: int, share: Share = ALONE, show_progress: bool = False) -> EvalPlan:
     """How a (task's) config evaluates: its samples, its sampling (--eval-sampling; greedy and explicit
     sample at --eval-temperature / --eval-top-p, else the rollouts'), maj@k, batch budget and records."""
-    temperature, top_p = cfg.eval_temperature or cfg.temperature, cfg.eval_top_p or cfg.top_p
-    model_dir = str(resolve_model(cfg.student, cfg.student_revision)) if cfg.eval_sampling == "model" else ""
-    sampling = resolve_sampling(cfg.eval_sampling, temperature, top_p, model_dir)
-    return EvalPlan.of(cfg, cfg.eval_samples, sampling, seed, share=share, show_progress=show_progress)
+    temperature, top_p = cfg.eval.eval_temperature or cfg.rollout.temperature, cfg.eval.eval_top_p or cfg.rollout.top_p
+    model_dir = (
+        str(resolve_model(cfg.model.student, cfg.model.student_revision)) if cfg.eval.eval_sampling == "model" else ""
+    )
+    sampling = resolve_sampling(cfg.eval.eval_sampling, temperature, top_p, model_dir)
+    return EvalPlan.of(cfg.eval, cfg.eval.eval_samples, sampling, seed, share=share, show_progress=show_progress)
 
 
 def task_data(cfg: TrainConfig) -> tuple[Task | None, Task | None]:
     """The task and the held-out grader of a prompt run (read before any model: a data problem shows at
     once); none for an environment, whose games are their own reward."""
-    return (None, None) if cfg.env else load_tasks(cfg)
+    return (None, None) if cfg.env.env else load_tasks(cfg)
 
 
 def make_sources(cfg: TrainConfig, tok, task: Task | None, eval_task: Task | None) -> tuple[Source, Source | None]:
@@ -182,25 +195,29 @@ def make_sources(cfg: TrainConfig, tok, task: Task | None, eval_task: Task | Non
     held out), or the environment's training and held-out games (--env); None: no evaluation
     (--no-eval, or prompts without reference answers: :func:`opd.rollout.prompt_set.load_tasks`)."""
     train = train_source(cfg, tok, task)
-    if not cfg.eval or not (cfg.env or eval_task):
+    if not cfg.eval.eval or not (cfg.env.env or eval_task):
         return train, None
     return train, held_out(cfg, tok, eval_task, train.games.env if isinstance(train, GameSource) else None)
 
 
 def train_source(cfg: TrainConfig, tok, task: Task | None) -> Source:
     """The training split alone: the task's training prompts, or the environment's training games."""
-    if cfg.env:
-        return GameSource(GameSet.build(play_env(cfg), "train"), tok)
+    if cfg.env.env:
+        return GameSource(GameSet.build(play_env(cfg.env, cfg.model.device), "train"), tok)
     task = cast(Task, task)  # None only with --env (task_data)
-    prompts = PromptSet.build(task.examples("train"), tok, cfg.max_prompt_tokens, "training prompts", cfg.long_prompts)
+    prompts = PromptSet.build(
+        task.examples("train"), tok, cfg.data.max_prompt_tokens, "training prompts", cfg.data.long_prompts
+    )
     return PromptSource(prompts, task)
 
 
 def held_out(cfg: TrainConfig, tok, grader: Task | None, env=None) -> Source:
     """The held-out split alone (what training evaluates; the demos evaluate their models on it)."""
-    if cfg.env:
-        env = env or play_env(cfg)
-        return GameSource(GameSet.build(env, "test", cfg.eval_size), tok)
+    if cfg.env.env:
+        env = env or play_env(cfg.env, cfg.model.device)
+        return GameSource(GameSet.build(env, "test", cfg.eval.eval_size), tok)
     grader = cast(Task, grader)  # None only with --env (task_data) or without evaluation (make_sources)
-    examples = eval_prompts(grader, cfg.eval_size)
-    return PromptSource(PromptSet.build(examples, tok, cfg.max_prompt_tokens, "test prompts"), grader, held_out=True)
+    examples = eval_prompts(grader, cfg.eval.eval_size)
+    return PromptSource(
+        PromptSet.build(examples, tok, cfg.data.max_prompt_tokens, "test prompts"), grader, held_out=True
+    )

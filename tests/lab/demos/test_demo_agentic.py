@@ -10,7 +10,7 @@ import pytest
 from helpers import run_options
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from opd.config import SFTConfig
+from opd.config import SFTConfig, option_fields
 from opd.errors import UserError
 from opd.lab.demos.agentic import MAX_PROMPT_TOKENS, environment, make_agentic_models, run_agentic_demo
 
@@ -99,11 +99,11 @@ def test_packaged_models_come_from_the_recipe_as_written():
     paths = ("out", "init", "dagger_from", "tokenizer")
     defaults = {
         f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
-        for f in dataclasses.fields(SFTConfig)
+        for _, f in option_fields(SFTConfig)
     }
 
     def settings(logged: dict, recipe) -> tuple[dict, dict]:
-        expected = json.loads(json.dumps(dataclasses.asdict(recipe)))
+        expected = json.loads(json.dumps(recipe.flat()))
         # An option added after a run was made is missing from its log: the recipe must leave it
         # at what the run had: its default (e.g. env_workers, the same episodes with any number), or
         # the value that does what opd did before the option (validation_size 0: chosen on the test set).

@@ -4,7 +4,6 @@ command lines that parse back to the same config, the variance estimator, and ev
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import math
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from opd.config import TrainConfig, build_config
+from opd.config import TrainConfig, build_config, option_fields
 from opd.errors import UserError
 from opd.lab.experiments import NAMES, get_experiment, run
 from opd.lab.experiments.core import DONE, STARTED, RunSpec, Settings, command_line, run_specs
@@ -397,7 +396,7 @@ def test_interrupted_train_run_resumes_from_its_checkpoint(tiny_models, tmp_path
     for a, b in zip(resumed[2:], full[2:]):  # steps 2-3 rerun from the checkpoint, reproducibly
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-6)
     # a run killed before its first checkpoint starts over instead of appending to its log
-    cfg2 = dataclasses.replace(cfg, out=str(s.run_dir("early")), steps=2)
+    cfg2 = cfg.replace(out=str(s.run_dir("early")), steps=2)
     s.run_dir("early").mkdir(parents=True)
     (s.run_dir("early") / "metrics.jsonl").write_text('{"step": 0, "train/loss": 9.0}\n')
     run_specs([RunSpec("early", "train", cfg2)], s, show_progress=False)
@@ -405,7 +404,7 @@ def test_interrupted_train_run_resumes_from_its_checkpoint(tiny_models, tmp_path
     # an interrupted run begun with other settings is not resumed under the new ones
     (s.run_dir("early") / DONE).unlink()
     (s.run_dir("early") / "metrics.jsonl").write_text('{"step": 0, "train/loss": 9.0}\n')  # checkpoints kept
-    run_specs([RunSpec("early", "train", dataclasses.replace(cfg2, lr=cfg2.lr * 2))], s, show_progress=False)
+    run_specs([RunSpec("early", "train", cfg2.replace(lr=cfg2.optimizer.lr * 2))], s, show_progress=False)
     assert 9.0 not in [r["train/loss"] for r in _steps(s.run_dir("early") / "metrics.jsonl")]
 
 
@@ -446,9 +445,9 @@ def test_command_line_parses_back_to_the_same_config(tmp_path):
     argv = shlex.split(line)
     assert argv[:2] == ["opd", "train"]
     values = _parse_flags(argv[2:])
-    hints = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    hints = {f.name: f.type for _, f in option_fields(TrainConfig)}
     typed = {k: (float(v) if hints[k] == "float" else int(v) if hints[k] == "int" else v) for k, v in values.items()}
-    assert build_config(TrainConfig, {}, typed) == dataclasses.replace(cfg, out=str(tmp_path / "x"))
+    assert build_config(TrainConfig, {}, typed) == cfg.replace(out=str(tmp_path / "x"))
 
 
 def test_a_multi_task_runs_command_line_runs_the_same_config(tmp_path, monkeypatch):
@@ -468,7 +467,7 @@ def test_a_multi_task_runs_command_line_runs_the_same_config(tmp_path, monkeypat
     monkeypatch.setattr(opd.training.loop, "train", lambda c: got.append(c))
     result = CliRunner().invoke(app, shlex.split(line)[1:])
     assert result.exit_code == 0, result.output
-    assert got == [dataclasses.replace(cfg, out=str(tmp_path / "x"))]
+    assert got == [cfg.replace(out=str(tmp_path / "x"))]
 
 
 # ----------------------------------------------------------------------------- variance estimator

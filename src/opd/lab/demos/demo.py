@@ -133,16 +133,16 @@ def train_models(out: Path, plans: Mapping[str, SFTConfig | list[SFTConfig]], on
         stages = stages if isinstance(stages, list) else [stages]
         results = []
         for cfg in stages:
-            shutil.rmtree(cfg.out, ignore_errors=True)  # remade from scratch, its old logs included
+            shutil.rmtree(cfg.run.out, ignore_errors=True)  # remade from scratch, its old logs included
             results.append(sft(cfg))
         for cfg in stages[:-1]:  # their weights live on in the next stage's
-            shutil.rmtree(Path(cfg.out) / "final")
+            shutil.rmtree(Path(cfg.run.out) / "final")
         result = {**results[-1], "stages": results} if len(stages) > 1 else results[0]
         # Read just before writing: `--only teacher` and `--only student` may run side by side.
         summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
         summary[name] = result
         summary_path.write_text(json.dumps(summary, indent=2) + "\n")
-        final = Path(stages[-1].out) / "final"
+        final = Path(stages[-1].run.out) / "final"
         target = out / name
         if target.exists():
             shutil.rmtree(target)
@@ -256,13 +256,13 @@ def run_objectives(base: TrainConfig, objectives, out: Path, console: Console, w
         for name, change in changes.items()
     }
     for cfg in cfgs.values():
-        shutil.rmtree(cfg.out, ignore_errors=True)  # a demo run always starts from the packaged student
+        shutil.rmtree(cfg.run.out, ignore_errors=True)  # a demo run always starts from the packaged student
     if workers > 1 and len(cfgs) > 1:
         finals = _train_side_by_side(cfgs, workers, console)
     else:
         finals = {}
         for name, cfg in cfgs.items():
-            console.print(f"[bold]OPD: {name}[/bold] ({cfg.steps} steps) -> {cfg.out}")
+            console.print(f"[bold]OPD: {name}[/bold] ({cfg.optimizer.steps} steps) -> {cfg.run.out}")
             finals[name] = _train_timed(cfg, show_progress=True)
     results = {}
     for name, (final, wall_s) in finals.items():
@@ -270,11 +270,11 @@ def run_objectives(base: TrainConfig, objectives, out: Path, console: Console, w
         results[name] = {
             "final_acc": final.get("eval/accuracy"),
             "avg_at_k": final.get("eval/avg_at_k"),
-            "steps": cfg.steps,
+            "steps": cfg.optimizer.steps,
             "wall_s": wall_s,
         }
-        if cfg.tasks is not None:
-            names = [t["name"] for t in cfg.tasks]
+        if cfg.multitask.tasks is not None:
+            names = [t["name"] for t in cfg.multitask.tasks]
             results[name]["tasks"] = {
                 n: {"final_acc": r.get("eval/accuracy"), "avg_at_k": r.get("eval/avg_at_k")}
                 for n, r in split_by_task(final, names).items()
@@ -302,14 +302,14 @@ def _train_side_by_side(cfgs: dict[str, TrainConfig], workers: int, console: Con
         ) as bars,
     ):
         jobs = {name: pool.submit(with_threads, threads, _train_timed, cfg) for name, cfg in cfgs.items()}
-        ids = {name: bars.add_task(name, total=cfg.steps) for name, cfg in cfgs.items()}
+        ids = {name: bars.add_task(name, total=cfg.optimizer.steps) for name, cfg in cfgs.items()}
         while not all(job.done() for job in jobs.values()):
             for name, cfg in cfgs.items():
-                bars.update(ids[name], completed=_steps_done(Path(cfg.out)))
+                bars.update(ids[name], completed=_steps_done(Path(cfg.run.out)))
             time.sleep(2)
         finals = {name: job.result() for name, job in jobs.items()}  # a run's error is raised here
         for name, cfg in cfgs.items():
-            bars.update(ids[name], completed=cfg.steps)
+            bars.update(ids[name], completed=cfg.optimizer.steps)
     return finals
 
 

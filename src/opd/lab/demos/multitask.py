@@ -247,7 +247,7 @@ def held_out_sets(base: TrainConfig, tok) -> dict:
     sets = {}
     for spec in resolve_tasks(base):
         c = spec.cfg
-        grader = None if c.env else load_task("arithmetic", c.task_level, c.seed)
+        grader = None if c.env.env else load_task("arithmetic", c.data.task_level, c.run.seed)
         sets[spec.name] = (held_out(c, tok, grader), c)
     return sets
 
@@ -283,7 +283,7 @@ def evaluate_models(assets: Path, base: TrainConfig, seed: int, workers: int, co
 
 
 def _evaluate_some(base: TrainConfig, plan: dict, seed: int, show_progress: bool) -> dict:
-    tok = load_tokenizer(Path(base.student))
+    tok = load_tokenizer(Path(base.model.student))
     sets = held_out_sets(base, tok)
     return {label: evaluate(d, tok, sets, names, seed, show_progress) for label, (d, names) in plan.items()}
 
@@ -343,8 +343,8 @@ def run_multitask_demo(
     t0 = time.time()
     results = run_objectives(base, OBJECTIVES, out, console, workers=workers)
     summary = {
-        "tasks": {n: {"eval_size": len(test), "k": c.eval_samples} for n, (test, c) in sets.items()},
-        "task_mode": base.task_mode,
+        "tasks": {n: {"eval_size": len(test), "k": c.eval.eval_samples} for n, (test, c) in sets.items()},
+        "task_mode": base.multitask.task_mode,
         "models": models,
         "objectives": results,
         "wall_s": round(time.time() - t0, 1),

@@ -111,7 +111,7 @@ def final_eval_spec(
 
 
 def with_eval(s: Settings, spec: RunSpec, seed: int) -> list[RunSpec]:
-    return [spec, final_eval_spec(s, spec.name, seed, max_new_tokens=spec.config.max_new_tokens)]
+    return [spec, final_eval_spec(s, spec.name, seed, max_new_tokens=spec.config.rollout.max_new_tokens)]
 
 
 def final_scores(s: Settings, run_name: str) -> dict:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from opd.config.sections import SECTION_NAMES
+from opd.config.fields import option_fields
 from opd.errors import UserError
 from opd.lab.demos.parallel import process_pool, threads_per_worker, with_threads
 from opd.lab.experiments.keys import Keys
@@ -208,17 +208,17 @@ def _execute(spec: RunSpec, run_dir: Path, show_progress: bool, command: str, ke
             started = False
         mark_run(run_dir, "train", by="experiment")  # the experiment's folder: opd train's checks let it in
         (run_dir / STARTED).write_text(json.dumps(begun_as) + "\n")
-        cfg = dataclasses.replace(spec.config, out=str(run_dir), resume=started)
+        cfg = spec.config.replace(out=str(run_dir), resume=started)
         return train(cfg, show_progress=show_progress) or {}
     if spec.kind == "sft":
         from opd.training.sft import sft
 
         shutil.rmtree(run_dir, ignore_errors=True)  # sft has no resume: an interrupted one starts over
-        return sft(dataclasses.replace(spec.config, out=str(run_dir)), show_progress=show_progress)
+        return sft(spec.config.replace(out=str(run_dir)), show_progress=show_progress)
     if spec.kind == "eval":
         from opd.evaluation.model_eval import run_eval
 
-        return run_eval(dataclasses.replace(spec.config, out=str(run_dir)))
+        return run_eval(spec.config.replace(out=str(run_dir)))
     run_dir.mkdir(parents=True, exist_ok=True)
     return cast(Callable[[dict, Path], dict], spec.fn)(dict(spec.config), run_dir)  # checked by RunSpec
 
@@ -378,13 +378,13 @@ def _field_default(f: dataclasses.Field) -> Any:
 
 
 def _flag_values(cfg: Any) -> list[str]:
-    """``--flag value`` for every option that differs from its default, section by section as ``--help``
-    lists them: a run's command line, and so its key, does not depend on how the config class orders its
-    fields (a mixin's fields come first)."""
+    """``--flag value`` for every option that differs from its default, section by section and in each
+    section in its class's order, as ``--help`` lists them (runs recorded with the same flags in another
+    order keep their results: :func:`rekey_reordered`)."""
     parts = []
-    order = {name: i for i, name in enumerate(SECTION_NAMES)}
-    for f in sorted(dataclasses.fields(cfg), key=lambda f: order[f.metadata["section"]]):
-        value = getattr(cfg, f.name)
+    values = cfg.flat()
+    for _, f in option_fields(type(cfg)):
+        value = values[f.name]
         if value == _field_default(f) or f.name == "resume":
             continue
         flag = "--" + f.name.replace("_", "-")
@@ -403,7 +403,7 @@ def command_line(spec: RunSpec, run_dir: Path) -> str:
         params = json.dumps(spec.config, sort_keys=True)
         fn = cast(Callable, spec.fn)  # a python run has one (RunSpec checks)
         return f"# python step ({spec.label or fn.__module__ + '.' + fn.__name__}) -> {run_dir}: {params}"
-    cfg = dataclasses.replace(spec.config, out=str(run_dir))
+    cfg = spec.config.replace(out=str(run_dir))
     return " ".join(["opd", spec.kind, *_flag_values(cfg)])
 
 

@@ -106,7 +106,7 @@ def plan(s: Settings) -> list[RunSpec]:
         for variant, change in SINGLE_TASK.items():
             name = run_name(variant, seed)
             cfg = common.opd_config(s, name, seed, lr=5e-4, steps=100, batch=32, **change)
-            evaluation = final_eval_spec(s, name, seed, max_new_tokens=cfg.max_new_tokens)
+            evaluation = final_eval_spec(s, name, seed, max_new_tokens=cfg.rollout.max_new_tokens)
             evaluation.needs = (name,)
             specs += [RunSpec(name, "train", cfg, needs=()), evaluation]
         for variant, change in AGENTIC.items():
