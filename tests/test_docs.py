@@ -316,10 +316,15 @@ def test_every_module_is_in_the_architecture_table():
     )
 
 
+def _fake_src(root, *names: str) -> None:
+    """Empty files under ``root``/src/opd, as a package tree the table checks read."""
+    for name in names:
+        (root / "src" / "opd" / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "src" / "opd" / name).write_text("")
+
+
 def test_a_module_missing_from_the_table_or_a_stale_path_is_reported(tmp_path):
-    for name in ("a/one.py", "a/two.py", "a/__init__.py", "b.py", "a/__pycache__/one.cpython-311.pyc"):
-        (tmp_path / "src" / "opd" / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / "src" / "opd" / name).write_text("")
+    _fake_src(tmp_path, "a/one.py", "a/two.py", "a/__init__.py", "b.py", "a/__pycache__/one.cpython-311.pyc")
     page = tmp_path / "architecture.md"
     page.write_text(
         "# A\n\n## Files\n\n| path | what it is |\n|---|---|\n"
@@ -342,9 +347,7 @@ def test_no_module_is_listed_twice_in_the_architecture_table():
 
 
 def test_a_module_listed_twice_is_reported_and_a_reference_lists_nothing(tmp_path):
-    for name in ("a/one.py", "a/two.py", "b.py"):
-        (tmp_path / "src" / "opd" / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / "src" / "opd" / name).write_text("")
+    _fake_src(tmp_path, "a/one.py", "a/two.py", "b.py")
     page = tmp_path / "architecture.md"
     page.write_text(
         "# A\n\n## Files\n\n| path | what it is |\n|---|---|\n"

@@ -57,7 +57,7 @@ class TrainEvalOptions(EvalSource, EvalOptions):
     eval_samples: int = opt(4, "Samples per prompt for avg@k / pass@k at evaluation (0: greedy only).", per_task=True)
 
     def check(self) -> None:
-        EvalSource.check(self)
+        super().check()
         check_counts(self, eval_every=0, eval_size=1, eval_samples=0)
         check_eval_options(self, self.eval_samples, "--eval-samples")
         check_eval_schedule(self, self.eval_every, default_of(TrainEvalOptions, "eval_every"))

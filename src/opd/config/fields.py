@@ -8,7 +8,6 @@ Below every config class and the task list (:mod:`opd.config.tasks`), which impo
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import re
@@ -68,31 +67,43 @@ def section(kind: type[S]) -> S:
     return made
 
 
-_LAYOUTS: dict[type, tuple[dict[str, type[DataclassInstance]], tuple[tuple[str, dataclasses.Field[Any]], ...]]] = {}
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where a command config class's options sit, read once from its fields and their types."""
+
+    sections: dict[str, type[DataclassInstance]]
+    options: tuple[tuple[str, dataclasses.Field[Any]], ...]
+    hints: dict[str, Any]
 
 
-def _layout(cls: type) -> tuple[dict[str, type[DataclassInstance]], tuple[tuple[str, dataclasses.Field[Any]], ...]]:
+_LAYOUTS: dict[type, _Layout] = {}
+
+
+def _layout(cls: type) -> _Layout:
     if cls not in _LAYOUTS:
         hints = get_type_hints(cls)
-        kinds = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-        _LAYOUTS[cls] = kinds, tuple((name, f) for name, kind in kinds.items() for f in dataclasses.fields(kind))
+        kinds: dict[str, type[DataclassInstance]] = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+        _LAYOUTS[cls] = _Layout(
+            kinds,
+            tuple((name, f) for name, kind in kinds.items() for f in dataclasses.fields(kind)),
+            {name: hint for kind in kinds.values() for name, hint in get_type_hints(kind).items()},
+        )
     return _LAYOUTS[cls]
 
 
 def section_types(cls: type) -> dict[str, type[DataclassInstance]]:
     """The sections of command config class ``cls``: name -> section class, in the order of its fields."""
-    return _layout(cls)[0]
+    return _layout(cls).sections
 
 
 def option_fields(cls: type) -> tuple[tuple[str, dataclasses.Field[Any]], ...]:
     """Every option of command config class ``cls`` as (its section, its field), section by section."""
-    return _layout(cls)[1]
+    return _layout(cls).options
 
 
-@functools.cache
 def option_hints(cls: type) -> dict[str, Any]:
     """Every option of command config class ``cls`` and its type."""
-    return {name: hint for kind in section_types(cls).values() for name, hint in get_type_hints(kind).items()}
+    return _layout(cls).hints
 
 
 class CommandConfig:

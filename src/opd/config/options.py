@@ -72,11 +72,11 @@ class TrainConfig(CommandConfig):
         self.check_sections()
         problem = self.objective.problem()  # the objective's options check themselves (opd.objectives)
         require(problem is None, str(problem))
-        opt_, rollout = self.optimizer, self.rollout
+        optimizer, rollout = self.optimizer, self.rollout
+        rollouts = optimizer.batch_size * rollout.samples_per_prompt
         require(
-            opt_.grad_accum >= 1 and (opt_.batch_size * rollout.samples_per_prompt) % opt_.grad_accum == 0,
-            f"grad_accum={opt_.grad_accum} must divide batch_size*samples_per_prompt="
-            f"{opt_.batch_size * rollout.samples_per_prompt}",
+            optimizer.grad_accum >= 1 and rollouts % optimizer.grad_accum == 0,
+            f"grad_accum={optimizer.grad_accum} must divide batch_size*samples_per_prompt={rollouts}",
         )
         require(
             not (rollout.max_staleness and self.run.fsdp),

@@ -11,7 +11,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar, cast
+from typing import Any, Generic, Protocol, Self, TypeVar
 
 import yaml
 
@@ -59,6 +59,7 @@ class TrainingConfig(Protocol):
     @property
     def optimizer(self) -> Batches: ...
     def flat(self) -> dict[str, Any]: ...
+    def replace(self, **changes: Any) -> Self: ...
 
 
 C = TypeVar("C", bound=TrainingConfig)
@@ -196,7 +197,7 @@ def resolve_tasks(cfg: C) -> list[TaskSpec[C]]:
         name, share = entry["name"], float(entry.get("share", 1)) / total
         try:
             changes = _overrides(entry, cfg, cfg.multitask.task_mode, share)
-            view = cast(C, cast(Any, type(cfg)).from_flat(**{**cfg.flat(), "tasks": None, **changes}))
+            view = cfg.replace(**{"tasks": None, **changes})
         except (ConfigError, TypeError) as exc:  # _overrides' own errors name the task already
             said = str(exc)
             raise ConfigError(said if said.startswith(f"task {name!r}") else f"task {name!r}: {said}") from None
